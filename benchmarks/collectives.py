@@ -1,0 +1,125 @@
+"""Hand-written collectives (distlib.collectives) vs torch's gloo collectives, same run.
+
+    .venv/bin/python benchmarks/collectives.py            # full: 1 KB .. 64 MB, ~3-4 min on 2 cores
+    .venv/bin/python benchmarks/collectives.py --quick    # 4 sizes, < 1 min
+    .venv/bin/python benchmarks/collectives.py --algos    # also time every forced algorithm of ours
+
+Each (op, size) is warmed up, then timed for several iterations; an iteration's time is
+the slowest rank's (ranks line up on a barrier first), and the table reports the median.
+ratio = torch ms / ours ms, so > 1 means ours is faster. JSON: benchmarks/results/collectives.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from distlib import collectives as C  # noqa: E402
+from multiproc import run_ranks  # noqa: E402
+
+OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
+ALGOS = {"broadcast": ("tree", "chain"), "reduce_scatter": ("direct", "ring"),
+         "all_gather": ("direct", "ring"), "all_reduce": ("exchange", "rs_ag")}
+
+
+def _iters(nbytes: int, quick: bool) -> int:
+    n = 20 if nbytes <= 256 << 10 else 10 if nbytes <= 4 << 20 else 5 if nbytes <= 16 << 20 else 3
+    return max(3, n // 2) if quick else n
+
+
+def _callables(op: str, x: torch.Tensor, comm, algo):
+    """(ours, torch's) zero-argument callables for one op on a float32 tensor x."""
+    n = comm.size
+    lo, hi = C.chunk_bounds(x.numel(), n)[comm.rank]
+    if op == "broadcast":
+        return (lambda: C.broadcast(x, 0, comm, algo=algo)), (lambda: dist.broadcast(x, 0))
+    if op == "reduce_scatter":
+        out = torch.empty(x.numel() // n)
+        return (lambda: C.reduce_scatter(x, comm, algo=algo)), (lambda: dist.reduce_scatter_tensor(out, x))
+    if op == "all_gather":
+        chunk = x[lo:hi].clone()
+        return ((lambda: C.all_gather(x, x[lo:hi], comm, algo=algo)),
+                (lambda: dist.all_gather_into_tensor(x, chunk)))
+    return (lambda: C.all_reduce(x, comm, algo=algo)), (lambda: dist.all_reduce(x))
+
+
+def _time(fn, iters: int) -> list[float]:
+    fn()  # warm-up (connections, allocator)
+    fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _bench_rank(comm, sizes, quick, with_algos):
+    torch.manual_seed(comm.rank)
+    rows = []
+    for op in OPS:
+        for nbytes in sizes:
+            x = torch.randn(nbytes // 4)
+            iters = _iters(nbytes, quick)
+            ours, ref = _callables(op, x, comm, None)
+            row = {"op": op, "world": comm.size, "bytes": nbytes,
+                   "ours": _time(ours, iters), "torch": _time(ref, iters)}
+            if with_algos:
+                for algo in ALGOS[op]:
+                    row[algo] = _time(_callables(op, x, comm, algo)[0], iters)
+            rows.append(row)
+    return rows
+
+
+def _median_of_slowest(per_rank: list[list[float]]) -> float:
+    return statistics.median(max(ts) for ts in zip(*per_rank)) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 sizes, fewer iterations (< 1 min)")
+    ap.add_argument("--algos", action="store_true", help="also time each forced algorithm of ours")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = ap.parse_args()
+    sizes = ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
+             else [1 << (10 + 2 * i) for i in range(9)])                # 1 KB .. 64 MB
+    torch.set_num_threads(1)
+    results = []
+    for world in args.worlds:
+        per_rank = run_ranks(_bench_rank, world, sizes, args.quick, args.algos, timeout_s=600)
+        for i, row in enumerate(per_rank[0]):
+            out = {k: row[k] for k in ("op", "world", "bytes")}
+            for key in row:
+                if key not in out:
+                    out[key + "_ms"] = _median_of_slowest([r[i][key] for r in per_rank])
+            out["ratio"] = out["torch_ms"] / out["ours_ms"]
+            results.append(out)
+
+    extra = [a for a in ("tree", "chain", "direct", "ring", "exchange", "rs_ag") if args.algos]
+    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}"
+    print(head + "".join(f"{a + ' ms':>11}" for a in extra))
+    for r in results:
+        b = r["bytes"]
+        size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
+        line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}{r['ratio']:>8.2f}"
+        print(line + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra))
+    path = os.path.join(ROOT, "benchmarks", "results", "collectives.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"quick": args.quick, "torch": torch.__version__, "cores": os.cpu_count(),
+                   "unit": "ms, median over iterations of the slowest rank", "results": results}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Small values all ranks must agree on: metrics to log and decisions to take.
+
+The training loop uses these instead of collectives: a mean loss for the log,
+a per-rank vector for checks, one verdict for a control-flow decision (which
+every rank must take identically, or the ranks diverge and deadlock).
+"""
+from __future__ import annotations
+
+import torch
+
+from distlib import collectives
+from distlib.comm import Comm
+
+
+def mean(value: float, comm: Comm) -> float:
+    """Mean of a float over ranks (SUM then divide, never a native AVG)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    return float(collectives.all_reduce(t, comm, op="sum")[0]) / comm.size
+
+
+def gather(values: list[float], comm: Comm) -> list[list[float]]:
+    """Every rank's ``values`` (same length on all ranks), indexed by rank, on every rank."""
+    width = len(values)
+    out = torch.zeros(comm.size * width, dtype=torch.float64)
+    collectives.all_gather(out, torch.tensor(values, dtype=torch.float64), comm)
+    return out.view(comm.size, width).tolist() if width else [[] for _ in range(comm.size)]
+
+
+def all_true(flag: bool, comm: Comm) -> bool:
+    """True on every rank iff ``flag`` is true on every rank."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    return bool(collectives.all_reduce(t, comm, op="min")[0])
+
+
+def from_rank0(value: int, comm: Comm) -> int:
+    """Rank 0's integer on every rank (e.g. a decision taken by rank 0's clock)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    return int(collectives.broadcast(t, 0, comm)[0])
+
+
+def gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
+    """Every rank's small blob (an error text, a JSON report), indexed by rank, on every rank."""
+    return collectives.all_gather_bytes(payload, comm)

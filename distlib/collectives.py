@@ -1,0 +1,326 @@
+"""Hand-written collectives on torch.distributed point-to-point (isend/irecv).
+
+Every function takes a ``Comm`` and talks only to its members, addressing them by
+global rank (``comm.peer(i)``) on ``comm.group``. torch's own collectives are
+never called here; they are the reference in tests and benchmarks.
+
+Algorithms and when each is used (N = comm.size, B = tensor bytes):
+
+| collective     | algorithm  | chosen when              | rounds    | bytes sent per rank |
+|----------------|------------|--------------------------|-----------|---------------------|
+| reduce_scatter | direct     | B <= RS_DIRECT_MAX_BYTES | 1         | (N-1)/N * B         |
+| reduce_scatter | ring       | otherwise                | N-1       | (N-1)/N * B         |
+| all_gather     | direct     | B <= AG_DIRECT_MAX_BYTES | 1         | (N-1)/N * B         |
+| all_gather     | ring       | otherwise, pipelined     | N-1       | (N-1)/N * B         |
+| all_reduce     | exchange   | B <= AR_EXCHANGE_MAX_BYTES | 1       | (N-1) * B           |
+| all_reduce     | rs_ag      | otherwise                | RS + AG   | 2(N-1)/N * B        |
+| broadcast      | tree       | B <= BCAST_TREE_MAX_BYTES | log2 N   | <= log2 N * B (root)|
+| broadcast      | chain      | otherwise, pipelined     | N-2+segs  | B                   |
+
+Why: gloo pays a fixed cost per message (tens of microseconds), so small tensors
+want the fewest rounds (direct / exchange / tree); large ones want each byte to
+cross each link once, in segments so that forwarding (and reducing) one segment
+overlaps receiving the next (ring / chain). The thresholds are module constants
+(benchmarks/collectives.py measures them); every function also takes
+``algo=`` so tests can force each path at any size.
+
+Bitwise agreement: after all_reduce / broadcast / all_gather every rank holds
+identical bytes. Ring and direct reduce-scatter compute each element on exactly
+one rank (its owner) and all-gather copies it; "exchange" has every rank reduce
+all N contributions in the same rank order 0..N-1. Ops: sum, avg (sum, then
+divide by N on the owner), max, min.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distlib.comm import Comm
+
+RS_DIRECT_MAX_BYTES = 256 * 1024
+AG_DIRECT_MAX_BYTES = 256 * 1024
+AR_EXCHANGE_MAX_BYTES = 32 * 1024
+BCAST_TREE_MAX_BYTES = 256 * 1024
+SEGMENT_BYTES = 1 << 20       # pipeline granularity of ring / chain
+
+OPS = ("sum", "avg", "max", "min")
+
+
+def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """(start, end) per part, tensor_split style: the first numel % parts parts get one extra."""
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class _P2P:
+    """Posts non-blocking sends/receives; on failure names the collective, this rank and the peer."""
+
+    def __init__(self, name: str, comm: Comm):
+        self.name, self.comm = name, comm
+
+    def _fail(self, peer: int, what: str, err: Exception) -> RuntimeError:
+        c = self.comm
+        return RuntimeError(f"{self.name}: rank {c.rank} (global {c.peer(c.rank)}) failed {what} "
+                            f"peer {peer} (global {c.peer(peer)}) in group {list(c.ranks)}: {err}")
+
+    def send(self, t: Tensor, peer: int):
+        return self._post(dist.isend, "sending to", t, peer)
+
+    def recv(self, t: Tensor, peer: int):
+        return self._post(dist.irecv, "waiting on", t, peer)
+
+    def _post(self, fn, what, t, peer):
+        if t.numel() == 0:      # both sides know the sizes, so empty messages are skipped on both
+            return None
+        peer %= self.comm.size
+        try:
+            return (fn(t, self.comm.peer(peer), group=self.comm.group), peer, what)
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise self._fail(peer, what, e) from e
+
+    def wait(self, *handles) -> None:
+        for h in handles:
+            if h is None:
+                continue
+            work, peer, what = h
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - a timeout or a dead peer
+                raise self._fail(peer, what, e) from e
+
+
+def _check_op(op: str, dtype: torch.dtype) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown reduction op {op!r}; expected one of {OPS}")
+    if op == "avg" and not dtype.is_floating_point:
+        raise ValueError(f"op 'avg' needs a floating dtype, got {dtype}")
+
+
+def _reduce_into(acc: Tensor, other: Tensor, op: str) -> None:
+    if op in ("sum", "avg"):
+        acc.add_(other)
+    elif op == "max":
+        torch.maximum(acc, other, out=acc)
+    else:
+        torch.minimum(acc, other, out=acc)
+
+
+def _segments(n: int, itemsize: int) -> list[tuple[int, int]]:
+    seg = max(1, SEGMENT_BYTES // itemsize)
+    return [(s, min(s + seg, n)) for s in range(0, n, seg)] or [(0, 0)]
+
+
+def _flat(t: Tensor) -> Tensor:
+    if not t.is_contiguous():
+        raise ValueError("collectives need a contiguous tensor")
+    return t.view(-1)
+
+
+# --------------------------------------------------------------------------- reduce_scatter
+
+def _rs_direct(flat: Tensor, comm: Comm, op: str) -> Tensor:
+    """Send chunk j straight to rank j; the owner reduces all N parts in rank order 0..N-1."""
+    p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
+    lo, hi = chunk_bounds(flat.numel(), n)[me]
+    parts = [flat[lo:hi] if j == me else torch.empty(hi - lo, dtype=flat.dtype) for j in range(n)]
+    handles = [p2p.recv(parts[j], j) for j in range(n) if j != me]
+    handles += [p2p.send(flat[a:b], j) for j, (a, b) in enumerate(chunk_bounds(flat.numel(), n)) if j != me]
+    p2p.wait(*handles)
+    out = parts[0].clone()
+    for part in parts[1:]:
+        _reduce_into(out, part, op)
+    return out
+
+
+def _rs_ring(flat: Tensor, comm: Comm, op: str) -> Tensor:
+    """Ring: at step s pass the partial sum of chunk (me-s-1) right and fold ours into the one
+    arriving from the left; after N-1 steps chunk `me` has visited every rank. Each step is
+    split in segments so reducing one segment overlaps receiving the next."""
+    p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
+    bounds = chunk_bounds(flat.numel(), n)
+    right, left = me + 1, me - 1
+    width = bounds[0][1] - bounds[0][0]
+    bufs = [torch.empty(width, dtype=flat.dtype) for _ in range(2)]
+    sending = flat[slice(*bounds[(me - 1) % n])]        # step 0 sends our own contribution
+    for step in range(n - 1):
+        lo, hi = bounds[(me - step - 2) % n]
+        incoming = bufs[step % 2][: hi - lo]
+        segs = _segments(hi - lo, flat.element_size())
+        recvs = [p2p.recv(incoming[a:b], left) for a, b in segs]
+        sends = [p2p.send(sending[a:b], right) for a, b in _segments(sending.numel(), flat.element_size())]
+        for (a, b), h in zip(segs, recvs):
+            p2p.wait(h)
+            _reduce_into(incoming[a:b], flat[lo + a: lo + b], op)
+        p2p.wait(*sends)
+        sending = incoming
+    return sending if sending.numel() == width else sending.clone()
+
+
+def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
+    """This rank's chunk (chunk_bounds(numel, N)[rank]) of the elementwise reduction, as a new
+    1-D tensor. ``tensor`` is read only. algo: None (by size), "direct" or "ring"."""
+    _check_op(op, tensor.dtype)
+    flat = _flat(tensor)
+    if comm.size == 1:
+        return flat.clone()
+    algo = algo or ("direct" if flat.numel() * flat.element_size() <= RS_DIRECT_MAX_BYTES else "ring")
+    if algo not in ("direct", "ring"):
+        raise ValueError(f"unknown reduce_scatter algorithm {algo!r}")
+    out = (_rs_direct if algo == "direct" else _rs_ring)(flat, comm, op)
+    if op == "avg":
+        out.div_(comm.size)     # once, on the owner, so every rank later gets the same bytes
+    return out
+
+
+# --------------------------------------------------------------------------- all_gather
+
+def _ag_direct(flat: Tensor, comm: Comm) -> None:
+    """Everyone sends its chunk to everyone, in one round, straight into `flat`."""
+    p2p, me = _P2P("all_gather", comm), comm.rank
+    bounds = chunk_bounds(flat.numel(), comm.size)
+    mine = flat[slice(*bounds[me])]
+    handles = [p2p.recv(flat[a:b], j) for j, (a, b) in enumerate(bounds) if j != me]
+    handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]
+    p2p.wait(*handles)
+
+
+def _ag_ring(flat: Tensor, comm: Comm) -> None:
+    """Ring: chunk (me-s) travels right at step s. All receives land in their final place in
+    `flat`, so they are posted up front and each segment is forwarded as soon as it lands."""
+    p2p, n, me = _P2P("all_gather", comm), comm.size, comm.rank
+    bounds = chunk_bounds(flat.numel(), n)
+
+    def segs(chunk):
+        lo, hi = bounds[chunk % n]
+        return [flat[lo + a: lo + b] for a, b in _segments(hi - lo, flat.element_size())]
+
+    incoming = [segs(me - s - 1) for s in range(n - 1)]         # chunk received at step s
+    recvs = [[p2p.recv(t, me - 1) for t in step] for step in incoming]
+    sends = [p2p.send(t, me + 1) for t in segs(me)]
+    for s in range(n - 1):
+        for t, h in zip(incoming[s], recvs[s]):
+            p2p.wait(h)
+            if s < n - 2:                                       # the last chunk stops here
+                sends.append(p2p.send(t, me + 1))
+    p2p.wait(*sends)
+
+
+def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = None) -> Tensor:
+    """Fill ``output`` (flat) on every rank from each rank's ``chunk``. ``chunk`` may be the view
+    of ``output`` at this rank's position. algo: None (by size), "direct" or "ring"."""
+    flat = _flat(output)
+    lo, hi = chunk_bounds(flat.numel(), comm.size)[comm.rank]
+    if chunk.numel() != hi - lo:
+        raise ValueError(f"all_gather: rank {comm.rank} chunk has {chunk.numel()} elements, "
+                         f"expected {hi - lo} of {flat.numel()}")
+    mine = flat[lo:hi]
+    if chunk.data_ptr() != mine.data_ptr() or chunk.dtype != mine.dtype:
+        mine.copy_(chunk.reshape(-1))
+    if comm.size == 1:
+        return output
+    algo = algo or ("direct" if flat.numel() * flat.element_size() <= AG_DIRECT_MAX_BYTES else "ring")
+    if algo not in ("direct", "ring"):
+        raise ValueError(f"unknown all_gather algorithm {algo!r}")
+    (_ag_direct if algo == "direct" else _ag_ring)(flat, comm)
+    return output
+
+
+# --------------------------------------------------------------------------- all_reduce
+
+def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
+    """Everyone sends the whole tensor to everyone; each rank reduces in rank order 0..N-1,
+    so all ranks perform the identical sequence of operations and agree bitwise."""
+    p2p, me = _P2P("all_reduce", comm), comm.rank
+    parts = [flat.clone() if j == me else torch.empty_like(flat) for j in range(comm.size)]
+    handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
+    handles += [p2p.send(parts[me], j) for j in range(comm.size) if j != me]
+    p2p.wait(*handles)
+    flat.copy_(parts[0])
+    for part in parts[1:]:
+        _reduce_into(flat, part, op)
+    if op == "avg":
+        flat.div_(comm.size)
+
+
+def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
+    """In place; every rank ends with identical bytes. algo: None (by size), "exchange", or
+    "rs_ag" (reduce_scatter + all_gather, each choosing its own algorithm by size)."""
+    _check_op(op, tensor.dtype)
+    flat = _flat(tensor)
+    if comm.size == 1:
+        return tensor
+    algo = algo or ("exchange" if flat.numel() * flat.element_size() <= AR_EXCHANGE_MAX_BYTES else "rs_ag")
+    if algo == "exchange":
+        _ar_exchange(flat, comm, op)
+    elif algo == "rs_ag":
+        all_gather(flat, reduce_scatter(flat, comm, op), comm)
+    else:
+        raise ValueError(f"unknown all_reduce algorithm {algo!r}")
+    return tensor
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def _bcast_tree(flat: Tensor, src: int, comm: Comm) -> None:
+    """Binomial tree: in round k every rank that has the data sends it 2^k ranks further."""
+    p2p, n = _P2P("broadcast", comm), comm.size
+    vr = (comm.rank - src) % n                  # position relative to the root
+    mask = 1
+    while mask < n:
+        if vr < mask and vr + mask < n:
+            p2p.wait(p2p.send(flat, src + vr + mask))
+        elif mask <= vr < 2 * mask:
+            p2p.wait(p2p.recv(flat, src + vr - mask))
+        mask *= 2
+
+
+def _bcast_chain(flat: Tensor, src: int, comm: Comm) -> None:
+    """Pipelined chain root -> root+1 -> ...: each segment is forwarded as soon as it lands,
+    so the time is ~(segments + N - 2) segment transfers instead of log2 N full ones."""
+    p2p, n = _P2P("broadcast", comm), comm.size
+    vr = (comm.rank - src) % n
+    segs = [flat[a:b] for a, b in _segments(flat.numel(), flat.element_size())]
+    recvs = [p2p.recv(t, comm.rank - 1) for t in segs] if vr > 0 else [None] * len(segs)
+    sends = []
+    for t, h in zip(segs, recvs):
+        p2p.wait(h)
+        if vr < n - 1:
+            sends.append(p2p.send(t, comm.rank + 1))
+    p2p.wait(*sends)
+
+
+def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) -> Tensor:
+    """In place on every rank from group rank ``src``. algo: None (by size), "tree" or "chain"."""
+    if not 0 <= src < comm.size:
+        raise ValueError(f"broadcast: src {src} is not a group rank of {list(comm.ranks)}")
+    flat = _flat(tensor)
+    if comm.size == 1:
+        return tensor
+    algo = algo or ("tree" if flat.numel() * flat.element_size() <= BCAST_TREE_MAX_BYTES else "chain")
+    if algo not in ("tree", "chain"):
+        raise ValueError(f"unknown broadcast algorithm {algo!r}")
+    (_bcast_tree if algo == "tree" else _bcast_chain)(flat, src, comm)
+    return tensor
+
+
+# --------------------------------------------------------------------------- bytes
+
+def all_gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
+    """Every rank's ``payload`` (any length), indexed by group rank, on every rank."""
+    n = comm.size
+    lengths = torch.zeros(n, dtype=torch.int64)
+    all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), comm)
+    width = int(lengths.max())
+    buf = torch.zeros(n * width, dtype=torch.uint8)
+    mine = buf[comm.rank * width: comm.rank * width + len(payload)]
+    if payload:
+        mine.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    all_gather(buf, buf[comm.rank * width:(comm.rank + 1) * width], comm)
+    raw = buf.numpy().tobytes()
+    return [raw[j * width: j * width + int(lengths[j])] for j in range(n)]

@@ -1,0 +1,145 @@
+"""Typed, validated run configuration built from the Hydra/OmegaConf tree.
+
+Hydra composes ``conf/``; ``RunConfig.from_dict`` turns the result into frozen
+dataclasses and rejects unknown keys and bad values with a message naming the
+key, before any process is started.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from distlib.adamw import AdamWConfig
+from distlib.model import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work, with the key that holds it."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    adamw: AdamWConfig
+    grad_clip: float = 0.0
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1):
+            raise ConfigError(f"zero.stage must be one of 0, 1, got {self.stage!r}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    every_steps: int = 10
+    resume: str | None = None
+    verify_resume: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError(f"checkpoint.every_steps must be >= 0, got {self.every_steps}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "synthetic"
+    seed: int = 0
+    total_tokens: int = 65536
+    follow_prob: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.kind != "synthetic":
+            raise ConfigError(f"data.kind must be 'synthetic', got {self.kind!r}")
+        if not 0.0 <= self.follow_prob <= 1.0:
+            raise ConfigError(f"data.follow_prob must be in [0, 1], got {self.follow_prob}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    batch_size: int = 4
+    grad_accum: int = 1
+    global_batch: int | None = None
+    loss_tolerance: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ConfigError(f"train.global_batch must be >= 1 or null, got {self.global_batch}")
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    world_size: int = 4
+    backend: str = "gloo"
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"dist.world_size must be >= 1, got {self.world_size}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"dist.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(AdamWConfig()))
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    seed: int = 1234
+
+    @property
+    def global_batch(self) -> int:
+        t = self.train
+        return t.global_batch if t.global_batch is not None else t.batch_size * self.dist.world_size * t.grad_accum
+
+    @staticmethod
+    def from_dict(tree: dict) -> "RunConfig":
+        tree = {k: v for k, v in tree.items() if k != "hydra"}
+        known = {f.name for f in dataclasses.fields(RunConfig)}
+        unknown = sorted(set(tree) - known)
+        if unknown:
+            raise ConfigError(f"unknown top-level config key(s): {unknown}")
+        optimizer = dict(tree.get("optimizer", {}))
+        grad_clip = optimizer.pop("grad_clip", 0.0)
+        if grad_clip < 0:
+            raise ConfigError(f"optimizer.grad_clip must be >= 0 (0 disables), got {grad_clip}")
+        cfg = RunConfig(
+            model=_build(ModelConfig, "model", tree.get("model", {})),
+            optimizer=OptimizerConfig(_build(AdamWConfig, "optimizer", optimizer), grad_clip),
+            zero=_build(ZeroConfig, "zero", tree.get("zero", {})),
+            checkpoint=_build(CheckpointConfig, "checkpoint", tree.get("checkpoint", {})),
+            data=_build(DataConfig, "data", tree.get("data", {})),
+            train=_build(TrainConfig, "train", tree.get("train", {})),
+            dist=_build(DistConfig, "dist", tree.get("dist", {})),
+            seed=int(tree.get("seed", 1234)),
+        )
+        if cfg.data.total_tokens < cfg.model.seq_len + 1:
+            raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
+                              f"({cfg.model.seq_len})")
+        return cfg
+
+
+def _build(cls, group: str, values: dict):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in config group '{group}': {unknown} (known: {sorted(names)})")
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc

@@ -1,0 +1,93 @@
+"""Deterministic data: a learnable synthetic corpus and per-rank batches.
+
+The corpus is a Markov chain with a strong favourite successor per token, so
+next-token prediction has real structure and the loss falls quickly from
+ln(vocab). Batches are defined *globally*: global sample k of the run is a
+fixed window of the corpus (a seeded permutation per epoch), step t consumes
+samples [t*G, (t+1)*G), and rank r of N takes its own disjoint contiguous
+slice of them. So the data a step sees depends only on (seed, step), never on
+the world size, which is what makes resume exact and world sizes comparable.
+The data position saved in a checkpoint is simply the next global sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64,
+                follow_prob: float = 0.9) -> np.ndarray:
+    """``total_tokens`` tokens: each token is followed by its favourite successor with
+    probability ``follow_prob``, otherwise by a uniformly random token."""
+    if total_tokens < 2:
+        raise ValueError(f"data.total_tokens must be >= 2, got {total_tokens}")
+    if not 2 <= vocab_size <= 65535:
+        raise ValueError(f"vocab_size must be in [2, 65535], got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    successor = rng.permutation(vocab_size)
+    follow = rng.random(total_tokens) < follow_prob
+    noise = rng.integers(0, vocab_size, size=total_tokens)
+    tokens = np.empty(total_tokens, dtype=np.int64)
+    tokens[0] = noise[0]
+    for i in range(1, total_tokens):
+        tokens[i] = successor[tokens[i - 1]] if follow[i] else noise[i]
+    return tokens
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch is split: ranks x micro-batches x sequences."""
+    global_batch: int   # sequences per optimizer step, all ranks together
+    world_size: int     # data-parallel ranks
+    grad_accum: int     # micro-batches per rank per step
+
+    def __post_init__(self) -> None:
+        if self.global_batch % (self.world_size * self.grad_accum):
+            raise ValueError(
+                f"global batch {self.global_batch} does not divide into {self.world_size} data-parallel "
+                f"rank(s) x {self.grad_accum} micro-batch(es); choose train.global_batch as a multiple "
+                f"of {self.world_size * self.grad_accum}")
+
+    @property
+    def micro_batch(self) -> int:
+        return self.global_batch // (self.world_size * self.grad_accum)
+
+
+class GlobalBatches:
+    """Fixed-length windows of a token array, served as per-rank micro-batches."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, plan: BatchPlan, seed: int):
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"corpus has {len(tokens)} tokens; need at least seq_len+1 = {seq_len + 1}")
+        self.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        self.seq_len = seq_len
+        self.plan = plan
+        self.seed = seed
+        self.num_windows = (len(tokens) - 1) // seq_len
+        self._epoch_order: tuple[int, np.ndarray] | None = None
+
+    def _window(self, sample: int) -> int:
+        epoch, index = divmod(sample, self.num_windows)
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._epoch_order = (epoch, order)
+        return int(self._epoch_order[1][index])
+
+    def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches (inputs, targets) for ``step`` (0-based count of steps done)."""
+        plan = self.plan
+        first = step * plan.global_batch + dp_rank * plan.micro_batch * plan.grad_accum
+        batches = []
+        for micro in range(plan.grad_accum):
+            start = first + micro * plan.micro_batch
+            rows = [self._window(k) * self.seq_len for k in range(start, start + plan.micro_batch)]
+            windows = torch.stack([self.tokens[r:r + self.seq_len + 1] for r in rows])
+            batches.append((windows[:, :-1], windows[:, 1:]))
+        return batches
+
+    def position(self, step: int) -> dict:
+        """The data position after ``step`` steps, as saved in a checkpoint."""
+        return {"next_sample": step * self.plan.global_batch, "global_batch": self.plan.global_batch,
+                "seed": self.seed, "num_windows": self.num_windows}

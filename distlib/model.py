@@ -1,0 +1,124 @@
+"""MiniGPT: a GPT-style decoder small enough to train on 4 CPU ranks in seconds.
+
+nanoGPT's shape: token + learned position embeddings, pre-LayerNorm blocks of
+causal multi-head self-attention and a GELU MLP, a final LayerNorm, and an LM
+head that is a separate Linear (not tied to the embedding). Attention uses the
+explicit masked path (scores, -inf above the diagonal, softmax) so every rank
+and every parallel layout runs the same arithmetic.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 64
+    seq_len: int = 16
+    dim: int = 32
+    n_heads: int = 4
+    n_layers: int = 2
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "dim", "n_heads", "n_layers", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.dropout = cfg.dropout
+        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).split(dim, dim=2)
+        # (batch, heads, seq, head_dim)
+        q, k, v = (t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~self.causal_mask[:seq, :seq], float("-inf"))
+        weights = F.dropout(F.softmax(scores, dim=-1), self.dropout, self.training)
+        out = (weights @ v).transpose(1, 2).reshape(batch, seq, dim)
+        return F.dropout(self.proj(out), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class MiniGPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size)  # untied from tok_emb on purpose
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss."""
+        seq = tokens.shape[1]
+        if seq > self.cfg.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.cfg.seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, seed: int) -> MiniGPT:
+    """A MiniGPT whose initial weights depend only on ``seed`` (not on global RNG state)."""
+    fork = torch.random.fork_rng(devices=[])
+    with fork:
+        torch.manual_seed(seed)
+        return MiniGPT(cfg)

@@ -1,0 +1,75 @@
+"""What the capstone prints, and the four invariants it checks.
+
+Every rank holds the same RunResult (losses and per-rank vectors were shared
+through collectives), so every rank reaches the same verdict; only rank 0 prints.
+"""
+from __future__ import annotations
+
+import json
+
+from distlib.trainer import RunResult
+
+
+def loss_table(result: RunResult) -> str:
+    lines = [f"{'step':>4}  {'loss':>10}  {'grad norm':>10}  {'param norm':>12}  {'ms':>7}"]
+    for s in result.steps:
+        lines.append(f"{s.step:>4}  {s.loss:>10.6f}  {s.grad_norm:>10.6f}  {s.param_norms[0]:>12.6f}  "
+                     f"{1000 * s.seconds:>7.1f}")
+    return "\n".join(lines)
+
+
+def memory_table(result: RunResult, stage: int) -> str:
+    n = len(result.memory)
+    formula = {0: "8P", 1: "12P/N"}.get(stage, "?")
+    lines = [f"memory per rank (P={result.numel} parameters, N={n} ranks, ZeRO stage {stage}; optimizer = {formula})",
+             f"{'rank':>4}  {'params B':>10}  {'grads B':>10}  {'optim B':>10}  {'formula B':>12}  match"]
+    for row in result.memory:
+        m, e = row["measured"], row["expected"]
+        lines.append(f"{row['rank']:>4}  {m['params']:>10}  {m['grads']:>10}  {m['optimizer']:>10}  "
+                     f"{e['optimizer']:>12.1f}  {'yes' if _memory_ok(row) else 'NO'}")
+    totals = [row["measured"]["optimizer"] for row in result.memory]
+    lines.append(f"optimizer bytes across ranks: max {max(totals)}, mean {sum(totals) / n:.1f}")
+    return "\n".join(lines)
+
+
+def _memory_ok(row: dict) -> bool:
+    return all(0 <= row["measured"][k] - row["expected"][k] <= row["allowance"][k] for k in row["expected"])
+
+
+def check_invariants(result: RunResult, loss_tolerance: float) -> list[str]:
+    """The specification's four invariants; returns one message per violation."""
+    failures = []
+    for prev, cur in zip(result.steps, result.steps[1:]):
+        if cur.loss > prev.loss * (1 + loss_tolerance):
+            failures.append(f"invariant 1 (monotone loss): step {cur.step} loss {cur.loss!r} > "
+                            f"step {prev.step} loss {prev.loss!r}")
+            break
+    for s in result.steps:
+        if len(set(s.param_norms)) != 1:
+            failures.append(f"invariant 2 (same parameter norm on every rank): step {s.step} norms {s.param_norms}")
+            break
+    for row in result.memory:
+        if not _memory_ok(row):
+            failures.append(f"invariant 3 (memory formula): rank {row['rank']} measured {row['measured']} "
+                            f"vs formula {row['expected']} (+ padding {row['allowance']})")
+    if result.resume_check is not None and not result.resume_check.ok:
+        failures.append(f"invariant 4 (byte-identical restore) of step {result.resume_check.step}: "
+                        + "; ".join(result.resume_check.mismatches))
+    return failures
+
+
+def manifest_text(manifest: dict) -> str:
+    """The manifest, readably: header, the flat layout one parameter a line, the files."""
+    layout = manifest["layout"]
+    lines = [f"checkpoint manifest: step {manifest['step']}, world size {manifest['world_size']}, "
+             f"ZeRO stage {manifest['zero_stage']}, format {manifest['format_version']}",
+             f"  model: {json.dumps(manifest['model'])}",
+             f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "
+             f"{layout['padded_numel']} {layout['dtype']}, {layout['shard_numel']} per rank",
+             f"  {'offset':>8}  {'numel':>6}  {'shape':<10}  name"]
+    for p in layout["params"]:
+        lines.append(f"  {p['offset']:>8}  {p['numel']:>6}  {'x'.join(map(str, p['shape'])):<10}  {p['name']}")
+    lines.append(f"  {'file':<22}  {'bytes':>8}  sha256")
+    for f in manifest["files"]:
+        lines.append(f"  {f['path']:<22}  {f['bytes']:>8}  {f['sha256']}")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Train MiniGPT with DDP / ZeRO on torch.distributed.
+
+    torchrun --nproc_per_node 4 train.py [overrides]   # one worker per process
+    python train.py [overrides]                        # starts dist.world_size workers itself
+    python train.py -m dist.world_size=1,2,4           # a Hydra sweep, one job per world size
+
+Hydra composes conf/; this file only wires the pieces in distlib/ together.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from distlib import report
+from distlib.comm import Comm
+from distlib.config import ConfigError, RunConfig
+from distlib.trainer import Trainer
+
+UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def worker(tree: dict, run_dir: str) -> None:
+    """One rank: join the process group, train, report, and exit non-zero on a broken invariant."""
+    cfg = RunConfig.from_dict(tree)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    try:
+        comm = Comm.world()
+        if comm.size != cfg.dist.world_size:
+            raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
+                              f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
+        result = Trainer(cfg, comm, Path(run_dir)).run()
+        failures = report.check_invariants(result, cfg.train.loss_tolerance)
+        if comm.rank == 0:
+            print(f"run directory: {run_dir}")
+            print(report.loss_table(result))
+            print(report.memory_table(result, cfg.zero.stage))
+            for manifest in result.manifests[:1]:
+                print(report.manifest_text(manifest))
+            if result.resume_check is None:
+                print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
+            elif result.resume_check.ok:
+                print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
+                      f"{comm.size} ranks")
+                print("RESUME VERIFIED")
+            for failure in failures:
+                print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
+            sys.stdout.flush()
+    finally:
+        dist.destroy_process_group()
+    if failures:
+        sys.exit(1)
+
+
+def _shared_run_dir(proposed: str) -> str:
+    """Under torchrun every rank runs Hydra; the first rank to ask fixes the run directory
+    for all of them (and for restarts of the same job) through torchrun's own store."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
+    return store.compare_set(key, "", proposed).decode()
+
+
+def _launch(tree: dict, run_dir: str, world_size: int) -> None:
+    """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="fork")
+    try:
+        elastic_launch(config, worker)(tree, run_dir)
+    except ChildFailedError as exc:
+        failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
+        print(f"error: training failed: {failed}", file=sys.stderr)
+        sys.exit(1)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        run_cfg = RunConfig.from_dict(tree)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = HydraConfig.get().runtime.output_dir
+    if UNDER_TORCHRUN:
+        worker(tree, run_dir)
+    else:
+        _launch(tree, run_dir, run_cfg.dist.world_size)
+
+
+if __name__ == "__main__":
+    if UNDER_TORCHRUN:
+        if any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
+            sys.exit("error: a Hydra sweep (-m) starts its own workers; run it with plain `python train.py -m ...`")
+        explicit = any(arg.startswith("hydra.run.dir=") for arg in sys.argv[1:])
+        if not explicit:
+            stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+            sys.argv.append(f"hydra.run.dir={_shared_run_dir(stamp)}")
+        if os.environ.get("RANK", "0") != "0":
+            # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
+            sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    main()
