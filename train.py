@@ -41,6 +41,7 @@ def worker(tree: dict, run_dir: str) -> None:
         result = Trainer(cfg, comm, Path(run_dir)).run()
         failures = report.check_invariants(result, cfg.train.loss_tolerance)
         if comm.rank == 0:
+            report.write_json(result, failures, Path(run_dir) / "report.json")
             print(f"run directory: {run_dir}")
             print(report.loss_table(result))
             print(report.memory_table(result, cfg.zero.stage))

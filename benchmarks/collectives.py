@@ -26,6 +26,9 @@ import torch.distributed as dist  # noqa: E402
 from distlib import collectives as C  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
+import warnings  # noqa: E402
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")
+
 OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
 ALGOS = {"broadcast": ("tree", "chain"), "reduce_scatter": ("direct", "ring"),
          "all_gather": ("direct", "ring"), "all_reduce": ("exchange", "rs_ag")}
@@ -52,15 +55,20 @@ def _callables(op: str, x: torch.Tensor, comm, algo):
     return (lambda: C.all_reduce(x, comm, algo=algo)), (lambda: dist.all_reduce(x))
 
 
-def _time(fn, iters: int) -> list[float]:
-    fn()  # warm-up (connections, allocator)
-    fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
+def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
+    """Time every variant once per round, rotating the order, so that background load on a
+    shared machine hits ours and torch's alike."""
+    for fn in fns.values():     # warm-up (connections, allocator)
         fn()
-        times.append(time.perf_counter() - t0)
+        fn()
+    names = list(fns)
+    times = {k: [] for k in names}
+    for i in range(iters):
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
     return times
 
 
@@ -70,14 +78,12 @@ def _bench_rank(comm, sizes, quick, with_algos):
     for op in OPS:
         for nbytes in sizes:
             x = torch.randn(nbytes // 4)
-            iters = _iters(nbytes, quick)
             ours, ref = _callables(op, x, comm, None)
-            row = {"op": op, "world": comm.size, "bytes": nbytes,
-                   "ours": _time(ours, iters), "torch": _time(ref, iters)}
+            fns = {"ours": ours, "torch": ref}
             if with_algos:
-                for algo in ALGOS[op]:
-                    row[algo] = _time(_callables(op, x, comm, algo)[0], iters)
-            rows.append(row)
+                fns.update({a: _callables(op, x, comm, a)[0] for a in ALGOS[op]})
+            rows.append({"op": op, "world": comm.size, "bytes": nbytes,
+                         **_time_interleaved(fns, _iters(nbytes, quick))})
     return rows
 
 

@@ -5,7 +5,9 @@ through collectives), so every rank reaches the same verdict; only rank 0 prints
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 from distlib.trainer import RunResult
 
@@ -73,3 +75,10 @@ def manifest_text(manifest: dict) -> str:
     for f in manifest["files"]:
         lines.append(f"  {f['path']:<22}  {f['bytes']:>8}  {f['sha256']}")
     return "\n".join(lines)
+
+
+def write_json(result: RunResult, failures: list[str], path: Path) -> None:
+    """The whole result (every step's per-rank norms, memory rows, resume check) for tools and tests."""
+    payload = dataclasses.asdict(result)
+    payload["invariant_failures"] = failures
+    path.write_text(json.dumps(payload, indent=1))
