@@ -27,11 +27,22 @@ from distlib.trainer import Trainer
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def use_deterministic_kernels() -> None:
+    """torch.use_deterministic_algorithms(True) without its side trip: the public function also sets
+    an inductor flag, which imports torch._inductor and torch._dynamo (~4 s per rank on this
+    machine, for a compiler we never use). The ATen switch it then flips is the one that matters."""
+    set_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_flag is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        set_flag(True)
+
+
 def worker(tree: dict, run_dir: str) -> None:
     """One rank: join the process group, train, report, and exit non-zero on a broken invariant."""
     cfg = RunConfig.from_dict(tree)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
     try:
         comm = Comm.world()

@@ -29,11 +29,37 @@ def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64,
     successor = rng.permutation(vocab_size)
     follow = rng.random(total_tokens) < follow_prob
     noise = rng.integers(0, vocab_size, size=total_tokens)
-    tokens = np.empty(total_tokens, dtype=np.int64)
-    tokens[0] = noise[0]
-    for i in range(1, total_tokens):
-        tokens[i] = successor[tokens[i - 1]] if follow[i] else noise[i]
-    return tokens
+    # The chain is t[0] = noise[0]; t[i] = successor[t[i-1]] if follow[i] else noise[i]. Computed
+    # without a Python loop (tests/test_data.py checks it against the loop): a run of follows
+    # starting at anchor a gives t[i] = successor^(i-a)(noise[a]), and a power of a permutation
+    # is a step along the cycle that contains the token.
+    follow[0] = False
+    index = np.arange(total_tokens)
+    anchor = np.maximum.accumulate(np.where(follow, 0, index))
+    start = noise[anchor]
+    cycles, where, cycle_len, cycle_base = _cycles(successor)
+    return cycles[cycle_base[start] + (where[start] + (index - anchor)) % cycle_len[start]]
+
+
+def _cycles(perm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The permutation's cycles, laid end to end: ``cycles[base[v] + (where[v] + k) % length[v]]``
+    is perm applied k times to v."""
+    n = len(perm)
+    cycles = np.empty(n, dtype=np.int64)
+    where, length, base = (np.empty(n, dtype=np.int64) for _ in range(3))
+    seen = np.zeros(n, dtype=bool)
+    filled = 0
+    for v in range(n):
+        if seen[v]:
+            continue
+        first = filled
+        while not seen[v]:
+            seen[v] = True
+            cycles[filled], where[v], base[v] = v, filled - first, first
+            filled += 1
+            v = perm[v]
+        length[cycles[first:filled]] = filled - first
+    return cycles, where, length, base
 
 
 @dataclass(frozen=True)

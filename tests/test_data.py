@@ -35,3 +35,29 @@ def test_targets_are_inputs_shifted_by_one():
 def test_global_batch_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="does not divide"):
         BatchPlan(10, 4, 1)
+
+
+def _make_corpus_loop(seed, total_tokens, vocab_size=64, follow_prob=0.9):
+    """The original, one-token-at-a-time definition of the corpus (the reference)."""
+    rng = np.random.default_rng(seed)
+    successor = rng.permutation(vocab_size)
+    follow = rng.random(total_tokens) < follow_prob
+    noise = rng.integers(0, vocab_size, size=total_tokens)
+    tokens = np.empty(total_tokens, dtype=np.int64)
+    tokens[0] = noise[0]
+    for i in range(1, total_tokens):
+        tokens[i] = successor[tokens[i - 1]] if follow[i] else noise[i]
+    return tokens
+
+
+@pytest.mark.parametrize("seed,total,vocab,follow", [
+    (0, 65536, 64, 0.9),        # the capstone's corpus
+    (1, 5000, 64, 0.9), (7, 3001, 33, 0.9), (123, 4096, 256, 0.9),
+    (5, 2000, 2, 0.5), (9, 2000, 64, 0.0), (11, 3000, 17, 1.0), (13, 2, 64, 0.9),
+    (17, 10000, 1000, 0.97),
+])
+def test_vectorised_corpus_equals_the_token_by_token_loop(seed, total, vocab, follow):
+    fast = make_corpus(seed, total, vocab, follow)
+    slow = _make_corpus_loop(seed, total, vocab, follow)
+    assert fast.dtype == slow.dtype == np.int64
+    assert fast.tobytes() == slow.tobytes()

@@ -1,0 +1,168 @@
+"""Wall time of the capstone, `torchrun --nproc_per_node 4 train.py`, against torchrun's own floor.
+
+    .venv/bin/python benchmarks/startup.py            # 3 rounds (~2 min on 2 cores)
+    .venv/bin/python benchmarks/startup.py --quick    # 1 round (~40 s)
+
+The floor is the same torchrun command running a script that only imports torch, joins the
+gloo process group and leaves (what any torchrun job pays before doing anything). Rounds
+alternate floor and capstone so background load hits both alike; the table reports each one's
+median wall time and ratio = capstone / floor (goal: <= 1.3).
+
+Then one traced run of each breaks the time down: every worker records when it reached each
+phase (imports, Hydra, process group, trainer built, training loop, checkpoint saves, resume
+check, exit) by wrapping train.py's collaborators from outside (benchmarks/_trace_worker.py
+runs train.py with runpy, so train.py itself carries no timing code). Phases are printed as
+seconds since torchrun was started, for rank 0 and the slowest rank.
+JSON: benchmarks/results/startup.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+NPROC = 4
+GOAL = 1.3
+
+FLOOR_SCRIPT = '''\
+import os, sys, time
+sys.path.insert(0, {here!r})
+from _trace_worker import Marks
+marks = Marks.from_env()
+import torch
+import torch.distributed as dist
+marks.mark("imports")
+dist.init_process_group("gloo")
+marks.mark("process group")
+dist.destroy_process_group()
+marks.mark("destroyed")
+'''
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def torchrun(script: str, args: list[str], env: dict, timeout: float) -> tuple[float, float]:
+    """Run ``torchrun --nproc_per_node 4 script args`` on a free port; return its wall seconds and
+    the CPU seconds it and its workers used (torchrun reaps its workers, so their usage is counted)."""
+    cpu_before = _children_cpu()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", script, *args]
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    elapsed, cpu = time.perf_counter() - began, _children_cpu() - cpu_before
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
+    if script.endswith("train.py") or "_trace_worker" in script:
+        if "RESUME VERIFIED" not in proc.stdout:
+            sys.exit(f"error: the capstone run did not print RESUME VERIFIED:\n{proc.stdout[-3000:]}")
+    return elapsed, cpu
+
+
+def read_marks(trace_dir: str, launched_at: float) -> dict[int, dict[str, float]]:
+    """Per rank: phase -> seconds since torchrun was launched."""
+    out = {}
+    for name in sorted(os.listdir(trace_dir)):
+        with open(os.path.join(trace_dir, name)) as f:
+            data = json.load(f)
+        out[data["rank"]] = {k: v - launched_at for k, v in data["marks"]}
+    return out
+
+
+def traced(script_args: list[str], trace_dir: str, env: dict, timeout: float) -> tuple[float, dict]:
+    env = {**env, "DISTLIB_TRACE_DIR": trace_dir}
+    launched_at = time.time()
+    wall, _ = torchrun(*script_args, env=env, timeout=timeout)
+    marks = read_marks(trace_dir, launched_at)
+    for rank in marks:
+        marks[rank]["torchrun exited"] = wall
+    return wall, marks
+
+
+def phase_rows(marks: dict[int, dict[str, float]]) -> list[dict]:
+    """(phase, rank-0 time, slowest rank's time, slowest rank's duration of the phase)."""
+    names = list(marks[0])
+    rows = []
+    for i, name in enumerate(names):
+        at = {r: m[name] for r, m in marks.items() if name in m}
+        prev = {r: m[names[i - 1]] for r, m in marks.items() if i and names[i - 1] in m}
+        took = max((at[r] - prev[r]) for r in at if r in prev) if prev else max(at.values())
+        rows.append({"phase": name, "rank0_s": at.get(0), "slowest_s": max(at.values()), "took_s": took})
+    return rows
+
+
+def print_phases(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}: seconds since torchrun started (a phase ends at its time)")
+    print(f"  {'phase ends':<38}{'rank 0':>8}{'slowest':>9}{'phase (max over ranks)':>24}")
+    for r in rows:
+        print(f"  {r['phase']:<38}{r['rank0_s']:>8.2f}{r['slowest_s']:>9.2f}{r['took_s']:>24.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one round instead of three")
+    ap.add_argument("--rounds", type=int, help="floor/capstone pairs to time (default 3, --quick 1)")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds allowed per torchrun")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "startup.json"))
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK"))}
+    env["OMP_NUM_THREADS"] = "1"   # torchrun sets it anyway; saying so silences its banner
+
+    with tempfile.TemporaryDirectory(prefix="startup-bench-") as tmp:
+        floor = os.path.join(tmp, "floor.py")
+        with open(floor, "w") as f:
+            f.write(FLOOR_SCRIPT.format(here=HERE))
+        train = os.path.join(ROOT, "train.py")
+        tracer = os.path.join(HERE, "_trace_worker.py")
+        walls = {"floor": [], "capstone": []}
+        cpus = {"floor": [], "capstone": []}
+        for i in range(rounds):
+            order = ["floor", "capstone"] if i % 2 == 0 else ["capstone", "floor"]
+            for kind in order:
+                if kind == "floor":
+                    wall, cpu = torchrun(floor, [], env, args.timeout)
+                else:
+                    wall, cpu = torchrun(train, [f"hydra.run.dir={os.path.join(tmp, f'run{i}')}"], env, args.timeout)
+                walls[kind].append(wall)
+                cpus[kind].append(cpu)
+                print(f"round {i + 1}/{rounds}: {kind:<8} {wall:6.2f} s wall, {cpu:6.2f} s CPU", flush=True)
+        floor_wall, floor_marks = traced([floor, []], os.path.join(tmp, "trace-floor"), env, args.timeout)
+        cap_wall, cap_marks = traced([tracer, [train, f"hydra.run.dir={os.path.join(tmp, 'traced')}"]],
+                                     os.path.join(tmp, "trace-capstone"), env, args.timeout)
+
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpus.items()}
+    ratio = med["capstone"] / med["floor"]
+    floor_rows, cap_rows = phase_rows(floor_marks), phase_rows(cap_marks)
+    print(f"\n{'run':<44}{'wall s':>8}{'min':>7}{'max':>7}{'CPU s':>8}")
+    for kind, label in (("floor", "floor: torchrun x4, import torch, init gloo"),
+                        ("capstone", "capstone: torchrun x4 train.py")):
+        print(f"{label:<44}{med[kind]:>8.2f}{min(walls[kind]):>7.2f}{max(walls[kind]):>7.2f}{med_cpu[kind]:>8.2f}")
+    print(f"capstone / floor = {ratio:.2f} wall (goal <= {GOAL}: {'met' if ratio <= GOAL else 'NOT met'}), "
+          f"{med_cpu['capstone'] / med_cpu['floor']:.2f} CPU; medians of {rounds} interleaved round(s)")
+    print_phases(f"floor, traced run ({floor_wall:.2f} s)", floor_rows)
+    print_phases(f"capstone, traced run ({cap_wall:.2f} s)", cap_rows)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"quick": args.quick, "rounds": rounds, "nproc": NPROC, "cores": os.cpu_count(),
+                   "walls_s": walls, "median_s": med, "cpu_s": cpus, "median_cpu_s": med_cpu,
+                   "cpu_ratio": med_cpu["capstone"] / med_cpu["floor"], "ratio": ratio, "goal": GOAL, "goal_met": ratio <= GOAL,
+                   "traced": {"floor": {"wall_s": floor_wall, "phases": floor_rows},
+                              "capstone": {"wall_s": cap_wall, "phases": cap_rows}}}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""One training step (forward, backward, optimizer): our ZeRO stages vs torch's DDP, ZeRO and FSDP2.
+
+    .venv/bin/python benchmarks/step.py            # tiny + medium, 2 and 4 ranks (~3 min on 2 cores)
+    .venv/bin/python benchmarks/step.py --quick    # fewer steps (~1 min)
+    .venv/bin/python benchmarks/step.py --models tiny --worlds 2
+
+Every variant trains its own copy of the same MiniGPT (same seed, so the same initial weights)
+on the same batches (the global batch of step t is fixed; rank r takes its slice), inside the
+same forked ranks. Steps are interleaved: iteration t runs step t of every variant, in an
+order that rotates, each after a barrier, so background load on a shared machine hits every
+variant alike. A step's time is the slowest rank's; the table shows the median over the
+iterations after warm-up. ``vs DDP`` = torch DDP ms / variant ms (> 1: faster than DDP);
+``vs peer`` does the same against the torch tool each stage replaces (stage 0/1: DDP,
+stage 2: FSDP2 reshard_after_forward=False, stage 3: FSDP2 reshard_after_forward=True).
+``opt bytes/rank`` is the optimizer state each rank holds (for ours, what the optimizer
+measures; for torch, the tensors in ``optimizer.state``, DTensors counted by their local shard).
+All variants must reach the same loss: every step's rank-mean loss is compared with torch
+DDP's, and any relative difference above LOSS_RTOL is flagged.
+
+Variants: ours stage 0..3 (stages the installed ZeroOptimizer does not accept are skipped
+with a printed note), torch DDP + torch.optim.AdamW, DDP + ZeroRedundancyOptimizer(AdamW),
+FSDP2 (fully_shard per block and at the root) with reshard_after_forward False and True.
+JSON: benchmarks/results/step.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from distlib import zero  # noqa: E402
+from distlib.adamw import AdamWConfig  # noqa: E402
+from distlib.comm import Comm  # noqa: E402
+from distlib.data import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
+from distlib.ddp import DataParallel  # noqa: E402
+from distlib.model import ModelConfig, build_model  # noqa: E402
+from multiproc import run_ranks  # noqa: E402
+
+MODELS = {
+    # the capstone's model (conf/model/minigpt.yaml), 30k parameters
+    "tiny": (ModelConfig(), 4),
+    # 1.74M parameters: 2 blocks of dim 256, 8 heads, vocab 256, 128 tokens per sequence
+    "medium": (ModelConfig(vocab_size=256, seq_len=128, dim=256, n_heads=8, n_layers=2), 8),
+}
+MODEL_SEED, DATA_SEED, ORDER_SEED = 1234, 0, 1234
+ADAMW = AdamWConfig(lr=1e-3)
+# Variants differ only in the order of floating-point reductions (gloo's ring vs ours, bucket
+# order), ~1e-7 relative per step, which Adam's normalisation can amplify over a few dozen steps;
+# anything above this is a real disagreement (a wrong average, a missed gradient, stale weights).
+LOSS_RTOL = 1e-4
+# Which torch tool each of our stages replaces.
+PEER = {0: "torch DDP", 1: "torch DDP", 2: "FSDP2 reshard=False", 3: "FSDP2 reshard=True"}
+
+
+def our_stages() -> tuple[list[int], dict[int, str]]:
+    """Stages the installed ZeRO implementation accepts (probed on one process), and why the
+    others are not run."""
+    model = build_model(ModelConfig(n_layers=1), seed=0)
+    factory = _our_factory()
+    ok, skipped = [], {}
+    for stage in (0, 1, 2, 3):
+        try:
+            factory(build_model(ModelConfig(n_layers=1), seed=0), Comm(ranks=(0,), rank=0), stage, ADAMW)
+            ok.append(stage)
+        except (ValueError, NotImplementedError) as exc:
+            skipped[stage] = str(exc)
+    del model
+    return ok, skipped
+
+
+def _our_factory() -> Callable:
+    """zero.make_optimizer where it exists (stages 0-3), else ZeroOptimizer (stages 0/1)."""
+    make = getattr(zero, "make_optimizer", None)
+    if make is not None:
+        return lambda model, comm, stage, cfg: make(model, comm, stage, cfg)
+    return lambda model, comm, stage, cfg: zero.ZeroOptimizer(model, comm, stage, cfg)
+
+
+# ----------------------------------------------------------------------------- variants
+
+@dataclass
+class Variant:
+    name: str
+    step: Callable[[torch.Tensor, torch.Tensor], float]      # one training step, returns the local loss
+    optimizer_bytes: Callable[[], int]
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)        # a DTensor's shard on this rank
+        key = local.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += local.untyped_storage().nbytes()
+    return total
+
+
+def _torch_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return _storage_bytes(t for state in optimizer.state.values() for t in state.values()
+                          if isinstance(t, torch.Tensor))
+
+
+def _torch_adamw(params):
+    return torch.optim.AdamW(params, lr=ADAMW.lr, betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps,
+                             weight_decay=ADAMW.weight_decay)
+
+
+def _torch_step(model, optimizer):
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+    return step
+
+
+def build_ours(cfg: ModelConfig, comm: Comm, stage: int) -> Variant:
+    model = DataParallel(build_model(cfg, MODEL_SEED), comm).module
+    opt = _our_factory()(model, comm, stage, ADAMW)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+    return Variant(f"ours stage {stage}", step, lambda: int(opt.memory_bytes()["optimizer"]))
+
+
+def build_ddp(cfg: ModelConfig, comm: Comm) -> Variant:
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(build_model(cfg, MODEL_SEED))
+    opt = _torch_adamw(model.parameters())
+    return Variant("torch DDP", _torch_step(model, opt), lambda: _torch_state_bytes(opt))
+
+
+def build_ddp_zero(cfg: ModelConfig, comm: Comm) -> Variant:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(build_model(cfg, MODEL_SEED))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=ADAMW.lr,
+                                  betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps,
+                                  weight_decay=ADAMW.weight_decay)
+    return Variant("DDP+ZeroRedundancyOpt", _torch_step(model, opt), lambda: _torch_state_bytes(opt.optim))
+
+
+def build_fsdp2(cfg: ModelConfig, comm: Comm, reshard: bool) -> Variant:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (comm.size,))
+    model = build_model(cfg, MODEL_SEED)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    opt = _torch_adamw(model.parameters())
+    return Variant(f"FSDP2 reshard={reshard}", _torch_step(model, opt), lambda: _torch_state_bytes(opt))
+
+
+TORCH_VARIANTS = {"ddp": build_ddp, "zero": build_ddp_zero,
+                  "fsdp2": lambda cfg, comm: build_fsdp2(cfg, comm, False),
+                  "fsdp2-reshard": lambda cfg, comm: build_fsdp2(cfg, comm, True)}
+
+
+def build_variants(cfg: ModelConfig, comm: Comm, stages: list[int], torch_variants: list[str]) -> list[Variant]:
+    return [build_ours(cfg, comm, s) for s in stages] + [TORCH_VARIANTS[k](cfg, comm) for k in torch_variants]
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def batches_for(cfg: ModelConfig, batch_per_rank: int, comm: Comm, steps: int):
+    """This rank's (inputs, targets) for each step of a run whose global batch is fixed."""
+    plan = BatchPlan(batch_per_rank * comm.size, comm.size, 1)
+    tokens = make_corpus(DATA_SEED, max(4096, steps * plan.global_batch * (cfg.seq_len + 1) + 1),
+                         cfg.vocab_size)
+    data = GlobalBatches(tokens, cfg.seq_len, plan, ORDER_SEED)
+    return [data.micro_batches(step, comm.rank)[0] for step in range(steps)]
+
+
+def time_interleaved(variants: list[Variant], batches, warmup: int) -> dict[str, dict]:
+    """Run step t of every variant for each t, rotating the order; time each after a barrier."""
+    out = {v.name: {"seconds": [], "cpu_seconds": [], "losses": []} for v in variants}
+    for t, (x, y) in enumerate(batches):
+        k = t % len(variants)
+        for v in variants[k:] + variants[:k]:
+            dist.barrier()
+            began, cpu_began = time.perf_counter(), time.process_time()
+            loss = v.step(x, y)
+            elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu_began
+            out[v.name]["losses"].append(loss)
+            if t >= warmup:
+                out[v.name]["seconds"].append(elapsed)
+                out[v.name]["cpu_seconds"].append(cpu)
+    for v in variants:
+        out[v.name]["optimizer_bytes"] = v.optimizer_bytes()
+    return out
+
+
+def _rank_main(comm: Comm, model_name: str, stages: list[int], torch_variants: list[str], steps: int,
+               warmup: int) -> dict:
+    cfg, batch = MODELS[model_name]
+    variants = build_variants(cfg, comm, stages, torch_variants)
+    return time_interleaved(variants, batches_for(cfg, batch, comm, warmup + steps), warmup)
+
+
+# ----------------------------------------------------------------------------- parent
+
+def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
+    """One row per variant: median slowest-rank ms, rank-mean losses, bytes, agreement."""
+    cfg, batch = MODELS[model_name]
+    rows = []
+    for name in per_rank[0]:
+        slowest = [max(ts) for ts in zip(*(r[name]["seconds"] for r in per_rank))]
+        cpu = [sum(ts) for ts in zip(*(r[name]["cpu_seconds"] for r in per_rank))]
+        losses = [statistics.fmean(ls) for ls in zip(*(r[name]["losses"] for r in per_rank))]
+        rows.append({"model": model_name, "world": world, "variant": name,
+                     "params": sum(p.numel() for p in build_model(cfg, 0).parameters()),
+                     "batch_per_rank": batch, "seq_len": cfg.seq_len,
+                     "ms": statistics.median(slowest) * 1e3,
+                     "ms_min": min(slowest) * 1e3, "ms_max": max(slowest) * 1e3,
+                     "cpu_ms": statistics.median(cpu) * 1e3,
+                     "optimizer_bytes": [r[name]["optimizer_bytes"] for r in per_rank],
+                     "losses": losses, "final_loss": losses[-1]})
+    ddp = next(r for r in rows if r["variant"] == "torch DDP")
+    by_name = {r["variant"]: r for r in rows}
+    for r in rows:
+        r["ratio_vs_ddp"] = ddp["ms"] / r["ms"]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ddp["losses"]))
+        r["max_loss_rel_diff_vs_ddp"] = diff
+        r["loss_agrees"] = diff <= LOSS_RTOL
+        peer = PEER.get(int(r["variant"].rsplit(" ", 1)[1])) if r["variant"].startswith("ours stage ") else None
+        if peer in by_name:
+            r["peer"] = peer
+            r["ratio_vs_peer"] = by_name[peer]["ms"] / r["ms"]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'model':<7}{'ranks':>6}  {'variant':<23}{'ms/step':>9}{'(min-max)':>14}{'vs DDP':>8}"
+            f"{'vs peer':>9}{'CPU ms':>8}{'opt bytes/rank':>16}{'final loss':>12}{'max rel dloss':>15}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        spread = f"{r['ms_min']:.0f}-{r['ms_max']:.0f}"
+        peer = f"{r['ratio_vs_peer']:.2f}" if "ratio_vs_peer" in r else "-"
+        flag = "" if r["loss_agrees"] else "  DISAGREES"
+        print(f"{r['model']:<7}{r['world']:>6}  {r['variant']:<23}{r['ms']:>9.1f}{spread:>14}"
+              f"{r['ratio_vs_ddp']:>8.2f}{peer:>9}{r['cpu_ms']:>8.0f}{max(r['optimizer_bytes']):>16,}"
+              f"{r['final_loss']:>12.6f}{r['max_loss_rel_diff_vs_ddp']:>15.1e}{flag}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (about a minute)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, help="timed steps per variant (default: by model and --quick)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3],
+                    help="our ZeRO stages to run (those the optimizer refuses are skipped with a note)")
+    ap.add_argument("--torch", nargs="+", default=list(TORCH_VARIANTS), choices=list(TORCH_VARIANTS),
+                    help="torch baselines to run (torch DDP always runs: it is the reference)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "step.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    stages, skipped = our_stages()
+    stages = [s for s in stages if s in args.stages]
+    torch_variants = ["ddp"] + [k for k in args.torch if k != "ddp"]
+    for stage, why in skipped.items():
+        print(f"note: our ZeRO stage {stage} is not benchmarked: the installed optimizer refuses it ({why})")
+    rows = []
+    for model_name in args.models:
+        steps = args.steps or {("tiny", False): 40, ("tiny", True): 12,
+                               ("medium", False): 10, ("medium", True): 4}[model_name, args.quick]
+        for world in args.worlds:
+            began = time.perf_counter()
+            per_rank = run_ranks(_rank_main, world, model_name, stages, torch_variants, steps, args.warmup, timeout_s=900)
+            rows += summarise(per_rank, model_name, world)
+            print(f"[{model_name}, {world} ranks: {steps} timed steps after {args.warmup} warm-up, "
+                  f"{time.perf_counter() - began:.0f} s]", flush=True)
+    print()
+    print_table(rows)
+    bad = [r for r in rows if not r["loss_agrees"]]
+    print(f"\nloss agreement: every step's rank-mean loss within rel {LOSS_RTOL:g} of torch DDP's: "
+          + ("yes" if not bad else "NO: " + ", ".join(f"{r['model']}/{r['world']}/{r['variant']}" for r in bad)))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"quick": args.quick, "torch": torch.__version__, "cores": os.cpu_count(),
+                   "loss_rtol": LOSS_RTOL, "adamw": vars(ADAMW) if hasattr(ADAMW, "__dict__") else str(ADAMW),
+                   "skipped_stages": skipped, "warmup": args.warmup,
+                   "unit": "ms per step: median over timed iterations of the slowest rank",
+                   "results": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+    if bad:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
