@@ -9,6 +9,7 @@ Hydra composes conf/; this file only wires the pieces in distlib/ together.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 import uuid
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from distlib import report
+from distlib.checkpoint import CheckpointError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
 from distlib.trainer import Trainer
@@ -33,6 +35,7 @@ def worker(tree: dict, run_dir: str) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    failures, rank = [], dist.get_rank()
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
@@ -55,6 +58,11 @@ def worker(tree: dict, run_dir: str) -> None:
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
+    except (CheckpointError, ConfigError) as exc:
+        # Raised on every rank alike (they agree on it first); one clear line, not a traceback per rank.
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        failures = [str(exc)]
     finally:
         dist.destroy_process_group()
     if failures:
@@ -70,10 +78,21 @@ def _shared_run_dir(proposed: str) -> str:
     return store.compare_set(key, "", proposed).decode()
 
 
+class _NoTracebackForExitedWorkers(logging.Filter):
+    """A worker that exited with a status has printed its own error (or was killed, which the
+    summary line says); the launcher's traceback of that adds nothing. Raised exceptions still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from torch.multiprocessing import ProcessExitedException
+        return not (record.exc_info and isinstance(record.exc_info[1], ProcessExitedException))
+
+
 def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoTracebackForExitedWorkers())
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
