@@ -34,7 +34,7 @@ def worker(tree: dict, run_dir: str) -> None:
     cfg = RunConfig.from_dict(tree)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
     failures, rank = [], dist.get_rank()
     try:
         comm = Comm.world()
@@ -67,6 +67,20 @@ def worker(tree: dict, run_dir: str) -> None:
         dist.destroy_process_group()
     if failures:
         sys.exit(1)
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
+    does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
+    group's gloo addresses. So each attempt gets its own key prefix in that store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"distlib/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def _shared_run_dir(proposed: str) -> str:

@@ -32,7 +32,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 import safetensors
@@ -46,9 +46,11 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
-# A save calls its hook at these points (fault injection in tests; see distlib.fault).
-SAVE_POINTS = ("shard_half_written", "shards_written", "manifest_written", "committed")
-SaveHook = Callable[[str], None]
+# A save calls hook(point, path) at these points (fault injection in tests; see distlib.fault):
+# shard_written (this rank's file, before its fsync), shards_written (every rank's shard is durable),
+# manifest_written (rank 0, before the directory rename), committed.
+SaveHook = Callable[[str, Path], None]
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -82,41 +84,40 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((version, tuple(state), py_gauss))
 
 
+# -- agreeing on failures -------------------------------------------------------
+def _error_text(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def agreed(fn: Callable[[], T], comm: Comm, *, only_rank0: bool = False) -> T | None:
+    """Run ``fn`` on every rank (or rank 0 only; the others get None). If it fails anywhere, raise
+    the same CheckpointError on every rank, so no rank goes on alone or waits in a collective."""
+    result, error = None, ""
+    if comm.rank == 0 or not only_rank0:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - shared below, raised everywhere
+            error = _error_text(exc)
+    errors = [b.decode() for b in collectives.all_gather_bytes(error.encode(), comm)]
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if len({e for _, e in failed}) == 1:
+        raise CheckpointError(failed[0][1])
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
+    return result
+
+
 # -- writing -------------------------------------------------------------------
-def _no_hook(point: str) -> None:
+def _no_hook(point: str, path: Path) -> None:
     pass
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_durably(path: Path, data: bytes, midway: Callable[[], None] | None = None) -> None:
-    with open(path, "wb") as f:
-        if midway is not None:  # the first half reaches the OS before the hook can crash the process
-            f.write(data[:len(data) // 2])
-            f.flush()
-            midway()
-            data = data[len(data) // 2:]
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _error_text(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-
-
-def _agree(ok: bool, error: str, comm: Comm) -> None:
-    """Raise on every rank if any rank failed, so no rank goes on alone."""
-    reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps([ok, error]).encode(), comm)]
-    failed = [(r, msg) for r, (good, msg) in enumerate(reports) if not good]
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {msg}" for r, msg in failed))
 
 
 def begin(final: Path) -> Path:
@@ -133,24 +134,29 @@ def begin(final: Path) -> Path:
 
 def write_shard(directory: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
                 hook: SaveHook | None = None) -> dict:
-    """Write and fsync one rank's shard; returns its manifest entry (name, rank, bytes, sha256)."""
-    hook = hook or _no_hook
-    blob = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()},
-                                  metadata={"rank_state": json.dumps(rank_state)})
-    _write_durably(directory / shard_name(rank), blob, midway=lambda: hook("shard_half_written"))
-    return {"path": shard_name(rank), "rank": rank, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    """Write and fsync one rank's shard; returns its manifest entry (name, rank, bytes, sha256).
+    The digest is of the file as read back, i.e. of what a later load will see."""
+    path = directory / shard_name(rank)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                                metadata={"rank_state": json.dumps(rank_state)})
+    (hook or _no_hook)("shard_written", path)
+    _fsync(path)
+    return {"path": path.name, "rank": rank, "bytes": path.stat().st_size, "sha256": _sha256_file(path)}
 
 
 def commit(partial: Path, final: Path, manifest: dict, hook: SaveHook | None = None) -> None:
     """Write the manifest last (temp name, fsync, rename), then publish the directory."""
     hook = hook or _no_hook
     tmp = partial / (MANIFEST + ".tmp")
-    _write_durably(tmp, json.dumps(manifest, indent=2).encode())
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(manifest, indent=2).encode())
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, partial / MANIFEST)
-    _fsync_dir(partial)
-    hook("manifest_written")
+    _fsync(partial)
+    hook("manifest_written", partial / MANIFEST)
     os.rename(partial, final)
-    _fsync_dir(final.parent)
+    _fsync(final.parent)
 
 
 def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: dict,
@@ -160,39 +166,25 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: di
     hook = hook or _no_hook
     final = Path(root) / step_dir_name(step)
     partial = final.parent / f".{final.name}.partial"
-    ok, error = True, ""
-    if comm.rank == 0:
-        try:
-            begin(final)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            ok, error = False, _error_text(exc)
-    _agree(ok, error, comm)
+    agreed(lambda: begin(final), comm, only_rank0=True)
 
-    ok, error, report = True, "", {}
+    def write() -> dict:
+        try:
+            return write_shard(partial, comm.rank, tensors, rank_state, hook)
+        except Exception as exc:
+            raise CheckpointError(f"rank {comm.rank} writing {partial / shard_name(comm.rank)}: "
+                                  f"{_error_text(exc)}") from exc
     try:
-        report = write_shard(partial, comm.rank, tensors, rank_state, hook)
-    except Exception as exc:  # noqa: BLE001
-        ok, error = False, f"writing {partial / shard_name(comm.rank)}: {_error_text(exc)}"
-    reports = [json.loads(b) for b in collectives.all_gather_bytes(
-        json.dumps({"ok": ok, "error": error, "report": report}).encode(), comm)]
-    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
-    if failed:
+        report = agreed(write, comm)
+    except CheckpointError as exc:
         if comm.rank == 0:  # free the space a full disk needs back; nothing here was committed
             shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"checkpoint save of step {step} failed, nothing committed: "
-                              + "; ".join(f"rank {r}: {m}" for r, m in failed))
-    hook("shards_written")
-
-    ok, error = True, ""
-    if comm.rank == 0:
-        try:
-            manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": comm.size, **meta,
-                        "files": [rep["report"] for rep in reports]}
-            commit(partial, final, manifest, hook)
-        except Exception as exc:  # noqa: BLE001
-            ok, error = False, f"committing {final}: {_error_text(exc)}"
-    _agree(ok, error, comm)
-    hook("committed")
+        raise CheckpointError(f"checkpoint save of step {step} failed, nothing committed: {exc}") from exc
+    reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps(report).encode(), comm)]
+    hook("shards_written", partial)
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": comm.size, **meta, "files": reports}
+    agreed(lambda: commit(partial, final, manifest, hook), comm, only_rank0=True)
+    hook("committed", final)
     return final
 
 
@@ -240,8 +232,9 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(path: Path) -> dict:
-    """Check every file the manifest lists (size, then sha256) and that nothing else is there.
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
+    """Check that the manifest parses, nothing unlisted is there, every listed file has its size
+    and (for the files of this ``share`` = (index, count): every count-th from index) its sha256.
     Returns the manifest; raises CheckpointError naming the checkpoint, the file, expected and actual."""
     path = Path(path)
     manifest = read_manifest(path)
@@ -249,20 +242,27 @@ def verify(path: Path) -> dict:
     extra = sorted(p.name for p in path.iterdir() if p.name != MANIFEST and p.name not in listed)
     if extra:
         raise CheckpointError(f"checkpoint {path}: unexpected file(s) not listed in the manifest: {extra}")
+    expected = {e["path"]: f"expected {e['bytes']} bytes with sha256 {e['sha256']}" for e in manifest["files"]}
     for entry in manifest["files"]:
         file = path / entry["path"]
-        expected = f"expected {entry['bytes']} bytes with sha256 {entry['sha256']}"
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {entry['path']} is missing ({expected})")
+            raise CheckpointError(f"checkpoint {path}: file {entry['path']} is missing ({expected[entry['path']]})")
         size = file.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has {size} bytes, {expected} "
-                                  f"(truncated or overwritten)")
-        actual = _sha256_file(file)
+            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has {size} bytes, "
+                                  f"{expected[entry['path']]} (truncated or overwritten)")
+    index, count = share
+    for entry in manifest["files"][index::count]:
+        actual = _sha256_file(path / entry["path"])
         if actual != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has sha256 {actual}, {expected} "
-                                  f"(its contents changed)")
+            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has sha256 {actual}, "
+                                  f"{expected[entry['path']]} (its contents changed)")
     return manifest
+
+
+def verify_collectively(path: Path, comm: Comm) -> dict:
+    """``verify`` with the hashing split over the ranks; every rank returns or raises the same."""
+    return agreed(lambda: verify(path, share=(comm.rank, comm.size)), comm)
 
 
 def load_shard(path: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:

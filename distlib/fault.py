@@ -12,12 +12,13 @@ import errno
 import os
 import signal
 import sys
+from pathlib import Path
 
 from distlib.checkpoint import SaveHook
 from distlib.config import FaultConfig
 
 # fault.crash_in_save value -> the checkpoint.save hook point where the process dies
-_CRASH_POINTS = {"mid_shard": "shard_half_written", "before_manifest": "shards_written",
+_CRASH_POINTS = {"mid_shard": "shard_written", "before_manifest": "shards_written",
                  "before_commit": "manifest_written", "after_commit": "committed"}
 
 
@@ -30,6 +31,10 @@ def kill_self() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _truncate_to_half(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
 
 
 class Faults:
@@ -51,8 +56,10 @@ class Faults:
         crash_at = _CRASH_POINTS.get(self.cfg.crash_in_save or "")
         disk_full = self.cfg.disk_full_rank == self.rank
 
-        def hook(point: str) -> None:
-            if disk_full and point == "shard_half_written":
+        def hook(point: str, path: Path) -> None:
+            if point == "shard_written" and (disk_full or crash_at == point):
+                _truncate_to_half(path)  # what a full disk or a crash mid-write leaves behind
+            if disk_full and point == "shard_written":
                 raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by fault.disk_full_rank)")
             if point == crash_at:
                 print(f"fault: rank {self.rank} dies in the step-{step} save at {self.cfg.crash_in_save}",

@@ -119,34 +119,17 @@ class Trainer:
                 print(f"warning: checkpoint.keep_last could not remove an old checkpoint: {exc}", file=sys.stderr)
         return tensors, rank_state, checkpoint.read_manifest(path)
 
-    def _agreed(self, fn, only_rank0: bool = False):
-        """Run ``fn`` (on rank 0 only, or everywhere); if it fails on any rank, raise the same
-        CheckpointError on every rank instead of leaving the others waiting in a collective."""
-        result, error = None, ""
-        if self.comm.rank == 0 or not only_rank0:
-            try:
-                result = fn()
-            except Exception as exc:  # noqa: BLE001 - shared below, re-raised everywhere
-                error = str(exc) if isinstance(exc, checkpoint.CheckpointError) else f"{type(exc).__name__}: {exc}"
-        errors = [b.decode() for b in agree.gather_bytes(error.encode(), self.comm)]
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
-            if len({e for _, e in failed}) == 1 and (only_rank0 or len(failed) == self.comm.size):
-                raise checkpoint.CheckpointError(failed[0][1])
-            raise checkpoint.CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
-        return result
-
     def load(self, path: Path, model: MiniGPT, optimizer: ZeroOptimizer, verified: bool = False) -> int:
         """Verify ``path`` (rank 0 hashes every file, all ranks hear the verdict), check it fits,
         then restore this rank's optimizer partition (resharded if the checkpoint's world size
         differs), parameters, RNG and data position. Nothing is loaded unless all of it fits."""
         path = Path(path)
         if not verified:
-            self._agreed(lambda: checkpoint.verify(path), only_rank0=True)
-        manifest = self._agreed(lambda: checkpoint.read_manifest(path))
+            checkpoint.verify_collectively(path, self.comm)
+        manifest = checkpoint.agreed(lambda: checkpoint.read_manifest(path), self.comm)
         self._check_compatible(path, manifest, optimizer.layout)
-        state, rank_state, rng = self._agreed(
-            lambda: reshard.load_partition(path, manifest, self.comm.rank, self.comm.size))
+        state, rank_state, rng = checkpoint.agreed(
+            lambda: reshard.load_partition(path, manifest, self.comm.rank, self.comm.size), self.comm)
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:
             checkpoint.restore_rng(rng, rank_state["rng"])
@@ -199,32 +182,37 @@ class Trainer:
                                              + "\n  ".join(problems))
 
     def resolve_resume(self) -> tuple[Path | None, bool]:
-        """(checkpoint to resume from or None, whether it has been verified already)."""
+        """(checkpoint to resume from or None, whether it has been verified already). For "latest",
+        the ranks verify the candidates together, newest first; damaged ones are moved aside."""
         resume = self.cfg.checkpoint.resume
         if resume in (None, "", "none", "null"):
             return None, False
         if resume != "latest":
             return Path(resume), False
-
-        def newest() -> str:
-            path, damaged = checkpoint.latest_valid(self.ckpt_root)
-            if path is None and damaged:
+        listing = json.dumps([str(p) for p in checkpoint.list_committed(self.ckpt_root)]) if self.comm.rank == 0 else ""
+        candidates = [Path(p) for p in json.loads(agree.gather_bytes(listing.encode(), self.comm)[0])]
+        damaged = []
+        for path in reversed(candidates):
+            try:
+                checkpoint.verify_collectively(path, self.comm)
+            except checkpoint.CheckpointError as exc:
+                damaged.append((path, str(exc)))
+                continue
+            break
+        else:
+            if damaged:
                 raise checkpoint.CheckpointError(
                     f"checkpoint.resume=latest: none of the {len(damaged)} checkpoint(s) in {self.ckpt_root} "
                     f"verifies; the newest: {damaged[0][1]}")
+            self.say(f"resume: no checkpoint in {self.ckpt_root}; starting fresh")
+            return None, False
+        if self.comm.rank == 0:
             for bad, problem in damaged:
                 # Moved aside, not deleted: kept for inspection, and the rerun can save that step again.
                 print(f"resume: skipping a damaged checkpoint (moved to {checkpoint.quarantine(bad)}): {problem}",
                       file=sys.stderr, flush=True)
-            return "" if path is None else str(path)
-
-        chosen = self._agreed(newest, only_rank0=True)
-        chosen = agree.gather_bytes((chosen or "").encode(), self.comm)[0].decode()
-        if not chosen:
-            self.say(f"resume: no checkpoint in {self.ckpt_root}; starting fresh")
-            return None, False
-        self.say(f"resume: latest valid checkpoint is {chosen}")
-        return Path(chosen), True
+        self.say(f"resume: latest valid checkpoint is {path}")
+        return path, True
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> RunResult:
