@@ -65,6 +65,7 @@ class TrainConfig:
     grad_accum: int = 1
     global_batch: int | None = 16
     loss_tolerance: float = 1e-6
+    monotone_until_step: int = 20
 
     def __post_init__(self) -> None:
         for name in ("steps", "grad_accum"):
