@@ -127,6 +127,8 @@ if __name__ == "__main__":
         if not explicit:
             stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
             sys.argv.append(f"hydra.run.dir={_shared_run_dir(stamp)}")
+        if not any(arg.startswith("dist.world_size=") for arg in sys.argv[1:]):
+            sys.argv.append(f"dist.world_size={os.environ['WORLD_SIZE']}")  # torchrun decides
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
