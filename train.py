@@ -30,8 +30,8 @@ UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.envi
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank. Known failures (bad config, damaged checkpoint) print one line per rank and
-    exit 1; anything else keeps its traceback."""
+    """One rank. Known failures (bad config, damaged checkpoint) print one line and exit 1
+    (once, from rank 0, when the ranks agreed on the error first); anything else keeps its traceback."""
     rank = os.environ.get("RANK", "?")
     try:
         failures = _train(RunConfig.from_dict(tree), run_dir)
@@ -72,7 +72,7 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
     except (CheckpointError, ConfigError) as exc:
-        # Raised on every rank alike (they agree on it first); one clear line, not a traceback per rank.
+        # Raised on every rank alike (they agree on it first): one line, not one per rank.
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         failures = [str(exc)]
@@ -104,21 +104,10 @@ def _shared_run_dir(proposed: str) -> str:
     return store.compare_set(key, "", proposed).decode()
 
 
-class _NoTracebackForExitedWorkers(logging.Filter):
-    """A worker that exited with a status has printed its own error (or was killed, which the
-    summary line says); the launcher's traceback of that adds nothing. Raised exceptions still show."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from torch.multiprocessing import ProcessExitedException
-        return not (record.exc_info and isinstance(record.exc_info[1], ProcessExitedException))
-
-
 def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoTracebackForExitedWorkers())
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
