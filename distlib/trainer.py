@@ -120,7 +120,7 @@ class Trainer:
         return tensors, rank_state, checkpoint.read_manifest(path)
 
     def load(self, path: Path, model: MiniGPT, optimizer: ZeroOptimizer, verified: bool = False) -> int:
-        """Verify ``path`` (rank 0 hashes every file, all ranks hear the verdict), check it fits,
+        """Verify ``path`` (the ranks hash its files between them and share the verdict), check it fits,
         then restore this rank's optimizer partition (resharded if the checkpoint's world size
         differs), parameters, RNG and data position. Nothing is loaded unless all of it fits."""
         path = Path(path)
