@@ -9,6 +9,7 @@ Hydra composes conf/; this file only wires the pieces in distlib/ together.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 import uuid
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from distlib import report
+from distlib.checkpoint import CheckpointError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
 from distlib.trainer import Trainer
@@ -39,18 +41,31 @@ def use_deterministic_kernels() -> None:
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank: join the process group, train, report, and exit non-zero on a broken invariant."""
-    cfg = RunConfig.from_dict(tree)
+    """One rank. Known failures (bad config, damaged checkpoint) print one line and exit 1
+    (once, from rank 0, when the ranks agreed on the error first); anything else keeps its traceback."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        failures = _train(RunConfig.from_dict(tree), run_dir)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if failures:
+        sys.exit(1)
+
+
+def _train(cfg: RunConfig, run_dir: str) -> list[str]:
+    """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
     torch.set_num_threads(1)
     use_deterministic_kernels()
-    dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+    failures, rank = [], dist.get_rank()
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
             raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
                               f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
         result = Trainer(cfg, comm, Path(run_dir)).run()
-        failures = report.check_invariants(result, cfg.train.loss_tolerance)
+        failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
         if comm.rank == 0:
             report.write_json(result, failures, Path(run_dir) / "report.json")
             print(f"run directory: {run_dir}")
@@ -67,10 +82,28 @@ def worker(tree: dict, run_dir: str) -> None:
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
+    except (CheckpointError, ConfigError) as exc:
+        # Raised on every rank alike (they agree on it first): one line, not one per rank.
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        failures = [str(exc)]
     finally:
         dist.destroy_process_group()
-    if failures:
-        sys.exit(1)
+    return failures
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
+    does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
+    group's gloo addresses. So each attempt gets its own key prefix in that store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"distlib/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def _shared_run_dir(proposed: str) -> str:
@@ -90,6 +123,8 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="fork")
+    # The workers print their own one-line errors; the agent's tracebacks would bury them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, worker)(tree, run_dir)
     except ChildFailedError as exc:
@@ -123,6 +158,8 @@ if __name__ == "__main__":
         if not explicit:
             stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
             sys.argv.append(f"hydra.run.dir={_shared_run_dir(stamp)}")
+        if not any(arg.startswith("dist.world_size=") for arg in sys.argv[1:]):
+            sys.argv.append(f"dist.world_size={os.environ['WORLD_SIZE']}")  # torchrun decides
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]

@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -26,8 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from distlib import collectives as C  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
-import warnings  # noqa: E402
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
 
 OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
 ALGOS = {"broadcast": ("tree", "chain"), "reduce_scatter": ("direct", "ring"),
@@ -96,9 +96,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 sizes, fewer iterations (< 1 min)")
     ap.add_argument("--algos", action="store_true", help="also time each forced algorithm of ours")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 16); overrides the default list")
     args = ap.parse_args()
-    sizes = ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
-             else [1 << (10 + 2 * i) for i in range(9)])                # 1 KB .. 64 MB
+    sizes = args.sizes or ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
+                           else [1 << (10 + 2 * i) for i in range(9)])  # 1 KB .. 64 MB
     torch.set_num_threads(1)
     results = []
     for world in args.worlds:

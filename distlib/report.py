@@ -38,10 +38,11 @@ def _memory_ok(row: dict) -> bool:
     return all(0 <= row["measured"][k] - row["expected"][k] <= row["allowance"][k] for k in row["expected"])
 
 
-def check_invariants(result: RunResult, loss_tolerance: float) -> list[str]:
+def check_invariants(result: RunResult, loss_tolerance: float, monotone_until_step: int) -> list[str]:
     """The specification's four invariants; returns one message per violation."""
     failures = []
-    for prev, cur in zip(result.steps, result.steps[1:]):
+    window = [s for s in result.steps if s.step <= monotone_until_step]
+    for prev, cur in zip(window, window[1:]):
         if cur.loss > prev.loss * (1 + loss_tolerance):
             failures.append(f"invariant 1 (monotone loss): step {cur.step} loss {cur.loss!r} > "
                             f"step {prev.step} loss {prev.loss!r}")

@@ -55,3 +55,11 @@ def test_multirun_sweep_over_world_size(tmp_path):
     jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and (p / "report.json").exists())
     assert [re.sub(r"^\d+_", "", j) for j in jobs] == ["ws1_zero1", "ws2_zero1", "ws4_zero1"]
     assert proc.stdout.count("RESUME VERIFIED") == 3
+
+
+@pytest.mark.slow
+def test_torchrun_world_size_contradicting_the_config_is_refused(tmp_path):
+    from e2e import torchrun
+    proc = torchrun(tmp_path, "dist.world_size=4", nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "dist.world_size=4 but 2 processes were started" in proc.stderr
