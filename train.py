@@ -9,6 +9,7 @@ Hydra composes conf/; this file only wires the pieces in distlib/ together.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -164,3 +165,7 @@ if __name__ == "__main__":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     main()
+    # The run is over: files are closed and stdio is flushed by the interpreter regardless. Its
+    # last garbage collection would walk every object torch and Hydra created (~0.35 s per rank
+    # here, on the capstone's critical path); freezing them skips that walk.
+    gc.freeze()

@@ -5,7 +5,8 @@
 Imports what train.py imports (timing each group), wraps the functions that bound its phases
 (process-group init, Trainer construction, checkpoint save, the resume check, ...) so that each
 call records a timestamp, and then runs train.py as ``__main__`` with runpy. train.py itself is
-not modified. Each rank writes ``rank<R>.json``: wall-clock (time.time()) marks, in order.
+not modified. Each rank writes ``rank<R>.json``: (phase, wall clock, process CPU seconds) marks,
+in order.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _process_started_at() -> float:
 class Marks:
     def __init__(self, trace_dir: str | None):
         self.trace_dir = trace_dir
-        self.marks = [("process created", _process_started_at())]
+        self.marks = [("process created", _process_started_at(), 0.0)]
         if trace_dir:
             atexit.register(self.write)
 
@@ -40,8 +41,8 @@ class Marks:
         return Marks(os.environ.get("DISTLIB_TRACE_DIR"))
 
     def mark(self, phase: str) -> None:
-        repeats = sum(1 for name, _ in self.marks if name == phase or name.startswith(phase + " #"))
-        self.marks.append((f"{phase} #{repeats + 1}" if repeats else phase, time.time()))
+        repeats = sum(1 for name, *_ in self.marks if name == phase or name.startswith(phase + " #"))
+        self.marks.append((f"{phase} #{repeats + 1}" if repeats else phase, time.time(), time.process_time()))
 
     def write(self) -> None:
         self.mark("exit")

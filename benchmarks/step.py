@@ -1,7 +1,7 @@
 """One training step (forward, backward, optimizer): our ZeRO stages vs torch's DDP, ZeRO and FSDP2.
 
-    .venv/bin/python benchmarks/step.py            # tiny + medium, 2 and 4 ranks (~3 min on 2 cores)
-    .venv/bin/python benchmarks/step.py --quick    # fewer steps (~1 min)
+    .venv/bin/python benchmarks/step.py            # tiny + medium, 2 and 4 ranks (~4 min on 2 shared cores)
+    .venv/bin/python benchmarks/step.py --quick    # fewer steps (~1.5 min)
     .venv/bin/python benchmarks/step.py --models tiny --worlds 2
 
 Every variant trains its own copy of the same MiniGPT (same seed, so the same initial weights)
@@ -282,7 +282,7 @@ def main() -> None:
         print(f"note: our ZeRO stage {stage} is not benchmarked: the installed optimizer refuses it ({why})")
     rows = []
     for model_name in args.models:
-        steps = args.steps or {("tiny", False): 40, ("tiny", True): 12,
+        steps = args.steps or {("tiny", False): 100, ("tiny", True): 20,
                                ("medium", False): 10, ("medium", True): 4}[model_name, args.quick]
         for world in args.worlds:
             began = time.perf_counter()
