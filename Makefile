@@ -26,8 +26,14 @@ test-fast: $(STAMP)
 resume: $(STAMP)
 	bash scripts/resume.sh
 
+# Every benchmark, each against torch's own tool in the same run (< 10 min on 2 shared cores);
+# tables on stdout, JSON in benchmarks/results/. benchmarks/README.md explains the numbers.
 bench: $(STAMP)
-	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/collectives.py --quick
+	$(PY) benchmarks/step.py
+	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/startup.py
+	$(PY) benchmarks/checkpoint.py --params 10e6 --world-size 4
 
 clean:
 	rm -rf outputs multirun .pytest_cache
