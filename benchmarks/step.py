@@ -25,6 +25,7 @@ JSON: benchmarks/results/step.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -66,7 +67,6 @@ PEER = {0: "torch DDP", 1: "torch DDP", 2: "FSDP2 reshard=False", 3: "FSDP2 resh
 def our_stages() -> tuple[list[int], dict[int, str]]:
     """Stages the installed ZeRO implementation accepts (probed on one process), and why the
     others are not run."""
-    model = build_model(ModelConfig(n_layers=1), seed=0)
     factory = _our_factory()
     ok, skipped = [], {}
     for stage in (0, 1, 2, 3):
@@ -75,7 +75,6 @@ def our_stages() -> tuple[list[int], dict[int, str]]:
             ok.append(stage)
         except (ValueError, NotImplementedError) as exc:
             skipped[stage] = str(exc)
-    del model
     return ok, skipped
 
 
@@ -298,7 +297,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"quick": args.quick, "torch": torch.__version__, "cores": os.cpu_count(),
-                   "loss_rtol": LOSS_RTOL, "adamw": vars(ADAMW) if hasattr(ADAMW, "__dict__") else str(ADAMW),
+                   "loss_rtol": LOSS_RTOL, "adamw": dataclasses.asdict(ADAMW),
                    "skipped_stages": skipped, "warmup": args.warmup,
                    "unit": "ms per step: median over timed iterations of the slowest rank",
                    "results": rows}, f, indent=1)
