@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from distlib import report
+from distlib import data, report
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
+from distlib.tokens import DataError
 from distlib.trainer import Trainer
 
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
@@ -93,7 +94,8 @@ def main(cfg: DictConfig) -> None:
     tree = OmegaConf.to_container(cfg, resolve=True)
     try:
         run_cfg = RunConfig.from_dict(tree)
-    except ConfigError as exc:
+        data.check_source(run_cfg)
+    except (ConfigError, DataError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
