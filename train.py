@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from distlib import data, report
+from distlib import data, report, slurm
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
 from distlib.tokens import DataError
@@ -100,6 +100,10 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
     if UNDER_TORCHRUN:
+        worker(tree, run_dir)
+    elif slurm.is_submitit_task(os.environ):
+        # hydra/launcher=submitit_slurm: every SLURM task is one rank (see distlib/slurm.py)
+        os.environ.update(slurm.torch_env(os.environ))
         worker(tree, run_dir)
     else:
         _launch(tree, run_dir, run_cfg.dist.world_size)
