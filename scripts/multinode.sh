@@ -120,8 +120,12 @@ for i in 0 1; do
     fi
 done
 if [[ ${RC[0]} != 0 || ${RC[1]} != 0 ]]; then
-    echo "multinode: the 2x$NPROC job failed (node0 exit ${RC[0]}, node1 exit ${RC[1]}); last lines:" >&2
-    for i in 0 1; do echo "--- node$i.log" >&2; tail -n 25 "$WORK/node$i.log" >&2; done
+    echo "multinode: the 2x$NPROC job failed (node0 exit ${RC[0]}, node1 exit ${RC[1]}); excerpts:" >&2
+    for i in 0 1; do   # without torchrun's own I/W log lines, the first error is near the top
+        echo "--- node$i.log (first and last lines; full log in $WORK/node$i.log)" >&2
+        grep -v -E '^[IW][0-9]{4} ' "$WORK/node$i.log" | awk 'NR <= 30 { print; next } { tail[NR % 15] = $0 }
+            END { if (NR > 30) { print "..."; for (i = NR - 14; i <= NR; i++) if (i > 30) print tail[i % 15] } }' >&2
+    done
     exit 1
 fi
 RUN="$(grep -h '^run directory: ' "$WORK/node0.log" "$WORK/node1.log" | head -n 1 | cut -d' ' -f3-)"
