@@ -64,7 +64,14 @@ def worker(tree: dict, run_dir: str) -> None:
 
 def _shared_run_dir(proposed: str) -> str:
     """Under torchrun every rank runs Hydra; the first rank to ask fixes the run directory
-    for all of them (and for restarts of the same job) through torchrun's own store."""
+    for all of them (and for restarts of the same job) through torchrun's own store. That is the
+    store of agent rank 0's node (MASTER_ADDR:MASTER_PORT, which every node must reach anyway for
+    init_process_group), so this works across hosts as it does on one."""
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        # Then no store listens on MASTER_PORT until rank 0's init_process_group: waiting would hang.
+        sys.exit("error: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun starts no store before the process "
+                 "group, so the ranks cannot agree on a run directory; pass hydra.run.dir=<a directory every "
+                 "node sees>")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=60))
     key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"

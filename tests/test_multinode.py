@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -122,3 +123,15 @@ def test_a_failed_two_node_job_still_removes_its_namespaces(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "the 2x2 job failed" in result.stderr and "no_such_key" in result.stderr
     assert left == [] and not any(Path("/etc/netns").glob(f"{name}-*"))
+
+
+@pytest.mark.slow
+def test_run_dir_agreement_refuses_torchrun_without_a_shared_store(tmp_path):
+    """With torchrun's store sharing switched off there is nothing to agree through: fail, never hang."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(ROOT / "train.py"),
+                           "dist.world_size=2"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "pass hydra.run.dir=" in proc.stderr
+    assert not (tmp_path / "outputs").exists()
