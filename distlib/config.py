@@ -69,23 +69,25 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20
-    batch_size: int = 4
+    batch_size: int | None = None
     grad_accum: int = 1
-    global_batch: int | None = None
-    loss_tolerance: float | None = 1e-6   # None: no monotone-loss check (real text is noisy)
-    eval_every: int = 0                   # validation loss every K steps; 0 = off
-    eval_windows: int = 128               # held-out windows per evaluation
+    global_batch: int | None = 16
+    loss_tolerance: float = 1e-6
+    monotone_until_step: int = 20
+    eval_every: int = 0          # validation loss every K steps; 0 = off
+    eval_windows: int = 128      # held-out windows per evaluation
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "eval_windows"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0 (0 disables), got {self.eval_every}")
-        if self.loss_tolerance is not None and self.loss_tolerance < 0:
-            raise ConfigError(f"train.loss_tolerance must be >= 0 or null, got {self.loss_tolerance}")
-        if self.global_batch is not None and self.global_batch < 1:
-            raise ConfigError(f"train.global_batch must be >= 1 or null, got {self.global_batch}")
+        for name in ("steps", "grad_accum", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_size", "global_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.batch_size is None and self.global_batch is None:
+            raise ConfigError("set train.global_batch or train.batch_size (both are null)")
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,19 @@ class RunConfig:
         t = self.train
         return t.global_batch if t.global_batch is not None else t.batch_size * self.dist.world_size * t.grad_accum
 
+    def _check_batch(self) -> None:
+        t, ranks = self.train, self.dist.world_size
+        if self.global_batch % (ranks * t.grad_accum):
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} does not divide into dist.world_size={ranks} rank(s) x "
+                f"train.grad_accum={t.grad_accum} micro-batch(es); use a multiple of {ranks * t.grad_accum}")
+        derived = self.global_batch // (ranks * t.grad_accum)
+        if t.batch_size is not None and t.batch_size != derived:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} contradicts train.global_batch={self.global_batch} / "
+                f"(dist.world_size={ranks} x train.grad_accum={t.grad_accum}) = {derived}; set only one of them "
+                f"(train.global_batch=null to size the batch per rank)")
+
     @staticmethod
     def from_dict(tree: dict) -> "RunConfig":
         tree = {k: v for k, v in tree.items() if k != "hydra"}
@@ -140,6 +155,7 @@ class RunConfig:
             dist=_build(DistConfig, "dist", tree.get("dist", {})),
             seed=int(tree.get("seed", 1234)),
         )
+        cfg._check_batch()
         if cfg.data.kind == "synthetic" and cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
                               f"({cfg.model.seq_len})")

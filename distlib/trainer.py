@@ -202,7 +202,7 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         try:
-            for inputs, targets in self.heldout.batches(self.comm.rank, self.comm.size, self.cfg.train.batch_size):
+            for inputs, targets in self.heldout.batches(self.comm.rank, self.comm.size, self.data.plan.micro_batch):
                 total += float(self.model(inputs, targets)) * targets.numel()
                 count += targets.numel()
         finally:

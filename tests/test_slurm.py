@@ -68,7 +68,7 @@ def test_two_slurm_tasks_train_as_two_ranks(tmp_path):
                "SLURM_LOCALID": str(rank), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost",
                "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), "dist.world_size=2", "train.global_batch=16", "train.steps=4",
+            [sys.executable, str(ROOT / "train.py"), "dist.world_size=2", "train.steps=4",
              "checkpoint.every_steps=2",
              f"hydra.run.dir={tmp_path}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []

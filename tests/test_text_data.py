@@ -25,7 +25,7 @@ from trainrun import compose_tree, train
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "sample.txt"
-SMALL = ["model.seq_len=16", "model.dim=32", "train.batch_size=4"]
+SMALL = ["model.seq_len=16", "model.dim=32"]
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def _cfg(overrides: list[str]) -> RunConfig:
 
 def test_data_text_sets_byte_vocab_and_refuses_another(sample):
     cfg = _cfg(["data=text", f"data.path={sample}"])
-    assert cfg.model.vocab_size == 256 and cfg.data.kind == "text" and cfg.train.loss_tolerance is None
+    assert cfg.model.vocab_size == 256 and cfg.data.kind == "text" and cfg.train.monotone_until_step == 0
     with pytest.raises(ConfigError, match="model.vocab_size=64"):
         _cfg(["data=text", f"data.path={sample}", "model.vocab_size=64"])
     with pytest.raises(ConfigError, match="data.val_fraction > 0"):
@@ -150,7 +150,7 @@ def test_data_text_sets_byte_vocab_and_refuses_another(sample):
 def test_default_config_is_unchanged_by_the_new_keys():
     cfg = _cfg([])
     assert (cfg.data.kind, cfg.data.val_fraction, cfg.train.eval_every) == ("synthetic", 0.0, 0)
-    assert cfg.model.vocab_size == 64 and cfg.train.loss_tolerance == 1e-6
+    assert cfg.model.vocab_size == 64 and cfg.train.monotone_until_step == 20
 
 
 @pytest.mark.parametrize("case, expect", [
