@@ -29,7 +29,7 @@ def trained(tmp_path_factory):
     text = tmp / "sample.txt"
     shutil.copy(ROOT / "data" / "sample.txt", text)
     tree = compose_tree(["data=text", f"data.path={text}", "model.seq_len=16", "model.dim=24", "model.n_heads=3",
-                         "train.steps=6", "checkpoint.every_steps=6", "dist.world_size=3",
+                         "train.steps=6", "checkpoint.every_steps=6", "dist.world_size=3", "train.global_batch=12",
                          "checkpoint.verify_resume=false"])
     ranks = run_ranks(train, 3, tree, str(tmp / "run"))
     ckpt = tmp / "run" / "checkpoints" / "step_00000006"
