@@ -191,8 +191,11 @@ def load_text_tokens(source: str, cache_dir: str | None, comm: Comm) -> tuple[np
         try:
             target, sha, _ = ensure_token_file(path, cache_dir)
             report = "ok " + sha
-        except (DataError, OSError) as exc:
+        except DataError as exc:
             report = f"error {exc}"
+        except Exception as exc:  # noqa: BLE001 - every rank must hear it, or they wait forever
+            report = (f"error tokenizing data.path {path} into {token_file_path(path, cache_dir)} failed: "
+                      f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)")
     verdict = agree.gather_bytes(report.encode(), comm)[0].decode()
     if verdict.startswith("error "):
         raise DataError(verdict[len("error "):])

@@ -125,6 +125,14 @@ def _load_expect_error(comm: Comm, source: str) -> str:
     return "no error"
 
 
+def _load_with_cache(comm: Comm, source: str, cache: str) -> str:
+    try:
+        tokens.load_text_tokens(source, cache, comm)
+    except DataError as exc:
+        return str(exc)
+    return "no error"
+
+
 def test_bad_utf8_is_refused_on_every_rank(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"fine text\n" * 10 + b"\xff\xfe broken")
@@ -267,3 +275,10 @@ def test_loss_table_shows_validation_only_when_evaluated():
     evaluated = RunResult(0, [StepLog(1, 2.0, 0.5, [1.0], 0.01), StepLog(2, 1.5, 0.4, [1.0], 0.01, 1.75)])
     table = loss_table(evaluated).splitlines()
     assert "val loss" in table[0] and "1.750000" in table[2] and "1.750000" not in table[1]
+
+
+def test_unwritable_token_file_location_is_reported_on_every_rank(sample, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory should be")
+    messages = run_ranks(_load_with_cache, 2, str(sample), str(blocked / "cache"))
+    assert messages[0] == messages[1] and "data.cache_dir" in messages[0] and "tokenizing" in messages[0]
