@@ -31,8 +31,8 @@ UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.envi
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank. Known failures (bad config, damaged checkpoint) print one line per rank and
-    exit 1; anything else keeps its traceback."""
+    """One rank. Known failures (bad config, damaged checkpoint) print one line and exit 1
+    (once, from rank 0, when the ranks agreed on the error first); anything else keeps its traceback."""
     rank = os.environ.get("RANK", "?")
     try:
         failures = _train(RunConfig.from_dict(tree), run_dir)
@@ -47,7 +47,8 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
     """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+    failures, rank = [], dist.get_rank()
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
@@ -71,9 +72,28 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
+    except (CheckpointError, ConfigError) as exc:
+        # Raised on every rank alike (they agree on it first): one line, not one per rank.
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        failures = [str(exc)]
     finally:
         dist.destroy_process_group()
     return failures
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
+    does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
+    group's gloo addresses. So each attempt gets its own key prefix in that store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"distlib/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def _shared_run_dir(proposed: str) -> str:

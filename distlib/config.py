@@ -39,10 +39,13 @@ class CheckpointConfig:
     every_steps: int = 10
     resume: str | None = None
     verify_resume: bool = True
+    keep_last: int = 0
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:
             raise ConfigError(f"checkpoint.every_steps must be >= 0, got {self.every_steps}")
+        if self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,26 @@ class DistConfig:
             raise ConfigError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
 
 
+SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_commit")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for tests; every field None means no fault."""
+    kill_rank: int | None = None           # this rank SIGKILLs itself ...
+    kill_at_step: int | None = None        # ... after finishing this step (first torchrun attempt only)
+    crash_in_save: str | None = None       # every rank reaching this point of a save SIGKILLs itself
+    disk_full_rank: int | None = None      # this rank's shard write fails with ENOSPC
+    save_fault_step: int | None = None     # the save (by step) the two above hit; None: the first one
+
+    def __post_init__(self) -> None:
+        if (self.kill_rank is None) != (self.kill_at_step is None):
+            raise ConfigError("fault.kill_rank and fault.kill_at_step must be set together")
+        if self.crash_in_save is not None and self.crash_in_save not in SAVE_CRASH_POINTS:
+            raise ConfigError(f"fault.crash_in_save must be one of {list(SAVE_CRASH_POINTS)}, "
+                              f"got {self.crash_in_save!r}")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -114,6 +137,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     seed: int = 1234
 
     @property
@@ -153,6 +177,7 @@ class RunConfig:
             data=_build(DataConfig, "data", tree.get("data", {})),
             train=_build(TrainConfig, "train", tree.get("train", {})),
             dist=_build(DistConfig, "dist", tree.get("dist", {})),
+            fault=_build(FaultConfig, "fault", tree.get("fault") or {}),
             seed=int(tree.get("seed", 1234)),
         )
         cfg._check_batch()
@@ -166,6 +191,10 @@ class RunConfig:
         if cfg.train.eval_every and cfg.data.val_fraction <= 0:
             raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
                               f"data.val_fraction > 0 (e.g. 0.1)")
+        for key in ("kill_rank", "disk_full_rank"):
+            rank = getattr(cfg.fault, key)
+            if rank is not None and not 0 <= rank < cfg.dist.world_size:
+                raise ConfigError(f"fault.{key}={rank} is not a rank of dist.world_size={cfg.dist.world_size}")
         return cfg
 
 

@@ -3,11 +3,12 @@
 A sharded checkpoint is verified first (every file's size and sha256 against
 the manifest), then the full fp32 parameters are reassembled: rank r's shard
 holds partition r of the flat, padded ``master`` buffer, so concatenating the
-partitions in rank order gives the flat buffer, and the manifest's layout says
-where each named parameter sits in it. A consolidated ``model.safetensors``
-(MiniGPT state_dict keys) is read directly; its model shape comes from the
-file's ``model`` metadata (JSON of ModelConfig) or, failing that, from the
-tensor shapes plus an explicit head count.
+partitions in rank order gives the flat buffer (``reshard.full_state``), and
+the manifest's layout says where each named parameter sits in it. A
+consolidated ``model.safetensors`` (``scripts/ckpt.py consolidate``: MiniGPT
+state_dict keys) is read directly; its model shape comes from the file's
+``model`` metadata (JSON of ModelConfig) or, failing that, from the tensor
+shapes plus an explicit head count.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import safetensors
 import torch
 
-from distlib import checkpoint
+from distlib import checkpoint, reshard
 from distlib.model import MiniGPT, ModelConfig
 from distlib.zero import FlatLayout
 
@@ -26,29 +27,9 @@ class SampleError(ValueError):
     """A checkpoint or request that cannot be sampled from, with the reason."""
 
 
-def flat_params_from_shards(path: Path, manifest: dict) -> torch.Tensor:
-    """The unpadded flat fp32 parameters of a verified sharded checkpoint."""
-    layout = FlatLayout.from_dict(manifest["layout"])
-    shard_numel = manifest["layout"]["shard_numel"]
-    parts = []
-    for entry in sorted(manifest["files"], key=lambda e: e["rank"]):
-        with safetensors.safe_open(str(Path(path) / entry["path"]), framework="pt") as f:
-            if "master" not in f.keys():
-                raise SampleError(f"checkpoint {path}: shard {entry['path']} has no 'master' tensor")
-            master = f.get_tensor("master")
-        if master.shape != (shard_numel,) or master.dtype != torch.float32:
-            raise SampleError(f"checkpoint {path}: shard {entry['path']} master is {tuple(master.shape)} "
-                              f"{master.dtype}, the manifest's layout says ({shard_numel},) float32")
-        parts.append(master)
-    flat = torch.cat(parts)
-    if flat.numel() < layout.numel:
-        raise SampleError(f"checkpoint {path}: shards hold {flat.numel()} parameters, layout needs {layout.numel}")
-    return flat[:layout.numel]
-
-
 def model_from_sharded(path: Path) -> MiniGPT:
     manifest = checkpoint.verify(path)
-    flat = flat_params_from_shards(path, manifest)
+    flat = reshard.full_state(path, manifest)["master"]
     model = MiniGPT(ModelConfig(**manifest["model"]))
     state = {}
     for slot in FlatLayout.from_dict(manifest["layout"]).slots:

@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from distlib import sampling
+from distlib import reshard, sampling
 from distlib.checkpoint import CheckpointError
 from distlib.model import ModelConfig
 from distlib.tokens import ByteTokenizer
@@ -58,7 +58,7 @@ def test_a_damaged_shard_is_refused_before_loading(trained, tmp_path):
     blob = bytearray(shard.read_bytes())
     blob[-5] ^= 0xFF
     shard.write_bytes(bytes(blob))
-    with pytest.raises(CheckpointError, match="rank00001.safetensors sha256"):
+    with pytest.raises(CheckpointError, match="rank00001.safetensors has sha256"):
         sampling.load_model(copy)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(copy), "--prompt", "Rank", "--tokens", "5"],
                           capture_output=True, text=True, timeout=120)
@@ -110,8 +110,7 @@ def test_consolidated_safetensors_gives_the_same_model(trained, tmp_path):
     ckpt, params = trained
     model = sampling.load_model(ckpt)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    with_meta = tmp_path / "model.safetensors"
-    safetensors.torch.save_file(model.state_dict(), str(with_meta), metadata={"model": json.dumps(manifest["model"])})
+    with_meta, = reshard.consolidate(ckpt, tmp_path / "consolidated")   # what scripts/ckpt.py consolidate writes
     again = sampling.load_model(with_meta)
     assert again.cfg == model.cfg and torch.equal(_flat(again), params)
 

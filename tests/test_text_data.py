@@ -239,7 +239,7 @@ def test_resume_refuses_a_changed_text_file(sample, tmp_path):
     run_ranks(train, 2, compose_tree(common), str(tmp_path / "a"))
     sample.write_text(sample.read_text(encoding="utf-8").replace("rank", "Rank"), encoding="utf-8")
     ckpt = tmp_path / "a" / "checkpoints" / "step_00000002"
-    with pytest.raises(AssertionError, match="data source differ"):
+    with pytest.raises(AssertionError, match="data source: checkpoint"):
         run_ranks(train, 2, compose_tree(common + [f"checkpoint.resume={ckpt}", "train.steps=4"]),
                   str(tmp_path / "b"))
 
