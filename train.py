@@ -72,7 +72,7 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
-    except (CheckpointError, ConfigError) as exc:
+    except (CheckpointError, ConfigError, DataError) as exc:
         # Raised on every rank alike (they agree on it first): one line, not one per rank.
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)

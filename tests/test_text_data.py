@@ -189,6 +189,18 @@ def test_train_py_refuses_a_missing_text_file_with_exit_2(tmp_path):
     assert f"data.path {tmp_path / 'nope.txt'} does not exist" in proc.stderr
 
 
+@pytest.mark.slow
+def test_train_py_reports_invalid_utf8_once(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"some text " * 100 + b"\xc3(")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=text", f"data.path={bad}",
+                           "dist.world_size=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "is not UTF-8 text" in line]
+    assert lines == [f"error: data.path {bad} is not UTF-8 text: invalid continuation byte at byte 1000"], proc.stderr
+
+
 # -- batches ---------------------------------------------------------------------
 def test_text_batches_are_deterministic_and_independent_of_world_size(sample):
     mapped, _ = tokens.open_tokens(tokens.ensure_token_file(sample)[0])
