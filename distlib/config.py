@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from distlib.adamw import AdamWConfig
 from distlib.model import ModelConfig
+from distlib.tokens import BYTE_VOCAB
 
 
 class ConfigError(ValueError):
@@ -49,16 +50,23 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: str = "synthetic"
-    seed: int = 0
-    total_tokens: int = 65536
-    follow_prob: float = 0.9
+    kind: str = "synthetic"          # synthetic | text
+    seed: int = 0                    # synthetic only
+    total_tokens: int = 65536        # synthetic only
+    follow_prob: float = 0.9         # synthetic only
+    path: str | None = None          # text only: a UTF-8 file
+    cache_dir: str | None = None     # text only: where the token file goes (null: next to the source)
+    val_fraction: float = 0.0        # held-out tail of the tokens, never trained on
 
     def __post_init__(self) -> None:
-        if self.kind != "synthetic":
-            raise ConfigError(f"data.kind must be 'synthetic', got {self.kind!r}")
+        if self.kind not in ("synthetic", "text"):
+            raise ConfigError(f"data.kind must be 'synthetic' or 'text', got {self.kind!r}")
         if not 0.0 <= self.follow_prob <= 1.0:
             raise ConfigError(f"data.follow_prob must be in [0, 1], got {self.follow_prob}")
+        if self.kind == "text" and not self.path:
+            raise ConfigError("data.kind=text needs data.path: the UTF-8 text file to train on")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,13 @@ class TrainConfig:
     global_batch: int | None = 16
     loss_tolerance: float = 1e-6
     monotone_until_step: int = 20
+    eval_every: int = 0          # validation loss every K steps; 0 = off
+    eval_windows: int = 128      # held-out windows per evaluation
 
     def __post_init__(self) -> None:
-        for name in ("steps", "grad_accum"):
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0 (0 disables), got {self.eval_every}")
+        for name in ("steps", "grad_accum", "eval_windows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("batch_size", "global_batch"):
@@ -169,9 +181,16 @@ class RunConfig:
             seed=int(tree.get("seed", 1234)),
         )
         cfg._check_batch()
-        if cfg.data.total_tokens < cfg.model.seq_len + 1:
+        if cfg.data.kind == "synthetic" and cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
                               f"({cfg.model.seq_len})")
+        if cfg.data.kind == "text" and cfg.model.vocab_size != BYTE_VOCAB:
+            raise ConfigError(f"data.kind=text uses the byte-level tokenizer ({BYTE_VOCAB} tokens) but "
+                              f"model.vocab_size={cfg.model.vocab_size}; drop the override (data=text sets "
+                              f"{BYTE_VOCAB}) or pass model.vocab_size={BYTE_VOCAB}")
+        if cfg.train.eval_every and cfg.data.val_fraction <= 0:
+            raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
+                              f"data.val_fraction > 0 (e.g. 0.1)")
         for key in ("kill_rank", "disk_full_rank"):
             rank = getattr(cfg.fault, key)
             if rank is not None and not 0 <= rank < cfg.dist.world_size:

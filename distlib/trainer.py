@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distlib import agree, checkpoint, reshard
+from distlib import agree, checkpoint, data, reshard
 from distlib.comm import Comm
 from distlib.config import RunConfig
-from distlib.data import BatchPlan, GlobalBatches, make_corpus
+from distlib.data import BatchPlan
 from distlib.ddp import DataParallel
 from distlib.fault import Faults
 from distlib.model import MiniGPT, build_model
@@ -36,6 +36,7 @@ class StepLog:
     grad_norm: float
     param_norms: list[float]     # one per rank, after the update
     seconds: float
+    val_loss: float | None = None  # held-out loss after this step, on evaluation steps
 
 
 @dataclass
@@ -80,8 +81,7 @@ class Trainer:
         seed_process_rngs(cfg.seed, comm.rank)
         self.ckpt_root = self.run_dir / cfg.checkpoint.dir
         plan = BatchPlan(cfg.global_batch, comm.size, cfg.train.grad_accum)
-        corpus = make_corpus(cfg.data.seed, cfg.data.total_tokens, cfg.model.vocab_size, cfg.data.follow_prob)
-        self.data = GlobalBatches(corpus, cfg.model.seq_len, plan, cfg.seed)
+        self.data, self.heldout = data.build(cfg, comm, plan)
         self.model, self.optimizer = self.build(seed=cfg.seed)
         self.faults = Faults(cfg.fault, comm.rank)
 
@@ -162,7 +162,9 @@ class Trainer:
             problems += shapes or ["same parameters and shapes, but a different order in the flat layout"]
         data_config = dataclasses.asdict(self.cfg.data)
         for key, value in manifest.get("data_config", {}).items():
-            if data_config.get(key) != value:
+            # A text file is identified by its sha256 (the position's "source"), not by where it
+            # or its token file lives, so a moved file still resumes and a changed one does not.
+            if key not in ("path", "cache_dir") and data_config.get(key) != value:
                 problems.append(f"data.{key}: checkpoint {value}, this run {data_config.get(key)} "
                                 f"(a different corpus)")
         saved_position, position = manifest.get("data"), self.data.position(int(manifest["step"]))
@@ -174,6 +176,9 @@ class Trainer:
                     f"train.global_batch={saved_position['global_batch']} (any world size that divides it)")
             if saved_position["seed"] != position["seed"]:
                 problems.append(f"seed (data order): checkpoint {saved_position['seed']}, this run {position['seed']}")
+            if saved_position.get("source") != position.get("source"):
+                problems.append(f"data source: checkpoint {saved_position.get('source')}, this run "
+                                f"{position.get('source')} (the text file's content changed)")
             if saved_position["num_windows"] != position["num_windows"]:
                 problems.append(f"training windows in the corpus: checkpoint {saved_position['num_windows']}, "
                                 f"this run {position['num_windows']}")
@@ -239,11 +244,15 @@ class Trainer:
                 global_loss = agree.mean(local_loss, comm)
                 norms = [row[0] for row in agree.gather([self.optimizer.param_norm()], comm)]
                 seconds = time.perf_counter() - began
-                result.steps.append(StepLog(step, global_loss, grad_norm, norms, seconds))
+                val_loss = self.evaluate() if cfg.train.eval_every and step % cfg.train.eval_every == 0 else None
+                result.steps.append(StepLog(step, global_loss, grad_norm, norms, seconds, val_loss))
                 if metrics:
-                    metrics.write(json.dumps({"step": step, "loss": global_loss, "loss_hex": global_loss.hex(),
-                                              "grad_norm": grad_norm, "param_norm": norms[0],
-                                              "lr": cfg.optimizer.adamw.lr, "step_time_s": seconds}) + "\n")
+                    record = {"step": step, "loss": global_loss, "loss_hex": global_loss.hex(),
+                              "grad_norm": grad_norm, "param_norm": norms[0],
+                              "lr": cfg.optimizer.adamw.lr, "step_time_s": seconds}
+                    if val_loss is not None:
+                        record.update(val_loss=val_loss, val_loss_hex=val_loss.hex())
+                    metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     tensors, rank_state, manifest = self.save(step)
@@ -259,6 +268,21 @@ class Trainer:
         if snapshot is not None and cfg.checkpoint.verify_resume:
             result.resume_check = self.verify_resume(*snapshot)
         return result
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean per-token loss over the held-out windows: each rank scores its share, the
+        (sum, count) pairs are combined in rank order, so every rank gets the same value."""
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            for inputs, targets in self.heldout.batches(self.comm.rank, self.comm.size, self.data.plan.micro_batch):
+                total += float(self.model(inputs, targets)) * targets.numel()
+                count += targets.numel()
+        finally:
+            self.model.train()
+        rows = agree.gather([total, float(count)], self.comm)
+        return sum(row[0] for row in rows) / sum(row[1] for row in rows)
 
     def memory_report(self) -> list[dict]:
         measured = self.optimizer.memory_bytes()
