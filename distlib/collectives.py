@@ -124,13 +124,13 @@ def _flat(t: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- reduce_scatter
 
-def _rs_direct(flat: Tensor, comm: Comm, op: str) -> Tensor:
+def _rs_direct(flat: Tensor, comm: Comm, op: str, bounds: list[tuple[int, int]]) -> Tensor:
     """Send chunk j straight to rank j; the owner reduces all N parts in rank order 0..N-1."""
     p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
-    lo, hi = chunk_bounds(flat.numel(), n)[me]
+    lo, hi = bounds[me]
     parts = [flat[lo:hi] if j == me else torch.empty(hi - lo, dtype=flat.dtype) for j in range(n)]
     handles = [p2p.recv(parts[j], j) for j in range(n) if j != me]
-    handles += [p2p.send(flat[a:b], j) for j, (a, b) in enumerate(chunk_bounds(flat.numel(), n)) if j != me]
+    handles += [p2p.send(flat[a:b], j) for j, (a, b) in enumerate(bounds) if j != me]
     p2p.wait(*handles)
     out = parts[0].clone()
     for part in parts[1:]:
@@ -138,14 +138,13 @@ def _rs_direct(flat: Tensor, comm: Comm, op: str) -> Tensor:
     return out
 
 
-def _rs_ring(flat: Tensor, comm: Comm, op: str) -> Tensor:
+def _rs_ring(flat: Tensor, comm: Comm, op: str, bounds: list[tuple[int, int]]) -> Tensor:
     """Ring: at step s pass the partial sum of chunk (me-s-1) right and fold ours into the one
     arriving from the left; after N-1 steps chunk `me` has visited every rank. Each step is
     split in segments so reducing one segment overlaps receiving the next."""
     p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
-    bounds = chunk_bounds(flat.numel(), n)
     right, left = me + 1, me - 1
-    width = bounds[0][1] - bounds[0][0]
+    width = max(b - a for a, b in bounds)
     bufs = [torch.empty(width, dtype=flat.dtype) for _ in range(2)]
     sending = flat[slice(*bounds[(me - 1) % n])]        # step 0 sends our own contribution
     for step in range(n - 1):
@@ -162,17 +161,33 @@ def _rs_ring(flat: Tensor, comm: Comm, op: str) -> Tensor:
     return sending if sending.numel() == width else sending.clone()
 
 
-def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
-    """This rank's chunk (chunk_bounds(numel, N)[rank]) of the elementwise reduction, as a new
-    1-D tensor. ``tensor`` is read only. algo: None (by size), "direct" or "ring"."""
+def _check_bounds(bounds: list[tuple[int, int]] | None, numel: int, comm: Comm, name: str) -> list[tuple[int, int]]:
+    """``bounds`` (one (start, end) per rank, contiguous, covering the tensor, possibly empty or
+    uneven) or, when None, the even split of chunk_bounds."""
+    if bounds is None:
+        return chunk_bounds(numel, comm.size)
+    bounds = [(int(a), int(b)) for a, b in bounds]
+    ends = [0] + [b for _, b in bounds]
+    if len(bounds) != comm.size or any(a != e or b < a for (a, b), e in zip(bounds, ends)) or ends[-1] != numel:
+        raise ValueError(f"{name}: bounds {bounds} must be {comm.size} contiguous (start, end) pairs "
+                         f"covering [0, {numel})")
+    return bounds
+
+
+def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None,
+                   bounds: list[tuple[int, int]] | None = None) -> Tensor:
+    """This rank's chunk (``bounds[rank]``, default chunk_bounds(numel, N)[rank]) of the elementwise
+    reduction, as a new 1-D tensor. ``tensor`` is read only. algo: None (by size), "direct" or
+    "ring". Uneven ``bounds`` let ZeRO reduce a bucket straight into each rank's partition."""
     _check_op(op, tensor.dtype)
     flat = _flat(tensor)
+    bounds = _check_bounds(bounds, flat.numel(), comm, "reduce_scatter")
     if comm.size == 1:
         return flat.clone()
     algo = algo or ("direct" if flat.numel() * flat.element_size() <= RS_DIRECT_MAX_BYTES else "ring")
     if algo not in ("direct", "ring"):
         raise ValueError(f"unknown reduce_scatter algorithm {algo!r}")
-    out = (_rs_direct if algo == "direct" else _rs_ring)(flat, comm, op)
+    out = (_rs_direct if algo == "direct" else _rs_ring)(flat, comm, op, bounds)
     if op == "avg":
         out.div_(comm.size)     # once, on the owner, so every rank later gets the same bytes
     return out
@@ -180,21 +195,19 @@ def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | N
 
 # --------------------------------------------------------------------------- all_gather
 
-def _ag_direct(flat: Tensor, comm: Comm) -> None:
+def _ag_direct(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
     """Everyone sends its chunk to everyone, in one round, straight into `flat`."""
     p2p, me = _P2P("all_gather", comm), comm.rank
-    bounds = chunk_bounds(flat.numel(), comm.size)
     mine = flat[slice(*bounds[me])]
     handles = [p2p.recv(flat[a:b], j) for j, (a, b) in enumerate(bounds) if j != me]
     handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]
     p2p.wait(*handles)
 
 
-def _ag_ring(flat: Tensor, comm: Comm) -> None:
+def _ag_ring(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
     """Ring: chunk (me-s) travels right at step s. All receives land in their final place in
     `flat`, so they are posted up front and each segment is forwarded as soon as it lands."""
     p2p, n, me = _P2P("all_gather", comm), comm.size, comm.rank
-    bounds = chunk_bounds(flat.numel(), n)
 
     def segs(chunk):
         lo, hi = bounds[chunk % n]
@@ -211,11 +224,14 @@ def _ag_ring(flat: Tensor, comm: Comm) -> None:
     p2p.wait(*sends)
 
 
-def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = None) -> Tensor:
-    """Fill ``output`` (flat) on every rank from each rank's ``chunk``. ``chunk`` may be the view
-    of ``output`` at this rank's position. algo: None (by size), "direct" or "ring"."""
+def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = None,
+               bounds: list[tuple[int, int]] | None = None) -> Tensor:
+    """Fill ``output`` (flat) on every rank from each rank's ``chunk``, which lands at
+    ``bounds[rank]`` (default: the even split). ``chunk`` may be the view of ``output`` at this
+    rank's position. algo: None (by size), "direct" or "ring"."""
     flat = _flat(output)
-    lo, hi = chunk_bounds(flat.numel(), comm.size)[comm.rank]
+    bounds = _check_bounds(bounds, flat.numel(), comm, "all_gather")
+    lo, hi = bounds[comm.rank]
     if chunk.numel() != hi - lo:
         raise ValueError(f"all_gather: rank {comm.rank} chunk has {chunk.numel()} elements, "
                          f"expected {hi - lo} of {flat.numel()}")
@@ -227,7 +243,7 @@ def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = 
     algo = algo or ("direct" if flat.numel() * flat.element_size() <= AG_DIRECT_MAX_BYTES else "ring")
     if algo not in ("direct", "ring"):
         raise ValueError(f"unknown all_gather algorithm {algo!r}")
-    (_ag_direct if algo == "direct" else _ag_ring)(flat, comm)
+    (_ag_direct if algo == "direct" else _ag_ring)(flat, comm, bounds)
     return output
 
 

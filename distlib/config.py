@@ -9,12 +9,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from distlib.adamw import AdamWConfig
+from distlib.data import BatchPlan
+from distlib.mesh import MeshError, check_layout
 from distlib.model import ModelConfig
+from distlib.tensor_parallel import TPLayoutError, check_tp_layout
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work, with the key that holds it."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # train.dtype -> parameter/compute dtype
 
 
 @dataclass(frozen=True)
@@ -26,10 +34,13 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 1
+    bucket_numel: int = 8192
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1):
-            raise ConfigError(f"zero.stage must be one of 0, 1, got {self.stage!r}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero.stage must be one of 0, 1, 2, 3, got {self.stage!r}")
+        if self.bucket_numel < 1:
+            raise ConfigError(f"zero.bucket_numel must be >= 1, got {self.bucket_numel}")
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,11 @@ class TrainConfig:
     grad_accum: int = 1
     global_batch: int | None = None
     loss_tolerance: float = 1e-6
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("steps", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -79,10 +93,13 @@ class DistConfig:
     world_size: int = 4
     backend: str = "gloo"
     timeout_s: float = 60.0
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"dist.world_size must be >= 1, got {self.world_size}")
+        if self.tp < 1:
+            raise ConfigError(f"dist.tp must be >= 1, got {self.tp}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"dist.backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if not self.timeout_s > 0:
@@ -101,9 +118,18 @@ class RunConfig:
     seed: int = 1234
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world divided into tensor-parallel groups of dist.tp."""
+        return self.dist.world_size // self.dist.tp
+
+    @property
     def global_batch(self) -> int:
         t = self.train
-        return t.global_batch if t.global_batch is not None else t.batch_size * self.dist.world_size * t.grad_accum
+        return t.global_batch if t.global_batch is not None else t.batch_size * self.dp_size * t.grad_accum
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return DTYPES[self.train.dtype]
 
     @staticmethod
     def from_dict(tree: dict) -> "RunConfig":
@@ -129,6 +155,14 @@ class RunConfig:
         if cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
                               f"({cfg.model.seq_len})")
+        try:
+            check_layout(cfg.dist.world_size, cfg.dist.tp)
+            check_tp_layout(cfg.model, cfg.dist.tp)
+            BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum)
+        except (MeshError, TPLayoutError) as exc:
+            raise ConfigError(f"invalid parallel layout: {exc}") from exc
+        except ValueError as exc:
+            raise ConfigError(f"train.global_batch: {exc}") from exc
         return cfg
 
 

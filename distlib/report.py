@@ -19,14 +19,23 @@ def loss_table(result: RunResult) -> str:
 
 
 def memory_table(result: RunResult, stage: int) -> str:
+    """Measured peak bytes per rank next to the stage's formula; 'match' means formula <=
+    measured <= formula + the documented buffers (padding, bucket, gathered block)."""
     n = len(result.memory)
-    formula = {0: "8P", 1: "12P/N"}.get(stage, "?")
-    lines = [f"memory per rank (P={result.numel} parameters, N={n} ranks, ZeRO stage {stage}; optimizer = {formula})",
-             f"{'rank':>4}  {'params B':>10}  {'grads B':>10}  {'optim B':>10}  {'formula B':>12}  match"]
+    first = result.memory[0]
+    formula = first.get("formula", {})
+    lines = [f"memory per rank (peak bytes of live tensors; P={result.numel} parameters per rank, ZeRO stage "
+             f"{stage}; formula: params {formula.get('params', '?')}, grads {formula.get('grads', '?')}, "
+             f"optimizer {formula.get('optimizer', '?')}, N = data-parallel ranks)",
+             f"{'rank':>4}  {'params B':>9} {'formula':>9}  {'grads B':>9} {'formula':>9}  "
+             f"{'optim B':>9} {'formula':>9}  match"]
     for row in result.memory:
         m, e = row["measured"], row["expected"]
-        lines.append(f"{row['rank']:>4}  {m['params']:>10}  {m['grads']:>10}  {m['optimizer']:>10}  "
-                     f"{e['optimizer']:>12.1f}  {'yes' if _memory_ok(row) else 'NO'}")
+        cells = "  ".join(f"{m[k]:>9} {e[k]:>9.0f}" for k in ("params", "grads", "optimizer"))
+        lines.append(f"{row['rank']:>4}  {cells}  {'yes' if _memory_ok(row) else 'NO'}")
+    allowance = first["allowance"]
+    lines.append("allowed above formula: " + ", ".join(f"{k} {allowance[k]:.0f} B" for k in ("params", "grads", "optimizer"))
+                 + " (padding; stage 2/3: gradient bucket / gathered block; bf16: one parameter's gradient)")
     totals = [row["measured"]["optimizer"] for row in result.memory]
     lines.append(f"optimizer bytes across ranks: max {max(totals)}, mean {sum(totals) / n:.1f}")
     return "\n".join(lines)

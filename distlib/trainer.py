@@ -23,8 +23,10 @@ from distlib.comm import Comm
 from distlib.config import RunConfig
 from distlib.data import BatchPlan, GlobalBatches, make_corpus
 from distlib.ddp import DataParallel
+from distlib.mesh import build_mesh
 from distlib.model import MiniGPT, build_model
-from distlib.zero import FlatLayout, ZeroOptimizer
+from distlib.tensor_parallel import layout_params, shard_model_, splits_for_rank
+from distlib.zero import FlatLayout, ZeroOptimizer, make_optimizer
 
 
 @dataclass
@@ -64,6 +66,12 @@ def seed_process_rngs(seed: int, rank: int) -> None:
     random.seed(seed + rank)
 
 
+def _full_shape(local: tuple[int, ...], split) -> tuple[int, ...]:
+    if split is None:
+        return local
+    return tuple(n * split.parts if d == split.dim else n for d, n in enumerate(local))
+
+
 def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -71,17 +79,21 @@ def _bytes(t: torch.Tensor) -> bytes:
 class Trainer:
     def __init__(self, cfg: RunConfig, comm: Comm, run_dir: Path):
         self.cfg, self.comm, self.run_dir = cfg, comm, Path(run_dir)
-        seed_process_rngs(cfg.seed, comm.rank)
+        self.mesh = build_mesh(comm, cfg.dist.tp)
+        # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
+        seed_process_rngs(cfg.seed, self.mesh.dp.rank)
         self.ckpt_root = self.run_dir / cfg.checkpoint.dir
-        plan = BatchPlan(cfg.global_batch, comm.size, cfg.train.grad_accum)
+        plan = BatchPlan(cfg.global_batch, self.mesh.dp.size, cfg.train.grad_accum)
         corpus = make_corpus(cfg.data.seed, cfg.data.total_tokens, cfg.model.vocab_size, cfg.data.follow_prob)
         self.data = GlobalBatches(corpus, cfg.model.seq_len, plan, cfg.seed)
         self.model, self.optimizer = self.build(seed=cfg.seed)
 
     def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
         model = DataParallel(build_model(self.cfg.model, seed), self.comm).module
-        optimizer = ZeroOptimizer(model, self.comm, self.cfg.zero.stage, self.cfg.optimizer.adamw,
-                                  self.cfg.optimizer.grad_clip)
+        tp_group = shard_model_(model, self.mesh.tp)
+        optimizer = make_optimizer(model, self.mesh.dp, self.cfg.zero.stage, self.cfg.optimizer.adamw,
+                                   self.cfg.optimizer.grad_clip, tp=tp_group, param_dtype=self.cfg.param_dtype,
+                                   bucket_numel=self.cfg.zero.bucket_numel)
         return model, optimizer
 
     # -- checkpoints ----------------------------------------------------------
@@ -95,7 +107,8 @@ class Trainer:
     def save(self, step: int) -> tuple[dict, dict, dict]:
         tensors, rank_state = self._state(step, self.optimizer)
         meta = {"zero_stage": self.cfg.zero.stage, "seed": self.cfg.seed,
-                "model": dataclasses.asdict(self.cfg.model), "layout": self.optimizer.layout.to_dict()}
+                "model": dataclasses.asdict(self.cfg.model), "layout": self.optimizer.layout.to_dict(),
+                **self._parallel_meta()}
         path = checkpoint.save(self.ckpt_root, step, tensors, rank_state, meta, self.comm)
         return tensors, rank_state, checkpoint.read_manifest(path)
 
@@ -123,11 +136,29 @@ class Trainer:
         checkpoint.restore_rng(tensors, rank_state["rng"])
         return int(manifest["step"])
 
+    def _parallel_meta(self) -> dict:
+        """The mesh, and with tensor parallelism each TP rank's flat layout with how every local
+        parameter maps to the full one (split dim, groups, index), so the shards can be reassembled."""
+        tp, opt = self.mesh.tp.size, self.optimizer
+        meta = {"tp": tp, "dp": self.mesh.dp.size, "rank_order": "global rank = dp_rank * tp + tp_rank",
+                "param_dtype": self.cfg.train.dtype}
+        if tp > 1:
+            layouts = []
+            for t in range(tp):
+                splits = splits_for_rank(opt.tp.splits, t)
+                full = {s.name: _full_shape(s.shape, opt.tp.splits.get(s.name)) for s in opt.layout.slots}
+                layouts.append(layout_params(opt.layout.to_dict(), full, splits))
+            meta["tp_layouts"] = layouts
+        return meta
+
     def _check_compatible(self, path: Path, manifest: dict, layout: FlatLayout) -> None:
         problems = []
         if manifest["world_size"] != self.comm.size:
             problems.append(f"saved with world size {manifest['world_size']}, this run has {self.comm.size}")
-        saved = FlatLayout.from_dict(manifest["layout"])
+        if manifest.get("tp", 1) != self.mesh.tp.size:
+            problems.append(f"saved with dist.tp={manifest.get('tp', 1)}, this run has dist.tp={self.mesh.tp.size}")
+            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(problems))
+        saved = FlatLayout.from_dict(manifest.get("tp_layouts", [manifest["layout"]])[self.mesh.tp.rank])
         if saved.slots != layout.slots:
             ours = {s.name: s.shape for s in layout.slots}
             theirs = {s.name: s.shape for s in saved.slots}
@@ -163,26 +194,29 @@ class Trainer:
                 began = time.perf_counter()
                 self.model.train()
                 local_loss = 0.0
-                for inputs, targets in self.data.micro_batches(step - 1, comm.rank):
+                for inputs, targets in self.data.micro_batches(step - 1, self.mesh.dp.rank):
                     loss = self.model(inputs, targets) / cfg.train.grad_accum
                     loss.backward()
                     local_loss += float(loss.detach())
                 grad_norm = self.optimizer.step()
                 self.optimizer.zero_grad()
-                global_loss = agree.mean(local_loss, comm)
+                global_loss = agree.mean(local_loss, self.mesh.dp)  # TP ranks of a group share a loss
                 norms = [row[0] for row in agree.gather([self.optimizer.param_norm()], comm)]
                 seconds = time.perf_counter() - began
                 result.steps.append(StepLog(step, global_loss, grad_norm, norms, seconds))
                 if metrics:
                     metrics.write(json.dumps({"step": step, "loss": global_loss, "loss_hex": global_loss.hex(),
                                               "grad_norm": grad_norm, "param_norm": norms[0],
-                                              "lr": cfg.optimizer.adamw.lr, "step_time_s": seconds}) + "\n")
+                                              "lr": cfg.optimizer.adamw.lr, "step_time_s": seconds,
+                                              "comm_bytes": self.optimizer.last_step_comm_bytes,
+                                              "optimizer_bytes": self.optimizer.memory_bytes()["optimizer"]})
+                                  + "\n")
                     metrics.flush()
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     tensors, rank_state, manifest = self.save(step)
                     result.manifests.append(manifest)
                     if snapshot is None:
-                        snapshot = (step, tensors, rank_state, self.optimizer.flat_params.clone())
+                        snapshot = (step, tensors, rank_state, self.optimizer.params_snapshot())
         finally:
             if metrics:
                 metrics.close()
@@ -195,9 +229,11 @@ class Trainer:
         measured = self.optimizer.memory_bytes()
         keys = sorted(measured)
         rows = agree.gather([float(measured[k]) for k in keys], self.comm)
-        expected, allowance = self.optimizer.expected_bytes(), self.optimizer.padding_allowance_bytes()
+        formula = self.optimizer.memory_formula()
+        expected, allowance = ({k: v[i] for k, v in formula.items()} for i in (0, 1))
+        text = {k: v[2] for k, v in formula.items()}
         return [{"rank": r, "measured": dict(zip(keys, map(int, row))), "expected": expected,
-                 "allowance": allowance} for r, row in enumerate(rows)]
+                 "allowance": allowance, "formula": text} for r, row in enumerate(rows)]
 
     def verify_resume(self, step: int, tensors: dict, rank_state: dict, params: torch.Tensor) -> ResumeCheck:
         """Reload the checkpoint of ``step`` into a freshly built model and optimizer (initialised
@@ -209,7 +245,7 @@ class Trainer:
         for key in sorted(tensors):
             if _bytes(tensors[key]) != _bytes(restored_tensors[key]):
                 mismatches.append(f"{key} differs")
-        if _bytes(params) != _bytes(optimizer.flat_params):
+        if _bytes(params) != _bytes(optimizer.params_snapshot()):
             mismatches.append("model parameters differ")
         if rank_state != json.loads(json.dumps(restored_state)):
             mismatches.append("step, data position or python/numpy RNG differ")
