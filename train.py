@@ -9,6 +9,7 @@ Hydra composes conf/; this file only wires the pieces in distlib/ together.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 import uuid
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from distlib import report
+from distlib.checkpoint import CheckpointError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
 from distlib.trainer import Trainer
@@ -28,8 +30,20 @@ UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.envi
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank: join the process group, train, report, and exit non-zero on a broken invariant."""
-    cfg = RunConfig.from_dict(tree)
+    """One rank. Known failures (bad config, damaged checkpoint) print one line per rank and
+    exit 1; anything else keeps its traceback."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        failures = _train(RunConfig.from_dict(tree), run_dir)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if failures:
+        sys.exit(1)
+
+
+def _train(cfg: RunConfig, run_dir: str) -> list[str]:
+    """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
@@ -39,8 +53,9 @@ def worker(tree: dict, run_dir: str) -> None:
             raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
                               f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
         result = Trainer(cfg, comm, Path(run_dir)).run()
-        failures = report.check_invariants(result, cfg.train.loss_tolerance)
+        failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
         if comm.rank == 0:
+            report.write_json(result, failures, Path(run_dir) / "report.json")
             print(f"run directory: {run_dir}")
             print(report.loss_table(result))
             print(report.memory_table(result, cfg.zero.stage))
@@ -57,8 +72,7 @@ def worker(tree: dict, run_dir: str) -> None:
             sys.stdout.flush()
     finally:
         dist.destroy_process_group()
-    if failures:
-        sys.exit(1)
+    return failures
 
 
 def _shared_run_dir(proposed: str) -> str:
@@ -78,6 +92,8 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="fork")
+    # The workers print their own one-line errors; the agent's tracebacks would bury them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, worker)(tree, run_dir)
     except ChildFailedError as exc:
@@ -111,6 +127,8 @@ if __name__ == "__main__":
         if not explicit:
             stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
             sys.argv.append(f"hydra.run.dir={_shared_run_dir(stamp)}")
+        if not any(arg.startswith("dist.world_size=") for arg in sys.argv[1:]):
+            sys.argv.append(f"dist.world_size={os.environ['WORLD_SIZE']}")  # torchrun decides
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from distlib.adamw import AdamWConfig
-from distlib.data import BatchPlan
 from distlib.mesh import MeshError, check_layout
 from distlib.model import ModelConfig
 from distlib.tensor_parallel import TPLayoutError, check_tp_layout
@@ -72,20 +71,24 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20
-    batch_size: int = 4
+    batch_size: int | None = None
     grad_accum: int = 1
-    global_batch: int | None = None
+    global_batch: int | None = 16
     loss_tolerance: float = 1e-6
+    monotone_until_step: int = 20
     dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("steps", "batch_size", "grad_accum"):
+        for name in ("steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.global_batch is not None and self.global_batch < 1:
-            raise ConfigError(f"train.global_batch must be >= 1 or null, got {self.global_batch}")
+        for name in ("batch_size", "global_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.batch_size is None and self.global_batch is None:
+            raise ConfigError("set train.global_batch or train.batch_size (both are null)")
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,21 @@ class RunConfig:
     def param_dtype(self) -> torch.dtype:
         return DTYPES[self.train.dtype]
 
+    def _check_batch(self) -> None:
+        t, ranks = self.train, self.dp_size
+        where = (f"dist.world_size={ranks}" if self.dist.tp == 1 else
+                 f"dist.world_size/dist.tp={self.dist.world_size}/{self.dist.tp}={ranks} data-parallel")
+        if self.global_batch % (ranks * t.grad_accum):
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} does not divide into {where} rank(s) x "
+                f"train.grad_accum={t.grad_accum} micro-batch(es); use a multiple of {ranks * t.grad_accum}")
+        derived = self.global_batch // (ranks * t.grad_accum)
+        if t.batch_size is not None and t.batch_size != derived:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} contradicts train.global_batch={self.global_batch} / "
+                f"({where} x train.grad_accum={t.grad_accum}) = {derived}; set only one of them "
+                f"(train.global_batch=null to size the batch per rank)")
+
     @staticmethod
     def from_dict(tree: dict) -> "RunConfig":
         tree = {k: v for k, v in tree.items() if k != "hydra"}
@@ -152,17 +170,15 @@ class RunConfig:
             dist=_build(DistConfig, "dist", tree.get("dist", {})),
             seed=int(tree.get("seed", 1234)),
         )
-        if cfg.data.total_tokens < cfg.model.seq_len + 1:
-            raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
-                              f"({cfg.model.seq_len})")
         try:
             check_layout(cfg.dist.world_size, cfg.dist.tp)
             check_tp_layout(cfg.model, cfg.dist.tp)
-            BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum)
         except (MeshError, TPLayoutError) as exc:
             raise ConfigError(f"invalid parallel layout: {exc}") from exc
-        except ValueError as exc:
-            raise ConfigError(f"train.global_batch: {exc}") from exc
+        cfg._check_batch()
+        if cfg.data.total_tokens < cfg.model.seq_len + 1:
+            raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
+                              f"({cfg.model.seq_len})")
         return cfg
 
 
