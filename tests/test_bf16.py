@@ -23,7 +23,8 @@ def _capstone_bf16(comm, run_dir: str, stage: int):
     dtypes = {"params": {str(p.dtype) for p in trainer.model.parameters()},
               "state": {k: str(v.dtype) for k, v in trainer.optimizer.state_shard().items()}}
     result = trainer.run()
-    return {"losses": [s.loss for s in result.steps], "failures": report.check_invariants(result, 1e-6),
+    return {"losses": [s.loss for s in result.steps], "failures": report.check_invariants(result, cfg.train.loss_tolerance,
+                                                                            cfg.train.monotone_until_step),
             "memory": result.memory, "numel": result.numel, "dtypes": dtypes}
 
 

@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"dist": {"world_size": 4, "tp": 3}}, "dist.tp=3 must be >= 1 and divide dist.world_size=4"),
     ({"dist": {"world_size": 4, "tp": 4}, "model": {"n_heads": 2, "dim": 32}}, "dist.tp=4 must divide model.n_heads=2"),
     ({"dist": {"world_size": 4, "tp": 0}}, "dist.tp must be >= 1"),
-    ({"train": {"global_batch": 10}}, "train.global_batch: global batch 10 does not divide into 4 data-parallel"),
+    ({"train": {"global_batch": 10}}, "train.global_batch=10 does not divide into dist.world_size=4 rank(s)"),
     ({"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": 16, "grad_accum": 3}},
-     "does not divide into 2 data-parallel rank(s) x 3 micro-batch"),
+     "train.global_batch=16 does not divide into dist.world_size/dist.tp=4/2=2 data-parallel rank(s) x "
+     "train.grad_accum=3 micro-batch(es)"),
     ({"zero": {"stage": 4}}, "zero.stage must be one of 0, 1, 2, 3"),
     ({"zero": {"stage": 2, "bucket_numel": 0}}, "zero.bucket_numel must be >= 1"),
     ({"train": {"dtype": "fp16"}}, "train.dtype must be one of"),
@@ -28,7 +29,7 @@ def test_bad_layouts_are_config_errors(tree, message):
 
 
 def test_data_parallel_size_and_global_batch_follow_the_mesh():
-    cfg = RunConfig.from_dict({"dist": {"world_size": 4, "tp": 2}})
+    cfg = RunConfig.from_dict({"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": None, "batch_size": 4}})
     assert (cfg.dp_size, cfg.global_batch) == (2, 8)      # batch_size 4 per data-parallel rank
     cfg = RunConfig.from_dict({"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": 16, "grad_accum": 2}})
     assert (cfg.dp_size, cfg.global_batch) == (2, 16)
