@@ -26,9 +26,10 @@ def memory_table(result: RunResult, stage: int) -> str:
     n = len(result.memory)
     first = result.memory[0]
     formula = first.get("formula", {})
-    lines = [f"memory per rank (peak bytes of live tensors; P={result.numel} parameters per rank, ZeRO stage "
-             f"{stage}; formula: params {formula.get('params', '?')}, grads {formula.get('grads', '?')}, "
-             f"optimizer {formula.get('optimizer', '?')}, N = data-parallel ranks)",
+    lines = [f"memory per rank: peak bytes of the live tensors, ZeRO stage {stage}, P={result.numel} parameters "
+             f"per rank, N = data-parallel ranks",
+             f"  formula: params {formula.get('params', '?')}, grads {formula.get('grads', '?')}, "
+             f"optimizer {formula.get('optimizer', '?')}",
              f"{'rank':>4}  {'params B':>9} {'formula':>9}  {'grads B':>9} {'formula':>9}  "
              f"{'optim B':>9} {'formula':>9}  match"]
     for row in result.memory:
@@ -36,8 +37,9 @@ def memory_table(result: RunResult, stage: int) -> str:
         cells = "  ".join(f"{m[k]:>9} {e[k]:>9.0f}" for k in ("params", "grads", "optimizer"))
         lines.append(f"{row['rank']:>4}  {cells}  {'yes' if _memory_ok(row) else 'NO'}")
     allowance = first["allowance"]
-    lines.append("allowed above formula: " + ", ".join(f"{k} {allowance[k]:.0f} B" for k in ("params", "grads", "optimizer"))
-                 + " (padding; stage 2/3: gradient bucket / gathered block; bf16: one parameter's gradient)")
+    lines.append("  allowed above the P terms: " + ", ".join(f"{k} {allowance[k]:.0f} B" for k in
+                                                         ("params", "grads", "optimizer"))
+                 + " (padding; bucket / gathered unit; one parameter's gradient)")
     totals = [row["measured"]["optimizer"] for row in result.memory]
     lines.append(f"optimizer bytes across ranks: max {max(totals)}, mean {sum(totals) / n:.1f}")
     return "\n".join(lines)

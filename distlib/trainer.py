@@ -26,7 +26,8 @@ from distlib.ddp import DataParallel
 from distlib.mesh import build_mesh
 from distlib.model import MiniGPT, build_model
 from distlib.tensor_parallel import layout_params, shard_model_, splits_for_rank
-from distlib.zero import FlatLayout, ZeroOptimizer, make_optimizer
+from distlib.flat_layout import FlatLayout
+from distlib.zero import ZeroOptimizer, make_optimizer
 
 
 @dataclass

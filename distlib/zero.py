@@ -1,9 +1,10 @@
 """ZeRO: an AdamW step that shards optimizer state across data-parallel ranks.
 
-All parameters are laid out in one flat buffer (``FlatLayout``): parameter
-``i`` is ``flat[offset_i : offset_i + numel_i]``, padded to a multiple of the
-data-parallel size N (fewer than N extra zeros), and rank r owns partition r.
-``step()`` replaces ``optimizer.step()``; it is ``update(reduce_grads())``:
+All parameters are laid out in one flat buffer (``distlib.flat_layout``), padded
+to a multiple of the data-parallel size N; rank r owns partition r. ``step()``
+replaces ``optimizer.step()``; it is ``sync_grads()`` (which returns the global
+grad norm) followed by ``apply_update(lr)``, so a caller can look at the norm and
+the loss before deciding to update:
 
   stage 0  all-reduce the flat grads (SUM / N); every rank runs AdamW on everything.
   stage 1  reduce-scatter the flat grads -> this rank's partition; AdamW on the fp32
@@ -24,82 +25,17 @@ docs/parallelism.md has the formulas and the buffers they allow for.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 
 from distlib import collectives
 from distlib.adamw import AdamWConfig, adamw_step_
 from distlib.comm import Comm
+from distlib.flat_layout import FlatLayout, ParamSlot  # noqa: F401 - FlatLayout is part of this API
 from distlib.tensor_parallel import TPGroup
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 CATEGORIES = ("params", "grads", "optimizer")
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Where each parameter sits in the flat buffer, and how the buffer is partitioned."""
-    slots: tuple[ParamSlot, ...]
-    world_size: int
-
-    @staticmethod
-    def of(module: nn.Module, world_size: int) -> "FlatLayout":
-        slots, offset = [], 0
-        for name, p in module.named_parameters():
-            slots.append(ParamSlot(name, tuple(p.shape), offset))
-            offset += p.numel()
-        return FlatLayout(tuple(slots), world_size)
-
-    @property
-    def numel(self) -> int:
-        """P: the number of real (unpadded) parameters."""
-        return sum(s.numel for s in self.slots)
-
-    @property
-    def shard_numel(self) -> int:
-        return -(-self.numel // self.world_size)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.world_size
-
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def bounds_within(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Each rank's part of the flat range [lo, hi), relative to lo (contiguous, maybe empty):
-        how a bucket or block is reduce-scattered into, or gathered from, the partitions."""
-        out = []
-        for r in range(self.world_size):
-            a, b = self.shard_range(r)
-            a, b = min(max(a, lo), hi), min(max(b, lo), hi)
-            out.append((a - lo, b - lo))
-        return out
-
-    def to_dict(self) -> dict:
-        return {"numel": self.numel, "padded_numel": self.padded_numel, "padding": self.padded_numel - self.numel,
-                "world_size": self.world_size, "shard_numel": self.shard_numel, "dtype": "float32",
-                "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
-                           for s in self.slots]}
-
-    @staticmethod
-    def from_dict(d: dict) -> "FlatLayout":
-        return FlatLayout(tuple(ParamSlot(p["name"], tuple(p["shape"]), p["offset"]) for p in d["params"]),
-                          d["world_size"])
 
 
 def make_optimizer(module: nn.Module, comm: Comm, stage: int, cfg: AdamWConfig, grad_clip: float = 0.0, *,
@@ -136,6 +72,7 @@ class ZeroOptimizer:
         self.params = list(module.parameters())
         self.layout = FlatLayout.of(module, comm.size)
         self.step_count = 0
+        self._synced: tuple[torch.Tensor, float] | None = None   # set by sync_grads, used by apply_update
         self.my_range = slice(*self.layout.shard_range(comm.rank))
         self.comm_bytes = 0                              # sent so far in the current step
         self.last_step_comm_bytes = {"dp": 0, "tp": 0}   # sent during the last completed step
@@ -202,13 +139,13 @@ class ZeroOptimizer:
         collectives.all_gather(self.flat_params, self.flat_params[self.my_range], self.comm)
 
     # -- the step -------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def _zero_grads(self) -> None:
         self.flat_grads.zero_()
 
     @torch.no_grad()
-    def reduce_grads(self) -> torch.Tensor:
-        """Synchronise this step's gradients over the data-parallel group and return the averaged
-        gradient ``update`` consumes: all of it for stage 0, this rank's partition otherwise."""
+    def _reduce_grads(self) -> torch.Tensor:
+        """Average this step's gradients over the data-parallel group: all of them for stage 0,
+        this rank's partition otherwise."""
         self._sample_memory()
         self._count(self.flat_grads, all_reduce=self.stage == 0)
         if self.stage == 0:
@@ -216,10 +153,27 @@ class ZeroOptimizer:
         return collectives.reduce_scatter(self.flat_grads, self.comm, op="avg")
 
     @torch.no_grad()
-    def update(self, grads: torch.Tensor, lr: float | None = None) -> float:
-        """Clip (by the global norm), AdamW on the master partition, publish the params.
-        Returns the global gradient norm before clipping."""
-        grad_norm = self._global_norm(grads[self.my_range] if self.stage == 0 else grads)
+    def sync_grads(self) -> float:
+        """First half of ``step``: average the gradients over the data-parallel ranks (this rank keeps
+        what it updates) and return the global grad norm (before clipping), identical on every rank.
+        Nothing is updated yet, so a caller can still decide not to ``apply_update``."""
+        grads = self._reduce_grads()
+        self._synced = (grads, self._global_norm(grads[self.my_range] if self.stage == 0 else grads))
+        return self._synced[1]
+
+    def synced_grad_partition(self) -> torch.Tensor:
+        """This rank's partition of the averaged gradient ``sync_grads`` produced (tests inspect it)."""
+        if self._synced is None:
+            raise RuntimeError("synced_grad_partition() needs sync_grads() first")
+        grads = self._synced[0]
+        return grads[self.my_range] if self.stage == 0 else grads
+
+    @torch.no_grad()
+    def apply_update(self, lr: float | None = None) -> None:
+        """Second half of ``step``: clip by the global norm, AdamW on the master, publish the params."""
+        if self._synced is None:
+            raise RuntimeError(f"{type(self).__name__}.apply_update() needs sync_grads() first (once per update)")
+        (grads, grad_norm), self._synced = self._synced, None
         if self.grad_clip > 0:
             coef = min(self.grad_clip / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s
             if coef < 1.0:
@@ -228,13 +182,20 @@ class ZeroOptimizer:
         adamw_step_(self.master, grads, self.exp_avg, self.exp_avg_sq, self.step_count, self.cfg, lr)
         self._publish_params()
         self._sample_memory()
-        self.last_step_comm_bytes = {"dp": self.comm_bytes, "tp": self.tp.bytes_sent - self._tp_bytes_at_step_start}
-        self.comm_bytes, self._tp_bytes_at_step_start = 0, self.tp.bytes_sent
-        return grad_norm
 
     def step(self, lr: float | None = None) -> float:
         """Replaces ``optimizer.step()``. Returns the global grad norm (before clipping)."""
-        return self.update(self.reduce_grads(), lr)
+        grad_norm = self.sync_grads()
+        self.apply_update(lr)
+        return grad_norm
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (and drop synchronised ones that were never applied); this ends the
+        step for the traffic count."""
+        self._zero_grads()
+        self._synced = None
+        self.last_step_comm_bytes = {"dp": self.comm_bytes, "tp": self.tp.bytes_sent - self._tp_bytes_at_step_start}
+        self.comm_bytes, self._tp_bytes_at_step_start = 0, self.tp.bytes_sent
 
     def _count(self, t: torch.Tensor, all_reduce: bool = False) -> None:
         """Nominal bytes this rank sends: (N-1)/N * B per reduce-scatter or all-gather of B bytes,

@@ -144,10 +144,10 @@ class Zero2Optimizer(ZeroOptimizer):
         """Hook for stage 3 (free the block's gathered parameters)."""
 
     # -- the step -----------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def _zero_grads(self) -> None:
         self.grad_partition.zero_()
 
-    def reduce_grads(self) -> torch.Tensor:
+    def _reduce_grads(self) -> torch.Tensor:
         """The gradients were reduced during backward; check that every bucket was reduced the same
         number of times (a parameter without a gradient would leave its bucket waiting forever)."""
         pending = [b for b, n in enumerate(self._arrived) if n]

@@ -81,11 +81,11 @@ def _train_case(comm, case: dict) -> dict:
             loss = model(batch[:, :-1], batch[:, 1:]) / accum
             loss.backward()
             local += float(loss.detach())
-        grads = opt.reduce_grads()
+        out["norms"].append(opt.sync_grads())
         if step == 0:
-            out["grad0"] = (grads[opt.my_range] if stage == 0 else grads).numpy().copy()
+            out["grad0"] = opt.synced_grad_partition().numpy().copy()
             out["param_grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
-        out["norms"].append(opt.update(grads))
+        opt.apply_update()
         opt.zero_grad()
         out["losses"].append(agree.mean(local, mesh.dp))
         out["comm"].append(opt.last_step_comm_bytes)
