@@ -77,10 +77,13 @@ def manifest_text(manifest: dict) -> str:
     layout = manifest["layout"]
     lines = [f"checkpoint manifest: step {manifest['step']}, world size {manifest['world_size']}, "
              f"ZeRO stage {manifest['zero_stage']}, format {manifest['format_version']}",
-             f"  model: {json.dumps(manifest['model'])}",
-             f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "
-             f"{layout['padded_numel']} {layout['dtype']}, {layout['shard_numel']} per rank",
-             f"  {'offset':>8}  {'numel':>6}  {'shape':<10}  name"]
+             f"  model: {json.dumps(manifest['model'])}"]
+    if manifest.get("tp", 1) > 1:
+        lines.append(f"  mesh: {manifest['dp']} data-parallel x {manifest['tp']} tensor-parallel "
+                     f"({manifest['rank_order']}); tensor rank 0's layout below, every rank's in tp_layouts")
+    lines += [f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "
+              f"{layout['padded_numel']} {layout['dtype']}, {layout['shard_numel']} per rank",
+              f"  {'offset':>8}  {'numel':>6}  {'shape':<10}  name"]
     for p in layout["params"]:
         lines.append(f"  {p['offset']:>8}  {p['numel']:>6}  {'x'.join(map(str, p['shape'])):<10}  {p['name']}")
     lines.append(f"  {'file':<22}  {'bytes':>8}  sha256")
