@@ -81,7 +81,7 @@ class Zero2Optimizer(ZeroOptimizer):
         self.buckets = self._plan_buckets()
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
         self._bucket_buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._arrived = [0] * len(self.buckets)
+        self._arrived: list[set[int]] = [set() for _ in self.buckets]   # params whose gradient is in
         self._reductions = [0] * len(self.buckets)   # per bucket, this step (= micro-batches)
         for i, p in enumerate(self.params):
             p.grad = None
@@ -119,10 +119,10 @@ class Zero2Optimizer(ZeroOptimizer):
                 self._bucket_buffers[b] = torch.empty(bucket.numel)
             start = slot.offset - bucket.lo
             self._bucket_buffers[b][start:start + slot.numel].copy_(p.grad.reshape(-1))
-            self._arrived[b] += 1
+            self._arrived[b].add(index)
             self._sample_memory()
             p.grad = None
-            if self._arrived[b] == len(bucket.params):
+            if len(self._arrived[b]) == len(bucket.params):
                 self._reduce_bucket(b)
         return hook
 
@@ -136,7 +136,7 @@ class Zero2Optimizer(ZeroOptimizer):
             start = bucket.lo + a - self.my_range.start
             self.grad_partition[start:start + (z - a)].add_(mine)
         self._bucket_buffers[b] = None
-        self._arrived[b] = 0
+        self._arrived[b] = set()
         self._reductions[b] += 1
         self._bucket_reduced(b)
 
@@ -150,13 +150,14 @@ class Zero2Optimizer(ZeroOptimizer):
     def _reduce_grads(self) -> torch.Tensor:
         """The gradients were reduced during backward; check that every bucket was reduced the same
         number of times (a parameter without a gradient would leave its bucket waiting forever)."""
-        pending = [b for b, n in enumerate(self._arrived) if n]
-        if pending or len(set(self._reductions)) > 1:
-            names = [self.layout.slots[i].name for b in pending or range(len(self.buckets))
-                     for i in self.buckets[b].params][:6]
+        most = max(self._reductions)
+        missing = [i for b, bucket in enumerate(self.buckets) for i in bucket.params
+                   if self._reductions[b] < most or (self._arrived[b] and i not in self._arrived[b])]
+        if missing:
+            names = [self.layout.slots[i].name for i in missing]
             raise RuntimeError(f"ZeRO-{self.stage}: incomplete gradient buckets (reductions per bucket "
-                               f"{self._reductions}); parameters such as {names} did not all receive a "
-                               f"gradient in every backward")
+                               f"{self._reductions}): {len(names)} parameter(s) did not receive a gradient in "
+                               f"every backward since the last step, e.g. {names[:4]}")
         self._reductions = [0] * len(self.buckets)
         self._sample_memory()
         return self.grad_partition

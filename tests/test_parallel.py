@@ -261,3 +261,14 @@ def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results)
     for k in (2, 4):
         assert sent[(2, k)] == k * (4 * p // 2) + 4 * padded // 2, f"stage 2, K={k}"
         assert sent[(3, k)] == k * 3 * (4 * p // 2), f"stage 3, K={k}"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
+    from distlib.comm import Comm
+    model = build_model(CFG, SEED)
+    opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
+    model.tok_emb(DATA[0][:, :-1]).sum().backward()       # only the embedding gets a gradient
+    with pytest.raises(RuntimeError, match=r"29 parameter\(s\) did not receive a gradient") as err:
+        opt.step()
+    assert "pos_emb.weight" in str(err.value) and "tok_emb.weight" not in str(err.value)
