@@ -154,7 +154,7 @@ class Zero2Optimizer(ZeroOptimizer):
         missing = [i for b, bucket in enumerate(self.buckets) for i in bucket.params
                    if self._reductions[b] < most or (self._arrived[b] and i not in self._arrived[b])]
         if missing:
-            names = [self.layout.slots[i].name for i in missing]
+            names = [self.layout.slots[i].name for i in sorted(missing)]
             raise RuntimeError(f"ZeRO-{self.stage}: incomplete gradient buckets (reductions per bucket "
                                f"{self._reductions}): {len(names)} parameter(s) did not receive a gradient in "
                                f"every backward since the last step, e.g. {names[:4]}")
