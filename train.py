@@ -20,22 +20,23 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from distlib import report
+from distlib import data, report, slurm
 from distlib.checkpoint import CheckpointError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
+from distlib.tokens import DataError
 from distlib.trainer import Trainer
 
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank. Known failures (bad config, damaged checkpoint) print one line per rank and
-    exit 1; anything else keeps its traceback."""
+    """One rank. Known failures (bad config, damaged checkpoint) print one line and exit 1
+    (once, from rank 0, when the ranks agreed on the error first); anything else keeps its traceback."""
     rank = os.environ.get("RANK", "?")
     try:
         failures = _train(RunConfig.from_dict(tree), run_dir)
-    except (ConfigError, CheckpointError) as exc:
+    except (ConfigError, CheckpointError, DataError) as exc:
         print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     if failures:
@@ -46,7 +47,8 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
     """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+    failures, rank = [], dist.get_rank()
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
@@ -70,14 +72,40 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
+    except (CheckpointError, ConfigError, DataError) as exc:
+        # Raised on every rank alike (they agree on it first): one line, not one per rank.
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        failures = [str(exc)]
     finally:
         dist.destroy_process_group()
     return failures
 
 
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
+    does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
+    group's gloo addresses. So each attempt gets its own key prefix in that store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"distlib/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
 def _shared_run_dir(proposed: str) -> str:
     """Under torchrun every rank runs Hydra; the first rank to ask fixes the run directory
-    for all of them (and for restarts of the same job) through torchrun's own store."""
+    for all of them (and for restarts of the same job) through torchrun's own store. That is the
+    store of agent rank 0's node (MASTER_ADDR:MASTER_PORT, which every node must reach anyway for
+    init_process_group), so this works across hosts as it does on one."""
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        # Then no store listens on MASTER_PORT until rank 0's init_process_group: waiting would hang.
+        sys.exit("error: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun starts no store before the process "
+                 "group, so the ranks cannot agree on a run directory; pass hydra.run.dir=<a directory every "
+                 "node sees>")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=60))
     key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
@@ -109,11 +137,16 @@ def main(cfg: DictConfig) -> None:
     tree = OmegaConf.to_container(cfg, resolve=True)
     try:
         run_cfg = RunConfig.from_dict(tree)
-    except ConfigError as exc:
+        data.check_source(run_cfg)
+    except (ConfigError, DataError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
     if UNDER_TORCHRUN:
+        worker(tree, run_dir)
+    elif slurm.is_submitit_task(os.environ):
+        # hydra/launcher=submitit_slurm: every SLURM task is one rank (see distlib/slurm.py)
+        os.environ.update(slurm.torch_env(os.environ))
         worker(tree, run_dir)
     else:
         _launch(tree, run_dir, run_cfg.dist.world_size)
