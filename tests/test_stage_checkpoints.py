@@ -24,10 +24,14 @@ MODEL = {"vocab_size": 30, "seq_len": 8, "dim": 16, "n_heads": 4, "n_layers": 2,
 PAIRS = [(0, 3), (3, 1), (1, 2), (2, 0)]   # every stage saves once and loads once
 
 
-def _cfg(stage: int, tp: int = 1, resume: str | None = None, every: int = 2) -> RunConfig:
+def _cfg(stage: int, tp: int = 1, resume: str | None = None, every: int = 2, world_size: int = 2) -> RunConfig:
+    # Held-out evaluation every 2 steps, over 9 windows: the data-parallel ranks score 4 and 5, so
+    # they have 1 and 2 batches, which a ZeRO-3 or tensor-parallel (collective) forward must survive.
     return RunConfig.from_dict({
-        "model": MODEL, "zero": {"stage": stage, "bucket_numel": 600}, "data": {"total_tokens": 4096},
-        "train": {"steps": 4, "global_batch": 8}, "dist": {"world_size": 2, "tp": tp},
+        "model": MODEL, "zero": {"stage": stage, "bucket_numel": 600},
+        "data": {"total_tokens": 4096, "val_fraction": 0.1},
+        "train": {"steps": 4, "global_batch": 8, "eval_every": 2, "eval_windows": 9},
+        "dist": {"world_size": world_size, "tp": tp},
         "checkpoint": {"every_steps": every, "resume": resume, "verify_resume": every > 0}})
 
 
@@ -47,7 +51,8 @@ def _cross_stage(comm, root: str):
         ckpt = root / f"save{save_stage}" / "checkpoints" / "step_00000002"
         resumed = _train(comm, _cfg(load_stage, resume=str(ckpt), every=0), root / f"load{save_stage}{load_stage}")
         out.append({"first": [s.loss for s in first.steps], "resumed": [s.loss for s in resumed.steps],
-                    "start": resumed.start_step, "restored": first.resume_check.ok})
+                    "start": resumed.start_step, "restored": first.resume_check.ok,
+                    "val": [s.val_loss for s in first.steps], "val_resumed": [s.val_loss for s in resumed.steps]})
     return out
 
 
@@ -58,12 +63,21 @@ def test_checkpoint_saved_at_any_stage_resumes_at_any_other(tmp_path):
         assert r["start"] == 2
         assert r["resumed"] == r["first"][2:], (f"saved at stage {save_stage}, resumed at stage {load_stage}: "
                                                 f"{r['resumed']} vs uninterrupted {r['first'][2:]}")
+        assert r["val_resumed"] == r["val"][2:] and r["val"][1] is not None and r["val"][3] is not None
     # the stage-0 and stage-3 runs themselves agree bitwise (one micro-batch), so the check has teeth
     assert results[0][0]["first"] == results[0][1]["first"]
+    assert results[0][0]["val"] == results[0][1]["val"]
+
+
+def _two_d(comm, root: str):
+    result = _train(comm, _cfg(3, tp=2, world_size=4), Path(root) / "dp2tp2")
+    return [s.loss for s in result.steps], [s.val_loss for s in result.steps]
 
 
 def _tensor_parallel(comm, root: str):
     root = Path(root)
+    from_2d = _train(comm, _cfg(1, tp=2, resume=str(root / "dp2tp2" / "checkpoints" / "step_00000002"), every=0),
+                     root / "dp2tp2_to_dp1tp2")
     first = _train(comm, _cfg(3, tp=2), root / "tp2")
     ckpt = root / "tp2" / "checkpoints" / "step_00000004"
     resumed = _train(comm, _cfg(1, tp=2, resume=str(root / "tp2" / "checkpoints" / "step_00000002"), every=0),
@@ -75,7 +89,9 @@ def _tensor_parallel(comm, root: str):
     except CheckpointError as exc:
         error = str(exc)
     return {"first": [s.loss for s in first.steps], "resumed": [s.loss for s in resumed.steps],
-            "single": [s.loss for s in single.steps], "error": error, "restored": first.resume_check.ok}
+            "single": [s.loss for s in single.steps], "error": error, "restored": first.resume_check.ok,
+            "from_2d": [s.loss for s in from_2d.steps], "val": [s.val_loss for s in first.steps],
+            "single_val": [s.val_loss for s in single.steps]}
 
 
 def _reassemble(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -103,11 +119,16 @@ def _reassemble(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_tensor_parallel_checkpoint_resumes_and_records_its_layout(tmp_path):
+    two_d_losses, two_d_val = run_ranks(_two_d, 4, str(tmp_path))[0]
     r = run_ranks(_tensor_parallel, 2, str(tmp_path))[0]
     assert r["restored"]
     assert r["resumed"] == r["first"][2:]
-    for got, want in zip(r["first"], r["single"]):          # tp=2 trains like the single replica
+    for got, want in zip(r["first"] + r["val"][1::2], r["single"] + r["single_val"][1::2]):
+        assert abs(got - want) <= 1e-5 * want           # tp=2 (ZeRO-3) trains and evaluates like tp=1
+    # saved by 2 DP x 2 TP, resumed by 1 DP x 2 TP: the data-parallel partitions are resharded
+    for got, want in zip(r["from_2d"], two_d_losses[2:]):
         assert abs(got - want) <= 1e-5 * want
+    assert two_d_val[1] is not None and abs(two_d_val[1] - r["single_val"][1]) <= 1e-5 * r["single_val"][1]
     assert r["error"] is not None and "dist.tp=2" in r["error"] and "dist.tp=1" in r["error"]
 
     manifest = json.loads((tmp_path / "tp2/checkpoints/step_00000004/manifest.json").read_text())
