@@ -29,10 +29,6 @@ class Mesh:
     dp: Comm    # same tensor-parallel rank, every data-parallel position: ZeRO and data split here
     tp: Comm    # one data-parallel position, every tensor-parallel rank: attention/MLP shards
 
-    @property
-    def describe(self) -> str:
-        return f"{self.dp.size} data-parallel x {self.tp.size} tensor-parallel"
-
 
 def check_layout(world_size: int, tp: int) -> None:
     if tp < 1 or world_size % tp:

@@ -185,24 +185,24 @@ def shard_model_(model: MiniGPT, tp: Comm) -> TPGroup:
     return group
 
 
-def layout_params(layout_dict: dict, full_shapes: dict[str, tuple[int, ...]], splits: dict[str, Split]) -> dict:
-    """A FlatLayout dict whose params also say how each maps to the full parameter (the manifest
-    form: enough to reassemble or reshard the tensor-parallel pieces)."""
-    out = dict(layout_dict)
-    out["params"] = [{**p, "full_shape": list(full_shapes[p["name"]]),
-                      "split": splits[p["name"]].to_dict() if p["name"] in splits else None}
-                     for p in layout_dict["params"]]
-    return out
-
-
-def splits_for_rank(splits: dict[str, Split], tp_rank: int) -> dict[str, Split]:
-    """The splits tensor rank ``tp_rank`` holds, given any rank's (they differ only in index)."""
-    return {name: Split(s.dim, s.parts, tp_rank, s.groups) for name, s in splits.items()}
-
-
-def local_shape(full_shape: tuple[int, ...], split: Split | None) -> tuple[int, ...]:
+def full_shape(local: tuple[int, ...], split: Split | None) -> tuple[int, ...]:
+    """The unsharded shape of a parameter whose local piece has shape ``local``."""
     if split is None:
-        return tuple(full_shape)
-    shape = list(full_shape)
-    shape[split.dim] //= split.parts
-    return tuple(shape)
+        return tuple(local)
+    return tuple(n * split.parts if d == split.dim else n for d, n in enumerate(local))
+
+
+def manifest_layouts(layout_dict: dict, splits: dict[str, Split]) -> list[dict]:
+    """One FlatLayout dict per tensor-parallel rank (``layout_dict`` is any rank's; they share
+    names, shapes and offsets), each parameter with its ``full_shape`` and this rank's ``split``
+    (null if replicated): what a checkpoint manifest needs to reassemble or reshard the pieces."""
+    parts = next(iter(splits.values())).parts if splits else 1
+    out = []
+    for t in range(parts):
+        params = []
+        for p in layout_dict["params"]:
+            split = splits.get(p["name"])
+            params.append({**p, "full_shape": list(full_shape(tuple(p["shape"]), split)),
+                           "split": Split(split.dim, split.parts, t, split.groups).to_dict() if split else None})
+        out.append({**layout_dict, "params": params})
+    return out

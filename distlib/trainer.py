@@ -27,7 +27,7 @@ from distlib.ddp import DataParallel
 from distlib.fault import Faults
 from distlib.mesh import build_mesh
 from distlib.model import MiniGPT, build_model
-from distlib.tensor_parallel import layout_params, shard_model_, splits_for_rank
+from distlib.tensor_parallel import manifest_layouts, shard_model_
 from distlib.flat_layout import FlatLayout
 from distlib.zero import ZeroOptimizer, make_optimizer
 
@@ -68,12 +68,6 @@ def seed_process_rngs(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
     np.random.seed((seed + rank) % 2**32)
     random.seed(seed + rank)
-
-
-def _full_shape(local: tuple[int, ...], split) -> tuple[int, ...]:
-    if split is None:
-        return local
-    return tuple(n * split.parts if d == split.dim else n for d, n in enumerate(local))
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
@@ -163,16 +157,11 @@ class Trainer:
     def _parallel_meta(self) -> dict:
         """The mesh, and with tensor parallelism each TP rank's flat layout with how every local
         parameter maps to the full one (split dim, groups, index), so the shards can be reassembled."""
-        tp, opt = self.mesh.tp.size, self.optimizer
+        tp = self.mesh.tp.size
         meta = {"tp": tp, "dp": self.mesh.dp.size, "rank_order": "global rank = dp_rank * tp + tp_rank",
                 "param_dtype": self.cfg.train.dtype}
         if tp > 1:
-            layouts = []
-            for t in range(tp):
-                splits = splits_for_rank(opt.tp.splits, t)
-                full = {s.name: _full_shape(s.shape, opt.tp.splits.get(s.name)) for s in opt.layout.slots}
-                layouts.append(layout_params(opt.layout.to_dict(), full, splits))
-            meta["tp_layouts"] = layouts
+            meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.optimizer.tp.splits)
         return meta
 
     def _check_compatible(self, path: Path, manifest: dict, layout: FlatLayout) -> None:
