@@ -246,9 +246,21 @@ class ZeroOptimizer:
             self._square_terms(self.flat_params[slice(*self.layout.shard_range(r))], r)
             for r in range(self.comm.size)]))
 
+    @property
+    def param_buffer(self) -> torch.Tensor:
+        """The parameter values this rank holds, flat: all of them at stages 0-2, its partition at 3
+        (with tensor parallelism, of its tensor-parallel shard of the model)."""
+        return self.flat_params
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The fp32 buffer gradients accumulate into before ``sync_grads``: all of them at stages
+        0/1, this rank's (already reduced) partition at stages 2/3."""
+        return self.flat_grads
+
     def params_snapshot(self) -> torch.Tensor:
         """A copy of the parameter bytes this rank holds (for byte-exact restore checks)."""
-        return self.flat_params.clone()
+        return self.param_buffer.clone()
 
     # -- state for checkpoints ----------------------------------------------------
     def _mine(self, t: torch.Tensor) -> torch.Tensor:

@@ -144,6 +144,10 @@ class Zero2Optimizer(ZeroOptimizer):
         """Hook for stage 3 (free the block's gathered parameters)."""
 
     # -- the step -----------------------------------------------------------------
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        return self.grad_partition
+
     def _zero_grads(self) -> None:
         self.grad_partition.zero_()
 

@@ -116,8 +116,9 @@ class Zero3Optimizer(Zero2Optimizer):
         collectives.all_gather(terms.view(-1), self._square_terms(self.param_shard, self.comm.rank), self.comm)
         return self._norm_from_terms(terms)
 
-    def params_snapshot(self) -> torch.Tensor:
-        return self.param_shard.clone()
+    @property
+    def param_buffer(self) -> torch.Tensor:
+        return self.param_shard
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
         """Stage 3: params bP/N (+ one gathered unit), grads 4P/N (+ the unit's fp32 gradient

@@ -272,3 +272,15 @@ def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
     with pytest.raises(RuntimeError, match=r"29 parameter\(s\) did not receive a gradient") as err:
         opt.step()
     assert "pos_emb.weight" in str(err.value) and "tok_emb.weight" not in str(err.value)
+
+
+def test_every_stage_exposes_its_parameter_and_gradient_buffers():
+    """param_buffer / grad_buffer: what a rank holds, for tools (fault injection, replica checks)
+    that must not assume the stage-0/1 flat buffers exist."""
+    from distlib.comm import Comm
+    for stage in range(4):
+        model = build_model(CFG, SEED)
+        opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
+        assert opt.param_buffer.numel() == opt.layout.padded_numel
+        assert opt.grad_buffer.dtype == torch.float32 and opt.grad_buffer.numel() == opt.layout.padded_numel
+        assert torch.equal(opt.params_snapshot(), opt.param_buffer)
