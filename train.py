@@ -20,43 +20,65 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from distlib import report
+from distlib.collectives import CollectiveMismatchError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
+from distlib.fault import FaultInjector
+from distlib.guard import DesyncError, GuardError
 from distlib.trainer import Trainer
+from distlib.watchdog import StallError
 
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank: join the process group, train, report, and exit non-zero on a broken invariant."""
+    """One rank: join the process group, train, report, and exit non-zero on a broken invariant
+    or on a stop (guard, desync, a stalled or mismatched collective) with a one-line reason."""
     cfg = RunConfig.from_dict(tree)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    rank = int(os.environ.get("RANK", "0"))
+    FaultInjector(cfg.fault, rank).hang(0)
+    try:
+        dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+        print(f"error: rank {rank}: rendezvous: the process group of {cfg.dist.world_size} ranks did not form "
+              f"within dist.timeout_s={cfg.dist.timeout_s:g}s (a rank did not arrive; torch names the "
+              f"missing rank's key): {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
             raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
                               f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
         result = Trainer(cfg, comm, Path(run_dir)).run()
-        failures = report.check_invariants(result, cfg.train.loss_tolerance)
-        if comm.rank == 0:
-            print(f"run directory: {run_dir}")
-            print(report.loss_table(result))
-            print(report.memory_table(result, cfg.zero.stage))
-            for manifest in result.manifests[:1]:
-                print(report.manifest_text(manifest))
-            if result.resume_check is None:
-                print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
-            elif result.resume_check.ok:
-                print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
-                      f"{comm.size} ranks")
-                print("RESUME VERIFIED")
-            for failure in failures:
-                print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
-            sys.stdout.flush()
-    finally:
-        dist.destroy_process_group()
+    except (GuardError, DesyncError, CollectiveMismatchError) as exc:
+        if comm.rank == 0:   # every rank reached the same verdict; one of them says it
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except StallError as exc:  # each rank saw its own part of it
+        print(f"error: rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    failures = report.check_invariants(result, cfg.train.loss_tolerance)
+    if comm.rank == 0:
+        print(f"run directory: {run_dir}")
+        print(report.loss_table(result))
+        print(report.memory_table(result, cfg.zero.stage))
+        for manifest in result.manifests[:1]:
+            print(report.manifest_text(manifest))
+        if result.stopped_by:
+            print(f"stopped by {result.stopped_by} after step {result.steps[-1].step if result.steps else 0}: "
+                  f"checkpoint saved; continue with checkpoint.resume=latest")
+        elif result.resume_check is None:
+            print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
+        elif result.resume_check.ok:
+            print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
+                  f"{comm.size} ranks")
+            print("RESUME VERIFIED")
+        for failure in failures:
+            print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
+        sys.stdout.flush()
+    dist.destroy_process_group()
     if failures:
         sys.exit(1)
 

@@ -1,15 +1,24 @@
 """The training loop: forward, backward, one ZeRO step, logging, checkpoints.
 
 It composes narrow APIs in order and knows nothing about how they talk:
-``DataParallel`` (initial broadcast), ``ZeroOptimizer.step`` (gradient sync +
-update + parameter all-gather), ``checkpoint.save/verify/load_shard``, and
-``agree`` for the few values ranks must share (the logged loss, per-rank norms,
-memory reports).
+``DataParallel`` (initial broadcast), ``ZeroOptimizer.sync_grads/apply_update``
+(gradient sync, then update + parameter all-gather), ``guard.check_step`` (the
+collective verdict between the two), ``schedule.decide`` (save / stop after this
+step), ``checkpoint.save/verify/load_shard``, ``metrics.MetricsLog``, and
+``agree`` for the few values ranks must share (per-rank norms, memory reports).
+Every step runs inside ``watchdog.watch``, which turns a timed-out collective
+into an error naming the step and the ranks that did not arrive.
+
+Rollback (docs/unattended.md): a checkpoint becomes a rollback target ("trusted")
+only once the step after it passed the guard, because a bad update at step S
+shows only in step S+1's loss. Before the first trusted checkpoint the target is
+the run's starting state, kept in memory (this rank's optimizer partition and RNG).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -18,11 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distlib import agree, checkpoint
+from distlib import agree, checkpoint, guard, schedule, watchdog
 from distlib.comm import Comm
 from distlib.config import RunConfig
 from distlib.data import BatchPlan, GlobalBatches, make_corpus
 from distlib.ddp import DataParallel
+from distlib.fault import FaultInjector
+from distlib.metrics import MetricsLog, json_number
 from distlib.model import MiniGPT, build_model
 from distlib.zero import FlatLayout, ZeroOptimizer
 
@@ -54,6 +65,16 @@ class RunResult:
     manifests: list[dict] = field(default_factory=list)
     resume_check: ResumeCheck | None = None
     numel: int = 0
+    rollbacks: list[dict] = field(default_factory=list)   # one per guard trip that rolled back
+    stopped_by: str | None = None                        # e.g. "SIGTERM": saved and left early
+
+
+@dataclass
+class RollbackPoint:
+    """A state the guard can return to: a committed checkpoint, or (path None) a state in memory."""
+    step: int
+    path: Path | None
+    state: tuple[dict, dict] | None = None   # (tensors, rank_state) as _state() returns them
 
 
 def seed_process_rngs(seed: int, rank: int) -> None:
@@ -69,14 +90,21 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, comm: Comm, run_dir: Path):
+    def __init__(self, cfg: RunConfig, comm: Comm, run_dir: Path, clock=None):
+        # Count traffic per collective kind and (dist.check_collectives) check every call's header.
+        comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir = cfg, comm, Path(run_dir)
+        self.clock = clock or time.monotonic     # rank 0's clock decides checkpoint.every_minutes
+        self.faults = FaultInjector(cfg.fault, comm.rank)
+        self.skipped_batches = 0                 # batches skipped after rollbacks (guard.skip_batches)
         seed_process_rngs(cfg.seed, comm.rank)
         self.ckpt_root = self.run_dir / cfg.checkpoint.dir
         plan = BatchPlan(cfg.global_batch, comm.size, cfg.train.grad_accum)
         corpus = make_corpus(cfg.data.seed, cfg.data.total_tokens, cfg.model.vocab_size, cfg.data.follow_prob)
         self.data = GlobalBatches(corpus, cfg.model.seq_len, plan, cfg.seed)
         self.model, self.optimizer = self.build(seed=cfg.seed)
+        if cfg.fault.perturb_param is not None:
+            self.faults.perturbed_slot(self.optimizer.layout.slots)   # a bad name fails now, not at the step
 
     def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
         model = DataParallel(build_model(self.cfg.model, seed), self.comm).module
@@ -85,11 +113,14 @@ class Trainer:
         return model, optimizer
 
     # -- checkpoints ----------------------------------------------------------
-    def _state(self, step: int, optimizer: ZeroOptimizer) -> tuple[dict, dict]:
+    def _state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None) -> tuple[dict, dict]:
+        skipped = self.skipped_batches if skipped is None else skipped
         rng_tensors, rng_meta = checkpoint.capture_rng()
         tensors = {**optimizer.state_shard(), **rng_tensors}
         rank_state = {"step": step, "optimizer_steps": optimizer.step_count,
-                      "data": self.data.position(step), "rng": rng_meta}
+                      "data": self.data.position(step + skipped), "rng": rng_meta}
+        if skipped:
+            rank_state["skipped_batches"] = skipped
         return tensors, rank_state
 
     def save(self, step: int) -> tuple[dict, dict, dict]:
@@ -114,13 +145,16 @@ class Trainer:
         manifest = checkpoint.read_manifest(path)
         self._check_compatible(path, manifest, optimizer.layout)
         tensors, rank_state = checkpoint.load_shard(path, self.comm.rank)
-        expected_position = self.data.position(manifest["step"])
+        skipped = rank_state.get("skipped_batches", 0)
+        expected_position = self.data.position(manifest["step"] + skipped)
         if rank_state["data"] != expected_position:
             raise checkpoint.CheckpointError(
                 f"checkpoint {path}: data position {rank_state['data']} cannot continue with this "
                 f"configuration's {expected_position} (seed or global batch differ)")
         optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
         checkpoint.restore_rng(tensors, rank_state["rng"])
+        if optimizer is self.optimizer:
+            self.skipped_batches = skipped
         return int(manifest["step"])
 
     def _check_compatible(self, path: Path, manifest: dict, layout: FlatLayout) -> None:
@@ -152,44 +186,173 @@ class Trainer:
     def run(self) -> RunResult:
         cfg, comm = self.cfg, self.comm
         start = 0
-        resume_path = self.resolve_resume()
-        if resume_path is not None:
-            start = self.load(resume_path, self.model, self.optimizer)
+        with watchdog.watch("startup (resume)", comm, cfg.dist.timeout_s):
+            resume_path = self.resolve_resume()
+            if resume_path is not None:
+                start = self.load(resume_path, self.model, self.optimizer)
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
-        snapshot = None
-        metrics = open(self.run_dir / "metrics.jsonl", "a") if comm.rank == 0 else None
-        try:
-            for step in range(start + 1, cfg.train.steps + 1):
-                began = time.perf_counter()
-                self.model.train()
-                local_loss = 0.0
-                for inputs, targets in self.data.micro_batches(step - 1, comm.rank):
-                    loss = self.model(inputs, targets) / cfg.train.grad_accum
-                    loss.backward()
-                    local_loss += float(loss.detach())
-                grad_norm = self.optimizer.step()
-                self.optimizer.zero_grad()
-                global_loss = agree.mean(local_loss, comm)
-                norms = [row[0] for row in agree.gather([self.optimizer.param_norm()], comm)]
-                seconds = time.perf_counter() - began
-                result.steps.append(StepLog(step, global_loss, grad_norm, norms, seconds))
-                if metrics:
-                    metrics.write(json.dumps({"step": step, "loss": global_loss, "loss_hex": global_loss.hex(),
-                                              "grad_norm": grad_norm, "param_norm": norms[0],
-                                              "lr": cfg.optimizer.adamw.lr, "step_time_s": seconds}) + "\n")
-                    metrics.flush()
-                if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                    tensors, rank_state, manifest = self.save(step)
-                    result.manifests.append(manifest)
-                    if snapshot is None:
-                        snapshot = (step, tensors, rank_state, self.optimizer.flat_params.clone())
-        finally:
-            if metrics:
-                metrics.close()
-        result.memory = self.memory_report()
-        if snapshot is not None and cfg.checkpoint.verify_resume:
-            result.resume_check = self.verify_resume(*snapshot)
+        self.trusted: list[RollbackPoint] = []     # rollback targets, oldest first
+        self.pending: RollbackPoint | None = None  # saved, waiting for the next step's verdict
+        self.saved: list[RollbackPoint] = []       # checkpoints this run committed (and has not set aside)
+        if cfg.guard.enabled:
+            self.trusted.append(RollbackPoint(start, resume_path) if resume_path is not None
+                                else RollbackPoint(start, None, self._state(start, self.optimizer)))
+        self.snapshot = None
+        self.trips = 0
+        self.clock_s = schedule.CheckpointClock(cfg.checkpoint.every_minutes, self.clock)
+        tokens = cfg.global_batch * cfg.model.seq_len
+        with schedule.StopSignals() as signals, \
+                MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps) as log:
+            self.log = log
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if resume_path is not None or attempt:
+                log.event("restart", start, say=f"resumed from {resume_path} (launcher attempt {attempt})",
+                          checkpoint=str(resume_path) if resume_path else None, attempt=attempt)
+            else:
+                log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
+            step = start + 1
+            while step <= cfg.train.steps:
+                with watchdog.watch(f"step {step}", comm, cfg.dist.timeout_s):
+                    step = self._step(step, result, signals)
+                if result.stopped_by:
+                    break
+            last = result.steps[-1].step if result.steps else start
+            with watchdog.watch("end of run", comm, cfg.dist.timeout_s):
+                result.memory = self.memory_report()
+                log.final_memory(last, self.optimizer.memory_bytes())
+                if self.snapshot is not None and cfg.checkpoint.verify_resume and not result.stopped_by:
+                    result.resume_check = self.verify_resume(*self.snapshot)
+            log.event("run_end", last, status="stopped by " + result.stopped_by if result.stopped_by else "completed",
+                      rollbacks=len(result.rollbacks))
         return result
+
+    def _step(self, step: int, result: RunResult, signals: schedule.StopSignals) -> int:
+        """Run ``step``; return the next step to run (smaller than step + 1 after a rollback)."""
+        cfg, comm, faults = self.cfg, self.comm, self.faults
+        faults.hang(step)
+        began = time.perf_counter()
+        self.model.train()
+        local_loss = 0.0
+        for inputs, targets in self.data.micro_batches(step - 1 + self.skipped_batches, comm.rank):
+            loss = self.model(inputs, targets) / cfg.train.grad_accum
+            loss.backward()
+            local_loss += float(loss.detach())
+        faults.poison_grads(step, self.optimizer.flat_grads)
+        faults.sigterm(step)
+        grad_norm = self.optimizer.sync_grads()
+        recent = [s.loss for s in result.steps[-cfg.guard.spike_window:]]
+        verdict = guard.check_step(local_loss, grad_norm, recent, cfg.guard, comm)
+        if not verdict.ok:
+            self.optimizer.zero_grad()
+            return self._roll_back(step, verdict, grad_norm, result)
+        if self.pending is not None:          # the state saved after step-1 trained fine: trust it
+            self.trusted = [p for p in self.trusted if p.path is not None] + [self.pending]
+            self.pending = None
+        lr = cfg.optimizer.adamw.lr * faults.lr_factor(step)
+        self.optimizer.apply_update(lr)
+        self.optimizer.zero_grad()
+        faults.perturb(step, self.optimizer.flat_params, self.optimizer.layout.slots)
+        norms = [row[0] for row in agree.gather([self.optimizer.param_norm()], comm)]
+        seconds = time.perf_counter() - began
+        result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds))
+        self.log.step(step, loss=verdict.loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
+                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes())
+        if cfg.guard.check_sync_every and step % cfg.guard.check_sync_every == 0:
+            try:
+                guard.check_replicas(self.optimizer.flat_params, self.optimizer.layout.slots, step, comm)
+            except guard.DesyncError as exc:
+                self.log.event("desync", step, say=str(exc), message=str(exc))
+                raise
+        decision = schedule.decide(step, cfg.checkpoint.every_steps, self.clock_s, signals, comm)
+        if decision.save:
+            self._save(step, decision.save, result)
+        if decision.stop:
+            result.stopped_by = decision.stop
+            self.log.event("preempted", step, say=f"{decision.stop} received: checkpoint saved, stopping",
+                           signal=decision.stop)
+        return step + 1
+
+    def _save(self, step: int, reason: str, result: RunResult) -> None:
+        began = time.perf_counter()
+        tensors, rank_state, manifest = self.save(step)
+        path = self.ckpt_root / checkpoint.step_dir_name(step)
+        self.clock_s.saved()
+        result.manifests.append(manifest)
+        if self.snapshot is None:
+            self.snapshot = (step, tensors, rank_state, self.optimizer.flat_params.clone())
+        point = RollbackPoint(step, path)
+        self.saved.append(point)
+        if self.cfg.guard.enabled:
+            self.pending = point
+        self.log.event("checkpoint_saved", step, path=str(path), reason=reason,
+                       bytes=sum(f["bytes"] for f in manifest["files"]), seconds=time.perf_counter() - began)
+
+    def _roll_back(self, step: int, verdict: guard.Verdict, grad_norm: float, result: RunResult) -> int:
+        """The guard tripped at ``step``: restore the newest trusted state and return the step to run next."""
+        cfg = self.cfg
+        self.trips += 1
+        detail = dict(reason=verdict.trip, loss=json_number(verdict.loss), grad_norm=json_number(grad_norm))
+        if self.trips > cfg.guard.max_rollbacks:
+            message = (f"guard tripped at step {step} ({verdict.trip}); that is trip {self.trips}, more than "
+                       f"guard.max_rollbacks={cfg.guard.max_rollbacks}: stopping instead of rolling back again")
+            self.log.event("guard_stop", step, say=message, **detail)
+            raise guard.GuardError(message)
+        distrusted, self.pending = self.pending, None
+        errors = []
+        for target in reversed(self.trusted):
+            try:
+                self._restore(target)
+                break
+            except checkpoint.CheckpointError as exc:     # same verdict on every rank (load agrees on it)
+                errors.append(str(exc))
+        else:
+            raise guard.GuardError(f"guard tripped at step {step} ({verdict.trip}) but no state to roll back to: "
+                                   + ("; ".join(errors) or "the guard keeps no rollback target"))
+        self.trusted = [p for p in self.trusted if p.step <= target.step]
+        set_aside = self._set_aside([p for p in self.saved if p.step > target.step])
+        self.skipped_batches += cfg.guard.skip_batches
+        result.steps = [s for s in result.steps if s.step <= target.step]
+        result.manifests = [m for m in result.manifests if m["step"] <= target.step]
+        if self.snapshot is not None and self.snapshot[0] > target.step:
+            self.snapshot = None
+        source = str(target.path) if target.path else f"the step-{target.step} state kept in memory"
+        event = dict(step=step, to_step=target.step, source=source, set_aside=set_aside,
+                     distrusted=str(distrusted.path) if distrusted else None, skipped_batches=self.skipped_batches,
+                     rollback=self.trips, max_rollbacks=cfg.guard.max_rollbacks, failed_targets=errors, **detail)
+        result.rollbacks.append(event)
+        self.log.event("rollback", step, say=f"{verdict.trip}; no update applied, rolled back to step "
+                       f"{target.step} ({source}), rollback {self.trips} of at most {cfg.guard.max_rollbacks}"
+                       + (f", skipping {cfg.guard.skip_batches} batch(es)" if cfg.guard.skip_batches else ""),
+                       **{k: v for k, v in event.items() if k != "step"})
+        return target.step + 1
+
+    def _restore(self, point: RollbackPoint) -> None:
+        if point.path is not None:
+            self.load(point.path, self.model, self.optimizer)
+            return
+        tensors, rank_state = point.state
+        self.optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
+        checkpoint.restore_rng(tensors, rank_state["rng"])
+        self.skipped_batches = rank_state.get("skipped_batches", 0)
+
+    def _set_aside(self, points: list[RollbackPoint]) -> list[str]:
+        """Move checkpoints of the abandoned trajectory to <dir>/rolled_back_<n>/ (rank 0; never
+        deleted), so the re-run steps can save again; every rank hears whether it worked."""
+        self.saved = [p for p in self.saved if p not in points]
+        moves = [(p.path, self.ckpt_root / f"rolled_back_{self.trips}" / p.path.name) for p in points]
+        error = ""
+        if self.comm.rank == 0:
+            for src, dest in moves:
+                try:
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(src, dest)
+                except OSError as exc:
+                    error = f"could not set aside {src} after a rollback: {exc}"
+                    break
+        errors = [b.decode() for b in agree.gather_bytes(error.encode(), self.comm)]
+        if errors[0]:
+            raise guard.GuardError(errors[0])
+        return [str(dest) for _, dest in moves]
 
     def memory_report(self) -> list[dict]:
         measured = self.optimizer.memory_bytes()
@@ -204,7 +367,7 @@ class Trainer:
         from a different seed) and compare every restored byte with the snapshot taken at save."""
         model, optimizer = self.build(seed=self.cfg.seed + 1)
         loaded_step = self.load(self.ckpt_root / checkpoint.step_dir_name(step), model, optimizer)
-        restored_tensors, restored_state = self._state(loaded_step, optimizer)
+        restored_tensors, restored_state = self._state(loaded_step, optimizer, rank_state.get("skipped_batches", 0))
         mismatches = []
         for key in sorted(tensors):
             if _bytes(tensors[key]) != _bytes(restored_tensors[key]):

@@ -6,7 +6,9 @@ gradient a view of ``flat_grads`` at the same place, so a whole model's
 gradients move in one collective. The buffer is padded to a multiple of the
 world size N (fewer than N extra zeros), and rank r owns partition r.
 
-``step()`` replaces ``optimizer.step()``:
+``step()`` replaces ``optimizer.step()``; it is ``sync_grads()`` (which returns the
+global grad norm) followed by ``apply_update(lr)``, so a caller can look at the
+norm and the loss before deciding to update:
 
   stage 0  all-reduce grads (SUM / N); every rank runs AdamW on everything.
            Optimizer state 8P bytes (m, v); the fp32 params are the master.
@@ -96,6 +98,7 @@ class ZeroOptimizer:
         self.module, self.comm, self.stage, self.cfg, self.grad_clip = module, comm, stage, cfg, grad_clip
         self.layout = FlatLayout.of(module, comm.size)
         self.step_count = 0
+        self._synced: tuple[torch.Tensor, float] | None = None   # set by sync_grads, used by apply_update
         self.flat_params = torch.zeros(self.layout.padded_numel)
         self.flat_grads = torch.zeros(self.layout.padded_numel)
         with torch.no_grad():
@@ -117,12 +120,23 @@ class ZeroOptimizer:
 
     # -- the step -------------------------------------------------------------
     def zero_grad(self) -> None:
+        """Clear the gradients (and drop synchronised ones that were never applied)."""
         self.flat_grads.zero_()
+        self._synced = None
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> float:
         """Synchronise gradients, update, re-replicate params. Returns the global grad norm
         (of the rank-averaged gradient, before clipping)."""
+        grad_norm = self.sync_grads()
+        self.apply_update(lr)
+        return grad_norm
+
+    @torch.no_grad()
+    def sync_grads(self) -> float:
+        """First half of ``step``: average the gradients over ranks (this rank keeps what it
+        updates) and return the global grad norm, identical on every rank. Nothing is updated
+        yet, so a caller can still decide (e.g. the divergence guard) not to ``apply_update``."""
         if self.stage == 0:
             grads = collectives.all_reduce(self.flat_grads, self.comm, op="avg")
             partial_sq = torch.stack([grads[slice(*self.layout.shard_range(r))].pow(2).sum()
@@ -133,6 +147,15 @@ class ZeroOptimizer:
             collectives.all_gather(partial_sq, grads.pow(2).sum().reshape(1), self.comm)
         # Summing the per-partition squares in rank order gives every stage the same norm bits.
         grad_norm = float(partial_sq.sum().sqrt())
+        self._synced = (grads, grad_norm)
+        return grad_norm
+
+    @torch.no_grad()
+    def apply_update(self, lr: float | None = None) -> None:
+        """Second half of ``step``: clip, AdamW on this rank's master, re-replicate the params."""
+        if self._synced is None:
+            raise RuntimeError("ZeroOptimizer.apply_update() needs sync_grads() first (once per update)")
+        (grads, grad_norm), self._synced = self._synced, None
         if self.grad_clip > 0:
             # torch.nn.utils.clip_grad_norm_'s coefficient
             coef = min(self.grad_clip / (grad_norm + 1e-6), 1.0)
@@ -143,7 +166,6 @@ class ZeroOptimizer:
         if self.stage == 1:
             self.flat_params[self.my_range].copy_(self.master)
             collectives.all_gather(self.flat_params, self.flat_params[self.my_range], self.comm)
-        return grad_norm
 
     # -- state for checkpoints and reports --------------------------------------
     def _mine(self, t: torch.Tensor) -> torch.Tensor:
