@@ -45,6 +45,8 @@ class MetricsLog:
         self.cfg, self.comm = cfg, comm
         self.tokens_per_step, self.total_steps = tokens_per_step, total_steps
         self.run_dir = Path(run_dir)
+        if comm.rank == 0 or cfg.per_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.shared = open(self.run_dir / cfg.file, "a") if comm.rank == 0 else None
         self.own = open(self.run_dir / f"metrics.rank{comm.rank}.jsonl", "a") if cfg.per_rank else None
         self._comm_seen = [0.0] * (3 * len(KINDS))
