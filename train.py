@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
 from distlib.fault import FaultInjector
 from distlib.guard import DesyncError, GuardError
+from distlib.metrics import last_event
 from distlib.trainer import Trainer
 from distlib.watchdog import StallError
 
@@ -42,9 +46,11 @@ def worker(tree: dict, run_dir: str) -> None:
     try:
         dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+        # torch names the store keys it waited for; each ends in the rank that never wrote it
+        missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
+        who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
         print(f"error: rank {rank}: rendezvous: the process group of {cfg.dist.world_size} ranks did not form "
-              f"within dist.timeout_s={cfg.dist.timeout_s:g}s (a rank did not arrive; torch names the "
-              f"missing rank's key): {exc}", file=sys.stderr, flush=True)
+              f"within dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})", file=sys.stderr, flush=True)
         sys.exit(1)
     try:
         comm = Comm.world()
@@ -81,6 +87,12 @@ def worker(tree: dict, run_dir: str) -> None:
     dist.destroy_process_group()
     if failures:
         sys.exit(1)
+    if result.stopped_by and not UNDER_TORCHRUN:
+        # Our own launcher is shutting down after forwarding the signal: a returning fork worker would
+        # wait for it to collect results it no longer collects, until SIGKILL. Leave now, cleanly.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _shared_run_dir(proposed: str) -> str:
@@ -93,15 +105,28 @@ def _shared_run_dir(proposed: str) -> str:
 
 
 def _launch(tree: dict, run_dir: str, world_size: int) -> None:
-    """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses)."""
+    """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses). On
+    SIGTERM/SIGINT the launcher forwards the signal; the workers finish their step, save and
+    stop, and this process exits 0 if the run's log says they did (1 otherwise)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="fork")
+    started = time.time()
     try:
         elastic_launch(config, worker)(tree, run_dir)
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        end = last_event(Path(run_dir) / RunConfig.from_dict(tree).metrics.file, "run_end", since=started)
+        if end and end["status"] == f"stopped by {name}":
+            print(f"{name}: the workers saved a checkpoint at step {end['step']} and stopped; "
+                  f"continue with checkpoint.resume=latest hydra.run.dir={run_dir}", file=sys.stderr)
+            sys.exit(0)
+        print(f"error: {name} received and the workers did not report a clean stop (see {run_dir})", file=sys.stderr)
+        sys.exit(1)
     except ChildFailedError as exc:
         failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
         print(f"error: training failed: {failed}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Per-step metrics as JSON lines, events, and the rank-0 progress line.
 
 Rank 0 writes ``<run dir>/<metrics.file>``: one ``"type": "step"`` record per step
-and ``"type": "event"`` records (run start/restart, checkpoint saved, rollback,
+(collective traffic counted from the step's start to its record, the stretch
+step_time_s measures) and ``"type": "event"`` records (run start/restart, checkpoint saved, rollback,
 pre-emption, desync, errors, run end). Values that live on every rank (memory,
 collective traffic, step time) reach rank 0 through one gather per step and are
 logged as max and mean over ranks. With ``metrics.per_rank`` every rank also writes
@@ -73,13 +74,19 @@ class MetricsLog:
             if say:
                 print(f"[{name}] step {step}: {say}", flush=True)
 
+    def _comm_now(self) -> list[float]:
+        stats = self.comm.stats
+        return stats.as_vector() if stats is not None else [0.0] * (3 * len(KINDS))
+
+    def begin_step(self) -> None:
+        """Start the step's collective accounting window (it ends when ``step`` is called), so a
+        record's comm figures cover the same stretch as its step_time_s."""
+        self._comm_seen = self._comm_now()
+
     def step(self, step: int, *, loss: float, local_loss: float, grad_norm: float, param_norm: float,
              lr: float, seconds: float, memory: dict[str, int]) -> None:
         """One step's record. Collective: every rank calls it (one gather)."""
-        stats = self.comm.stats
-        comm_now = stats.as_vector() if stats is not None else [0.0] * (3 * len(KINDS))
-        comm_delta = [now - seen for now, seen in zip(comm_now, self._comm_seen)]
-        self._comm_seen = comm_now
+        comm_delta = [now - seen for now, seen in zip(self._comm_now(), self._comm_seen)]
         mine = [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]),
                 float(peak_rss_bytes()), seconds] + comm_delta
         rows = agree.gather(mine, self.comm)
@@ -102,7 +109,7 @@ class MetricsLog:
             self._memory_event(step, rows)
         every = self.cfg.progress_every
         if every and (step % every == 0 or step == self.total_steps):
-            comm_ms = 1000 * sum(v["seconds"]["max"] for v in record["comm"].values())
+            comm_ms = 1000 * sum(v["seconds"]["mean"] for v in record["comm"].values())
             print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:.6f}  "
                   f"grad norm {grad_norm:.4f}  lr {lr:.3g}  {1000 * seconds:.1f} ms  "
                   f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  comm {comm_ms:.1f} ms", flush=True)
@@ -128,3 +135,20 @@ class MetricsLog:
         rows = agree.gather(mine, self.comm)
         if self.shared:
             self._memory_event(step, rows)
+
+
+def last_event(path: Path, name: str, since: float = 0.0) -> dict | None:
+    """The last ``name`` event logged at or after ``since`` (unix time) in a metrics file."""
+    found = None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("type") == "event" and record.get("event") == name and record.get("time", 0) >= since:
+            found = record
+    return found

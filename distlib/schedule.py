@@ -9,7 +9,10 @@ step and leaves the loop.
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -22,15 +25,39 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StopSignals:
     """While installed, SIGTERM/SIGINT only record a request; the loop stops at a step boundary.
-    (A process stuck outside the loop is ended by its launcher: torchrun sends SIGKILL after
-    its --shutdown-timeout.)"""
 
-    def __init__(self) -> None:
+    A rank that cannot reach the boundary (stalled outside a collective: a launcher sends
+    every worker SIGTERM once one has failed) would otherwise ignore the signal until the
+    launcher's SIGKILL (torchrun waits 30 s). So the first signal also starts a deadline:
+    if the loop has not acknowledged the stop ``deadline_s`` later, the process exits with
+    128 + signal. The loop keeps ``deadline_s`` at dist.timeout_s plus twice its slowest
+    step, the most a healthy rank needs to reach the next step boundary.
+    """
+
+    def __init__(self, deadline_s: float = 60.0) -> None:
         self.received: int = 0              # signal number, 0 = none
+        self.deadline_s = deadline_s
+        self._acknowledged = threading.Event()
         self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
 
     def _handle(self, signum, frame) -> None:
+        if self.received:
+            return
         self.received = signum
+        self._timer = threading.Timer(self.deadline_s, self._expire, args=(signum,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self, signum: int) -> None:
+        if not self._acknowledged.is_set():
+            print(f"{signal.Signals(signum).name} received, but this process did not reach a step boundary "
+                  f"within {self.deadline_s:.0f}s (stalled?); exiting without saving", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+    def acknowledge(self) -> None:
+        """The loop has seen the stop decision and is saving: no deadline any more."""
+        self._acknowledged.set()
 
     def __enter__(self) -> "StopSignals":
         for sig in STOP_SIGNALS:
@@ -38,6 +65,7 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._acknowledged.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

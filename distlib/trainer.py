@@ -201,7 +201,7 @@ class Trainer:
         self.trips = 0
         self.clock_s = schedule.CheckpointClock(cfg.checkpoint.every_minutes, self.clock)
         tokens = cfg.global_batch * cfg.model.seq_len
-        with schedule.StopSignals() as signals, \
+        with schedule.StopSignals(deadline_s=cfg.dist.timeout_s) as signals, \
                 MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps) as log:
             self.log = log
             attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -231,6 +231,7 @@ class Trainer:
         cfg, comm, faults = self.cfg, self.comm, self.faults
         faults.hang(step)
         began = time.perf_counter()
+        self.log.begin_step()
         self.model.train()
         local_loss = 0.0
         for inputs, targets in self.data.micro_batches(step - 1 + self.skipped_batches, comm.rank):
@@ -254,6 +255,7 @@ class Trainer:
         faults.perturb(step, self.optimizer.flat_params, self.optimizer.layout.slots)
         norms = [row[0] for row in agree.gather([self.optimizer.param_norm()], comm)]
         seconds = time.perf_counter() - began
+        signals.deadline_s = max(signals.deadline_s, cfg.dist.timeout_s + 2 * seconds)
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds))
         self.log.step(step, loss=verdict.loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
                       lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes())
@@ -264,6 +266,8 @@ class Trainer:
                 self.log.event("desync", step, say=str(exc), message=str(exc))
                 raise
         decision = schedule.decide(step, cfg.checkpoint.every_steps, self.clock_s, signals, comm)
+        if decision.stop:
+            signals.acknowledge()          # every rank reached the boundary; the save has no deadline
         if decision.save:
             self._save(step, decision.save, result)
         if decision.stop:
