@@ -9,6 +9,7 @@ Hydra composes conf/; this file only wires the pieces in distlib/ together.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from distlib import report
+from distlib.checkpoint import CheckpointError
 from distlib.collectives import CollectiveMismatchError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
@@ -36,63 +38,77 @@ UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.envi
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank: join the process group, train, report, and exit non-zero on a broken invariant
-    or on a stop (guard, desync, a stalled or mismatched collective) with a one-line reason."""
-    cfg = RunConfig.from_dict(tree)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    rank = int(os.environ.get("RANK", "0"))
-    FaultInjector(cfg.fault, rank).hang(0)
+    """One rank. Known failures (bad config, damaged checkpoint, a stalled or mismatched
+    collective, a guard or desync stop) print one line and exit 1; anything else keeps its
+    traceback."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        failures, stopped_by = _train(RunConfig.from_dict(tree), run_dir)
+    except (ConfigError, CheckpointError, StallError) as exc:
+        print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except (GuardError, DesyncError, CollectiveMismatchError) as exc:
+        if rank == "0":     # every rank reached the same verdict; one of them says it
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if failures:
+        sys.exit(1)
+    if stopped_by and not UNDER_TORCHRUN:
+        # Our own launcher is shutting down after forwarding the signal: a returning fork worker would
+        # wait for it to collect results it no longer collects, until SIGKILL. Leave now, cleanly.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _join(cfg: RunConfig) -> None:
+    """The rendezvous, under dist.timeout_s; a rank that never arrives is named."""
+    FaultInjector(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
     try:
         dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
         # torch names the store keys it waited for; each ends in the rank that never wrote it
         missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
         who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
-        print(f"error: rank {rank}: rendezvous: the process group of {cfg.dist.world_size} ranks did not form "
-              f"within dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})", file=sys.stderr, flush=True)
-        sys.exit(1)
+        raise StallError(f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
+                         f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})") from exc
+
+
+def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
+    """Join the process group, train, report; returns the broken invariants (every rank agrees)
+    and the signal that stopped the run early, if one did."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    _join(cfg)
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
             raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
                               f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
         result = Trainer(cfg, comm, Path(run_dir)).run()
-    except (GuardError, DesyncError, CollectiveMismatchError) as exc:
-        if comm.rank == 0:   # every rank reached the same verdict; one of them says it
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except StallError as exc:  # each rank saw its own part of it
-        print(f"error: rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    failures = report.check_invariants(result, cfg.train.loss_tolerance)
-    if comm.rank == 0:
-        print(f"run directory: {run_dir}")
-        print(report.loss_table(result))
-        print(report.memory_table(result, cfg.zero.stage))
-        for manifest in result.manifests[:1]:
-            print(report.manifest_text(manifest))
-        if result.stopped_by:
-            print(f"stopped by {result.stopped_by} after step {result.steps[-1].step if result.steps else 0}: "
-                  f"checkpoint saved; continue with checkpoint.resume=latest")
-        elif result.resume_check is None:
-            print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
-        elif result.resume_check.ok:
-            print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
-                  f"{comm.size} ranks")
-            print("RESUME VERIFIED")
-        for failure in failures:
-            print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
-        sys.stdout.flush()
-    dist.destroy_process_group()
-    if failures:
-        sys.exit(1)
-    if result.stopped_by and not UNDER_TORCHRUN:
-        # Our own launcher is shutting down after forwarding the signal: a returning fork worker would
-        # wait for it to collect results it no longer collects, until SIGKILL. Leave now, cleanly.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
+        if comm.rank == 0:
+            report.write_json(result, failures, Path(run_dir) / "report.json")
+            print(f"run directory: {run_dir}")
+            print(report.loss_table(result))
+            print(report.memory_table(result, cfg.zero.stage))
+            for manifest in result.manifests[:1]:
+                print(report.manifest_text(manifest))
+            if result.stopped_by:
+                print(f"stopped by {result.stopped_by} after step {result.steps[-1].step if result.steps else 0}: "
+                      f"checkpoint saved; continue with checkpoint.resume=latest")
+            elif result.resume_check is None:
+                print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
+            elif result.resume_check.ok:
+                print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
+                      f"{comm.size} ranks")
+                print("RESUME VERIFIED")
+            for failure in failures:
+                print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
+            sys.stdout.flush()
+    finally:
+        dist.destroy_process_group()
+    return failures, result.stopped_by
 
 
 def _shared_run_dir(proposed: str) -> str:
@@ -115,6 +131,8 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="fork")
+    # The workers print their own one-line errors; the agent's tracebacks would bury them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     started = time.time()
     try:
         elastic_launch(config, worker)(tree, run_dir)
@@ -158,6 +176,8 @@ if __name__ == "__main__":
         if not explicit:
             stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
             sys.argv.append(f"hydra.run.dir={_shared_run_dir(stamp)}")
+        if not any(arg.startswith("dist.world_size=") for arg in sys.argv[1:]):
+            sys.argv.append(f"dist.world_size={os.environ['WORLD_SIZE']}")  # torchrun decides
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]

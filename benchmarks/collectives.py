@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -25,6 +26,8 @@ import torch.distributed as dist  # noqa: E402
 
 from distlib import collectives as C  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
 
 OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
 ALGOS = {"broadcast": ("tree", "chain"), "reduce_scatter": ("direct", "ring"),
@@ -52,15 +55,20 @@ def _callables(op: str, x: torch.Tensor, comm, algo):
     return (lambda: C.all_reduce(x, comm, algo=algo)), (lambda: dist.all_reduce(x))
 
 
-def _time(fn, iters: int) -> list[float]:
-    fn()  # warm-up (connections, allocator)
-    fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
+def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
+    """Time every variant once per round, rotating the order, so that background load on a
+    shared machine hits ours and torch's alike."""
+    for fn in fns.values():     # warm-up (connections, allocator)
         fn()
-        times.append(time.perf_counter() - t0)
+        fn()
+    names = list(fns)
+    times = {k: [] for k in names}
+    for i in range(iters):
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
     return times
 
 
@@ -70,14 +78,12 @@ def _bench_rank(comm, sizes, quick, with_algos):
     for op in OPS:
         for nbytes in sizes:
             x = torch.randn(nbytes // 4)
-            iters = _iters(nbytes, quick)
             ours, ref = _callables(op, x, comm, None)
-            row = {"op": op, "world": comm.size, "bytes": nbytes,
-                   "ours": _time(ours, iters), "torch": _time(ref, iters)}
+            fns = {"ours": ours, "torch": ref}
             if with_algos:
-                for algo in ALGOS[op]:
-                    row[algo] = _time(_callables(op, x, comm, algo)[0], iters)
-            rows.append(row)
+                fns.update({a: _callables(op, x, comm, a)[0] for a in ALGOS[op]})
+            rows.append({"op": op, "world": comm.size, "bytes": nbytes,
+                         **_time_interleaved(fns, _iters(nbytes, quick))})
     return rows
 
 
@@ -90,9 +96,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 sizes, fewer iterations (< 1 min)")
     ap.add_argument("--algos", action="store_true", help="also time each forced algorithm of ours")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 16); overrides the default list")
     args = ap.parse_args()
-    sizes = ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
-             else [1 << (10 + 2 * i) for i in range(9)])                # 1 KB .. 64 MB
+    sizes = args.sizes or ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
+                           else [1 << (10 + 2 * i) for i in range(9)])  # 1 KB .. 64 MB
     torch.set_num_threads(1)
     results = []
     for world in args.worlds:

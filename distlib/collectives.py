@@ -212,6 +212,27 @@ def _segments(n: int, itemsize: int) -> list[tuple[int, int]]:
     return [(s, min(s + seg, n)) for s in range(0, n, seg)] or [(0, 0)]
 
 
+def choose_algorithm(collective: str, nbytes: int, world: int) -> str:
+    """The algorithm each collective uses by default for a tensor of ``nbytes`` (see table)."""
+    if collective == "broadcast":
+        # With 2 ranks a chain has nothing to forward; segmenting would only add messages.
+        return "chain" if world > 2 and nbytes > BCAST_TREE_MAX_BYTES else "tree"
+    if collective == "all_reduce":
+        return "exchange" if nbytes <= AR_EXCHANGE_MAX_BYTES else "rs_ag"
+    if collective == "reduce_scatter":
+        return "direct" if nbytes <= RS_DIRECT_MAX_BYTES else "ring"
+    if collective == "all_gather":
+        return "direct" if nbytes <= AG_DIRECT_MAX_BYTES else "ring"
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def _pick(collective: str, algo: str | None, flat: Tensor, comm: Comm, table: dict):
+    name = algo or choose_algorithm(collective, flat.numel() * flat.element_size(), comm.size)
+    if name not in table:
+        raise ValueError(f"unknown {collective} algorithm {name!r}; expected one of {sorted(table)}")
+    return name, table[name]
+
+
 def _flat(t: Tensor) -> Tensor:
     if not t.is_contiguous():
         raise ValueError("collectives need a contiguous tensor")
@@ -263,13 +284,11 @@ def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | N
     1-D tensor. ``tensor`` is read only. algo: None (by size), "direct" or "ring"."""
     _check_op(op, tensor.dtype)
     flat = _flat(tensor)
+    name, run = _pick("reduce_scatter", algo, flat, comm, {"direct": _rs_direct, "ring": _rs_ring})
     if comm.size == 1:
         return flat.clone()
-    algo = algo or ("direct" if flat.numel() * flat.element_size() <= RS_DIRECT_MAX_BYTES else "ring")
-    if algo not in ("direct", "ring"):
-        raise ValueError(f"unknown reduce_scatter algorithm {algo!r}")
-    with _collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op, algo=algo):
-        out = (_rs_direct if algo == "direct" else _rs_ring)(flat, comm, op)
+    with _collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name):
+        out = run(flat, comm, op)
     if op == "avg":
         out.div_(comm.size)     # once, on the owner, so every rank later gets the same bytes
     return out
@@ -316,16 +335,13 @@ def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = 
     if chunk.numel() != hi - lo:
         raise ValueError(f"all_gather: rank {comm.rank} chunk has {chunk.numel()} elements, "
                          f"expected {hi - lo} of {flat.numel()}")
+    name, run = _pick("all_gather", algo, flat, comm, {"direct": _ag_direct, "ring": _ag_ring})
     mine = flat[lo:hi]
     if chunk.data_ptr() != mine.data_ptr() or chunk.dtype != mine.dtype:
-        mine.copy_(chunk.reshape(-1))
-    if comm.size == 1:
-        return output
-    algo = algo or ("direct" if flat.numel() * flat.element_size() <= AG_DIRECT_MAX_BYTES else "ring")
-    if algo not in ("direct", "ring"):
-        raise ValueError(f"unknown all_gather algorithm {algo!r}")
-    with _collective(comm, "all_gather", numel=flat.numel(), dtype=flat.dtype, algo=algo):
-        (_ag_direct if algo == "direct" else _ag_ring)(flat, comm)
+        mine.copy_(chunk.reshape(-1))       # (casts to output's dtype if they differ)
+    if comm.size > 1:
+        with _collective(comm, "all_gather", numel=flat.numel(), dtype=flat.dtype, algo=name):
+            run(flat, comm)
     return output
 
 
@@ -346,21 +362,20 @@ def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
         flat.div_(comm.size)
 
 
+def _ar_rs_ag(flat: Tensor, comm: Comm, op: str) -> None:
+    """Bandwidth-optimal: reduce-scatter, then all-gather the reduced chunks back into `flat`."""
+    all_gather(flat, reduce_scatter(flat, comm, op), comm)
+
+
 def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
     """In place; every rank ends with identical bytes. algo: None (by size), "exchange", or
     "rs_ag" (reduce_scatter + all_gather, each choosing its own algorithm by size)."""
     _check_op(op, tensor.dtype)
     flat = _flat(tensor)
-    if comm.size == 1:
-        return tensor
-    algo = algo or ("exchange" if flat.numel() * flat.element_size() <= AR_EXCHANGE_MAX_BYTES else "rs_ag")
-    if algo not in ("exchange", "rs_ag"):
-        raise ValueError(f"unknown all_reduce algorithm {algo!r}")
-    with _collective(comm, "all_reduce", numel=flat.numel(), dtype=flat.dtype, op=op, algo=algo):
-        if algo == "exchange":
-            _ar_exchange(flat, comm, op)
-        else:
-            all_gather(flat, reduce_scatter(flat, comm, op), comm)
+    name, run = _pick("all_reduce", algo, flat, comm, {"exchange": _ar_exchange, "rs_ag": _ar_rs_ag})
+    if comm.size > 1:
+        with _collective(comm, "all_reduce", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name):
+            run(flat, comm, op)
     return tensor
 
 
@@ -399,13 +414,10 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
     if not 0 <= src < comm.size:
         raise ValueError(f"broadcast: src {src} is not a group rank of {list(comm.ranks)}")
     flat = _flat(tensor)
-    if comm.size == 1:
-        return tensor
-    algo = algo or ("tree" if flat.numel() * flat.element_size() <= BCAST_TREE_MAX_BYTES else "chain")
-    if algo not in ("tree", "chain"):
-        raise ValueError(f"unknown broadcast algorithm {algo!r}")
-    with _collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=algo):
-        (_bcast_tree if algo == "tree" else _bcast_chain)(flat, src, comm)
+    name, run = _pick("broadcast", algo, flat, comm, {"tree": _bcast_tree, "chain": _bcast_chain})
+    if comm.size > 1:
+        with _collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
+            run(flat, src, comm)
     return tensor
 
 

@@ -64,17 +64,21 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20
-    batch_size: int = 4
+    batch_size: int | None = None
     grad_accum: int = 1
-    global_batch: int | None = None
+    global_batch: int | None = 16
     loss_tolerance: float = 1e-6
+    monotone_until_step: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum"):
+        for name in ("steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.global_batch is not None and self.global_batch < 1:
-            raise ConfigError(f"train.global_batch must be >= 1 or null, got {self.global_batch}")
+        for name in ("batch_size", "global_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.batch_size is None and self.global_batch is None:
+            raise ConfigError("set train.global_batch or train.batch_size (both are null)")
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,19 @@ class RunConfig:
         t = self.train
         return t.global_batch if t.global_batch is not None else t.batch_size * self.dist.world_size * t.grad_accum
 
+    def _check_batch(self) -> None:
+        t, ranks = self.train, self.dist.world_size
+        if self.global_batch % (ranks * t.grad_accum):
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} does not divide into dist.world_size={ranks} rank(s) x "
+                f"train.grad_accum={t.grad_accum} micro-batch(es); use a multiple of {ranks * t.grad_accum}")
+        derived = self.global_batch // (ranks * t.grad_accum)
+        if t.batch_size is not None and t.batch_size != derived:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} contradicts train.global_batch={self.global_batch} / "
+                f"(dist.world_size={ranks} x train.grad_accum={t.grad_accum}) = {derived}; set only one of them "
+                f"(train.global_batch=null to size the batch per rank)")
+
     @staticmethod
     def from_dict(tree: dict) -> "RunConfig":
         tree = {k: v for k, v in tree.items() if k != "hydra"}
@@ -221,6 +238,7 @@ class RunConfig:
             metrics=_build(MetricsConfig, "metrics", tree.get("metrics", {})),
             seed=int(tree.get("seed", 1234)),
         )
+        cfg._check_batch()
         cfg.fault.check_run(cfg.dist.world_size, cfg.train.steps)
         if cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "

@@ -5,7 +5,9 @@ through collectives), so every rank reaches the same verdict; only rank 0 prints
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 from distlib.trainer import RunResult
 
@@ -36,10 +38,11 @@ def _memory_ok(row: dict) -> bool:
     return all(0 <= row["measured"][k] - row["expected"][k] <= row["allowance"][k] for k in row["expected"])
 
 
-def check_invariants(result: RunResult, loss_tolerance: float) -> list[str]:
+def check_invariants(result: RunResult, loss_tolerance: float, monotone_until_step: int) -> list[str]:
     """The specification's four invariants; returns one message per violation."""
     failures = []
-    for prev, cur in zip(result.steps, result.steps[1:]):
+    window = [s for s in result.steps if s.step <= monotone_until_step]
+    for prev, cur in zip(window, window[1:]):
         if cur.loss > prev.loss * (1 + loss_tolerance):
             failures.append(f"invariant 1 (monotone loss): step {cur.step} loss {cur.loss!r} > "
                             f"step {prev.step} loss {prev.loss!r}")
@@ -73,3 +76,10 @@ def manifest_text(manifest: dict) -> str:
     for f in manifest["files"]:
         lines.append(f"  {f['path']:<22}  {f['bytes']:>8}  {f['sha256']}")
     return "\n".join(lines)
+
+
+def write_json(result: RunResult, failures: list[str], path: Path) -> None:
+    """The whole result (every step's per-rank norms, memory rows, resume check) for tools and tests."""
+    payload = dataclasses.asdict(result)
+    payload["invariant_failures"] = failures
+    path.write_text(json.dumps(payload, indent=1))

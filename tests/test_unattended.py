@@ -197,7 +197,7 @@ def test_rank0s_clock_alone_decides_time_based_checkpoints(tmp_path):
     # rank 1's clock always says a save is overdue, rank 2's never moves. Were their clocks used,
     # the ranks would disagree and the collective save could not complete.
     tree = config(dist={"world_size": 3}, checkpoint={"every_steps": 0, "every_minutes": 1.0},
-                  train={"steps": 9})
+                  train={"steps": 9, "global_batch": 12})
     results = train(tree, tmp_path, clocks=[25.0, 1e6, 0.0])
     assert results[0]["saved"] == results[1]["saved"] == results[2]["saved"]
     saved = results[0]["saved"]
@@ -227,7 +227,7 @@ def test_a_perturbed_replica_is_named_by_rank_and_parameter(tmp_path, stage, per
 
 
 def test_metrics_jsonl_follows_the_documented_schema(tmp_path):
-    tree = config(dist={"world_size": 3}, train={"steps": 6}, metrics={"per_rank": True})
+    tree = config(dist={"world_size": 3}, train={"steps": 6, "global_batch": 12}, metrics={"per_rank": True})
     train(tree, tmp_path)
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in records if r["type"] == "step"]
@@ -235,7 +235,7 @@ def test_metrics_jsonl_follows_the_documented_schema(tmp_path):
     per_rank = [[json.loads(line) for line in open(tmp_path / f"metrics.rank{r}.jsonl")] for r in range(3)]
     for i, rec in enumerate(steps):
         assert float.fromhex(rec["loss_hex"]) == rec["loss"]
-        assert rec["tokens"] == 3 * 4 * 16 and rec["tokens_per_s"] == pytest.approx(rec["tokens"] / rec["step_time_s"])
+        assert rec["tokens"] == 12 * 16 and rec["tokens_per_s"] == pytest.approx(rec["tokens"] / rec["step_time_s"])
         assert rec["lr"] == 0.01 and rec["grad_norm"] > 0 and rec["param_norm"] > 0
         own = [rows[i] for rows in per_rank]
         assert [o["step"] for o in own] == [rec["step"]] * 3

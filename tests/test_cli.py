@@ -1,0 +1,65 @@
+"""Hydra overrides: bad values fail fast with a clear message; sweeps run one job per value."""
+import re
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from e2e import ROOT, run, train
+from distlib.config import ConfigError, RunConfig
+
+
+def _compose(*overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
+
+
+def test_default_config_is_the_capstone():
+    cfg = RunConfig.from_dict(_compose())
+    assert (cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.vocab_size, cfg.model.seq_len) == \
+        (2, 32, 4, 64, 16)
+    assert (cfg.train.steps, cfg.global_batch // cfg.dist.world_size, cfg.dist.world_size, cfg.zero.stage) == \
+        (20, 4, 4, 1)
+    assert cfg.checkpoint.every_steps == 10 and cfg.dist.backend == "gloo"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("zero.stage=7", "zero.stage must be one of"),
+    ("dist.world_size=0", "dist.world_size must be >= 1"),
+    ("model.dim=30", r"model.dim \(30\) must be divisible by model.n_heads \(4\)"),
+    ("train.global_batch=10", "does not divide"),
+    ("train.batch_size=3", "contradicts train.global_batch"),
+    ("+model.colour=red", "unknown key"),
+])
+def test_bad_values_are_refused_with_the_key_named(override, message):
+    tree = _compose(override)
+    with pytest.raises((ConfigError, ValueError), match=message):
+        cfg = RunConfig.from_dict(tree)
+        from distlib.data import BatchPlan
+        BatchPlan(cfg.global_batch, cfg.dist.world_size, cfg.train.grad_accum)
+
+
+def test_bad_override_on_the_command_line_fails_fast(tmp_path):
+    proc = train(tmp_path, "zero.stage=7", timeout=60)
+    assert proc.returncode == 2
+    assert "config error: zero.stage must be one of" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_multirun_sweep_over_world_size(tmp_path):
+    proc = run([sys.executable, "train.py", "-m", "dist.world_size=1,2,4", f"hydra.sweep.dir={tmp_path}"],
+               timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and (p / "report.json").exists())
+    assert [re.sub(r"^\d+_", "", j) for j in jobs] == ["ws1_zero1", "ws2_zero1", "ws4_zero1"]
+    assert proc.stdout.count("RESUME VERIFIED") == 3
+
+
+@pytest.mark.slow
+def test_torchrun_world_size_contradicting_the_config_is_refused(tmp_path):
+    from e2e import torchrun
+    proc = torchrun(tmp_path, "dist.world_size=4", nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "dist.world_size=4 but 2 processes were started" in proc.stderr
