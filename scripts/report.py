@@ -177,7 +177,12 @@ def loss_png(runs: list[Run], out: Path, plt) -> Path:
                            label=f"guard trip at step {e['step']}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_yscale("log")
+    shown = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y) and y > 0]
+    if shown and max(shown) > 4 * min(shown):     # a spike would flatten the curve on a linear axis
+        ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(plt.matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title("loss" if len(runs) == 1 else f"loss: {len(runs)} jobs")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
