@@ -9,10 +9,8 @@ step), ``checkpoint.save/verify/load_shard``, ``metrics.MetricsLog``, and
 Every step runs inside ``watchdog.watch``, which turns a timed-out collective
 into an error naming the step and the ranks that did not arrive.
 
-Rollback (docs/unattended.md): a checkpoint becomes a rollback target ("trusted")
-only once the step after it passed the guard, because a bad update at step S
-shows only in step S+1's loss. Before the first trusted checkpoint the target is
-the run's starting state, kept in memory (this rank's optimizer partition and RNG).
+On a guard trip no update is applied and the run returns to the newest trusted
+state (``distlib.rollback``), then re-runs the steps from there (docs/unattended.md).
 """
 from __future__ import annotations
 
@@ -35,6 +33,7 @@ from distlib.ddp import DataParallel
 from distlib.fault import FaultInjector
 from distlib.metrics import MetricsLog, json_number
 from distlib.model import MiniGPT, build_model
+from distlib.rollback import RollbackPoint, RollbackTargets
 from distlib.zero import FlatLayout, ZeroOptimizer
 
 
@@ -67,14 +66,6 @@ class RunResult:
     numel: int = 0
     rollbacks: list[dict] = field(default_factory=list)   # one per guard trip that rolled back
     stopped_by: str | None = None                        # e.g. "SIGTERM": saved and left early
-
-
-@dataclass
-class RollbackPoint:
-    """A state the guard can return to: a committed checkpoint, or (path None) a state in memory."""
-    step: int
-    path: Path | None
-    state: tuple[dict, dict] | None = None   # (tensors, rank_state) as _state() returns them
 
 
 def seed_process_rngs(seed: int, rank: int) -> None:
@@ -191,12 +182,9 @@ class Trainer:
             if resume_path is not None:
                 start = self.load(resume_path, self.model, self.optimizer)
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
-        self.trusted: list[RollbackPoint] = []     # rollback targets, oldest first
-        self.pending: RollbackPoint | None = None  # saved, waiting for the next step's verdict
-        self.saved: list[RollbackPoint] = []       # checkpoints this run committed (and has not set aside)
-        if cfg.guard.enabled:
-            self.trusted.append(RollbackPoint(start, resume_path) if resume_path is not None
-                                else RollbackPoint(start, None, self._state(start, self.optimizer)))
+        start_point = (None if not cfg.guard.enabled else RollbackPoint(start, resume_path) if resume_path
+                       else RollbackPoint(start, None, self._state(start, self.optimizer)))
+        self.targets = RollbackTargets(start_point)
         self.snapshot = None
         self.trips = 0
         self.clock_s = schedule.CheckpointClock(cfg.checkpoint.every_minutes, self.clock)
@@ -207,15 +195,21 @@ class Trainer:
             attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if resume_path is not None or attempt:
                 log.event("restart", start, say=f"resumed from {resume_path} (launcher attempt {attempt})",
-                          checkpoint=str(resume_path) if resume_path else None, attempt=attempt)
+                          checkpoint=str(resume_path) if resume_path else None, attempt=attempt,
+                          world_size=comm.size, steps=cfg.train.steps)
             else:
                 log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
             step = start + 1
-            while step <= cfg.train.steps:
-                with watchdog.watch(f"step {step}", comm, cfg.dist.timeout_s):
-                    step = self._step(step, result, signals)
-                if result.stopped_by:
-                    break
+            try:
+                while step <= cfg.train.steps:
+                    with watchdog.watch(f"step {step}", comm, cfg.dist.timeout_s):
+                        step = self._step(step, result, signals)
+                    if result.stopped_by:
+                        break
+            except Exception as exc:
+                if not isinstance(exc, (guard.GuardError, guard.DesyncError)):   # those logged their own
+                    log.event("error", step, error=type(exc).__name__, message=str(exc))
+                raise
             last = result.steps[-1].step if result.steps else start
             with watchdog.watch("end of run", comm, cfg.dist.timeout_s):
                 result.memory = self.memory_report()
@@ -246,9 +240,7 @@ class Trainer:
         if not verdict.ok:
             self.optimizer.zero_grad()
             return self._roll_back(step, verdict, grad_norm, result)
-        if self.pending is not None:          # the state saved after step-1 trained fine: trust it
-            self.trusted = [p for p in self.trusted if p.path is not None] + [self.pending]
-            self.pending = None
+        self.targets.step_passed()
         lr = cfg.optimizer.adamw.lr * faults.lr_factor(step)
         self.optimizer.apply_update(lr)
         self.optimizer.zero_grad()
@@ -284,12 +276,10 @@ class Trainer:
         result.manifests.append(manifest)
         if self.snapshot is None:
             self.snapshot = (step, tensors, rank_state, self.optimizer.flat_params.clone())
-        point = RollbackPoint(step, path)
-        self.saved.append(point)
-        if self.cfg.guard.enabled:
-            self.pending = point
-        self.log.event("checkpoint_saved", step, path=str(path), reason=reason,
-                       bytes=sum(f["bytes"] for f in manifest["files"]), seconds=time.perf_counter() - began)
+        self.targets.saved_checkpoint(step, path)
+        nbytes, seconds = sum(f["bytes"] for f in manifest["files"]), time.perf_counter() - began
+        self.log.event("checkpoint_saved", step, say=f"{path} ({nbytes} bytes, {seconds:.2f} s, {reason})",
+                       path=str(path), reason=reason, bytes=nbytes, seconds=seconds)
 
     def _roll_back(self, step: int, verdict: guard.Verdict, grad_norm: float, result: RunResult) -> int:
         """The guard tripped at ``step``: restore the newest trusted state and return the step to run next."""
@@ -301,9 +291,8 @@ class Trainer:
                        f"guard.max_rollbacks={cfg.guard.max_rollbacks}: stopping instead of rolling back again")
             self.log.event("guard_stop", step, say=message, **detail)
             raise guard.GuardError(message)
-        distrusted, self.pending = self.pending, None
-        errors = []
-        for target in reversed(self.trusted):
+        distrusted, errors = self.targets.pending, []
+        for target in self.targets.candidates():
             try:
                 self._restore(target)
                 break
@@ -312,14 +301,13 @@ class Trainer:
         else:
             raise guard.GuardError(f"guard tripped at step {step} ({verdict.trip}) but no state to roll back to: "
                                    + ("; ".join(errors) or "the guard keeps no rollback target"))
-        self.trusted = [p for p in self.trusted if p.step <= target.step]
-        set_aside = self._set_aside([p for p in self.saved if p.step > target.step])
+        set_aside = self.targets.rolled_back_to(target, self.trips, self.ckpt_root, self.comm)
         self.skipped_batches += cfg.guard.skip_batches
         result.steps = [s for s in result.steps if s.step <= target.step]
         result.manifests = [m for m in result.manifests if m["step"] <= target.step]
         if self.snapshot is not None and self.snapshot[0] > target.step:
             self.snapshot = None
-        source = str(target.path) if target.path else f"the step-{target.step} state kept in memory"
+        source = target.describe()
         event = dict(step=step, to_step=target.step, source=source, set_aside=set_aside,
                      distrusted=str(distrusted.path) if distrusted else None, skipped_batches=self.skipped_batches,
                      rollback=self.trips, max_rollbacks=cfg.guard.max_rollbacks, failed_targets=errors, **detail)
@@ -338,25 +326,6 @@ class Trainer:
         self.optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
         checkpoint.restore_rng(tensors, rank_state["rng"])
         self.skipped_batches = rank_state.get("skipped_batches", 0)
-
-    def _set_aside(self, points: list[RollbackPoint]) -> list[str]:
-        """Move checkpoints of the abandoned trajectory to <dir>/rolled_back_<n>/ (rank 0; never
-        deleted), so the re-run steps can save again; every rank hears whether it worked."""
-        self.saved = [p for p in self.saved if p not in points]
-        moves = [(p.path, self.ckpt_root / f"rolled_back_{self.trips}" / p.path.name) for p in points]
-        error = ""
-        if self.comm.rank == 0:
-            for src, dest in moves:
-                try:
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    os.rename(src, dest)
-                except OSError as exc:
-                    error = f"could not set aside {src} after a rollback: {exc}"
-                    break
-        errors = [b.decode() for b in agree.gather_bytes(error.encode(), self.comm)]
-        if errors[0]:
-            raise guard.GuardError(errors[0])
-        return [str(dest) for _, dest in moves]
 
     def memory_report(self) -> list[dict]:
         measured = self.optimizer.memory_bytes()
