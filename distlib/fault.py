@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from distlib.config import FaultConfig
+from distlib.config import ConfigError, FaultConfig
 
 
 class FaultInjector:
@@ -71,7 +71,7 @@ class FaultInjector:
         for slot in slots:
             if slot.name == name:
                 return slot
-        raise ValueError(f"fault.perturb_param={name!r} is not a parameter of the model "
+        raise ConfigError(f"fault.perturb_param={name!r} is not a parameter of the model "
                          f"(known: {[s.name for s in slots]})")
 
     def sigterm(self, step: int) -> None:

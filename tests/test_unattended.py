@@ -256,3 +256,51 @@ def test_metrics_jsonl_follows_the_documented_schema(tmp_path):
     memory = [r for r in records if r.get("event") == "memory"]
     assert [len(m["per_rank"]) for m in memory] == [3, 3]
     assert events(tmp_path, "run_end")[0]["status"] == "completed"
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_yaml_defaults_are_the_dataclass_defaults_and_leave_every_fault_off():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
+        cfg = RunConfig.from_dict(OmegaConf.to_container(compose("config"), resolve=True))
+    default = RunConfig()
+    assert (cfg.guard, cfg.fault, cfg.metrics) == (default.guard, default.fault, default.metrics)
+    assert cfg.checkpoint.every_minutes == default.checkpoint.every_minutes == 30
+    assert cfg.dist.check_collectives is True and cfg.guard.enabled is True
+    assert all(v is None for v in vars(cfg.fault).values())
+
+
+@pytest.mark.parametrize("group, values, message", [
+    ("guard", {"spike_factor": 1.0}, "guard.spike_factor must be > 1"),
+    ("guard", {"spike_window": 0}, "guard.spike_window must be >= 1"),
+    ("guard", {"max_rollbacks": -1}, "guard.max_rollbacks must be >= 0"),
+    ("checkpoint", {"every_minutes": -1}, "checkpoint.every_minutes must be >= 0"),
+    ("fault", {"lr_spike_step": 3}, "fault.lr_spike_step and fault.lr_spike_factor must be set together"),
+    ("fault", {"hang_rank": 1}, "fault.hang_rank and fault.hang_step must be set together"),
+    ("fault", {"nan_grad_rank": 2, "nan_grad_step": 3}, "fault.nan_grad_rank=2 but dist.world_size=2"),
+    ("fault", {"perturb_rank": 0, "perturb_step": 13}, "fault.perturb_step=13 is beyond train.steps=12"),
+    ("fault", {"perturb_param": "x"}, "fault.perturb_param needs fault.perturb_rank"),
+    ("metrics", {"file": "a/b.jsonl"}, "metrics.file must be a plain file name"),
+    ("guard", {"colour": 1}, "unknown key"),
+])
+def test_bad_unattended_settings_are_refused_with_the_key_named(group, values, message):
+    from distlib.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_dict(config(**{group: values}))
+
+
+def _bad_param(comm, tree, run_dir):
+    try:
+        Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_an_unknown_parameter_to_perturb_fails_before_training(tmp_path):
+    tree = config(fault={"perturb_rank": 0, "perturb_step": 2, "perturb_param": "nope"})
+    assert "fault.perturb_param='nope' is not a parameter" in run_ranks(_bad_param, 2, tree, str(tmp_path))[0]
