@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast resume bench venv clean
+.PHONY: demo test test-fast resume bench venv clean text-demo multinode
 
 venv: $(STAMP)
 
@@ -29,5 +29,18 @@ resume: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/collectives.py
 
+# Real text (docs/beyond.md): 400 steps on data/sample.txt, 2 ranks, validation every 25 steps, then samples.
+TEXT_DEMO := outputs/text-demo
+text-demo: $(STAMP)
+	rm -rf $(TEXT_DEMO)
+	$(PY) train.py data=text dist.world_size=2 model.seq_len=64 model.dim=64 optimizer.lr=0.003 \
+		train.steps=400 train.eval_every=25 checkpoint.every_steps=100 hydra.run.dir=$(TEXT_DEMO)
+	$(PY) scripts/sample.py $(TEXT_DEMO)/checkpoints/step_00000400 --prompt "Rank zero" --tokens 300 \
+		--temperature 0.8 --top-k 20
+
+# Two hosts in two network namespaces (needs root and iproute2; docs/beyond.md).
+multinode: $(STAMP)
+	bash scripts/multinode.sh --verify outputs/multinode-$$(date +%Y%m%d-%H%M%S)
+
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache data/*.u8.tokens

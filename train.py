@@ -23,14 +23,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from distlib import report
+from distlib import data, report, slurm
 from distlib.checkpoint import CheckpointError
 from distlib.collectives import CollectiveMismatchError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
-from distlib.fault import FaultInjector
+from distlib.fault import Faults
 from distlib.guard import DesyncError, GuardError
 from distlib.metrics import last_event
+from distlib.tokens import DataError
 from distlib.trainer import Trainer
 from distlib.watchdog import StallError
 
@@ -38,18 +39,14 @@ UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.envi
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank. Known failures (bad config, damaged checkpoint, a stalled or mismatched
-    collective, a guard or desync stop) print one line and exit 1; anything else keeps its
-    traceback."""
+    """One rank. Known failures (bad config, damaged checkpoint, a guard or desync stop, a stalled
+    or mismatched collective) print one line and exit 1 (once, from rank 0, when the ranks agreed
+    on the error first); anything else keeps its traceback."""
     rank = os.environ.get("RANK", "?")
     try:
         failures, stopped_by = _train(RunConfig.from_dict(tree), run_dir)
-    except (ConfigError, CheckpointError, StallError) as exc:
+    except (ConfigError, CheckpointError, DataError, StallError) as exc:
         print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except (GuardError, DesyncError, CollectiveMismatchError) as exc:
-        if rank == "0":     # every rank reached the same verdict; one of them says it
-            print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     if failures:
         sys.exit(1)
@@ -61,25 +58,13 @@ def worker(tree: dict, run_dir: str) -> None:
         os._exit(0)
 
 
-def _join(cfg: RunConfig) -> None:
-    """The rendezvous, under dist.timeout_s; a rank that never arrives is named."""
-    FaultInjector(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
-    try:
-        dist.init_process_group(cfg.dist.backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
-    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
-        # torch names the store keys it waited for; each ends in the rank that never wrote it
-        missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
-        who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
-        raise StallError(f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
-                         f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})") from exc
-
-
 def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     """Join the process group, train, report; returns the broken invariants (every rank agrees)
     and the signal that stopped the run early, if one did."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     _join(cfg)
+    failures, rank, stopped_by = [], dist.get_rank(), None
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
@@ -106,14 +91,54 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
+        stopped_by = result.stopped_by
+    except (CheckpointError, ConfigError, DataError, GuardError, DesyncError, CollectiveMismatchError) as exc:
+        # Raised on every rank alike (they agree on it first): one line, not one per rank.
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        failures = [str(exc)]
     finally:
         dist.destroy_process_group()
-    return failures, result.stopped_by
+    return failures, stopped_by
+
+
+def _join(cfg: RunConfig) -> None:
+    """The rendezvous, under dist.timeout_s; a rank that never arrives is named."""
+    Faults(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
+    try:
+        _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+        # torch names the store keys it waited for; each ends in the rank that never wrote it
+        missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
+        who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
+        raise StallError(f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
+                         f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})") from exc
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
+    does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
+    group's gloo addresses. So each attempt gets its own key prefix in that store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"distlib/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def _shared_run_dir(proposed: str) -> str:
     """Under torchrun every rank runs Hydra; the first rank to ask fixes the run directory
-    for all of them (and for restarts of the same job) through torchrun's own store."""
+    for all of them (and for restarts of the same job) through torchrun's own store. That is the
+    store of agent rank 0's node (MASTER_ADDR:MASTER_PORT, which every node must reach anyway for
+    init_process_group), so this works across hosts as it does on one."""
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        # Then no store listens on MASTER_PORT until rank 0's init_process_group: waiting would hang.
+        sys.exit("error: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun starts no store before the process "
+                 "group, so the ranks cannot agree on a run directory; pass hydra.run.dir=<a directory every "
+                 "node sees>")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=60))
     key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
@@ -158,11 +183,16 @@ def main(cfg: DictConfig) -> None:
     tree = OmegaConf.to_container(cfg, resolve=True)
     try:
         run_cfg = RunConfig.from_dict(tree)
-    except ConfigError as exc:
+        data.check_source(run_cfg)
+    except (ConfigError, DataError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
     if UNDER_TORCHRUN:
+        worker(tree, run_dir)
+    elif slurm.is_submitit_task(os.environ):
+        # hydra/launcher=submitit_slurm: every SLURM task is one rank (see distlib/slurm.py)
+        os.environ.update(slurm.torch_env(os.environ))
         worker(tree, run_dir)
     else:
         _launch(tree, run_dir, run_cfg.dist.world_size)

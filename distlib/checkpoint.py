@@ -6,14 +6,22 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step_00000010/``)::
     rank00001.safetensors   its torch RNG state as a uint8 tensor, and (metadata)
     ...                     a JSON "rank_state": step, data position, python/numpy RNG
     manifest.json           written last: world size, step, ZeRO stage, model config,
-                            the flat layout (names, shapes, offsets, padding) and, for
-                            every file, its relative path, byte size and sha256
+                            data position, the flat layout (names, shapes, offsets,
+                            padding) and, for every file, its name, byte size and sha256
 
 Commit protocol: rank 0 creates ``.step_XXXXXXXX.partial/``; every rank writes
 and fsyncs its shard and reports (size, sha256) through an all-gather; rank 0
 writes ``manifest.json`` (temp name, fsync, rename) and then renames the
-directory to its final name. A directory without a committed manifest is never
-loaded, and an existing checkpoint is never overwritten.
+directory to its final name. A crash at any point leaves either no
+``step_XXXXXXXX`` directory or a complete one; a directory without a committed
+manifest is never loaded, the next save removes a stale ``.partial``, and an
+existing checkpoint is never overwritten. A failed write (a full disk) fails
+the save on every rank and removes the partial directory.
+
+Loading is refused unless every file the manifest lists has the recorded size
+and sha256 and no other file is present (``verify``). Nothing is unpickled:
+shards are safetensors, the manifest JSON. Moving a checkpoint to another world
+size lives in ``distlib.reshard``.
 """
 from __future__ import annotations
 
@@ -21,10 +29,13 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
+import safetensors
 import safetensors.torch
 import torch
 
@@ -33,6 +44,13 @@ from distlib.comm import Comm
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step_(\d{8})")
+
+# A save calls hook(point, path) at these points (fault injection in tests; see distlib.fault):
+# shard_written (this rank's file, before its fsync), shards_written (every rank's shard is durable),
+# manifest_written (rank 0, before the directory rename), committed.
+SaveHook = Callable[[str, Path], None]
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -66,8 +84,35 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((version, tuple(state), py_gauss))
 
 
+# -- agreeing on failures -------------------------------------------------------
+def _error_text(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def agreed(fn: Callable[[], T], comm: Comm, *, only_rank0: bool = False) -> T | None:
+    """Run ``fn`` on every rank (or rank 0 only; the others get None). If it fails anywhere, raise
+    the same CheckpointError on every rank, so no rank goes on alone or waits in a collective."""
+    result, error = None, ""
+    if comm.rank == 0 or not only_rank0:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - shared below, raised everywhere
+            error = _error_text(exc)
+    errors = [b.decode() for b in collectives.all_gather_bytes(error.encode(), comm)]
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if len({e for _, e in failed}) == 1:
+        raise CheckpointError(failed[0][1])
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
+    return result
+
+
 # -- writing -------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
+def _no_hook(point: str, path: Path) -> None:
+    pass
+
+
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,70 +120,84 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
+def begin(final: Path) -> Path:
+    """Create the private ``.NAME.partial`` directory a checkpoint is written into."""
+    if final.exists():
+        raise CheckpointError(f"refusing to overwrite existing checkpoint {final}")
+    partial = final.parent / f".{final.name}.partial"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if partial.exists():  # left behind by a save that crashed; it was never committed
+        shutil.rmtree(partial)
+    partial.mkdir()
+    return partial
+
+
+def write_shard(directory: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
+                hook: SaveHook | None = None) -> dict:
+    """Write and fsync one rank's shard; returns its manifest entry (name, rank, bytes, sha256).
+    The digest is of the file as read back, i.e. of what a later load will see."""
+    path = directory / shard_name(rank)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                                metadata={"rank_state": json.dumps(rank_state)})
+    (hook or _no_hook)("shard_written", path)
+    _fsync(path)
+    return {"path": path.name, "rank": rank, "bytes": path.stat().st_size, "sha256": _sha256_file(path)}
+
+
+def commit(partial: Path, final: Path, manifest: dict, hook: SaveHook | None = None) -> None:
+    """Write the manifest last (temp name, fsync, rename), then publish the directory."""
+    hook = hook or _no_hook
+    tmp = partial / (MANIFEST + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(manifest, indent=2).encode())
         f.flush()
         os.fsync(f.fileno())
-
-
-def _agree(ok: bool, error: str, comm: Comm) -> None:
-    """Raise on every rank if any rank failed, so no rank goes on alone."""
-    reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps([ok, error]).encode(), comm)]
-    failed = [(r, msg) for r, (good, msg) in enumerate(reports) if not good]
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {msg}" for r, msg in failed))
+    os.replace(tmp, partial / MANIFEST)
+    _fsync(partial)
+    hook("manifest_written", partial / MANIFEST)
+    os.rename(partial, final)
+    _fsync(final.parent)
 
 
 def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: dict,
-         meta: dict, comm: Comm) -> Path:
-    """Collectively write this rank's shard; rank 0 commits the manifest. Returns the final path."""
-    root = Path(root)
-    final = root / step_dir_name(step)
-    partial = root / f".{step_dir_name(step)}.partial"
-    ok, error = True, ""
-    if comm.rank == 0:
-        try:
-            if final.exists():
-                raise CheckpointError(f"refusing to overwrite existing checkpoint {final}")
-            root.mkdir(parents=True, exist_ok=True)
-            if partial.exists():  # left behind by a save that crashed; it was never committed
-                shutil.rmtree(partial)
-            partial.mkdir()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            ok, error = False, f"{type(exc).__name__}: {exc}"
-    _agree(ok, error, comm)
+         meta: dict, comm: Comm, hook: SaveHook | None = None) -> Path:
+    """Collectively write this rank's shard; rank 0 commits the manifest. Returns the final path.
+    Raises CheckpointError on every rank if any rank failed; the previous checkpoints stay as they were."""
+    hook = hook or _no_hook
+    final = Path(root) / step_dir_name(step)
+    partial = final.parent / f".{final.name}.partial"
+    agreed(lambda: begin(final), comm, only_rank0=True)
 
-    ok, error, report = True, "", {}
+    def write() -> dict:
+        try:
+            return write_shard(partial, comm.rank, tensors, rank_state, hook)
+        except Exception as exc:
+            raise CheckpointError(f"rank {comm.rank} writing {partial / shard_name(comm.rank)}: "
+                                  f"{_error_text(exc)}") from exc
     try:
-        blob = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()},
-                                      metadata={"rank_state": json.dumps(rank_state)})
-        _write_durably(partial / shard_name(comm.rank), blob)
-        report = {"path": shard_name(comm.rank), "rank": comm.rank, "bytes": len(blob),
-                  "sha256": hashlib.sha256(blob).hexdigest()}
-    except Exception as exc:  # noqa: BLE001
-        ok, error = False, f"writing {partial / shard_name(comm.rank)}: {type(exc).__name__}: {exc}"
-    reports = [json.loads(b) for b in collectives.all_gather_bytes(
-        json.dumps({"ok": ok, "error": error, "report": report}).encode(), comm)]
-    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
-    if failed:
-        raise CheckpointError("checkpoint save failed: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
-
-    ok, error = True, ""
-    if comm.rank == 0:
-        try:
-            manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": comm.size, **meta,
-                        "files": [rep["report"] for rep in reports]}
-            tmp = partial / (MANIFEST + ".tmp")
-            _write_durably(tmp, json.dumps(manifest, indent=2).encode())
-            os.replace(tmp, partial / MANIFEST)
-            _fsync_dir(partial)
-            os.rename(partial, final)
-            _fsync_dir(root)
-        except Exception as exc:  # noqa: BLE001
-            ok, error = False, f"committing {final}: {type(exc).__name__}: {exc}"
-    _agree(ok, error, comm)
+        report = agreed(write, comm)
+    except CheckpointError as exc:
+        if comm.rank == 0:  # free the space a full disk needs back; nothing here was committed
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"checkpoint save of step {step} failed, nothing committed: {exc}") from exc
+    reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps(report).encode(), comm)]
+    hook("shards_written", partial)
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": comm.size, **meta, "files": reports}
+    agreed(lambda: commit(partial, final, manifest, hook), comm, only_rank0=True)
+    hook("committed", final)
     return final
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` committed checkpoints (0 keeps all). Rank 0 only,
+    and only after a save committed, so a crash here never leaves fewer than ``keep_last``."""
+    found = list_committed(root)
+    doomed = found[:-keep_last] if keep_last > 0 else []
+    for path in doomed:
+        # Un-commit first (remove the manifest), so a crash mid-delete leaves an ignored directory.
+        (path / MANIFEST).unlink()
+        shutil.rmtree(path)
+    return doomed
 
 
 # -- reading -------------------------------------------------------------------
@@ -151,9 +210,14 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it was never committed")
     try:
         manifest = json.loads(manifest_path.read_text())
-        manifest["files"], manifest["step"], manifest["world_size"]  # noqa: B018 - required keys
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest_path} does not parse as a checkpoint manifest: {exc}") from exc
+        int(manifest["step"]), int(manifest["world_size"]), manifest["layout"]["params"]  # noqa: B018
+        for entry in manifest["files"]:
+            if not (isinstance(entry["path"], str) and entry["path"] == Path(entry["path"]).name
+                    and isinstance(entry["bytes"], int) and isinstance(entry["sha256"], str)):
+                raise ValueError(f"bad file entry {entry!r}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{manifest_path} does not parse as a checkpoint manifest "
+                              f"({type(exc).__name__}: {exc})") from exc
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{manifest_path}: format_version {manifest.get('format_version')!r}, "
                               f"this program reads {FORMAT_VERSION}")
@@ -168,36 +232,48 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(path: Path) -> dict:
-    """Check every file the manifest lists (size, then sha256) and that nothing else is there.
-    Returns the manifest; raises CheckpointError naming the first problem."""
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
+    """Check that the manifest parses, nothing unlisted is there, every listed file has its size
+    and (for the files of this ``share`` = (index, count): every count-th from index) its sha256.
+    Returns the manifest; raises CheckpointError naming the checkpoint, the file, expected and actual."""
     path = Path(path)
     manifest = read_manifest(path)
     listed = {entry["path"] for entry in manifest["files"]}
     extra = sorted(p.name for p in path.iterdir() if p.name != MANIFEST and p.name not in listed)
     if extra:
-        raise CheckpointError(f"checkpoint {path}: unexpected file(s) not in the manifest: {extra}")
+        raise CheckpointError(f"checkpoint {path}: unexpected file(s) not listed in the manifest: {extra}")
+    expected = {e["path"]: f"expected {e['bytes']} bytes with sha256 {e['sha256']}" for e in manifest["files"]}
     for entry in manifest["files"]:
         file = path / entry["path"]
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: shard {entry['path']} is missing")
+            raise CheckpointError(f"checkpoint {path}: file {entry['path']} is missing ({expected[entry['path']]})")
         size = file.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: shard {entry['path']} has {size} bytes, "
-                                  f"manifest says {entry['bytes']}")
-        actual = _sha256_file(file)
+            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has {size} bytes, "
+                                  f"{expected[entry['path']]} (truncated or overwritten)")
+    index, count = share
+    for entry in manifest["files"][index::count]:
+        actual = _sha256_file(path / entry["path"])
         if actual != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: shard {entry['path']} sha256 {actual} does not match "
-                                  f"manifest {entry['sha256']}")
+            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has sha256 {actual}, "
+                                  f"{expected[entry['path']]} (its contents changed)")
     return manifest
+
+
+def verify_collectively(path: Path, comm: Comm) -> dict:
+    """``verify`` with the hashing split over the ranks; every rank returns or raises the same."""
+    return agreed(lambda: verify(path, share=(comm.rank, comm.size)), comm)
 
 
 def load_shard(path: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, rank_state) of one rank's shard. Call ``verify`` first."""
     file = Path(path) / shard_name(rank)
-    with safetensors.safe_open(str(file), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        rank_state = json.loads(f.metadata()["rank_state"])
+    try:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            rank_state = json.loads(f.metadata()["rank_state"])
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"checkpoint {path}: cannot read {file.name}: {_error_text(exc)}") from exc
     return tensors, rank_state
 
 
@@ -206,5 +282,30 @@ def list_committed(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).exists()]
-    return sorted(found, key=lambda p: p.name)
+    found = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len("step_"):]))
+
+
+def quarantine(path: Path) -> Path:
+    """Move a damaged checkpoint aside (``step_X.damaged``, ``.damaged-2``, ...): it is kept for
+    inspection, no longer listed, and a new save of the same step can be committed."""
+    target, n = path.with_name(path.name + ".damaged"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    os.rename(path, target)
+    return target
+
+
+def latest_valid(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest committed checkpoint under ``root`` that verifies, and (path, problem) for each
+    newer one that did not, the problem naming the file and what was wrong."""
+    damaged = []
+    for path in reversed(list_committed(root)):
+        try:
+            verify(path)
+        except CheckpointError as exc:
+            damaged.append((path, str(exc)))
+            continue
+        return path, damaged
+    return None, damaged

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from distlib.adamw import AdamWConfig
 from distlib.model import ModelConfig
+from distlib.tokens import BYTE_VOCAB
 
 
 class ConfigError(ValueError):
@@ -39,26 +40,36 @@ class CheckpointConfig:
     every_minutes: float = 30.0
     resume: str | None = None
     verify_resume: bool = True
+    keep_last: int = 0
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:
             raise ConfigError(f"checkpoint.every_steps must be >= 0, got {self.every_steps}")
         if not self.every_minutes >= 0:
             raise ConfigError(f"checkpoint.every_minutes must be >= 0 (0 disables), got {self.every_minutes}")
+        if self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last}")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: str = "synthetic"
-    seed: int = 0
-    total_tokens: int = 65536
-    follow_prob: float = 0.9
+    kind: str = "synthetic"          # synthetic | text
+    seed: int = 0                    # synthetic only
+    total_tokens: int = 65536        # synthetic only
+    follow_prob: float = 0.9         # synthetic only
+    path: str | None = None          # text only: a UTF-8 file
+    cache_dir: str | None = None     # text only: where the token file goes (null: next to the source)
+    val_fraction: float = 0.0        # held-out tail of the tokens, never trained on
 
     def __post_init__(self) -> None:
-        if self.kind != "synthetic":
-            raise ConfigError(f"data.kind must be 'synthetic', got {self.kind!r}")
+        if self.kind not in ("synthetic", "text"):
+            raise ConfigError(f"data.kind must be 'synthetic' or 'text', got {self.kind!r}")
         if not 0.0 <= self.follow_prob <= 1.0:
             raise ConfigError(f"data.follow_prob must be in [0, 1], got {self.follow_prob}")
+        if self.kind == "text" and not self.path:
+            raise ConfigError("data.kind=text needs data.path: the UTF-8 text file to train on")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
 
 
 @dataclass(frozen=True)
@@ -69,9 +80,13 @@ class TrainConfig:
     global_batch: int | None = 16
     loss_tolerance: float = 1e-6
     monotone_until_step: int = 20
+    eval_every: int = 0          # validation loss every K steps; 0 = off
+    eval_windows: int = 128      # held-out windows per evaluation
 
     def __post_init__(self) -> None:
-        for name in ("steps", "grad_accum"):
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0 (0 disables), got {self.eval_every}")
+        for name in ("steps", "grad_accum", "eval_windows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("batch_size", "global_batch"):
@@ -97,6 +112,9 @@ class DistConfig:
             raise ConfigError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
 
 
+SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_commit")
+
+
 @dataclass(frozen=True)
 class GuardConfig:
     enabled: bool = True
@@ -119,7 +137,12 @@ class GuardConfig:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Faults injected on purpose, to prove the run survives or reports them (all off: null)."""
+    """Faults injected on purpose, to prove the run survives or reports them (all None: no fault)."""
+    kill_rank: int | None = None           # this rank SIGKILLs itself ...
+    kill_at_step: int | None = None        # ... after finishing this step (first torchrun attempt only)
+    crash_in_save: str | None = None       # every rank reaching this point of a save SIGKILLs itself
+    disk_full_rank: int | None = None      # this rank's shard write fails with ENOSPC
+    save_fault_step: int | None = None     # the save (by step) the two above hit; None: the first one
     lr_spike_step: int | None = None
     lr_spike_factor: float | None = None
     nan_grad_rank: int | None = None
@@ -137,6 +160,11 @@ class FaultConfig:
               ("perturb_rank", "perturb_step", 1), ("sigterm_rank", "sigterm_step", 1))
 
     def __post_init__(self) -> None:
+        if (self.kill_rank is None) != (self.kill_at_step is None):
+            raise ConfigError("fault.kill_rank and fault.kill_at_step must be set together")
+        if self.crash_in_save is not None and self.crash_in_save not in SAVE_CRASH_POINTS:
+            raise ConfigError(f"fault.crash_in_save must be one of {list(SAVE_CRASH_POINTS)}, "
+                              f"got {self.crash_in_save!r}")
         if (self.lr_spike_step is None) != (self.lr_spike_factor is None):
             raise ConfigError("fault.lr_spike_step and fault.lr_spike_factor must be set together "
                               f"(got step={self.lr_spike_step}, factor={self.lr_spike_factor})")
@@ -233,16 +261,27 @@ class RunConfig:
             data=_build(DataConfig, "data", tree.get("data", {})),
             train=_build(TrainConfig, "train", tree.get("train", {})),
             dist=_build(DistConfig, "dist", tree.get("dist", {})),
-            guard=_build(GuardConfig, "guard", tree.get("guard", {})),
-            fault=_build(FaultConfig, "fault", tree.get("fault", {})),
-            metrics=_build(MetricsConfig, "metrics", tree.get("metrics", {})),
+            guard=_build(GuardConfig, "guard", tree.get("guard") or {}),
+            fault=_build(FaultConfig, "fault", tree.get("fault") or {}),
+            metrics=_build(MetricsConfig, "metrics", tree.get("metrics") or {}),
             seed=int(tree.get("seed", 1234)),
         )
         cfg._check_batch()
         cfg.fault.check_run(cfg.dist.world_size, cfg.train.steps)
-        if cfg.data.total_tokens < cfg.model.seq_len + 1:
+        if cfg.data.kind == "synthetic" and cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
                               f"({cfg.model.seq_len})")
+        if cfg.data.kind == "text" and cfg.model.vocab_size != BYTE_VOCAB:
+            raise ConfigError(f"data.kind=text uses the byte-level tokenizer ({BYTE_VOCAB} tokens) but "
+                              f"model.vocab_size={cfg.model.vocab_size}; drop the override (data=text sets "
+                              f"{BYTE_VOCAB}) or pass model.vocab_size={BYTE_VOCAB}")
+        if cfg.train.eval_every and cfg.data.val_fraction <= 0:
+            raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
+                              f"data.val_fraction > 0 (e.g. 0.1)")
+        for key in ("kill_rank", "disk_full_rank"):
+            rank = getattr(cfg.fault, key)
+            if rank is not None and not 0 <= rank < cfg.dist.world_size:
+                raise ConfigError(f"fault.{key}={rank} is not a rank of dist.world_size={cfg.dist.world_size}")
         return cfg
 
 

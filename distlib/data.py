@@ -8,13 +8,26 @@ samples [t*G, (t+1)*G), and rank r of N takes its own disjoint contiguous
 slice of them. So the data a step sees depends only on (seed, step), never on
 the world size, which is what makes resume exact and world sizes comparable.
 The data position saved in a checkpoint is simply the next global sample.
+
+The token array is either the synthetic corpus or a real text file's bytes
+(``distlib.tokens``, memory-mapped; only the windows a rank uses are read). An
+optional held-out tail of it (``data.val_fraction``) never appears in a
+training window and is evaluated in fixed windows (``HeldOut``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from distlib.comm import Comm
+from distlib.tokens import DataError, load_text_tokens
+
+if TYPE_CHECKING:
+    from distlib.config import RunConfig
 
 
 def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64,
@@ -58,10 +71,11 @@ class BatchPlan:
 class GlobalBatches:
     """Fixed-length windows of a token array, served as per-rank micro-batches."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, plan: BatchPlan, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, plan: BatchPlan, seed: int, source: dict | None = None):
         if len(tokens) < seq_len + 1:
             raise ValueError(f"corpus has {len(tokens)} tokens; need at least seq_len+1 = {seq_len + 1}")
-        self.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        self.tokens = tokens  # any integer numpy array, a read-only memmap included; windows are copied out
+        self.source = source  # what the tokens are (e.g. a text file's sha256), checked on resume
         self.seq_len = seq_len
         self.plan = plan
         self.seed = seed
@@ -83,11 +97,90 @@ class GlobalBatches:
         for micro in range(plan.grad_accum):
             start = first + micro * plan.micro_batch
             rows = [self._window(k) * self.seq_len for k in range(start, start + plan.micro_batch)]
-            windows = torch.stack([self.tokens[r:r + self.seq_len + 1] for r in rows])
+            windows = torch.from_numpy(np.stack([np.asarray(self.tokens[r:r + self.seq_len + 1], dtype=np.int64)
+                                                 for r in rows]))
             batches.append((windows[:, :-1], windows[:, 1:]))
         return batches
 
     def position(self, step: int) -> dict:
         """The data position after ``step`` steps, as saved in a checkpoint."""
-        return {"next_sample": step * self.plan.global_batch, "global_batch": self.plan.global_batch,
-                "seed": self.seed, "num_windows": self.num_windows}
+        position = {"next_sample": step * self.plan.global_batch, "global_batch": self.plan.global_batch,
+                    "seed": self.seed, "num_windows": self.num_windows}
+        if self.source is not None:
+            position["source"] = self.source
+        return position
+
+
+def split_heldout(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out): the last ``val_fraction`` of the tokens are held out, as one contiguous
+    tail, so no training window ever overlaps a validation window."""
+    held = int(len(tokens) * val_fraction)
+    return tokens[:len(tokens) - held], tokens[len(tokens) - held:]
+
+
+class HeldOut:
+    """The first ``max_windows`` non-overlapping windows of the held-out tokens, the same at
+    every evaluation; rank r of N evaluates its contiguous share of them."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, max_windows: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.num_windows = min(max(0, (len(tokens) - 1) // seq_len), max_windows)
+
+    def batches(self, rank: int, world_size: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        first = rank * self.num_windows // world_size
+        last = (rank + 1) * self.num_windows // world_size
+        out = []
+        for start in range(first, last, batch_size):
+            rows = [w * self.seq_len for w in range(start, min(start + batch_size, last))]
+            windows = torch.from_numpy(np.stack([np.asarray(self.tokens[r:r + self.seq_len + 1], dtype=np.int64)
+                                                 for r in rows]))
+            out.append((windows[:, :-1], windows[:, 1:]))
+        return out
+
+
+def _check_lengths(total: int, cfg: "RunConfig", where: str) -> None:
+    d, seq = cfg.data, cfg.model.seq_len
+    train = total - int(total * d.val_fraction)
+    held = total - train
+    if train < seq + 1:
+        split = f" (its training split is {train} after data.val_fraction={d.val_fraction})" if held else ""
+        raise DataError(f"{where} has {total} tokens{split}; a training sequence needs model.seq_len + 1 = "
+                        f"{seq + 1}: use more data or a shorter model.seq_len")
+    if d.val_fraction > 0 and held < seq + 1:
+        raise DataError(f"{where} has {total} tokens, so data.val_fraction={d.val_fraction} holds out {held}: "
+                        f"fewer than one validation sequence of model.seq_len + 1 = {seq + 1} tokens; raise "
+                        f"data.val_fraction or use more data")
+
+
+def check_source(cfg: "RunConfig") -> None:
+    """Cheap checks before any process starts: the text file exists, is not empty and is long
+    enough for the sequence length and the held-out split. Raises DataError."""
+    d = cfg.data
+    if d.kind != "text":
+        _check_lengths(d.total_tokens, cfg, "the synthetic corpus (data.total_tokens)")
+        return
+    path = Path(d.path).expanduser()
+    if not path.exists():
+        raise DataError(f"data.path {path} does not exist (relative paths start at the launch directory "
+                        f"{Path.cwd()})")
+    if not path.is_file():
+        raise DataError(f"data.path {path} is not a regular file")
+    size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"data.path {path} is empty: there is nothing to train on")
+    _check_lengths(size, cfg, f"data.path {path}")
+
+
+def build(cfg: "RunConfig", comm: Comm, plan: BatchPlan) -> tuple[GlobalBatches, HeldOut | None]:
+    """This run's training batches and (when data.val_fraction > 0) its held-out windows."""
+    d, seq = cfg.data, cfg.model.seq_len
+    if d.kind == "text":
+        tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)
+        source, where = {"kind": "text", "sha256": sha}, f"data.path {d.path}"
+    else:
+        tokens = make_corpus(d.seed, d.total_tokens, cfg.model.vocab_size, d.follow_prob)
+        source, where = None, "the synthetic corpus (data.total_tokens)"
+    _check_lengths(len(tokens), cfg, where)
+    train, held = split_heldout(tokens, d.val_fraction)
+    heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
+    return GlobalBatches(train, seq, plan, cfg.seed, source), heldout

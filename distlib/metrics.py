@@ -84,7 +84,7 @@ class MetricsLog:
         self._comm_seen = self._comm_now()
 
     def step(self, step: int, *, loss: float, local_loss: float, grad_norm: float, param_norm: float,
-             lr: float, seconds: float, memory: dict[str, int]) -> None:
+             lr: float, seconds: float, memory: dict[str, int], val_loss: float | None = None) -> None:
         """One step's record. Collective: every rank calls it (one gather)."""
         comm_delta = [now - seen for now, seen in zip(self._comm_now(), self._comm_seen)]
         mine = [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]),
@@ -104,6 +104,8 @@ class MetricsLog:
                   "tokens": self.tokens_per_step, "tokens_per_s": tokens_per_s,
                   "comm": self._comm_fields(rows),
                   "memory": {k: _stats([r[i] for r in rows]) for i, k in enumerate(MEMORY_KEYS)}}
+        if val_loss is not None:
+            record.update(val_loss=json_number(val_loss), val_loss_hex=val_loss.hex())
         self._write(self.shared, record)
         if not self._memory_logged:
             self._memory_event(step, rows)
@@ -112,7 +114,8 @@ class MetricsLog:
             comm_ms = 1000 * sum(v["seconds"]["mean"] for v in record["comm"].values())
             print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:.6f}  "
                   f"grad norm {grad_norm:.4f}  lr {lr:.3g}  {1000 * seconds:.1f} ms  "
-                  f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  comm {comm_ms:.1f} ms", flush=True)
+                  f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  comm {comm_ms:.1f} ms"
+                  + (f"  val loss {val_loss:.6f}" if val_loss is not None else ""), flush=True)
 
     @staticmethod
     def _comm_fields(rows: list[list[float]]) -> dict:

@@ -13,9 +13,13 @@ from distlib.trainer import RunResult
 
 
 def loss_table(result: RunResult) -> str:
-    lines = [f"{'step':>4}  {'loss':>10}  {'grad norm':>10}  {'param norm':>12}  {'ms':>7}"]
+    """One row per step; a validation-loss column only when the run evaluated (train.eval_every)."""
+    with_val = any(s.val_loss is not None for s in result.steps)
+    val_head = f"  {'val loss':>10}" if with_val else ""
+    lines = [f"{'step':>4}  {'loss':>10}{val_head}  {'grad norm':>10}  {'param norm':>12}  {'ms':>7}"]
     for s in result.steps:
-        lines.append(f"{s.step:>4}  {s.loss:>10.6f}  {s.grad_norm:>10.6f}  {s.param_norms[0]:>12.6f}  "
+        val = (f"  {s.val_loss:>10.6f}" if s.val_loss is not None else f"  {'':>10}") if with_val else ""
+        lines.append(f"{s.step:>4}  {s.loss:>10.6f}{val}  {s.grad_norm:>10.6f}  {s.param_norms[0]:>12.6f}  "
                      f"{1000 * s.seconds:>7.1f}")
     return "\n".join(lines)
 

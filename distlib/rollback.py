@@ -47,11 +47,20 @@ class RollbackTargets:
         if self.trusted:         # (the guard is on)
             self.pending = point
 
-    def step_passed(self) -> None:
-        """The step after the pending checkpoint passed the guard: that checkpoint is trusted."""
-        if self.pending is not None:
-            self.trusted = [p for p in self.trusted if p.path is not None] + [self.pending]
-            self.pending = None
+    def step_passed(self) -> bool:
+        """The step after the pending checkpoint passed the guard: that checkpoint is trusted.
+        True if one was."""
+        if self.pending is None:
+            return False
+        self.trusted = [p for p in self.trusted if p.path is not None] + [self.pending]
+        self.pending = None
+        return True
+
+    def forget(self, removed: list[str]) -> None:
+        """Checkpoints deleted by retention (checkpoint.keep_last) are no rollback targets."""
+        gone = set(removed)
+        self.trusted = [p for p in self.trusted if p.path is None or str(p.path) not in gone]
+        self.saved = [p for p in self.saved if str(p.path) not in gone]
 
     def candidates(self) -> list[RollbackPoint]:
         """Trusted targets, newest first; the pending one (if any) is distrusted from now on."""

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distlib import agree, checkpoint, guard, schedule, watchdog
+from distlib import agree, checkpoint, data, guard, reshard, schedule, watchdog
 from distlib.comm import Comm
 from distlib.config import RunConfig
-from distlib.data import BatchPlan, GlobalBatches, make_corpus
+from distlib.data import BatchPlan
 from distlib.ddp import DataParallel
-from distlib.fault import FaultInjector
+from distlib.fault import Faults
 from distlib.metrics import MetricsLog, json_number
 from distlib.model import MiniGPT, build_model
 from distlib.rollback import RollbackPoint, RollbackTargets
@@ -44,6 +45,7 @@ class StepLog:
     grad_norm: float
     param_norms: list[float]     # one per rank, after the update
     seconds: float
+    val_loss: float | None = None  # held-out loss after this step, on evaluation steps
 
 
 @dataclass
@@ -76,6 +78,10 @@ def seed_process_rngs(seed: int, rank: int) -> None:
     random.seed(seed + rank)
 
 
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "absent" if shape is None else "x".join(map(str, shape)) or "scalar"
+
+
 def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -86,16 +92,20 @@ class Trainer:
         comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir = cfg, comm, Path(run_dir)
         self.clock = clock or time.monotonic     # rank 0's clock decides checkpoint.every_minutes
-        self.faults = FaultInjector(cfg.fault, comm.rank)
         self.skipped_batches = 0                 # batches skipped after rollbacks (guard.skip_batches)
         seed_process_rngs(cfg.seed, comm.rank)
         self.ckpt_root = self.run_dir / cfg.checkpoint.dir
         plan = BatchPlan(cfg.global_batch, comm.size, cfg.train.grad_accum)
-        corpus = make_corpus(cfg.data.seed, cfg.data.total_tokens, cfg.model.vocab_size, cfg.data.follow_prob)
-        self.data = GlobalBatches(corpus, cfg.model.seq_len, plan, cfg.seed)
+        self.data, self.heldout = data.build(cfg, comm, plan)
         self.model, self.optimizer = self.build(seed=cfg.seed)
+        self.faults = Faults(cfg.fault, comm.rank)
         if cfg.fault.perturb_param is not None:
             self.faults.perturbed_slot(self.optimizer.layout.slots)   # a bad name fails now, not at the step
+
+    def say(self, message: str) -> None:
+        """One line on rank 0's stdout (every rank knows the same facts; one speaks)."""
+        if self.comm.rank == 0:
+            print(message, flush=True)
 
     def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
         model = DataParallel(build_model(self.cfg.model, seed), self.comm).module
@@ -117,70 +127,142 @@ class Trainer:
     def save(self, step: int) -> tuple[dict, dict, dict]:
         tensors, rank_state = self._state(step, self.optimizer)
         meta = {"zero_stage": self.cfg.zero.stage, "seed": self.cfg.seed,
-                "model": dataclasses.asdict(self.cfg.model), "layout": self.optimizer.layout.to_dict()}
-        path = checkpoint.save(self.ckpt_root, step, tensors, rank_state, meta, self.comm)
+                "model": dataclasses.asdict(self.cfg.model), "data": self.data.position(step + self.skipped_batches),
+                "data_config": dataclasses.asdict(self.cfg.data), "layout": self.optimizer.layout.to_dict()}
+        if self.skipped_batches:     # guard.skip_batches: part of the data position (docs/unattended.md)
+            meta["skipped_batches"] = self.skipped_batches
+        path = checkpoint.save(self.ckpt_root, step, tensors, rank_state, meta, self.comm,
+                               self.faults.save_hook(step))
         return tensors, rank_state, checkpoint.read_manifest(path)
 
-    def load(self, path: Path, model: MiniGPT, optimizer: ZeroOptimizer) -> int:
-        """Verify ``path`` (rank 0 hashes every file, all ranks hear the verdict), then restore
-        this rank's optimizer partition, parameters, RNG and data position. Returns the step."""
-        error = ""
+    def prune(self) -> None:
+        """checkpoint.keep_last: rank 0 deletes all but the newest K committed checkpoints, and every
+        rank forgets them as rollback targets. With the guard on it runs when a checkpoint becomes
+        trusted (and at the end), so the newest trusted rollback target is never deleted."""
+        if not self.cfg.checkpoint.keep_last:
+            return
+        removed = []
         if self.comm.rank == 0:
             try:
-                checkpoint.verify(path)
-            except checkpoint.CheckpointError as exc:
-                error = str(exc)
-        errors = [b.decode() for b in agree.gather_bytes(error.encode(), self.comm)]
-        if errors[0]:
-            raise checkpoint.CheckpointError(errors[0])
-        manifest = checkpoint.read_manifest(path)
+                removed = [str(p) for p in checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep_last)]
+                for old in removed:
+                    print(f"checkpoint: removed {old} (checkpoint.keep_last={self.cfg.checkpoint.keep_last})")
+            except OSError as exc:  # training can go on; the operator must hear about it
+                print(f"warning: checkpoint.keep_last could not remove an old checkpoint: {exc}", file=sys.stderr)
+        self.targets.forget(json.loads(agree.gather_bytes(json.dumps(removed).encode(), self.comm)[0]))
+
+    def load(self, path: Path, model: MiniGPT, optimizer: ZeroOptimizer, verified: bool = False) -> int:
+        """Verify ``path`` (the ranks hash its files between them and share the verdict), check it fits,
+        then restore this rank's optimizer partition (resharded if the checkpoint's world size
+        differs), parameters, RNG and data position. Nothing is loaded unless all of it fits."""
+        path = Path(path)
+        if not verified:
+            checkpoint.verify_collectively(path, self.comm)
+        manifest = checkpoint.agreed(lambda: checkpoint.read_manifest(path), self.comm)
         self._check_compatible(path, manifest, optimizer.layout)
-        tensors, rank_state = checkpoint.load_shard(path, self.comm.rank)
-        skipped = rank_state.get("skipped_batches", 0)
-        expected_position = self.data.position(manifest["step"] + skipped)
-        if rank_state["data"] != expected_position:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {path}: data position {rank_state['data']} cannot continue with this "
-                f"configuration's {expected_position} (seed or global batch differ)")
-        optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
-        checkpoint.restore_rng(tensors, rank_state["rng"])
+        state, rank_state, rng = checkpoint.agreed(
+            lambda: reshard.load_partition(path, manifest, self.comm.rank, self.comm.size), self.comm)
+        optimizer.load_state_shard(state, rank_state["optimizer_steps"])
+        if rng is not None:
+            checkpoint.restore_rng(rng, rank_state["rng"])
+        else:
+            seed_process_rngs(self.cfg.seed, self.comm.rank)
         if optimizer is self.optimizer:
-            self.skipped_batches = skipped
+            self.skipped_batches = int(manifest.get("skipped_batches", 0))
+        reseeded = [r for r, (had,) in enumerate(agree.gather([float(rng is not None)], self.comm)) if not had]
+        if manifest["world_size"] != self.comm.size:
+            self.say(f"resharded checkpoint {path}: saved by {manifest['world_size']} rank(s) at ZeRO stage "
+                     f"{manifest.get('zero_stage')}, loaded into {self.comm.size} at stage {self.cfg.zero.stage}; "
+                     f"the data position carries over (same global batch, {self.cfg.global_batch})")
+        if reseeded:
+            self.say(f"rank(s) {reseeded} have no saved RNG state in {path} (it was saved by fewer ranks): "
+                     f"re-seeded from seed + rank; dropout draws differ from the original run")
         return int(manifest["step"])
 
     def _check_compatible(self, path: Path, manifest: dict, layout: FlatLayout) -> None:
+        """Refuse, listing every difference, a checkpoint whose parameters or data stream differ."""
         problems = []
-        if manifest["world_size"] != self.comm.size:
-            problems.append(f"saved with world size {manifest['world_size']}, this run has {self.comm.size}")
         saved = FlatLayout.from_dict(manifest["layout"])
         if saved.slots != layout.slots:
+            model = dataclasses.asdict(self.cfg.model)
+            for key, value in manifest.get("model", {}).items():
+                if model.get(key) != value:
+                    problems.append(f"model.{key}: checkpoint {value}, this run {model.get(key)}")
             ours = {s.name: s.shape for s in layout.slots}
             theirs = {s.name: s.shape for s in saved.slots}
-            for name in sorted(set(ours) | set(theirs)):
-                if ours.get(name) != theirs.get(name):
-                    problems.append(f"{name}: checkpoint {theirs.get(name)}, model {ours.get(name)}")
-            if not problems:
-                problems.append("parameter order or offsets differ")
+            shapes = [f"parameter {name}: checkpoint {_shape(theirs.get(name))}, model {_shape(ours.get(name))}"
+                      for name in [s.name for s in saved.slots] + [n for n in ours if n not in theirs]
+                      if ours.get(name) != theirs.get(name)]
+            problems += shapes or ["same parameters and shapes, but a different order in the flat layout"]
+        data_config = dataclasses.asdict(self.cfg.data)
+        for key, value in manifest.get("data_config", {}).items():
+            # A text file is identified by its sha256 (the position's "source"), not by where it
+            # or its token file lives, so a moved file still resumes and a changed one does not.
+            if key not in ("path", "cache_dir") and data_config.get(key) != value:
+                problems.append(f"data.{key}: checkpoint {value}, this run {data_config.get(key)} "
+                                f"(a different corpus)")
+        skipped = int(manifest.get("skipped_batches", 0))
+        saved_position, position = manifest.get("data"), self.data.position(int(manifest["step"]) + skipped)
+        if saved_position and saved_position != position:
+            if saved_position["global_batch"] != position["global_batch"]:
+                problems.append(
+                    f"global batch: checkpoint {saved_position['global_batch']} sequences per step, this run "
+                    f"{position['global_batch']}; the data order cannot continue exactly. Set "
+                    f"train.global_batch={saved_position['global_batch']} (any world size that divides it)")
+            if saved_position["seed"] != position["seed"]:
+                problems.append(f"seed (data order): checkpoint {saved_position['seed']}, this run {position['seed']}")
+            if saved_position.get("source") != position.get("source"):
+                problems.append(f"data source: checkpoint {saved_position.get('source')}, this run "
+                                f"{position.get('source')} (the text file's content changed)")
+            if saved_position["num_windows"] != position["num_windows"]:
+                problems.append(f"training windows in the corpus: checkpoint {saved_position['num_windows']}, "
+                                f"this run {position['num_windows']}")
         if problems:
-            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(problems))
+            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this run, nothing was loaded:\n  "
+                                             + "\n  ".join(problems))
 
-    def resolve_resume(self) -> Path | None:
+    def resolve_resume(self) -> tuple[Path | None, bool]:
+        """(checkpoint to resume from or None, whether it has been verified already). For "latest",
+        the ranks verify the candidates together, newest first; damaged ones are moved aside."""
         resume = self.cfg.checkpoint.resume
         if resume in (None, "", "none", "null"):
-            return None
-        if resume == "latest":
-            found = checkpoint.list_committed(self.ckpt_root)
-            return found[-1] if found else None
-        return Path(resume)
+            return None, False
+        if resume != "latest":
+            return Path(resume), False
+        listing = json.dumps([str(p) for p in checkpoint.list_committed(self.ckpt_root)]) if self.comm.rank == 0 else ""
+        candidates = [Path(p) for p in json.loads(agree.gather_bytes(listing.encode(), self.comm)[0])]
+        damaged = []
+        for path in reversed(candidates):
+            try:
+                checkpoint.verify_collectively(path, self.comm)
+            except checkpoint.CheckpointError as exc:
+                damaged.append((path, str(exc)))
+                continue
+            break
+        else:
+            if damaged:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint.resume=latest: none of the {len(damaged)} checkpoint(s) in {self.ckpt_root} "
+                    f"verifies; the newest: {damaged[0][1]}")
+            self.say(f"resume: no checkpoint in {self.ckpt_root}; starting fresh")
+            return None, False
+        if self.comm.rank == 0:
+            for bad, problem in damaged:
+                # Moved aside, not deleted: kept for inspection, and the rerun can save that step again.
+                print(f"resume: skipping a damaged checkpoint (moved to {checkpoint.quarantine(bad)}): {problem}",
+                      file=sys.stderr, flush=True)
+        self.say(f"resume: latest valid checkpoint is {path}")
+        return path, True
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> RunResult:
         cfg, comm = self.cfg, self.comm
         start = 0
         with watchdog.watch("startup (resume)", comm, cfg.dist.timeout_s):
-            resume_path = self.resolve_resume()
+            resume_path, verified = self.resolve_resume()
             if resume_path is not None:
-                start = self.load(resume_path, self.model, self.optimizer)
+                start = self.load(resume_path, self.model, self.optimizer, verified)
+                self.say(f"resumed from {resume_path} at step {start}")
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
         start_point = (None if not cfg.guard.enabled else RollbackPoint(start, resume_path) if resume_path
                        else RollbackPoint(start, None, self._state(start, self.optimizer)))
@@ -212,6 +294,8 @@ class Trainer:
                 raise
             last = result.steps[-1].step if result.steps else start
             with watchdog.watch("end of run", comm, cfg.dist.timeout_s):
+                if self.targets.pending is not None:
+                    self.prune()            # the last checkpoint is as trusted as it will get
                 result.memory = self.memory_report()
                 log.final_memory(last, self.optimizer.memory_bytes())
                 if self.snapshot is not None and cfg.checkpoint.verify_resume and not result.stopped_by:
@@ -240,7 +324,8 @@ class Trainer:
         if not verdict.ok:
             self.optimizer.zero_grad()
             return self._roll_back(step, verdict, grad_norm, result)
-        self.targets.step_passed()
+        if self.targets.step_passed():
+            self.prune()
         lr = cfg.optimizer.adamw.lr * faults.lr_factor(step)
         self.optimizer.apply_update(lr)
         self.optimizer.zero_grad()
@@ -248,9 +333,10 @@ class Trainer:
         norms = [row[0] for row in agree.gather([self.optimizer.param_norm()], comm)]
         seconds = time.perf_counter() - began
         signals.deadline_s = max(signals.deadline_s, cfg.dist.timeout_s + 2 * seconds)
-        result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds))
+        val_loss = self.evaluate() if cfg.train.eval_every and step % cfg.train.eval_every == 0 else None
+        result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         self.log.step(step, loss=verdict.loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
-                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes())
+                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes(), val_loss=val_loss)
         if cfg.guard.check_sync_every and step % cfg.guard.check_sync_every == 0:
             try:
                 guard.check_replicas(self.optimizer.flat_params, self.optimizer.layout.slots, step, comm)
@@ -266,6 +352,7 @@ class Trainer:
             result.stopped_by = decision.stop
             self.log.event("preempted", step, say=f"{decision.stop} received: checkpoint saved, stopping",
                            signal=decision.stop)
+        faults.after_step(step)
         return step + 1
 
     def _save(self, step: int, reason: str, result: RunResult) -> None:
@@ -274,9 +361,12 @@ class Trainer:
         path = self.ckpt_root / checkpoint.step_dir_name(step)
         self.clock_s.saved()
         result.manifests.append(manifest)
-        if self.snapshot is None:
+        # With keep_last the first checkpoint may be pruned; the newest never is.
+        if self.snapshot is None or self.cfg.checkpoint.keep_last:
             self.snapshot = (step, tensors, rank_state, self.optimizer.flat_params.clone())
         self.targets.saved_checkpoint(step, path)
+        if not self.cfg.guard.enabled:
+            self.prune()
         nbytes, seconds = sum(f["bytes"] for f in manifest["files"]), time.perf_counter() - began
         self.log.event("checkpoint_saved", step, say=f"{path} ({nbytes} bytes, {seconds:.2f} s, {reason})",
                        path=str(path), reason=reason, bytes=nbytes, seconds=seconds)
@@ -326,6 +416,21 @@ class Trainer:
         self.optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
         checkpoint.restore_rng(tensors, rank_state["rng"])
         self.skipped_batches = rank_state.get("skipped_batches", 0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean per-token loss over the held-out windows: each rank scores its share, the
+        (sum, count) pairs are combined in rank order, so every rank gets the same value."""
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            for inputs, targets in self.heldout.batches(self.comm.rank, self.comm.size, self.data.plan.micro_batch):
+                total += float(self.model(inputs, targets)) * targets.numel()
+                count += targets.numel()
+        finally:
+            self.model.train()
+        rows = agree.gather([total, float(count)], self.comm)
+        return sum(row[0] for row in rows) / sum(row[1] for row in rows)
 
     def memory_report(self) -> list[dict]:
         measured = self.optimizer.memory_bytes()

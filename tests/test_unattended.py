@@ -125,6 +125,17 @@ def test_nan_gradient_on_one_rank_is_caught_before_the_update(clean, tmp_path):
     assert results[0]["params"] == clean[1][0]["params"]
 
 
+def test_keep_last_never_deletes_the_checkpoint_a_rollback_needs(clean, tmp_path):
+    # The spiked step-4 update is saved at step 4; pruning right after that save (keep_last=1)
+    # would delete step 2, the only trusted target. Retention waits until a checkpoint is trusted.
+    results = train(config(checkpoint={"every_steps": 2, "keep_last": 1},
+                           fault={"lr_spike_step": 4, "lr_spike_factor": 100.0}), tmp_path)
+    (rollback,) = results[0]["rollbacks"]
+    assert rollback["step"] == 5 and rollback["to_step"] == 2 and rollback["source"].endswith("step_00000002")
+    assert results[0]["losses"] == clean[1][0]["losses"] and results[0]["params"] == clean[1][0]["params"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["rolled_back_1", "step_00000012"]
+
+
 def test_skipped_batches_are_part_of_the_checkpointed_data_position(clean, tmp_path):
     faulty = tmp_path / "faulty"
     results = train(config(fault={"lr_spike_step": 7, "lr_spike_factor": 100.0}, guard={"skip_batches": 3}), faulty)

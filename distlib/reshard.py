@@ -1,0 +1,153 @@
+"""Moving a checkpoint to another world size, or out of the sharded format altogether.
+
+A checkpoint holds three flat fp32 vectors (master weights, Adam exp_avg and
+exp_avg_sq) over all P parameters in ``FlatLayout`` order. With N ranks each
+vector is zero-padded to N*S elements, S = ceil(P/N), and rank r stores
+elements [r*S, (r+1)*S). The ZeRO stage does not change this, so resharding is
+one rule for every stage: concatenate the N partitions, keep the first P
+elements (drop the padding), pad for M ranks and split into M partitions
+(``repartition``). ``partition_sources`` is the same rule as index arithmetic,
+so a rank of the new world reads only the slices of the old shards it needs.
+Tensor parallelism will add one flat layout per tensor-parallel rank; each is
+resharded across data-parallel ranks with these same functions.
+
+RNG: new rank r takes old rank r's RNG state when r < N; ranks r >= N have none
+(the caller re-seeds them and says so). The data position is world-size
+independent as long as the global batch stays the same (``distlib.data``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+
+from distlib import checkpoint
+from distlib.checkpoint import CheckpointError
+from distlib.zero import STATE_KEYS, FlatLayout
+
+
+# -- the rule, as pure functions ---------------------------------------------
+def shard_numel(numel: int, world_size: int) -> int:
+    return -(-numel // world_size)
+
+
+def repartition(partitions: list[torch.Tensor], numel: int, world_size: int) -> list[torch.Tensor]:
+    """Re-split a flat vector stored as len(partitions) padded partitions into ``world_size`` ones."""
+    full = torch.cat([p.reshape(-1) for p in partitions])
+    if full.numel() < numel:
+        raise CheckpointError(f"partitions hold {full.numel()} elements, fewer than the {numel} parameters")
+    size = shard_numel(numel, world_size)
+    padded = torch.zeros(size * world_size, dtype=full.dtype)
+    padded[:numel] = full[:numel]
+    return [padded[r * size:(r + 1) * size].clone() for r in range(world_size)]
+
+
+def partition_sources(numel: int, old_world: int, new_world: int, new_rank: int) -> list[tuple[int, int, int]]:
+    """The pieces (old_rank, start, end) of old partitions that, concatenated, form the real
+    (unpadded) elements of partition ``new_rank`` of ``new_world``; the rest of it is padding."""
+    old_size, new_size = shard_numel(numel, old_world), shard_numel(numel, new_world)
+    lo, hi = new_rank * new_size, min((new_rank + 1) * new_size, numel)
+    pieces = []
+    for old_rank in range(old_world):
+        a, b = max(lo, old_rank * old_size), min(hi, (old_rank + 1) * old_size)
+        if a < b:
+            pieces.append((old_rank, a - old_rank * old_size, b - old_rank * old_size))
+    return pieces
+
+
+# -- reading a checkpoint into another world ---------------------------------
+def _open(path: Path, rank: int):
+    try:
+        return safetensors.safe_open(str(path / checkpoint.shard_name(rank)), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"checkpoint {path}: cannot read {checkpoint.shard_name(rank)}: {exc}") from exc
+
+
+def load_partition(path: Path, manifest: dict, rank: int, world_size: int
+                   ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
+    """(state, rank_state, rng) for ``rank`` of ``world_size`` from a verified checkpoint of any
+    world size: state is partition ``rank`` of each of STATE_KEYS; rng is the saved RNG tensors
+    (None when the checkpoint has no rank ``rank`` or that rank kept none)."""
+    path = Path(path)
+    numel, old_world = int(manifest["layout"]["numel"]), int(manifest["world_size"])
+    size = shard_numel(numel, world_size)
+    state = {key: torch.zeros(size, dtype=torch.float32) for key in STATE_KEYS}
+    filled = 0
+    for old_rank, start, end in partition_sources(numel, old_world, world_size, rank):
+        with _open(path, old_rank) as f:
+            for key in STATE_KEYS:
+                state[key][filled:filled + end - start] = f.get_slice(key)[start:end]
+        filled += end - start
+    own = rank if rank < old_world else 0
+    with _open(path, own) as f:
+        rank_state = json.loads(f.metadata()["rank_state"])
+        rng = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng.")}
+    if rank != own or not rng or rank_state.get("rng") is None:
+        rank_state["rng"], rng = None, None
+    return state, rank_state, rng
+
+
+def _shards(path: Path, manifest: dict) -> list[dict[str, torch.Tensor]]:
+    return [checkpoint.load_shard(path, r)[0] for r in range(int(manifest["world_size"]))]
+
+
+def full_state(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """Each of STATE_KEYS as one unpadded flat vector of all P parameters."""
+    numel, shards = int(manifest["layout"]["numel"]), _shards(path, manifest)
+    return {key: torch.cat([s[key] for s in shards])[:numel] for key in STATE_KEYS}
+
+
+def _by_parameter(flat: torch.Tensor, layout: FlatLayout, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + s.name: flat[s.offset:s.offset + s.numel].reshape(s.shape).clone() for s in layout.slots}
+
+
+# -- offline tools (scripts/ckpt.py) --------------------------------------------
+def consolidate(path: Path, out: Path, with_optimizer: bool = False) -> list[Path]:
+    """Write ``out/model.safetensors`` (full fp32 weights named as in ``MiniGPT.state_dict()``) and,
+    if asked, ``out/optimizer.safetensors`` (exp_avg.NAME / exp_avg_sq.NAME). Verifies first."""
+    path, out = Path(path), Path(out)
+    manifest = checkpoint.verify(path)
+    layout = FlatLayout.from_dict(manifest["layout"])
+    state = full_state(path, manifest)
+    header = {"step": str(manifest["step"]), "model": json.dumps(manifest["model"]), "source": str(path)}
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "model.safetensors"]
+    safetensors.torch.save_file(_by_parameter(state["master"], layout), str(written[0]), metadata=header)
+    if with_optimizer:
+        tensors = {**_by_parameter(state["exp_avg"], layout, "exp_avg."),
+                   **_by_parameter(state["exp_avg_sq"], layout, "exp_avg_sq.")}
+        optimizer_steps = checkpoint.load_shard(path, 0)[1]["optimizer_steps"]
+        written.append(out / "optimizer.safetensors")
+        safetensors.torch.save_file(tensors, str(written[1]),
+                                    metadata={**header, "optimizer_steps": str(optimizer_steps)})
+    return written
+
+
+def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
+    """Write a new committed checkpoint at ``out`` for ``world_size`` ranks (verifies ``path`` first).
+    Ranks beyond the old world size carry no RNG state; the trainer re-seeds them on load."""
+    path, out = Path(path), Path(out)
+    if world_size < 1:
+        raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
+    manifest = checkpoint.verify(path)
+    old_world = int(manifest["world_size"])
+    layout = FlatLayout.from_dict(manifest["layout"])
+    numel, shards = layout.numel, _shards(path, manifest)
+    partitions = {key: repartition([s[key] for s in shards], numel, world_size) for key in STATE_KEYS}
+    partial = checkpoint.begin(out)
+    files = []
+    for rank in range(world_size):
+        own = rank if rank < old_world else 0
+        tensors, rank_state = checkpoint.load_shard(path, own)
+        if rank != own:
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("rng.")}
+            rank_state["rng"] = None
+        tensors.update({key: partitions[key][rank] for key in STATE_KEYS})
+        files.append(checkpoint.write_shard(partial, rank, tensors, rank_state))
+    new = {**manifest, "world_size": world_size, "layout": FlatLayout(layout.slots, world_size).to_dict(),
+           "files": files, "resharded_from": {"path": str(path), "world_size": old_world}}
+    checkpoint.commit(partial, out, new)
+    return out

@@ -1,0 +1,122 @@
+"""Load a trained MiniGPT on one process (no process group) and generate from it.
+
+A sharded checkpoint is verified first (every file's size and sha256 against
+the manifest), then the full fp32 parameters are reassembled: rank r's shard
+holds partition r of the flat, padded ``master`` buffer, so concatenating the
+partitions in rank order gives the flat buffer (``reshard.full_state``), and
+the manifest's layout says where each named parameter sits in it. A
+consolidated ``model.safetensors`` (``scripts/ckpt.py consolidate``: MiniGPT
+state_dict keys) is read directly; its model shape comes from the file's
+``model`` metadata (JSON of ModelConfig) or, failing that, from the tensor
+shapes plus an explicit head count.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import safetensors
+import torch
+
+from distlib import checkpoint, reshard
+from distlib.model import MiniGPT, ModelConfig
+from distlib.zero import FlatLayout
+
+
+class SampleError(ValueError):
+    """A checkpoint or request that cannot be sampled from, with the reason."""
+
+
+def model_from_sharded(path: Path) -> MiniGPT:
+    manifest = checkpoint.verify(path)
+    flat = reshard.full_state(path, manifest)["master"]
+    model = MiniGPT(ModelConfig(**manifest["model"]))
+    state = {}
+    for slot in FlatLayout.from_dict(manifest["layout"]).slots:
+        state[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    _load_exactly(model, state, path)
+    return model
+
+
+def _infer_config(state: dict[str, torch.Tensor], n_heads: int | None, path: Path) -> ModelConfig:
+    if n_heads is None:
+        raise SampleError(f"{path} carries no 'model' metadata; pass the head count (--n-heads) so the "
+                          f"attention can be rebuilt")
+    try:
+        vocab, dim = state["tok_emb.weight"].shape
+        seq_len = state["pos_emb.weight"].shape[0]
+        n_layers = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
+        mlp_ratio = state["blocks.0.mlp.fc.weight"].shape[0] // dim
+    except (KeyError, ValueError) as exc:
+        raise SampleError(f"{path} does not hold MiniGPT weights: {exc}") from exc
+    return ModelConfig(vocab_size=vocab, seq_len=seq_len, dim=dim, n_heads=n_heads, n_layers=n_layers,
+                       mlp_ratio=mlp_ratio)
+
+
+def model_from_safetensors(path: Path, n_heads: int | None = None) -> MiniGPT:
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata() or {}
+    if "model" in meta:
+        cfg = ModelConfig(**json.loads(meta["model"]))
+    else:
+        cfg = _infer_config(state, n_heads, path)
+    model = MiniGPT(cfg)
+    _load_exactly(model, {k: v.float() for k, v in state.items()}, path)
+    return model
+
+
+def _load_exactly(model: MiniGPT, state: dict[str, torch.Tensor], path: Path) -> None:
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    if ours != theirs:
+        diff = [f"{k}: file {theirs.get(k)}, model {ours.get(k)}" for k in sorted(set(ours) | set(theirs))
+                if ours.get(k) != theirs.get(k)]
+        raise SampleError(f"{path} does not match the model it describes: " + "; ".join(diff[:5]))
+    model.load_state_dict(state, strict=True)
+
+
+def load_model(path: str | Path, n_heads: int | None = None) -> MiniGPT:
+    """A MiniGPT in eval mode from a checkpoint directory (sharded, verified) or a .safetensors file."""
+    path = Path(path)
+    if path.is_dir():
+        model = model_from_sharded(path)
+    elif path.is_file() and path.suffix == ".safetensors":
+        model = model_from_safetensors(path, n_heads)
+    elif path.exists():
+        raise SampleError(f"{path} is neither a checkpoint directory nor a .safetensors file")
+    else:
+        raise checkpoint.CheckpointError(f"checkpoint {path} does not exist")
+    return model.eval()
+
+
+@torch.no_grad()
+def generate(model: MiniGPT, prompt: list[int], new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None) -> list[int]:
+    """``prompt`` followed by ``new_tokens`` sampled tokens. Temperature 0 picks the most likely
+    token (greedy); top_k keeps only the k most likely before sampling. The model sees at most
+    its last ``seq_len`` tokens."""
+    if not prompt:
+        raise SampleError("the prompt is empty: give at least one token to continue from")
+    if temperature < 0:
+        raise SampleError(f"temperature must be >= 0, got {temperature}")
+    vocab = model.cfg.vocab_size
+    if top_k is not None and not 1 <= top_k:
+        raise SampleError(f"top-k must be >= 1, got {top_k}")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise SampleError(f"prompt token(s) {bad[:5]} outside the model's vocabulary [0, {vocab})")
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        context = torch.tensor([tokens[-model.cfg.seq_len:]], dtype=torch.int64)
+        logits = model(context)[0, -1].double()
+        if temperature == 0:
+            tokens.append(int(torch.argmax(logits)))
+            continue
+        logits = logits / temperature
+        if top_k is not None and top_k < vocab:
+            kth = torch.topk(logits, top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return tokens

@@ -1,0 +1,69 @@
+"""Generate text from a trained MiniGPT, on one process, with no distributed setup.
+
+    python scripts/sample.py outputs/.../checkpoints/step_00000300 --prompt "Rank zero" --tokens 200
+    python scripts/sample.py model.safetensors --prompt "The ring" --temperature 0.8 --top-k 20 --seed 1
+
+CHECKPOINT is a sharded checkpoint directory (verified against its manifest,
+then reassembled) or a consolidated .safetensors file. A byte-level model
+(vocabulary 256, data=text) takes and prints text; any other vocabulary (the
+synthetic corpus) takes and prints space-separated token ids.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from distlib.checkpoint import CheckpointError  # noqa: E402
+from distlib.sampling import SampleError, generate, load_model  # noqa: E402
+from distlib.tokens import BYTE_VOCAB, ByteTokenizer  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="checkpoint directory (with manifest.json) or a .safetensors file")
+    p.add_argument("--prompt", required=True, help="text to continue (token ids for a non-byte vocabulary)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; default 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--n-heads", type=int, default=None,
+                   help="attention heads, only for a .safetensors file without model metadata")
+    args = p.parse_args(argv)
+    if args.tokens < 0:
+        p.error(f"--tokens must be >= 0, got {args.tokens}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        model = load_model(args.checkpoint, args.n_heads)
+        byte_level = model.cfg.vocab_size == BYTE_VOCAB
+        if byte_level:
+            prompt = ByteTokenizer.encode(args.prompt)
+        else:
+            try:
+                prompt = [int(t) for t in args.prompt.split()]
+            except ValueError:
+                raise SampleError(f"this model's vocabulary has {model.cfg.vocab_size} tokens, not the "
+                                  f"{BYTE_VOCAB} bytes of text; give --prompt as space-separated token ids")
+        generator = torch.Generator().manual_seed(args.seed)
+        tokens = generate(model, prompt, args.tokens, args.temperature, args.top_k, generator)
+    except (SampleError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if byte_level:
+        sys.stdout.write(ByteTokenizer.decode(tokens) + "\n")
+    else:
+        print(" ".join(map(str, tokens)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,123 @@
+"""Issue 4 end to end through train.py and torchrun: clear errors, crash recovery, restarts (item 7)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_util import train, tree
+
+from distlib import checkpoint
+from distlib.config import ConfigError, RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["dist.world_size=2", "train.steps=6", "checkpoint.every_steps=3", "train.global_batch=16"]
+
+
+def _train(run_dir: Path, *overrides: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, *launcher, "train.py", f"hydra.run.dir={run_dir}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: checkpoint")]
+
+
+def test_fault_options_are_validated():
+    with pytest.raises(ConfigError, match="fault.crash_in_save must be one of"):
+        RunConfig.from_dict({"fault": {"crash_in_save": "sometime"}})
+    with pytest.raises(ConfigError, match="must be set together"):
+        RunConfig.from_dict({"fault": {"kill_rank": 1}})
+    with pytest.raises(ConfigError, match="fault.kill_rank=4 is not a rank"):
+        RunConfig.from_dict({"fault": {"kill_rank": 4, "kill_at_step": 2}})
+    with pytest.raises(ConfigError, match="checkpoint.keep_last must be >= 0"):
+        RunConfig.from_dict({"checkpoint": {"keep_last": -1}})
+
+
+@pytest.mark.slow
+def test_load_errors_reach_the_user_as_one_clear_line(tmp_path):
+    run = tmp_path / "run"
+    assert all(r["error"] is None for r in train(tree(2), run))  # 2-rank checkpoints at steps 3 and 6
+    root = run / "checkpoints"
+    shard = root / "step_00000006" / "rank00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    one_rank = [arg.replace("dist.world_size=2", "dist.world_size=1") for arg in SMALL]  # loads reshard 2 -> 1
+
+    damaged = _train(run, *one_rank, f"checkpoint.resume={root / 'step_00000006'}")
+    assert damaged.returncode == 1
+    lines = _error_lines(damaged.stderr)
+    assert len(lines) == 1, damaged.stderr
+    assert str(root / "step_00000006") in lines[0] and "rank00001.safetensors has sha256" in lines[0]
+    assert "Traceback" not in damaged.stderr
+
+    mismatch = _train(tmp_path / "other", *one_rank, "model.dim=64", f"checkpoint.resume={root / 'step_00000003'}")
+    assert mismatch.returncode == 1 and "Traceback" not in mismatch.stderr
+    assert len(_error_lines(mismatch.stderr)) == 1
+    assert "model.dim: checkpoint 32, this run 64" in mismatch.stderr
+    assert "parameter tok_emb.weight: checkpoint 64x32, model 64x64" in mismatch.stderr
+
+    fallback = _train(run, *one_rank, "checkpoint.resume=latest")
+    assert fallback.returncode == 0, fallback.stderr
+    assert "skipping a damaged checkpoint" in fallback.stderr and "rank00001.safetensors" in fallback.stderr
+    assert f"resumed from {root / 'step_00000003'} at step 3" in fallback.stdout
+
+
+@pytest.mark.slow
+def test_crash_before_manifest_then_resume_latest(tmp_path):
+    crashed = _train(tmp_path, *SMALL, "fault.crash_in_save=before_manifest", "fault.save_fault_step=6")
+    assert crashed.returncode != 0
+    assert "dies in the step-6 save at before_manifest" in crashed.stderr
+    assert [p.name for p in checkpoint.list_committed(tmp_path / "checkpoints")] == ["step_00000003"]
+    resumed = _train(tmp_path, *SMALL, "checkpoint.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000003'} at step 3" in resumed.stdout
+    checkpoint.verify(tmp_path / "checkpoints" / "step_00000006")
+
+
+@pytest.mark.slow
+def test_full_disk_fails_the_run_loudly(tmp_path):
+    full = _train(tmp_path, *SMALL, "fault.disk_full_rank=1")
+    assert full.returncode == 1 and "Traceback" not in full.stderr
+    lines = _error_lines(full.stderr)
+    assert len(lines) == 1 and "checkpoint save of step 3 failed, nothing committed: rank 1" in lines[0]
+    assert "No space left on device" in lines[0]
+    assert checkpoint.list_committed(tmp_path / "checkpoints") == []
+    assert not any((tmp_path / "checkpoints").iterdir())
+
+
+def _final_files(run_dir: Path, step: int) -> dict[str, tuple[int, str, bytes]]:
+    ckpt = run_dir / "checkpoints" / checkpoint.step_dir_name(step)
+    manifest = checkpoint.verify(ckpt)
+    return {f["path"]: (f["bytes"], f["sha256"], (ckpt / f["path"]).read_bytes()) for f in manifest["files"]}
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_and_finishes_byte_identical(tmp_path):
+    # The uninterrupted reference: the same Trainer and config on 4 forked ranks (no process start-up).
+    clean = train(tree(4, steps=8, every=4), tmp_path / "clean")
+    assert all(r["error"] is None for r in clean)
+    common = ["train.steps=8", "checkpoint.every_steps=4", "checkpoint.resume=latest"]
+
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "4", "--max-restarts", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0")
+    restarted = _train(tmp_path / "killed", *common, "fault.kill_rank=2", "fault.kill_at_step=6", launcher=torchrun)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "fault: rank 2 kills itself after step 6" in restarted.stderr
+    assert f"resumed from {tmp_path / 'killed' / 'checkpoints' / 'step_00000004'} at step 4" in restarted.stdout
+    metrics = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in metrics if m["type"] == "step"]     # (events are logged too)
+    # The first attempt logged steps 1..5 (rank 2 took part in step 6, so rank 0 finished step 5),
+    # the second went on from the step-4 checkpoint: steps 5..8 were logged again.
+    assert steps[:5] == [1, 2, 3, 4, 5] and steps[-4:] == [5, 6, 7, 8] and steps.count(5) == 2
+
+    expected, got = _final_files(tmp_path / "clean", 8), _final_files(tmp_path / "killed", 8)
+    assert sorted(got) == sorted(expected) == [checkpoint.shard_name(r) for r in range(4)]
+    for name in expected:
+        assert got[name][:2] == expected[name][:2], f"{name}: size/sha256 differ"
+        assert got[name][2] == expected[name][2], f"{name}: bytes differ"

@@ -1,0 +1,33 @@
+"""Compose the real Hydra config and run the Trainer on forked gloo ranks (no torchrun)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from distlib.config import RunConfig
+from distlib.trainer import Trainer
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_tree(overrides: list[str]) -> dict:
+    """conf/ composed with ``overrides`` exactly as train.py would see it, as a plain dict."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def train(comm, tree: dict, run_dir: str) -> dict:
+    """One rank of a training run; returns what tests compare (rank 0's view equals every rank's)."""
+    torch.use_deterministic_algorithms(True)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)  # Hydra makes it for train.py
+    trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+    result = trainer.run()
+    return {"losses": {s.step: s.loss.hex() for s in result.steps},
+            "val": {s.step: s.val_loss for s in result.steps if s.val_loss is not None},
+            "params": trainer.optimizer.flat_params[:trainer.optimizer.layout.numel].numpy().copy(),  # numpy: a tensor would travel by shared memory
+            "resume_ok": None if result.resume_check is None else result.resume_check.ok}
