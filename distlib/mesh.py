@@ -9,9 +9,14 @@ which ZeRO shards the optimizer state.
 ``dist.new_group`` is itself collective: every rank must create every group, in
 the same order, even the groups it does not belong to. That is why the whole
 mesh is built here, in one place, once.
+
+The dp and tp Comms carry the world Comm's riders (``stats``, one CommStats per
+process, and ``check``), so traffic on the subgroups is counted and header-checked
+like the world's.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -38,8 +43,9 @@ def check_layout(world_size: int, tp: int) -> None:
 def build_mesh(world: Comm, tp: int) -> Mesh:
     """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank)."""
     check_layout(world.size, tp)
+    riders = dict(stats=world.stats, check=world.check)
     if tp == 1:
-        return Mesh(world=world, dp=world, tp=Comm(ranks=(world.peer(world.rank),), rank=0))
+        return Mesh(world=world, dp=world, tp=Comm(ranks=(world.peer(world.rank),), rank=0, **riders))
     dp_size = world.size // tp
     tp_groups = [[world.peer(d * tp + t) for t in range(tp)] for d in range(dp_size)]
     dp_groups = [[world.peer(d * tp + t) for d in range(dp_size)] for t in range(tp)]
@@ -50,6 +56,6 @@ def build_mesh(world: Comm, tp: int) -> Mesh:
             # gloo needs a real group even of size 1 only for collectives; skip those.
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if me in ranks:
-                mine[kind] = (Comm.subgroup(ranks, group) if group is not None
-                              else Comm(ranks=tuple(ranks), rank=0))
+                mine[kind] = dataclasses.replace(Comm.subgroup(ranks, group) if group is not None
+                                                 else Comm(ranks=tuple(ranks), rank=0), **riders)
     return Mesh(world=world, dp=mine["dp"], tp=mine["tp"])

@@ -3,7 +3,7 @@
     python train.py -m dist.world_size=1,2,4 zero.stage=0,1,2,3 train.global_batch=16
 
 Registered as a Hydra callback in conf/config.yaml; after the last job it reads each
-job's ``.hydra/config.yaml`` and ``metrics.jsonl`` (written by rank 0) and prints one
+job's ``.hydra/config.yaml`` and its ``metrics.file`` step records (written by rank 0) and prints one
 row per job: layout, final loss, the largest absolute and relative loss difference,
 step for step, against the world-size-1 job of the same stage (or any world-size-1
 job with the same global batch and dtype), optimizer bytes per rank, data-parallel
@@ -24,15 +24,18 @@ INVARIANCE_RTOL = 1e-5
 
 
 def read_job(job_dir: Path) -> dict | None:
-    metrics, config = job_dir / "metrics.jsonl", job_dir / ".hydra" / "config.yaml"
-    if not metrics.is_file() or not config.is_file():
+    config = job_dir / ".hydra" / "config.yaml"
+    if not config.is_file():
         return None
     cfg = OmegaConf.load(config)
+    metrics = job_dir / str(OmegaConf.select(cfg, "metrics.file", default="metrics.jsonl"))
+    if not metrics.is_file():
+        return None
     steps: dict[int, dict] = {}
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
-        if "step" in row and "loss" in row:
-            steps[row["step"]] = row       # a resumed run rewrites later steps; keep the last
+        if row.get("type", "step") == "step" and "loss" in row:
+            steps[row["step"]] = row       # a resumed or rolled-back run rewrites later steps; keep the last
     if not steps:
         return None
     world, tp = int(cfg.dist.world_size), int(cfg.dist.get("tp", 1))
@@ -41,10 +44,16 @@ def read_job(job_dir: Path) -> dict | None:
     ordered = [steps[k] for k in sorted(steps)]
     return {"job": job_dir.name, "world_size": world, "tp": tp, "stage": int(cfg.zero.stage),
             "dtype": str(t.get("dtype", "fp32")), "global_batch": int(global_batch),
-            "losses": [r["loss"] for r in ordered], "final_loss": ordered[-1]["loss"],
-            "optimizer_bytes": ordered[-1].get("optimizer_bytes"),
+            "losses": [float(r["loss"]) for r in ordered], "final_loss": float(ordered[-1]["loss"]),
+            "optimizer_bytes": _max_optimizer_bytes(ordered[-1]),
             "dp_comm_bytes": (ordered[-1].get("comm_bytes") or {}).get("dp"),
             "step_ms": 1000 * statistics.median(r["step_time_s"] for r in ordered)}
+
+
+def _max_optimizer_bytes(record: dict) -> int | None:
+    """The largest rank's optimizer bytes (the step record's memory.optimizer_bytes.max)."""
+    value = (record.get("memory") or {}).get("optimizer_bytes", {}).get("max")
+    return None if value is None else int(value)
 
 
 def _reference(job: dict, jobs: list[dict]) -> dict | None:

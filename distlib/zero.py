@@ -258,6 +258,16 @@ class ZeroOptimizer:
         0/1, this rank's (already reduced) partition at stages 2/3."""
         return self.flat_grads
 
+    @property
+    def param_buffer_start(self) -> int:
+        """Flat offset of ``param_buffer``'s first element (0, or the partition's start at stage 3)."""
+        return 0
+
+    def full_params(self) -> torch.Tensor:
+        """Every parameter of this rank's model (its tensor-parallel shard), flat in layout order:
+        the live buffer at stages 0-2; at stage 3 a gathered copy (collective over the group)."""
+        return self.flat_params
+
     def params_snapshot(self) -> torch.Tensor:
         """A copy of the parameter bytes this rank holds (for byte-exact restore checks)."""
         return self.param_buffer.clone()

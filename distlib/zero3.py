@@ -120,6 +120,17 @@ class Zero3Optimizer(Zero2Optimizer):
     def param_buffer(self) -> torch.Tensor:
         return self.param_shard
 
+    @property
+    def param_buffer_start(self) -> int:
+        return self.my_range.start
+
+    @torch.no_grad()
+    def full_params(self) -> torch.Tensor:
+        """A gathered copy of every partition (a temporary bP, outside the step's memory peak)."""
+        full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype)
+        collectives.all_gather(full, self.param_shard, self.comm)
+        return full
+
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
         """Stage 3: params bP/N (+ one gathered unit), grads 4P/N (+ the unit's fp32 gradient
         bucket + one parameter's gradient), Adam 12P/N."""

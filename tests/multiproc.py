@@ -21,12 +21,10 @@ from distlib.comm import Comm
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def _child(rank: int, world_size: int, port_pipe, fn, args, queue, timeout_s: float) -> None:
+def _child(rank: int, world_size: int, ports, fn, args, queue, timeout_s: float) -> None:
     try:
         torch.set_num_threads(1)
-        if not port_pipe.poll(timeout_s):
-            raise TimeoutError(f"rank {rank}: the parent never sent the store's port")
-        port = port_pipe.recv()
+        port = ports.get()          # the parent starts the store only after forking us (see run_ranks)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -52,18 +50,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     TimeoutError naming the ranks that did not finish within ``timeout_s``.
     """
     ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
-    procs = [ctx.Process(target=_child, args=(r, world_size, pipes[r][0], fn, args, queue, timeout_s),
+    queue, ports = ctx.Queue(), ctx.SimpleQueue()
+    procs = [ctx.Process(target=_child, args=(r, world_size, ports, fn, args, queue, timeout_s),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    # The store's server thread starts only after the fork: forking while it runs can leave a
-    # child holding a copy of a lock that thread had taken, and hang it in TCPStore().
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    for _, writer in pipes:
-        writer.send(store.port)
+    # Fork first, start the store second: a thread alive in the parent at fork time (the store's
+    # event loop, resolving a peer's name) can leave a libc lock held forever in a child (seen:
+    # ranks stuck in getnameinfo's resolver lock, the others timing out in the rendezvous).
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    for _ in procs:
+        ports.put(store.port)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
