@@ -1,7 +1,7 @@
 """Hand-written collectives (distlib.collectives) vs torch's gloo collectives, same run.
 
     .venv/bin/python benchmarks/collectives.py            # full: 1 KB .. 64 MB, ~3-4 min on 2 cores
-    .venv/bin/python benchmarks/collectives.py --quick    # 4 sizes, < 1 min
+    .venv/bin/python benchmarks/collectives.py --quick    # 1 KB, 64 KB, 4 MB, 16 MB: < 1 min
     .venv/bin/python benchmarks/collectives.py --algos    # also time every forced algorithm of ours
 
 Each (op, size) is warmed up, then timed for several iterations; an iteration's time is
@@ -27,16 +27,16 @@ import torch.distributed as dist  # noqa: E402
 from distlib import collectives as C  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+warnings.filterwarnings("ignore", message=".*_tensor` is deprecated")  # *_into_tensor / *_scatter_tensor
 
 OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
 ALGOS = {"broadcast": ("tree", "chain"), "reduce_scatter": ("direct", "ring"),
-         "all_gather": ("direct", "ring"), "all_reduce": ("exchange", "rs_ag")}
+         "all_gather": ("direct", "ring"), "all_reduce": ("exchange", "direct", "ring")}
 
 
-def _iters(nbytes: int, quick: bool) -> int:
-    n = 20 if nbytes <= 256 << 10 else 10 if nbytes <= 4 << 20 else 5 if nbytes <= 16 << 20 else 3
-    return max(3, n // 2) if quick else n
+def _iters(nbytes: int) -> int:
+    # many iterations: on a shared, oversubscribed machine single runs vary by milliseconds
+    return 100 if nbytes <= 256 << 10 else 50 if nbytes <= 4 << 20 else 20 if nbytes <= 16 << 20 else 8
 
 
 def _callables(op: str, x: torch.Tensor, comm, algo):
@@ -72,7 +72,7 @@ def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
     return times
 
 
-def _bench_rank(comm, sizes, quick, with_algos):
+def _bench_rank(comm, sizes, with_algos):
     torch.manual_seed(comm.rank)
     rows = []
     for op in OPS:
@@ -83,8 +83,19 @@ def _bench_rank(comm, sizes, quick, with_algos):
             if with_algos:
                 fns.update({a: _callables(op, x, comm, a)[0] for a in ALGOS[op]})
             rows.append({"op": op, "world": comm.size, "bytes": nbytes,
-                         **_time_interleaved(fns, _iters(nbytes, quick))})
+                         **_time_interleaved(fns, _iters(nbytes))})
     return rows
+
+
+def _run(world: int, sizes: list[int], with_algos: bool, timeout_s: float, tries: int = 3):
+    """run_ranks, retried: forked ranks occasionally hang while connecting to the rendezvous
+    store (before any collective runs), which run_ranks reports as a TimeoutError."""
+    for attempt in range(1, tries + 1):
+        try:
+            return run_ranks(_bench_rank, world, sizes, with_algos, timeout_s=timeout_s)
+        except TimeoutError as e:
+            print(f"world {world}, attempt {attempt}: {e}; retrying", file=sys.stderr)
+    raise RuntimeError(f"world {world}: every attempt timed out")
 
 
 def _median_of_slowest(per_rank: list[list[float]]) -> float:
@@ -93,17 +104,18 @@ def _median_of_slowest(per_rank: list[list[float]]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4 sizes, fewer iterations (< 1 min)")
+    ap.add_argument("--quick", action="store_true", help="4 sizes (1 KB, 64 KB, 4 MB, 16 MB), < 1 min")
     ap.add_argument("--algos", action="store_true", help="also time each forced algorithm of ours")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 16); overrides the default list")
+    ap.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 16) instead of the default list")
     args = ap.parse_args()
     sizes = args.sizes or ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
                            else [1 << (10 + 2 * i) for i in range(9)])  # 1 KB .. 64 MB
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)   # also keeps forked ranks clear of the parent's thread pool
+    load_before = os.getloadavg()[0]
     results = []
     for world in args.worlds:
-        per_rank = run_ranks(_bench_rank, world, sizes, args.quick, args.algos, timeout_s=600)
+        per_rank = _run(world, sizes, args.algos, timeout_s=120 if args.quick else 400)
         for i, row in enumerate(per_rank[0]):
             out = {k: row[k] for k in ("op", "world", "bytes")}
             for key in row:
@@ -112,20 +124,24 @@ def main() -> None:
             out["ratio"] = out["torch_ms"] / out["ours_ms"]
             results.append(out)
 
-    extra = [a for a in ("tree", "chain", "direct", "ring", "exchange", "rs_ag") if args.algos]
+    extra = [a for a in ("tree", "chain", "exchange", "direct", "ring") if args.algos]
     head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}"
     print(head + "".join(f"{a + ' ms':>11}" for a in extra))
     for r in results:
         b = r["bytes"]
         size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
-        line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}{r['ratio']:>8.2f}"
-        print(line + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra))
+        line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}"
+        print(f"{line}{r['ratio']:>8.2f}" + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}"
+                                           for a in extra))
     path = os.path.join(ROOT, "benchmarks", "results", "collectives.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"quick": args.quick, "torch": torch.__version__, "cores": os.cpu_count(),
-                   "unit": "ms, median over iterations of the slowest rank", "results": results}, f, indent=1)
-    print(f"wrote {path}")
+                   "loadavg_1min": [load_before, os.getloadavg()[0]],
+                   "unit": "ms, median over iterations of the slowest rank; ratio = torch / ours",
+                   "results": results}, f, indent=1)
+    print(f"ratio = torch ms / ours ms (> 1: ours faster); 1-min load average {load_before:.1f} -> "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\nwrote {path}")
 
 
 if __name__ == "__main__":

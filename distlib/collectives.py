@@ -1,34 +1,42 @@
 """Hand-written collectives on torch.distributed point-to-point (isend/irecv).
 
-Every function takes a ``Comm`` and talks only to its members, addressing them by
-global rank (``comm.peer(i)``) on ``comm.group``. torch's own collectives are
-never called here; they are the reference in tests and benchmarks.
+Every function takes a ``Comm`` and talks only to its members, addressing them by global
+rank (``comm.peer(i)``) on ``comm.group``. torch's own collectives are never called here;
+they are the reference in the tests and the benchmark.
 
-Algorithms and when each is used (N = comm.size, B = tensor bytes):
+Default algorithm by tensor bytes B and world size N (``choose_algorithm``; each public
+function also takes ``algo=`` to force one, which the tests do at every size):
 
-| collective     | algorithm  | chosen when              | rounds    | bytes sent per rank |
-|----------------|------------|--------------------------|-----------|---------------------|
-| reduce_scatter | direct     | B <= RS_DIRECT_MAX_BYTES | 1         | (N-1)/N * B         |
-| reduce_scatter | ring       | otherwise                | N-1       | (N-1)/N * B         |
-| all_gather     | direct     | B <= AG_DIRECT_MAX_BYTES | 1         | (N-1)/N * B         |
-| all_gather     | ring       | otherwise, pipelined     | N-1       | (N-1)/N * B         |
-| all_reduce     | exchange   | B <= AR_EXCHANGE_MAX_BYTES | 1       | (N-1) * B           |
-| all_reduce     | rs_ag      | otherwise                | RS + AG   | 2(N-1)/N * B        |
-| broadcast      | tree       | B <= BCAST_TREE_MAX_BYTES | log2 N   | <= log2 N * B (root)|
-| broadcast      | chain      | otherwise, pipelined     | N-2+segs  | B                   |
+| collective     | algorithm | when (defaults)               | levels of waiting | bytes sent per rank |
+|----------------|-----------|-------------------------------|-------------------|---------------------|
+| all_reduce     | exchange  | (N-1) B <= 4 MiB              | 1                 | (N-1) B             |
+| all_reduce     | direct    | otherwise, N=2 or B <= 4 MiB  | 2                 | 2 (N-1)/N B         |
+| all_reduce     | ring      | N > 2 and B > 4 MiB           | 2 (N-1)           | 2 (N-1)/N B         |
+| reduce_scatter | direct    | N = 2 or B <= 4 MiB           | 1                 | (N-1)/N B           |
+| reduce_scatter | ring      | N > 2 and B > 4 MiB           | N-1, pipelined    | (N-1)/N B           |
+| all_gather     | direct    | N = 2 or B <= 4 MiB           | 1                 | (N-1)/N B           |
+| all_gather     | ring      | N > 2 and B > 4 MiB           | N-1, pipelined    | (N-1)/N B           |
+| broadcast      | tree      | N = 2 or B <= 4 MiB           | ceil(log2 N)      | <= ceil(log2 N) B   |
+| broadcast      | chain     | N > 2 and B > 4 MiB           | N-1, pipelined    | B                   |
 
-Why: gloo pays a fixed cost per message (tens of microseconds), so small tensors
-want the fewest rounds (direct / exchange / tree); large ones want each byte to
-cross each link once, in segments so that forwarding (and reducing) one segment
-overlaps receiving the next (ring / chain). The thresholds are module constants
-(benchmarks/collectives.py measures them); every function also takes
-``algo=`` so tests can force each path at any size.
+Why: every gloo message costs tens of microseconds, and every level of waiting costs a
+wake-up of a sleeping process -- milliseconds when ranks outnumber cores (4 ranks on 2
+here). Small tensors therefore want one level (exchange / direct) even at the price of
+more bytes; large ones want each byte to cross each link once, in SEGMENT_BYTES pieces so
+that forwarding and reducing one piece overlaps receiving the next (ring / chain). With 2
+ranks ring and direct send the same messages, so segmenting would only add overhead.
+The thresholds are the module constants below, picked from benchmarks/collectives.py
+(--algos times every algorithm at every size).
 
-Bitwise agreement: after all_reduce / broadcast / all_gather every rank holds
-identical bytes. Ring and direct reduce-scatter compute each element on exactly
-one rank (its owner) and all-gather copies it; "exchange" has every rank reduce
-all N contributions in the same rank order 0..N-1. Ops: sum, avg (sum, then
-divide by N on the owner), max, min.
+Bitwise agreement: after all_reduce, broadcast and all_gather every rank holds identical
+bytes. Direct and ring reduce-scatter reduce each element on exactly one rank (its owner)
+and all-gather then copies it; exchange has every rank reduce all N contributions in the
+same rank order 0..N-1 (which direct reduce-scatter also uses, so exchange and direct
+all_reduce agree with each other too). avg = sum, then divide by N (on the owner).
+
+Uneven splits: reduce_scatter and all_gather take ``bounds=`` (one contiguous (start, end)
+per rank, possibly empty), so ZeRO-2/3 can reduce a bucket straight into each rank's
+partition; the default is the even split of ``chunk_bounds``.
 
 Failures: a wait that fails (a peer that timed out after the process group's
 timeout, or died) raises ``CollectiveError`` naming the collective, this rank and
@@ -50,11 +58,10 @@ from torch import Tensor
 
 from distlib.comm import KINDS, Comm
 
-RS_DIRECT_MAX_BYTES = 256 * 1024
-AG_DIRECT_MAX_BYTES = 256 * 1024
-AR_EXCHANGE_MAX_BYTES = 32 * 1024
-BCAST_TREE_MAX_BYTES = 256 * 1024
-SEGMENT_BYTES = 1 << 20       # pipeline granularity of ring / chain
+AR_EXCHANGE_MAX_BYTES = 4 << 20      # all_reduce: exchange while each rank sends (N-1) B <= this
+DIRECT_MAX_BYTES = 4 << 20           # reduce_scatter / all_gather: direct up to here, then ring
+BCAST_TREE_MAX_BYTES = 4 << 20       # broadcast: binomial tree up to here, then chain
+SEGMENT_BYTES = 1 << 20              # pipeline granularity of ring / chain
 
 OPS = ("sum", "avg", "max", "min")
 
@@ -62,12 +69,10 @@ OPS = ("sum", "avg", "max", "min")
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     """(start, end) per part, tensor_split style: the first numel % parts parts get one extra."""
     base, extra = divmod(numel, parts)
-    bounds, start = [], 0
+    ends = [0]
     for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+        ends.append(ends[-1] + base + (1 if i < extra else 0))
+    return list(zip(ends[:-1], ends[1:]))
 
 
 class CollectiveError(RuntimeError):
@@ -127,7 +132,7 @@ class _P2P:
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)
-_ALGOS = ("direct", "ring", "exchange", "rs_ag", "tree", "chain")
+_ALGOS = ("direct", "ring", "exchange", "tree", "chain")
 _HEADER = ("call", "kind", "numel", "dtype", "op", "src", "algo", "bounds")
 
 
@@ -203,13 +208,21 @@ def _check_op(op: str, dtype: torch.dtype) -> None:
         raise ValueError(f"op 'avg' needs a floating dtype, got {dtype}")
 
 
-def _reduce_into(acc: Tensor, other: Tensor, op: str) -> None:
-    if op in ("sum", "avg"):
-        acc.add_(other)
-    elif op == "max":
-        torch.maximum(acc, other, out=acc)
-    else:
-        torch.minimum(acc, other, out=acc)
+def _combine(a: Tensor, b: Tensor, op: str, out: Tensor) -> None:
+    fn = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+    fn(a, b, out=out)
+
+
+def _fold(parts: list[Tensor], me: int, op: str, out: Tensor) -> Tensor:
+    """out = ((parts[0] . parts[1]) . parts[2]) ... in rank order, the same on every rank.
+    Until our own part is folded in, accumulate into parts[0] (a receive buffer unless
+    me == 0), so ``out`` may alias parts[me] -- as it does when reducing in place."""
+    acc = parts[0]
+    for j in range(1, len(parts)):
+        dst = out if j >= me else parts[0]
+        _combine(acc, parts[j], op, dst)
+        acc = dst
+    return out
 
 
 def _segments(n: int, itemsize: int) -> list[tuple[int, int]]:
@@ -218,16 +231,15 @@ def _segments(n: int, itemsize: int) -> list[tuple[int, int]]:
 
 
 def choose_algorithm(collective: str, nbytes: int, world: int) -> str:
-    """The algorithm each collective uses by default for a tensor of ``nbytes`` (see table)."""
+    """The algorithm a collective uses by default for ``nbytes`` on ``world`` ranks (see table).
+    With 2 ranks ring == direct and chain == tree, except that segmenting adds messages."""
+    big = world > 2 and nbytes > (BCAST_TREE_MAX_BYTES if collective == "broadcast" else DIRECT_MAX_BYTES)
     if collective == "broadcast":
-        # With 2 ranks a chain has nothing to forward; segmenting would only add messages.
-        return "chain" if world > 2 and nbytes > BCAST_TREE_MAX_BYTES else "tree"
+        return "chain" if big else "tree"
     if collective == "all_reduce":
-        return "exchange" if nbytes <= AR_EXCHANGE_MAX_BYTES else "rs_ag"
-    if collective == "reduce_scatter":
-        return "direct" if nbytes <= RS_DIRECT_MAX_BYTES else "ring"
-    if collective == "all_gather":
-        return "direct" if nbytes <= AG_DIRECT_MAX_BYTES else "ring"
+        return "exchange" if (world - 1) * nbytes <= AR_EXCHANGE_MAX_BYTES else "ring" if big else "direct"
+    if collective in ("reduce_scatter", "all_gather"):
+        return "ring" if big else "direct"
     raise ValueError(f"unknown collective {collective!r}")
 
 
@@ -246,7 +258,7 @@ def _flat(t: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- reduce_scatter
 
-def _rs_direct(flat: Tensor, comm: Comm, op: str, bounds: list[tuple[int, int]]) -> Tensor:
+def _rs_direct(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tuple[int, int]]) -> None:
     """Send chunk j straight to rank j; the owner reduces all N parts in rank order 0..N-1."""
     p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
     lo, hi = bounds[me]
@@ -254,13 +266,10 @@ def _rs_direct(flat: Tensor, comm: Comm, op: str, bounds: list[tuple[int, int]])
     handles = [p2p.recv(parts[j], j) for j in range(n) if j != me]
     handles += [p2p.send(flat[a:b], j) for j, (a, b) in enumerate(bounds) if j != me]
     p2p.wait(*handles)
-    out = parts[0].clone()
-    for part in parts[1:]:
-        _reduce_into(out, part, op)
-    return out
+    _fold(parts, me, op, out)
 
 
-def _rs_ring(flat: Tensor, comm: Comm, op: str, bounds: list[tuple[int, int]]) -> Tensor:
+def _rs_ring(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tuple[int, int]]) -> None:
     """Ring: at step s pass the partial sum of chunk (me-s-1) right and fold ours into the one
     arriving from the left; after N-1 steps chunk `me` has visited every rank. Each step is
     split in segments so reducing one segment overlaps receiving the next."""
@@ -275,12 +284,12 @@ def _rs_ring(flat: Tensor, comm: Comm, op: str, bounds: list[tuple[int, int]]) -
         segs = _segments(hi - lo, flat.element_size())
         recvs = [p2p.recv(incoming[a:b], left) for a, b in segs]
         sends = [p2p.send(sending[a:b], right) for a, b in _segments(sending.numel(), flat.element_size())]
+        dst = out if step == n - 2 else incoming          # the last step completes our chunk
         for (a, b), h in zip(segs, recvs):
             p2p.wait(h)
-            _reduce_into(incoming[a:b], flat[lo + a: lo + b], op)
+            _combine(incoming[a:b], flat[lo + a: lo + b], op, dst[a:b])
         p2p.wait(*sends)
         sending = incoming
-    return sending if sending.numel() == width else sending.clone()
 
 
 def _check_bounds(bounds: list[tuple[int, int]] | None, numel: int, comm: Comm, name: str) -> list[tuple[int, int]]:
@@ -305,12 +314,22 @@ def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | N
     flat = _flat(tensor)
     custom = bounds is not None
     bounds = _check_bounds(bounds, flat.numel(), comm, "reduce_scatter")
-    name, run = _pick("reduce_scatter", algo, flat, comm, {"direct": _rs_direct, "ring": _rs_ring})
-    if comm.size == 1:
-        return flat.clone()
-    with _collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name,
+    lo, hi = bounds[comm.rank]
+    out = torch.empty(hi - lo, dtype=flat.dtype)
+    with _collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op,
+                     algo=algo or choose_algorithm("reduce_scatter", flat.numel() * flat.element_size(), comm.size),
                      bounds=bounds if custom else None):
-        out = run(flat, comm, op, bounds)
+        return _reduce_scatter(flat, comm, op, algo, out, bounds)
+
+
+def _reduce_scatter(flat: Tensor, comm: Comm, op: str, algo: str | None, out: Tensor,
+                    bounds: list[tuple[int, int]]) -> Tensor:
+    """Reduce this rank's chunk into ``out``, which may be that chunk of ``flat`` itself."""
+    _, run = _pick("reduce_scatter", algo, flat, comm, {"direct": _rs_direct, "ring": _rs_ring})
+    lo, hi = bounds[comm.rank]
+    if comm.size == 1:
+        return out.copy_(flat[lo:hi])
+    run(flat, comm, op, out, bounds)
     if op == "avg":
         out.div_(comm.size)     # once, on the owner, so every rank later gets the same bytes
     return out
@@ -376,28 +395,31 @@ def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
     """Everyone sends the whole tensor to everyone; each rank reduces in rank order 0..N-1,
     so all ranks perform the identical sequence of operations and agree bitwise."""
     p2p, me = _P2P("all_reduce", comm), comm.rank
-    parts = [flat.clone() if j == me else torch.empty_like(flat) for j in range(comm.size)]
+    parts = [flat if j == me else torch.empty_like(flat) for j in range(comm.size)]
     handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
-    handles += [p2p.send(parts[me], j) for j in range(comm.size) if j != me]
-    p2p.wait(*handles)
-    flat.copy_(parts[0])
-    for part in parts[1:]:
-        _reduce_into(flat, part, op)
+    handles += [p2p.send(flat, j) for j in range(comm.size) if j != me]
+    p2p.wait(*handles)                      # all sends done: now `flat` may be overwritten
+    _fold(parts, me, op, flat)
     if op == "avg":
         flat.div_(comm.size)
 
 
-def _ar_rs_ag(flat: Tensor, comm: Comm, op: str) -> None:
-    """Bandwidth-optimal: reduce-scatter, then all-gather the reduced chunks back into `flat`."""
-    all_gather(flat, reduce_scatter(flat, comm, op), comm)
+def _ar_via(algo: str):
+    """reduce_scatter into our own chunk of the tensor, then all_gather it in place."""
+    def run(flat: Tensor, comm: Comm, op: str) -> None:
+        bounds = chunk_bounds(flat.numel(), comm.size)
+        _reduce_scatter(flat, comm, op, algo, flat[slice(*bounds[comm.rank])], bounds)
+        {"direct": _ag_direct, "ring": _ag_ring}[algo](flat, comm, bounds)
+    return run
 
 
 def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
-    """In place; every rank ends with identical bytes. algo: None (by size), "exchange", or
-    "rs_ag" (reduce_scatter + all_gather, each choosing its own algorithm by size)."""
+    """In place; every rank ends with identical bytes. algo: None (by size), "exchange",
+    "direct" or "ring" (the last two: reduce_scatter + all_gather with that algorithm)."""
     _check_op(op, tensor.dtype)
     flat = _flat(tensor)
-    name, run = _pick("all_reduce", algo, flat, comm, {"exchange": _ar_exchange, "rs_ag": _ar_rs_ag})
+    table = {"exchange": _ar_exchange, "direct": _ar_via("direct"), "ring": _ar_via("ring")}
+    name, run = _pick("all_reduce", algo, flat, comm, table)
     if comm.size > 1:
         with _collective(comm, "all_reduce", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name):
             run(flat, comm, op)
@@ -407,29 +429,27 @@ def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None 
 # --------------------------------------------------------------------------- broadcast
 
 def _bcast_tree(flat: Tensor, src: int, comm: Comm) -> None:
-    """Binomial tree: in round k every rank that has the data sends it 2^k ranks further."""
+    """Binomial tree: relative rank v gets the data from v minus its highest bit, then passes
+    it to v + 2^k for every 2^k > v; log2 N levels, sends never waited on one by one."""
     p2p, n = _P2P("broadcast", comm), comm.size
-    vr = (comm.rank - src) % n                  # position relative to the root
-    mask = 1
-    while mask < n:
-        if vr < mask and vr + mask < n:
-            p2p.wait(p2p.send(flat, src + vr + mask))
-        elif mask <= vr < 2 * mask:
-            p2p.wait(p2p.recv(flat, src + vr - mask))
-        mask *= 2
+    v = (comm.rank - src) % n                       # position relative to the root
+    if v:
+        p2p.wait(p2p.recv(flat, src + v - (1 << (v.bit_length() - 1))))
+    kids = [v + (1 << k) for k in range(v.bit_length(), n.bit_length()) if v + (1 << k) < n]
+    p2p.wait(*[p2p.send(flat, src + kid) for kid in reversed(kids)])   # biggest subtree first
 
 
 def _bcast_chain(flat: Tensor, src: int, comm: Comm) -> None:
     """Pipelined chain root -> root+1 -> ...: each segment is forwarded as soon as it lands,
     so the time is ~(segments + N - 2) segment transfers instead of log2 N full ones."""
     p2p, n = _P2P("broadcast", comm), comm.size
-    vr = (comm.rank - src) % n
+    v = (comm.rank - src) % n
     segs = [flat[a:b] for a, b in _segments(flat.numel(), flat.element_size())]
-    recvs = [p2p.recv(t, comm.rank - 1) for t in segs] if vr > 0 else [None] * len(segs)
+    recvs = [p2p.recv(t, comm.rank - 1) if v else None for t in segs]
     sends = []
     for t, h in zip(segs, recvs):
         p2p.wait(h)
-        if vr < n - 1:
+        if v < n - 1:                               # the last rank of the chain only receives
             sends.append(p2p.send(t, comm.rank + 1))
     p2p.wait(*sends)
 

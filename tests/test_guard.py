@@ -174,7 +174,7 @@ def _accounting(comm, numel):
     t = torch.ones(numel)
     collectives.reduce_scatter(t, comm, algo="ring")
     collectives.reduce_scatter(t, comm, algo="direct")
-    collectives.all_reduce(t, comm, algo="rs_ag")     # counted once, as an all_reduce
+    collectives.all_reduce(t, comm, algo="ring")      # counted once, as an all_reduce
     collectives.all_reduce(t, comm, algo="exchange")
     s = comm.stats
     return {k: (s.calls[k], s.bytes_sent[k], s.seconds[k] > 0) for k in s.calls}
@@ -185,7 +185,7 @@ def test_comm_stats_count_bytes_sent_per_kind_as_the_algorithm_table_says():
     for stats in run_ranks(_accounting, n, numel):
         b = 4 * numel
         assert stats["reduce_scatter"] == (2, 2 * (n - 1) * b // n, True)
-        # rs_ag sends 2(N-1)/N * B, exchange (N-1) * B
+        # ring (reduce-scatter + all-gather) sends 2(N-1)/N * B, exchange (N-1) * B
         assert stats["all_reduce"] == (2, 2 * (n - 1) * b // n + (n - 1) * b, True)
         assert stats["all_gather"][0] == 0 and stats["broadcast"][0] == 0
 
