@@ -12,7 +12,10 @@ import datetime
 import gc
 import logging
 import os
+import re
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -23,10 +26,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from distlib import data, report, slurm
 from distlib.checkpoint import CheckpointError
+from distlib.collectives import CollectiveMismatchError
 from distlib.comm import Comm
 from distlib.config import ConfigError, RunConfig
+from distlib.fault import Faults
+from distlib.guard import DesyncError, GuardError
+from distlib.metrics import last_event
 from distlib.tokens import DataError
 from distlib.trainer import Trainer
+from distlib.watchdog import StallError
 
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
@@ -43,24 +51,32 @@ def use_deterministic_kernels() -> None:
 
 
 def worker(tree: dict, run_dir: str) -> None:
-    """One rank. Known failures (bad config, damaged checkpoint) print one line and exit 1
-    (once, from rank 0, when the ranks agreed on the error first); anything else keeps its traceback."""
+    """One rank. Known failures (bad config, damaged checkpoint, a guard or desync stop, a stalled
+    or mismatched collective) print one line and exit 1 (once, from rank 0, when the ranks agreed
+    on the error first); anything else keeps its traceback."""
     rank = os.environ.get("RANK", "?")
     try:
-        failures = _train(RunConfig.from_dict(tree), run_dir)
-    except (ConfigError, CheckpointError, DataError) as exc:
+        failures, stopped_by = _train(RunConfig.from_dict(tree), run_dir)
+    except (ConfigError, CheckpointError, DataError, StallError) as exc:
         print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     if failures:
         sys.exit(1)
+    if stopped_by and not UNDER_TORCHRUN:
+        # Our own launcher is shutting down after forwarding the signal: a returning fork worker would
+        # wait for it to collect results it no longer collects, until SIGKILL. Leave now, cleanly.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
-def _train(cfg: RunConfig, run_dir: str) -> list[str]:
-    """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
+def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
+    """Join the process group, train, report; returns the broken invariants (every rank agrees)
+    and the signal that stopped the run early, if one did."""
     torch.set_num_threads(1)
     use_deterministic_kernels()
-    _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
-    failures, rank = [], dist.get_rank()
+    _join(cfg)
+    failures, rank, stopped_by = [], dist.get_rank(), None
     try:
         comm = Comm.world()
         if comm.size != cfg.dist.world_size:
@@ -75,7 +91,10 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
             print(report.memory_table(result, cfg.zero.stage))
             for manifest in result.manifests[:1]:
                 print(report.manifest_text(manifest))
-            if result.resume_check is None:
+            if result.stopped_by:
+                print(f"stopped by {result.stopped_by} after step {result.steps[-1].step if result.steps else 0}: "
+                      f"checkpoint saved; continue with checkpoint.resume=latest")
+            elif result.resume_check is None:
                 print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
             elif result.resume_check.ok:
                 print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
@@ -84,14 +103,28 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
             sys.stdout.flush()
-    except (CheckpointError, ConfigError, DataError) as exc:
+        stopped_by = result.stopped_by
+    except (CheckpointError, ConfigError, DataError, GuardError, DesyncError, CollectiveMismatchError) as exc:
         # Raised on every rank alike (they agree on it first): one line, not one per rank.
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         failures = [str(exc)]
     finally:
         dist.destroy_process_group()
-    return failures
+    return failures, stopped_by
+
+
+def _join(cfg: RunConfig) -> None:
+    """The rendezvous, under dist.timeout_s; a rank that never arrives is named."""
+    Faults(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
+    try:
+        _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+        # torch names the store keys it waited for; each ends in the rank that never wrote it
+        missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
+        who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
+        raise StallError(f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
+                         f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})") from exc
 
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
@@ -125,7 +158,10 @@ def _shared_run_dir(proposed: str) -> str:
 
 
 def _launch(tree: dict, run_dir: str, world_size: int) -> None:
-    """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses)."""
+    """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses). On
+    SIGTERM/SIGINT the launcher forwards the signal; the workers finish their step, save and
+    stop, and this process exits 0 if the run's log says they did (1 otherwise)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -134,8 +170,18 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
                           monitor_interval=0.1, start_method="fork")
     # The workers print their own one-line errors; the agent's tracebacks would bury them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    started = time.time()
     try:
         elastic_launch(config, worker)(tree, run_dir)
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        end = last_event(Path(run_dir) / RunConfig.from_dict(tree).metrics.file, "run_end", since=started)
+        if end and end["status"] == f"stopped by {name}":
+            print(f"{name}: the workers saved a checkpoint at step {end['step']} and stopped; "
+                  f"continue with checkpoint.resume=latest hydra.run.dir={run_dir}", file=sys.stderr)
+            sys.exit(0)
+        print(f"error: {name} received and the workers did not report a clean stop (see {run_dir})", file=sys.stderr)
+        sys.exit(1)
     except ChildFailedError as exc:
         failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
         print(f"error: training failed: {failed}", file=sys.stderr)

@@ -33,14 +33,30 @@ bytes. Direct and ring reduce-scatter reduce each element on exactly one rank (i
 and all-gather then copies it; exchange has every rank reduce all N contributions in the
 same rank order 0..N-1 (which direct reduce-scatter also uses, so exchange and direct
 all_reduce agree with each other too). avg = sum, then divide by N (on the owner).
+
+Uneven splits: reduce_scatter and all_gather take ``bounds=`` (one contiguous (start, end)
+per rank, possibly empty), so ZeRO-2/3 can reduce a bucket straight into each rank's
+partition; the default is the even split of ``chunk_bounds``.
+
+Failures: a wait that fails (a peer that timed out after the process group's
+timeout, or died) raises ``CollectiveError`` naming the collective, this rank and
+the peer. With ``comm.check`` every outermost collective first exchanges a small
+fixed-size header (call number, kind, numel, dtype, op, src, algorithm, explicit bounds), so a
+mismatch raises ``CollectiveMismatchError`` on every rank, describing each rank's
+call, instead of gloo aborting the process or silently truncating a message.
+With ``comm.stats`` calls, bytes sent and seconds are counted per kind.
 """
 from __future__ import annotations
+
+import contextlib
+import time
+import zlib
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distlib.comm import Comm
+from distlib.comm import KINDS, Comm
 
 AR_EXCHANGE_MAX_BYTES = 4 << 20      # all_reduce: exchange while each rank sends (N-1) B <= this
 DIRECT_MAX_BYTES = 4 << 20           # reduce_scatter / all_gather: direct up to here, then ring
@@ -59,16 +75,29 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(ends[:-1], ends[1:]))
 
 
+class CollectiveError(RuntimeError):
+    """A collective that could not complete; ``peer`` is the global rank waited on (if any)."""
+
+    def __init__(self, message: str, collective: str, peer: int | None = None):
+        super().__init__(message)
+        self.collective, self.peer = collective, peer
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks called different collectives, or the same one with different sizes or dtypes."""
+
+
 class _P2P:
     """Posts non-blocking sends/receives; on failure names the collective, this rank and the peer."""
 
     def __init__(self, name: str, comm: Comm):
         self.name, self.comm = name, comm
 
-    def _fail(self, peer: int, what: str, err: Exception) -> RuntimeError:
+    def _fail(self, peer: int, what: str, err: Exception) -> CollectiveError:
         c = self.comm
-        return RuntimeError(f"{self.name}: rank {c.rank} (global {c.peer(c.rank)}) failed {what} "
-                            f"peer {peer} (global {c.peer(peer)}) in group {list(c.ranks)}: {err}")
+        return CollectiveError(f"{self.name}: rank {c.rank} (global {c.peer(c.rank)}) failed {what} "
+                               f"peer {peer} (global {c.peer(peer)}) in group {list(c.ranks)}: {err}",
+                               self.name, c.peer(peer))
 
     def send(self, t: Tensor, peer: int):
         return self._post(dist.isend, "sending to", t, peer)
@@ -80,6 +109,9 @@ class _P2P:
         if t.numel() == 0:      # both sides know the sizes, so empty messages are skipped on both
             return None
         peer %= self.comm.size
+        stats = self.comm.stats
+        if stats is not None and fn is dist.isend:
+            stats.bytes_sent[stats.current] += t.numel() * t.element_size()
         try:
             return (fn(t, self.comm.peer(peer), group=self.comm.group), peer, what)
         except Exception as e:  # noqa: BLE001 - re-raised with context
@@ -94,6 +126,79 @@ class _P2P:
                 work.wait()
             except Exception as e:  # noqa: BLE001 - a timeout or a dead peer
                 raise self._fail(peer, what, e) from e
+
+
+# --------------------------------------------------------------------------- accounting and checks
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_ALGOS = ("direct", "ring", "exchange", "tree", "chain")
+_HEADER = ("call", "kind", "numel", "dtype", "op", "src", "algo", "bounds")
+
+
+def _code(value, table) -> int:
+    return -1 if value is None else table.index(value) if value in table else 1000 + zlib.crc32(str(value).encode()) % 10**6
+
+
+def _describe(header: list[int]) -> str:
+    call, kind, numel, dtype, op, src, algo, layout = header
+    parts = [f"numel={numel}"] if numel >= 0 else []
+    parts += [f"dtype={str(_DTYPES[dtype]).replace('torch.', '') if 0 <= dtype < len(_DTYPES) else dtype}"
+              ] if dtype >= 0 else []
+    parts += [f"op={OPS[op] if op < len(OPS) else op}"] if op >= 0 else []
+    parts += [f"src={src}"] if src >= 0 else []
+    parts += [f"algo={_ALGOS[algo] if algo < len(_ALGOS) else algo}"] if algo >= 0 else []
+    parts += [f"bounds#{layout}"] if layout >= 0 else []
+    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"kind#{kind}"
+    return f"{name}({', '.join(parts)})" + (f" as collective #{call}" if call >= 0 else "")
+
+
+def _check_header(comm: Comm, kind: str, header: list[int]) -> None:
+    """Exchange ``header`` with every member (fixed size, so it cannot mismatch itself) and raise
+    the same CollectiveMismatchError on every rank if any member's differs."""
+    p2p, me = _P2P(f"{kind} (header check)", comm), comm.rank
+    mine = torch.tensor(header, dtype=torch.int64)
+    parts = [mine if j == me else torch.empty_like(mine) for j in range(comm.size)]
+    handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
+    handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]
+    p2p.wait(*handles)
+    headers = [p.tolist() for p in parts]
+    if any(h != headers[0] for h in headers):
+        calls = "; ".join(f"rank {j} (global {comm.peer(j)}) called {_describe(h)}" for j, h in enumerate(headers))
+        raise CollectiveMismatchError(f"{kind}: mismatched collective in group {list(comm.ranks)}: {calls}", kind)
+
+
+@contextlib.contextmanager
+def _collective(comm: Comm, kind: str, *, numel: int = -1, dtype: torch.dtype | None = None,
+                op: str | None = None, src: int = -1, algo: str | None = None,
+                bounds: list[tuple[int, int]] | None = None):
+    """Count (comm.stats) and check (comm.check) the outermost collective; nested ones pass through.
+    Explicit uneven ``bounds`` are part of the call (a checksum of them), so ranks that split a
+    buffer differently fail here instead of truncating a message or waiting forever."""
+    stats = comm.stats
+    if stats is not None and stats.depth:
+        stats.depth += 1
+        try:
+            yield
+        finally:
+            stats.depth -= 1
+        return
+    kind = kind if kind in KINDS else "other"
+    began = time.perf_counter()
+    if stats is not None:
+        stats.depth, stats.current = 1, kind
+    try:
+        if comm.check:
+            call = stats.total_calls if stats is not None else -1
+            _check_header(comm, kind, [call, KINDS.index(kind), numel, _code(dtype, _DTYPES),
+                                       _code(op, OPS), src, _code(algo, _ALGOS),
+                                       -1 if bounds is None else zlib.crc32(repr(bounds).encode())])
+        yield
+    finally:
+        if stats is not None:
+            stats.depth, stats.current = 0, "other"
+            stats.calls[kind] += 1
+            stats.seconds[kind] += time.perf_counter() - began
 
 
 def _check_op(op: str, dtype: torch.dtype) -> None:
@@ -142,7 +247,7 @@ def _pick(collective: str, algo: str | None, flat: Tensor, comm: Comm, table: di
     name = algo or choose_algorithm(collective, flat.numel() * flat.element_size(), comm.size)
     if name not in table:
         raise ValueError(f"unknown {collective} algorithm {name!r}; expected one of {sorted(table)}")
-    return table[name]
+    return name, table[name]
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -153,10 +258,9 @@ def _flat(t: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- reduce_scatter
 
-def _rs_direct(flat: Tensor, comm: Comm, op: str, out: Tensor) -> None:
+def _rs_direct(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tuple[int, int]]) -> None:
     """Send chunk j straight to rank j; the owner reduces all N parts in rank order 0..N-1."""
     p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
-    bounds = chunk_bounds(flat.numel(), n)
     lo, hi = bounds[me]
     parts = [flat[lo:hi] if j == me else torch.empty(hi - lo, dtype=flat.dtype) for j in range(n)]
     handles = [p2p.recv(parts[j], j) for j in range(n) if j != me]
@@ -165,14 +269,13 @@ def _rs_direct(flat: Tensor, comm: Comm, op: str, out: Tensor) -> None:
     _fold(parts, me, op, out)
 
 
-def _rs_ring(flat: Tensor, comm: Comm, op: str, out: Tensor) -> None:
+def _rs_ring(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tuple[int, int]]) -> None:
     """Ring: at step s pass the partial sum of chunk (me-s-1) right and fold ours into the one
     arriving from the left; after N-1 steps chunk `me` has visited every rank. Each step is
     split in segments so reducing one segment overlaps receiving the next."""
     p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
-    bounds = chunk_bounds(flat.numel(), n)
     right, left = me + 1, me - 1
-    width = bounds[0][1] - bounds[0][0]
+    width = max(b - a for a, b in bounds)
     bufs = [torch.empty(width, dtype=flat.dtype) for _ in range(2)]
     sending = flat[slice(*bounds[(me - 1) % n])]        # step 0 sends our own contribution
     for step in range(n - 1):
@@ -189,22 +292,44 @@ def _rs_ring(flat: Tensor, comm: Comm, op: str, out: Tensor) -> None:
         sending = incoming
 
 
-def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
-    """This rank's chunk (chunk_bounds(numel, N)[rank]) of the elementwise reduction, as a new
-    1-D tensor. ``tensor`` is read only. algo: None (by size), "direct" or "ring"."""
+def _check_bounds(bounds: list[tuple[int, int]] | None, numel: int, comm: Comm, name: str) -> list[tuple[int, int]]:
+    """``bounds`` (one (start, end) per rank, contiguous, covering the tensor, possibly empty or
+    uneven) or, when None, the even split of chunk_bounds."""
+    if bounds is None:
+        return chunk_bounds(numel, comm.size)
+    bounds = [(int(a), int(b)) for a, b in bounds]
+    ends = [0] + [b for _, b in bounds]
+    if len(bounds) != comm.size or any(a != e or b < a for (a, b), e in zip(bounds, ends)) or ends[-1] != numel:
+        raise ValueError(f"{name}: bounds {bounds} must be {comm.size} contiguous (start, end) pairs "
+                         f"covering [0, {numel})")
+    return bounds
+
+
+def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None,
+                   bounds: list[tuple[int, int]] | None = None) -> Tensor:
+    """This rank's chunk (``bounds[rank]``, default chunk_bounds(numel, N)[rank]) of the elementwise
+    reduction, as a new 1-D tensor. ``tensor`` is read only. algo: None (by size), "direct" or
+    "ring". Uneven ``bounds`` let ZeRO reduce a bucket straight into each rank's partition."""
     _check_op(op, tensor.dtype)
     flat = _flat(tensor)
-    lo, hi = chunk_bounds(flat.numel(), comm.size)[comm.rank]
-    return _reduce_scatter(flat, comm, op, algo, torch.empty(hi - lo, dtype=flat.dtype))
+    custom = bounds is not None
+    bounds = _check_bounds(bounds, flat.numel(), comm, "reduce_scatter")
+    lo, hi = bounds[comm.rank]
+    out = torch.empty(hi - lo, dtype=flat.dtype)
+    with _collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op,
+                     algo=algo or choose_algorithm("reduce_scatter", flat.numel() * flat.element_size(), comm.size),
+                     bounds=bounds if custom else None):
+        return _reduce_scatter(flat, comm, op, algo, out, bounds)
 
 
-def _reduce_scatter(flat: Tensor, comm: Comm, op: str, algo: str | None, out: Tensor) -> Tensor:
+def _reduce_scatter(flat: Tensor, comm: Comm, op: str, algo: str | None, out: Tensor,
+                    bounds: list[tuple[int, int]]) -> Tensor:
     """Reduce this rank's chunk into ``out``, which may be that chunk of ``flat`` itself."""
-    run = _pick("reduce_scatter", algo, flat, comm, {"direct": _rs_direct, "ring": _rs_ring})
-    lo, hi = chunk_bounds(flat.numel(), comm.size)[comm.rank]
+    _, run = _pick("reduce_scatter", algo, flat, comm, {"direct": _rs_direct, "ring": _rs_ring})
+    lo, hi = bounds[comm.rank]
     if comm.size == 1:
         return out.copy_(flat[lo:hi])
-    run(flat, comm, op, out)
+    run(flat, comm, op, out, bounds)
     if op == "avg":
         out.div_(comm.size)     # once, on the owner, so every rank later gets the same bytes
     return out
@@ -212,21 +337,19 @@ def _reduce_scatter(flat: Tensor, comm: Comm, op: str, algo: str | None, out: Te
 
 # --------------------------------------------------------------------------- all_gather
 
-def _ag_direct(flat: Tensor, comm: Comm) -> None:
+def _ag_direct(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
     """Everyone sends its chunk to everyone, in one round, straight into `flat`."""
     p2p, me = _P2P("all_gather", comm), comm.rank
-    bounds = chunk_bounds(flat.numel(), comm.size)
     mine = flat[slice(*bounds[me])]
     handles = [p2p.recv(flat[a:b], j) for j, (a, b) in enumerate(bounds) if j != me]
     handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]
     p2p.wait(*handles)
 
 
-def _ag_ring(flat: Tensor, comm: Comm) -> None:
+def _ag_ring(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
     """Ring: chunk (me-s) travels right at step s. All receives land in their final place in
     `flat`, so they are posted up front and each segment is forwarded as soon as it lands."""
     p2p, n, me = _P2P("all_gather", comm), comm.size, comm.rank
-    bounds = chunk_bounds(flat.numel(), n)
 
     def segs(chunk):
         lo, hi = bounds[chunk % n]
@@ -243,20 +366,26 @@ def _ag_ring(flat: Tensor, comm: Comm) -> None:
     p2p.wait(*sends)
 
 
-def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = None) -> Tensor:
-    """Fill ``output`` (flat) on every rank from each rank's ``chunk``. ``chunk`` may be the view
-    of ``output`` at this rank's position. algo: None (by size), "direct" or "ring"."""
+def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = None,
+               bounds: list[tuple[int, int]] | None = None) -> Tensor:
+    """Fill ``output`` (flat) on every rank from each rank's ``chunk``, which lands at
+    ``bounds[rank]`` (default: the even split). ``chunk`` may be the view of ``output`` at this
+    rank's position. algo: None (by size), "direct" or "ring"."""
     flat = _flat(output)
-    lo, hi = chunk_bounds(flat.numel(), comm.size)[comm.rank]
+    custom = bounds is not None
+    bounds = _check_bounds(bounds, flat.numel(), comm, "all_gather")
+    lo, hi = bounds[comm.rank]
     if chunk.numel() != hi - lo:
         raise ValueError(f"all_gather: rank {comm.rank} chunk has {chunk.numel()} elements, "
                          f"expected {hi - lo} of {flat.numel()}")
-    run = _pick("all_gather", algo, flat, comm, {"direct": _ag_direct, "ring": _ag_ring})
+    name, run = _pick("all_gather", algo, flat, comm, {"direct": _ag_direct, "ring": _ag_ring})
     mine = flat[lo:hi]
     if chunk.data_ptr() != mine.data_ptr() or chunk.dtype != mine.dtype:
         mine.copy_(chunk.reshape(-1))       # (casts to output's dtype if they differ)
     if comm.size > 1:
-        run(flat, comm)
+        with _collective(comm, "all_gather", numel=flat.numel(), dtype=flat.dtype, algo=name,
+                         bounds=bounds if custom else None):
+            run(flat, comm, bounds)
     return output
 
 
@@ -278,9 +407,9 @@ def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
 def _ar_via(algo: str):
     """reduce_scatter into our own chunk of the tensor, then all_gather it in place."""
     def run(flat: Tensor, comm: Comm, op: str) -> None:
-        mine = flat[slice(*chunk_bounds(flat.numel(), comm.size)[comm.rank])]
-        _reduce_scatter(flat, comm, op, algo, mine)
-        all_gather(flat, mine, comm, algo=algo)
+        bounds = chunk_bounds(flat.numel(), comm.size)
+        _reduce_scatter(flat, comm, op, algo, flat[slice(*bounds[comm.rank])], bounds)
+        {"direct": _ag_direct, "ring": _ag_ring}[algo](flat, comm, bounds)
     return run
 
 
@@ -290,9 +419,10 @@ def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None 
     _check_op(op, tensor.dtype)
     flat = _flat(tensor)
     table = {"exchange": _ar_exchange, "direct": _ar_via("direct"), "ring": _ar_via("ring")}
-    run = _pick("all_reduce", algo, flat, comm, table)
+    name, run = _pick("all_reduce", algo, flat, comm, table)
     if comm.size > 1:
-        run(flat, comm, op)
+        with _collective(comm, "all_reduce", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name):
+            run(flat, comm, op)
     return tensor
 
 
@@ -329,9 +459,10 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
     if not 0 <= src < comm.size:
         raise ValueError(f"broadcast: src {src} is not a group rank of {list(comm.ranks)}")
     flat = _flat(tensor)
-    run = _pick("broadcast", algo, flat, comm, {"tree": _bcast_tree, "chain": _bcast_chain})
+    name, run = _pick("broadcast", algo, flat, comm, {"tree": _bcast_tree, "chain": _bcast_chain})
     if comm.size > 1:
-        run(flat, src, comm)
+        with _collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
+            run(flat, src, comm)
     return tensor
 
 
@@ -340,13 +471,14 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
 def all_gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
     """Every rank's ``payload`` (any length), indexed by group rank, on every rank."""
     n = comm.size
-    lengths = torch.zeros(n, dtype=torch.int64)
-    all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), comm)
-    width = int(lengths.max())
-    buf = torch.zeros(n * width, dtype=torch.uint8)
-    mine = buf[comm.rank * width: comm.rank * width + len(payload)]
-    if payload:
-        mine.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    all_gather(buf, buf[comm.rank * width:(comm.rank + 1) * width], comm)
+    with _collective(comm, "all_gather_bytes"):
+        lengths = torch.zeros(n, dtype=torch.int64)
+        all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), comm)
+        width = int(lengths.max())
+        buf = torch.zeros(n * width, dtype=torch.uint8)
+        mine = buf[comm.rank * width: comm.rank * width + len(payload)]
+        if payload:
+            mine.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        all_gather(buf, buf[comm.rank * width:(comm.rank + 1) * width], comm)
     raw = buf.numpy().tobytes()
     return [raw[j * width: j * width + int(lengths[j])] for j in range(n)]

@@ -4,12 +4,43 @@ A Comm names a group of ranks (the whole world, a data-parallel group or a
 tensor-parallel group) and this process's position in it. The collectives in
 ``distlib.collectives`` take a Comm instead of reaching for a global default,
 so the same code serves every parallel layout.
+
+Two optional riders travel with a Comm (both off by default, so benchmarks and
+tests see the bare collectives): ``stats``, a ``CommStats`` that counts calls,
+bytes sent and seconds per collective kind for this rank, and ``check``, which
+makes every collective first exchange a small header (kind, size, dtype, op,
+call number) so ranks that call mismatched collectives get a descriptive error
+instead of a hang, an abort inside gloo or silently truncated data.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+# The collective kinds counted separately; anything else is counted as "other".
+KINDS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce", "all_gather_bytes", "other")
+
+
+class CommStats:
+    """Per collective kind: calls, bytes this rank sent, seconds spent (outermost calls only,
+    so an all_reduce built from reduce_scatter + all_gather counts once, as an all_reduce)."""
+
+    def __init__(self) -> None:
+        self.calls = dict.fromkeys(KINDS, 0)
+        self.bytes_sent = dict.fromkeys(KINDS, 0)
+        self.seconds = dict.fromkeys(KINDS, 0.0)
+        self.depth = 0              # > 0 while inside a collective
+        self.current = "other"      # kind of the outermost collective in progress
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def as_vector(self) -> list[float]:
+        """calls, bytes, seconds for each kind in KINDS order (for a fixed-width gather)."""
+        return [float(x) for k in KINDS for x in (self.calls[k], self.bytes_sent[k], self.seconds[k])]
 
 
 @dataclass(frozen=True)
@@ -17,6 +48,8 @@ class Comm:
     ranks: tuple[int, ...]          # global ranks of the members, in group order
     rank: int                       # this process's index in ``ranks``
     group: object | None = None     # torch ProcessGroup; None means the default (world) group
+    stats: CommStats | None = dataclasses.field(default=None, compare=False)
+    check: bool = False             # exchange a header before each collective (see module doc)
 
     @property
     def size(self) -> int:
@@ -25,6 +58,10 @@ class Comm:
     def peer(self, group_rank: int) -> int:
         """Global rank of the member at ``group_rank`` (point-to-point ops address global ranks)."""
         return self.ranks[group_rank % self.size]
+
+    def instrumented(self, check: bool) -> "Comm":
+        """This group with a fresh CommStats and the given header-check setting."""
+        return dataclasses.replace(self, stats=CommStats(), check=check)
 
     @staticmethod
     def world() -> "Comm":

@@ -9,13 +9,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from distlib.adamw import AdamWConfig
+from distlib.mesh import MeshError, check_layout
 from distlib.model import ModelConfig
+from distlib.tensor_parallel import TPLayoutError, check_tp_layout
 from distlib.tokens import BYTE_VOCAB
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work, with the key that holds it."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # train.dtype -> parameter/compute dtype
 
 
 @dataclass(frozen=True)
@@ -27,16 +34,20 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 1
+    bucket_numel: int = 8192
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1):
-            raise ConfigError(f"zero.stage must be one of 0, 1, got {self.stage!r}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero.stage must be one of 0, 1, 2, 3, got {self.stage!r}")
+        if self.bucket_numel < 1:
+            raise ConfigError(f"zero.bucket_numel must be >= 1, got {self.bucket_numel}")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = "checkpoints"
     every_steps: int = 10
+    every_minutes: float = 30.0
     resume: str | None = None
     verify_resume: bool = True
     keep_last: int = 0
@@ -44,6 +55,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every_steps < 0:
             raise ConfigError(f"checkpoint.every_steps must be >= 0, got {self.every_steps}")
+        if not self.every_minutes >= 0:
+            raise ConfigError(f"checkpoint.every_minutes must be >= 0 (0 disables), got {self.every_minutes}")
         if self.keep_last < 0:
             raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last}")
 
@@ -79,8 +92,11 @@ class TrainConfig:
     monotone_until_step: int = 20
     eval_every: int = 0          # validation loss every K steps; 0 = off
     eval_windows: int = 128      # held-out windows per evaluation
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0 (0 disables), got {self.eval_every}")
         for name in ("steps", "grad_accum", "eval_windows"):
@@ -98,10 +114,14 @@ class DistConfig:
     world_size: int = 4
     backend: str = "gloo"
     timeout_s: float = 60.0
+    tp: int = 1
+    check_collectives: bool = True
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"dist.world_size must be >= 1, got {self.world_size}")
+        if self.tp < 1:
+            raise ConfigError(f"dist.tp must be >= 1, got {self.tp}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"dist.backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if not self.timeout_s > 0:
@@ -112,13 +132,48 @@ SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_com
 
 
 @dataclass(frozen=True)
+class GuardConfig:
+    enabled: bool = True
+    spike_factor: float = 2.0
+    spike_window: int = 1
+    skip_batches: int = 0
+    max_rollbacks: int = 3
+    check_sync_every: int = 10
+
+    def __post_init__(self) -> None:
+        if not self.spike_factor > 1.0:
+            raise ConfigError(f"guard.spike_factor must be > 1, got {self.spike_factor}")
+        for name in ("spike_window",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"guard.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("skip_batches", "max_rollbacks", "check_sync_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"guard.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class FaultConfig:
-    """Fault injection for tests; every field None means no fault."""
+    """Faults injected on purpose, to prove the run survives or reports them (all None: no fault)."""
     kill_rank: int | None = None           # this rank SIGKILLs itself ...
     kill_at_step: int | None = None        # ... after finishing this step (first torchrun attempt only)
     crash_in_save: str | None = None       # every rank reaching this point of a save SIGKILLs itself
     disk_full_rank: int | None = None      # this rank's shard write fails with ENOSPC
     save_fault_step: int | None = None     # the save (by step) the two above hit; None: the first one
+    lr_spike_step: int | None = None
+    lr_spike_factor: float | None = None
+    nan_grad_rank: int | None = None
+    nan_grad_step: int | None = None
+    hang_rank: int | None = None
+    hang_step: int | None = None
+    perturb_rank: int | None = None
+    perturb_step: int | None = None
+    perturb_param: str | None = None
+    sigterm_rank: int | None = None
+    sigterm_step: int | None = None
+
+    # (rank key, step key, smallest step): the step at which a rank-targeted fault fires
+    RANKED = (("nan_grad_rank", "nan_grad_step", 1), ("hang_rank", "hang_step", 0),
+              ("perturb_rank", "perturb_step", 1), ("sigterm_rank", "sigterm_step", 1))
 
     def __post_init__(self) -> None:
         if (self.kill_rank is None) != (self.kill_at_step is None):
@@ -126,6 +181,49 @@ class FaultConfig:
         if self.crash_in_save is not None and self.crash_in_save not in SAVE_CRASH_POINTS:
             raise ConfigError(f"fault.crash_in_save must be one of {list(SAVE_CRASH_POINTS)}, "
                               f"got {self.crash_in_save!r}")
+        if (self.lr_spike_step is None) != (self.lr_spike_factor is None):
+            raise ConfigError("fault.lr_spike_step and fault.lr_spike_factor must be set together "
+                              f"(got step={self.lr_spike_step}, factor={self.lr_spike_factor})")
+        if self.lr_spike_factor is not None and not self.lr_spike_factor > 0:
+            raise ConfigError(f"fault.lr_spike_factor must be > 0, got {self.lr_spike_factor}")
+        if self.lr_spike_step is not None and self.lr_spike_step < 1:
+            raise ConfigError(f"fault.lr_spike_step must be >= 1, got {self.lr_spike_step}")
+        for rank_key, step_key, first in self.RANKED:
+            rank, step = getattr(self, rank_key), getattr(self, step_key)
+            if (rank is None) != (step is None):
+                raise ConfigError(f"fault.{rank_key} and fault.{step_key} must be set together "
+                                  f"(got {rank_key}={rank}, {step_key}={step})")
+            if rank is not None and rank < 0:
+                raise ConfigError(f"fault.{rank_key} must be >= 0, got {rank}")
+            if step is not None and step < first:
+                raise ConfigError(f"fault.{step_key} must be >= {first}, got {step}")
+        if self.perturb_param is not None and self.perturb_rank is None:
+            raise ConfigError("fault.perturb_param needs fault.perturb_rank and fault.perturb_step")
+
+    def check_run(self, world_size: int, steps: int) -> None:
+        """Faults must target an existing rank and a step the run reaches, or they test nothing."""
+        for rank_key, step_key, _ in self.RANKED:
+            rank, step = getattr(self, rank_key), getattr(self, step_key)
+            if rank is not None and rank >= world_size:
+                raise ConfigError(f"fault.{rank_key}={rank} but dist.world_size={world_size}")
+            if step is not None and step > steps:
+                raise ConfigError(f"fault.{step_key}={step} is beyond train.steps={steps}; it would never fire")
+        if self.lr_spike_step is not None and self.lr_spike_step > steps:
+            raise ConfigError(f"fault.lr_spike_step={self.lr_spike_step} is beyond train.steps={steps}; "
+                              "it would never fire")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    file: str = "metrics.jsonl"
+    per_rank: bool = False
+    progress_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.file or "/" in self.file:
+            raise ConfigError(f"metrics.file must be a plain file name in the run directory, got {self.file!r}")
+        if self.progress_every < 0:
+            raise ConfigError(f"metrics.progress_every must be >= 0 (0 disables), got {self.progress_every}")
 
 
 @dataclass(frozen=True)
@@ -137,25 +235,38 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     seed: int = 1234
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world divided into tensor-parallel groups of dist.tp."""
+        return self.dist.world_size // self.dist.tp
 
     @property
     def global_batch(self) -> int:
         t = self.train
-        return t.global_batch if t.global_batch is not None else t.batch_size * self.dist.world_size * t.grad_accum
+        return t.global_batch if t.global_batch is not None else t.batch_size * self.dp_size * t.grad_accum
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return DTYPES[self.train.dtype]
 
     def _check_batch(self) -> None:
-        t, ranks = self.train, self.dist.world_size
+        t, ranks = self.train, self.dp_size
+        where = (f"dist.world_size={ranks}" if self.dist.tp == 1 else
+                 f"dist.world_size/dist.tp={self.dist.world_size}/{self.dist.tp}={ranks} data-parallel")
         if self.global_batch % (ranks * t.grad_accum):
             raise ConfigError(
-                f"train.global_batch={self.global_batch} does not divide into dist.world_size={ranks} rank(s) x "
+                f"train.global_batch={self.global_batch} does not divide into {where} rank(s) x "
                 f"train.grad_accum={t.grad_accum} micro-batch(es); use a multiple of {ranks * t.grad_accum}")
         derived = self.global_batch // (ranks * t.grad_accum)
         if t.batch_size is not None and t.batch_size != derived:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} contradicts train.global_batch={self.global_batch} / "
-                f"(dist.world_size={ranks} x train.grad_accum={t.grad_accum}) = {derived}; set only one of them "
+                f"({where} x train.grad_accum={t.grad_accum}) = {derived}; set only one of them "
                 f"(train.global_batch=null to size the batch per rank)")
 
     @staticmethod
@@ -177,10 +288,18 @@ class RunConfig:
             data=_build(DataConfig, "data", tree.get("data", {})),
             train=_build(TrainConfig, "train", tree.get("train", {})),
             dist=_build(DistConfig, "dist", tree.get("dist", {})),
+            guard=_build(GuardConfig, "guard", tree.get("guard") or {}),
             fault=_build(FaultConfig, "fault", tree.get("fault") or {}),
+            metrics=_build(MetricsConfig, "metrics", tree.get("metrics") or {}),
             seed=int(tree.get("seed", 1234)),
         )
+        try:
+            check_layout(cfg.dist.world_size, cfg.dist.tp)
+            check_tp_layout(cfg.model, cfg.dist.tp)
+        except (MeshError, TPLayoutError) as exc:
+            raise ConfigError(f"invalid parallel layout: {exc}") from exc
         cfg._check_batch()
+        cfg.fault.check_run(cfg.dist.world_size, cfg.train.steps)
         if cfg.data.kind == "synthetic" and cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
                               f"({cfg.model.seq_len})")

@@ -25,14 +25,25 @@ def loss_table(result: RunResult) -> str:
 
 
 def memory_table(result: RunResult, stage: int) -> str:
+    """Measured peak bytes per rank next to the stage's formula; 'match' means formula <=
+    measured <= formula + the documented buffers (padding, bucket, gathered block)."""
     n = len(result.memory)
-    formula = {0: "8P", 1: "12P/N"}.get(stage, "?")
-    lines = [f"memory per rank (P={result.numel} parameters, N={n} ranks, ZeRO stage {stage}; optimizer = {formula})",
-             f"{'rank':>4}  {'params B':>10}  {'grads B':>10}  {'optim B':>10}  {'formula B':>12}  match"]
+    first = result.memory[0]
+    formula = first.get("formula", {})
+    lines = [f"memory per rank: peak bytes of the live tensors, ZeRO stage {stage}, P={result.numel} parameters "
+             f"per rank, N = data-parallel ranks",
+             f"  formula: params {formula.get('params', '?')}, grads {formula.get('grads', '?')}, "
+             f"optimizer {formula.get('optimizer', '?')}",
+             f"{'rank':>4}  {'params B':>9} {'formula':>9}  {'grads B':>9} {'formula':>9}  "
+             f"{'optim B':>9} {'formula':>9}  match"]
     for row in result.memory:
         m, e = row["measured"], row["expected"]
-        lines.append(f"{row['rank']:>4}  {m['params']:>10}  {m['grads']:>10}  {m['optimizer']:>10}  "
-                     f"{e['optimizer']:>12.1f}  {'yes' if _memory_ok(row) else 'NO'}")
+        cells = "  ".join(f"{m[k]:>9} {e[k]:>9.0f}" for k in ("params", "grads", "optimizer"))
+        lines.append(f"{row['rank']:>4}  {cells}  {'yes' if _memory_ok(row) else 'NO'}")
+    allowance = first["allowance"]
+    lines.append("  allowed above the P terms: " + ", ".join(f"{k} {allowance[k]:.0f} B" for k in
+                                                         ("params", "grads", "optimizer"))
+                 + " (padding; bucket / gathered unit; one parameter's gradient)")
     totals = [row["measured"]["optimizer"] for row in result.memory]
     lines.append(f"optimizer bytes across ranks: max {max(totals)}, mean {sum(totals) / n:.1f}")
     return "\n".join(lines)
@@ -70,10 +81,13 @@ def manifest_text(manifest: dict) -> str:
     layout = manifest["layout"]
     lines = [f"checkpoint manifest: step {manifest['step']}, world size {manifest['world_size']}, "
              f"ZeRO stage {manifest['zero_stage']}, format {manifest['format_version']}",
-             f"  model: {json.dumps(manifest['model'])}",
-             f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "
-             f"{layout['padded_numel']} {layout['dtype']}, {layout['shard_numel']} per rank",
-             f"  {'offset':>8}  {'numel':>6}  {'shape':<10}  name"]
+             f"  model: {json.dumps(manifest['model'])}"]
+    if manifest.get("tp", 1) > 1:
+        lines.append(f"  mesh: {manifest['dp']} data-parallel x {manifest['tp']} tensor-parallel "
+                     f"({manifest['rank_order']}); tensor rank 0's layout below, every rank's in tp_layouts")
+    lines += [f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "
+              f"{layout['padded_numel']} {layout['dtype']}, {layout['shard_numel']} per rank",
+              f"  {'offset':>8}  {'numel':>6}  {'shape':<10}  name"]
     for p in layout["params"]:
         lines.append(f"  {p['offset']:>8}  {p['numel']:>6}  {'x'.join(map(str, p['shape'])):<10}  {p['name']}")
     lines.append(f"  {'file':<22}  {'bytes':>8}  sha256")

@@ -8,8 +8,10 @@ one rule for every stage: concatenate the N partitions, keep the first P
 elements (drop the padding), pad for M ranks and split into M partitions
 (``repartition``). ``partition_sources`` is the same rule as index arithmetic,
 so a rank of the new world reads only the slices of the old shards it needs.
-Tensor parallelism will add one flat layout per tensor-parallel rank; each is
-resharded across data-parallel ranks with these same functions.
+A tensor-parallel checkpoint has one flat layout per tensor-parallel rank
+(manifest ``tp_layouts``); ``load_partition`` reshards each across data-parallel
+ranks with these same functions (same ``tp``); consolidating one or changing its
+``tp`` is not supported.
 
 RNG: new rank r takes old rank r's RNG state when r < N; ranks r >= N have none
 (the caller re-seeds them and says so). The data position is world-size
@@ -66,23 +68,38 @@ def _open(path: Path, rank: int):
         raise CheckpointError(f"checkpoint {path}: cannot read {checkpoint.shard_name(rank)}: {exc}") from exc
 
 
-def load_partition(path: Path, manifest: dict, rank: int, world_size: int
+def _tensor_parallel(manifest: dict) -> int:
+    return int(manifest.get("tp", 1))
+
+
+def _whole_model_only(manifest: dict, what: str) -> None:
+    if _tensor_parallel(manifest) > 1:
+        raise CheckpointError(f"{what}: this checkpoint is tensor-parallel (tp={manifest['tp']}); its shards "
+                              f"hold pieces of tensors (manifest tp_layouts) and are not supported here")
+
+
+def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_rank: int = 0
                    ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
     """(state, rank_state, rng) for ``rank`` of ``world_size`` from a verified checkpoint of any
     world size: state is partition ``rank`` of each of STATE_KEYS; rng is the saved RNG tensors
-    (None when the checkpoint has no rank ``rank`` or that rank kept none)."""
+    (None when the checkpoint has no rank ``rank`` or that rank kept none). For a tensor-parallel
+    checkpoint (manifest ``tp`` = T), ``rank``/``world_size`` are data-parallel and the state
+    comes from tensor rank ``tp_rank``'s shards (global rank = dp_rank * T + tp_rank)."""
     path = Path(path)
-    numel, old_world = int(manifest["layout"]["numel"]), int(manifest["world_size"])
+    tp = _tensor_parallel(manifest)
+    layout = manifest["tp_layouts"][tp_rank] if tp > 1 else manifest["layout"]
+    numel, old_world = int(layout["numel"]), int(manifest["world_size"]) // tp
+    file_rank = (lambda d: d * tp + tp_rank) if tp > 1 else (lambda d: d)
     size = shard_numel(numel, world_size)
     state = {key: torch.zeros(size, dtype=torch.float32) for key in STATE_KEYS}
     filled = 0
     for old_rank, start, end in partition_sources(numel, old_world, world_size, rank):
-        with _open(path, old_rank) as f:
+        with _open(path, file_rank(old_rank)) as f:
             for key in STATE_KEYS:
                 state[key][filled:filled + end - start] = f.get_slice(key)[start:end]
         filled += end - start
     own = rank if rank < old_world else 0
-    with _open(path, own) as f:
+    with _open(path, file_rank(own)) as f:
         rank_state = json.loads(f.metadata()["rank_state"])
         rng = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng.")}
     if rank != own or not rng or rank_state.get("rng") is None:
@@ -96,6 +113,7 @@ def _shards(path: Path, manifest: dict) -> list[dict[str, torch.Tensor]]:
 
 def full_state(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     """Each of STATE_KEYS as one unpadded flat vector of all P parameters."""
+    _whole_model_only(manifest, f"reading the whole model from {path}")
     numel, shards = int(manifest["layout"]["numel"]), _shards(path, manifest)
     return {key: torch.cat([s[key] for s in shards])[:numel] for key in STATE_KEYS}
 
@@ -133,6 +151,7 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
     if world_size < 1:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
     manifest = checkpoint.verify(path)
+    _whole_model_only(manifest, f"resharding {path}")
     old_world = int(manifest["world_size"])
     layout = FlatLayout.from_dict(manifest["layout"])
     numel, shards = layout.numel, _shards(path, manifest)

@@ -148,7 +148,7 @@ cd "$WORK" || exit 1
 "$PYTHON" - "$RUN/metrics.jsonl" "$WORK/single/metrics.jsonl" "$WORK/resume/metrics.jsonl" <<'EOF'
 import json, sys
 def losses(path):
-    return {r["step"]: r["loss_hex"] for r in map(json.loads, open(path))}
+    return {r["step"]: r["loss_hex"] for r in map(json.loads, open(path)) if r["type"] == "step"}
 multi, single, resumed = (losses(p) for p in sys.argv[1:])
 problems = []
 if multi != single:

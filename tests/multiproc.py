@@ -21,9 +21,10 @@ from distlib.comm import Comm
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def _child(rank: int, world_size: int, port: int, fn, args, queue, timeout_s: float) -> None:
+def _child(rank: int, world_size: int, ports, fn, args, queue, timeout_s: float) -> None:
     try:
         torch.set_num_threads(1)
+        port = ports.get()          # the parent starts the store only after forking us (see run_ranks)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -49,13 +50,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     TimeoutError naming the ranks that did not finish within ``timeout_s``.
     """
     ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, args, queue, timeout_s),
+    queue, ports = ctx.Queue(), ctx.SimpleQueue()
+    procs = [ctx.Process(target=_child, args=(r, world_size, ports, fn, args, queue, timeout_s),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
+    # Fork first, start the store second: a thread alive in the parent at fork time (the store's
+    # event loop, resolving a peer's name) can leave a libc lock held forever in a child (seen:
+    # ranks stuck in getnameinfo's resolver lock, the others timing out in the rendezvous).
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    for _ in procs:
+        ports.put(store.port)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)

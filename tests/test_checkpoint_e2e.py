@@ -111,7 +111,7 @@ def test_torchrun_restart_resumes_and_finishes_byte_identical(tmp_path):
     assert "fault: rank 2 kills itself after step 6" in restarted.stderr
     assert f"resumed from {tmp_path / 'killed' / 'checkpoints' / 'step_00000004'} at step 4" in restarted.stdout
     metrics = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    steps = [m["step"] for m in metrics]
+    steps = [m["step"] for m in metrics if m["type"] == "step"]     # (events are logged too)
     # The first attempt logged steps 1..5 (rank 2 took part in step 6, so rank 0 finished step 5),
     # the second went on from the step-4 checkpoint: steps 5..8 were logged again.
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-4:] == [5, 6, 7, 8] and steps.count(5) == 2

@@ -66,7 +66,7 @@ def _run_script(name: str, args: list[str], timeout: float) -> subprocess.Comple
 
 
 def _losses(path: Path) -> dict[int, str]:
-    return {r["step"]: r["loss_hex"] for r in map(json.loads, path.read_text().splitlines())}
+    return {r["step"]: r["loss_hex"] for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "step"}
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ def test_resume_script_proves_bitwise_resume(tmp_path):
     assert "step-20 checkpoints are byte-identical" in proc.stdout
     full = [json.loads(x) for x in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
     resumed = [json.loads(x) for x in (tmp_path / "resumed/metrics.jsonl").read_text().splitlines()]
+    full, resumed = ([r for r in records if r["type"] == "step"] for records in (full, resumed))  # not events
     assert [r["step"] for r in resumed] == list(range(11, 21))
     assert [r["loss_hex"] for r in resumed] == [r["loss_hex"] for r in full[10:]]
 
@@ -25,7 +26,8 @@ def test_resume_script_proves_bitwise_resume(tmp_path):
     doctored = tmp_path / "doctored"
     shutil.copytree(tmp_path / "resumed", doctored)
     records = [json.loads(x) for x in (doctored / "metrics.jsonl").read_text().splitlines()]
-    records[3]["loss_hex"] = (float.fromhex(records[3]["loss_hex"]) * (1 + 2**-40)).hex()
+    (step14,) = [r for r in records if r["type"] == "step" and r["step"] == 14]
+    step14["loss_hex"] = (float.fromhex(step14["loss_hex"]) * (1 + 2**-40)).hex()
     (doctored / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     bad = run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(tmp_path / "full"), str(doctored),
                "--from-step", "11"])

@@ -1,0 +1,114 @@
+"""The divergence guard and the replica check: decisions every rank takes identically.
+
+``check_step`` runs after backward and before the update. Each rank contributes its
+local loss and its grad norm to one all-gather; from those rows (the same bytes on
+every rank) and the accepted-loss history (built from earlier, identical verdicts)
+every rank computes the same verdict without a second collective. The loss is the
+mean over ``loss_ranks`` (one data-parallel group: tensor-parallel ranks share a loss),
+summed in rank order like ``agree.mean``; a non-finite loss or norm on any rank trips.
+
+``check_replicas`` makes the "same parameter norm on every rank" invariant exact:
+a sha256 per parameter of the bytes each rank will use for its next forward,
+gathered and compared among the ranks that must hold the same bytes (with tensor
+parallelism: a split parameter within its data-parallel group, a replicated one
+across all ranks); a rank whose bytes differ is named with the parameter.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from distlib import agree
+from distlib.comm import Comm
+from distlib.config import GuardConfig
+
+
+class GuardError(RuntimeError):
+    """The run diverged more often than guard.max_rollbacks allows (or could not roll back)."""
+
+
+class DesyncError(RuntimeError):
+    """Ranks hold different bytes for parameters that must be replicated."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    loss: float              # the global mean loss (what the log shows)
+    trip: str | None         # why this step must not be applied; None: apply it
+
+    @property
+    def ok(self) -> bool:
+        return self.trip is None
+
+
+def check_step(local_loss: float, grad_norm: float, history: list[float], cfg: GuardConfig,
+               comm: Comm, loss_ranks: tuple[int, ...] | None = None) -> Verdict:
+    """The global loss and the verdict on it; ``history`` holds the accepted losses so far.
+    ``loss_ranks``: the global ranks whose mean is the loss (default: all of ``comm``)."""
+    rows = agree.gather([local_loss, grad_norm], comm)
+    members = [comm.ranks.index(r) for r in loss_ranks] if loss_ranks is not None else range(comm.size)
+    total = 0.0
+    for i in members:          # in rank order, one add at a time: agree.mean's bits
+        total += rows[i][0]
+    loss = total / len(members)
+    if not cfg.enabled:
+        return Verdict(loss, None)
+    bad_ranks = sum(not math.isfinite(row[0]) for row in rows)
+    if bad_ranks or not math.isfinite(loss):
+        return Verdict(loss, f"non-finite loss {loss} (local loss non-finite on {bad_ranks} rank(s))")
+    bad_norms = [row[1] for row in rows if not math.isfinite(row[1])]
+    if bad_norms:
+        return Verdict(loss, f"non-finite gradient norm {bad_norms[0]}")
+    if history:
+        recent = history[-cfg.spike_window:]
+        reference = sum(recent) / len(recent)
+        if loss > cfg.spike_factor * reference:
+            what = "previous step's loss" if len(recent) == 1 else f"mean of the last {len(recent)} accepted losses"
+            return Verdict(loss, f"loss spike: {loss:.6g} > {cfg.spike_factor:g} x {reference:.6g} ({what})")
+    return Verdict(loss, None)
+
+
+def parameter_digests(flat: torch.Tensor, slots) -> list[str]:
+    """sha256 of each parameter's bytes in the flat buffer (slots: name, offset, numel)."""
+    raw = flat.detach().contiguous().view(torch.uint8).numpy()
+    size = flat.element_size()
+    return [hashlib.sha256(raw[s.offset * size:(s.offset + s.numel) * size].tobytes()).hexdigest() for s in slots]
+
+
+def replica_groups(size: int, tp: int, is_split: bool) -> list[list[int]]:
+    """The groups of ranks (group ranks of a world laid out as ``dp_rank * tp + tp_rank``) that
+    must hold identical bytes of a parameter: a tensor-parallel split one within each
+    data-parallel group (same tensor rank), a replicated one across every rank."""
+    if not is_split or tp == 1:
+        return [list(range(size))]
+    return [list(range(t, size, tp)) for t in range(tp)]
+
+
+def check_replicas(flat: torch.Tensor, slots, step: int, comm: Comm, tp: int = 1,
+                   split: set[str] | frozenset = frozenset()) -> None:
+    """Raise DesyncError on every rank if any parameter's bytes differ between ranks that must
+    agree on them (``replica_groups``; ``split``: the names of tensor-parallel split parameters).
+    Per parameter and group, the largest set of agreeing ranks (ties: the one with the group's
+    first rank) is the reference and every other rank is reported as divergent."""
+    mine = "\n".join(parameter_digests(flat, slots)).encode()
+    every = [blob.decode().split("\n") for blob in agree.gather_bytes(mine, comm)]
+    divergent: dict[int, list[str]] = {}
+    for i, slot in enumerate(slots):
+        for group in replica_groups(comm.size, tp, slot.name in split):
+            digests = [every[r][i] for r in group]
+            counts = Counter(digests)
+            reference = max(counts, key=lambda d: (counts[d], d == digests[0]))
+            for rank, d in zip(group, digests):
+                if d != reference:
+                    divergent.setdefault(rank, []).append(slot.name)
+    if divergent:
+        parts = []
+        for rank, names in sorted(divergent.items()):
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"rank {rank} differs in {len(names)} of {len(slots)} parameter(s): {shown}")
+        raise DesyncError(f"desync at step {step}: replicated parameters are not byte-identical across "
+                          f"{comm.size} ranks: " + "; ".join(parts))

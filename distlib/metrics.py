@@ -1,0 +1,161 @@
+"""Per-step metrics as JSON lines, events, and the rank-0 progress line.
+
+Rank 0 writes ``<run dir>/<metrics.file>``: one ``"type": "step"`` record per step
+(collective traffic counted from the step's start to its record, the stretch
+step_time_s measures) and ``"type": "event"`` records (run start/restart, checkpoint saved, rollback,
+pre-emption, desync, errors, run end). Values that live on every rank (memory,
+collective traffic, step time) reach rank 0 through one gather per step and are
+logged as max and mean over ranks. With ``metrics.per_rank`` every rank also writes
+its own values to ``metrics.rank<R>.jsonl``. The schema is in docs/unattended.md.
+The file is only ever appended to: after a rollback the re-run steps are logged
+again, so a step's final record is the last one with its step number.
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+from distlib import agree
+from distlib.comm import KINDS, Comm
+from distlib.config import MetricsConfig
+
+MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports kilobytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def json_number(x: float):
+    """JSON has no NaN/inf; log them as strings so a diverged step is still a valid record."""
+    return x if math.isfinite(x) else str(x)
+
+
+def _stats(values: list[float]) -> dict:
+    return {"max": max(values), "mean": sum(values) / len(values)}
+
+
+class MetricsLog:
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, comm: Comm, tokens_per_step: int, total_steps: int):
+        self.cfg, self.comm = cfg, comm
+        self.tokens_per_step, self.total_steps = tokens_per_step, total_steps
+        self.run_dir = Path(run_dir)
+        if comm.rank == 0 or cfg.per_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.shared = open(self.run_dir / cfg.file, "a") if comm.rank == 0 else None
+        self.own = open(self.run_dir / f"metrics.rank{comm.rank}.jsonl", "a") if cfg.per_rank else None
+        self._comm_seen = [0.0] * (3 * len(KINDS))
+        self._memory_logged = False
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in (self.shared, self.own):
+            if f:
+                f.close()
+
+    @staticmethod
+    def _write(f, record: dict) -> None:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+    def event(self, name: str, step: int, say: str | None = None, **fields) -> None:
+        """Record an event (rank 0 writes; call it on every rank with the same arguments) and, if
+        ``say`` is given, print it as a rank-0 line."""
+        if self.shared:
+            self._write(self.shared, {"type": "event", "event": name, "step": step, "time": time.time(), **fields})
+            if say:
+                print(f"[{name}] step {step}: {say}", flush=True)
+
+    def _comm_now(self) -> list[float]:
+        stats = self.comm.stats
+        return stats.as_vector() if stats is not None else [0.0] * (3 * len(KINDS))
+
+    def begin_step(self) -> None:
+        """Start the step's collective accounting window (it ends when ``step`` is called), so a
+        record's comm figures cover the same stretch as its step_time_s."""
+        self._comm_seen = self._comm_now()
+
+    def step(self, step: int, *, loss: float, local_loss: float, grad_norm: float, param_norm: float,
+             lr: float, seconds: float, memory: dict[str, int], val_loss: float | None = None,
+             comm_bytes: dict[str, int] | None = None) -> None:
+        """One step's record. Collective: every rank calls it (one gather). ``comm_bytes``: the
+        optimizer's nominal bytes sent in the step by rank 0, {"dp": ..., "tp": ...}."""
+        comm_delta = [now - seen for now, seen in zip(self._comm_now(), self._comm_seen)]
+        mine = [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]),
+                float(peak_rss_bytes()), seconds] + comm_delta
+        rows = agree.gather(mine, self.comm)
+        if self.own:
+            self._write(self.own, {"type": "step", "step": step, "rank": self.comm.rank,
+                                   "local_loss": json_number(local_loss), "grad_norm": json_number(grad_norm),
+                                   "step_time_s": seconds, **dict(zip(MEMORY_KEYS, map(int, mine[:4]))),
+                                   "comm": self._comm_fields([mine])})
+        if not self.shared:
+            return
+        tokens_per_s = self.tokens_per_step / seconds if seconds > 0 else None
+        record = {"type": "step", "step": step, "time": time.time(), "loss": json_number(loss), "loss_hex": loss.hex(),
+                  "grad_norm": json_number(grad_norm), "param_norm": json_number(param_norm), "lr": lr,
+                  "step_time_s": seconds, "step_time_s_max": max(r[4] for r in rows),
+                  "tokens": self.tokens_per_step, "tokens_per_s": tokens_per_s,
+                  "comm": self._comm_fields(rows),
+                  "memory": {k: _stats([r[i] for r in rows]) for i, k in enumerate(MEMORY_KEYS)}}
+        if comm_bytes is not None:
+            record["comm_bytes"] = dict(comm_bytes)
+        if val_loss is not None:
+            record.update(val_loss=json_number(val_loss), val_loss_hex=val_loss.hex())
+        self._write(self.shared, record)
+        if not self._memory_logged:
+            self._memory_event(step, rows)
+        every = self.cfg.progress_every
+        if every and (step % every == 0 or step == self.total_steps):
+            comm_ms = 1000 * sum(v["seconds"]["mean"] for v in record["comm"].values())
+            print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:.6f}  "
+                  f"grad norm {grad_norm:.4f}  lr {lr:.3g}  {1000 * seconds:.1f} ms  "
+                  f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  comm {comm_ms:.1f} ms"
+                  + (f"  val loss {val_loss:.6f}" if val_loss is not None else ""), flush=True)
+
+    @staticmethod
+    def _comm_fields(rows: list[list[float]]) -> dict:
+        out = {}
+        for k, kind in enumerate(KINDS):
+            calls, sent, secs = ([r[5 + 3 * k + j] for r in rows] for j in range(3))
+            if max(calls) > 0:
+                out[kind] = {"calls": int(max(calls)), "bytes": _stats(sent), "seconds": _stats(secs)}
+        return out
+
+    def _memory_event(self, step: int, rows: list[list[float]]) -> None:
+        """A "memory" event with every rank's bytes (for the per-rank chart); rank 0 only."""
+        self._memory_logged = True
+        per_rank = [{"rank": r, **dict(zip(MEMORY_KEYS, map(int, row[:4])))} for r, row in enumerate(rows)]
+        self.event("memory", step, per_rank=per_rank)
+
+    def final_memory(self, step: int, memory: dict[str, int]) -> None:
+        """Every rank's memory at the end of the run, peak RSS included. Collective."""
+        mine = [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]), float(peak_rss_bytes())]
+        rows = agree.gather(mine, self.comm)
+        if self.shared:
+            self._memory_event(step, rows)
+
+
+def last_event(path: Path, name: str, since: float = 0.0) -> dict | None:
+    """The last ``name`` event logged at or after ``since`` (unix time) in a metrics file."""
+    found = None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("type") == "event" and record.get("event") == name and record.get("time", 0) >= since:
+            found = record
+    return found

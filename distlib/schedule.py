@@ -1,0 +1,104 @@
+"""When to save and when to stop: step counts, rank 0's clock, and pre-emption signals.
+
+Every step ends with one small collective (``decide``) that carries two decisions:
+rank 0's clock verdict ("``every_minutes`` have passed since the last save"; the
+other ranks' clocks are never consulted, so all ranks save at the same step) and
+whether any rank received SIGTERM/SIGINT (a pre-emption may reach the ranks at
+different moments, or only some of them). On a stop every rank saves at the same
+step and leaves the loop.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from distlib import agree
+from distlib.comm import Comm
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """While installed, SIGTERM/SIGINT only record a request; the loop stops at a step boundary.
+
+    A rank that cannot reach the boundary (stalled outside a collective: a launcher sends
+    every worker SIGTERM once one has failed) would otherwise ignore the signal until the
+    launcher's SIGKILL (torchrun waits 30 s). So the first signal also starts a deadline:
+    if the loop has not acknowledged the stop ``deadline_s`` later, the process exits with
+    128 + signal. The loop keeps ``deadline_s`` at dist.timeout_s plus twice its slowest
+    step, the most a healthy rank needs to reach the next step boundary.
+    """
+
+    def __init__(self, deadline_s: float = 60.0) -> None:
+        self.received: int = 0              # signal number, 0 = none
+        self.deadline_s = deadline_s
+        self._acknowledged = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:
+            return
+        self.received = signum
+        self._timer = threading.Timer(self.deadline_s, self._expire, args=(signum,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self, signum: int) -> None:
+        if not self._acknowledged.is_set():
+            print(f"{signal.Signals(signum).name} received, but this process did not reach a step boundary "
+                  f"within {self.deadline_s:.0f}s (stalled?); exiting without saving", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+    def acknowledge(self) -> None:
+        """The loop has seen the stop decision and is saving: no deadline any more."""
+        self._acknowledged.set()
+
+    def __enter__(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._acknowledged.set()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class CheckpointClock:
+    """Rank 0's wall clock for ``checkpoint.every_minutes`` (0 disables)."""
+
+    def __init__(self, every_minutes: float, clock: Callable[[], float] = time.monotonic):
+        self.every_s, self.clock = every_minutes * 60.0, clock
+        self.last_save = clock()
+
+    def due(self) -> bool:
+        return self.every_s > 0 and self.clock() - self.last_save >= self.every_s
+
+    def saved(self) -> None:
+        self.last_save = self.clock()
+
+
+@dataclass(frozen=True)
+class Decision:
+    save: str | None         # why to save after this step: "every_steps", "every_minutes", "signal"
+    stop: str | None         # the signal that stops the run after this step (e.g. "SIGTERM")
+
+
+def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm) -> Decision:
+    """The same Decision on every rank, through one collective."""
+    time_due, signum = agree.rank0_and_any(int(clock.due()), signals.received, comm)
+    stop = signal.Signals(signum).name if signum else None
+    if every_steps and step % every_steps == 0:
+        save = "every_steps"
+    elif time_due:
+        save = "every_minutes"
+    else:
+        save = "signal" if stop else None
+    return Decision(save, stop)

@@ -1,0 +1,81 @@
+"""Turn a failed collective into an error that names the step and the ranks that did not arrive.
+
+Every collective runs under the process group's timeout (``dist.timeout_s``); when a
+wait fails, the rank only knows which peer it was waiting on, and in a ring that peer
+may itself be waiting on someone else. So each failing rank posts a short report to
+the process group's key-value store (torch's TCPStore) and waits a little for the
+others' reports: a rank that sent none never reached a collective that could fail,
+i.e. it stalled (or died) before arriving. All names are global ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import torch.distributed as dist
+
+from distlib.collectives import CollectiveError, CollectiveMismatchError
+from distlib.comm import Comm
+
+
+class StallError(RuntimeError):
+    """A collective timed out or lost a peer; the message names where and who did not arrive."""
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no process group / store: report without the roll call
+        return None
+
+
+def grace_seconds(timeout_s: float) -> float:
+    """How long a failing rank waits for the others' reports (they time out at about the same time)."""
+    return min(timeout_s / 2, 5.0)
+
+
+def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -> RuntimeError:
+    if isinstance(error, CollectiveMismatchError):   # every rank raised it, with every rank's call
+        return CollectiveMismatchError(f"{where}: {error}", error.collective)
+    me = comm.peer(comm.rank)
+    store, grace = _store(), grace_seconds(timeout_s)
+    reports: dict[int, dict] = {}
+    if store is not None:
+        prefix = "distlib/stall/" + "_".join(map(str, comm.ranks)) + "/"
+        try:
+            store.set(prefix + str(me), json.dumps({"where": where, "collective": error.collective,
+                                                     "peer": error.peer}))
+            deadline = time.monotonic() + grace
+            while True:
+                for r in comm.ranks:
+                    if r != me and r not in reports and store.check([prefix + str(r)]):
+                        reports[r] = json.loads(store.get(prefix + str(r)))
+                if len(reports) == comm.size - 1 or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        except Exception as exc:  # noqa: BLE001 - the store may be gone with the launcher
+            store = None
+            reports.setdefault(-1, {"where": f"(store unavailable: {exc})"})
+    head = (f"{where}: {error.collective} did not complete on rank {me} within dist.timeout_s={timeout_s:g}s "
+            f"(it was waiting on rank {error.peer})")
+    if store is None:
+        return StallError(f"{head}; could not ask the other ranks which did not arrive. Cause: {error}")
+    missing = [r for r in comm.ranks if r != me and r not in reports]
+    others = ", ".join(f"rank {r} at {rep['where']} in {rep['collective']} (waiting on rank {rep['peer']})"
+                       for r, rep in sorted(reports.items()))
+    if missing:
+        verdict = (f"rank(s) {missing} did not arrive: no report from them within {grace:g}s after the "
+                   f"timeout (stalled or dead)")
+    else:
+        verdict = "every rank reported a failure, none is missing (a lost connection?)"
+    return StallError(f"{head}; {verdict}" + (f"; also failed: {others}" if others else "") + f". Cause: {error}")
+
+
+@contextlib.contextmanager
+def watch(where: str, comm: Comm, timeout_s: float):
+    """Re-raise a collective failure inside the block as a diagnosed error for ``where``."""
+    try:
+        yield
+    except CollectiveError as exc:
+        raise diagnose(exc, where, comm, timeout_s) from exc

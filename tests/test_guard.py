@@ -1,0 +1,230 @@
+"""The guard's verdict, the replica check, the split optimizer step, collective header checks,
+per-kind accounting and the stall diagnosis, on real gloo ranks."""
+import datetime
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
+
+from distlib import collectives, guard
+from distlib.adamw import AdamWConfig
+from distlib.collectives import CollectiveMismatchError
+from distlib.comm import Comm
+from distlib.config import GuardConfig
+from distlib.model import ModelConfig, build_model
+from distlib.watchdog import StallError, watch
+from distlib.zero import ZeroOptimizer
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def _verdicts(comm, cases):
+    out = []
+    for local_losses, grad_norm, history, cfg in cases:
+        v = guard.check_step(local_losses[comm.rank], grad_norm, history, GuardConfig(**cfg), comm)
+        out.append((v.loss.hex(), v.trip))
+    return out
+
+
+def test_verdict_is_identical_on_every_rank_and_trips_for_the_right_reasons():
+    nan = float("nan")
+    cases = [
+        ([1.0, 2.0, 3.0], 0.5, [], {}),                          # no history: nothing to compare with
+        ([1.0, 2.0, 3.0], 0.5, [1.5], {}),                       # 2.0 <= 2 x 1.5
+        ([1.0, 2.0, 9.0], 0.5, [1.5], {}),                       # 4.0 > 2 x 1.5: spike
+        ([1.0, nan, 3.0], 0.5, [9.0], {}),                       # one rank's loss is NaN
+        ([1.0, 2.0, 3.0], float("inf"), [9.0], {}),              # gradient norm overflowed
+        ([1.0, 2.0, 9.0], 0.5, [1.5], {"enabled": False}),       # disabled: never trips
+        ([1.0, 2.0, 9.0], 0.5, [1.5], {"spike_factor": 3.0}),    # 4.0 <= 3 x 1.5
+        ([1.0, 2.0, 9.0], 0.5, [1.0, 3.0], {"spike_window": 2}), # reference = mean(1, 3) = 2: 4 <= 4
+        ([1.0, 2.0, 9.0], 0.5, [1.0, 1.5], {"spike_window": 2}), # reference 1.25: spike
+    ]
+    per_rank = run_ranks(_verdicts, 3, cases)
+    assert per_rank[0] == per_rank[1] == per_rank[2]
+    trips = [trip for _, trip in per_rank[0]]
+    assert [t is not None for t in trips] == [False, False, True, True, True, False, False, False, True]
+    assert "loss spike" in trips[2] and "2 x 1.5" in trips[2]
+    assert "non-finite loss" in trips[3] and "1 rank" in trips[3]
+    assert "non-finite gradient norm" in trips[4]
+    assert "mean of the last 2" in trips[8]
+    # The global loss is the same float64 SUM / N as agree.mean gives the log.
+    assert float.fromhex(per_rank[0][0][0]) == (1.0 + 2.0 + 3.0) / 3
+    assert math.isnan(float.fromhex(per_rank[0][3][0]))
+
+
+# --------------------------------------------------------------------------- the replica check
+
+
+def _replicas(comm, perturb_rank, names, world):
+    model = build_model(ModelConfig(), seed=0)
+    opt = ZeroOptimizer(model, comm, 1, AdamWConfig())
+    slots = {s.name: s for s in opt.layout.slots}
+    if comm.rank == perturb_rank:
+        for name in names:
+            x = opt.flat_params[slots[name].offset:slots[name].offset + 1]
+            x.copy_(torch.nextafter(x, torch.full_like(x, math.inf)))
+    try:
+        guard.check_replicas(opt.flat_params, opt.layout.slots, 7, comm)
+        return None
+    except guard.DesyncError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_replica_check_names_the_divergent_rank_and_parameter(world):
+    assert run_ranks(_replicas, world, None, [], world) == [None] * world
+    messages = run_ranks(_replicas, world, world - 1, ["blocks.1.attn.qkv.weight", "ln_f.bias"], world)
+    assert len(set(messages)) == 1, "every rank must reach the same verdict"
+    msg = messages[0]
+    assert f"rank {world - 1} differs in 2 of" in msg and "blocks.1.attn.qkv.weight" in msg and "ln_f.bias" in msg
+    assert "desync at step 7" in msg
+    assert all(f"rank {r} " not in msg for r in range(world - 1)), msg
+
+
+# --------------------------------------------------------------------------- the split step
+
+
+def _split_step(comm, stage, split):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(), seed=0)
+    opt = ZeroOptimizer(model, comm, stage, AdamWConfig(), grad_clip=0.5)
+    norms = []
+    for i in range(3):
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * i + comm.rank))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        if split:
+            norms.append(opt.sync_grads())
+            opt.apply_update(lr=0.02)
+        else:
+            norms.append(opt.step(lr=0.02))
+        opt.zero_grad()
+    return norms, opt.flat_params.numpy().tobytes()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_sync_grads_then_apply_update_is_step(stage):
+    assert run_ranks(_split_step, 2, stage, True) == run_ranks(_split_step, 2, stage, False)
+
+
+def test_apply_update_without_synced_grads_is_refused():
+    opt = ZeroOptimizer(build_model(ModelConfig(), seed=0), Comm.world(), 1, AdamWConfig())
+    with pytest.raises(RuntimeError, match="needs sync_grads"):
+        opt.apply_update()
+    opt.sync_grads()
+    opt.zero_grad()       # a discarded (guard-tripped) step cannot be applied later
+    with pytest.raises(RuntimeError, match="needs sync_grads"):
+        opt.apply_update()
+
+
+# --------------------------------------------------------------------------- header check
+
+
+def _mismatch(comm, case):
+    comm = comm.instrumented(check=True)
+    r = comm.rank
+    try:
+        if case == "size":
+            n = 8 if r == 0 else 12
+            collectives.all_gather(torch.zeros(n), torch.ones(n // 2), comm)
+        elif case == "dtype":
+            collectives.all_reduce(torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64), comm)
+        elif case == "kind":
+            if r == 0:
+                collectives.broadcast(torch.ones(4), 0, comm)
+            else:
+                collectives.all_reduce(torch.ones(4), comm)
+        elif case == "op":
+            collectives.all_reduce(torch.ones(4), comm, op="sum" if r == 0 else "max")
+        elif case == "matched":
+            t = torch.ones(5)
+            collectives.all_reduce(t, comm)
+            return t.tolist()
+        return "no error"
+    except CollectiveMismatchError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("size", ["all_gather(numel=8", "all_gather(numel=12"]),
+    ("dtype", ["dtype=float32", "dtype=float64"]),
+    ("kind", ["rank 0 (global 0) called broadcast(", "rank 1 (global 1) called all_reduce("]),
+    ("op", ["all_reduce(numel=4, dtype=float32, op=sum, algo=exchange) as collective #0",
+            "all_reduce(numel=4, dtype=float32, op=max, algo=exchange) as collective #0"]),
+])
+def test_mismatched_collectives_raise_a_descriptive_error_on_every_rank(case, expect):
+    messages = run_ranks(_mismatch, 2, case, timeout_s=30)
+    for msg in messages:
+        assert "mismatched collective" in msg, msg
+        for part in expect:
+            assert part in msg, msg
+
+
+def test_matching_collectives_pass_the_header_check():
+    assert run_ranks(_mismatch, 3, "matched") == [[3.0] * 5] * 3
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def _accounting(comm, numel):
+    comm = comm.instrumented(check=False)
+    t = torch.ones(numel)
+    collectives.reduce_scatter(t, comm, algo="ring")
+    collectives.reduce_scatter(t, comm, algo="direct")
+    collectives.all_reduce(t, comm, algo="ring")      # counted once, as an all_reduce
+    collectives.all_reduce(t, comm, algo="exchange")
+    s = comm.stats
+    return {k: (s.calls[k], s.bytes_sent[k], s.seconds[k] > 0) for k in s.calls}
+
+
+def test_comm_stats_count_bytes_sent_per_kind_as_the_algorithm_table_says():
+    n, numel = 4, 1000
+    for stats in run_ranks(_accounting, n, numel):
+        b = 4 * numel
+        assert stats["reduce_scatter"] == (2, 2 * (n - 1) * b // n, True)
+        # ring (reduce-scatter + all-gather) sends 2(N-1)/N * B, exchange (N-1) * B
+        assert stats["all_reduce"] == (2, 2 * (n - 1) * b // n + (n - 1) * b, True)
+        assert stats["all_gather"][0] == 0 and stats["broadcast"][0] == 0
+
+
+def _header_bytes(comm):
+    plain, checked = comm.instrumented(check=False), comm.instrumented(check=True)
+    for c in (plain, checked):
+        collectives.broadcast(torch.ones(16), 0, c)
+    return plain.stats.bytes_sent["broadcast"], checked.stats.bytes_sent["broadcast"]
+
+
+def test_header_check_costs_one_small_message_per_peer():
+    for rank, (plain, checked) in enumerate(run_ranks(_header_bytes, 2)):
+        assert checked - plain == 8 * 8      # eight int64 header fields to the one peer
+
+
+# --------------------------------------------------------------------------- stall diagnosis
+
+
+def _stall(comm, sleeper):
+    short = dist.new_group(list(comm.ranks), timeout=datetime.timedelta(seconds=1.5))
+    sub = Comm.subgroup(comm.ranks, short).instrumented(check=False)
+    if comm.rank == sleeper:
+        time.sleep(5)        # never joins the all_reduce below; the others give up after 1.5 s
+        return "slept"
+    began = time.monotonic()
+    try:
+        with watch("step 7", sub, 1.5):
+            collectives.all_reduce(torch.ones(4), sub)
+        return "no error"
+    except StallError as exc:
+        return str(exc), time.monotonic() - began
+
+
+def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
+    results = run_ranks(_stall, 3, 1, timeout_s=60)
+    assert results[1] == "slept"
+    for rank in (0, 2):
+        msg, seconds = results[rank]
+        assert msg.startswith("step 7: all_reduce did not complete on rank"), msg
+        assert "rank(s) [1] did not arrive" in msg, msg
+        assert seconds < 1.5 + 0.75 + 2.0, seconds     # the timeout, the grace, and slack

@@ -1,0 +1,125 @@
+"""Unattended-run behaviour through the real launchers (python train.py / torchrun): a
+pre-emption signal, a stalled rank, a rank that never joins, a guard trip on the capstone,
+and the guard's stop. Each run is short; the bounds allow for a loaded machine."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from e2e import ROOT, free_port, torchrun, train
+from multiproc import run_ranks
+
+from distlib import checkpoint
+from distlib.config import RunConfig
+from distlib.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "step"]
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float) -> float:
+    """Poll the metrics until ``step`` is logged; returns when (monotonic)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in step_records(run_dir)):
+            return time.monotonic()
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"step {step} not logged within {timeout}s")
+
+
+def popen(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path):
+    proc = popen([sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "dist.world_size=2",
+                  "train.steps=2000", "metrics.progress_every=0"])
+    try:
+        wait_for_step(tmp_path, 2, proc, timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    last = step_records(tmp_path)[-1]["step"]
+    assert f"stopped by SIGTERM after step {last}: checkpoint saved" in out
+    assert f"SIGTERM: the workers saved a checkpoint at step {last} and stopped" in err
+    checkpoint.verify(tmp_path / "checkpoints" / checkpoint.step_dir_name(last))
+    events = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if r["type"] == "event"]
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert saved[-1]["step"] == last and saved[-1]["reason"] == "signal"
+    assert events[-1]["event"] == "run_end" and events[-1]["status"] == "stopped by SIGTERM"
+
+
+def test_a_stalled_rank_ends_the_job_within_the_bound_and_is_named(tmp_path):
+    timeout_s = 5
+    proc = popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", f"--master_port={free_port()}",
+                  "train.py", f"hydra.run.dir={tmp_path}", "dist.world_size=3", "train.global_batch=12",
+                  f"dist.timeout_s={timeout_s}", "fault.hang_rank=1", "fault.hang_step=3"])
+    try:
+        stalled_at = wait_for_step(tmp_path, 2, proc, timeout=120)   # rank 1 stalls right after this
+        out, err = proc.communicate(timeout=120)
+        seconds = time.monotonic() - stalled_at
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    # The waiting ranks give up after timeout_s, wait <= 2.5 s for each other's reports and exit;
+    # the stalled rank then gets SIGTERM from torchrun and leaves within timeout_s + 2 step times.
+    assert seconds < 2 * timeout_s + 2.5 + 12, f"job took {seconds:.1f}s after the stall"
+    errors = [line for line in err.splitlines() if line.startswith("error [rank")]
+    assert {line.split("]")[0] for line in errors} == {"error [rank 0", "error [rank 2"}, err[-3000:]
+    for line in errors:
+        assert "step 3: reduce_scatter" in line and "rank(s) [1] did not arrive" in line, line
+        assert f"within dist.timeout_s={timeout_s}s" in line
+    assert "did not reach a step boundary" in err     # the stalled rank's own exit
+
+
+def test_a_rank_that_never_joins_fails_the_rendezvous_within_the_timeout(tmp_path):
+    began = time.monotonic()
+    proc = torchrun(tmp_path, "dist.world_size=2", "dist.timeout_s=5", "fault.hang_rank=1", "fault.hang_step=0",
+                    nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - began < 60
+    assert "error [rank 0]: rendezvous: the process group of 2 ranks did not form within dist.timeout_s=5s: " \
+           "rank(s) [1] did not arrive" in proc.stderr, proc.stderr[-3000:]
+
+
+def _clean_losses(comm, run_dir):
+    result = Trainer(RunConfig.from_dict({"metrics": {"progress_every": 0}}), comm, Path(run_dir)).run()
+    return [s.loss.hex() for s in result.steps]
+
+
+def test_capstone_with_an_lr_spike_at_the_checkpoint_step_recovers_and_verifies(tmp_path):
+    proc = torchrun(tmp_path / "spiked", "fault.lr_spike_step=10", "fault.lr_spike_factor=100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("RESUME VERIFIED")
+    assert "[rollback] step 11: loss spike" in proc.stdout and "rolled back to step 0" in proc.stdout
+    final = {}
+    for r in step_records(tmp_path / "spiked"):
+        final[r["step"]] = r["loss_hex"]          # re-run steps supersede the abandoned ones
+    clean = run_ranks(_clean_losses, 4, str(tmp_path / "clean"))[0]
+    assert [final[s] for s in range(1, 21)] == clean
+    assert (tmp_path / "spiked/checkpoints/rolled_back_1/step_00000010/manifest.json").is_file()
+
+
+def test_the_guard_stops_a_run_past_max_rollbacks_with_one_clear_error(tmp_path):
+    proc = train(tmp_path, "dist.world_size=2", "train.steps=4", "guard.max_rollbacks=0",
+                 "fault.lr_spike_step=1", "fault.lr_spike_factor=100")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: guard tripped")]
+    assert errors == ["error: guard tripped at step 2 (loss spike: " + errors[0].split("(loss spike: ")[1]]
+    assert "more than guard.max_rollbacks=0" in errors[0]
