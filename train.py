@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import logging
 import os
 import re
@@ -18,11 +19,10 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import hydra
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
 from distlib import data, report, slurm
 from distlib.checkpoint import CheckpointError
@@ -35,6 +35,9 @@ from distlib.metrics import last_event
 from distlib.tokens import DataError
 from distlib.trainer import Trainer
 from distlib.watchdog import StallError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
@@ -141,6 +144,44 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
+def rank0_composes() -> bool:
+    """Under torchrun only rank 0 runs Hydra and hands the composed config to the others through
+    torchrun's store: importing Hydra and composing cost ~0.3 CPU-s per rank, which four ranks on
+    two cores pay in the start-up (benchmarks/startup.py). Hydra's own flags (--help, --cfg, ...),
+    which print instead of running, and a job without that store keep Hydra on every rank."""
+    return (UNDER_TORCHRUN and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+            and not any(arg.startswith("-") for arg in sys.argv[1:]))
+
+
+CONFIG_WAIT_S = 300.0   # how long the other ranks wait for rank 0's config (torchrun ends them sooner if it fails)
+
+
+def _config_key() -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"distlib/config/{os.environ['TORCHELASTIC_RUN_ID']}/attempt_{attempt}"
+
+
+def _agent_store(timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _share_config(tree: dict, run_dir: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        _agent_store(60).set(_config_key(), json.dumps({"tree": tree, "run_dir": run_dir}))
+
+
+def _config_from_rank0() -> tuple[dict, str]:
+    """(tree, run_dir) as rank 0 composed them. If rank 0 fails first (a bad override), torchrun
+    stops this rank; the timeout only guards against a rank 0 that neither shares nor exits."""
+    try:
+        shared = json.loads(_agent_store(CONFIG_WAIT_S).get(_config_key()))
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+        sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: rank 0 did not share the composed config "
+                 f"within {CONFIG_WAIT_S:g} s (see rank 0's output): {exc}")
+    return shared["tree"], shared["run_dir"]
+
+
 def _shared_run_dir(proposed: str) -> str:
     """Under torchrun every rank runs Hydra; the first rank to ask fixes the run directory
     for all of them (and for restarts of the same job) through torchrun's own store. That is the
@@ -188,9 +229,16 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
         sys.exit(1)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main() -> None:
+    """Hydra composes conf/ with the command line and calls ``run_config``. Imported here, not at
+    the top: under torchrun the other ranks never need Hydra (see ``rank0_composes``)."""
+    import hydra
+    hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
+
+
+def run_config(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(cfg, resolve=True)
     try:
@@ -201,6 +249,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
     if UNDER_TORCHRUN:
+        if rank0_composes():
+            _share_config(tree, run_dir)
         worker(tree, run_dir)
     elif slurm.is_submitit_task(os.environ):
         # hydra/launcher=submitit_slurm: every SLURM task is one rank (see distlib/slurm.py)
@@ -223,7 +273,10 @@ if __name__ == "__main__":
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    main()
+    if rank0_composes() and os.environ.get("RANK", "0") != "0":
+        worker(*_config_from_rank0())
+    else:
+        main()
     # The run is over: files are closed and stdio is flushed by the interpreter regardless. Its
     # last garbage collection would walk every object torch and Hydra created (~0.35 s per rank
     # here, on the capstone's critical path); freezing them skips that walk.

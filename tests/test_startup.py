@@ -20,3 +20,37 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
             "assert not heavy, f'imported {heavy}'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_under_torchrun_only_rank0_composes_unless_hydra_prints(monkeypatch):
+    import train
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setattr(train, "UNDER_TORCHRUN", True)
+    monkeypatch.setattr(sys, "argv", ["train.py", "zero=stage0", "hydra.run.dir=/tmp/x"])
+    assert train.rank0_composes()
+    for flag in ("--cfg", "--help", "-c", "--info"):      # Hydra prints instead of running: every rank does
+        monkeypatch.setattr(sys, "argv", ["train.py", flag, "job"])
+        assert not train.rank0_composes(), flag
+    monkeypatch.setattr(sys, "argv", ["train.py", "zero=stage0"])
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")   # no store to share through
+    assert not train.rank0_composes()
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setattr(train, "UNDER_TORCHRUN", False)              # python train.py: one Hydra run
+    assert not train.rank0_composes()
+
+
+def test_train_module_does_not_import_hydra():
+    # ranks other than 0 import train.py and never compose; Hydra is imported inside main()
+    proc = subprocess.run([sys.executable, "-c", "import sys, train; assert 'hydra' not in sys.modules, 'hydra'; "
+                           "assert 'omegaconf' not in sys.modules, 'omegaconf'"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_config_error_on_rank0_ends_the_torchrun_job_instead_of_leaving_the_others_waiting(tmp_path):
+    from e2e import torchrun
+    proc = torchrun(tmp_path, "optimizer.lr=-1", nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "optimizer.lr must be > 0" in proc.stderr
+
