@@ -2,7 +2,7 @@
 
     torchrun ... benchmarks/_trace_worker.py train.py [overrides]     # with DISTLIB_TRACE_DIR set
 
-Imports what train.py imports (timing each group), wraps the functions that bound its phases
+Imports torch and distlib (timing each), wraps the functions that bound its phases
 (process-group init, Trainer construction, checkpoint save, the resume check, ...) so that each
 call records a timestamp, and then runs train.py as ``__main__`` with runpy. train.py itself is
 not modified. Each rank writes ``rank<R>.json``: (phase, wall clock, process CPU seconds) marks,
@@ -74,13 +74,11 @@ def main() -> None:
     import torch  # noqa: F401
     import torch.distributed as dist
     marks.mark("import torch")
-    import hydra  # noqa: F401
-    import omegaconf  # noqa: F401
-    marks.mark("import hydra, omegaconf")
     from distlib import checkpoint, report, trainer
     marks.mark("import distlib")
 
-    _wrap(dist, "init_process_group", marks, "hydra + config (before init)", "process group")
+    # Hydra is imported by train.main(), on rank 0 only under torchrun: it lands in the next phase.
+    _wrap(dist, "init_process_group", marks, "config (Hydra / from rank 0)", "process group")
     _wrap(trainer.Trainer, "__init__", marks, None, "trainer built (corpus, model, opt)")
     _wrap(checkpoint, "save", marks, "checkpoint save starts", "checkpoint saved")
     _wrap(trainer.Trainer, "memory_report", marks, "training loop done", None)
