@@ -249,12 +249,16 @@ class Trainer:
         """(checkpoint to resume from or None, whether it has been verified already). For "latest",
         the ranks verify the candidates together, newest first; damaged ones are moved aside."""
         resume = self.cfg.checkpoint.resume
-        if resume in (None, "", "none", "null"):
-            return None, False
-        if resume != "latest":
+        if resume not in (None, "", "none", "null") and resume != "latest":
             return Path(resume), False
         listing = json.dumps([str(p) for p in checkpoint.list_committed(self.ckpt_root)]) if self.comm.rank == 0 else ""
         candidates = [Path(p) for p in json.loads(agree.gather_bytes(listing.encode(), self.comm)[0])]
+        if resume != "latest":
+            if candidates:  # a fresh run here would collide with (and never overwrite) those checkpoints
+                raise checkpoint.CheckpointError(
+                    f"{self.ckpt_root} already holds checkpoint(s) up to {candidates[-1].name}; pass "
+                    f"checkpoint.resume=latest to continue that run, or choose a new hydra.run.dir")
+            return None, False
         damaged = []
         for path in reversed(candidates):
             try:

@@ -63,3 +63,14 @@ def test_torchrun_world_size_contradicting_the_config_is_refused(tmp_path):
     proc = torchrun(tmp_path, "dist.world_size=4", nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "dist.world_size=4 but 2 processes were started" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_fresh_run_in_a_directory_with_checkpoints_is_refused_at_once(tmp_path):
+    first = train(tmp_path, "dist.world_size=1", "train.steps=10", "checkpoint.every_steps=5")
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    again = train(tmp_path, "dist.world_size=1", "train.steps=10", "checkpoint.every_steps=5")
+    assert again.returncode != 0
+    assert "already holds checkpoint(s) up to step_00000010; pass checkpoint.resume=latest" in again.stderr
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics, "the refused run must not touch the log"
