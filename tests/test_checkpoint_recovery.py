@@ -126,10 +126,15 @@ def test_resume_path_loads_exactly_that_or_fails(tmp_path, clean):
 
 
 def test_existing_checkpoint_is_never_overwritten(tmp_path):
-    train(tree(1, steps=3, every=3), tmp_path)
-    before = (tmp_path / "checkpoints" / "step_00000003" / "manifest.json").read_bytes()
-    result = train(tree(1, steps=3, every=3, seed=7), tmp_path)[0]
+    train(tree(1, steps=6, every=3), tmp_path)
+    before = (tmp_path / "checkpoints" / "step_00000006" / "manifest.json").read_bytes()
+    # a fresh run into the same directory is refused before it trains
+    fresh = train(tree(1, steps=6, every=3, seed=7), tmp_path)[0]
+    assert "already holds checkpoint(s) up to step_00000006" in fresh["error"]
+    # resuming an older checkpoint there would re-save step 6: the save refuses
+    older = str(tmp_path / "checkpoints" / "step_00000003")
+    result = train(tree(1, steps=6, every=3, checkpoint={"resume": older}), tmp_path)[0]
     assert "refusing to overwrite existing checkpoint" in result["error"]
-    assert (tmp_path / "checkpoints" / "step_00000003" / "manifest.json").read_bytes() == before
+    assert (tmp_path / "checkpoints" / "step_00000006" / "manifest.json").read_bytes() == before
     with pytest.raises(CheckpointError):
-        checkpoint.begin(tmp_path / "checkpoints" / "step_00000003")
+        checkpoint.begin(tmp_path / "checkpoints" / "step_00000006")
