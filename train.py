@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import logging
 import os
 import re
@@ -25,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from distlib import data, report, slurm
+from distlib.launch import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
+                            share_config, shared_run_dir, use_deterministic_kernels)
 from distlib.checkpoint import CheckpointError
 from distlib.collectives import CollectiveMismatchError
 from distlib.comm import Comm
@@ -38,20 +39,6 @@ from distlib.watchdog import StallError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
-
-UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def use_deterministic_kernels() -> None:
-    """torch.use_deterministic_algorithms(True) without its side trip: the public function also sets
-    an inductor flag, which imports torch._inductor and torch._dynamo (~4 s per rank on this
-    machine, for a compiler we never use). The ATen switch it then flips is the one that matters."""
-    set_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
-    if set_flag is None:
-        torch.use_deterministic_algorithms(True)
-    else:
-        set_flag(True)
-
 
 def worker(tree: dict, run_dir: str) -> None:
     """One rank. Known failures (bad config, damaged checkpoint, a guard or desync stop, a stalled
@@ -121,81 +108,13 @@ def _join(cfg: RunConfig) -> None:
     """The rendezvous, under dist.timeout_s; a rank that never arrives is named."""
     Faults(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
     try:
-        _init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+        init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
         # torch names the store keys it waited for; each ends in the rank that never wrote it
         missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
         who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
         raise StallError(f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
                          f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})") from exc
-
-
-def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
-    """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
-    does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
-    group's gloo addresses. So each attempt gets its own key prefix in that store."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"distlib/attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-
-
-def rank0_composes() -> bool:
-    """Under torchrun only rank 0 runs Hydra and hands the composed config to the others through
-    torchrun's store: importing Hydra and composing cost ~0.3 CPU-s per rank, which four ranks on
-    two cores pay in the start-up (benchmarks/startup.py). Hydra's own flags (--help, --cfg, ...),
-    which print instead of running, and a job without that store keep Hydra on every rank."""
-    return (UNDER_TORCHRUN and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
-            and not any(arg.startswith("-") for arg in sys.argv[1:]))
-
-
-CONFIG_WAIT_S = 300.0   # how long the other ranks wait for rank 0's config (torchrun ends them sooner if it fails)
-
-
-def _config_key() -> str:
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"distlib/config/{os.environ['TORCHELASTIC_RUN_ID']}/attempt_{attempt}"
-
-
-def _agent_store(timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _share_config(tree: dict, run_dir: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        _agent_store(60).set(_config_key(), json.dumps({"tree": tree, "run_dir": run_dir}))
-
-
-def _config_from_rank0() -> tuple[dict, str]:
-    """(tree, run_dir) as rank 0 composed them. If rank 0 fails first (a bad override), torchrun
-    stops this rank; the timeout only guards against a rank 0 that neither shares nor exits."""
-    try:
-        shared = json.loads(_agent_store(CONFIG_WAIT_S).get(_config_key()))
-    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
-        sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: rank 0 did not share the composed config "
-                 f"within {CONFIG_WAIT_S:g} s (see rank 0's output): {exc}")
-    return shared["tree"], shared["run_dir"]
-
-
-def _shared_run_dir(proposed: str) -> str:
-    """Under torchrun every rank runs Hydra; the first rank to ask fixes the run directory
-    for all of them (and for restarts of the same job) through torchrun's own store. That is the
-    store of agent rank 0's node (MASTER_ADDR:MASTER_PORT, which every node must reach anyway for
-    init_process_group), so this works across hosts as it does on one."""
-    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
-        # Then no store listens on MASTER_PORT until rank 0's init_process_group: waiting would hang.
-        sys.exit("error: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun starts no store before the process "
-                 "group, so the ranks cannot agree on a run directory; pass hydra.run.dir=<a directory every "
-                 "node sees>")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
-    key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
-    return store.compare_set(key, "", proposed).decode()
 
 
 def _launch(tree: dict, run_dir: str, world_size: int) -> None:
@@ -249,8 +168,8 @@ def run_config(cfg: DictConfig) -> None:
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
     if UNDER_TORCHRUN:
-        if rank0_composes():
-            _share_config(tree, run_dir)
+        if rank0_composes(sys.argv):
+            share_config(tree, run_dir)
         worker(tree, run_dir)
     elif slurm.is_submitit_task(os.environ):
         # hydra/launcher=submitit_slurm: every SLURM task is one rank (see distlib/slurm.py)
@@ -267,14 +186,14 @@ if __name__ == "__main__":
         explicit = any(arg.startswith("hydra.run.dir=") for arg in sys.argv[1:])
         if not explicit:
             stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
-            sys.argv.append(f"hydra.run.dir={_shared_run_dir(stamp)}")
+            sys.argv.append(f"hydra.run.dir={shared_run_dir(stamp)}")
         if not any(arg.startswith("dist.world_size=") for arg in sys.argv[1:]):
             sys.argv.append(f"dist.world_size={os.environ['WORLD_SIZE']}")  # torchrun decides
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    if rank0_composes() and os.environ.get("RANK", "0") != "0":
-        worker(*_config_from_rank0())
+    if rank0_composes(sys.argv) and os.environ.get("RANK", "0") != "0":
+        worker(*config_from_rank0())
     else:
         main()
     # The run is over: files are closed and stdio is flushed by the interpreter regardless. Its

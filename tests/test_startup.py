@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_deterministic_kernels_are_on_without_importing_the_compiler():
     # torch.use_deterministic_algorithms imports torch._dynamo (~4 s per rank); train.py's
     # helper must flip the same ATen switch without it.
-    code = ("import sys, torch, train\n"
+    code = ("import sys, torch\nfrom distlib.launch import use_deterministic_kernels\n"
             "assert not torch.are_deterministic_algorithms_enabled()\n"
-            "train.use_deterministic_kernels()\n"
+            "use_deterministic_kernels()\n"
             "assert torch.are_deterministic_algorithms_enabled(), 'deterministic mode is off'\n"
             "heavy = [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules]\n"
             "assert not heavy, f'imported {heavy}'\n")
@@ -23,20 +23,17 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
 
 
 def test_under_torchrun_only_rank0_composes_unless_hydra_prints(monkeypatch):
-    import train
+    from distlib import launch
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    monkeypatch.setattr(train, "UNDER_TORCHRUN", True)
-    monkeypatch.setattr(sys, "argv", ["train.py", "zero=stage0", "hydra.run.dir=/tmp/x"])
-    assert train.rank0_composes()
+    monkeypatch.setattr(launch, "UNDER_TORCHRUN", True)
+    assert launch.rank0_composes(["train.py", "zero=stage0", "hydra.run.dir=/tmp/x"])
     for flag in ("--cfg", "--help", "-c", "--info"):      # Hydra prints instead of running: every rank does
-        monkeypatch.setattr(sys, "argv", ["train.py", flag, "job"])
-        assert not train.rank0_composes(), flag
-    monkeypatch.setattr(sys, "argv", ["train.py", "zero=stage0"])
+        assert not launch.rank0_composes(["train.py", flag, "job"]), flag
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")   # no store to share through
-    assert not train.rank0_composes()
+    assert not launch.rank0_composes(["train.py", "zero=stage0"])
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(train, "UNDER_TORCHRUN", False)              # python train.py: one Hydra run
-    assert not train.rank0_composes()
+    monkeypatch.setattr(launch, "UNDER_TORCHRUN", False)              # python train.py: one Hydra run
+    assert not launch.rank0_composes(["train.py", "zero=stage0"])
 
 
 def test_train_module_does_not_import_hydra():

@@ -1,0 +1,92 @@
+"""Process-group plumbing under torchrun, kept out of train.py.
+
+torchrun's agent hosts a TCPStore at MASTER_ADDR:MASTER_PORT that outlives worker restarts.
+The helpers here use it for three things every rank must agree on before training: the
+run directory, the composed config (rank 0 runs Hydra, the others read it), and a key prefix
+per restart attempt for the process group itself.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+CONFIG_WAIT_S = 300.0   # how long the other ranks wait for rank 0's config (torchrun ends them sooner if it fails)
+
+
+def use_deterministic_kernels() -> None:
+    """torch.use_deterministic_algorithms(True) without its side trip: the public function also sets
+    an inductor flag, which imports torch._inductor and torch._dynamo (~4 s per rank on this
+    machine, for a compiler we never use). The ATen switch it then flips is the one that matters."""
+    set_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_flag is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        set_flag(True)
+
+
+def _agent_store(timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
+    does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
+    group's gloo addresses. So each attempt gets its own key prefix in that store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"distlib/attempt_{attempt}", _agent_store(timeout.total_seconds()))
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def rank0_composes(argv: list[str]) -> bool:
+    """Under torchrun only rank 0 runs Hydra and hands the composed config to the others through
+    torchrun's store: importing Hydra and composing cost ~0.3 CPU-s per rank, which four ranks on
+    two cores pay in the start-up (benchmarks/startup.py). Hydra's own flags (--help, --cfg, ...),
+    which print instead of running, and a job without that store keep Hydra on every rank."""
+    return (UNDER_TORCHRUN and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+            and not any(arg.startswith("-") for arg in argv[1:]))
+
+
+def _config_key() -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"distlib/config/{os.environ['TORCHELASTIC_RUN_ID']}/attempt_{attempt}"
+
+
+def share_config(tree: dict, run_dir: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        _agent_store(60).set(_config_key(), json.dumps({"tree": tree, "run_dir": run_dir}))
+
+
+def config_from_rank0() -> tuple[dict, str]:
+    """(tree, run_dir) as rank 0 composed them. If rank 0 fails first (a bad override), torchrun
+    stops this rank; the timeout only guards against a rank 0 that neither shares nor exits."""
+    try:
+        shared = json.loads(_agent_store(CONFIG_WAIT_S).get(_config_key()))
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+        sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: rank 0 did not share the composed config "
+                 f"within {CONFIG_WAIT_S:g} s (see rank 0's output): {exc}")
+    return shared["tree"], shared["run_dir"]
+
+
+def shared_run_dir(proposed: str) -> str:
+    """The first rank to ask fixes the run directory for all of them (and for restarts of the
+    same job) through torchrun's own store. That is the store of agent rank 0's node
+    (MASTER_ADDR:MASTER_PORT, which every node must reach anyway for init_process_group), so
+    this works across hosts as it does on one."""
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        # Then no store listens on MASTER_PORT until rank 0's init_process_group: waiting would hang.
+        sys.exit("error: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun starts no store before the process "
+                 "group, so the ranks cannot agree on a run directory; pass hydra.run.dir=<a directory every "
+                 "node sees>")
+    key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
+    return _agent_store(60).compare_set(key, "", proposed).decode()
