@@ -32,12 +32,6 @@ def all_true(flag: bool, comm: Comm) -> bool:
     return bool(collectives.all_reduce(t, comm, op="min")[0])
 
 
-def from_rank0(value: int, comm: Comm) -> int:
-    """Rank 0's integer on every rank (e.g. a decision taken by rank 0's clock)."""
-    t = torch.tensor([value], dtype=torch.int64)
-    return int(collectives.broadcast(t, 0, comm)[0])
-
-
 def gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
     """Every rank's small blob (an error text, a JSON report), indexed by rank, on every rank."""
     return collectives.all_gather_bytes(payload, comm)

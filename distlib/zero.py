@@ -328,8 +328,3 @@ class ZeroOptimizer:
         return {"params": (b * p, b * pad, f"{b}P"), "grads": (4 * p, 4 * pad + transient, "4P"),
                 "optimizer": (12 * p / n, 12 * pad / n, "12P/N")}
 
-    def expected_bytes(self) -> dict[str, float]:
-        return {k: v[0] for k, v in self.memory_formula().items()}
-
-    def allowance_bytes(self) -> dict[str, float]:
-        return {k: v[1] for k, v in self.memory_formula().items()}
