@@ -23,19 +23,21 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from distlib import data, report, slurm
-from distlib.launch import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
+from distlib.app import data
+from distlib.app import summary as report
+from distlib.launch import slurm
+from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
                             share_config, shared_run_dir, use_deterministic_kernels)
-from distlib.checkpoint import CheckpointError
-from distlib.collectives import CollectiveMismatchError
-from distlib.comm import Comm
-from distlib.config import ConfigError, RunConfig
-from distlib.fault import Faults
-from distlib.guard import DesyncError, GuardError
-from distlib.metrics import last_event
-from distlib.tokens import DataError
-from distlib.trainer import Trainer
-from distlib.watchdog import StallError
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm.collectives import CollectiveMismatchError
+from distlib.comm.group import Comm
+from distlib.app.config import ConfigError, RunConfig
+from distlib.app.unattended.faults import Faults
+from distlib.app.unattended.guard import DesyncError, GuardError
+from distlib.app.metrics import last_event
+from distlib.app.tokens import DataError
+from distlib.app.trainer import Trainer
+from distlib.comm.watchdog import StallError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

@@ -74,7 +74,9 @@ def main() -> None:
     import torch  # noqa: F401
     import torch.distributed as dist
     marks.mark("import torch")
-    from distlib import checkpoint, report, trainer
+    from distlib.checkpoint import sharded as checkpoint
+    from distlib.app import summary as report
+    from distlib.app import trainer
     marks.mark("import distlib")
 
     # Hydra is imported by train.main(), on rank 0 only under torchrun: it lands in the next phase.

@@ -35,8 +35,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from distlib import checkpoint, reshard  # noqa: E402
-from distlib.zero import STATE_KEYS  # noqa: E402
+from distlib.checkpoint import sharded as checkpoint  # noqa: E402
+from distlib.checkpoint import reshard
+from distlib.parallel.zero.stage01 import STATE_KEYS  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 

@@ -24,7 +24,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distlib import collectives as C  # noqa: E402
+from distlib.comm import collectives as C  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*_tensor` is deprecated")  # *_into_tensor / *_scatter_tensor

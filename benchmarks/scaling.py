@@ -31,8 +31,8 @@ import step as S  # noqa: E402  (benchmarks/step.py: models, variants, data)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distlib.comm import Comm  # noqa: E402
-from distlib.model import build_model  # noqa: E402
+from distlib.comm.group import Comm  # noqa: E402
+from distlib.app.model import build_model  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 MODEL = "medium"

@@ -40,12 +40,12 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distlib import zero  # noqa: E402
-from distlib.adamw import AdamWConfig  # noqa: E402
-from distlib.comm import Comm  # noqa: E402
-from distlib.data import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
-from distlib.ddp import DataParallel  # noqa: E402
-from distlib.model import ModelConfig, build_model  # noqa: E402
+from distlib.parallel.zero import stage01 as zero  # noqa: E402
+from distlib.parallel.adamw import AdamWConfig  # noqa: E402
+from distlib.comm.group import Comm  # noqa: E402
+from distlib.app.data import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
+from distlib.parallel.broadcast import DataParallel  # noqa: E402
+from distlib.app.model import ModelConfig, build_model  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 MODELS = {

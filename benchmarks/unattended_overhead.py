@@ -31,9 +31,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distlib import collectives  # noqa: E402
-from distlib.config import RunConfig  # noqa: E402
-from distlib.trainer import Trainer  # noqa: E402
+from distlib.comm import collectives  # noqa: E402
+from distlib.app.config import RunConfig  # noqa: E402
+from distlib.app.trainer import Trainer  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 VARIANTS = {

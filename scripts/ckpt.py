@@ -16,12 +16,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this repo's distlib
 
-from distlib import checkpoint, reshard  # noqa: E402
-from distlib.checkpoint import CheckpointError  # noqa: E402
+from distlib.checkpoint import sharded as checkpoint  # noqa: E402
+from distlib.checkpoint import reshard
+from distlib.checkpoint.sharded import CheckpointError  # noqa: E402
 
 
 def inspect(args: argparse.Namespace) -> None:
-    from distlib.report import manifest_text
+    from distlib.app.summary import manifest_text
 
     manifest = checkpoint.read_manifest(args.path)
     layout, files = manifest["layout"], manifest["files"]

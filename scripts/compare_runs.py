@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distlib import checkpoint  # noqa: E402
+from distlib.checkpoint import sharded as checkpoint  # noqa: E402
 
 
 def read_losses(run_dir: Path) -> dict[int, str]:

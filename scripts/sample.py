@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from distlib.checkpoint import CheckpointError  # noqa: E402
-from distlib.sampling import SampleError, generate, load_model  # noqa: E402
-from distlib.tokens import BYTE_VOCAB, ByteTokenizer  # noqa: E402
+from distlib.checkpoint.sharded import CheckpointError  # noqa: E402
+from distlib.app.sampling import SampleError, generate, load_model  # noqa: E402
+from distlib.app.tokens import BYTE_VOCAB, ByteTokenizer  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

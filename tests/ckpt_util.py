@@ -6,10 +6,10 @@ from pathlib import Path
 
 from multiproc import run_ranks
 
-from distlib.checkpoint import CheckpointError
-from distlib.comm import Comm
-from distlib.config import RunConfig
-from distlib.trainer import Trainer
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm.group import Comm
+from distlib.app.config import RunConfig
+from distlib.app.trainer import Trainer
 
 # A global batch of 16 sequences divides over 1, 2 and 4 ranks, so those worlds see the same data.
 GLOBAL_BATCH = 16

@@ -40,8 +40,8 @@ def _run_one(comm, tree: dict, run_dir: str) -> dict:
 
     import torch
 
-    from distlib.config import RunConfig
-    from distlib.trainer import Trainer
+    from distlib.app.config import RunConfig
+    from distlib.app.trainer import Trainer
     torch.use_deterministic_algorithms(True)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from distlib.comm import Comm
+from distlib.comm.group import Comm
 
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -1,6 +1,6 @@
 import torch
 
-from distlib.adamw import AdamWConfig, adamw_step_
+from distlib.parallel.adamw import AdamWConfig, adamw_step_
 
 
 def test_flat_adamw_is_bitwise_torch_adamw():

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from distlib import agree, report
-from distlib.config import RunConfig
-from distlib.trainer import Trainer
+from distlib.comm import agree
+from distlib.app import summary as report
+from distlib.app.config import RunConfig
+from distlib.app.trainer import Trainer
 from multiproc import run_ranks
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from ckpt_util import train, tree
 
-from distlib import checkpoint
-from distlib.config import ConfigError, RunConfig
+from distlib.checkpoint import sharded as checkpoint
+from distlib.app.config import ConfigError, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["dist.world_size=2", "train.steps=6", "checkpoint.every_steps=3", "train.global_batch=16"]

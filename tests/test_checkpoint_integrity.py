@@ -11,11 +11,11 @@ import pytest
 import torch
 from ckpt_util import tree, train
 
-from distlib import checkpoint
-from distlib.checkpoint import CheckpointError
-from distlib.comm import Comm
-from distlib.config import RunConfig
-from distlib.trainer import Trainer
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm.group import Comm
+from distlib.app.config import RunConfig
+from distlib.app.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

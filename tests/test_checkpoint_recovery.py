@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from ckpt_util import train, tree
 
-from distlib import checkpoint
-from distlib.checkpoint import CheckpointError
-from distlib.config import SAVE_CRASH_POINTS
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.app.config import SAVE_CRASH_POINTS
 
 
 def _committed(run: Path) -> list[str]:

@@ -13,9 +13,10 @@ import safetensors.torch
 import torch
 from ckpt_util import train, tree
 
-from distlib import checkpoint, reshard
-from distlib.data import make_corpus
-from distlib.model import MiniGPT, ModelConfig
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint import reshard
+from distlib.app.data import make_corpus
+from distlib.app.model import MiniGPT, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "ckpt.py"

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from e2e import ROOT, run, train
-from distlib.config import ConfigError, RunConfig
+from distlib.app.config import ConfigError, RunConfig
 
 
 def _compose(*overrides):
@@ -36,7 +36,7 @@ def test_bad_values_are_refused_with_the_key_named(override, message):
     tree = _compose(override)
     with pytest.raises((ConfigError, ValueError), match=message):
         cfg = RunConfig.from_dict(tree)
-        from distlib.data import BatchPlan
+        from distlib.app.data import BatchPlan
         BatchPlan(cfg.global_batch, cfg.dist.world_size, cfg.train.grad_accum)
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlib import collectives as C
-from distlib.comm import Comm
+from distlib.comm import collectives as C
+from distlib.comm.group import Comm
 from multiproc import run_ranks
 
 SIZES = (0, 1, 3, 7, 1000, 4099)

@@ -1,8 +1,8 @@
 import torch
 
 from multiproc import run_ranks
-from distlib.ddp import DataParallel
-from distlib.model import MiniGPT, ModelConfig
+from distlib.parallel.broadcast import DataParallel
+from distlib.app.model import MiniGPT, ModelConfig
 
 
 class WithBuffer(torch.nn.Module):

@@ -9,14 +9,15 @@ import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 
-from distlib import collectives, guard
-from distlib.adamw import AdamWConfig
-from distlib.collectives import CollectiveMismatchError
-from distlib.comm import Comm
-from distlib.config import GuardConfig
-from distlib.model import ModelConfig, build_model
-from distlib.watchdog import StallError, watch
-from distlib.zero import ZeroOptimizer
+from distlib.comm import collectives
+from distlib.app.unattended import guard
+from distlib.parallel.adamw import AdamWConfig
+from distlib.comm.collectives import CollectiveMismatchError
+from distlib.comm.group import Comm
+from distlib.app.config import GuardConfig
+from distlib.app.model import ModelConfig, build_model
+from distlib.comm.watchdog import StallError, watch
+from distlib.parallel.zero.stage01 import ZeroOptimizer
 
 # --------------------------------------------------------------------------- the verdict
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from distlib.config import ConfigError, RunConfig
+from distlib.app.config import ConfigError, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

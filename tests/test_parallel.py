@@ -20,13 +20,13 @@ import math
 import pytest
 import torch
 
-from distlib import agree
-from distlib.adamw import AdamWConfig
-from distlib.config import DTYPES
-from distlib.mesh import build_mesh
-from distlib.model import ModelConfig, build_model
-from distlib.tensor_parallel import Split, shard_of, shard_model_
-from distlib.zero import make_optimizer
+from distlib.comm import agree
+from distlib.parallel.adamw import AdamWConfig
+from distlib.app.config import DTYPES
+from distlib.comm.mesh import build_mesh
+from distlib.app.model import ModelConfig, build_model
+from distlib.parallel.tensor_parallel import Split, shard_of, shard_model_
+from distlib.parallel.zero.stage01 import make_optimizer
 from multiproc import run_ranks
 
 # vocab 31 makes P = 5631 (3503 per tensor-parallel rank): odd, so every data-parallel split pads.
@@ -265,7 +265,7 @@ def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results)
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
-    from distlib.comm import Comm
+    from distlib.comm.group import Comm
     model = build_model(CFG, SEED)
     opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
     model.tok_emb(DATA[0][:, :-1]).sum().backward()       # only the embedding gets a gradient
@@ -277,7 +277,7 @@ def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
 def test_every_stage_exposes_its_parameter_and_gradient_buffers():
     """param_buffer / grad_buffer: what a rank holds, for tools (fault injection, replica checks)
     that must not assume the stage-0/1 flat buffers exist."""
-    from distlib.comm import Comm
+    from distlib.comm.group import Comm
     for stage in range(4):
         model = build_model(CFG, SEED)
         opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)

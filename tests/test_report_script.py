@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from multiproc import run_ranks
 
-from distlib.config import RunConfig
-from distlib.trainer import Trainer
+from distlib.app.config import RunConfig
+from distlib.app.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

@@ -10,10 +10,11 @@ import torch
 from ckpt_util import train, tree
 from multiproc import run_ranks
 
-from distlib import checkpoint, reshard
-from distlib.config import RunConfig
-from distlib.trainer import Trainer
-from distlib.zero import STATE_KEYS
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint import reshard
+from distlib.app.config import RunConfig
+from distlib.app.trainer import Trainer
+from distlib.parallel.zero.stage01 import STATE_KEYS
 
 
 # -- the rule -----------------------------------------------------------------

@@ -11,10 +11,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from distlib import reshard, sampling
-from distlib.checkpoint import CheckpointError
-from distlib.model import ModelConfig
-from distlib.tokens import ByteTokenizer
+from distlib.checkpoint import reshard
+from distlib.app import sampling
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.app.model import ModelConfig
+from distlib.app.tokens import ByteTokenizer
 from multiproc import run_ranks
 from trainrun import compose_tree, train
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from distlib import slurm
+from distlib.launch import slurm
 
 ROOT = Path(__file__).resolve().parent.parent
 

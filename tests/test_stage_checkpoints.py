@@ -14,10 +14,10 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from distlib.checkpoint import CheckpointError
-from distlib.config import RunConfig
-from distlib.tensor_parallel import Split
-from distlib.trainer import Trainer
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.app.config import RunConfig
+from distlib.parallel.tensor_parallel import Split
+from distlib.app.trainer import Trainer
 from multiproc import run_ranks
 
 MODEL = {"vocab_size": 30, "seq_len": 8, "dim": 16, "n_heads": 4, "n_layers": 2, "mlp_ratio": 2}
@@ -39,7 +39,7 @@ def _train(comm, cfg: RunConfig, run_dir: Path):
     if comm.rank == 0:
         run_dir.mkdir(parents=True)
     torch.use_deterministic_algorithms(True)
-    from distlib import agree
+    from distlib.comm import agree
     agree.all_true(True, comm)      # the directory exists before anyone opens metrics in it
     return Trainer(cfg, comm, run_dir).run()
 

@@ -23,7 +23,7 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
 
 
 def test_under_torchrun_only_rank0_composes_unless_hydra_prints(monkeypatch):
-    from distlib import launch
+    from distlib.launch import torchrun as launch
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setattr(launch, "UNDER_TORCHRUN", True)
     assert launch.rank0_composes(["train.py", "zero=stage0", "hydra.run.dir=/tmp/x"])

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from distlib import data, tokens
-from distlib.comm import Comm
-from distlib.config import ConfigError, RunConfig
-from distlib.data import BatchPlan, GlobalBatches, HeldOut, split_heldout
-from distlib.model import build_model
-from distlib.report import loss_table
-from distlib.tokens import ByteTokenizer, DataError
+from distlib.app import data
+from distlib.app import tokens
+from distlib.comm.group import Comm
+from distlib.app.config import ConfigError, RunConfig
+from distlib.app.data import BatchPlan, GlobalBatches, HeldOut, split_heldout
+from distlib.app.model import build_model
+from distlib.app.summary import loss_table
+from distlib.app.tokens import ByteTokenizer, DataError
 from multiproc import run_ranks
 from trainrun import compose_tree, train
 
@@ -280,7 +281,7 @@ def test_validation_loss_falls_and_is_the_mean_over_all_heldout_windows(sample, 
 
 
 def test_loss_table_shows_validation_only_when_evaluated():
-    from distlib.trainer import RunResult, StepLog
+    from distlib.app.trainer import RunResult, StepLog
     plain = RunResult(0, [StepLog(1, 2.0, 0.5, [1.0], 0.01), StepLog(2, 1.5, 0.4, [1.0], 0.01)])
     assert "val loss" not in loss_table(plain)
     evaluated = RunResult(0, [StepLog(1, 2.0, 0.5, [1.0], 0.01), StepLog(2, 1.5, 0.4, [1.0], 0.01, 1.75)])

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from multiproc import run_ranks
 
-from distlib import checkpoint
-from distlib.config import RunConfig
-from distlib.guard import DesyncError, GuardError
-from distlib.schedule import StopSignals
-from distlib.trainer import Trainer
+from distlib.checkpoint import sharded as checkpoint
+from distlib.app.config import RunConfig
+from distlib.app.unattended.guard import DesyncError, GuardError
+from distlib.app.unattended.stopping import StopSignals
+from distlib.app.trainer import Trainer
 
 BASE = {"train": {"steps": 12}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": 5},
         "metrics": {"progress_every": 0}}
@@ -299,7 +299,7 @@ def test_yaml_defaults_are_the_dataclass_defaults_and_leave_every_fault_off():
     ("guard", {"colour": 1}, "unknown key"),
 ])
 def test_bad_unattended_settings_are_refused_with_the_key_named(group, values, message):
-    from distlib.config import ConfigError
+    from distlib.app.config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         RunConfig.from_dict(config(**{group: values}))

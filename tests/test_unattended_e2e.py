@@ -12,9 +12,9 @@ import pytest
 from e2e import ROOT, free_port, torchrun, train
 from multiproc import run_ranks
 
-from distlib import checkpoint
-from distlib.config import RunConfig
-from distlib.trainer import Trainer
+from distlib.checkpoint import sharded as checkpoint
+from distlib.app.config import RunConfig
+from distlib.app.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

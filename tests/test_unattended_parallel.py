@@ -9,13 +9,14 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from distlib import collectives, guard
-from distlib.collectives import CollectiveMismatchError
-from distlib.config import GuardConfig, RunConfig
-from distlib.flat_layout import ParamSlot
-from distlib.guard import DesyncError, GuardError
-from distlib.mesh import build_mesh
-from distlib.trainer import Trainer
+from distlib.comm import collectives
+from distlib.app.unattended import guard
+from distlib.comm.collectives import CollectiveMismatchError
+from distlib.app.config import GuardConfig, RunConfig
+from distlib.parallel.flat_layout import ParamSlot
+from distlib.app.unattended.guard import DesyncError, GuardError
+from distlib.comm.mesh import build_mesh
+from distlib.app.trainer import Trainer
 
 BASE = {"train": {"steps": 8}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": 3},
         "metrics": {"progress_every": 0}}

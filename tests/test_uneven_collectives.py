@@ -3,7 +3,7 @@ to move a bucket or block straight into / out of the ranks' partitions), against
 import torch
 import torch.distributed as dist
 
-from distlib import collectives
+from distlib.comm import collectives
 from multiproc import run_ranks
 
 BOUNDS = [(0, 5), (5, 5), (5, 13)]     # rank 1 owns nothing of this 13-element buffer

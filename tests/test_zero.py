@@ -2,12 +2,12 @@ import pytest
 import torch
 
 from multiproc import run_ranks
-from distlib.adamw import AdamWConfig
-from distlib.comm import Comm
-from distlib.data import BatchPlan, GlobalBatches, make_corpus
-from distlib.ddp import DataParallel
-from distlib.model import ModelConfig, build_model
-from distlib.zero import FlatLayout, ZeroOptimizer
+from distlib.parallel.adamw import AdamWConfig
+from distlib.comm.group import Comm
+from distlib.app.data import BatchPlan, GlobalBatches, make_corpus
+from distlib.parallel.broadcast import DataParallel
+from distlib.app.model import ModelConfig, build_model
+from distlib.parallel.zero.stage01 import FlatLayout, ZeroOptimizer
 
 # P = 4001 for this model: not divisible by 2, 3 or 4, so padding is exercised.
 ODD = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=1, mlp_ratio=3)

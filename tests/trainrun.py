@@ -8,8 +8,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from distlib.config import RunConfig
-from distlib.trainer import Trainer
+from distlib.app.config import RunConfig
+from distlib.app.trainer import Trainer
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 

@@ -26,19 +26,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distlib import agree, checkpoint, data, guard, reshard, schedule, watchdog
-from distlib.comm import Comm
-from distlib.config import RunConfig
-from distlib.data import BatchPlan
-from distlib.ddp import DataParallel
-from distlib.fault import Faults
-from distlib.flat_layout import FlatLayout
-from distlib.mesh import build_mesh
-from distlib.metrics import MetricsLog, json_number
-from distlib.model import MiniGPT, build_model
-from distlib.rollback import RollbackPoint, RollbackTargets
-from distlib.tensor_parallel import manifest_layouts, shard_model_
-from distlib.zero import ZeroOptimizer, make_optimizer
+from distlib.comm import agree
+from distlib.checkpoint import sharded as checkpoint
+from distlib.app import data
+from distlib.app.unattended import guard
+from distlib.checkpoint import reshard
+from distlib.app.unattended import stopping as schedule
+from distlib.comm import watchdog
+from distlib.comm.group import Comm
+from distlib.app.config import RunConfig
+from distlib.app.data import BatchPlan
+from distlib.parallel.broadcast import DataParallel
+from distlib.app.unattended.faults import Faults
+from distlib.parallel.flat_layout import FlatLayout
+from distlib.comm.mesh import build_mesh
+from distlib.app.metrics import MetricsLog, json_number
+from distlib.app.model import MiniGPT, build_model
+from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
+from distlib.parallel.tensor_parallel import manifest_layouts, shard_model_
+from distlib.parallel.zero.stage01 import ZeroOptimizer, make_optimizer
 
 
 @dataclass

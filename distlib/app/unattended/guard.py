@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from distlib import agree
-from distlib.comm import Comm
-from distlib.config import GuardConfig
+from distlib.comm import agree
+from distlib.comm.group import Comm
+from distlib.app.config import GuardConfig
 
 
 class GuardError(RuntimeError):

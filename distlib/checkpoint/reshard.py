@@ -26,9 +26,9 @@ import safetensors
 import safetensors.torch
 import torch
 
-from distlib import checkpoint
-from distlib.checkpoint import CheckpointError
-from distlib.zero import STATE_KEYS, FlatLayout
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.parallel.zero.stage01 import STATE_KEYS, FlatLayout
 
 
 # -- the rule, as pure functions ---------------------------------------------

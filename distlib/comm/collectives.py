@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distlib.comm import KINDS, Comm
+from distlib.comm.group import KINDS, Comm
 
 AR_EXCHANGE_MAX_BYTES = 4 << 20      # all_reduce: exchange while each rank sends (N-1) B <= this
 DIRECT_MAX_BYTES = 4 << 20           # reduce_scatter / all_gather: direct up to here, then ring

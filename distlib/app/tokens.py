@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from distlib import agree
-from distlib.comm import Comm
+from distlib.comm import agree
+from distlib.comm.group import Comm
 
 MAGIC = b"DLTOKENS"
 FORMAT_VERSION = 1

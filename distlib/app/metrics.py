@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from distlib import agree
-from distlib.comm import KINDS, Comm
-from distlib.config import MetricsConfig
+from distlib.comm import agree
+from distlib.comm.group import KINDS, Comm
+from distlib.app.config import MetricsConfig
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes")
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import safetensors
 import torch
 
-from distlib import checkpoint, reshard
-from distlib.model import MiniGPT, ModelConfig
-from distlib.zero import FlatLayout
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint import reshard
+from distlib.app.model import MiniGPT, ModelConfig
+from distlib.parallel.zero.stage01 import FlatLayout
 
 
 class SampleError(ValueError):

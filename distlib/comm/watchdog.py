@@ -15,8 +15,8 @@ import time
 
 import torch.distributed as dist
 
-from distlib.collectives import CollectiveError, CollectiveMismatchError
-from distlib.comm import Comm
+from distlib.comm.collectives import CollectiveError, CollectiveMismatchError
+from distlib.comm.group import Comm
 
 
 class StallError(RuntimeError):

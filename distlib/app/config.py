@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distlib.adamw import AdamWConfig
-from distlib.mesh import MeshError, check_layout
-from distlib.model import ModelConfig
-from distlib.tensor_parallel import TPLayoutError, check_tp_layout
-from distlib.tokens import BYTE_VOCAB
+from distlib.parallel.adamw import AdamWConfig
+from distlib.comm.mesh import MeshError, check_layout
+from distlib.app.model import ModelConfig
+from distlib.parallel.tensor_parallel import TPLayoutError, check_tp_layout
+from distlib.app.tokens import BYTE_VOCAB
 
 
 class ConfigError(ValueError):

@@ -39,8 +39,8 @@ import safetensors
 import safetensors.torch
 import torch
 
-from distlib import collectives
-from distlib.comm import Comm
+from distlib.comm import collectives
+from distlib.comm.group import Comm
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

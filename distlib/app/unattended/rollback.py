@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from distlib import agree
-from distlib.comm import Comm
-from distlib.guard import GuardError
+from distlib.comm import agree
+from distlib.comm.group import Comm
+from distlib.app.unattended.guard import GuardError
 
 
 class RollbackError(GuardError):

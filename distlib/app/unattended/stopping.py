@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from distlib import agree
-from distlib.comm import Comm
+from distlib.comm import agree
+from distlib.comm.group import Comm
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from distlib import collectives
-from distlib.comm import Comm
+from distlib.comm import collectives
+from distlib.comm.group import Comm
 
 
 def broadcast_module_(module: nn.Module, comm: Comm, src: int = 0) -> None:

@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from distlib import collectives
-from distlib.adamw import AdamWConfig, adamw_step_
-from distlib.comm import Comm
-from distlib.flat_layout import FlatLayout, ParamSlot  # noqa: F401 - FlatLayout is part of this API
-from distlib.tensor_parallel import TPGroup
+from distlib.comm import collectives
+from distlib.parallel.adamw import AdamWConfig, adamw_step_
+from distlib.comm.group import Comm
+from distlib.parallel.flat_layout import FlatLayout, ParamSlot  # noqa: F401 - FlatLayout is part of this API
+from distlib.parallel.tensor_parallel import TPGroup
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 CATEGORIES = ("params", "grads", "optimizer")
@@ -42,8 +42,8 @@ def make_optimizer(module: nn.Module, comm: Comm, stage: int, cfg: AdamWConfig, 
                    tp: TPGroup | None = None, param_dtype: torch.dtype = torch.float32,
                    bucket_numel: int = 8192) -> "ZeroOptimizer":
     """The optimizer for ``stage`` over the data-parallel group ``comm``."""
-    from distlib.zero2 import Zero2Optimizer  # the stage 2/3 modules build on this one
-    from distlib.zero3 import Zero3Optimizer
+    from distlib.parallel.zero.stage2 import Zero2Optimizer  # the stage 2/3 modules build on this one
+    from distlib.parallel.zero.stage3 import Zero3Optimizer
     if stage in (0, 1):
         return ZeroOptimizer(module, comm, stage, cfg, grad_clip, tp=tp, param_dtype=param_dtype)
     if stage == 2:

@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlib import collectives
-from distlib.comm import Comm
-from distlib.model import MiniGPT, ModelConfig
+from distlib.comm import collectives
+from distlib.comm.group import Comm
+from distlib.app.model import MiniGPT, ModelConfig
 
 
 class TPLayoutError(ValueError):

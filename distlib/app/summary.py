@@ -9,7 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from distlib.trainer import RunResult
+from distlib.app.trainer import RunResult
 
 
 def loss_table(result: RunResult) -> str:

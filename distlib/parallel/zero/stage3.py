@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from distlib import collectives
-from distlib.adamw import AdamWConfig
-from distlib.comm import Comm
-from distlib.tensor_parallel import TPGroup
-from distlib.zero2 import Bucket, Zero2Optimizer, contiguous_bucket
+from distlib.comm import collectives
+from distlib.parallel.adamw import AdamWConfig
+from distlib.comm.group import Comm
+from distlib.parallel.tensor_parallel import TPGroup
+from distlib.parallel.zero.stage2 import Bucket, Zero2Optimizer, contiguous_bucket
 
 
 def unit_modules(model: nn.Module) -> list[nn.Module]:

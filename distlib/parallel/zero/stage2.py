@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from distlib import collectives
-from distlib.adamw import AdamWConfig
-from distlib.comm import Comm
-from distlib.tensor_parallel import TPGroup
-from distlib.zero import ZeroOptimizer
+from distlib.comm import collectives
+from distlib.parallel.adamw import AdamWConfig
+from distlib.comm.group import Comm
+from distlib.parallel.tensor_parallel import TPGroup
+from distlib.parallel.zero.stage01 import ZeroOptimizer
 
 
 @dataclass(frozen=True)

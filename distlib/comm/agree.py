@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from distlib import collectives
-from distlib.comm import Comm
+from distlib.comm import collectives
+from distlib.comm.group import Comm
 
 
 def mean(value: float, comm: Comm) -> float:

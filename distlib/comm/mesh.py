@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from distlib.comm import Comm
+from distlib.comm.group import Comm
 
 
 class MeshError(ValueError):

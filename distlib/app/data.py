@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distlib.comm import Comm
-from distlib.tokens import DataError, load_text_tokens
+from distlib.comm.group import Comm
+from distlib.app.tokens import DataError, load_text_tokens
 
 if TYPE_CHECKING:
-    from distlib.config import RunConfig
+    from distlib.app.config import RunConfig
 
 
 def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from distlib.checkpoint import SaveHook
-from distlib.config import ConfigError, FaultConfig
+from distlib.checkpoint.sharded import SaveHook
+from distlib.app.config import ConfigError, FaultConfig
 
 # fault.crash_in_save value -> the checkpoint.save hook point where the process dies
 _CRASH_POINTS = {"mid_shard": "shard_written", "before_manifest": "shards_written",

@@ -1,0 +1,10 @@
+"""checkpoint: the sharded on-disk format, and moving it between world sizes.
+
+Saving (every rank writes its shard, rank 0 commits a manifest with every file's sha256 by an
+atomic rename), verifying, loading, listing and pruning (``sharded``), capturing and restoring the
+random generators (``rng``), and resharding or consolidating a checkpoint (``reshard``).
+
+Rule: imports ``distlib.comm``, ``distlib.checkpoint`` and, from ``distlib.parallel``, only the
+flat layout, the tensor-parallel split descriptions and the AdamW state names -- never an
+optimizer class, the model, the application or its configuration tree.
+"""

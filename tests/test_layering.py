@@ -1,0 +1,151 @@
+"""The layered layout stays true: every import of every distlib module obeys its package's rule,
+there is no import circle, and no module or class grows past its size limit.
+
+  comm  <-  parallel  <-  checkpoint  <-  app  <-  launch  <-  train.py
+
+Each package's rule is the paragraph in its ``__init__.py``; RULES below is that paragraph as
+data. A failure names the file, the line and the import.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "distlib"
+MAX_MODULE_LINES = 350
+MAX_CLASS_LINES = 250
+
+# package -> distlib modules it may import (prefixes); third-party names it must not import.
+RULES = {
+    "distlib.comm": (("distlib.comm",), ()),
+    "distlib.parallel": (("distlib.comm", "distlib.parallel"), ()),
+    "distlib.checkpoint": (("distlib.comm", "distlib.checkpoint", "distlib.parallel.flat_layout",
+                            "distlib.parallel.tensor_parallel", "distlib.parallel.adamw"), ()),
+    "distlib.app": (("distlib.comm", "distlib.parallel", "distlib.checkpoint", "distlib.app"), ()),
+    "distlib.launch": (("distlib",), ()),
+}
+NO_THIRD_PARTY = {  # the library and the application take plain arguments, never Hydra's tree
+    "distlib.comm": ("hydra", "omegaconf"), "distlib.parallel": ("hydra", "omegaconf"),
+    "distlib.checkpoint": ("hydra", "omegaconf"), "distlib.app": ("hydra", "omegaconf"),
+}
+LIBRARY = ("distlib.comm", "distlib.parallel", "distlib.checkpoint")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in the file, relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            out.append((node.lineno, base))
+            # "from distlib.pkg import mod" imports the module distlib.pkg.mod
+            for a in node.names:
+                if (PACKAGE.parent / (base + "." + a.name).replace(".", "/")).with_suffix(".py").exists() or \
+                        (PACKAGE.parent / (base + "." + a.name).replace(".", "/") / "__init__.py").exists():
+                    out.append((node.lineno, base + "." + a.name))
+    return out
+
+
+def package_of(module: str) -> str | None:
+    return next((p for p in RULES if module == p or module.startswith(p + ".")), None)
+
+
+def all_modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def violations() -> list[str]:
+    found = []
+    for path in all_modules():
+        me = module_name(path)
+        pkg = package_of(me)
+        if pkg is None:
+            if me != "distlib":
+                found.append(f"{path.relative_to(ROOT)}: module outside every package of the layout")
+            continue
+        allowed, _ = RULES[pkg]
+        for line, target in imports(path):
+            where = f"{path.relative_to(ROOT)}:{line}: {me} imports {target}"
+            top = target.split(".")[0]
+            if top in NO_THIRD_PARTY.get(pkg, ()):
+                found.append(f"{where} ({pkg} never imports {top})")
+            if top == "distlib" and target != "distlib" and not any(
+                    target == a or target.startswith(a + ".") for a in allowed):
+                found.append(f"{where} (rule of {pkg}: only {', '.join(allowed)})")
+    return found
+
+
+def circles() -> list[str]:
+    """Import cycles between distlib modules (module-level and function-level imports alike)."""
+    graph = {module_name(p): {t for _, t in imports(p) if t.startswith("distlib.")} for p in all_modules()}
+    graph = {m: {t for t in ts if t in graph and t != m} for m, ts in graph.items()}
+    # a package's __init__ is imported by its modules implicitly; only explicit edges count
+    seen, stack, out = set(), [], []
+
+    def visit(m: str) -> None:
+        if m in stack:
+            cycle = stack[stack.index(m):] + [m]
+            out.append(" -> ".join(cycle))
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for t in sorted(graph[m]):
+            visit(t)
+        stack.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    return out
+
+
+def test_every_import_obeys_its_package_rule():
+    assert violations() == [], "\n" + "\n".join(violations())
+
+
+def test_no_import_circles():
+    assert circles() == [], "\n" + "\n".join(circles())
+
+
+def test_every_package_states_its_rule():
+    for init in PACKAGE.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 80 and "TODO" not in doc, f"{init.relative_to(ROOT)}: needs a one-paragraph rule"
+
+
+def test_no_module_or_class_too_long():
+    problems = []
+    for path in all_modules():
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            problems.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines > {MAX_MODULE_LINES}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name} is "
+                                f"{node.end_lineno - node.lineno + 1} lines > {MAX_CLASS_LINES}")
+    assert problems == [], "\n" + "\n".join(problems)
+
+
+def test_the_checker_catches_a_bad_import(tmp_path, monkeypatch):
+    """The rules can fail: a library module importing the application is reported with its line."""
+    bad = PACKAGE / "comm" / "_layering_probe.py"
+    bad.write_text("import torch\nfrom distlib.app import config\n")
+    try:
+        found = violations()
+    finally:
+        bad.unlink()
+    assert any("distlib/comm/_layering_probe.py:2" in v and "distlib.app" in v for v in found), found
