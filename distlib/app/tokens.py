@@ -186,31 +186,28 @@ def load_text_tokens(source: str, cache_dir: str | None, comm: Comm) -> tuple[np
     """Every rank's view of ``source`` as byte tokens (memory-mapped) and the source sha256.
     Rank 0 (re)builds the token file; all ranks raise the same DataError if anything fails."""
     path = Path(source).expanduser()
-    report = ""
-    if comm.rank == 0:
+
+    def build() -> str:
         try:
-            target, sha, _ = ensure_token_file(path, cache_dir)
-            report = "ok " + sha
-        except DataError as exc:
-            report = f"error {exc}"
+            return ensure_token_file(path, cache_dir)[1]
+        except DataError:
+            raise
         except Exception as exc:  # noqa: BLE001 - every rank must hear it, or they wait forever
-            report = (f"error tokenizing data.path {path} into {token_file_path(path, cache_dir)} failed: "
-                      f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)")
-    verdict = agree.gather_bytes(report.encode(), comm)[0].decode()
-    if verdict.startswith("error "):
-        raise DataError(verdict[len("error "):])
-    sha = verdict[len("ok "):]
+            raise DataError(f"tokenizing data.path {path} into {token_file_path(path, cache_dir)} failed: "
+                            f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)") from exc
+
+    sha = agree.agreed(build, comm, DataError, rank0_only=True)
     target = token_file_path(path, cache_dir)
-    problem = ""
-    try:
-        tokens, header = open_tokens(target)
+
+    def open_built() -> tuple[np.ndarray, TokenFileHeader]:
+        try:
+            tokens, header = open_tokens(target)
+        except DataError as exc:
+            raise DataError(f"{exc} (every node must see the data directory rank 0 wrote: a shared filesystem)") from exc
         if header.source_sha256 != sha:
-            problem = (f"token file {target} holds source sha256 {header.source_sha256}, rank 0 built "
-                       f"{sha}; every node must see the same data directory (a shared filesystem)")
-    except DataError as exc:
-        problem = f"{exc} (every node must see the data directory rank 0 wrote: a shared filesystem)"
-    problems = [p.decode() for p in agree.gather_bytes(problem.encode(), comm)]
-    failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
-    if failed:
-        raise DataError("; ".join(failed))
+            raise DataError(f"token file {target} holds source sha256 {header.source_sha256}, rank 0 built "
+                            f"{sha}; every node must see the same data directory (a shared filesystem)")
+        return tokens, header
+
+    tokens, _ = agree.agreed(open_built, comm, DataError)
     return tokens, sha

@@ -172,11 +172,11 @@ class Trainer:
         path = Path(path)
         if not verified:
             checkpoint.verify_collectively(path, self.comm)
-        manifest = checkpoint.agreed(lambda: checkpoint.read_manifest(path), self.comm)
+        manifest = agree.agreed(lambda: checkpoint.read_manifest(path), self.comm, checkpoint.CheckpointError)
         self._check_compatible(path, manifest, optimizer.layout)
-        state, rank_state, rng = checkpoint.agreed(
+        state, rank_state, rng = agree.agreed(
             lambda: reshard.load_partition(path, manifest, self.mesh.dp.rank, self.mesh.dp.size, self.mesh.tp.rank),
-            self.comm)
+            self.comm, checkpoint.CheckpointError)
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:
             checkpoint.restore_rng(rng, rank_state["rng"])

@@ -156,7 +156,8 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
     layout = FlatLayout.from_dict(manifest["layout"])
     numel, shards = layout.numel, _shards(path, manifest)
     partitions = {key: repartition([s[key] for s in shards], numel, world_size) for key in STATE_KEYS}
-    partial = checkpoint.begin(out)
+    checkpoint.begin(out)
+    partial = checkpoint.partial_dir(out)
     files = []
     for rank in range(world_size):
         own = rank if rank < old_world else 0

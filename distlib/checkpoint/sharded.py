@@ -32,14 +32,14 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable
 
 import numpy as np
 import safetensors
 import safetensors.torch
 import torch
 
-from distlib.comm import collectives
+from distlib.comm import agree, collectives
 from distlib.comm.group import Comm
 
 FORMAT_VERSION = 1
@@ -50,7 +50,6 @@ _STEP_DIR = re.compile(r"step_(\d{8})")
 # shard_written (this rank's file, before its fsync), shards_written (every rank's shard is durable),
 # manifest_written (rank 0, before the directory rename), committed.
 SaveHook = Callable[[str, Path], None]
-T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -84,29 +83,6 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((version, tuple(state), py_gauss))
 
 
-# -- agreeing on failures -------------------------------------------------------
-def _error_text(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-
-
-def agreed(fn: Callable[[], T], comm: Comm, *, only_rank0: bool = False) -> T | None:
-    """Run ``fn`` on every rank (or rank 0 only; the others get None). If it fails anywhere, raise
-    the same CheckpointError on every rank, so no rank goes on alone or waits in a collective."""
-    result, error = None, ""
-    if comm.rank == 0 or not only_rank0:
-        try:
-            result = fn()
-        except Exception as exc:  # noqa: BLE001 - shared below, raised everywhere
-            error = _error_text(exc)
-    errors = [b.decode() for b in collectives.all_gather_bytes(error.encode(), comm)]
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if len({e for _, e in failed}) == 1:
-        raise CheckpointError(failed[0][1])
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
-    return result
-
-
 # -- writing -------------------------------------------------------------------
 def _no_hook(point: str, path: Path) -> None:
     pass
@@ -120,16 +96,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def begin(final: Path) -> Path:
-    """Create the private ``.NAME.partial`` directory a checkpoint is written into."""
+def partial_dir(final: Path) -> Path:
+    """The private directory a checkpoint is written into before its commit renames it to ``final``."""
+    return final.parent / f".{final.name}.partial"
+
+
+def begin(final: Path) -> None:
+    """Create ``partial_dir(final)``, refusing a ``final`` that exists already."""
     if final.exists():
         raise CheckpointError(f"refusing to overwrite existing checkpoint {final}")
-    partial = final.parent / f".{final.name}.partial"
+    partial = partial_dir(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     if partial.exists():  # left behind by a save that crashed; it was never committed
         shutil.rmtree(partial)
     partial.mkdir()
-    return partial
 
 
 def write_shard(directory: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
@@ -165,17 +145,17 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: di
     Raises CheckpointError on every rank if any rank failed; the previous checkpoints stay as they were."""
     hook = hook or _no_hook
     final = Path(root) / step_dir_name(step)
-    partial = final.parent / f".{final.name}.partial"
-    agreed(lambda: begin(final), comm, only_rank0=True)
+    partial = partial_dir(final)
+    agree.agreed(lambda: begin(final), comm, CheckpointError, rank0_only=True)
 
     def write() -> dict:
         try:
             return write_shard(partial, comm.rank, tensors, rank_state, hook)
         except Exception as exc:
             raise CheckpointError(f"rank {comm.rank} writing {partial / shard_name(comm.rank)}: "
-                                  f"{_error_text(exc)}") from exc
+                                  f"{exc if isinstance(exc, CheckpointError) else f'{type(exc).__name__}: {exc}'}") from exc
     try:
-        report = agreed(write, comm)
+        report = agree.agreed(write, comm, CheckpointError)
     except CheckpointError as exc:
         if comm.rank == 0:  # free the space a full disk needs back; nothing here was committed
             shutil.rmtree(partial, ignore_errors=True)
@@ -183,7 +163,7 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: di
     reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps(report).encode(), comm)]
     hook("shards_written", partial)
     manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": comm.size, **meta, "files": reports}
-    agreed(lambda: commit(partial, final, manifest, hook), comm, only_rank0=True)
+    agree.agreed(lambda: commit(partial, final, manifest, hook), comm, CheckpointError, rank0_only=True)
     hook("committed", final)
     return final
 
@@ -262,7 +242,7 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
 
 def verify_collectively(path: Path, comm: Comm) -> dict:
     """``verify`` with the hashing split over the ranks; every rank returns or raises the same."""
-    return agreed(lambda: verify(path, share=(comm.rank, comm.size)), comm)
+    return agree.agreed(lambda: verify(path, share=(comm.rank, comm.size)), comm, CheckpointError)
 
 
 def load_shard(path: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:

@@ -6,6 +6,9 @@ every rank must take identically, or the ranks diverge and deadlock).
 """
 from __future__ import annotations
 
+import json
+from typing import Callable, TypeVar
+
 import torch
 
 from distlib.comm import collectives
@@ -47,3 +50,24 @@ def rank0_and_any(value: int, flag: int, comm: Comm) -> tuple[int, int]:
 
 
 _LOWEST = -(2 ** 62)
+T = TypeVar("T")
+
+
+def agreed(fn: Callable[[], T], comm: Comm, error: type[Exception], *, rank0_only: bool = False) -> T | None:
+    """"Decide, and every rank hears": run ``fn`` on every rank (or on rank 0 only, whose result --
+    JSON-serialisable then -- every rank receives), in one collective. If it raised anywhere, every
+    rank raises the same ``error`` naming the failed ranks, so none goes on alone or waits forever."""
+    value, problem = None, ""
+    if comm.rank == 0 or not rank0_only:
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - shared below, raised everywhere
+            problem = str(exc) if isinstance(exc, error) else f"{type(exc).__name__}: {exc}"
+    mine = {"error": problem, "value": value if rank0_only and comm.rank == 0 else None}
+    reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps(mine).encode(), comm)]
+    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+    if len({e for _, e in failed}) == 1:
+        raise error(failed[0][1])
+    if failed:
+        raise error("; ".join(f"rank {r}: {e}" for r, e in failed))
+    return reports[0]["value"] if rank0_only else value

@@ -74,16 +74,14 @@ class RollbackTargets:
         later = [p for p in self.saved if p.step > target.step]
         self.saved = [p for p in self.saved if p.step <= target.step]
         moves = [(p.path, Path(root) / f"rolled_back_{trip}" / p.path.name) for p in later]
-        error = ""
-        if comm.rank == 0:
+
+        def move_aside() -> None:
             for src, dest in moves:
                 try:
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     os.rename(src, dest)
                 except OSError as exc:
-                    error = f"could not move {src} aside after a rollback: {exc}"
-                    break
-        errors = [b.decode() for b in agree.gather_bytes(error.encode(), comm)]
-        if errors[0]:
-            raise RollbackError(errors[0])
+                    raise RollbackError(f"could not move {src} aside after a rollback: {exc}") from exc
+
+        agree.agreed(move_aside, comm, RollbackError, rank0_only=True)
         return [str(dest) for _, dest in moves]
