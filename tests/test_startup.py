@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_deterministic_kernels_are_on_without_importing_the_compiler():
     # torch.use_deterministic_algorithms imports torch._dynamo (~4 s per rank); train.py's
     # helper must flip the same ATen switch without it.
-    code = ("import sys, torch\nfrom distlib.launch import use_deterministic_kernels\n"
+    code = ("import sys, torch\nfrom distlib.launch.torchrun import use_deterministic_kernels\n"
             "assert not torch.are_deterministic_algorithms_enabled()\n"
             "use_deterministic_kernels()\n"
             "assert torch.are_deterministic_algorithms_enabled(), 'deterministic mode is off'\n"
