@@ -40,6 +40,14 @@ def test_bad_values_are_refused_with_the_key_named(override, message):
         BatchPlan(cfg.global_batch, cfg.dist.world_size, cfg.train.grad_accum)
 
 
+def test_nccl_is_refused_as_a_config_error_until_tensors_live_on_gpus(tmp_path):
+    """Every tensor is on the CPU, so NCCL cannot work (before: a 60 s "rendezvous did not form")."""
+    proc = train(tmp_path, "dist.backend=nccl", "dist.world_size=1", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "config error: dist.backend=nccl is not supported yet" in proc.stderr
+    assert "Traceback" not in proc.stderr and "rendezvous" not in proc.stderr
+
+
 def test_bad_override_on_the_command_line_fails_fast(tmp_path):
     proc = train(tmp_path, "zero.stage=7", timeout=60)
     assert proc.returncode == 2

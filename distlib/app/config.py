@@ -124,6 +124,12 @@ class DistConfig:
             raise ConfigError(f"dist.tp must be >= 1, got {self.tp}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"dist.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend == "nccl":
+            # NCCL moves CUDA tensors only, and every tensor here lives on the CPU (device placement
+            # is not built yet): without this check the run dies later as a rendezvous "timeout".
+            cuda = "" if torch.cuda.is_available() else "; this torch build has no CUDA either"
+            raise ConfigError(f"dist.backend=nccl is not supported yet: every tensor is placed on the CPU, "
+                              f"which NCCL cannot move{cuda}. Use dist.backend=gloo")
         if not self.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
 
