@@ -194,7 +194,7 @@ def _stop_signals(comm, signum):
     return got, signal.getsignal(signum) is signal.default_int_handler or signal.getsignal(signum) == signal.SIG_DFL
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2])
 def test_stop_signals_record_the_signal_and_restore_the_handlers(signum):
     got, restored = run_ranks(_stop_signals, 1, signum)[0]
     assert got == signum and restored

@@ -3,7 +3,7 @@
 Every step ends with one small collective (``decide``) that carries two decisions:
 rank 0's clock verdict ("``every_minutes`` have passed since the last save"; the
 other ranks' clocks are never consulted, so all ranks save at the same step) and
-whether any rank received SIGTERM/SIGINT (a pre-emption may reach the ranks at
+whether any rank received SIGTERM/SIGINT/SIGUSR2 (a pre-emption may reach the ranks at
 different moments, or only some of them). On a stop every rank saves at the same
 step and leaves the loop.
 """
@@ -20,11 +20,13 @@ from typing import Callable
 from distlib.comm import agree
 from distlib.comm.group import Comm
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR2: what conf/hydra/launcher/submitit_slurm.yaml asks SLURM to send before the time limit
+# (`--signal=USR2@N`); it must save and stop like a pre-emption, not kill the rank.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 
 
 class StopSignals:
-    """While installed, SIGTERM/SIGINT only record a request; the loop stops at a step boundary.
+    """While installed, SIGTERM/SIGINT/SIGUSR2 only record a request; the loop stops at a step boundary.
 
     A rank that cannot reach the boundary (stalled outside a collective: a launcher sends
     every worker SIGTERM once one has failed) would otherwise ignore the signal until the
