@@ -150,9 +150,21 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
         sys.exit(1)
 
 
+def _submitit_installed() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:     # not even the hydra_plugins namespace exists
+        return False
+
+
 def main() -> None:
     """Hydra composes conf/ with the command line and calls ``run_config``. Imported here, not at
     the top: under torchrun the other ranks never need Hydra (see ``rank0_composes``)."""
+    if any(a.startswith("hydra/launcher=submitit") for a in sys.argv[1:]) and not _submitit_installed():
+        # Hydra would fail with a traceback ending in "Unknown plugin class".
+        sys.exit("error: hydra/launcher=submitit_slurm needs the optional plugin, which is not installed: "
+                 "pip install hydra-submitit-launcher (docs/beyond.md, \"Clusters\")")
     import hydra
     hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
 
