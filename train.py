@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from distlib.app import data
 from distlib.app import summary as report
@@ -42,6 +43,7 @@ from distlib.comm.watchdog import StallError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+@record
 def worker(tree: dict, run_dir: str) -> None:
     """One rank. Known failures (bad config, damaged checkpoint, a guard or desync stop, a stalled
     or mismatched collective) print one line and exit 1 (once, from rank 0, when the ranks agreed
@@ -147,6 +149,12 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     except ChildFailedError as exc:
         failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
         print(f"error: training failed: {failed}", file=sys.stderr)
+        for r, failure in sorted(exc.failures.items()):
+            # worker() records an unexpected exception in torchelastic's error file (message + traceback)
+            # (an unexpected error is a bug: its traceback is printed too, as torchrun's workers do)
+            if isinstance(failure.message, dict) and "message" in failure.message:
+                stack = failure.message.get("extraInfo", {}).get("py_callstack", "")
+                print(f"rank {r}: {stack or failure.message['message']}".rstrip(), file=sys.stderr)
         sys.exit(1)
 
 

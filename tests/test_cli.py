@@ -56,6 +56,23 @@ def test_slurm_launcher_without_its_plugin_is_one_clear_line(tmp_path):
                                    "installed: pip install hydra-submitit-launcher (docs/beyond.md, \"Clusters\")")
 
 
+def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
+    """Under `python train.py` the launcher used to print only "training failed: rank 1 (exit 1)"."""
+    code = ("import runpy, sys\n"
+            "from distlib.app import trainer\n"
+            "def broken(self):\n"
+            "    raise RuntimeError(f'injected bug on rank {self.comm.rank}')\n"
+            "trainer.Trainer.run = broken   # the workers are forked, so they inherit it\n"
+            f"sys.argv = ['train.py', 'dist.world_size=2', 'hydra.run.dir={tmp_path}']\n"
+            "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = run([sys.executable, "-c", code], timeout=120)
+    assert proc.returncode == 1
+    failed = re.search(r"error: training failed: rank (\d) \(exit 1\)", proc.stderr)
+    assert failed, proc.stderr[-2000:]
+    # the launcher stops the others after the first failure; that rank's own message is printed
+    assert f"RuntimeError: injected bug on rank {failed.group(1)}" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_bad_override_on_the_command_line_fails_fast(tmp_path):
     proc = train(tmp_path, "zero.stage=7", timeout=60)
     assert proc.returncode == 2
