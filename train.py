@@ -29,7 +29,7 @@ from distlib.launch import slurm
 from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
                             share_config, shared_run_dir, use_deterministic_kernels)
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.comm.collectives import CollectiveMismatchError
+from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
 from distlib.app.config import ConfigError, RunConfig
 from distlib.app.unattended.faults import Faults
