@@ -95,7 +95,7 @@ def test_reshard_command_writes_a_valid_checkpoint(ckpt, tmp_path, capsys):
     assert ckpt_tool.main(["reshard", str(ckpt), str(out), "--world-size", "3"]) == 0
     assert "for 3 rank(s), verified" in capsys.readouterr().out
     manifest = checkpoint.verify(out)
-    assert manifest["world_size"] == 3 and len(manifest["files"]) == 3
+    assert manifest["world_size"] == 3 and manifest["dp"] == 3 and len(manifest["files"]) == 3
     before = reshard.full_state(ckpt, checkpoint.read_manifest(ckpt))
     after = reshard.full_state(out, manifest)
     assert all(torch.equal(after[k], before[k]) for k in before)

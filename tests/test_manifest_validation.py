@@ -209,6 +209,12 @@ def test_train_py_resume_prints_one_line(runs, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_stale_dp_from_the_old_reshard_tool_is_still_read(runs, tmp_path):
+    """scripts/ckpt.py reshard used to copy the source's dp; with tp == 1 nothing reads it."""
+    ckpt = _doctored(runs["dp"], tmp_path, lambda m: m.update(dp=4, resharded_from={"path": "x", "world_size": 4}))
+    assert checkpoint.verify(ckpt)["dp"] == 4
+
+
 def test_a_newer_format_is_named_before_its_fields(runs, tmp_path):
     ckpt = _doctored(runs["dp"], tmp_path, lambda m: Whole({"format_version": 2}))
     with pytest.raises(CheckpointError, match=r"manifest\.json: format_version 2, this program reads 1$"):
