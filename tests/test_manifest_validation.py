@@ -103,6 +103,7 @@ CASES = [
 TP_CASES = [
     ("layouts_count", _del("tp_layouts", 1), "tp_layouts has 1 layout(s), expected one per tensor rank (2)"),
     ("no_layouts", _del("tp_layouts"), 'manifest lacks "tp_layouts"'),
+    ("empty_layouts", _set("tp_layouts", value=[]), "tp_layouts has 0 layout(s), expected one per tensor rank (2)"),
     ("split_index", lambda m: _qkv(m, 1)["split"].update(index=0), "does not fit tensor rank 1 of 2"),
     ("split_parts", lambda m: _qkv(m, 0)["split"].update(parts=4), "does not fit tensor rank 0 of 2"),
     ("split_dim", lambda m: _qkv(m, 0)["split"].update(dim=2), "does not fit tensor rank 0 of 2"),

@@ -135,11 +135,11 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     stale_ok = tp == 1 and "resharded_from" in manifest
     if dp is not None and dp * tp != world and not stale_ok:
         raise ManifestProblem(f"dp {dp} x tp {tp} != world_size {world}")
-    layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1) or []
-    if layouts and len(layouts) != tp:
+    layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1)
+    if layouts is not None and len(layouts) != tp:
         raise ManifestProblem(f"tp_layouts has {len(layouts)} layout(s), expected one per tensor rank ({tp})")
     check_layout(_field(manifest, "layout", "", dict), "layout", world // tp)
-    for t, layout in enumerate(layouts):
+    for t, layout in enumerate(layouts or []):
         check_layout(layout, f"tp_layouts[{t}]", world // tp, tp, t)
     files = _field(manifest, "files", "", list)
     if len(files) != world:
