@@ -30,7 +30,7 @@ from distlib.launch import slurm
 from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
                             share_config, shared_run_dir, use_deterministic_kernels)
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.comm.collectives import CollectiveMismatchError
+from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
 from distlib.app.config import ConfigError, RunConfig
 from distlib.app.unattended.faults import Faults
@@ -109,11 +109,17 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
 
 
 def _join(cfg: RunConfig) -> None:
-    """The rendezvous, under dist.timeout_s; a rank that never arrives is named."""
+    """The rendezvous, under dist.timeout_s; a rank that never arrives is named. Any other failure
+    (a bad address, a port in use) keeps its own message: it is not a rank that did not arrive."""
     Faults(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
     try:
         init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
-    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
+        # torch tells a timeout only in the text: DistStoreError "wait timeout after ...", "Timed out
+        # initializing ...", a client socket that "has timed out"
+        if not (isinstance(exc, TimeoutError) or isinstance(exc, RuntimeError)
+                and re.search(r"\btime(d)?[ -]?out\b", str(exc), re.IGNORECASE)):
+            raise
         # torch names the store keys it waited for; each ends in the rank that never wrote it
         missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
         who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"

@@ -5,7 +5,8 @@
     python scripts/ckpt.py consolidate CKPT OUT [--optimizer]   # OUT/model.safetensors (+ optimizer)
     python scripts/ckpt.py reshard  CKPT OUT --world-size M  # a new checkpoint for M ranks
 
-CKPT is a checkpoint directory such as outputs/.../checkpoints/step_00000010.
+CKPT is a checkpoint directory such as outputs/.../checkpoints/step_00000010. OUT must be a new
+path outside every checkpoint directory: nothing is ever overwritten.
 See docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this repo's distlib
 
@@ -47,12 +49,26 @@ def verify(args: argparse.Namespace) -> None:
           f"every size and sha256 matches the manifest")
 
 
+def _new_output(out: str) -> None:
+    """consolidate and reshard write only somewhere new: never over an existing path, and never
+    inside a checkpoint directory, whose verification refuses every file its manifest does not
+    list -- writing there would turn a sound checkpoint into a damaged one."""
+    if Path(out).exists() or Path(out).is_symlink():
+        raise CheckpointError(f"refusing to overwrite existing {out}: give a path that does not exist yet")
+    for parent in Path(out).resolve().parents:
+        if (parent / checkpoint.MANIFEST).is_file():
+            raise CheckpointError(f"refusing to write {out} inside checkpoint {parent}: a file its manifest "
+                                  f"does not list would fail its verification; write it elsewhere")
+
+
 def consolidate(args: argparse.Namespace) -> None:
+    _new_output(args.out)
     for path in reshard.consolidate(args.path, args.out, with_optimizer=args.optimizer):
         print(f"wrote {path}")
 
 
 def reshard_cmd(args: argparse.Namespace) -> None:
+    _new_output(args.out)
     out = reshard.reshard_checkpoint(args.path, args.out, args.world_size)
     manifest = checkpoint.verify(out)
     print(f"wrote {out}: step {manifest['step']} for {manifest['world_size']} rank(s), verified")
@@ -71,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=verify)
     p = commands.add_parser("consolidate", help="write OUT/model.safetensors with full fp32 weights")
     p.add_argument("path")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", help="output directory (must not exist, nor lie inside a checkpoint)")
     p.add_argument("--optimizer", action="store_true",
                    help="also write OUT/optimizer.safetensors (exp_avg.NAME, exp_avg_sq.NAME)")
     p.set_defaults(run=consolidate)
     p = commands.add_parser("reshard", help="write a new checkpoint at OUT for --world-size ranks")
     p.add_argument("path")
-    p.add_argument("out", help="new checkpoint directory (must not exist)")
+    p.add_argument("out", help="new checkpoint directory (must not exist, nor lie inside a checkpoint)")
     p.add_argument("--world-size", type=int, required=True)
     p.set_defaults(run=reshard_cmd)
     args = parser.parse_args(argv)

@@ -81,14 +81,9 @@ def test_extra_shard_is_refused(ckpt):
         checkpoint.verify(ckpt)
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"format_version": 1}', "\xff\xfe",
-                                  None])  # None: a manifest whose file entry escapes the directory
+@pytest.mark.parametrize("text", ["{not json", "\xff\xfe"])   # a malformed field: test_manifest_validation.py
 def test_unparsable_manifest_is_refused(ckpt, text):
     manifest = ckpt / "manifest.json"
-    if text is None:
-        data = json.loads(manifest.read_text())
-        data["files"][0]["path"] = "../../elsewhere.safetensors"
-        text = json.dumps(data)
     manifest.write_bytes(text.encode("latin-1") if text == "\xff\xfe" else text.encode())
     with pytest.raises(CheckpointError, match="does not parse as a checkpoint manifest") as err:
         checkpoint.verify(ckpt)

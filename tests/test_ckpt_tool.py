@@ -95,9 +95,49 @@ def test_reshard_command_writes_a_valid_checkpoint(ckpt, tmp_path, capsys):
     assert ckpt_tool.main(["reshard", str(ckpt), str(out), "--world-size", "3"]) == 0
     assert "for 3 rank(s), verified" in capsys.readouterr().out
     manifest = checkpoint.verify(out)
-    assert manifest["world_size"] == 3 and len(manifest["files"]) == 3
+    assert manifest["world_size"] == 3 and manifest["dp"] == 3 and len(manifest["files"]) == 3
     before = reshard.full_state(ckpt, checkpoint.read_manifest(ckpt))
     after = reshard.full_state(out, manifest)
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert ckpt_tool.main(["reshard", str(ckpt), str(out), "--world-size", "2"]) == 1  # never overwrites
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def _tree_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"" for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("verb", ["consolidate", "reshard"])
+@pytest.mark.parametrize("where", ["existing_dir", "existing_file", "the_checkpoint", "inside_checkpoint",
+                                   "deep_inside_checkpoint"])
+def test_outputs_never_overwrite_nor_land_in_a_checkpoint(ckpt, tmp_path, capsys, verb, where):
+    """Issue 11, item 7: consolidate / reshard refuse an existing OUT, and an OUT inside a checkpoint
+    directory (an extra file there makes that checkpoint fail verification), writing nothing."""
+    source = tmp_path / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, source)
+    out = {"existing_dir": tmp_path / "out", "existing_file": tmp_path / "out.safetensors",
+           "the_checkpoint": source, "inside_checkpoint": source / "export",
+           "deep_inside_checkpoint": source / "a" / "b"}[where]
+    if where == "existing_dir":
+        out.mkdir()
+    elif where == "existing_file":
+        out.write_bytes(b"keep me")
+    before = _tree_of(tmp_path)
+    argv = [verb, str(source), str(out)] + (["--world-size", "2"] if verb == "reshard" else [])
+    assert ckpt_tool.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: refusing to "), err
+    assert f"inside checkpoint {source}" in err if "inside" in where else "refusing to overwrite existing" in err
+    assert _tree_of(tmp_path) == before          # nothing written, not even a .partial directory
+    checkpoint.verify(source)
+
+
+def test_refused_output_exits_nonzero_with_one_line(ckpt, tmp_path):
+    source = tmp_path / ckpt.name          # a copy: a broken refusal must not damage the shared one
+    shutil.copytree(ckpt, source)
+    out = subprocess.run([sys.executable, str(SCRIPT), "consolidate", str(source), str(source / "export")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (f"error: refusing to write {source / 'export'} inside checkpoint {source}: a file its "
+                          f"manifest does not list would fail its verification; write it elsewhere\n")
+    checkpoint.verify(source)

@@ -12,7 +12,7 @@ from multiproc import run_ranks
 from distlib.comm import collectives
 from distlib.app.unattended import guard
 from distlib.parallel.adamw import AdamWConfig
-from distlib.comm.collectives import CollectiveMismatchError
+from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
 from distlib.app.config import GuardConfig
 from distlib.app.model import ModelConfig, build_model

@@ -11,7 +11,7 @@ from multiproc import run_ranks
 
 from distlib.comm import collectives
 from distlib.app.unattended import guard
-from distlib.comm.collectives import CollectiveMismatchError
+from distlib.comm.p2p import CollectiveMismatchError
 from distlib.app.config import GuardConfig, RunConfig
 from distlib.parallel.flat_layout import ParamSlot
 from distlib.app.unattended.guard import DesyncError, GuardError

@@ -167,7 +167,8 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
             rank_state["rng"] = None
         tensors.update({key: partitions[key][rank] for key in STATE_KEYS})
         files.append(checkpoint.write_shard(partial, rank, tensors, rank_state))
-    new = {**manifest, "world_size": world_size, "layout": FlatLayout(layout.slots, world_size).to_dict(),
+    new = {**manifest, "world_size": world_size, "dp": world_size,   # tp == 1 (_whole_model_only)
+           "layout": FlatLayout(layout.slots, world_size).to_dict(),
            "files": files, "resharded_from": {"path": str(path), "world_size": old_world}}
     checkpoint.commit(partial, out, new)
     return out

@@ -38,32 +38,24 @@ Uneven splits: reduce_scatter and all_gather take ``bounds=`` (one contiguous (s
 per rank, possibly empty), so ZeRO-2/3 can reduce a bucket straight into each rank's
 partition; the default is the even split of ``chunk_bounds``.
 
-Failures: a wait that fails (a peer that timed out after the process group's
-timeout, or died) raises ``CollectiveError`` naming the collective, this rank and
-the peer. With ``comm.check`` every outermost collective first exchanges a small
-fixed-size header (call number, kind, numel, dtype, op, src, algorithm, explicit bounds), so a
-mismatch raises ``CollectiveMismatchError`` on every rank, describing each rank's
-call, instead of gloo aborting the process or silently truncating a message.
-With ``comm.stats`` calls, bytes sent and seconds are counted per kind.
+Underneath: ``p2p.P2P`` posts the messages and turns a failed wait (a peer that timed out or
+died) into ``CollectiveError`` naming the collective, this rank and the peer; every outermost
+call runs in ``header.collective``, which counts it (``comm.stats``) and, with ``comm.check``,
+raises the same ``CollectiveMismatchError`` on every rank when ranks called different ones.
 """
 from __future__ import annotations
 
-import contextlib
-import time
-import zlib
-
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from distlib.comm.group import KINDS, Comm
+from distlib.comm.group import Comm
+from distlib.comm.header import check_op, collective
+from distlib.comm.p2p import P2P
 
 AR_EXCHANGE_MAX_BYTES = 4 << 20      # all_reduce: exchange while each rank sends (N-1) B <= this
 DIRECT_MAX_BYTES = 4 << 20           # reduce_scatter / all_gather: direct up to here, then ring
 BCAST_TREE_MAX_BYTES = 4 << 20       # broadcast: binomial tree up to here, then chain
 SEGMENT_BYTES = 1 << 20              # pipeline granularity of ring / chain
-
-OPS = ("sum", "avg", "max", "min")
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -73,139 +65,6 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     for i in range(parts):
         ends.append(ends[-1] + base + (1 if i < extra else 0))
     return list(zip(ends[:-1], ends[1:]))
-
-
-class CollectiveError(RuntimeError):
-    """A collective that could not complete; ``peer`` is the global rank waited on (if any)."""
-
-    def __init__(self, message: str, collective: str, peer: int | None = None):
-        super().__init__(message)
-        self.collective, self.peer = collective, peer
-
-
-class CollectiveMismatchError(CollectiveError):
-    """Ranks called different collectives, or the same one with different sizes or dtypes."""
-
-
-class _P2P:
-    """Posts non-blocking sends/receives; on failure names the collective, this rank and the peer."""
-
-    def __init__(self, name: str, comm: Comm):
-        self.name, self.comm = name, comm
-
-    def _fail(self, peer: int, what: str, err: Exception) -> CollectiveError:
-        c = self.comm
-        return CollectiveError(f"{self.name}: rank {c.rank} (global {c.peer(c.rank)}) failed {what} "
-                               f"peer {peer} (global {c.peer(peer)}) in group {list(c.ranks)}: {err}",
-                               self.name, c.peer(peer))
-
-    def send(self, t: Tensor, peer: int):
-        return self._post(dist.isend, "sending to", t, peer)
-
-    def recv(self, t: Tensor, peer: int):
-        return self._post(dist.irecv, "waiting on", t, peer)
-
-    def _post(self, fn, what, t, peer):
-        if t.numel() == 0:      # both sides know the sizes, so empty messages are skipped on both
-            return None
-        peer %= self.comm.size
-        stats = self.comm.stats
-        if stats is not None and fn is dist.isend:
-            stats.bytes_sent[stats.current] += t.numel() * t.element_size()
-        try:
-            return (fn(t, self.comm.peer(peer), group=self.comm.group), peer, what)
-        except Exception as e:  # noqa: BLE001 - re-raised with context
-            raise self._fail(peer, what, e) from e
-
-    def wait(self, *handles) -> None:
-        for h in handles:
-            if h is None:
-                continue
-            work, peer, what = h
-            try:
-                work.wait()
-            except Exception as e:  # noqa: BLE001 - a timeout or a dead peer
-                raise self._fail(peer, what, e) from e
-
-
-# --------------------------------------------------------------------------- accounting and checks
-
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
-_ALGOS = ("direct", "ring", "exchange", "tree", "chain")
-_HEADER = ("call", "kind", "numel", "dtype", "op", "src", "algo", "bounds")
-
-
-def _code(value, table) -> int:
-    return -1 if value is None else table.index(value) if value in table else 1000 + zlib.crc32(str(value).encode()) % 10**6
-
-
-def _describe(header: list[int]) -> str:
-    call, kind, numel, dtype, op, src, algo, layout = header
-    parts = [f"numel={numel}"] if numel >= 0 else []
-    parts += [f"dtype={str(_DTYPES[dtype]).replace('torch.', '') if 0 <= dtype < len(_DTYPES) else dtype}"
-              ] if dtype >= 0 else []
-    parts += [f"op={OPS[op] if op < len(OPS) else op}"] if op >= 0 else []
-    parts += [f"src={src}"] if src >= 0 else []
-    parts += [f"algo={_ALGOS[algo] if algo < len(_ALGOS) else algo}"] if algo >= 0 else []
-    parts += [f"bounds#{layout}"] if layout >= 0 else []
-    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"kind#{kind}"
-    return f"{name}({', '.join(parts)})" + (f" as collective #{call}" if call >= 0 else "")
-
-
-def _check_header(comm: Comm, kind: str, header: list[int]) -> None:
-    """Exchange ``header`` with every member (fixed size, so it cannot mismatch itself) and raise
-    the same CollectiveMismatchError on every rank if any member's differs."""
-    p2p, me = _P2P(f"{kind} (header check)", comm), comm.rank
-    mine = torch.tensor(header, dtype=torch.int64)
-    parts = [mine if j == me else torch.empty_like(mine) for j in range(comm.size)]
-    handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
-    handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]
-    p2p.wait(*handles)
-    headers = [p.tolist() for p in parts]
-    if any(h != headers[0] for h in headers):
-        calls = "; ".join(f"rank {j} (global {comm.peer(j)}) called {_describe(h)}" for j, h in enumerate(headers))
-        raise CollectiveMismatchError(f"{kind}: mismatched collective in group {list(comm.ranks)}: {calls}", kind)
-
-
-@contextlib.contextmanager
-def _collective(comm: Comm, kind: str, *, numel: int = -1, dtype: torch.dtype | None = None,
-                op: str | None = None, src: int = -1, algo: str | None = None,
-                bounds: list[tuple[int, int]] | None = None):
-    """Count (comm.stats) and check (comm.check) the outermost collective; nested ones pass through.
-    Explicit uneven ``bounds`` are part of the call (a checksum of them), so ranks that split a
-    buffer differently fail here instead of truncating a message or waiting forever."""
-    stats = comm.stats
-    if stats is not None and stats.depth:
-        stats.depth += 1
-        try:
-            yield
-        finally:
-            stats.depth -= 1
-        return
-    kind = kind if kind in KINDS else "other"
-    began = time.perf_counter()
-    if stats is not None:
-        stats.depth, stats.current = 1, kind
-    try:
-        if comm.check:
-            call = stats.total_calls if stats is not None else -1
-            _check_header(comm, kind, [call, KINDS.index(kind), numel, _code(dtype, _DTYPES),
-                                       _code(op, OPS), src, _code(algo, _ALGOS),
-                                       -1 if bounds is None else zlib.crc32(repr(bounds).encode())])
-        yield
-    finally:
-        if stats is not None:
-            stats.depth, stats.current = 0, "other"
-            stats.calls[kind] += 1
-            stats.seconds[kind] += time.perf_counter() - began
-
-
-def _check_op(op: str, dtype: torch.dtype) -> None:
-    if op not in OPS:
-        raise ValueError(f"unknown reduction op {op!r}; expected one of {OPS}")
-    if op == "avg" and not dtype.is_floating_point:
-        raise ValueError(f"op 'avg' needs a floating dtype, got {dtype}")
 
 
 def _combine(a: Tensor, b: Tensor, op: str, out: Tensor) -> None:
@@ -260,7 +119,7 @@ def _flat(t: Tensor) -> Tensor:
 
 def _rs_direct(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tuple[int, int]]) -> None:
     """Send chunk j straight to rank j; the owner reduces all N parts in rank order 0..N-1."""
-    p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
+    p2p, n, me = P2P("reduce_scatter", comm), comm.size, comm.rank
     lo, hi = bounds[me]
     parts = [flat[lo:hi] if j == me else torch.empty(hi - lo, dtype=flat.dtype) for j in range(n)]
     handles = [p2p.recv(parts[j], j) for j in range(n) if j != me]
@@ -273,7 +132,7 @@ def _rs_ring(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tuple[
     """Ring: at step s pass the partial sum of chunk (me-s-1) right and fold ours into the one
     arriving from the left; after N-1 steps chunk `me` has visited every rank. Each step is
     split in segments so reducing one segment overlaps receiving the next."""
-    p2p, n, me = _P2P("reduce_scatter", comm), comm.size, comm.rank
+    p2p, n, me = P2P("reduce_scatter", comm), comm.size, comm.rank
     right, left = me + 1, me - 1
     width = max(b - a for a, b in bounds)
     bufs = [torch.empty(width, dtype=flat.dtype) for _ in range(2)]
@@ -310,13 +169,13 @@ def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | N
     """This rank's chunk (``bounds[rank]``, default chunk_bounds(numel, N)[rank]) of the elementwise
     reduction, as a new 1-D tensor. ``tensor`` is read only. algo: None (by size), "direct" or
     "ring". Uneven ``bounds`` let ZeRO reduce a bucket straight into each rank's partition."""
-    _check_op(op, tensor.dtype)
+    check_op(op, tensor.dtype)
     flat = _flat(tensor)
     custom = bounds is not None
     bounds = _check_bounds(bounds, flat.numel(), comm, "reduce_scatter")
     lo, hi = bounds[comm.rank]
     out = torch.empty(hi - lo, dtype=flat.dtype)
-    with _collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op,
+    with collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op,
                      algo=algo or choose_algorithm("reduce_scatter", flat.numel() * flat.element_size(), comm.size),
                      bounds=bounds if custom else None):
         return _reduce_scatter(flat, comm, op, algo, out, bounds)
@@ -339,7 +198,7 @@ def _reduce_scatter(flat: Tensor, comm: Comm, op: str, algo: str | None, out: Te
 
 def _ag_direct(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
     """Everyone sends its chunk to everyone, in one round, straight into `flat`."""
-    p2p, me = _P2P("all_gather", comm), comm.rank
+    p2p, me = P2P("all_gather", comm), comm.rank
     mine = flat[slice(*bounds[me])]
     handles = [p2p.recv(flat[a:b], j) for j, (a, b) in enumerate(bounds) if j != me]
     handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]
@@ -349,7 +208,7 @@ def _ag_direct(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
 def _ag_ring(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
     """Ring: chunk (me-s) travels right at step s. All receives land in their final place in
     `flat`, so they are posted up front and each segment is forwarded as soon as it lands."""
-    p2p, n, me = _P2P("all_gather", comm), comm.size, comm.rank
+    p2p, n, me = P2P("all_gather", comm), comm.size, comm.rank
 
     def segs(chunk):
         lo, hi = bounds[chunk % n]
@@ -383,7 +242,7 @@ def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = 
     if chunk.data_ptr() != mine.data_ptr() or chunk.dtype != mine.dtype:
         mine.copy_(chunk.reshape(-1))       # (casts to output's dtype if they differ)
     if comm.size > 1:
-        with _collective(comm, "all_gather", numel=flat.numel(), dtype=flat.dtype, algo=name,
+        with collective(comm, "all_gather", numel=flat.numel(), dtype=flat.dtype, algo=name,
                          bounds=bounds if custom else None):
             run(flat, comm, bounds)
     return output
@@ -394,7 +253,7 @@ def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = 
 def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
     """Everyone sends the whole tensor to everyone; each rank reduces in rank order 0..N-1,
     so all ranks perform the identical sequence of operations and agree bitwise."""
-    p2p, me = _P2P("all_reduce", comm), comm.rank
+    p2p, me = P2P("all_reduce", comm), comm.rank
     parts = [flat if j == me else torch.empty_like(flat) for j in range(comm.size)]
     handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
     handles += [p2p.send(flat, j) for j in range(comm.size) if j != me]
@@ -416,12 +275,12 @@ def _ar_via(algo: str):
 def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
     """In place; every rank ends with identical bytes. algo: None (by size), "exchange",
     "direct" or "ring" (the last two: reduce_scatter + all_gather with that algorithm)."""
-    _check_op(op, tensor.dtype)
+    check_op(op, tensor.dtype)
     flat = _flat(tensor)
     table = {"exchange": _ar_exchange, "direct": _ar_via("direct"), "ring": _ar_via("ring")}
     name, run = _pick("all_reduce", algo, flat, comm, table)
     if comm.size > 1:
-        with _collective(comm, "all_reduce", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name):
+        with collective(comm, "all_reduce", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name):
             run(flat, comm, op)
     return tensor
 
@@ -431,7 +290,7 @@ def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None 
 def _bcast_tree(flat: Tensor, src: int, comm: Comm) -> None:
     """Binomial tree: relative rank v gets the data from v minus its highest bit, then passes
     it to v + 2^k for every 2^k > v; log2 N levels, sends never waited on one by one."""
-    p2p, n = _P2P("broadcast", comm), comm.size
+    p2p, n = P2P("broadcast", comm), comm.size
     v = (comm.rank - src) % n                       # position relative to the root
     if v:
         p2p.wait(p2p.recv(flat, src + v - (1 << (v.bit_length() - 1))))
@@ -442,7 +301,7 @@ def _bcast_tree(flat: Tensor, src: int, comm: Comm) -> None:
 def _bcast_chain(flat: Tensor, src: int, comm: Comm) -> None:
     """Pipelined chain root -> root+1 -> ...: each segment is forwarded as soon as it lands,
     so the time is ~(segments + N - 2) segment transfers instead of log2 N full ones."""
-    p2p, n = _P2P("broadcast", comm), comm.size
+    p2p, n = P2P("broadcast", comm), comm.size
     v = (comm.rank - src) % n
     segs = [flat[a:b] for a, b in _segments(flat.numel(), flat.element_size())]
     recvs = [p2p.recv(t, comm.rank - 1) if v else None for t in segs]
@@ -461,7 +320,7 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
     flat = _flat(tensor)
     name, run = _pick("broadcast", algo, flat, comm, {"tree": _bcast_tree, "chain": _bcast_chain})
     if comm.size > 1:
-        with _collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
+        with collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
             run(flat, src, comm)
     return tensor
 
@@ -471,7 +330,7 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
 def all_gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
     """Every rank's ``payload`` (any length), indexed by group rank, on every rank."""
     n = comm.size
-    with _collective(comm, "all_gather_bytes"):
+    with collective(comm, "all_gather_bytes"):
         lengths = torch.zeros(n, dtype=torch.int64)
         all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), comm)
         width = int(lengths.max())

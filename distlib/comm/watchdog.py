@@ -15,7 +15,7 @@ import time
 
 import torch.distributed as dist
 
-from distlib.comm.collectives import CollectiveError, CollectiveMismatchError
+from distlib.comm.p2p import CollectiveError, CollectiveMismatchError
 from distlib.comm.group import Comm
 
 

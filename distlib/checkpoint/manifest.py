@@ -1,0 +1,158 @@
+"""What a well-formed manifest is, checked once when it is read.
+
+Every reader (resume, resharding, consolidation, inspection, sampling) indexes the manifest
+directly: ``manifest["layout"]["params"][i]["shape"]``, ``numel // world_size``, one shard file
+per rank. A manifest edited by hand, or written by a buggy tool, would otherwise surface far from
+its cause as a KeyError, a ZeroDivisionError or a wrong-sized tensor. ``check`` names the first
+field that is wrong, by its path (``layout.params[3] lacks "shape"``, ``world_size must be >= 1,
+got 0``), and ``sharded.read_manifest`` turns that into one CheckpointError line.
+
+The rules are the ones the writers follow: ``sharded.save`` (one shard per rank, in rank order),
+``FlatLayout.to_dict`` (contiguous parameters, derived sizes) and the tensor-parallel
+``manifest_layouts`` (one layout per tensor rank, each split naming that rank).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+# train.dtype's values (distlib.app.config.DTYPES; this layer may not import the application).
+PARAM_DTYPES = ("fp32", "bf16")
+ZERO_STAGES = (0, 1, 2, 3)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class ManifestProblem(ValueError):
+    """The first thing wrong with a manifest, naming the field by its path."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)   # JSON true is not a count
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field(obj: dict, key: str, where: str, kind: type | tuple, optional: bool = False):
+    """obj[key], which must be of ``kind``; ``where`` is obj's own path ("" at the top)."""
+    name = f"{where}.{key}" if where else key
+    if key not in obj:
+        if optional:
+            return None
+        raise ManifestProblem(f'{where or "manifest"} lacks "{key}"')
+    value = obj[key]
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        what = {int: "an integer", str: "a string", list: "a list", dict: "an object"}.get(kind, "an object or null")
+        raise ManifestProblem(f"{name} must be {what}, got {_show(value)}")
+    return value
+
+
+def _count(obj: dict, key: str, where: str, minimum: int, optional: bool = False) -> int | None:
+    value = _field(obj, key, where, int, optional)
+    if value is not None and value < minimum:
+        raise ManifestProblem(f"{f'{where}.{key}' if where else key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _shape(value, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(_is_int(n) and n >= 0 for n in value):
+        raise ManifestProblem(f"{name} must be a list of sizes >= 0, got {_show(value)}")
+    return tuple(value)
+
+
+def check_layout(layout, where: str, world_size: int, tp: int | None = None, tp_rank: int = 0) -> None:
+    """A FlatLayout dict over ``world_size`` ranks: parameters back to back from offset 0, sizes
+    that follow from them. With ``tp``, also each parameter's full shape and its split for
+    tensor rank ``tp_rank`` (as ``tensor_parallel.manifest_layouts`` writes them)."""
+    if not isinstance(layout, dict):
+        raise ManifestProblem(f"{where} must be an object, got {_show(layout)}")
+    params = _field(layout, "params", where, list)
+    offset = 0
+    for i, p in enumerate(params):
+        at = f"{where}.params[{i}]"
+        if not isinstance(p, dict):
+            raise ManifestProblem(f"{at} must be an object, got {_show(p)}")
+        _field(p, "name", at, str)
+        shape = _shape(_field(p, "shape", at, list), f"{at}.shape")
+        if _count(p, "offset", at, 0) != offset:
+            raise ManifestProblem(f"{at}.offset is {p['offset']}, expected {offset} (parameters lie back to back)")
+        if _count(p, "numel", at, 0) != math.prod(shape):
+            raise ManifestProblem(f"{at}.numel is {p['numel']}, but its shape {list(shape)} holds {math.prod(shape)}")
+        offset += p["numel"]
+        if tp is not None:
+            _check_split(p, at, shape, tp, tp_rank)
+    if len({p["name"] for p in params}) != len(params):
+        raise ManifestProblem(f"{where}.params names a parameter twice")
+    shard = -(-offset // world_size)
+    derived = {"numel": offset, "world_size": world_size, "shard_numel": shard,
+               "padded_numel": shard * world_size, "padding": shard * world_size - offset}
+    for key, value in derived.items():
+        if _count(layout, key, where, 0) != value:
+            raise ManifestProblem(f"{where}.{key} is {layout[key]}, expected {value}")
+    if _field(layout, "dtype", where, str) != "float32":   # the master weights and Adam state
+        raise ManifestProblem(f"{where}.dtype must be 'float32', got {_show(layout['dtype'])}")
+
+
+def _check_split(p: dict, at: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> None:
+    full = _shape(_field(p, "full_shape", at, list), f"{at}.full_shape")
+    split = _field(p, "split", at, (dict, type(None)))
+    if split is None:
+        if full != shape:
+            raise ManifestProblem(f"{at}: replicated (split null) but shape {list(shape)} != full_shape {list(full)}")
+        return
+    dim, parts, index, groups = (_count(split, k, f"{at}.split", 0) for k in ("dim", "parts", "index", "groups"))
+    if parts != tp or index != tp_rank or dim >= len(shape) or groups < 1 or shape[dim] % groups:
+        raise ManifestProblem(f"{at}.split {split} does not fit tensor rank {tp_rank} of {tp} for shape {list(shape)}")
+    expected = tuple(n * parts if d == dim else n for d, n in enumerate(shape))
+    if full != expected:
+        raise ManifestProblem(f"{at}.full_shape is {list(full)}, expected {list(expected)} for split {split}")
+
+
+def check(manifest, shard_name: Callable[[int], str]) -> None:
+    """Raise ManifestProblem for the first malformed field of a parsed ``manifest``; files must be
+    ``shard_name(r)`` for every rank r, in rank order. (format_version is the caller's.)"""
+    if not isinstance(manifest, dict):
+        raise ManifestProblem(f"a manifest is a JSON object, got {_show(manifest)}")
+    _count(manifest, "step", "", 0)
+    world = _count(manifest, "world_size", "", 1)
+    stage = _field(manifest, "zero_stage", "", int)
+    if stage not in ZERO_STAGES:
+        raise ManifestProblem(f"zero_stage must be one of {list(ZERO_STAGES)}, got {stage}")
+    _field(manifest, "model", "", dict)
+    dtype = _field(manifest, "param_dtype", "", str, optional=True)
+    if dtype is not None and dtype not in PARAM_DTYPES:
+        raise ManifestProblem(f"param_dtype must be one of {list(PARAM_DTYPES)}, got {_show(dtype)}")
+    tp = _count(manifest, "tp", "", 1, optional=True) or 1
+    if world % tp:
+        raise ManifestProblem(f"world_size {world} is not a multiple of tp {tp}")
+    dp = _count(manifest, "dp", "", 1, optional=True)
+    # Resharding (only ever of tp == 1 checkpoints) used to copy the source's dp, which nothing
+    # reads when tp == 1; such checkpoints are otherwise sound, so they stay readable.
+    stale_ok = tp == 1 and "resharded_from" in manifest
+    if dp is not None and dp * tp != world and not stale_ok:
+        raise ManifestProblem(f"dp {dp} x tp {tp} != world_size {world}")
+    layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1)
+    if layouts is not None and len(layouts) != tp:
+        raise ManifestProblem(f"tp_layouts has {len(layouts)} layout(s), expected one per tensor rank ({tp})")
+    check_layout(_field(manifest, "layout", "", dict), "layout", world // tp)
+    for t, layout in enumerate(layouts or []):
+        check_layout(layout, f"tp_layouts[{t}]", world // tp, tp, t)
+    files = _field(manifest, "files", "", list)
+    if len(files) != world:
+        raise ManifestProblem(f"files lists {len(files)} file(s), expected one shard per rank ({world})")
+    for r, entry in enumerate(files):
+        at = f"files[{r}]"
+        if not isinstance(entry, dict):
+            raise ManifestProblem(f"{at} must be an object, got {_show(entry)}")
+        if _field(entry, "path", at, str) != shard_name(r):
+            raise ManifestProblem(f"{at}.path is {_show(entry['path'])}, expected {shard_name(r)!r} "
+                                  f"(one shard per rank, in rank order, inside the checkpoint)")
+        if _count(entry, "rank", at, 0, optional=True) not in (None, r):
+            raise ManifestProblem(f"{at}.rank is {entry['rank']}, expected {r}")
+        _count(entry, "bytes", at, 0)
+        if not _SHA256.fullmatch(_field(entry, "sha256", at, str)):
+            raise ManifestProblem(f"{at}.sha256 must be 64 lowercase hex digits, got {_show(entry['sha256'])}")
