@@ -33,7 +33,7 @@ from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
 from distlib.app.config import ConfigError, RunConfig
-from distlib.app.unattended.faults import Faults
+from distlib.app.unattended.faults import Faults, step_hooks
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.metrics import last_event
 from distlib.app.tokens import DataError
@@ -76,7 +76,8 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
         if comm.size != cfg.dist.world_size:
             raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
                               f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
-        result = Trainer(cfg, comm, Path(run_dir)).run()
+        # Fault injection (conf/fault/) attaches from outside the loop; none configured: no-op hooks.
+        result = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank)).run()
         failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
         if comm.rank == 0:
             report.write_json(result, failures, Path(run_dir) / "report.json")

@@ -76,7 +76,7 @@ def main() -> None:
     marks.mark("import torch")
     from distlib.checkpoint import sharded as checkpoint
     from distlib.app import summary as report
-    from distlib.app import trainer
+    from distlib.app import checkpointer, trainer
     marks.mark("import distlib")
 
     # Hydra is imported by train.main(), on rank 0 only under torchrun: it lands in the next phase.
@@ -84,7 +84,7 @@ def main() -> None:
     _wrap(trainer.Trainer, "__init__", marks, None, "trainer built (corpus, model, opt)")
     _wrap(checkpoint, "save", marks, "checkpoint save starts", "checkpoint saved")
     _wrap(trainer.Trainer, "memory_report", marks, "training loop done", None)
-    _wrap(trainer.Trainer, "verify_resume", marks, None, "resume verified")
+    _wrap(checkpointer.Checkpointer, "verify_resume", marks, None, "resume verified")
     _wrap(report, "check_invariants", marks, "run returned", None)
     _wrap(dist, "destroy_process_group", marks, "report printed", "process group destroyed")
 

@@ -10,6 +10,7 @@ from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.group import Comm
 from distlib.app.config import RunConfig
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.faults import step_hooks
 
 # A global batch of 16 sequences divides over 1, 2 and 4 ranks, so those worlds see the same data.
 GLOBAL_BATCH = 16
@@ -33,7 +34,8 @@ def train_rank(comm: Comm, config: dict, run_dir: str) -> dict:
     """One rank of a run; a CheckpointError comes back as data so a test can look at every rank's."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     try:
-        trainer = Trainer(RunConfig.from_dict(config), comm, Path(run_dir))
+        cfg = RunConfig.from_dict(config)
+        trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))
         result = trainer.run()
     except CheckpointError as exc:
         return {"error": str(exc)}

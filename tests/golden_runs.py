@@ -42,9 +42,11 @@ def _run_one(comm, tree: dict, run_dir: str) -> dict:
 
     from distlib.app.config import RunConfig
     from distlib.app.trainer import Trainer
+    from distlib.app.unattended.faults import step_hooks
     torch.use_deterministic_algorithms(True)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+        cfg = RunConfig.from_dict(tree)
+        trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))   # as train.py
         result = trainer.run()
         params = trainer.optimizer.full_params()[:trainer.optimizer.layout.numel]   # collective at stage 3
     return {"losses": [s.loss.hex() for s in result.steps],

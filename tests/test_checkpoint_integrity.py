@@ -118,7 +118,7 @@ def test_loading_never_unpickles(ckpt, tmp_path, monkeypatch):
     for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
         monkeypatch.setattr(module, name, refuse)
     trainer = _fresh_trainer(tmp_path, checkpoint={"resume": str(ckpt)})
-    assert trainer.load(ckpt, trainer.model, trainer.optimizer) == 6
+    assert trainer.checkpointer.load(ckpt, trainer.model, trainer.optimizer) == 6
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -142,3 +142,37 @@ def test_mismatched_run_lists_every_difference_and_loads_nothing(ckpt, tmp_path,
         assert line in msg
     assert "lm_head.bias: checkpoint 64, model 64" not in msg  # unchanged shapes are not listed
     assert torch.equal(before, trainer.optimizer.flat_params)
+
+
+# -- invariant 4's RNG half can fail (issue 11, item 3) ---------------------------------------------
+def test_resume_check_catches_an_rng_restore_that_does_nothing(tmp_path, monkeypatch):
+    """At the default config nothing draws from the process RNGs (dropout 0), so after the run they
+    still hold the saved states: a restore that does nothing must still be caught. The check re-seeds
+    them first and compares what the restored generators draw with what the saved ones draw."""
+    config = tree(1, steps=4, every=2, checkpoint={"verify_resume": True})
+    (good,) = train(config, tmp_path / "good")
+    assert good["resume_ok"] is True
+
+    monkeypatch.setattr(checkpoint, "restore_rng", lambda tensors, meta: None)
+    trainer = Trainer(RunConfig.from_dict(config), Comm.world(), tmp_path / "broken")
+    check = trainer.run().resume_check
+    assert not check.ok
+    for name in ("torch", "numpy", "python"):
+        assert f"rank 0: {name} RNG draws differ after the restore" in check.mismatches
+
+
+def test_resume_with_dropout_continues_the_same_random_draws(tmp_path):
+    """With dropout every step draws from the torch RNG: a resumed run matches the uninterrupted
+    one bit for bit only if each rank's generator state came back exactly."""
+    common = dict(steps=8, every=4, model={"dropout": 0.1})
+    full = train(tree(2, **common, checkpoint={"verify_resume": True}), tmp_path / "full")
+    resumed = train(tree(2, **common, checkpoint={"resume": str(tmp_path / "full/checkpoints/step_00000004")}),
+                    tmp_path / "resumed")
+    for rank in range(2):
+        assert full[rank]["resume_ok"] is True
+        assert resumed[rank]["start"] == 4
+        assert [resumed[rank]["losses"][s] for s in range(5, 9)] == [full[rank]["losses"][s] for s in range(5, 9)]
+        assert (resumed[rank]["params"] == full[rank]["params"]).all()
+    # dropout is on: the same run without it takes other steps
+    plain = train(tree(2, steps=8, every=4), tmp_path / "plain")
+    assert plain[0]["losses"][5] != full[0]["losses"][5]

@@ -10,13 +10,15 @@ from multiproc import run_ranks
 
 from distlib.app.config import RunConfig
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.faults import step_hooks
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def _train(comm, tree, run_dir):
-    Trainer(RunConfig.from_dict(tree), comm, Path(run_dir)).run()
+    cfg = RunConfig.from_dict(tree)
+    Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank)).run()
 
 
 def make_run(run_dir: Path, world: int, **faults) -> Path:

@@ -16,6 +16,7 @@ from distlib.app.config import RunConfig
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.unattended.stopping import StopSignals
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.faults import step_hooks
 
 BASE = {"train": {"steps": 12}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": 5},
         "metrics": {"progress_every": 0}}
@@ -43,7 +44,7 @@ def _train(comm, tree, run_dir, clocks=None):
     cfg = RunConfig.from_dict(tree)
     clock = StepClock(clocks[comm.rank]) if clocks else None
     try:
-        trainer = Trainer(cfg, comm, Path(run_dir), clock=clock)
+        trainer = Trainer(cfg, comm, Path(run_dir), clock=clock, hooks=step_hooks(cfg.fault, comm.rank))
         result = trainer.run()
     except (GuardError, DesyncError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -307,7 +308,8 @@ def test_bad_unattended_settings_are_refused_with_the_key_named(group, values, m
 
 def _bad_param(comm, tree, run_dir):
     try:
-        Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+        cfg = RunConfig.from_dict(tree)
+        Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))
     except ValueError as exc:
         return str(exc)
 

@@ -17,6 +17,7 @@ from distlib.parallel.flat_layout import ParamSlot
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.comm.mesh import build_mesh
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.faults import step_hooks
 
 BASE = {"train": {"steps": 8}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": 3},
         "metrics": {"progress_every": 0}}
@@ -31,7 +32,8 @@ def config(**groups) -> dict:
 
 def _train(comm, tree, run_dir):
     try:
-        trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+        cfg = RunConfig.from_dict(tree)
+        trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))
         result = trainer.run()
     except (GuardError, DesyncError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}

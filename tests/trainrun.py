@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from distlib.app.config import RunConfig
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.faults import step_hooks
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
@@ -25,7 +26,8 @@ def train(comm, tree: dict, run_dir: str) -> dict:
     """One rank of a training run; returns what tests compare (rank 0's view equals every rank's)."""
     torch.use_deterministic_algorithms(True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)  # Hydra makes it for train.py
-    trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+    cfg = RunConfig.from_dict(tree)
+    trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))   # as train.py
     result = trainer.run()
     return {"losses": {s.step: s.loss.hex() for s in result.steps},
             "val": {s.step: s.val_loss for s in result.steps if s.val_loss is not None},

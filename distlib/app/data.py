@@ -8,6 +8,8 @@ samples [t*G, (t+1)*G), and rank r of N takes its own disjoint contiguous
 slice of them. So the data a step sees depends only on (seed, step), never on
 the world size, which is what makes resume exact and world sizes comparable.
 The data position saved in a checkpoint is simply the next global sample.
+Batches skipped after a guard rollback (``guard.skip_batches``) shift every later
+step by that many batches; the count is part of the position (``GlobalBatches.skipped``).
 
 The token array is either the synthetic corpus or a real text file's bytes
 (``distlib.tokens``, memory-mapped; only the windows a rank uses are read). An
@@ -106,6 +108,7 @@ class GlobalBatches:
         self.plan = plan
         self.seed = seed
         self.num_windows = (len(tokens) - 1) // seq_len
+        self.skipped = 0      # batches skipped after rollbacks (guard.skip_batches); saved in checkpoints
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
     def _window(self, sample: int) -> int:
@@ -128,9 +131,23 @@ class GlobalBatches:
             batches.append((windows[:, :-1], windows[:, 1:]))
         return batches
 
-    def position(self, step: int) -> dict:
-        """The data position after ``step`` steps, as saved in a checkpoint."""
-        position = {"next_sample": step * self.plan.global_batch, "global_batch": self.plan.global_batch,
+    def skip(self, batches: int) -> None:
+        """Every later step reads ``batches`` batches further on (after a rollback)."""
+        self.skipped += batches
+
+    def batch_index(self, step: int) -> int:
+        """The (0-based) global batch that training step ``step`` (1-based) reads."""
+        return step - 1 + self.skipped
+
+    def step_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for training step ``step`` (1-based), past the skipped batches."""
+        return self.micro_batches(self.batch_index(step), dp_rank)
+
+    def position(self, step: int, skipped: int | None = None) -> dict:
+        """The data position after ``step`` steps (and ``skipped`` batches, default: this run's), as
+        saved in a checkpoint."""
+        skipped = self.skipped if skipped is None else skipped
+        position = {"next_sample": (step + skipped) * self.plan.global_batch, "global_batch": self.plan.global_batch,
                     "seed": self.seed, "num_windows": self.num_windows}
         if self.source is not None:
             position["source"] = self.source

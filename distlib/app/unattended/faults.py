@@ -11,6 +11,9 @@ once per process: the first time their step is reached. The record of what fired
 lives here, in memory and not in checkpoints, so when the guard rolls back and
 the same step runs again it runs clean, which is what lets a test compare the
 recovered run with an undisturbed one bit for bit.
+
+``Faults`` is a ``StepHooks`` (``distlib.app.hooks``): the launcher attaches it to the
+Trainer (``step_hooks``) when a fault is configured; the training loop never names a fault.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 
 from distlib.checkpoint.sharded import SaveHook
 from distlib.app.config import ConfigError, FaultConfig
+from distlib.app.hooks import StepHooks
 
 # fault.crash_in_save value -> the checkpoint.save hook point where the process dies
 _CRASH_POINTS = {"mid_shard": "shard_written", "before_manifest": "shards_written",
@@ -46,11 +50,31 @@ def _truncate_to_half(path: Path) -> None:
     os.truncate(path, path.stat().st_size // 2)
 
 
-class Faults:
+def step_hooks(cfg: FaultConfig, rank: int) -> StepHooks:
+    """What a run attaches to its Trainer: ``Faults`` when any fault is configured, else the no-op hooks."""
+    return Faults(cfg, rank) if any(v is not None for v in vars(cfg).values()) else StepHooks()
+
+
+class Faults(StepHooks):
     def __init__(self, cfg: FaultConfig, rank: int):
         self.cfg, self.rank = cfg, rank
         self.saves = 0
         self.fired: set[str] = set()
+
+    # -- the StepHooks points: which fault fires where in a step ---------------
+    def check_model(self, slots) -> None:
+        if self.cfg.perturb_param is not None:
+            self.perturbed_slot(slots)       # a bad name fails now, not at the step
+
+    def before_step(self, step: int) -> None:
+        self.hang(step)
+
+    def after_backward(self, step: int, grad_buffer: torch.Tensor) -> None:
+        self.poison_grads(step, grad_buffer)
+        self.sigterm(step)
+
+    def after_update(self, step: int, params: torch.Tensor, slots, start: int = 0) -> None:
+        self.perturb(step, params, slots, start=start)
 
     def after_step(self, step: int) -> None:
         if self.cfg.kill_rank == self.rank and self.cfg.kill_at_step == step and first_attempt():

@@ -8,6 +8,9 @@ and RNG state kept in memory (12P/N bytes plus the RNG), dropped once a checkpoi
 trusted. After a rollback to step T, the checkpoints this run saved after T belong to
 the abandoned trajectory: they are moved (never deleted) to ``<dir>/rolled_back_<n>/``
 so the re-run steps can save again.
+
+``Rollback`` is the trip itself; the targets are kept by the run's ``Checkpointer``
+(``distlib.app.checkpointer``), whose retention must never delete the newest trusted one.
 """
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm import agree
 from distlib.comm.group import Comm
-from distlib.app.unattended.guard import GuardError
+from distlib.app.config import GuardConfig
+from distlib.app.metrics import json_number
+from distlib.app.unattended.guard import GuardError, Verdict
 
 
 class RollbackError(GuardError):
@@ -85,3 +91,47 @@ class RollbackTargets:
 
         agree.agreed(move_aside, comm, RollbackError, rank0_only=True)
         return [str(dest) for _, dest in moves]
+
+
+class Rollback:
+    """What a guard trip does: no update; the newest trusted state is restored (through the
+    checkpointer, which keeps the targets), the abandoned checkpoints are moved aside, and
+    guard.skip_batches batches are skipped; past guard.max_rollbacks trips the run stops."""
+
+    def __init__(self, cfg: GuardConfig, checkpointer, data):
+        self.cfg, self.checkpointer, self.data = cfg, checkpointer, data
+        self.trips = 0
+
+    def roll_back(self, step: int, verdict: Verdict, grad_norm: float, log) -> dict:
+        """The guard tripped at ``step``: restore, log; returns the rollback event (``to_step``: the
+        step restored; the run continues after it). Raises GuardError when it must stop instead."""
+        cfg = self.cfg
+        self.trips += 1
+        detail = dict(reason=verdict.trip, loss=json_number(verdict.loss), grad_norm=json_number(grad_norm))
+        if self.trips > cfg.max_rollbacks:
+            message = (f"guard tripped at step {step} ({verdict.trip}); that is trip {self.trips}, more than "
+                       f"guard.max_rollbacks={cfg.max_rollbacks}: stopping instead of rolling back again")
+            log.event("guard_stop", step, say=message, **detail)
+            raise GuardError(message)
+        targets = self.checkpointer.targets
+        distrusted, errors = targets.pending, []
+        for target in targets.candidates():
+            try:
+                self.checkpointer.restore(target)
+                break
+            except CheckpointError as exc:     # same verdict on every rank (load agrees on it)
+                errors.append(str(exc))
+        else:
+            raise GuardError(f"guard tripped at step {step} ({verdict.trip}) but no state to roll back to: "
+                             + ("; ".join(errors) or "the guard keeps no rollback target"))
+        set_aside = self.checkpointer.rolled_back_to(target, self.trips)
+        self.data.skip(cfg.skip_batches)
+        source = target.describe()
+        event = dict(step=step, to_step=target.step, source=source, set_aside=set_aside,
+                     distrusted=str(distrusted.path) if distrusted else None, skipped_batches=self.data.skipped,
+                     rollback=self.trips, max_rollbacks=cfg.max_rollbacks, failed_targets=errors, **detail)
+        log.event("rollback", step, say=f"{verdict.trip}; no update applied, rolled back to step "
+                  f"{target.step} ({source}), rollback {self.trips} of at most {cfg.max_rollbacks}"
+                  + (f", skipping {cfg.skip_batches} batch(es)" if cfg.skip_batches else ""),
+                  **{k: v for k, v in event.items() if k != "step"})
+        return event

@@ -1,0 +1,328 @@
+"""Every checkpoint decision of a run, behind the few calls the Trainer makes.
+
+    resume()          fresh start, an explicit checkpoint, or "latest" (the newest that verifies;
+                      damaged newer ones are moved aside); loads it; returns the step to continue after
+    save(step)        this run's state, committed through ``checkpoint.save``; retention (keep_last)
+    step_passed()     the guard accepted the step after a save: that checkpoint is trusted (then pruned)
+    finish()          the end of the run: the last checkpoint is as trusted as it will get
+    load(...)         verify, check that it fits (``fit_check``: every difference listed), restore;
+                      nothing is loaded unless all of it fits
+    restore(point)    a rollback target: a checkpoint, or the starting state kept in memory
+    verify_resume()   reload the snapshot's checkpoint into a fresh model and compare every byte
+
+The checkpoint file format, its commit protocol and resharding live in ``distlib.checkpoint``;
+this module decides what goes into a checkpoint of this application and when. Which checkpoints
+may be rolled back to (``unattended.rollback.RollbackTargets``) is kept here too, because
+retention must never delete the newest trusted one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from distlib.checkpoint import reshard
+from distlib.checkpoint import sharded as checkpoint
+from distlib.comm import agree
+from distlib.comm.group import Comm
+from distlib.comm.mesh import Mesh
+from distlib.app.config import RunConfig
+from distlib.app.data import GlobalBatches
+from distlib.app.fit_check import check_fits
+from distlib.app.hooks import StepHooks
+from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
+from distlib.app.unattended.stopping import CheckpointClock
+from distlib.parallel.tensor_parallel import manifest_layouts
+from distlib.parallel.zero.stage01 import ZeroOptimizer
+
+
+def seed_process_rngs(seed: int, rank: int) -> None:
+    """Seed the global torch / numpy / python RNGs (dropout and anything else that draws from
+    them), differently per rank, so that two runs of the same config are byte-identical."""
+    torch.manual_seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    random.seed(seed + rank)
+
+
+@dataclass
+class ResumeCheck:
+    step: int
+    mismatches: list[str]        # "rank R: what differed"; empty means byte-identical
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One committed save: where, its manifest, and how long it took."""
+    path: Path
+    manifest: dict
+    seconds: float
+
+    @property
+    def bytes(self) -> int:
+        return sum(f["bytes"] for f in self.manifest["files"])
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class Checkpointer:
+    def __init__(self, cfg: RunConfig, comm: Comm, mesh: Mesh, run_dir: Path, data: GlobalBatches,
+                 model: torch.nn.Module, optimizer: ZeroOptimizer, hooks: StepHooks, clock: Callable[[], float]):
+        self.cfg, self.comm, self.mesh, self.data, self.hooks = cfg, comm, mesh, data, hooks
+        self.model, self.optimizer = model, optimizer      # the run's; load() also fills fresh ones
+        self.root = Path(run_dir) / cfg.checkpoint.dir
+        self.clock = CheckpointClock(cfg.checkpoint.every_minutes, clock)   # rank 0's decides every_minutes
+        self.targets = RollbackTargets(None)    # replaced by resume(): the run's starting state
+        # (step, tensors, rank_state, params) of the checkpoint verify_resume reloads at the end
+        self.snapshot: tuple[int, dict, dict, torch.Tensor] | None = None
+
+    def say(self, message: str) -> None:
+        if self.comm.rank == 0:
+            print(message, flush=True)
+
+    # -- starting ---------------------------------------------------------------
+    def resume(self) -> tuple[int, Path | None]:
+        """Load what checkpoint.resume names (if anything); (the step to continue after, its path).
+        With the guard on, that state is the first rollback target."""
+        path, verified = self.resolve_resume()
+        start = 0
+        if path is not None:
+            start = self.load(path, self.model, self.optimizer, verified)
+            self.say(f"resumed from {path} at step {start}")
+        if self.cfg.guard.enabled:
+            self.targets = RollbackTargets(RollbackPoint(start, path) if path
+                                           else RollbackPoint(start, None, self.state(start, self.optimizer)))
+        return start, path
+
+    def resolve_resume(self) -> tuple[Path | None, bool]:
+        """(checkpoint to resume from or None, whether it has been verified already). For "latest",
+        the ranks verify the candidates together, newest first; damaged ones are moved aside."""
+        resume = self.cfg.checkpoint.resume
+        if resume not in (None, "", "none", "null") and resume != "latest":
+            return Path(resume), False
+        listing = agree.agreed(lambda: [str(p) for p in checkpoint.list_committed(self.root)], self.comm,
+                               checkpoint.CheckpointError, rank0_only=True)
+        candidates = [Path(p) for p in listing]
+        if resume != "latest":
+            if candidates:  # a fresh run here would collide with (and never overwrite) those checkpoints
+                raise checkpoint.CheckpointError(
+                    f"{self.root} already holds checkpoint(s) up to {candidates[-1].name}; pass "
+                    f"checkpoint.resume=latest to continue that run, or choose a new hydra.run.dir")
+            return None, False
+        damaged = []
+        for path in reversed(candidates):
+            try:
+                checkpoint.verify_collectively(path, self.comm)
+            except checkpoint.CheckpointError as exc:
+                damaged.append((path, str(exc)))
+                continue
+            break
+        else:
+            if damaged:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint.resume=latest: none of the {len(damaged)} checkpoint(s) in {self.root} "
+                    f"verifies; the newest: {damaged[0][1]}")
+            self.say(f"resume: no checkpoint in {self.root}; starting fresh")
+            return None, False
+        if self.comm.rank == 0:
+            for bad, problem in damaged:
+                # Moved aside, not deleted: kept for inspection, and the rerun can save that step again.
+                print(f"resume: skipping a damaged checkpoint (moved to {checkpoint.quarantine(bad)}): {problem}",
+                      file=sys.stderr, flush=True)
+        self.say(f"resume: latest valid checkpoint is {path}")
+        return path, True
+
+    # -- saving ---------------------------------------------------------------
+    def state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None) -> tuple[dict, dict]:
+        """(tensors, rank_state) of this rank: optimizer partition, RNG, step and data position."""
+        skipped = self.data.skipped if skipped is None else skipped
+        rng_tensors, rng_meta = checkpoint.capture_rng()
+        tensors = {**optimizer.state_shard(), **rng_tensors}
+        rank_state = {"step": step, "optimizer_steps": optimizer.step_count,
+                      "data": self.data.position(step, skipped), "rng": rng_meta}
+        if skipped:
+            rank_state["skipped_batches"] = skipped
+        return tensors, rank_state
+
+    def save(self, step: int) -> Saved:
+        """Commit this run's state after ``step`` (collective), then apply retention: at once with the
+        guard off, else when the checkpoint becomes trusted (``step_passed``)."""
+        began = time.perf_counter()
+        tensors, rank_state = self.state(step, self.optimizer)
+        meta = {"zero_stage": self.cfg.zero.stage, "seed": self.cfg.seed,
+                "model": dataclasses.asdict(self.cfg.model), "data": self.data.position(step),
+                "data_config": dataclasses.asdict(self.cfg.data), "layout": self.optimizer.layout.to_dict(),
+                **self._parallel_meta()}
+        if self.data.skipped:     # guard.skip_batches: part of the data position (docs/unattended.md)
+            meta["skipped_batches"] = self.data.skipped
+        path = checkpoint.save(self.root, step, tensors, rank_state, meta, self.comm, self.hooks.save_hook(step))
+        manifest = checkpoint.read_manifest(path)
+        self.clock.saved()
+        # With keep_last the first checkpoint may be pruned; the newest never is.
+        if self.snapshot is None or self.cfg.checkpoint.keep_last:
+            self.snapshot = (step, tensors, rank_state, self.optimizer.params_snapshot())
+        self.targets.saved_checkpoint(step, path)
+        if not self.cfg.guard.enabled:
+            self.prune()
+        return Saved(path, manifest, time.perf_counter() - began)
+
+    def step_passed(self) -> None:
+        """The guard accepted a step: a checkpoint saved after the previous one is trusted now."""
+        if self.targets.step_passed():
+            self.prune()
+
+    def finish(self) -> None:
+        if self.targets.pending is not None:
+            self.prune()            # the last checkpoint is as trusted as it will get
+
+    def prune(self) -> None:
+        """checkpoint.keep_last: rank 0 deletes all but the newest K committed checkpoints, and every
+        rank forgets them as rollback targets. With the guard on it runs when a checkpoint becomes
+        trusted (and at the end), so the newest trusted rollback target is never deleted."""
+        keep = self.cfg.checkpoint.keep_last
+        if not keep:
+            return
+
+        def remove() -> list[str]:
+            removed = []
+            try:
+                removed = [str(p) for p in checkpoint.prune(self.root, keep)]
+                for old in removed:
+                    print(f"checkpoint: removed {old} (checkpoint.keep_last={keep})")
+            except OSError as exc:  # training can go on; the operator must hear about it
+                print(f"warning: checkpoint.keep_last could not remove an old checkpoint: {exc}", file=sys.stderr)
+            return removed
+
+        self.targets.forget(agree.agreed(remove, self.comm, checkpoint.CheckpointError, rank0_only=True))
+
+    def _parallel_meta(self) -> dict:
+        """The mesh, and with tensor parallelism each TP rank's flat layout with how every local
+        parameter maps to the full one (split dim, groups, index), so the shards can be reassembled."""
+        tp = self.mesh.tp.size
+        meta = {"tp": tp, "dp": self.mesh.dp.size, "rank_order": "global rank = dp_rank * tp + tp_rank",
+                "param_dtype": self.cfg.train.dtype}
+        if tp > 1:
+            meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.optimizer.tp.splits)
+        return meta
+
+    # -- loading --------------------------------------------------------------
+    def load(self, path: Path, model: torch.nn.Module, optimizer: ZeroOptimizer, verified: bool = False) -> int:
+        """Verify ``path`` (the ranks hash its files between them and share the verdict), check it fits,
+        then restore this rank's optimizer partition (resharded if the checkpoint's world size
+        differs), parameters, RNG and data position. Nothing is loaded unless all of it fits.
+        Returns the checkpoint's step. (``model`` is the one ``optimizer`` updates.)"""
+        path = Path(path)
+        if not verified:
+            checkpoint.verify_collectively(path, self.comm)
+        manifest = agree.agreed(lambda: checkpoint.read_manifest(path), self.comm, checkpoint.CheckpointError)
+        check_fits(path, manifest, optimizer.layout, self.cfg, self.mesh.tp.size, self.mesh.tp.rank, self.data)
+        state, rank_state, rng = agree.agreed(
+            lambda: reshard.load_partition(path, manifest, self.mesh.dp.rank, self.mesh.dp.size, self.mesh.tp.rank),
+            self.comm, checkpoint.CheckpointError)
+        optimizer.load_state_shard(state, rank_state["optimizer_steps"])
+        if rng is not None:
+            checkpoint.restore_rng(rng, rank_state["rng"])
+        else:
+            seed_process_rngs(self.cfg.seed, self.mesh.dp.rank)
+        if optimizer is self.optimizer:   # (verify_resume loads into a second optimizer: not the run's data)
+            self.data.skipped = int(manifest.get("skipped_batches", 0))
+        reseeded = [r for r, (had,) in enumerate(agree.gather([float(rng is not None)], self.comm)) if not had]
+        if manifest["world_size"] != self.comm.size:
+            self.say(f"resharded checkpoint {path}: saved by {manifest['world_size']} rank(s) at ZeRO stage "
+                     f"{manifest.get('zero_stage')}, loaded into {self.comm.size} at stage {self.cfg.zero.stage}; "
+                     f"the data position carries over (same global batch, {self.cfg.global_batch})")
+        if reseeded:
+            self.say(f"rank(s) {reseeded} have no saved RNG state in {path} (it was saved by fewer ranks): "
+                     f"re-seeded from seed + rank; dropout draws differ from the original run")
+        return int(manifest["step"])
+
+    def restore(self, point: RollbackPoint) -> None:
+        """Return the run to a rollback target: a checkpoint (``load``) or the state kept in memory."""
+        if point.path is not None:
+            self.load(point.path, self.model, self.optimizer)
+            return
+        tensors, rank_state = point.state
+        self.optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
+        checkpoint.restore_rng(tensors, rank_state["rng"])
+        self.data.skipped = rank_state.get("skipped_batches", 0)
+
+    def rolled_back_to(self, target: RollbackPoint, trip: int) -> list[str]:
+        """After a rollback to ``target``: this run's later checkpoints are moved aside (their new
+        paths returned) and none of them is the one verify_resume reloads."""
+        set_aside = self.targets.rolled_back_to(target, trip, self.root, self.comm)
+        if self.snapshot is not None and self.snapshot[0] > target.step:
+            self.snapshot = None
+        return set_aside
+
+    # -- the resume check (invariant 4) ---------------------------------------
+    def verify_resume(self, build: Callable[[], tuple[torch.nn.Module, ZeroOptimizer]]) -> ResumeCheck | None:
+        """Reload the snapshot's checkpoint into a freshly built model and optimizer (``build``: one
+        initialised from a different seed) with the process RNGs re-seeded differently, and compare
+        every restored byte with the snapshot taken at save, and what the restored generators draw
+        with what the saved ones draw. None: nothing to check (no save, or switched off)."""
+        if self.snapshot is None or not self.cfg.checkpoint.verify_resume:
+            return None
+        step, tensors, rank_state, params = self.snapshot
+        model, optimizer = build()
+        # Without this a restore that does nothing would pass whenever nothing drew since the save
+        # (no dropout): the process RNGs would still hold the saved states.
+        seed_process_rngs(self.cfg.seed + 1, self.mesh.dp.rank)
+        loaded_step = self.load(self.root / checkpoint.step_dir_name(step), model, optimizer)
+        restored_tensors, restored_state = self.state(loaded_step, optimizer, rank_state.get("skipped_batches", 0))
+        mismatches = []
+        for key in sorted(tensors):
+            if _bytes(tensors[key]) != _bytes(restored_tensors[key]):
+                mismatches.append(f"{key} differs")
+        if _bytes(params) != _bytes(optimizer.params_snapshot()):
+            mismatches.append("model parameters differ")
+        if rank_state != json.loads(json.dumps(restored_state)):
+            mismatches.append("step, data position or python/numpy RNG differ")
+        expected, drawn = saved_rng_draws(tensors, rank_state["rng"]), process_rng_draws()
+        mismatches += [f"{name} RNG draws differ after the restore" for name in expected
+                       if expected[name] != drawn[name]]
+        reports = agree.gather_bytes(json.dumps(mismatches).encode(), self.comm)
+        every = [f"rank {r}: {m}" for r, rep in enumerate(reports) for m in json.loads(rep)]
+        return ResumeCheck(step, every)
+
+
+_DRAWS = 4   # numbers drawn from each generator by the resume check
+
+
+def saved_rng_draws(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, list[float]]:
+    """What torch, numpy and python generators in the states ``checkpoint.capture_rng`` saved draw
+    first (private generators: the process's own are not touched)."""
+    torch_gen = torch.Generator()
+    torch_gen.set_state(tensors["rng.torch"])
+    kind, pos, has_gauss, gauss = meta["numpy"]
+    numpy_gen = np.random.RandomState()
+    numpy_gen.set_state((kind, tensors["rng.numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, state, py_gauss = meta["python"]
+    python_gen = random.Random()
+    python_gen.setstate((version, tuple(state), py_gauss))
+    return {"torch": torch.rand(_DRAWS, generator=torch_gen, dtype=torch.float64).tolist(),
+            "numpy": numpy_gen.random_sample(_DRAWS).tolist(), "python": [python_gen.random() for _ in range(_DRAWS)]}
+
+
+def process_rng_draws() -> dict[str, list[float]]:
+    """What the process's global generators draw next (dropout draws from these); their states are
+    put back afterwards."""
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        drawn = {"torch": torch.rand(_DRAWS, dtype=torch.float64).tolist(),
+                 "numpy": np.random.random_sample(_DRAWS).tolist(), "python": [random.random() for _ in range(_DRAWS)]}
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+    return drawn

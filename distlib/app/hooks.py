@@ -1,0 +1,47 @@
+"""The fixed points of a training step where something from outside may act.
+
+The loop calls one ``StepHooks`` object at these points and nothing else, so fault injection
+(``unattended.faults.Faults``) attaches from outside the loop instead of living in it; the
+default does nothing. In the order a step calls them::
+
+    before_step(step)                       before anything of the step runs
+    after_backward(step, grad_buffer)       local gradients ready, before they are synchronised
+    lr_factor(step)                         scales this step's learning rate
+    after_update(step, params, slots, start)  the update is applied and gathered
+    after_step(step)                        the step is logged and (maybe) saved
+
+plus ``save_hook(step)`` for each checkpoint save (points inside ``checkpoint.save``) and
+``check_model(slots)`` once, when the model is built.
+"""
+from __future__ import annotations
+
+import torch
+
+from distlib.checkpoint.sharded import SaveHook
+
+
+class StepHooks:
+    """Every hook a no-op: a step runs as if nothing were attached."""
+
+    def check_model(self, slots) -> None:
+        """The model is built (``slots``: its flat layout); a hook that names a parameter fails
+        here, before any step, instead of at the step it fires."""
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_backward(self, step: int, grad_buffer: torch.Tensor) -> None:
+        """``grad_buffer``: this rank's local gradients (stages 2/3: its partition, reduced during backward)."""
+
+    def lr_factor(self, step: int) -> float:
+        return 1.0
+
+    def after_update(self, step: int, params: torch.Tensor, slots, start: int = 0) -> None:
+        """``params`` holds the flat parameter offsets [start, start + numel) this rank keeps."""
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def save_hook(self, step: int) -> SaveHook | None:
+        """The hook ``checkpoint.save`` calls inside the save of ``step`` (None: none)."""
+        return None
