@@ -317,3 +317,17 @@ def _bad_param(comm, tree, run_dir):
 def test_an_unknown_parameter_to_perturb_fails_before_training(tmp_path):
     tree = config(fault={"perturb_rank": 0, "perturb_step": 2, "perturb_param": "nope"})
     assert "fault.perturb_param='nope' is not a parameter" in run_ranks(_bad_param, 2, tree, str(tmp_path))[0]
+
+
+def _trainer_without_hooks(comm, tree, run_dir):
+    try:
+        Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_fault_without_its_hooks_is_refused_not_silently_skipped(tmp_path):
+    tree = config(dist={"world_size": 1}, fault={"lr_spike_step": 3, "lr_spike_factor": 100.0})
+    error = run_ranks(_trainer_without_hooks, 1, tree, str(tmp_path))[0]
+    assert error is not None and "fault.* is set but no hooks are attached" in error

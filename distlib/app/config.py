@@ -206,6 +206,11 @@ class FaultConfig:
         if self.perturb_param is not None and self.perturb_rank is None:
             raise ConfigError("fault.perturb_param needs fault.perturb_rank and fault.perturb_step")
 
+    @property
+    def configured(self) -> bool:
+        """Whether any fault is set (then a Trainer needs the ``Faults`` hooks attached)."""
+        return any(v is not None for v in vars(self).values())
+
     def check_run(self, world_size: int, steps: int) -> None:
         """Faults must target an existing rank and a step the run reaches, or they test nothing."""
         for rank_key, step_key, _ in self.RANKED:

@@ -75,6 +75,9 @@ class Trainer:
         comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir = cfg, comm, Path(run_dir)
         self.mesh = build_mesh(comm, cfg.dist.tp)   # its dp / tp groups share comm's stats and check
+        if hooks is None and cfg.fault.configured:     # a drill that silently injects nothing proves nothing
+            raise ValueError("fault.* is set but no hooks are attached: pass "
+                             "hooks=distlib.app.unattended.faults.step_hooks(cfg.fault, rank) to Trainer")
         self.hooks = hooks if hooks is not None else StepHooks()
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
         seed_process_rngs(cfg.seed, self.mesh.dp.rank)

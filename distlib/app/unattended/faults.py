@@ -52,7 +52,7 @@ def _truncate_to_half(path: Path) -> None:
 
 def step_hooks(cfg: FaultConfig, rank: int) -> StepHooks:
     """What a run attaches to its Trainer: ``Faults`` when any fault is configured, else the no-op hooks."""
-    return Faults(cfg, rank) if any(v is not None for v in vars(cfg).values()) else StepHooks()
+    return Faults(cfg, rank) if cfg.configured else StepHooks()
 
 
 class Faults(StepHooks):
