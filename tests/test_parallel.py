@@ -24,9 +24,9 @@ from distlib.comm import agree
 from distlib.parallel.adamw import AdamWConfig
 from distlib.app.config import DTYPES
 from distlib.comm.mesh import build_mesh
-from distlib.app.model import ModelConfig, build_model
-from distlib.parallel.tensor_parallel import Split, shard_of, shard_model_
-from distlib.parallel.zero.stage01 import make_optimizer
+from distlib.app.model import ModelConfig, build_model, shard_model_
+from distlib.parallel.tensor_parallel import Split, shard_of
+from distlib.parallel.zero import make_optimizer
 from multiproc import run_ranks
 
 # vocab 31 makes P = 5631 (3503 per tensor-parallel rank): odd, so every data-parallel split pads.
@@ -65,15 +65,16 @@ def torch_reference(clip: float) -> dict:
 
 def _train_case(comm, case: dict) -> dict:
     stage, tp, accum, clip = case["stage"], case["tp"], case["accum"], case["clip"]
-    mesh = build_mesh(comm, tp)
+    mesh = build_mesh(comm.instrumented(check=False), tp)    # dp and tp count the bytes they send
     model = build_model(CFG, SEED)
-    group = shard_model_(model, mesh.tp)
-    opt = make_optimizer(model, mesh.dp, stage, ADAMW, clip, tp=group, bucket_numel=BUCKET,
+    splits = shard_model_(model, mesh.tp)
+    opt = make_optimizer(model, mesh.dp, stage, ADAMW, clip, tp=mesh.tp, tp_split=splits, bucket_numel=BUCKET,
                          param_dtype=DTYPES[case["dtype"]])
     per_rank = GLOBAL_BATCH // mesh.dp.size
     micro = per_rank // accum
     out = {"losses": [], "norms": [], "comm": []}
     for step in range(STEPS):
+        sent = {"dp": sum(mesh.dp.stats.bytes_sent.values()), "tp": sum(mesh.tp.stats.bytes_sent.values())}
         rows = DATA[step][mesh.dp.rank * per_rank:(mesh.dp.rank + 1) * per_rank]
         local = 0.0
         for k in range(accum):
@@ -87,11 +88,12 @@ def _train_case(comm, case: dict) -> dict:
             out["param_grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
         opt.apply_update()
         opt.zero_grad()
+        out["comm"].append({"dp": sum(mesh.dp.stats.bytes_sent.values()) - sent["dp"],
+                            "tp": sum(mesh.tp.stats.bytes_sent.values()) - sent["tp"]})
         out["losses"].append(agree.mean(local, mesh.dp))
-        out["comm"].append(opt.last_step_comm_bytes)
     # numpy, not tensors: torch pickles tensors through shared memory that dies with the rank
     out.update(master=opt.state_shard()["master"].numpy(), layout=opt.layout.to_dict(), dp_rank=mesh.dp.rank,
-               tp_rank=mesh.tp.rank, splits={n: s.to_dict() for n, s in group.splits.items()},
+               tp_rank=mesh.tp.rank, splits={n: s.to_dict() for n, s in splits.items()},
                memory=opt.memory_bytes(), formula=opt.memory_formula(), param_norm=opt.param_norm())
     return out
 
@@ -246,21 +248,38 @@ def test_measured_memory_matches_the_formula_per_stage(results):
 
 
 def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results):
-    """Data-parallel bytes sent per step on 2 ranks in fp32, where a reduce-scatter or all-gather of
-    a B-byte buffer sends B/2: stage 1 sends the padded gradient and parameter buffers once per step
-    whatever K; stage 2 reduce-scatters every micro-batch's gradient buckets (P elements) and
-    all-gathers the parameters once; stage 3 gathers every block for forward and for backward and
-    reduce-scatters it, per micro-batch: 3 parameter-sized transfers to stage 2's 2 (ZeRO's 1.5x)."""
+    """Data-parallel bytes rank 0 really sends per step (its CommStats) on 2 ranks in fp32, where a
+    reduce-scatter or all-gather sends each peer its part: stage 1 sends the padded gradient and
+    parameter buffers once per step whatever K; stage 2 reduce-scatters every micro-batch's
+    gradient buckets (rank 1's part of the P elements) and all-gathers the parameters once; stage 3
+    gathers every block for forward and for backward (rank 0's part) and reduce-scatters it, per
+    micro-batch: 3 parameter-sized transfers to stage 2's 2 (ZeRO's 1.5x). Every stage also
+    all-gathers the two sum-of-squares terms of the grad norm (8 bytes to the peer)."""
     runs = {(c["stage"], c["accum"]): ranks[0] for c, ranks in zip(CASES[2], results[2])
             if c["tp"] == 1 and c["dtype"] == "fp32"}
     sent = {key: run["comm"][-1]["dp"] for key, run in runs.items()}
     layout = runs[(1, 2)]["layout"]
-    p, padded = layout["numel"], layout["padded_numel"]
+    p, padded, mine = layout["numel"], layout["padded_numel"], layout["shard_numel"]
+    theirs, norm = p - mine, 2 * 4         # rank 1's real elements (its partition ends in padding)
     assert p < padded, "the model was chosen so that the partitions need padding"
-    assert sent[(1, 2)] == sent[(1, 4)] == 2 * (4 * padded // 2), "stage 1 must sync once per step"
+    assert sent[(0, 2)] == 4 * padded + norm, "stage 0: one all-reduce (exchange: B to the peer)"
+    assert sent[(1, 2)] == sent[(1, 4)] == 2 * (4 * padded // 2) + norm, "stage 1 must sync once per step"
     for k in (2, 4):
-        assert sent[(2, k)] == k * (4 * p // 2) + 4 * padded // 2, f"stage 2, K={k}"
-        assert sent[(3, k)] == k * 3 * (4 * p // 2), f"stage 3, K={k}"
+        assert sent[(2, k)] == k * 4 * theirs + 4 * padded // 2 + norm, f"stage 2, K={k}"
+        assert sent[(3, k)] == k * (2 * 4 * mine + 4 * theirs) + norm, f"stage 3, K={k}"
+    assert all(run["comm"][-1]["tp"] == 0 for run in runs.values())
+
+
+def test_tensor_parallel_sends_four_activation_all_reduces_per_block(results):
+    """Per block and micro-batch: attention and MLP each all-reduce their output in forward
+    (reduce_from_tp) and their input's gradient in backward (copy_to_tp), (batch x seq x dim)
+    fp32 activations, which on 2 ranks the exchange all-reduce sends once to the peer; plus the
+    grad norm's TP-split term (4 bytes). The data-parallel group has one rank: nothing sent."""
+    for case, ranks in zip(CASES[2], results[2]):
+        if case["tp"] == 2:
+            activations = 4 * GLOBAL_BATCH * CFG.seq_len * CFG.dim
+            for rank in ranks:
+                assert rank["comm"][-1] == {"dp": 0, "tp": 4 * CFG.n_layers * activations + 4}, case
 
 
 @pytest.mark.parametrize("stage", [2, 3])

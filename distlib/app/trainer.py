@@ -1,7 +1,7 @@
 """The training loop: forward, backward, one ZeRO step, logging, checkpoints.
 
 It composes narrow APIs in order and knows nothing about how they talk:
-``DataParallel`` (initial broadcast), ``ZeroOptimizer.sync_grads/apply_update``
+``broadcast_module_`` (initial broadcast), ``ZeroOptimizer.sync_grads/apply_update``
 (gradient sync, then update + parameter all-gather), ``guard.check_step`` (the
 collective verdict between the two), ``schedule.decide`` (save / stop after this
 step), ``checkpoint.save/verify/load_shard``, ``metrics.MetricsLog``, and
@@ -36,15 +36,15 @@ from distlib.comm import watchdog
 from distlib.comm.group import Comm
 from distlib.app.config import RunConfig
 from distlib.app.data import BatchPlan
-from distlib.parallel.broadcast import DataParallel
+from distlib.parallel.broadcast import broadcast_module_
 from distlib.app.unattended.faults import Faults
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.comm.mesh import build_mesh
 from distlib.app.metrics import MetricsLog, json_number
-from distlib.app.model import MiniGPT, build_model
+from distlib.app.model import MiniGPT, build_model, shard_model_
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
-from distlib.parallel.tensor_parallel import manifest_layouts, shard_model_
-from distlib.parallel.zero.stage01 import ZeroOptimizer, make_optimizer
+from distlib.parallel.tensor_parallel import manifest_layouts
+from distlib.parallel.zero import ZeroOptimizer, make_optimizer
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Trainer:
         # Count traffic per collective kind and (dist.check_collectives) check every call's header.
         comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir = cfg, comm, Path(run_dir)
-        self.mesh = build_mesh(comm, cfg.dist.tp)   # its dp / tp groups share comm's stats and check
+        self.mesh = build_mesh(comm, cfg.dist.tp)   # its dp / tp groups: comm's check, their own stats
         self.clock = clock or time.monotonic     # rank 0's clock decides checkpoint.every_minutes
         self.skipped_batches = 0                 # batches skipped after rollbacks (guard.skip_batches)
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
@@ -119,11 +119,12 @@ class Trainer:
             print(message, flush=True)
 
     def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
-        model = DataParallel(build_model(self.cfg.model, seed), self.comm).module
-        tp_group = shard_model_(model, self.mesh.tp)
+        model = build_model(self.cfg.model, seed)
+        broadcast_module_(model, self.comm)
+        self.tp_splits = shard_model_(model, self.mesh.tp)     # parameter name -> Split (none at tp=1)
         optimizer = make_optimizer(model, self.mesh.dp, self.cfg.zero.stage, self.cfg.optimizer.adamw,
-                                   self.cfg.optimizer.grad_clip, tp=tp_group, param_dtype=self.cfg.param_dtype,
-                                   bucket_numel=self.cfg.zero.bucket_numel)
+                                   self.cfg.optimizer.grad_clip, tp=self.mesh.tp, tp_split=self.tp_splits,
+                                   param_dtype=self.cfg.param_dtype, bucket_numel=self.cfg.zero.bucket_numel)
         return model, optimizer
 
     # -- checkpoints ----------------------------------------------------------
@@ -201,7 +202,7 @@ class Trainer:
         meta = {"tp": tp, "dp": self.mesh.dp.size, "rank_order": "global rank = dp_rank * tp + tp_rank",
                 "param_dtype": self.cfg.train.dtype}
         if tp > 1:
-            meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.optimizer.tp.splits)
+            meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.tp_splits)
         return meta
 
     def _check_compatible(self, path: Path, manifest: dict, layout: FlatLayout) -> None:
@@ -306,7 +307,8 @@ class Trainer:
         self.clock_s = schedule.CheckpointClock(cfg.checkpoint.every_minutes, self.clock)
         tokens = cfg.global_batch * cfg.model.seq_len
         with schedule.StopSignals(deadline_s=cfg.dist.timeout_s) as signals, \
-                MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps) as log:
+                MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps,
+                           groups={"dp": self.mesh.dp, "tp": self.mesh.tp}) as log:
             self.log = log
             attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if resume_path is not None or attempt:
@@ -377,8 +379,7 @@ class Trainer:
         val_loss = self.evaluate() if cfg.train.eval_every and step % cfg.train.eval_every == 0 else None
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         self.log.step(step, loss=verdict.loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
-                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes(), val_loss=val_loss,
-                      comm_bytes=self.optimizer.last_step_comm_bytes)
+                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes(), val_loss=val_loss)
         if cfg.guard.check_sync_every and step % cfg.guard.check_sync_every == 0:
             try:
                 self.check_replicas(step)
@@ -412,7 +413,7 @@ class Trainer:
             return
         opt = self.optimizer
         guard.check_replicas(opt.full_params(), opt.layout.slots, step, self.comm,
-                             tp=self.mesh.tp.size, split=set(opt.tp.splits))
+                             tp=self.mesh.tp.size, split=set(self.tp_splits))
 
     def _save(self, step: int, reason: str, result: RunResult) -> None:
         began = time.perf_counter()
