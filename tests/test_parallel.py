@@ -24,8 +24,10 @@ from distlib.comm import agree
 from distlib.parallel.adamw import AdamWConfig
 from distlib.app.config import DTYPES
 from distlib.comm.mesh import build_mesh
-from distlib.app.model import ModelConfig, build_model, shard_model_
-from distlib.parallel.tensor_parallel import Split, shard_of
+from distlib.app.model import TENSOR_PARALLEL_PLAN, ModelConfig, build_model, shard_model_
+from distlib.comm.group import Comm
+from distlib.parallel.tensor_parallel import (Column, ColumnParallelLinear, Row, RowParallelLinear, Split,
+                                              parallelize_linears_, shard_of)
 from distlib.parallel.zero import make_optimizer
 from multiproc import run_ranks
 
@@ -284,7 +286,6 @@ def test_tensor_parallel_sends_four_activation_all_reduces_per_block(results):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
-    from distlib.comm.group import Comm
     model = build_model(CFG, SEED)
     opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
     model.tok_emb(DATA[0][:, :-1]).sum().backward()       # only the embedding gets a gradient
@@ -296,10 +297,36 @@ def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
 def test_every_stage_exposes_its_parameter_and_gradient_buffers():
     """param_buffer / grad_buffer: what a rank holds, for tools (fault injection, replica checks)
     that must not assume the stage-0/1 flat buffers exist."""
-    from distlib.comm.group import Comm
     for stage in range(4):
         model = build_model(CFG, SEED)
         opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
         assert opt.param_buffer.numel() == opt.layout.padded_numel
         assert opt.grad_buffer.dtype == torch.float32 and opt.grad_buffer.numel() == opt.layout.padded_numel
         assert torch.equal(opt.params_snapshot(), opt.param_buffer)
+
+
+def test_the_linear_swap_follows_the_plan_and_refuses_what_it_cannot_split():
+    """Only the planned Linear layers are swapped, in place (names and order kept), and the
+    returned splits name exactly the split parameters. Building the shards sends nothing, so a
+    group of 2 named here is enough."""
+    model = build_model(CFG, SEED)
+    names = [n for n, _ in model.named_parameters()]
+    full_qkv = model.blocks[1].attn.qkv.weight.detach().clone()
+    splits = parallelize_linears_(model, Comm(ranks=(0, 1), rank=1), TENSOR_PARALLEL_PLAN)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert isinstance(model.blocks[1].attn.qkv, ColumnParallelLinear)
+    assert isinstance(model.blocks[1].mlp.proj, RowParallelLinear)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert splits["blocks.1.attn.qkv.weight"] == Split(dim=0, parts=2, index=1, groups=3)
+    assert sorted(splits) == sorted(f"blocks.{i}.{layer}.{p}" for i in range(CFG.n_layers)
+                                    for layer, ps in (("attn.qkv", "wb"), ("attn.proj", "w"), ("mlp.fc", "wb"),
+                                                      ("mlp.proj", "w"))
+                                    for p in (("weight", "bias") if ps == "wb" else ("weight",)))
+    assert torch.equal(model.blocks[1].attn.qkv.weight, shard_of(full_qkv, splits["blocks.1.attn.qkv.weight"]))
+    one = Comm(ranks=(0,), rank=0)
+    with pytest.raises(TypeError, match="blocks.0.attn, a CausalSelfAttention"):
+        parallelize_linears_(build_model(CFG, SEED), one, {"blocks.*.attn": Row()})
+    with pytest.raises(ValueError, match="match no submodule"):
+        parallelize_linears_(build_model(CFG, SEED), one, {"blocks.*.mlp.nope": Column()})
+    with pytest.raises(ValueError, match="do not split into 3"):
+        parallelize_linears_(build_model(CFG, SEED), Comm(ranks=(0, 1, 2), rank=0), {"lm_head": Row()})

@@ -143,9 +143,8 @@ def parallelize_linears_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, S
     """Replace every ``nn.Linear`` of ``module`` whose path matches a pattern of ``plan`` with
     this rank's column- or row-parallel shard of it (in place: names and order of the
     parameters are kept). Returns {parameter name: Split} of the parameters now split.
-    A tensor-parallel group of one changes nothing (the layers stay plain ``nn.Linear``)."""
-    if tp.size == 1:
-        return {}
+    A tensor-parallel group of one changes nothing (the layers stay plain ``nn.Linear``: a
+    row-parallel layer adds its bias after the matmul, which rounds differently)."""
     found: dict[str, list[str]] = {pattern: [] for pattern in plan}
     for path, sub in module.named_modules():
         matched = [pattern for pattern in plan if _matches(path, pattern)]
@@ -159,6 +158,8 @@ def parallelize_linears_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, S
     unused = [pattern for pattern, paths in found.items() if not paths]
     if unused:
         raise ValueError(f"tensor-parallel plan patterns match no submodule: {unused}")
+    if tp.size == 1:
+        return {}
     splits = {}
     for pattern, paths in found.items():
         style = plan[pattern]
