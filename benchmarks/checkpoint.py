@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from distlib.checkpoint import sharded as checkpoint  # noqa: E402
 from distlib.checkpoint import reshard
-from distlib.parallel.zero.stage01 import STATE_KEYS  # noqa: E402
+from distlib.parallel.adamw import STATE_KEYS  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 

@@ -40,11 +40,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distlib.parallel.zero import stage01 as zero  # noqa: E402
+from distlib.parallel.zero import make_optimizer  # noqa: E402
 from distlib.parallel.adamw import AdamWConfig  # noqa: E402
 from distlib.comm.group import Comm  # noqa: E402
 from distlib.app.data import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
-from distlib.parallel.broadcast import DataParallel  # noqa: E402
+from distlib.parallel.broadcast import broadcast_module_  # noqa: E402
 from distlib.app.model import ModelConfig, build_model  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
@@ -67,23 +67,14 @@ PEER = {0: "torch DDP", 1: "torch DDP", 2: "FSDP2 reshard=False", 3: "FSDP2 resh
 def our_stages() -> tuple[list[int], dict[int, str]]:
     """Stages the installed ZeRO implementation accepts (probed on one process), and why the
     others are not run."""
-    factory = _our_factory()
     ok, skipped = [], {}
     for stage in (0, 1, 2, 3):
         try:
-            factory(build_model(ModelConfig(n_layers=1), seed=0), Comm(ranks=(0,), rank=0), stage, ADAMW)
+            make_optimizer(build_model(ModelConfig(n_layers=1), seed=0), Comm(ranks=(0,), rank=0), stage, ADAMW)
             ok.append(stage)
         except (ValueError, NotImplementedError) as exc:
             skipped[stage] = str(exc)
     return ok, skipped
-
-
-def _our_factory() -> Callable:
-    """zero.make_optimizer where it exists (stages 0-3), else ZeroOptimizer (stages 0/1)."""
-    make = getattr(zero, "make_optimizer", None)
-    if make is not None:
-        return lambda model, comm, stage, cfg: make(model, comm, stage, cfg)
-    return lambda model, comm, stage, cfg: zero.ZeroOptimizer(model, comm, stage, cfg)
 
 
 # ----------------------------------------------------------------------------- variants
@@ -127,8 +118,9 @@ def _torch_step(model, optimizer):
 
 
 def build_ours(cfg: ModelConfig, comm: Comm, stage: int) -> Variant:
-    model = DataParallel(build_model(cfg, MODEL_SEED), comm).module
-    opt = _our_factory()(model, comm, stage, ADAMW)
+    model = build_model(cfg, MODEL_SEED)
+    broadcast_module_(model, comm)
+    opt = make_optimizer(model, comm, stage, ADAMW)
 
     def step(x, y):
         loss = model(x, y)

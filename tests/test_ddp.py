@@ -1,7 +1,7 @@
 import torch
 
 from multiproc import run_ranks
-from distlib.parallel.broadcast import DataParallel
+from distlib.parallel.broadcast import broadcast_module_
 from distlib.app.model import MiniGPT, ModelConfig
 
 
@@ -17,12 +17,12 @@ def _replicas(comm):
     module = WithBuffer()
     module.counter += comm.rank + 1
     before = torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
-    DataParallel(module, comm)
+    broadcast_module_(module, comm)
     after = torch.cat([p.detach().flatten() for p in module.parameters()])
     return before.numpy(), after.numpy(), module.counter.clone().numpy()
 
 
-def test_construction_broadcasts_rank0_parameters_and_buffers():
+def test_broadcast_module_gives_every_rank_rank0s_parameters_and_buffers():
     for world in (2, 3, 4):
         results = run_ranks(_replicas, world)
         rank0_before = results[0][0]

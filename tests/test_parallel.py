@@ -24,9 +24,11 @@ from distlib.comm import agree
 from distlib.parallel.adamw import AdamWConfig
 from distlib.app.config import DTYPES
 from distlib.comm.mesh import build_mesh
-from distlib.app.model import ModelConfig, build_model
-from distlib.parallel.tensor_parallel import Split, shard_of, shard_model_
-from distlib.parallel.zero.stage01 import make_optimizer
+from distlib.app.model import TENSOR_PARALLEL_PLAN, ModelConfig, build_model, shard_model_
+from distlib.comm.group import Comm
+from distlib.parallel.tensor_parallel import (Column, ColumnParallelLinear, Row, RowParallelLinear, Split,
+                                              parallelize_linears_, shard_of)
+from distlib.parallel.zero import make_optimizer
 from multiproc import run_ranks
 
 # vocab 31 makes P = 5631 (3503 per tensor-parallel rank): odd, so every data-parallel split pads.
@@ -65,15 +67,16 @@ def torch_reference(clip: float) -> dict:
 
 def _train_case(comm, case: dict) -> dict:
     stage, tp, accum, clip = case["stage"], case["tp"], case["accum"], case["clip"]
-    mesh = build_mesh(comm, tp)
+    mesh = build_mesh(comm.instrumented(check=False), tp)    # dp and tp count the bytes they send
     model = build_model(CFG, SEED)
-    group = shard_model_(model, mesh.tp)
-    opt = make_optimizer(model, mesh.dp, stage, ADAMW, clip, tp=group, bucket_numel=BUCKET,
+    splits = shard_model_(model, mesh.tp)
+    opt = make_optimizer(model, mesh.dp, stage, ADAMW, clip, tp=mesh.tp, tp_split=splits, bucket_numel=BUCKET,
                          param_dtype=DTYPES[case["dtype"]])
     per_rank = GLOBAL_BATCH // mesh.dp.size
     micro = per_rank // accum
     out = {"losses": [], "norms": [], "comm": []}
     for step in range(STEPS):
+        sent = {"dp": sum(mesh.dp.stats.bytes_sent.values()), "tp": sum(mesh.tp.stats.bytes_sent.values())}
         rows = DATA[step][mesh.dp.rank * per_rank:(mesh.dp.rank + 1) * per_rank]
         local = 0.0
         for k in range(accum):
@@ -87,11 +90,12 @@ def _train_case(comm, case: dict) -> dict:
             out["param_grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
         opt.apply_update()
         opt.zero_grad()
+        out["comm"].append({"dp": sum(mesh.dp.stats.bytes_sent.values()) - sent["dp"],
+                            "tp": sum(mesh.tp.stats.bytes_sent.values()) - sent["tp"]})
         out["losses"].append(agree.mean(local, mesh.dp))
-        out["comm"].append(opt.last_step_comm_bytes)
     # numpy, not tensors: torch pickles tensors through shared memory that dies with the rank
     out.update(master=opt.state_shard()["master"].numpy(), layout=opt.layout.to_dict(), dp_rank=mesh.dp.rank,
-               tp_rank=mesh.tp.rank, splits={n: s.to_dict() for n, s in group.splits.items()},
+               tp_rank=mesh.tp.rank, splits={n: s.to_dict() for n, s in splits.items()},
                memory=opt.memory_bytes(), formula=opt.memory_formula(), param_norm=opt.param_norm())
     return out
 
@@ -246,26 +250,42 @@ def test_measured_memory_matches_the_formula_per_stage(results):
 
 
 def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results):
-    """Data-parallel bytes sent per step on 2 ranks in fp32, where a reduce-scatter or all-gather of
-    a B-byte buffer sends B/2: stage 1 sends the padded gradient and parameter buffers once per step
-    whatever K; stage 2 reduce-scatters every micro-batch's gradient buckets (P elements) and
-    all-gathers the parameters once; stage 3 gathers every block for forward and for backward and
-    reduce-scatters it, per micro-batch: 3 parameter-sized transfers to stage 2's 2 (ZeRO's 1.5x)."""
+    """Data-parallel bytes rank 0 really sends per step (its CommStats) on 2 ranks in fp32, where a
+    reduce-scatter or all-gather sends each peer its part: stage 1 sends the padded gradient and
+    parameter buffers once per step whatever K; stage 2 reduce-scatters every micro-batch's
+    gradient buckets (rank 1's part of the P elements) and all-gathers the parameters once; stage 3
+    gathers every block for forward and for backward (rank 0's part) and reduce-scatters it, per
+    micro-batch: 3 parameter-sized transfers to stage 2's 2 (ZeRO's 1.5x). Every stage also
+    all-gathers the two sum-of-squares terms of the grad norm (8 bytes to the peer)."""
     runs = {(c["stage"], c["accum"]): ranks[0] for c, ranks in zip(CASES[2], results[2])
             if c["tp"] == 1 and c["dtype"] == "fp32"}
     sent = {key: run["comm"][-1]["dp"] for key, run in runs.items()}
     layout = runs[(1, 2)]["layout"]
-    p, padded = layout["numel"], layout["padded_numel"]
+    p, padded, mine = layout["numel"], layout["padded_numel"], layout["shard_numel"]
+    theirs, norm = p - mine, 2 * 4         # rank 1's real elements (its partition ends in padding)
     assert p < padded, "the model was chosen so that the partitions need padding"
-    assert sent[(1, 2)] == sent[(1, 4)] == 2 * (4 * padded // 2), "stage 1 must sync once per step"
+    assert sent[(0, 2)] == 4 * padded + norm, "stage 0: one all-reduce (exchange: B to the peer)"
+    assert sent[(1, 2)] == sent[(1, 4)] == 2 * (4 * padded // 2) + norm, "stage 1 must sync once per step"
     for k in (2, 4):
-        assert sent[(2, k)] == k * (4 * p // 2) + 4 * padded // 2, f"stage 2, K={k}"
-        assert sent[(3, k)] == k * 3 * (4 * p // 2), f"stage 3, K={k}"
+        assert sent[(2, k)] == k * 4 * theirs + 4 * padded // 2 + norm, f"stage 2, K={k}"
+        assert sent[(3, k)] == k * (2 * 4 * mine + 4 * theirs) + norm, f"stage 3, K={k}"
+    assert all(run["comm"][-1]["tp"] == 0 for run in runs.values())
+
+
+def test_tensor_parallel_sends_four_activation_all_reduces_per_block(results):
+    """Per block and micro-batch: attention and MLP each all-reduce their output in forward
+    (reduce_from_tp) and their input's gradient in backward (copy_to_tp), (batch x seq x dim)
+    fp32 activations, which on 2 ranks the exchange all-reduce sends once to the peer; plus the
+    grad norm's TP-split term (4 bytes). The data-parallel group has one rank: nothing sent."""
+    for case, ranks in zip(CASES[2], results[2]):
+        if case["tp"] == 2:
+            activations = 4 * GLOBAL_BATCH * CFG.seq_len * CFG.dim
+            for rank in ranks:
+                assert rank["comm"][-1] == {"dp": 0, "tp": 4 * CFG.n_layers * activations + 4}, case
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
-    from distlib.comm.group import Comm
     model = build_model(CFG, SEED)
     opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
     model.tok_emb(DATA[0][:, :-1]).sum().backward()       # only the embedding gets a gradient
@@ -277,10 +297,36 @@ def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
 def test_every_stage_exposes_its_parameter_and_gradient_buffers():
     """param_buffer / grad_buffer: what a rank holds, for tools (fault injection, replica checks)
     that must not assume the stage-0/1 flat buffers exist."""
-    from distlib.comm.group import Comm
     for stage in range(4):
         model = build_model(CFG, SEED)
         opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
         assert opt.param_buffer.numel() == opt.layout.padded_numel
         assert opt.grad_buffer.dtype == torch.float32 and opt.grad_buffer.numel() == opt.layout.padded_numel
         assert torch.equal(opt.params_snapshot(), opt.param_buffer)
+
+
+def test_the_linear_swap_follows_the_plan_and_refuses_what_it_cannot_split():
+    """Only the planned Linear layers are swapped, in place (names and order kept), and the
+    returned splits name exactly the split parameters. Building the shards sends nothing, so a
+    group of 2 named here is enough."""
+    model = build_model(CFG, SEED)
+    names = [n for n, _ in model.named_parameters()]
+    full_qkv = model.blocks[1].attn.qkv.weight.detach().clone()
+    splits = parallelize_linears_(model, Comm(ranks=(0, 1), rank=1), TENSOR_PARALLEL_PLAN)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert isinstance(model.blocks[1].attn.qkv, ColumnParallelLinear)
+    assert isinstance(model.blocks[1].mlp.proj, RowParallelLinear)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert splits["blocks.1.attn.qkv.weight"] == Split(dim=0, parts=2, index=1, groups=3)
+    assert sorted(splits) == sorted(f"blocks.{i}.{layer}.{p}" for i in range(CFG.n_layers)
+                                    for layer, ps in (("attn.qkv", "wb"), ("attn.proj", "w"), ("mlp.fc", "wb"),
+                                                      ("mlp.proj", "w"))
+                                    for p in (("weight", "bias") if ps == "wb" else ("weight",)))
+    assert torch.equal(model.blocks[1].attn.qkv.weight, shard_of(full_qkv, splits["blocks.1.attn.qkv.weight"]))
+    one = Comm(ranks=(0,), rank=0)
+    with pytest.raises(TypeError, match="blocks.0.attn, a CausalSelfAttention"):
+        parallelize_linears_(build_model(CFG, SEED), one, {"blocks.*.attn": Row()})
+    with pytest.raises(ValueError, match="match no submodule"):
+        parallelize_linears_(build_model(CFG, SEED), one, {"blocks.*.mlp.nope": Column()})
+    with pytest.raises(ValueError, match="do not split into 3"):
+        parallelize_linears_(build_model(CFG, SEED), Comm(ranks=(0, 1, 2), rank=0), {"lm_head": Row()})

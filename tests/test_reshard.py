@@ -14,7 +14,7 @@ from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint import reshard
 from distlib.app.config import RunConfig
 from distlib.app.trainer import Trainer
-from distlib.parallel.zero.stage01 import STATE_KEYS
+from distlib.parallel.adamw import STATE_KEYS
 
 
 # -- the rule -----------------------------------------------------------------

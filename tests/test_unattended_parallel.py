@@ -172,13 +172,19 @@ def test_uneven_bounds_are_counted_and_checked():
     assert all("mismatched collective" in m and "bounds#" in m for m in messages), messages
 
 
-def _mesh_riders(comm):
+def _mesh_riders(comm, tp):
     world = comm.instrumented(check=True)
-    mesh = build_mesh(world, 2)
+    mesh = build_mesh(world, tp)
     collectives.all_reduce(torch.ones(3), mesh.tp)
     collectives.all_reduce(torch.ones(3), mesh.dp)
-    return mesh.dp.stats is world.stats, mesh.tp.check, world.stats.calls["all_reduce"]
+    collectives.all_reduce(torch.ones(5), mesh.dp)
+    distinct = len({id(c.stats) for c in (world, mesh.dp, mesh.tp)})
+    return (distinct, mesh.dp.check and mesh.tp.check,
+            [c.stats.calls["all_reduce"] for c in (world, mesh.dp, mesh.tp)])
 
 
-def test_mesh_subgroups_share_the_worlds_counts_and_header_check():
-    assert run_ranks(_mesh_riders, 4) == [(True, True, 2)] * 4
+def test_mesh_subgroups_count_apart_and_carry_the_worlds_header_check():
+    """The dp and tp groups count their own traffic (the world's stats keep the world-level
+    collectives), also at tp=1 where dp talks over the world's process group."""
+    assert run_ranks(_mesh_riders, 4, 2) == [(3, True, [0, 2, 1])] * 4
+    assert run_ranks(_mesh_riders, 2, 1) == [(3, True, [0, 2, 0])] * 2

@@ -40,8 +40,8 @@ from distlib.app.fit_check import check_fits
 from distlib.app.hooks import StepHooks
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
 from distlib.app.unattended.stopping import CheckpointClock
-from distlib.parallel.tensor_parallel import manifest_layouts
-from distlib.parallel.zero.stage01 import ZeroOptimizer
+from distlib.parallel.tensor_parallel import Split, manifest_layouts
+from distlib.parallel.zero import ZeroOptimizer
 
 
 def seed_process_rngs(seed: int, rank: int) -> None:
@@ -80,9 +80,11 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 class Checkpointer:
     def __init__(self, cfg: RunConfig, comm: Comm, mesh: Mesh, run_dir: Path, data: GlobalBatches,
-                 model: torch.nn.Module, optimizer: ZeroOptimizer, hooks: StepHooks, clock: Callable[[], float]):
+                 model: torch.nn.Module, optimizer: ZeroOptimizer, tp_splits: dict[str, Split], hooks: StepHooks,
+                 clock: Callable[[], float]):
         self.cfg, self.comm, self.mesh, self.data, self.hooks = cfg, comm, mesh, data, hooks
         self.model, self.optimizer = model, optimizer      # the run's; load() also fills fresh ones
+        self.tp_splits = tp_splits                         # parameter name -> its tensor-parallel Split
         self.root = Path(run_dir) / cfg.checkpoint.dir
         self.clock = CheckpointClock(cfg.checkpoint.every_minutes, clock)   # rank 0's decides every_minutes
         self.targets = RollbackTargets(None)    # replaced by resume(): the run's starting state
@@ -215,7 +217,7 @@ class Checkpointer:
         meta = {"tp": tp, "dp": self.mesh.dp.size, "rank_order": "global rank = dp_rank * tp + tp_rank",
                 "param_dtype": self.cfg.train.dtype}
         if tp > 1:
-            meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.optimizer.tp.splits)
+            meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.tp_splits)
         return meta
 
     # -- loading --------------------------------------------------------------

@@ -13,8 +13,7 @@ import torch
 
 from distlib.parallel.adamw import AdamWConfig
 from distlib.comm.mesh import MeshError, check_layout
-from distlib.app.model import ModelConfig
-from distlib.parallel.tensor_parallel import TPLayoutError, check_tp_layout
+from distlib.app.model import ModelConfig, TPLayoutError, check_tp_layout
 from distlib.app.tokens import BYTE_VOCAB
 
 

@@ -2,7 +2,8 @@
 
 Rank 0 writes ``<run dir>/<metrics.file>``: one ``"type": "step"`` record per step
 (collective traffic counted from the step's start to its record, the stretch
-step_time_s measures) and ``"type": "event"`` records (run start/restart, checkpoint saved, rollback,
+step_time_s measures: per kind over all of a rank's groups, and as ``comm_bytes``
+the bytes rank 0 really sent on each named sub-group, e.g. data- and tensor-parallel) and ``"type": "event"`` records (run start/restart, checkpoint saved, rollback,
 pre-emption, desync, errors, run end). Values that live on every rank (memory,
 collective traffic, step time) reach rank 0 through one gather per step and are
 logged as max and mean over ranks. With ``metrics.per_rank`` every rank also writes
@@ -17,6 +18,7 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from distlib.comm import agree
@@ -42,8 +44,12 @@ def _stats(values: list[float]) -> dict:
 
 
 class MetricsLog:
-    def __init__(self, cfg: MetricsConfig, run_dir: Path, comm: Comm, tokens_per_step: int, total_steps: int):
-        self.cfg, self.comm = cfg, comm
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, comm: Comm, tokens_per_step: int, total_steps: int,
+                 groups: Mapping[str, Comm] | None = None):
+        """``groups``: the sub-groups of ``comm`` whose traffic ``comm_bytes`` reports by name
+        ({"dp": mesh.dp, "tp": mesh.tp}); with a CommStats of their own (comm.mesh gives them
+        one), the per-kind figures add theirs to the world's, each counted once."""
+        self.cfg, self.comm, self.groups = cfg, comm, dict(groups or {})
         self.tokens_per_step, self.total_steps = tokens_per_step, total_steps
         self.run_dir = Path(run_dir)
         if comm.rank == 0 or cfg.per_rank:
@@ -51,6 +57,7 @@ class MetricsLog:
         self.shared = open(self.run_dir / cfg.file, "a") if comm.rank == 0 else None
         self.own = open(self.run_dir / f"metrics.rank{comm.rank}.jsonl", "a") if cfg.per_rank else None
         self._comm_seen = [0.0] * (3 * len(KINDS))
+        self._group_seen = dict.fromkeys(self.groups, 0)
         self._memory_logged = False
 
     def __enter__(self) -> "MetricsLog":
@@ -75,20 +82,30 @@ class MetricsLog:
                 print(f"[{name}] step {step}: {say}", flush=True)
 
     def _comm_now(self) -> list[float]:
-        stats = self.comm.stats
-        return stats.as_vector() if stats is not None else [0.0] * (3 * len(KINDS))
+        """calls, bytes, seconds per kind, summed over the world's and the groups' CommStats (a
+        CommStats shared by several of them counted once)."""
+        total = [0.0] * (3 * len(KINDS))
+        distinct = {id(c.stats): c.stats for c in (self.comm, *self.groups.values()) if c.stats is not None}
+        for stats in distinct.values():
+            total = [a + b for a, b in zip(total, stats.as_vector())]
+        return total
+
+    def _group_bytes_now(self) -> dict[str, int]:
+        return {name: sum(c.stats.bytes_sent.values()) if c.stats is not None else 0
+                for name, c in self.groups.items()}
 
     def begin_step(self) -> None:
         """Start the step's collective accounting window (it ends when ``step`` is called), so a
         record's comm figures cover the same stretch as its step_time_s."""
         self._comm_seen = self._comm_now()
+        self._group_seen = self._group_bytes_now()
 
     def step(self, step: int, *, loss: float, local_loss: float, grad_norm: float, param_norm: float,
-             lr: float, seconds: float, memory: dict[str, int], val_loss: float | None = None,
-             comm_bytes: dict[str, int] | None = None) -> None:
-        """One step's record. Collective: every rank calls it (one gather). ``comm_bytes``: the
-        optimizer's nominal bytes sent in the step by rank 0, {"dp": ..., "tp": ...}."""
+             lr: float, seconds: float, memory: dict[str, int], val_loss: float | None = None) -> None:
+        """One step's record. Collective: every rank calls it (one gather)."""
         comm_delta = [now - seen for now, seen in zip(self._comm_now(), self._comm_seen)]
+        # Bytes this rank really sent on each group since begin_step (rank 0's go in the record).
+        comm_bytes = {name: now - self._group_seen[name] for name, now in self._group_bytes_now().items()}
         mine = [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]),
                 float(peak_rss_bytes()), seconds] + comm_delta
         rows = agree.gather(mine, self.comm)
@@ -106,8 +123,8 @@ class MetricsLog:
                   "tokens": self.tokens_per_step, "tokens_per_s": tokens_per_s,
                   "comm": self._comm_fields(rows),
                   "memory": {k: _stats([r[i] for r in rows]) for i, k in enumerate(MEMORY_KEYS)}}
-        if comm_bytes is not None:
-            record["comm_bytes"] = dict(comm_bytes)
+        if comm_bytes:
+            record["comm_bytes"] = comm_bytes
         if val_loss is not None:
             record.update(val_loss=json_number(val_loss), val_loss_hex=val_loss.hex())
         self._write(self.shared, record)

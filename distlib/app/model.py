@@ -5,6 +5,10 @@ causal multi-head self-attention and a GELU MLP, a final LayerNorm, and an LM
 head that is a separate Linear (not tied to the embedding). Attention uses the
 explicit masked path (scores, -inf above the diagonal, softmax) so every rank
 and every parallel layout runs the same arithmetic.
+
+Tensor parallelism (``shard_model_``) swaps the attention and MLP Linear layers for this rank's
+column/row-parallel shards (``TENSOR_PARALLEL_PLAN``); the forward below is the same code at every
+tensor-parallel degree: attention derives its local head count from the width of the qkv output.
 """
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from distlib.comm.group import Comm
+from distlib.parallel.tensor_parallel import Column, Row, Split, parallelize_linears_
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,6 @@ class ModelConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
@@ -48,14 +54,16 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=2)
+        batch, seq, _ = x.shape
+        # q|k|v of the heads this rank computes: all n_heads, or H/T of them when qkv is
+        # column-parallel (then proj is row-parallel and sums the heads' contributions over ranks).
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (batch, heads, seq, head_dim)
-        q, k, v = (t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~self.causal_mask[:seq, :seq], float("-inf"))
         weights = F.dropout(F.softmax(scores, dim=-1), self.dropout, self.training)
-        out = (weights @ v).transpose(1, 2).reshape(batch, seq, dim)
+        out = (weights @ v).transpose(1, 2).reshape(batch, seq, -1)
         return F.dropout(self.proj(out), self.dropout, self.training)
 
 
@@ -122,3 +130,32 @@ def build_model(cfg: ModelConfig, seed: int) -> MiniGPT:
     with fork:
         torch.manual_seed(seed)
         return MiniGPT(cfg)
+
+
+class TPLayoutError(ValueError):
+    """A model that cannot be split over this many tensor-parallel ranks."""
+
+
+def check_tp_layout(cfg: ModelConfig, tp: int) -> None:
+    """Heads must split evenly; then so do dim (a multiple of n_heads) and the MLP width."""
+    if cfg.n_heads % tp:
+        raise TPLayoutError(f"dist.tp={tp} must divide model.n_heads={cfg.n_heads} (heads are split across "
+                            f"tensor-parallel ranks)")
+
+
+# Megatron's split of a block: attention by heads (the fused q|k|v rows of a head stay on one
+# rank), the MLP by hidden units; each half column-parallel, then row-parallel.
+TENSOR_PARALLEL_PLAN = {
+    "blocks.*.attn.qkv": Column(groups=3),
+    "blocks.*.attn.proj": Row(),
+    "blocks.*.mlp.fc": Column(),
+    "blocks.*.mlp.proj": Row(),
+}
+
+
+def shard_model_(model: MiniGPT, tp: Comm) -> dict[str, Split]:
+    """Replace every block's attention and MLP Linear layers with this rank's tensor-parallel
+    shard of them (in place, keeping parameter names and order); returns each split parameter's
+    Split (none with a tensor-parallel group of one)."""
+    check_tp_layout(model.cfg, tp.size)
+    return parallelize_linears_(model, tp, TENSOR_PARALLEL_PLAN)

@@ -21,7 +21,7 @@ import torch
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint import reshard
 from distlib.app.model import MiniGPT, ModelConfig
-from distlib.parallel.zero.stage01 import FlatLayout
+from distlib.parallel.flat_layout import FlatLayout
 
 
 class SampleError(ValueError):

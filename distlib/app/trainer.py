@@ -1,7 +1,7 @@
 """The training loop, read as the composition it is.
 
-Built once (``__init__``): the model, broadcast from rank 0 (``DataParallel``) and sharded
-(``shard_model_``), its ``ZeroOptimizer``, the data (``data.GlobalBatches``: which batch a step
+Built once (``__init__``): the model, broadcast from rank 0 (``broadcast_module_``) and its
+Linear layers swapped for tensor-parallel ones (``shard_model_``), its ``ZeroOptimizer``, the data (``data.GlobalBatches``: which batch a step
 reads), the ``Checkpointer`` (every checkpoint decision), the guard's ``Rollback`` and the
 ``StepHooks`` attached from outside (fault injection; no-ops by default). Then one step::
 
@@ -38,13 +38,12 @@ from distlib.app.config import RunConfig
 from distlib.app.data import BatchPlan
 from distlib.app.hooks import StepHooks
 from distlib.app.metrics import MetricsLog
-from distlib.app.model import MiniGPT, build_model
+from distlib.app.model import MiniGPT, build_model, shard_model_
 from distlib.app.unattended import guard
 from distlib.app.unattended import stopping as schedule
 from distlib.app.unattended.rollback import Rollback
-from distlib.parallel.broadcast import DataParallel
-from distlib.parallel.tensor_parallel import shard_model_
-from distlib.parallel.zero.stage01 import ZeroOptimizer, make_optimizer
+from distlib.parallel.broadcast import broadcast_module_
+from distlib.parallel.zero import ZeroOptimizer, make_optimizer
 
 
 @dataclass
@@ -74,7 +73,7 @@ class Trainer:
         # Count traffic per collective kind and (dist.check_collectives) check every call's header.
         comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir = cfg, comm, Path(run_dir)
-        self.mesh = build_mesh(comm, cfg.dist.tp)   # its dp / tp groups share comm's stats and check
+        self.mesh = build_mesh(comm, cfg.dist.tp)   # its dp / tp groups: comm's check, their own stats
         if hooks is None and cfg.fault.configured:     # a drill that silently injects nothing proves nothing
             raise ValueError("fault.* is set but no hooks are attached: pass "
                              "hooks=distlib.app.unattended.faults.step_hooks(cfg.fault, rank) to Trainer")
@@ -87,7 +86,7 @@ class Trainer:
         self.hooks.check_model(self.optimizer.layout.slots)
         # rank 0's clock decides checkpoint.every_minutes
         self.checkpointer = Checkpointer(cfg, comm, self.mesh, self.run_dir, self.data, self.model, self.optimizer,
-                                         self.hooks, clock or time.monotonic)
+                                         self.tp_splits, self.hooks, clock or time.monotonic)
         self.rollback = Rollback(cfg.guard, self.checkpointer, self.data)
         self.log: MetricsLog | None = None      # open while run() runs
 
@@ -97,11 +96,12 @@ class Trainer:
             print(message, flush=True)
 
     def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
-        model = DataParallel(build_model(self.cfg.model, seed), self.comm).module
-        tp_group = shard_model_(model, self.mesh.tp)
+        model = build_model(self.cfg.model, seed)
+        broadcast_module_(model, self.comm)
+        self.tp_splits = shard_model_(model, self.mesh.tp)     # parameter name -> Split (none at tp=1)
         optimizer = make_optimizer(model, self.mesh.dp, self.cfg.zero.stage, self.cfg.optimizer.adamw,
-                                   self.cfg.optimizer.grad_clip, tp=tp_group, param_dtype=self.cfg.param_dtype,
-                                   bucket_numel=self.cfg.zero.bucket_numel)
+                                   self.cfg.optimizer.grad_clip, tp=self.mesh.tp, tp_split=self.tp_splits,
+                                   param_dtype=self.cfg.param_dtype, bucket_numel=self.cfg.zero.bucket_numel)
         return model, optimizer
 
     # -- the run ----------------------------------------------------------------
@@ -112,7 +112,8 @@ class Trainer:
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
         tokens = cfg.global_batch * cfg.model.seq_len
         with schedule.StopSignals(deadline_s=cfg.dist.timeout_s) as signals, \
-                MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps) as log:
+                MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps,
+                           groups={"dp": self.mesh.dp, "tp": self.mesh.tp}) as log:
             self.log = log
             self._log_start(start, resume_path)
             step = start + 1
@@ -205,8 +206,7 @@ class Trainer:
         signals.deadline_s = max(signals.deadline_s, cfg.dist.timeout_s + 2 * seconds)
         val_loss = self.evaluate() if cfg.train.eval_every and step % cfg.train.eval_every == 0 else None
         self.log.step(step, loss=loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
-                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes(), val_loss=val_loss,
-                      comm_bytes=self.optimizer.last_step_comm_bytes)
+                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes(), val_loss=val_loss)
         if cfg.guard.check_sync_every and step % cfg.guard.check_sync_every == 0:
             try:
                 self.check_replicas(step)
@@ -255,7 +255,7 @@ class Trainer:
             return
         opt = self.optimizer
         guard.check_replicas(opt.full_params(), opt.layout.slots, step, self.comm,
-                             tp=self.mesh.tp.size, split=set(opt.tp.splits))
+                             tp=self.mesh.tp.size, split=set(self.tp_splits))
 
 
     @torch.no_grad()

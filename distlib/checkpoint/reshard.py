@@ -28,7 +28,8 @@ import torch
 
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.parallel.zero.stage01 import STATE_KEYS, FlatLayout
+from distlib.parallel.adamw import STATE_KEYS
+from distlib.parallel.flat_layout import FlatLayout
 
 
 # -- the rule, as pure functions ---------------------------------------------

@@ -10,9 +10,12 @@ which ZeRO shards the optimizer state.
 the same order, even the groups it does not belong to. That is why the whole
 mesh is built here, in one place, once.
 
-The dp and tp Comms carry the world Comm's riders (``stats``, one CommStats per
-process, and ``check``), so traffic on the subgroups is counted and header-checked
-like the world's.
+The dp and tp Comms carry the world Comm's ``check`` rider, so the subgroups' collectives are
+header-checked like the world's, and, when the world counts its traffic (``stats``), each gets a
+CommStats of its own: the bytes a rank sends on the data-parallel group (gradient and parameter
+sync) and on the tensor-parallel group (the layers' all-reduces) are then read apart, and the
+world's CommStats keeps only the world-level collectives (the sum of the three is all the
+traffic). With dist.tp=1 the dp Comm talks over the world's process group but still counts apart.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from distlib.comm.group import Comm
+from distlib.comm.group import Comm, CommStats
 
 
 class MeshError(ValueError):
@@ -43,9 +46,13 @@ def check_layout(world_size: int, tp: int) -> None:
 def build_mesh(world: Comm, tp: int) -> Mesh:
     """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank)."""
     check_layout(world.size, tp)
-    riders = dict(stats=world.stats, check=world.check)
+
+    def riders() -> dict:
+        return dict(stats=CommStats() if world.stats is not None else None, check=world.check)
+
     if tp == 1:
-        return Mesh(world=world, dp=world, tp=Comm(ranks=(world.peer(world.rank),), rank=0, **riders))
+        return Mesh(world=world, dp=dataclasses.replace(world, **riders()),
+                    tp=Comm(ranks=(world.peer(world.rank),), rank=0, **riders()))
     dp_size = world.size // tp
     tp_groups = [[world.peer(d * tp + t) for t in range(tp)] for d in range(dp_size)]
     dp_groups = [[world.peer(d * tp + t) for d in range(dp_size)] for t in range(tp)]
@@ -57,5 +64,5 @@ def build_mesh(world: Comm, tp: int) -> Mesh:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if me in ranks:
                 mine[kind] = dataclasses.replace(Comm.subgroup(ranks, group) if group is not None
-                                                 else Comm(ranks=tuple(ranks), rank=0), **riders)
+                                                 else Comm(ranks=tuple(ranks), rank=0), **riders())
     return Mesh(world=world, dp=mine["dp"], tp=mine["tp"])

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+# The state AdamW keeps per parameter element: the fp32 master weight and the two moments. ZeRO
+# shards exactly these, and a checkpoint stores them, partition by partition.
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
 
 @dataclass(frozen=True)
 class AdamWConfig:

@@ -1,9 +1,9 @@
 """Data parallelism's first promise: every rank starts from rank 0's weights.
 
-Wrapping a module broadcasts its parameters and buffers from rank 0, once, at
-construction, as one flat message. Gradient synchronisation is not here: it is
-part of the optimizer step (``distlib.zero``), which for stage 0 all-reduces the
-gradients and for stages 1-3 reduce-scatters them.
+``broadcast_module_`` overwrites a module's parameters and buffers with rank 0's, once, before
+training, as one flat message per dtype. Gradient synchronisation is not here: it is part of the
+optimizer step (``distlib.parallel.zero``), which for stage 0 all-reduces the gradients and for
+stages 1-3 reduce-scatters them.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from distlib.comm import collectives
 from distlib.comm.group import Comm
 
 
+@torch.no_grad()
 def broadcast_module_(module: nn.Module, comm: Comm, src: int = 0) -> None:
     """Overwrite every parameter and buffer with ``src``'s values, in one broadcast per dtype."""
     tensors = [p.data for p in module.parameters()] + list(module.buffers())
@@ -28,17 +29,3 @@ def broadcast_module_(module: nn.Module, comm: Comm, src: int = 0) -> None:
         for t in group:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-class DataParallel(nn.Module):
-    """A module whose replicas agree at construction; forward is the wrapped module's."""
-
-    def __init__(self, module: nn.Module, comm: Comm):
-        super().__init__()
-        self.module = module
-        self.comm = comm
-        with torch.no_grad():
-            broadcast_module_(module, comm)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)

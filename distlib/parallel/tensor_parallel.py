@@ -1,30 +1,35 @@
-"""Megatron-style tensor parallelism for MiniGPT's attention and MLP.
+"""Megatron-style tensor parallelism by swapping a module's ``nn.Linear`` layers.
 
-With T tensor-parallel ranks, tensor rank t of a block holds
+``parallelize_linears_(module, tp, plan)`` replaces, in place, each ``nn.Linear`` whose path
+matches a pattern of ``plan`` with this rank's shard of it (the way picotron does it): the model
+keeps its own forward arithmetic and only sees narrower layers. With T tensor-parallel ranks,
 
-  attention  the QKV columns of heads [t*H/T, (t+1)*H/T) (their q, k and v rows of
-             ``qkv.weight``) and the matching input columns of the output projection;
-  MLP        hidden units [t*F/T, (t+1)*F/T): rows of ``fc``, columns of ``proj``.
+  ``Column()``          ColumnParallelLinear: rank t holds output features [t*F/T, (t+1)*F/T)
+                        (rows of the weight, and of the bias); its output is split too;
+  ``Column(groups=3)``  the same for a fused q|k|v projection: each of the 3 groups of output
+                        rows is split, so rank t holds the q, k and v rows of its heads;
+  ``Row()``             RowParallelLinear: rank t holds input features [t*F/T, (t+1)*F/T)
+                        (columns of the weight); the partial outputs are summed over the group.
 
-Each half runs column-parallel then row-parallel: the replicated input enters
-through ``copy_to_tp`` (identity forward, all-reduce of the input gradient
-backward) and the partial outputs leave through ``reduce_from_tp`` (all-reduce
-forward, identity backward), both with the hand-written collectives on the TP
-group. The row-parallel bias is replicated and added once, after the sum.
+A column-parallel layer followed by a row-parallel one is one Megatron half (attention, MLP):
+the replicated input enters through ``copy_to_tp`` (identity forward, all-reduce of the input
+gradient backward) and the partial outputs leave through ``reduce_from_tp`` (all-reduce forward,
+identity backward), both with the hand-written collectives on the TP group. The row-parallel
+bias is replicated and added once, after the sum.
 
-Everything else (embeddings, LayerNorms, LM head) is replicated. Its inputs are
-identical bytes on every TP rank (they come out of an all-reduce) and so are its
-gradients, so replicated parameters stay bitwise equal across TP ranks without
-any extra communication (tests/test_parallel.py checks it).
+Everything else (embeddings, LayerNorms, LM head) is replicated. Its inputs are identical bytes on
+every TP rank (they come out of an all-reduce) and so are its gradients, so replicated parameters
+stay bitwise equal across TP ranks without any extra communication (tests/test_parallel.py
+checks it).
 
-Parameter names are the unsharded model's; only the shapes shrink. ``Split``
-records how a local parameter maps to the full one, which the checkpoint
-manifest stores and ``shard_of`` applies.
+Parameter names are the unsharded model's; only the shapes shrink. ``Split`` records how a local
+parameter maps to the full one, which the checkpoint manifest stores and ``shard_of`` applies.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -32,11 +37,6 @@ import torch.nn.functional as F
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
-from distlib.app.model import MiniGPT, ModelConfig
-
-
-class TPLayoutError(ValueError):
-    """A model that cannot be split over this many tensor-parallel ranks."""
 
 
 @dataclass(frozen=True)
@@ -60,129 +60,123 @@ def shard_of(full: torch.Tensor, split: Split | None) -> torch.Tensor:
     return torch.cat(pieces, dim=split.dim).contiguous()
 
 
-@dataclass
-class TPGroup:
-    """The tensor-parallel group all sharded layers of one model talk over, plus what they sent."""
-    comm: Comm
-    bytes_sent: int = 0      # nominal 2(T-1)/T * B per all-reduce of B bytes, forward and backward
-    splits: dict[str, Split] = field(default_factory=dict)   # parameter name -> its split
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        out = t.contiguous().clone()
-        n = self.comm.size
-        self.bytes_sent += 2 * (n - 1) * out.numel() * out.element_size() // n
-        return collectives.all_reduce(out, self.comm, op="sum")
+def _all_reduce(t: torch.Tensor, tp: Comm) -> torch.Tensor:
+    return collectives.all_reduce(t.contiguous().clone(), tp, op="sum")
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, tp):
+        ctx.tp = tp
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.group.all_reduce(grad), None
+        return _all_reduce(grad, ctx.tp), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return group.all_reduce(x)
+    def forward(ctx, x, tp):
+        return _all_reduce(x, tp)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
+def _param(full: torch.Tensor, split: Split | None) -> nn.Parameter:
+    return nn.Parameter(shard_of(full.detach(), split))
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local: this rank's output features; input replicated."""
 
-    def __init__(self, full: nn.Linear, group: TPGroup, groups: int = 1):
+    def __init__(self, full: nn.Linear, tp: Comm, groups: int = 1):
         super().__init__()
-        self.group = group
-        split = Split(dim=0, parts=group.comm.size, index=group.comm.rank, groups=groups)
-        self.weight = nn.Parameter(shard_of(full.weight.detach(), split))
-        self.bias = nn.Parameter(shard_of(full.bias.detach(), split))
-        self.splits = {"weight": split, "bias": split}
+        self.tp = tp
+        split = Split(dim=0, parts=tp.size, index=tp.rank, groups=groups)
+        self.weight = _param(full.weight, split)
+        self.bias = _param(full.bias, split) if full.bias is not None else None
+        self.splits = {"weight": split} | ({"bias": split} if full.bias is not None else {})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToTP.apply(x, self.group), self.weight, self.bias)
+        return F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over TP ranks of x_local W_local^T, plus the replicated bias once."""
 
-    def __init__(self, full: nn.Linear, group: TPGroup):
+    def __init__(self, full: nn.Linear, tp: Comm):
         super().__init__()
-        self.group = group
-        split = Split(dim=1, parts=group.comm.size, index=group.comm.rank)
-        self.weight = nn.Parameter(shard_of(full.weight.detach(), split))
-        self.bias = nn.Parameter(full.bias.detach().clone())
+        self.tp = tp
+        split = Split(dim=1, parts=tp.size, index=tp.rank)
+        self.weight = _param(full.weight, split)
+        self.bias = _param(full.bias, None) if full.bias is not None else None
         self.splits = {"weight": split}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ReduceFromTP.apply(F.linear(x, self.weight), self.group) + self.bias
+        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
 
 
-class ParallelAttention(nn.Module):
-    """Causal self-attention over this rank's H/T heads (same arithmetic per head as model.py)."""
-
-    def __init__(self, full: nn.Module, cfg: ModelConfig, group: TPGroup):
-        super().__init__()
-        t = group.comm.size
-        self.n_heads = cfg.n_heads // t
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.qkv = ColumnParallelLinear(full.qkv, group, groups=3)
-        self.proj = RowParallelLinear(full.proj, group)
-        self.dropout = cfg.dropout
-        self.register_buffer("causal_mask", full.causal_mask.clone(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        local = self.n_heads * self.head_dim
-        q, k, v = self.qkv(x).split(local, dim=2)
-        q, k, v = (u.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for u in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~self.causal_mask[:seq, :seq], float("-inf"))
-        weights = F.dropout(F.softmax(scores, dim=-1), self.dropout, self.training)
-        out = (weights @ v).transpose(1, 2).reshape(batch, seq, local)
-        return F.dropout(self.proj(out), self.dropout, self.training)
+@dataclass(frozen=True)
+class Column:
+    """Split the output features; ``groups`` > 1 for fused projections (q|k|v: 3)."""
+    groups: int = 1
 
 
-class ParallelMLP(nn.Module):
-    def __init__(self, full: nn.Module, group: TPGroup, dropout: float):
-        super().__init__()
-        self.fc = ColumnParallelLinear(full.fc, group)
-        self.proj = RowParallelLinear(full.proj, group)
-        self.dropout = dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
+@dataclass(frozen=True)
+class Row:
+    """Split the input features; the outputs are summed over the group."""
 
 
-def check_tp_layout(cfg: ModelConfig, tp: int) -> None:
-    """Heads must split evenly; then so do dim (a multiple of n_heads) and the MLP width."""
-    if cfg.n_heads % tp:
-        raise TPLayoutError(f"dist.tp={tp} must divide model.n_heads={cfg.n_heads} (heads are split across "
-                            f"tensor-parallel ranks)")
+Plan = Mapping[str, "Column | Row"]   # submodule path pattern (fnmatch, per dotted part) -> style
 
 
-def shard_model_(model: MiniGPT, tp: Comm) -> TPGroup:
-    """Replace every block's attention and MLP with this rank's tensor-parallel shard of it
-    (in place, keeping parameter names and order). Returns the group with each split."""
-    group = TPGroup(tp)
+def _matches(path: str, pattern: str) -> bool:
+    parts, pats = path.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats))
+
+
+def parallelize_linears_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, Split]:
+    """Replace every ``nn.Linear`` of ``module`` whose path matches a pattern of ``plan`` with
+    this rank's column- or row-parallel shard of it (in place: names and order of the
+    parameters are kept). Returns {parameter name: Split} of the parameters now split.
+    A tensor-parallel group of one changes nothing (the layers stay plain ``nn.Linear``: a
+    row-parallel layer adds its bias after the matmul, which rounds differently)."""
+    found: dict[str, list[str]] = {pattern: [] for pattern in plan}
+    for path, sub in module.named_modules():
+        matched = [pattern for pattern in plan if _matches(path, pattern)]
+        if len(matched) > 1:
+            raise ValueError(f"{path} matches several tensor-parallel plan patterns: {matched}")
+        if matched and not isinstance(sub, nn.Linear):
+            raise TypeError(f"tensor-parallel plan {matched[0]!r} matches {path}, a {type(sub).__name__}, "
+                            f"not an nn.Linear")
+        for pattern in matched:
+            found[pattern].append(path)
+    unused = [pattern for pattern, paths in found.items() if not paths]
+    if unused:
+        raise ValueError(f"tensor-parallel plan patterns match no submodule: {unused}")
     if tp.size == 1:
-        return group
-    check_tp_layout(model.cfg, tp.size)
-    for i, block in enumerate(model.blocks):
-        block.attn = ParallelAttention(block.attn, model.cfg, group)
-        block.mlp = ParallelMLP(block.mlp, group, model.cfg.dropout)
-        for part in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"):
-            layer = block.get_submodule(part)
-            for pname, split in layer.splits.items():
-                group.splits[f"blocks.{i}.{part}.{pname}"] = split
-    return group
+        return {}
+    splits = {}
+    for pattern, paths in found.items():
+        style = plan[pattern]
+        for path in paths:
+            parent, _, name = path.rpartition(".")
+            owner = module.get_submodule(parent)
+            full = owner.get_submodule(name)
+            features, parts = ((full.out_features, tp.size * style.groups) if isinstance(style, Column)
+                               else (full.in_features, tp.size))
+            if features % parts:
+                raise ValueError(f"{path}: {features} {'output' if isinstance(style, Column) else 'input'} "
+                                 f"features do not split into {parts} equal tensor-parallel parts")
+            layer = (ColumnParallelLinear(full, tp, style.groups) if isinstance(style, Column)
+                     else RowParallelLinear(full, tp))
+            setattr(owner, name, layer)     # replacing an existing child keeps its place: same parameter order
+            splits.update({f"{path}.{p}": s for p, s in layer.splits.items()})
+    return splits
 
 
 def full_shape(local: tuple[int, ...], split: Split | None) -> tuple[int, ...]:

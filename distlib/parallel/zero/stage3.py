@@ -1,22 +1,22 @@
-"""ZeRO stage 3: parameters are sharded too, and gathered one block at a time.
+"""ZeRO stage 3: the parameters are sharded too, and gathered one unit at a time.
 
-A *unit* is a top-level child of the model (the embeddings, each transformer
-block, the final LayerNorm, the LM head; a ModuleList counts as its children);
-its parameters are one contiguous flat range. Each rank keeps only its partition
-of the parameters (``param_shard``, in the compute dtype). A unit's parameters
-are views into a unit-sized buffer whose storage is empty except while needed:
+A *unit* is a top-level child of the model (the embeddings, each transformer block, the final
+LayerNorm, the LM head; a ModuleList counts as its children); its parameters are one contiguous
+flat range. Each rank keeps only its partition of the parameters (``param_shard``, in the compute
+dtype) besides its partitions of gradients and state. A unit's parameters are views into a
+unit-sized buffer whose storage is empty except while needed:
 
   forward pre-hook    all-gather the unit (uneven bounds: each rank contributes the
                       part of the unit inside its partition), then run it;
   forward hook        free the storage, and hook the unit's output so that
   output grad hook    the unit is gathered again just before its backward runs;
-  last grad of unit   (stage 2's bucket hook, one bucket per unit) reduce-scatter
+  last grad of unit   (``buckets.GradBuckets``, one bucket per unit) reduce-scatter
                       the unit's gradients into the partitions and free the storage.
 
-Autograd saved the parameters' *views*, so refilling the same storage before
-backward is all it needs. PyTorch runs a parameter's gradient accumulation as
-soon as it is produced, so a unit's gradients are complete, and its storage
-freed, before the next unit's backward gathers: one unit is live at a time.
+Autograd saved the parameters' *views*, so refilling the same storage before backward is all it
+needs. PyTorch runs a parameter's gradient accumulation as soon as it is produced, so a unit's
+gradients are complete, and its storage freed, before the next unit's backward gathers: one unit
+is live at a time. ``apply_update`` only copies the master partition into ``param_shard``.
 """
 from __future__ import annotations
 
@@ -24,10 +24,8 @@ import torch
 import torch.nn as nn
 
 from distlib.comm import collectives
-from distlib.parallel.adamw import AdamWConfig
-from distlib.comm.group import Comm
-from distlib.parallel.tensor_parallel import TPGroup
-from distlib.parallel.zero.stage2 import Bucket, Zero2Optimizer, contiguous_bucket
+from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.buckets import Bucket, GradBuckets, contiguous_bucket
 
 
 def unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -43,54 +41,48 @@ def unit_modules(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-class Zero3Optimizer(Zero2Optimizer):
-    STAGES = (3,)
-
-    def __init__(self, module: nn.Module, comm: Comm, cfg: AdamWConfig, grad_clip: float = 0.0, *,
-                 tp: TPGroup | None = None, param_dtype: torch.dtype = torch.float32):
-        super().__init__(module, comm, cfg, grad_clip, tp=tp, param_dtype=param_dtype)
+class Stage3Optimizer(ZeroOptimizer):
+    stage = 3
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self.param_shard = fp32_flat[self.my_range].to(self.param_dtype, copy=True)
-        self._init_partition_state(fp32_flat)
-        self._init_buckets()                       # one bucket per unit, see _plan_buckets
-        self._gathered = [False] * len(self.buckets)
+        self._partitioned_state(fp32_flat)
+        units = unit_modules(self.module)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        # One bucket per unit: its gradients are reduced, and its storage freed, together.
+        self.units: list[Bucket] = [contiguous_bucket([tuple(index[id(p)] for p in u.parameters())],
+                                                      self.layout.slots) for u in units]
+        self.grads = GradBuckets(self.layout, self.params, self.comm, self.units, self._sample_memory,
+                                 reduced=self._release)
+        self._gathered = [False] * len(self.units)
         self._unit_buffers = []
-        for b, (bucket, unit) in enumerate(zip(self.buckets, self._units)):
-            full = torch.empty(bucket.numel, dtype=self.param_dtype)
-            for i in bucket.params:
+        for b, (unit, module) in enumerate(zip(self.units, units)):
+            full = torch.empty(unit.numel, dtype=self.param_dtype)
+            for i in unit.params:
                 slot = self.layout.slots[i]
-                start = slot.offset - bucket.lo
+                start = slot.offset - unit.lo
                 self.params[i].data = full[start:start + slot.numel].view(slot.shape)
             full.untyped_storage().resize_(0)
             self._unit_buffers.append(full)
-            unit.register_forward_pre_hook(lambda m, args, b=b: self._gather(b))
-            unit.register_forward_hook(lambda m, args, out, b=b: self._after_forward(b, out))
+            module.register_forward_pre_hook(lambda m, args, b=b: self._gather(b))
+            module.register_forward_hook(lambda m, args, out, b=b: self._after_forward(b, out))
 
-    def _plan_buckets(self) -> list[Bucket]:
-        """One bucket per unit: its gradients are reduced, and its storage freed, together."""
-        self._units = unit_modules(self.module)
-        index = {id(p): i for i, p in enumerate(self.params)}
-        return [contiguous_bucket([tuple(index[id(p)] for p in u.parameters())], self.layout.slots)
-                for u in self._units]
+    def _param_storage(self) -> list[torch.Tensor]:
+        return [self.param_shard] + self._unit_buffers
 
-    def _live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": [self.param_shard] + self._unit_buffers,
-                "grads": [self.grad_partition] + [t for t in self._bucket_buffers if t is not None]
-                         + [p.grad for p in self.params if p.grad is not None],
-                "optimizer": [self.master, self.exp_avg, self.exp_avg_sq]}
+    def _grad_storage(self) -> list[torch.Tensor]:
+        return self.grads.live()
 
     # -- gather / free --------------------------------------------------------------
     @torch.no_grad()
     def _gather(self, b: int) -> None:
         if self._gathered[b]:
             return
-        bucket, full = self.buckets[b], self._unit_buffers[b]
-        full.untyped_storage().resize_(bucket.numel * full.element_size())
-        bounds = self.layout.bounds_within(bucket.lo, bucket.hi)
+        unit, full = self.units[b], self._unit_buffers[b]
+        full.untyped_storage().resize_(unit.numel * full.element_size())
+        bounds = self.layout.bounds_within(unit.lo, unit.hi)
         a, z = bounds[self.comm.rank]
-        start = bucket.lo + a - self.my_range.start
-        self._count(full)
+        start = unit.lo + a - self.my_range.start
         collectives.all_gather(full, self.param_shard[start:start + (z - a)], self.comm, bounds=bounds)
         self._gathered[b] = True
         self._sample_memory()
@@ -104,17 +96,24 @@ class Zero3Optimizer(Zero2Optimizer):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad: self._gather(b))
 
-    def _bucket_reduced(self, b: int) -> None:
-        self._release(b)
-
     # -- the step -------------------------------------------------------------------
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        return self.grads.partition
+
+    def _zero_grads(self) -> None:
+        self.grads.partition.zero_()
+
+    def _reduce_grads(self) -> torch.Tensor:
+        partition = self.grads.collect(self.stage)
+        self._sample_memory()
+        return partition
+
     def _publish_params(self) -> None:
         self.param_shard.copy_(self.master)
 
     def param_norm(self) -> float:
-        terms = torch.zeros(self.comm.size, 2)
-        collectives.all_gather(terms.view(-1), self._square_terms(self.param_shard, self.comm.rank), self.comm)
-        return self._norm_from_terms(terms)
+        return self.norms.of_partition(self.param_shard)
 
     @property
     def param_buffer(self) -> torch.Tensor:
@@ -132,12 +131,10 @@ class Zero3Optimizer(Zero2Optimizer):
         return full
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
-        """Stage 3: params bP/N (+ one gathered unit), grads 4P/N (+ the unit's fp32 gradient
-        bucket + one parameter's gradient), Adam 12P/N."""
-        p, n, b = self.layout.numel, self.comm.size, self._bytes_per_param()
-        pad = self.layout.padded_numel - p
-        largest_unit = max(k.numel for k in self.buckets)
-        largest_param = max(s.numel for s in self.layout.slots)
-        return {"params": (b * p / n, b * pad / n + b * largest_unit, f"{b}P/N + unit"),
-                "grads": (4 * p / n, 4 * pad / n + 4 * largest_unit + b * largest_param, "4P/N + unit"),
-                "optimizer": (12 * p / n, 12 * pad / n, "12P/N")}
+        """params bP/N (+ one gathered unit), grads 4P/N (+ the unit's fp32 gradient bucket + one
+        parameter's gradient), Adam 12P/N; allowances include the padded tail (< N elements)."""
+        s = self._sizes()
+        unit = self.grads.largest
+        return {"params": (s.b * s.p / s.n, s.b * s.pad / s.n + s.b * unit, f"{s.b}P/N + unit"),
+                "grads": (4 * s.p / s.n, 4 * s.pad / s.n + 4 * unit + s.b * s.largest_param, "4P/N + unit"),
+                "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N")}

@@ -1,0 +1,215 @@
+"""What every ZeRO stage shares: the step protocol, AdamW on the master, checkpoint state, memory.
+
+All parameters are laid out in one flat buffer (``distlib.parallel.flat_layout``), padded to a
+multiple of the data-parallel size N; rank r owns partition r. ``step()`` replaces
+``optimizer.step()``; it is ``sync_grads()`` (average the gradients, return the global grad
+norm) followed by ``apply_update(lr)`` (clip by that norm, AdamW on the fp32 master, publish the
+parameters), so a caller can look at the norm and the loss before deciding to update.
+
+A stage says where things live by implementing the hooks at the bottom of ``ZeroOptimizer``:
+its storage (``_init_storage``), what it holds (``_param_storage``/``_grad_storage``), how the
+gradients are averaged (``_reduce_grads``) and how updated master weights reach the module
+(``_publish_params``). Whatever the stage, a checkpoint holds partition r of the fp32 (master,
+exp_avg, exp_avg_sq) on rank r, so the on-disk format does not depend on the stage.
+
+Mixed precision (``param_dtype=torch.bfloat16``): the module computes with bf16 parameters;
+gradients are accumulated and reduced in fp32 and the master weights and Adam state stay fp32.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+import torch.nn as nn
+
+from distlib.comm.group import Comm
+from distlib.parallel.adamw import STATE_KEYS, AdamWConfig, adamw_step_
+from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.zero.memory import PeakMemory, Sizes
+from distlib.parallel.zero.norms import NormTerms
+
+
+class ZeroOptimizer:
+    """AdamW over the data-parallel group ``comm``; the stage subclasses decide what is sharded.
+
+    ``tp``/``tp_split``: the tensor-parallel group and the names of the parameters split over it,
+    so the global norms count each split parameter on its rank and replicated ones once."""
+    stage: int
+    options: tuple[str, ...] = ()    # the stage-specific keyword arguments make_optimizer passes on
+
+    def __init__(self, module: nn.Module, comm: Comm, cfg: AdamWConfig, grad_clip: float = 0.0, *,
+                 tp: Comm | None = None, tp_split: Collection[str] = (), param_dtype: torch.dtype = torch.float32):
+        if grad_clip < 0:
+            raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables), got {grad_clip}")
+        if param_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"parameter dtype must be float32 or bfloat16, got {param_dtype}")
+        self.module, self.comm, self.cfg, self.grad_clip = module, comm, cfg, grad_clip
+        self.param_dtype = param_dtype
+        self.params = list(module.parameters())
+        self.layout = FlatLayout.of(module, comm.size)
+        self.step_count = 0
+        self._synced: tuple[torch.Tensor, float] | None = None   # set by sync_grads, used by apply_update
+        self.my_range = slice(*self.layout.shard_range(comm.rank))
+        self.norms = NormTerms(self.layout, comm, tp, tp_split)
+        self._memory = PeakMemory()
+        fp32_flat = torch.zeros(self.layout.padded_numel)
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, self.params):
+                fp32_flat[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
+        self._init_storage(fp32_flat)
+        del fp32_flat
+        self._sample_memory()
+
+    @property
+    def low_precision(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    # -- storage the stages share ---------------------------------------------------
+    def _replicated_params(self, fp32_flat: torch.Tensor) -> None:
+        """Every parameter on every rank (stages 0-2): the module's parameters become views of
+        ``flat_params``, in the compute dtype."""
+        self.flat_params = fp32_flat.to(self.param_dtype) if self.low_precision else fp32_flat
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = self.flat_params[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _partitioned_state(self, fp32_flat: torch.Tensor) -> None:
+        """fp32 master weights and Adam moments of this rank's partition only (stages 1-3)."""
+        self.master = fp32_flat[self.my_range].clone()
+        self.exp_avg = torch.zeros(self.layout.shard_numel)
+        self.exp_avg_sq = torch.zeros(self.layout.shard_numel)
+
+    # -- the step -------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_grads(self) -> float:
+        """First half of ``step``: average the gradients over the data-parallel ranks (this rank keeps
+        what it updates) and return the global grad norm (before clipping), identical on every rank.
+        Nothing is updated yet, so a caller can still decide not to ``apply_update``."""
+        grads = self._reduce_grads()
+        self._synced = (grads, self.norms.of_partition(self._mine(grads)))
+        return self._synced[1]
+
+    def synced_grad_partition(self) -> torch.Tensor:
+        """This rank's partition of the averaged gradient ``sync_grads`` produced (tests inspect it)."""
+        if self._synced is None:
+            raise RuntimeError("synced_grad_partition() needs sync_grads() first")
+        return self._mine(self._synced[0])
+
+    @torch.no_grad()
+    def apply_update(self, lr: float | None = None) -> None:
+        """Second half of ``step``: clip by the global norm, AdamW on the master, publish the params."""
+        if self._synced is None:
+            raise RuntimeError(f"{type(self).__name__}.apply_update() needs sync_grads() first (once per update)")
+        (grads, grad_norm), self._synced = self._synced, None
+        if self.grad_clip > 0:
+            coef = min(self.grad_clip / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s
+            if coef < 1.0:
+                grads.mul_(coef)
+        self.step_count += 1
+        adamw_step_(self.master, grads, self.exp_avg, self.exp_avg_sq, self.step_count, self.cfg, lr)
+        self._publish_params()
+        self._sample_memory()
+
+    def step(self, lr: float | None = None) -> float:
+        """Replaces ``optimizer.step()``. Returns the global grad norm (before clipping)."""
+        grad_norm = self.sync_grads()
+        self.apply_update(lr)
+        return grad_norm
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (and drop synchronised ones that were never applied)."""
+        self._zero_grads()
+        self._synced = None
+
+    def param_norm(self) -> float:
+        """Norm of the whole (unsharded) model's parameters, from this rank's copy of them."""
+        return self.norms.of_full(self.flat_params)
+
+    # -- what a rank holds ---------------------------------------------------------
+    @property
+    def param_buffer(self) -> torch.Tensor:
+        """The parameter values this rank holds, flat: all of them at stages 0-2, its partition at 3
+        (with tensor parallelism, of its tensor-parallel shard of the model)."""
+        return self.flat_params
+
+    @property
+    def param_buffer_start(self) -> int:
+        """Flat offset of ``param_buffer``'s first element (0, or the partition's start at stage 3)."""
+        return 0
+
+    def full_params(self) -> torch.Tensor:
+        """Every parameter of this rank's model (its tensor-parallel shard), flat in layout order:
+        the live buffer at stages 0-2; at stage 3 a gathered copy (collective over the group)."""
+        return self.flat_params
+
+    def params_snapshot(self) -> torch.Tensor:
+        """A copy of the parameter bytes this rank holds (for byte-exact restore checks)."""
+        return self.param_buffer.clone()
+
+    # -- state for checkpoints --------------------------------------------------------
+    def _mine(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's partition of a gradient or state tensor (they are partitions already,
+        except at stage 0)."""
+        return t
+
+    def state_shard(self) -> dict[str, torch.Tensor]:
+        """This rank's partition of (master, exp_avg, exp_avg_sq), as fp32 copies."""
+        return {k: self._mine(getattr(self, k)).clone() for k in STATE_KEYS}
+
+    @torch.no_grad()
+    def load_state_shard(self, shard: dict[str, torch.Tensor], step_count: int) -> None:
+        for key in STATE_KEYS:
+            if shard[key].shape != (self.layout.shard_numel,) or shard[key].dtype != torch.float32:
+                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(shard[key].shape)} "
+                                 f"{shard[key].dtype}; expected ({self.layout.shard_numel},) float32")
+        for key in STATE_KEYS:
+            self._load_state(key, shard[key])
+        self._publish_params()
+        self.step_count = step_count
+
+    def _load_state(self, key: str, partition: torch.Tensor) -> None:
+        self._mine(getattr(self, key)).copy_(partition)
+
+    # -- memory -----------------------------------------------------------------------
+    def _sample_memory(self) -> None:
+        self._memory.sample({"params": self._param_storage(),
+                             "grads": self._grad_storage() + [p.grad for p in self.params if p.grad is not None],
+                             "optimizer": [self.master, self.exp_avg, self.exp_avg_sq]})
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Peak bytes, per category, of the tensors alive on this rank (measured, not the formula)."""
+        return self._memory.peaks()
+
+    def _sizes(self) -> Sizes:
+        return Sizes.of(self.layout, self.param_dtype)
+
+    # -- what each stage implements -----------------------------------------------------
+    def memory_formula(self) -> dict[str, tuple[float, float, str]]:
+        """category -> (formula bytes, allowed extra bytes, formula text), see memory.Sizes."""
+        raise NotImplementedError
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The fp32 buffer gradients accumulate into before ``sync_grads``: all of them at stages
+        0/1, this rank's (already reduced) partition at stages 2/3."""
+        raise NotImplementedError
+
+    def _init_storage(self, fp32_flat: torch.Tensor) -> None:
+        """Allocate parameters, gradients and state from the fp32 copy of the initial weights."""
+        raise NotImplementedError
+
+    def _param_storage(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _grad_storage(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _reduce_grads(self) -> torch.Tensor:
+        """Average this step's gradients over the group; returns what AdamW updates the master with."""
+        raise NotImplementedError
+
+    def _zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def _publish_params(self) -> None:
+        """Make the module's parameters reflect the updated master weights."""
+        raise NotImplementedError

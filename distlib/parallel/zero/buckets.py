@@ -1,0 +1,147 @@
+"""The gradients of stages 2 and 3: buckets reduce-scattered from backward hooks.
+
+A bucket is a contiguous flat range of whole modules' parameters (a module's weight and bias
+arrive together). A post-accumulate-grad hook on every parameter copies its fresh gradient into
+its bucket's fp32 buffer (allocated on the first arrival) and drops the parameter's ``.grad``;
+when the bucket's last gradient lands, the bucket is reduce-scattered straight into the ranks'
+partitions (uneven bounds: each rank receives exactly the part of the bucket inside its
+partition), added to the fp32 gradient partition, and freed. Full gradients never persist: what
+lives is the 4P/N partition, the bucket being filled, and one parameter's gradient for the
+duration of a hook. With K micro-batches each backward reduces again and accumulates into the
+partition (K reduce-scatters per step, which stages 0/1 avoid by syncing once).
+
+Stage 2 packs modules into buckets by size (``buckets_by_size``); stage 3 uses one bucket per
+unit (its gathered block), and is told when a bucket is reduced so it can free the unit.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from distlib.comm import collectives
+from distlib.comm.group import Comm
+from distlib.parallel.flat_layout import FlatLayout, ParamSlot
+
+
+@dataclass(frozen=True)
+class Bucket:
+    lo: int                     # flat range [lo, hi) of its parameters
+    hi: int
+    params: tuple[int, ...]     # indices into layout.slots
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def module_groups(module: nn.Module) -> list[tuple[int, ...]]:
+    """Parameter indices (flat order) grouped by the module that owns them directly."""
+    index = {id(p): i for i, p in enumerate(module.parameters())}
+    groups = []
+    for sub in module.modules():
+        own = tuple(index[id(p)] for p in sub.parameters(recurse=False))
+        if own:
+            groups.append(own)
+    return sorted(groups)
+
+
+def contiguous_bucket(groups: list[tuple[int, ...]], slots: Sequence[ParamSlot]) -> Bucket:
+    params = tuple(sorted(i for g in groups for i in g))
+    if params != tuple(range(params[0], params[-1] + 1)):
+        raise ValueError(f"bucket parameters {params} are not contiguous in the flat layout")
+    last = slots[params[-1]]
+    return Bucket(slots[params[0]].offset, last.offset + last.numel, params)
+
+
+def buckets_by_size(module: nn.Module, layout: FlatLayout, bucket_numel: int) -> list[Bucket]:
+    """Whole modules, in backward (reverse flat) order, packed up to ``bucket_numel`` elements."""
+    if bucket_numel < 1:
+        raise ValueError(f"zero.bucket_numel must be >= 1, got {bucket_numel}")
+    buckets, current, size = [], [], 0
+    for group in reversed(module_groups(module)):
+        numel = sum(layout.slots[i].numel for i in group)
+        if current and size + numel > bucket_numel:
+            buckets.append(contiguous_bucket(current, layout.slots))
+            current, size = [], 0
+        current.append(group)
+        size += numel
+    if current:
+        buckets.append(contiguous_bucket(current, layout.slots))
+    return buckets
+
+
+class GradBuckets:
+    """This rank's fp32 gradient partition, filled bucket by bucket during backward.
+
+    ``sample`` runs in every hook (while the parameter's gradient and the bucket are alive);
+    ``reduced(b)`` runs after bucket ``b`` was reduce-scattered."""
+
+    def __init__(self, layout: FlatLayout, params: Sequence[torch.Tensor], comm: Comm, buckets: list[Bucket],
+                 sample: Callable[[], None], reduced: Callable[[int], None] = lambda b: None):
+        self.layout, self.params, self.comm, self.buckets = layout, list(params), comm, buckets
+        self._sample, self._reduced = sample, reduced
+        self.my_start = layout.shard_range(comm.rank)[0]
+        self.partition = torch.zeros(layout.shard_numel)
+        self._bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.params}
+        self._buffers: list[torch.Tensor | None] = [None] * len(buckets)
+        self._arrived: list[set[int]] = [set() for _ in buckets]   # params whose gradient is in
+        self._reductions = [0] * len(buckets)   # per bucket, this step (= micro-batches)
+        for i, p in enumerate(self.params):
+            p.grad = None
+            p.register_post_accumulate_grad_hook(self._grad_ready_hook(i))
+
+    def live(self) -> list[torch.Tensor]:
+        """The gradient tensors alive now: the partition and the buckets being filled."""
+        return [self.partition] + [t for t in self._buffers if t is not None]
+
+    @property
+    def largest(self) -> int:
+        return max(k.numel for k in self.buckets)
+
+    def _grad_ready_hook(self, index: int):
+        slot = self.layout.slots[index]
+
+        @torch.no_grad()
+        def hook(p: torch.Tensor) -> None:
+            b = self._bucket_of[index]
+            bucket = self.buckets[b]
+            if self._buffers[b] is None:
+                self._buffers[b] = torch.empty(bucket.numel)
+            start = slot.offset - bucket.lo
+            self._buffers[b][start:start + slot.numel].copy_(p.grad.reshape(-1))
+            self._arrived[b].add(index)
+            self._sample()
+            p.grad = None
+            if len(self._arrived[b]) == len(bucket.params):
+                self._reduce(b)
+        return hook
+
+    def _reduce(self, b: int) -> None:
+        bucket, buffer = self.buckets[b], self._buffers[b]
+        bounds = self.layout.bounds_within(bucket.lo, bucket.hi)
+        mine = collectives.reduce_scatter(buffer, self.comm, op="avg", bounds=bounds)
+        a, z = bounds[self.comm.rank]
+        if z > a:
+            start = bucket.lo + a - self.my_start
+            self.partition[start:start + (z - a)].add_(mine)
+        self._buffers[b] = None
+        self._arrived[b] = set()
+        self._reductions[b] += 1
+        self._reduced(b)
+
+    def collect(self, stage: int) -> torch.Tensor:
+        """The reduced partition, after checking that every bucket was reduced the same number of
+        times (a parameter without a gradient would leave its bucket waiting forever)."""
+        most = max(self._reductions)
+        missing = [i for b, bucket in enumerate(self.buckets) for i in bucket.params
+                   if self._reductions[b] < most or (self._arrived[b] and i not in self._arrived[b])]
+        if missing:
+            names = [self.layout.slots[i].name for i in sorted(missing)]
+            raise RuntimeError(f"ZeRO-{stage}: incomplete gradient buckets (reductions per bucket "
+                               f"{self._reductions}): {len(names)} parameter(s) did not receive a gradient in "
+                               f"every backward since the last step, e.g. {names[:4]}")
+        self._reductions = [0] * len(self.buckets)
+        return self.partition

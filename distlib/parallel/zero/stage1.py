@@ -1,0 +1,55 @@
+"""ZeRO stage 1: the optimizer state is sharded.
+
+Every rank holds all parameters and all gradients (one fp32 flat buffer, ``flat_grads``, as at
+stage 0), but only its partition of the fp32 master weights and Adam moments: 12P/N bytes
+instead of 8-12P. ``sync_grads`` reduce-scatters the flat gradients (avg), once per step, so
+each rank receives the averaged gradient of its partition; ``apply_update`` runs AdamW on the
+master partition, writes it into the parameters (compute dtype) and all-gathers the parameters,
+after which every rank again holds identical bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+from distlib.comm import collectives
+from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.flat_grads import flat_grad_buffer
+
+
+class Stage1Optimizer(ZeroOptimizer):
+    stage = 1
+
+    def _init_storage(self, fp32_flat: torch.Tensor) -> None:
+        self._replicated_params(fp32_flat)
+        self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
+        self._partitioned_state(fp32_flat)
+
+    def _param_storage(self) -> list[torch.Tensor]:
+        return [self.flat_params]
+
+    def _grad_storage(self) -> list[torch.Tensor]:
+        return [self.flat_grads]
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        return self.flat_grads
+
+    def _zero_grads(self) -> None:
+        self.flat_grads.zero_()
+
+    @torch.no_grad()
+    def _reduce_grads(self) -> torch.Tensor:
+        self._sample_memory()
+        return collectives.reduce_scatter(self.flat_grads, self.comm, op="avg")
+
+    def _publish_params(self) -> None:
+        self.flat_params[self.my_range].copy_(self.master)
+        collectives.all_gather(self.flat_params, self.flat_params[self.my_range], self.comm)
+
+    def memory_formula(self) -> dict[str, tuple[float, float, str]]:
+        """params bP, grads 4P (+ one bf16 gradient in a hook), Adam 12P/N; allowances: the padded
+        tail (< N elements)."""
+        s = self._sizes()
+        return {"params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
+                "grads": (4 * s.p, 4 * s.pad + s.bf16_grad, "4P"),
+                "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N")}
