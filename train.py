@@ -37,6 +37,7 @@ from distlib.app.unattended.faults import Faults, step_hooks
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.metrics import last_event
 from distlib.app.tokens import DataError
+from distlib.app.checkpointer import refuse_fresh_run_over_checkpoints
 from distlib.app.trainer import Trainer
 from distlib.comm.watchdog import StallError
 
@@ -184,6 +185,35 @@ def main() -> None:
     hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
 
 
+# A refused run must leave its directory as it found it, but Hydra writes .hydra/ (config.yaml,
+# hydra.yaml, overrides.yaml) before calling run_config. So a plain run asks Hydra for none
+# (hydra.output_subdir=null, appended in __main__) and writes them itself once the config is valid
+# and the run may start: the same three files, with output_subdir recorded as ".hydra".
+_HYDRA_FILES_DEFERRED = False
+_HYDRA_SUBDIR = ".hydra"
+
+
+def _defer_hydra_files(argv: list[str]) -> bool:
+    """Whether this process should write Hydra's files itself: a plain run (no -m or other Hydra
+    flag), on rank 0, without an explicit hydra.output_subdir."""
+    return (not any(a.startswith("-") for a in argv[1:]) and os.environ.get("RANK", "0") == "0"
+            and not any(a.startswith("hydra.output_subdir=") for a in argv[1:]))
+
+
+def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, flag_override
+    hydra_cfg = OmegaConf.create(OmegaConf.to_container(HydraConfig.get()))   # a writable copy
+    with flag_override(hydra_cfg, "readonly", False):
+        hydra_cfg.output_subdir = _HYDRA_SUBDIR
+        hydra_cfg.overrides.hydra = [o for o in hydra_cfg.overrides.hydra if o != "hydra.output_subdir=null"]
+    out = run_dir / _HYDRA_SUBDIR
+    out.mkdir(parents=True, exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+                       ("overrides.yaml", hydra_cfg.overrides.task)):
+        (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+
+
 def run_config(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
@@ -196,6 +226,13 @@ def run_config(cfg: DictConfig) -> None:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        refuse_fresh_run_over_checkpoints(Path(run_dir) / run_cfg.checkpoint.dir, run_cfg.checkpoint.resume)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    if _HYDRA_FILES_DEFERRED:
+        _save_hydra_files(cfg, Path(run_dir))
     if UNDER_TORCHRUN:
         if rank0_composes(sys.argv):
             share_config(tree, run_dir)
@@ -221,6 +258,9 @@ if __name__ == "__main__":
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if _defer_hydra_files(sys.argv):
+        _HYDRA_FILES_DEFERRED = True
+        sys.argv.append("hydra.output_subdir=null")
     if rank0_composes(sys.argv) and os.environ.get("RANK", "0") != "0":
         worker(*config_from_rank0())
     else:

@@ -73,6 +73,24 @@ def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
     assert f"RuntimeError: injected bug on rank {failed.group(1)}" in proc.stderr, proc.stderr[-2000:]
 
 
+def _tree_bytes(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_fresh_run_touches_nothing(tmp_path):
+    """A fresh run into a directory holding checkpoints is refused before any file is written
+    (Hydra's .hydra/config.yaml and overrides.yaml used to be rewritten first)."""
+    first = train(tmp_path, "dist.world_size=1", "train.steps=2", "checkpoint.every_steps=2", timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / ".hydra" / "overrides.yaml").exists()   # written for a run that starts
+    before = _tree_bytes(tmp_path)
+    again = train(tmp_path, "dist.world_size=1", "train.steps=3", "checkpoint.every_steps=3", timeout=120)
+    assert again.returncode == 1
+    assert "already holds checkpoint(s) up to step_00000002; pass checkpoint.resume=latest" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert _tree_bytes(tmp_path) == before
+
+
 def test_bad_override_on_the_command_line_fails_fast(tmp_path):
     proc = train(tmp_path, "zero.stage=7", timeout=60)
     assert proc.returncode == 2

@@ -119,10 +119,8 @@ class Checkpointer:
                                checkpoint.CheckpointError, rank0_only=True)
         candidates = [Path(p) for p in listing]
         if resume != "latest":
-            if candidates:  # a fresh run here would collide with (and never overwrite) those checkpoints
-                raise checkpoint.CheckpointError(
-                    f"{self.root} already holds checkpoint(s) up to {candidates[-1].name}; pass "
-                    f"checkpoint.resume=latest to continue that run, or choose a new hydra.run.dir")
+            if candidates:
+                raise fresh_run_collision(self.root, candidates[-1])
             return None, False
         damaged = []
         for path in reversed(candidates):
@@ -301,6 +299,22 @@ class Checkpointer:
 
 
 _DRAWS = 4   # numbers drawn from each generator by the resume check
+
+
+def fresh_run_collision(root: Path, newest: Path) -> checkpoint.CheckpointError:
+    """A fresh run into ``root`` would collide with (and never overwrite) its checkpoints."""
+    return checkpoint.CheckpointError(
+        f"{root} already holds checkpoint(s) up to {newest.name}; pass checkpoint.resume=latest to "
+        f"continue that run, or choose a new hydra.run.dir")
+
+
+def refuse_fresh_run_over_checkpoints(root: Path, resume: str | None) -> None:
+    """Before anything is written (train.py calls it before Hydra's files): a run that does not
+    resume must not start in a directory that already holds committed checkpoints."""
+    if resume in (None, "", "none", "null"):
+        committed = checkpoint.list_committed(root)
+        if committed:
+            raise fresh_run_collision(root, committed[-1])
 
 
 def saved_rng_draws(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, list[float]]:
