@@ -36,8 +36,8 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path, clean, 
     committed = point == "after_commit"
     assert _committed(run) == ["step_00000003"] + (["step_00000006"] if committed else [])
     assert _partials(run) == ([] if committed else [".step_00000006.partial"])
-    latest, damaged = checkpoint.latest_valid(run / "checkpoints")
-    assert damaged == [] and latest.name == _committed(run)[-1]
+    for path in checkpoint.list_committed(run / "checkpoints"):   # whatever is committed verifies
+        checkpoint.verify(path)
 
     resumed = train(tree(2, steps=8, checkpoint={"resume": "latest"}), run)
     assert resumed[0]["error"] is None

@@ -38,6 +38,8 @@ SEED, STEPS, GLOBAL_BATCH, CLIP, BUCKET = 7, 3, 8, 0.3, 600
 DATA = torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, CFG.seq_len + 1),
                      generator=torch.Generator().manual_seed(11))
 REL = 1e-5
+BF16_WEIGHT_FRACTION = 0.2   # measured: at most 0.078 of the distance the fp32 run moved
+BF16_LOSS_FRACTION = 0.25   # measured: at most 0.068 of the reference loss's step change
 
 
 def torch_reference(clip: float) -> dict:
@@ -216,16 +218,32 @@ def test_replicated_parameters_stay_bitwise_equal_across_tp_ranks(results):
                     assert torch.equal(a, b), f"{name}: replicated {p['name']} differs between TP ranks"
 
 
-def test_bf16_follows_the_fp32_reference_at_bf16_precision(results, references):
-    """bf16 compute, fp32 master/Adam: the losses track the fp32 torch run to bf16 precision
-    (8 mantissa bits: ~0.4% per rounding), and the master weights stay fp32."""
+@pytest.fixture(scope="module")
+def initial_params():
+    return dict(build_model(CFG, SEED).named_parameters())
+
+
+def test_bf16_follows_the_fp32_reference_at_bf16_precision(results, references, initial_params):
+    """bf16 compute, fp32 master/Adam: the master weights stay fp32 and move the way the fp32 torch
+    run's move. A loss tolerance alone proves little (the reference's loss moves only ~0.7% in
+    these 3 steps, so a model that never updates would pass a 1% one); instead the bf16 run's
+    distance to the reference's final weights must be a small fraction of how far the reference
+    moved from the initial weights, and each loss must be closer to the reference's than the
+    reference's own step-to-step change."""
+    init = {n: p.detach() for n, p in initial_params.items()}
     for name, ws, case, ranks in _all(results, dtype="bf16"):
         ref = references[case["clip"]]
         for rank in ranks:
             assert rank["master"].dtype == torch.float32
-            for step, (got, want) in enumerate(zip(rank["losses"], ref["losses"])):
-                assert abs(got - want) <= 1e-2 * want, f"{name}: step {step + 1} loss {got} vs torch fp32 {want}"
-            assert rank["losses"][-1] < rank["losses"][0]
+            want, start = _expected_partition(ref["params"], rank), _expected_partition(init, rank)
+            moved = float((want - start).norm())
+            off = float((rank["master"] - want).norm())
+            assert moved > 0 and off <= BF16_WEIGHT_FRACTION * moved, \
+                f"{name}: bf16 weights {off:.3e} from the fp32 result, which moved {moved:.3e}"
+            for step, (got, want_loss) in enumerate(zip(rank["losses"], ref["losses"])):
+                change = abs(ref["losses"][min(step + 1, STEPS - 1)] - ref["losses"][max(step - 1, 0)]) / 2
+                assert abs(got - want_loss) <= BF16_LOSS_FRACTION * change, \
+                    f"{name}: step {step + 1} loss {got} vs torch fp32 {want_loss} (its step change {change:.2e})"
 
 
 def test_measured_memory_matches_the_formula_per_stage(results):

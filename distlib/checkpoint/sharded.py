@@ -277,17 +277,3 @@ def quarantine(path: Path) -> Path:
         target = path.with_name(f"{path.name}.damaged-{n}")
     os.rename(path, target)
     return target
-
-
-def latest_valid(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest committed checkpoint under ``root`` that verifies, and (path, problem) for each
-    newer one that did not, the problem naming the file and what was wrong."""
-    damaged = []
-    for path in reversed(list_committed(root)):
-        try:
-            verify(path)
-        except CheckpointError as exc:
-            damaged.append((path, str(exc)))
-            continue
-        return path, damaged
-    return None, damaged
