@@ -58,6 +58,21 @@ def test_invariant_3_optimizer_bytes_are_12P_over_N(capstone):
         assert 0 <= optimizer - 12 * p / 4 < 12, row     # at most N-1 padding elements
 
 
+def test_invariant_3_from_the_saved_optimizer_state_not_the_programs_measurement(capstone):
+    """Independent of the program's own accounting: each rank's checkpoint holds its whole optimizer
+    state (fp32 master, exp_avg, exp_avg_sq); read from the safetensors headers, it is 12P/N bytes."""
+    _, run_dir = capstone
+    ckpt = run_dir / "checkpoints/step_00000010"
+    p = json.loads((ckpt / "manifest.json").read_text())["layout"]["numel"]
+    for rank in range(4):
+        raw = (ckpt / f"rank{rank:05d}.safetensors").read_bytes()
+        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        state = {k: v for k, v in header.items() if k in ("master", "exp_avg", "exp_avg_sq")}
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "master"] and all(v["dtype"] == "F32" for v in state.values())
+        nbytes = sum(end - start for v in state.values() for start, end in [v["data_offsets"]])
+        assert 0 <= nbytes - 12 * p / 4 < 12 * 4, (rank, nbytes)   # padding: fewer than N elements each
+
+
 def test_invariant_4_checkpoint_manifest_matches_files_and_reload_is_identical(capstone):
     proc, run_dir = capstone
     ckpt = run_dir / "checkpoints/step_00000010"

@@ -215,7 +215,8 @@ def _timeout_rank(comm: Comm) -> list[str]:
             start = time.monotonic()
             with pytest.raises(RuntimeError) as info:
                 call(Comm((0, 1), 0, group))
-            assert time.monotonic() - start < 30, "the process group timeout did not bound the wait"
+            # 0.3 s timeout; 3 s leaves room for a loaded machine, not for a wait the timeout missed
+            assert time.monotonic() - start < 3, "the process group timeout did not bound the wait"
             assert info.value.__cause__ is not None, "original exception not chained"
             messages.append(str(info.value))
         dist.barrier()      # rank 1 stays alive (silent) until rank 0 has timed out

@@ -79,7 +79,9 @@ def test_a_stalled_rank_ends_the_job_within_the_bound_and_is_named(tmp_path):
     assert proc.returncode != 0
     # The waiting ranks give up after timeout_s, wait <= 2.5 s for each other's reports and exit;
     # the stalled rank then gets SIGTERM from torchrun and leaves within timeout_s + 2 step times.
-    assert seconds < 2 * timeout_s + 2.5 + 12, f"job took {seconds:.1f}s after the stall"
+    # Measured: ~12.6 s on a quiet machine, 14.5 s at load average 11 (2 cores). The slack (5 s) stays
+    # below what any broken path costs: a rank waiting for torchrun's SIGKILL adds 30 s.
+    assert seconds < 2 * timeout_s + 2.5 + 5, f"job took {seconds:.1f}s after the stall"
     errors = [line for line in err.splitlines() if line.startswith("error [rank")]
     assert {line.split("]")[0] for line in errors} == {"error [rank 0", "error [rank 2"}, err[-3000:]
     for line in errors:
