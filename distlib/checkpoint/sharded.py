@@ -40,7 +40,7 @@ import safetensors.torch
 import torch
 
 from distlib.checkpoint import manifest as manifest_rules
-from distlib.comm import agree, collectives
+from distlib.comm import agree
 from distlib.comm.group import Comm
 
 FORMAT_VERSION = 1
@@ -156,12 +156,11 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: di
             raise CheckpointError(f"rank {comm.rank} writing {partial / shard_name(comm.rank)}: "
                                   f"{exc if isinstance(exc, CheckpointError) else f'{type(exc).__name__}: {exc}'}") from exc
     try:
-        report = agree.agreed(write, comm, CheckpointError)
+        reports = agree.agreed_all(write, comm, CheckpointError)    # every rank's file entry, or the error
     except CheckpointError as exc:
         if comm.rank == 0:  # free the space a full disk needs back; nothing here was committed
             shutil.rmtree(partial, ignore_errors=True)
         raise CheckpointError(f"checkpoint save of step {step} failed, nothing committed: {exc}") from exc
-    reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps(report).encode(), comm)]
     hook("shards_written", partial)
     manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": comm.size, **meta, "files": reports}
     agree.agreed(lambda: commit(partial, final, manifest, hook), comm, CheckpointError, rank0_only=True)

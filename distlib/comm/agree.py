@@ -57,17 +57,30 @@ def agreed(fn: Callable[[], T], comm: Comm, error: type[Exception], *, rank0_onl
     """"Decide, and every rank hears": run ``fn`` on every rank (or on rank 0 only, whose result --
     JSON-serialisable then -- every rank receives), in one collective. If it raised anywhere, every
     rank raises the same ``error`` naming the failed ranks, so none goes on alone or waits forever."""
+    runs = comm.rank == 0 or not rank0_only
+    value, shared = _run_and_share(fn, comm, error, runs=runs, share=rank0_only and comm.rank == 0)
+    return shared[0] if rank0_only else value
+
+
+def agreed_all(fn: Callable[[], T], comm: Comm, error: type[Exception]) -> list[T]:
+    """``agreed`` where every rank runs ``fn`` and every rank receives all the (JSON-serialisable)
+    results, indexed by rank: the same one collective carries the results and the verdict."""
+    return _run_and_share(fn, comm, error, runs=True, share=True)[1]
+
+
+def _run_and_share(fn: Callable[[], T], comm: Comm, error: type[Exception], *, runs: bool,
+                   share: bool) -> tuple[T | None, list]:
     value, problem = None, ""
-    if comm.rank == 0 or not rank0_only:
+    if runs:
         try:
             value = fn()
         except Exception as exc:  # noqa: BLE001 - shared below, raised everywhere
             problem = str(exc) if isinstance(exc, error) else f"{type(exc).__name__}: {exc}"
-    mine = {"error": problem, "value": value if rank0_only and comm.rank == 0 else None}
+    mine = {"error": problem, "value": value if share and not problem else None}
     reports = [json.loads(b) for b in collectives.all_gather_bytes(json.dumps(mine).encode(), comm)]
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
     if len({e for _, e in failed}) == 1:
         raise error(failed[0][1])
     if failed:
         raise error("; ".join(f"rank {r}: {e}" for r, e in failed))
-    return reports[0]["value"] if rank0_only else value
+    return value, [rep["value"] for rep in reports]
