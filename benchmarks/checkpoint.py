@@ -36,7 +36,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from distlib.checkpoint import sharded as checkpoint  # noqa: E402
-from distlib.checkpoint import reshard
+from distlib.checkpoint import reshard  # noqa: E402
+from distlib.parallel.flat_layout import FlatLayout  # noqa: E402
 from distlib.parallel.adamw import STATE_KEYS  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
@@ -71,7 +72,10 @@ def _bench_rank(comm, numel: int, repeats: int, workdir: str) -> dict:
     torch.manual_seed(comm.rank)
     size = reshard.shard_numel(numel, comm.size)
     tensors = {key: torch.randn(size) for key in STATE_KEYS}
-    layout = {"numel": numel, "params": []}
+    # One flat parameter of ``numel`` elements: a manifest that passes the checks every read applies.
+    holder = torch.nn.Module()
+    holder.flat = torch.nn.Parameter(torch.empty(numel, device="meta"))
+    meta = {"zero_stage": 1, "model": {}, "layout": FlatLayout.of(holder, comm.size).to_dict()}
     work = Path(workdir)
     rank0 = comm.rank == 0
     best: dict[str, float] = {}
@@ -89,7 +93,7 @@ def _bench_rank(comm, numel: int, repeats: int, workdir: str) -> dict:
         raw_write()
 
         ours = work / f"ours{attempt}"
-        keep("distlib save", _timed(lambda: checkpoint.save(ours, 1, tensors, {"step": 1}, {"layout": layout}, comm)))
+        keep("distlib save", _timed(lambda: checkpoint.save(ours, 1, tensors, {"step": 1}, meta, comm)))
         ckpt = ours / checkpoint.step_dir_name(1)
         if rank0:
             _drop_cache(ckpt)

@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.steps < 6 or args.rounds < 1:
+        parser.error("--steps must be >= 6 (steps 1-5 are warm-up, not timed) and --rounds >= 1")
     step_times = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
