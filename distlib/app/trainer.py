@@ -10,7 +10,7 @@ reads), the ``Checkpointer`` (every checkpoint decision), the guard's ``Rollback
     hooks.after_backward
     optimizer.sync_grads                   gradient sync -> global grad norm
     guard.check_step                       the collective verdict; a trip rolls back instead
-    optimizer.apply_update                 (lr x hooks.lr_factor), then hooks.after_update
+    optimizer.apply_update                 (lr_schedule.lr_at(step) x hooks.lr_factor), then hooks.after_update
     log                                    metrics record; every guard.check_sync_every steps the replica check
     maybe save / stop                      schedule.decide (one collective) -> checkpointer.save
     hooks.after_step
