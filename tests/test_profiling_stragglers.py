@@ -17,7 +17,7 @@ from distlib.app.unattended.faults import step_hooks
 from distlib.app.unattended.stragglers import Slowest, StragglerWatch, slowest
 
 ROOT = Path(__file__).resolve().parent.parent
-SLEEP = 0.05
+SLEEP = 0.3      # well above the forward/backward time, which varies by tens of ms on a loaded machine
 
 
 def _train(comm, tree, run_dir):
@@ -43,7 +43,7 @@ def test_a_slowed_rank_is_named_slowest_every_step_and_a_straggler_once(slow_run
     for r in steps:
         slow = r["slowest"]
         assert slow["lag_s"] == pytest.approx(slow["busy_s"] - slow["median_busy_s"])
-        assert slow["lag_s"] > 0.8 * SLEEP and slow["ratio"] > 1.5
+        assert slow["lag_s"] > 0.5 * SLEEP and slow["ratio"] > 1.5
     events = [r for r in records if r.get("event") == "straggler"]
     assert [(e["step"], e["rank"], e["steps"]) for e in events] == [(3, 1, 3)]
 
@@ -76,10 +76,10 @@ def test_report_splits_each_ranks_time_and_the_others_wait_for_the_slow_one(slow
     rows = {int(m[0]): tuple(map(float, m[1:])) for m in re.findall(
         r"rank (\d+): compute +([\d.]+) ms +communication +([\d.]+) ms +waiting +([\d.]+) ms", proc.stdout)}
     assert sorted(rows) == [0, 1, 2]
-    # Two profiled steps of a 50 ms sleep on rank 1: its compute holds them, the others wait them out.
-    assert rows[1][0] > 2 * 1000 * SLEEP * 0.8
+    # Two profiled steps of a SLEEP on rank 1: its compute holds them, the others wait them out.
+    assert rows[1][0] > 2 * 1000 * SLEEP * 0.5
     for fast in (0, 2):
-        assert rows[fast][2] > 2 * 1000 * SLEEP * 0.8 > rows[1][2]
+        assert rows[fast][2] > 2 * 1000 * SLEEP * 0.5 > rows[1][2]
     assert (tmp_path / "time_split.png").stat().st_size > 0
 
 
