@@ -7,7 +7,9 @@ RUN_DIR is a run directory (it holds metrics.jsonl) or a Hydra multirun director
 matplotlib is installed (an optional extra: ``pip install matplotlib``), ``loss.png``
 (the loss curve, rollbacks marked, abandoned steps shown in grey) and ``memory.png``
 (per-rank parameter / gradient / optimizer bytes and peak RSS); for a sweep, one
-``loss.png`` with every job's curve and a side-by-side table. Needs no torch.
+``loss.png`` with every job's curve and a side-by-side table. A run traced with
+``train.profile_steps`` (``traces/rank<R>.json``) also gets each rank's time split into
+compute, communication and waiting (text, and ``time_split.png``). Needs no torch.
 """
 from __future__ import annotations
 
@@ -129,6 +131,64 @@ def summary(run: Run) -> str:
     return "\n".join(lines)
 
 
+STEP_RANGE, COLLECTIVE_RANGE = "step ", "collective:"   # names of distlib's profiler ranges
+
+
+def time_split(run_dir: Path) -> list[dict] | None:
+    """Per rank, the profiled steps' seconds split three ways, from the Chrome traces. The ranks
+    run the same collectives in the same order; call i took d[r] on rank r, and the fastest rank's
+    d is taken as the transfer itself (that rank arrived last and waited for nobody), so rank r
+    spent min(d) communicating and d[r] - min(d) waiting for the others. Compute is the rest of the
+    step ranges' time. None when the run has no traces."""
+    files = sorted((run_dir / "traces").glob("rank*.json"), key=lambda f: int(f.stem[4:]))
+    if not files:
+        return None
+    steps, calls = [], []
+    for f in files:
+        events = [e for e in json.loads(f.read_text())["traceEvents"] if e.get("ph") == "X"]
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(STEP_RANGE)]
+        steps.append(sum(b - a for a, b in spans) / 1e6)
+        calls.append([e["dur"] / 1e6 for e in sorted(events, key=lambda e: e["ts"])
+                      if e["name"].startswith(COLLECTIVE_RANGE) and any(a <= e["ts"] <= b for a, b in spans)])
+    matched = min(len(c) for c in calls)
+    fastest = [min(c[i] for c in calls) for i in range(matched)]
+    split = []
+    for rank, (total, durations) in enumerate(zip(steps, calls)):
+        comm = sum(fastest) + sum(durations[matched:])
+        waiting = sum(durations[:matched]) - sum(fastest)
+        split.append({"rank": rank, "compute_s": total - comm - waiting, "comm_s": comm, "waiting_s": waiting,
+                      "collectives": len(durations)})
+    return split
+
+
+def time_split_text(split: list[dict]) -> str:
+    lines = ["time in the profiled steps (traces/, per rank): compute / communication / waiting for other ranks"]
+    for r in split:
+        lines.append(f"  rank {r['rank']}: compute {1000 * r['compute_s']:8.1f} ms  communication "
+                     f"{1000 * r['comm_s']:8.1f} ms  waiting {1000 * r['waiting_s']:8.1f} ms  "
+                     f"({r['collectives']} collectives)")
+    return "\n".join(lines)
+
+
+def time_split_png(split: list[dict], out: Path, plt) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(split)))
+    ranks, left = [r["rank"] for r in split], [0.0] * len(split)
+    for key, label in (("compute_s", "compute"), ("comm_s", "communication"), ("waiting_s", "waiting")):
+        widths = [1000 * r[key] for r in split]
+        ax.barh(ranks, widths, left=left, label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(ranks)
+    ax.set_ylabel("rank")
+    ax.set_xlabel("ms in the profiled steps")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    fig.tight_layout()
+    path = out / "time_split.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def compare(runs: list[Run]) -> str:
     """One row per job, side by side."""
     header = (f"{'job':<28} {'ranks':>5} {'steps':>5} {'final loss':>11} {'min loss':>10} {'ms/step':>8} "
@@ -243,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     out = args.out or root
     out.mkdir(parents=True, exist_ok=True)
+    split = time_split(root) if len(runs) == 1 else None
     if len(runs) == 1:
-        text = summary(runs[0])
+        text = summary(runs[0]) + (f"\n{time_split_text(split)}" if split else "")
     else:
         text = "\n\n".join([f"sweep: {root} ({len(runs)} jobs)", compare(runs)] + [summary(r) for r in runs])
     plt = None if args.no_png else _pyplot()
@@ -256,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         written = [loss_png(runs, out, plt)]
         if len(runs) == 1:
             written.append(memory_png(runs[0], out, plt))
+            written.append(time_split_png(split, out, plt) if split else None)
         text += "\ncharts: " + ", ".join(str(p) for p in written if p)
     (out / "report.txt").write_text(text + "\n")
     print(text)

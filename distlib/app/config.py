@@ -13,7 +13,9 @@ import torch
 
 from distlib.parallel.adamw import AdamWConfig
 from distlib.comm.mesh import MeshError, check_layout
+from distlib.app.lr_schedule import KEYS as SCHEDULE_KEYS, ScheduleConfig
 from distlib.app.model import ModelConfig, TPLayoutError, check_tp_layout
+from distlib.app.unattended.guard_config import GuardConfig   # re-exported: the guard group
 from distlib.app.tokens import BYTE_VOCAB
 
 
@@ -28,6 +30,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # train.dtype -> para
 class OptimizerConfig:
     adamw: AdamWConfig
     grad_clip: float = 0.0
+    schedule: ScheduleConfig = ScheduleConfig()   # the learning rate per step (lr_schedule.py)
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,16 @@ class TrainConfig:
     eval_every: int = 0          # validation loss every K steps; 0 = off
     eval_windows: int = 128      # held-out windows per evaluation
     dtype: str = "fp32"
+    profile_steps: tuple[int, int] | None = None   # [a, b]: torch.profiler traces of steps a..b
 
     def __post_init__(self) -> None:
+        if self.profile_steps is not None:
+            window = tuple(self.profile_steps) if isinstance(self.profile_steps, (list, tuple)) else ()
+            if len(window) != 2 or not all(type(v) is int and 1 <= v <= self.steps for v in window) \
+                    or window[0] > window[1]:
+                raise ConfigError(f"train.profile_steps must be [a, b] with 1 <= a <= b <= train.steps={self.steps}, "
+                                  f"got {self.profile_steps}")
+            object.__setattr__(self, "profile_steps", window)
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.eval_every < 0:
@@ -137,26 +148,6 @@ SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_com
 
 
 @dataclass(frozen=True)
-class GuardConfig:
-    enabled: bool = True
-    spike_factor: float = 2.0
-    spike_window: int = 1
-    skip_batches: int = 0
-    max_rollbacks: int = 3
-    check_sync_every: int = 10
-
-    def __post_init__(self) -> None:
-        if not self.spike_factor > 1.0:
-            raise ConfigError(f"guard.spike_factor must be > 1, got {self.spike_factor}")
-        for name in ("spike_window",):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"guard.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("skip_batches", "max_rollbacks", "check_sync_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"guard.{name} must be >= 0, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
 class FaultConfig:
     """Faults injected on purpose, to prove the run survives or reports them (all None: no fault)."""
     kill_rank: int | None = None           # this rank SIGKILLs itself ...
@@ -175,6 +166,8 @@ class FaultConfig:
     perturb_param: str | None = None
     sigterm_rank: int | None = None
     sigterm_step: int | None = None
+    slow_rank: int | None = None           # this rank sleeps in every step (after backward) ...
+    slow_seconds: float | None = None      # ... this long: a straggler on purpose
 
     # (rank key, step key, smallest step): the step at which a rank-targeted fault fires
     RANKED = (("nan_grad_rank", "nan_grad_step", 1), ("hang_rank", "hang_step", 0),
@@ -202,6 +195,9 @@ class FaultConfig:
                 raise ConfigError(f"fault.{rank_key} must be >= 0, got {rank}")
             if step is not None and step < first:
                 raise ConfigError(f"fault.{step_key} must be >= {first}, got {step}")
+        if (self.slow_rank is None) != (self.slow_seconds is None) or not (self.slow_seconds or 1) > 0:
+            raise ConfigError(f"fault.slow_rank and fault.slow_seconds (> 0) must be set together "
+                              f"(got slow_rank={self.slow_rank}, slow_seconds={self.slow_seconds})")
         if self.perturb_param is not None and self.perturb_rank is None:
             raise ConfigError("fault.perturb_param needs fault.perturb_rank and fault.perturb_step")
 
@@ -288,11 +284,13 @@ class RunConfig:
             raise ConfigError(f"unknown top-level config key(s): {unknown}")
         optimizer = dict(tree.get("optimizer", {}))
         grad_clip = optimizer.pop("grad_clip", 0.0)
+        schedule = {k: optimizer.pop(k) for k in SCHEDULE_KEYS if k in optimizer}
         if grad_clip < 0:
             raise ConfigError(f"optimizer.grad_clip must be >= 0 (0 disables), got {grad_clip}")
         cfg = RunConfig(
             model=_build(ModelConfig, "model", tree.get("model", {})),
-            optimizer=OptimizerConfig(_build(AdamWConfig, "optimizer", optimizer), grad_clip),
+            optimizer=OptimizerConfig(_build(AdamWConfig, "optimizer", optimizer), grad_clip,
+                                      _build(ScheduleConfig, "optimizer", schedule)),
             zero=_build(ZeroConfig, "zero", tree.get("zero", {})),
             checkpoint=_build(CheckpointConfig, "checkpoint", tree.get("checkpoint", {})),
             data=_build(DataConfig, "data", tree.get("data", {})),
@@ -309,6 +307,8 @@ class RunConfig:
         except (MeshError, TPLayoutError) as exc:
             raise ConfigError(f"invalid parallel layout: {exc}") from exc
         cfg._check_batch()
+        if cfg.optimizer.schedule.warmup_steps + cfg.optimizer.schedule.decay_steps > cfg.train.steps:
+            raise ConfigError(f"optimizer.warmup_steps + optimizer.decay_steps exceed train.steps={cfg.train.steps}")
         cfg.fault.check_run(cfg.dist.world_size, cfg.train.steps)
         if cfg.data.kind == "synthetic" and cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
@@ -320,7 +320,7 @@ class RunConfig:
         if cfg.train.eval_every and cfg.data.val_fraction <= 0:
             raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
                               f"data.val_fraction > 0 (e.g. 0.1)")
-        for key in ("kill_rank", "disk_full_rank"):
+        for key in ("kill_rank", "disk_full_rank", "slow_rank"):
             rank = getattr(cfg.fault, key)
             if rank is not None and not 0 <= rank < cfg.dist.world_size:
                 raise ConfigError(f"fault.{key}={rank} is not a rank of dist.world_size={cfg.dist.world_size}")

@@ -7,7 +7,10 @@ the bytes rank 0 really sent on each named sub-group, e.g. data- and tensor-para
 pre-emption, desync, errors, run end). Values that live on every rank (memory,
 collective traffic, step time) reach rank 0 through one gather per step and are
 logged as max and mean over ranks. With ``metrics.per_rank`` every rank also writes
-its own values to ``metrics.rank<R>.jsonl``. The schema is in docs/unattended.md.
+its own values to ``metrics.rank<R>.jsonl``. Each step record also names the slowest rank (the
+busiest outside collectives) and its lag over the median (``unattended.stragglers``; a persistent
+one gets a ``straggler`` event), and the model FLOPs utilisation against the peak measured at start
+(``throughput``). The schema is in docs/unattended.md.
 The file is only ever appended to: after a rollback the re-run steps are logged
 again, so a step's final record is the last one with its step number.
 """
@@ -23,9 +26,17 @@ from pathlib import Path
 
 from distlib.comm import agree
 from distlib.comm.group import KINDS, Comm
-from distlib.app.config import MetricsConfig
+from distlib.app.config import GuardConfig, MetricsConfig
+from distlib.app.throughput import mfu
+from distlib.app.unattended.stragglers import StragglerWatch, slowest
 
-MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes")
+MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes", "activation_bytes")
+SECONDS = len(MEMORY_KEYS)        # index of step_time_s in a rank's gathered row; its comm figures follow
+
+
+def _memory_row(memory: dict[str, int]) -> list[float]:
+    return [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]),
+            float(peak_rss_bytes()), float(memory.get("activations", 0))]
 
 
 def peak_rss_bytes() -> int:
@@ -45,10 +56,12 @@ def _stats(values: list[float]) -> dict:
 
 class MetricsLog:
     def __init__(self, cfg: MetricsConfig, run_dir: Path, comm: Comm, tokens_per_step: int, total_steps: int,
-                 groups: Mapping[str, Comm] | None = None):
+                 groups: Mapping[str, Comm] | None = None, guard: GuardConfig | None = None,
+                 model_flops: float = 0.0, peak_flops: float = 0.0):
         """``groups``: the sub-groups of ``comm`` whose traffic ``comm_bytes`` reports by name
         ({"dp": mesh.dp, "tp": mesh.tp}); with a CommStats of their own (comm.mesh gives them
-        one), the per-kind figures add theirs to the world's, each counted once."""
+        one), the per-kind figures add theirs to the world's, each counted once. ``model_flops``:
+        the model's arithmetic per step, ``peak_flops``: the job's measured peak (for MFU)."""
         self.cfg, self.comm, self.groups = cfg, comm, dict(groups or {})
         self.tokens_per_step, self.total_steps = tokens_per_step, total_steps
         self.run_dir = Path(run_dir)
@@ -59,6 +72,9 @@ class MetricsLog:
         self._comm_seen = [0.0] * (3 * len(KINDS))
         self._group_seen = dict.fromkeys(self.groups, 0)
         self._memory_logged = False
+        self.model_flops, self.peak_flops = model_flops, peak_flops
+        guard = guard or GuardConfig()
+        self.stragglers = StragglerWatch(guard.straggler_factor, guard.straggler_window)
 
     def __enter__(self) -> "MetricsLog":
         return self
@@ -106,21 +122,27 @@ class MetricsLog:
         comm_delta = [now - seen for now, seen in zip(self._comm_now(), self._comm_seen)]
         # Bytes this rank really sent on each group since begin_step (rank 0's go in the record).
         comm_bytes = {name: now - self._group_seen[name] for name, now in self._group_bytes_now().items()}
-        mine = [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]),
-                float(peak_rss_bytes()), seconds] + comm_delta
+        mine = _memory_row(memory) + [seconds] + comm_delta
         rows = agree.gather(mine, self.comm)
         if self.own:
             self._write(self.own, {"type": "step", "step": step, "rank": self.comm.rank,
                                    "local_loss": json_number(local_loss), "grad_norm": json_number(grad_norm),
-                                   "step_time_s": seconds, **dict(zip(MEMORY_KEYS, map(int, mine[:4]))),
+                                   "step_time_s": seconds, **dict(zip(MEMORY_KEYS, map(int, mine[:SECONDS]))),
                                    "comm": self._comm_fields([mine])})
+        # busy: outside collectives (the seconds of every kind, waiting included, come off)
+        slow = slowest([r[SECONDS] - sum(r[SECONDS + 3 + 3 * k] for k in range(len(KINDS))) for r in rows])
+        if self.stragglers.update(slow):
+            self.event("straggler", step, say=f"rank {slow.rank} busy {slow.ratio:.2f} x the median rank for "
+                       f"{self.stragglers.window} steps", **slow.fields(), steps=self.stragglers.window)
         if not self.shared:
             return
         tokens_per_s = self.tokens_per_step / seconds if seconds > 0 else None
+        util = mfu(self.model_flops, seconds, self.peak_flops)
         record = {"type": "step", "step": step, "time": time.time(), "loss": json_number(loss), "loss_hex": loss.hex(),
                   "grad_norm": json_number(grad_norm), "param_norm": json_number(param_norm), "lr": lr,
-                  "step_time_s": seconds, "step_time_s_max": max(r[4] for r in rows),
+                  "step_time_s": seconds, "step_time_s_max": max(r[SECONDS] for r in rows),
                   "tokens": self.tokens_per_step, "tokens_per_s": tokens_per_s,
+                  "mfu": util, "peak_flops": self.peak_flops, "slowest": slow.fields(),
                   "comm": self._comm_fields(rows),
                   "memory": {k: _stats([r[i] for r in rows]) for i, k in enumerate(MEMORY_KEYS)}}
         if comm_bytes:
@@ -135,14 +157,14 @@ class MetricsLog:
             comm_ms = 1000 * sum(v["seconds"]["mean"] for v in record["comm"].values())
             print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:.6f}  "
                   f"grad norm {grad_norm:.4f}  lr {lr:.3g}  {1000 * seconds:.1f} ms  "
-                  f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  comm {comm_ms:.1f} ms"
+                  f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  mfu {100 * (util or 0):.2f}%  comm {comm_ms:.1f} ms"
                   + (f"  val loss {val_loss:.6f}" if val_loss is not None else ""), flush=True)
 
     @staticmethod
     def _comm_fields(rows: list[list[float]]) -> dict:
         out = {}
         for k, kind in enumerate(KINDS):
-            calls, sent, secs = ([r[5 + 3 * k + j] for r in rows] for j in range(3))
+            calls, sent, secs = ([r[SECONDS + 1 + 3 * k + j] for r in rows] for j in range(3))
             if max(calls) > 0:
                 out[kind] = {"calls": int(max(calls)), "bytes": _stats(sent), "seconds": _stats(secs)}
         return out
@@ -150,13 +172,12 @@ class MetricsLog:
     def _memory_event(self, step: int, rows: list[list[float]]) -> None:
         """A "memory" event with every rank's bytes (for the per-rank chart); rank 0 only."""
         self._memory_logged = True
-        per_rank = [{"rank": r, **dict(zip(MEMORY_KEYS, map(int, row[:4])))} for r, row in enumerate(rows)]
+        per_rank = [{"rank": r, **dict(zip(MEMORY_KEYS, map(int, row[:SECONDS])))} for r, row in enumerate(rows)]
         self.event("memory", step, per_rank=per_rank)
 
     def final_memory(self, step: int, memory: dict[str, int]) -> None:
         """Every rank's memory at the end of the run, peak RSS included. Collective."""
-        mine = [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]), float(peak_rss_bytes())]
-        rows = agree.gather(mine, self.comm)
+        rows = agree.gather(_memory_row(memory), self.comm)
         if self.shared:
             self._memory_event(step, rows)
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from distlib.comm.group import Comm
+from distlib.app import activations
 from distlib.parallel.tensor_parallel import Column, Row, Split, parallelize_linears_
 
 
@@ -32,8 +34,12 @@ class ModelConfig:
     n_layers: int = 2
     mlp_ratio: int = 4
     dropout: float = 0.0
+    activation_checkpointing: str = "none"   # none | blocks: recompute each block in backward
 
     def __post_init__(self) -> None:
+        if self.activation_checkpointing not in ("none", "blocks"):
+            raise ValueError(f"model.activation_checkpointing must be 'none' or 'blocks', "
+                             f"got {self.activation_checkpointing!r}")
         for name in ("vocab_size", "seq_len", "dim", "n_heads", "n_layers", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
@@ -85,8 +91,19 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg)
+        self.checkpointing = cfg.activation_checkpointing == "blocks"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled() and x.requires_grad:
+            # Keep only the input; backward reruns _forward (torch restores the RNG state first, so
+            # dropout draws the same masks). _forward is called directly, not through the module:
+            # the recomputation must not fire this block's hooks again (ZeRO-3's forward hook frees
+            # the parameters; its hook on the block's output has gathered them before this runs).
+            activations.keep(x)
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

@@ -10,7 +10,7 @@ reads), the ``Checkpointer`` (every checkpoint decision), the guard's ``Rollback
     hooks.after_backward
     optimizer.sync_grads                   gradient sync -> global grad norm
     guard.check_step                       the collective verdict; a trip rolls back instead
-    optimizer.apply_update                 (lr x hooks.lr_factor), then hooks.after_update
+    optimizer.apply_update                 (lr_schedule.lr_at(step) x hooks.lr_factor), then hooks.after_update
     log                                    metrics record; every guard.check_sync_every steps the replica check
     maybe save / stop                      schedule.decide (one collective) -> checkpointer.save
     hooks.after_step
@@ -32,13 +32,16 @@ from distlib.comm import agree
 from distlib.comm import watchdog
 from distlib.comm.group import Comm
 from distlib.comm.mesh import build_mesh
-from distlib.app import data
+from distlib.app import data, throughput
+from distlib.app.activations import ActivationMeter
 from distlib.app.checkpointer import Checkpointer, ResumeCheck, seed_process_rngs
 from distlib.app.config import RunConfig
 from distlib.app.data import BatchPlan
 from distlib.app.hooks import StepHooks
+from distlib.app.lr_schedule import lr_at
 from distlib.app.metrics import MetricsLog
 from distlib.app.model import MiniGPT, build_model, shard_model_
+from distlib.app.profiling import StepProfiler
 from distlib.app.unattended import guard
 from distlib.app.unattended import stopping as schedule
 from distlib.app.unattended.rollback import Rollback
@@ -89,6 +92,8 @@ class Trainer:
                                          self.tp_splits, self.hooks, clock or time.monotonic)
         self.rollback = Rollback(cfg.guard, self.checkpointer, self.data)
         self.log: MetricsLog | None = None      # open while run() runs
+        self.activations = ActivationMeter()    # bytes kept for backward (the memory profile's activations)
+        self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)
 
     def say(self, message: str) -> None:
         """One line on rank 0's stdout (every rank knows the same facts; one speaks)."""
@@ -111,9 +116,11 @@ class Trainer:
             start, resume_path = self.checkpointer.resume()
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
         tokens = cfg.global_batch * cfg.model.seq_len
+        flops = 6 * throughput.model_params(cfg.model) * tokens     # per step, for MFU
         with schedule.StopSignals(deadline_s=cfg.dist.timeout_s) as signals, \
                 MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps,
-                           groups={"dp": self.mesh.dp, "tp": self.mesh.tp}) as log:
+                           groups={"dp": self.mesh.dp, "tp": self.mesh.tp}, guard=cfg.guard,
+                           model_flops=flops, peak_flops=throughput.peak_flops(comm)) as log:
             self.log = log
             self._log_start(start, resume_path)
             step = start + 1
@@ -127,6 +134,8 @@ class Trainer:
                 if not isinstance(exc, (guard.GuardError, guard.DesyncError)):   # those logged their own
                     log.event("error", step, error=type(exc).__name__, message=str(exc))
                 raise
+            finally:
+                self.profiler.close()
             self._finish(start, result)
         return result
 
@@ -148,7 +157,7 @@ class Trainer:
         with watchdog.watch("end of run", self.comm, self.cfg.dist.timeout_s):
             self.checkpointer.finish()
             result.memory = self.memory_report()
-            self.log.final_memory(last, self.optimizer.memory_bytes())
+            self.log.final_memory(last, self.memory_bytes())
             if not result.stopped_by:
                 result.resume_check = self.checkpointer.verify_resume(lambda: self.build(seed=self.cfg.seed + 1))
         self.log.event("run_end", last, status="stopped by " + result.stopped_by if result.stopped_by else "completed",
@@ -157,6 +166,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------
     def _step(self, step: int, result: RunResult, signals: schedule.StopSignals) -> int:
         """Run ``step``; return the next step to run (smaller than step + 1 after a rollback)."""
+        self.profiler.begin(step)
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
@@ -175,6 +185,7 @@ class Trainer:
         result.steps.append(self._log_step(step, verdict.loss, local_loss, grad_norm, lr, began, signals))
         self._maybe_save(step, result, signals)
         self.hooks.after_step(step)
+        self.profiler.end(step)
         return step + 1
 
     def _forward_backward(self, step: int) -> float:
@@ -182,14 +193,16 @@ class Trainer:
         self.model.train()
         local_loss = 0.0
         for inputs, targets in self.data.step_batches(step, self.mesh.dp.rank):
-            loss = self.model(inputs, targets) / self.cfg.train.grad_accum
+            with self.activations.measure(self.model):
+                loss = self.model(inputs, targets) / self.cfg.train.grad_accum
             loss.backward()
             local_loss += float(loss.detach())
         return local_loss
 
     def _apply_update(self, step: int) -> float:
         """The update with this step's learning rate (returned), then the attached hooks see it."""
-        lr = self.cfg.optimizer.adamw.lr * self.hooks.lr_factor(step)
+        opt = self.cfg.optimizer      # the schedule's rate is a function of the step: resumes continue it exactly
+        lr = lr_at(step, opt.adamw.lr, opt.schedule, self.cfg.train.steps) * self.hooks.lr_factor(step)
         self.optimizer.apply_update(lr)
         self.optimizer.zero_grad()
         self.hooks.after_update(step, self.optimizer.param_buffer, self.optimizer.layout.slots,
@@ -206,7 +219,7 @@ class Trainer:
         signals.deadline_s = max(signals.deadline_s, cfg.dist.timeout_s + 2 * seconds)
         val_loss = self.evaluate() if cfg.train.eval_every and step % cfg.train.eval_every == 0 else None
         self.log.step(step, loss=loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
-                      lr=lr, seconds=seconds, memory=self.optimizer.memory_bytes(), val_loss=val_loss)
+                      lr=lr, seconds=seconds, memory=self.memory_bytes(), val_loss=val_loss)
         if cfg.guard.check_sync_every and step % cfg.guard.check_sync_every == 0:
             try:
                 self.check_replicas(step)
@@ -283,8 +296,12 @@ class Trainer:
         rows = agree.gather([total, float(count)], dp)
         return sum(row[0] for row in rows) / sum(row[1] for row in rows)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """The model states' peak bytes (the optimizer's accounting) and the activations'."""
+        return {**self.optimizer.memory_bytes(), "activations": self.activations.peak}
+
     def memory_report(self) -> list[dict]:
-        measured = self.optimizer.memory_bytes()
+        measured = self.memory_bytes()
         keys = sorted(measured)
         rows = agree.gather([float(measured[k]) for k in keys], self.comm)
         formula = self.optimizer.memory_formula()

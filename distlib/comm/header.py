@@ -89,15 +89,32 @@ def collective(comm: Comm, kind: str, *, numel: int = -1, dtype: torch.dtype | N
     began = time.perf_counter()
     if stats is not None:
         stats.depth, stats.current = 1, kind
+    # Under torch.profiler each outermost collective is a named range (train.profile_steps); the
+    # check when none collects is one C call (~0.1 us).
+    named = (torch.profiler.record_function(range_name(kind, algo, numel, dtype))
+             if torch.autograd._profiler_enabled() else contextlib.nullcontext())
     try:
-        if comm.check:
-            call = stats.total_calls if stats is not None else -1
-            check_header(comm, kind, [call, KINDS.index(kind), numel, _code(dtype, _DTYPES),
-                                      _code(op, OPS), src, _code(algo, ALGOS),
-                                      -1 if bounds is None else zlib.crc32(repr(bounds).encode())])
-        yield
+        with named:
+            if comm.check:
+                call = stats.total_calls if stats is not None else -1
+                check_header(comm, kind, [call, KINDS.index(kind), numel, _code(dtype, _DTYPES),
+                                          _code(op, OPS), src, _code(algo, ALGOS),
+                                          -1 if bounds is None else zlib.crc32(repr(bounds).encode())])
+            yield
     finally:
         if stats is not None:
             stats.depth, stats.current = 0, "other"
             stats.calls[kind] += 1
             stats.seconds[kind] += time.perf_counter() - began
+
+
+RANGE_PREFIX = "collective:"
+
+
+def range_name(kind: str, algo: str | None, numel: int, dtype: torch.dtype | None) -> str:
+    """The profiler range of one collective: ``collective:<kind> algo=<algorithm> bytes=<payload>``
+    (the payload is numel x element size; omitted where the call does not say)."""
+    name = f"{RANGE_PREFIX}{kind} algo={algo or 'default'}"
+    if numel >= 0 and dtype is not None:
+        name += f" bytes={numel * dtype.itemsize}"
+    return name

@@ -10,7 +10,8 @@ The divergence, stall, desync and pre-emption faults (docs/unattended.md) fire
 once per process: the first time their step is reached. The record of what fired
 lives here, in memory and not in checkpoints, so when the guard rolls back and
 the same step runs again it runs clean, which is what lets a test compare the
-recovered run with an undisturbed one bit for bit.
+recovered run with an undisturbed one bit for bit. The straggler fault
+(``slow_rank`` / ``slow_seconds``) is the exception: it slows every step.
 
 ``Faults`` is a ``StepHooks`` (``distlib.app.hooks``): the launcher attaches it to the
 Trainer (``step_hooks``) when a fault is configured; the training loop never names a fault.
@@ -70,6 +71,7 @@ class Faults(StepHooks):
         self.hang(step)
 
     def after_backward(self, step: int, grad_buffer: torch.Tensor) -> None:
+        self.slow_down(step)
         self.poison_grads(step, grad_buffer)
         self.sigterm(step)
 
@@ -119,6 +121,15 @@ class Faults(StepHooks):
             self._say(f"hanging at step {step}" if step else "hanging before the rendezvous")
             while True:
                 time.sleep(3600)
+
+    def slow_down(self, step: int) -> None:
+        """fault.slow_rank / slow_seconds: this rank computes slowly, every step: it sleeps after its
+        backward, before the gradient sync, where the other ranks then wait for it (a straggler)."""
+        if self.cfg.slow_rank == self.rank:
+            if "slow" not in self.fired:
+                self.fired.add("slow")
+                self._say(f"sleeping {self.cfg.slow_seconds:g} s after every backward from step {step}")
+            time.sleep(self.cfg.slow_seconds)
 
     def lr_factor(self, step: int) -> float:
         """fault.lr_spike_step / lr_spike_factor: the factor for this step's learning rate."""

@@ -1,0 +1,52 @@
+"""Model FLOPs utilisation: the model's arithmetic per second against what this machine can do.
+
+Per step the model needs about 6 x P x tokens floating-point operations (2 per parameter and token
+forward, 4 backward; attention's score arithmetic is left out, as in the usual MFU), with P the
+whole model's parameter count (all tensor-parallel shards together). The peak is measured once at
+start, on every rank at the same time (so ranks sharing cores see the share they get): the best of
+a few 256x256 fp32 matrix multiplies (2 x 256^3 operations each), summed over ranks::
+
+    mfu = 6 * P * tokens_per_step / step_time_s / sum over ranks of peak_flops
+
+The probe takes a few milliseconds and touches no RNG (the inputs are constants).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from distlib.comm import agree
+from distlib.comm.group import Comm
+from distlib.app.model import MiniGPT, ModelConfig
+
+PROBE_N = 256
+PROBE_REPEATS = 8
+
+
+def probe_flops(n: int = PROBE_N, repeats: int = PROBE_REPEATS) -> float:
+    """Floating-point operations per second of this process: the fastest of ``repeats`` n x n fp32
+    matrix multiplies (after one warm-up)."""
+    a, b = torch.full((n, n), 0.5), torch.full((n, n), 0.25)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - began)
+    return 2 * n ** 3 / max(best, 1e-9)
+
+
+def peak_flops(comm: Comm) -> float:
+    """Every rank's probe, summed: the job's peak. Collective (one gather)."""
+    return sum(row[0] for row in agree.gather([probe_flops()], comm))
+
+
+def model_params(cfg: ModelConfig) -> int:
+    """P of the whole (unsplit) model, counted on the meta device: no memory, no RNG."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in MiniGPT(cfg).parameters())
+
+
+def mfu(model_flops_per_step: float, seconds: float, peak: float) -> float | None:
+    return model_flops_per_step / seconds / peak if seconds > 0 and peak > 0 else None
