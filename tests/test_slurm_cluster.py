@@ -286,8 +286,8 @@ def test_hydra_sweep_runs_one_slurm_job_per_world_size(cluster, tmp_path):
     assert [(ws, col) for _, ws, col in rows] == [("1", "1"), ("2", "2"), ("4", "4")], table
     assert "world-size invariance" in table and ": OK" in table
     # three SLURM jobs (one array of three tasks), all completed
-    job_ids = {p.name for p in (sweep / ".submitit").iterdir()}
-    assert len(job_ids) == 3, job_ids
-    for job in job_ids:
-        info = cluster.job(job)
-        assert info["JobState"] == "COMPLETED", info
+    job_ids = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    assert len(job_ids) == 3 and len({j.split("_")[0] for j in job_ids}) == 1, job_ids
+    for job in job_ids:   # submitit reads a job's result file as soon as it is written: the job may still be ending
+        info = cluster.wait(job, timeout=60)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
