@@ -42,11 +42,12 @@ class Cluster:
             raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
         return proc.stdout
 
-    def sbatch(self, run_dir: Path, *args: str, options: tuple[str, ...] = ()) -> tuple[str, Path]:
-        """Submit scripts/train.sbatch with RUN_DIR=run_dir; returns (job id, output file)."""
+    def sbatch(self, run_dir: Path, *args: str, options: tuple[str, ...] = (),
+               script: str = "scripts/train.sbatch") -> tuple[str, Path]:
+        """Submit `script` with RUN_DIR=run_dir; returns (job id, output file)."""
         out = run_dir.parent / f"{run_dir.name}.out"
         self.env["RUN_DIR"] = str(run_dir)
-        job = self.cmd("sbatch", "--parsable", f"--output={out}", *options, "scripts/train.sbatch", *args).strip()
+        job = self.cmd("sbatch", "--parsable", f"--output={out}", *options, script, *args).strip()
         return job, out
 
     def job(self, job: str) -> dict[str, str]:
@@ -152,6 +153,21 @@ def test_batch_job_runs_one_srun_task_per_rank_and_ends_in_resume_verified(clust
     assert "torchelastic" not in text.lower() and "TORCHELASTIC" not in (run_dir / ".hydra" / "config.yaml").read_text()
     # only task 0 wrote Hydra's files
     assert sorted(p.name for p in run_dir.iterdir() if p.suffix == ".log") == ["train.log"]
+
+
+def test_torchrun_per_node_variant_runs_4_ranks_under_one_srun_task(cluster, tmp_path):
+    """scripts/train_torchrun.sbatch on the one local node (several nodes are the same command with
+    --nodes=N; the cross-host rendezvous itself is tested in tests/test_multinode.py)."""
+    run_dir = tmp_path / "torchrun"
+    job, out = cluster.sbatch(run_dir, "train.steps=2", "checkpoint.every_steps=2",
+                              script="scripts/train_torchrun.sbatch")
+    info = cluster.wait(job)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert info["NumTasks"] == "1"
+    assert text.rstrip().endswith("RESUME VERIFIED"), text[-2000:]
+    manifest = json.loads((run_dir / "checkpoints" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["world_size"] == 4
 
 
 def test_usr2_saves_and_the_requeued_job_finishes_byte_identical(cluster, reference, tmp_path):
