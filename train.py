@@ -237,9 +237,13 @@ def run_config(cfg: DictConfig) -> None:
         if rank0_composes(sys.argv):
             share_config(tree, run_dir)
         worker(tree, run_dir)
-    elif slurm.is_submitit_task(os.environ):
-        # hydra/launcher=submitit_slurm: every SLURM task is one rank (see distlib/slurm.py)
-        os.environ.update(slurm.torch_env(os.environ))
+    elif slurm.is_rank_task(os.environ):
+        # srun with several tasks (scripts/train.sbatch, or hydra/launcher=submitit_slurm with
+        # several tasks per job): every task is one rank (distlib/launch/slurm.py)
+        try:
+            os.environ.update(slurm.torch_env(os.environ))
+        except slurm.SlurmEnvError as exc:
+            sys.exit(f"error: {exc}")
         worker(tree, run_dir)
     else:
         _launch(tree, run_dir, run_cfg.dist.world_size)
@@ -258,6 +262,10 @@ if __name__ == "__main__":
         if os.environ.get("RANK", "0") != "0":
             # Only rank 0 writes Hydra's shared files (.hydra/, the job log).
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    elif slurm.is_rank_task(os.environ):
+        # `srun -n N python train.py`: all tasks must share one run directory (the same across a
+        # requeue of the job), and only task 0 writes Hydra's files into it.
+        sys.argv += slurm.hydra_args(os.environ, sys.argv[1:])
     if _defer_hydra_files(sys.argv):
         _HYDRA_FILES_DEFERRED = True
         sys.argv.append("hydra.output_subdir=null")

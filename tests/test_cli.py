@@ -48,14 +48,6 @@ def test_nccl_is_refused_as_a_config_error_until_tensors_live_on_gpus(tmp_path):
     assert "Traceback" not in proc.stderr and "rendezvous" not in proc.stderr
 
 
-def test_slurm_launcher_without_its_plugin_is_one_clear_line(tmp_path):
-    proc = run([sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={tmp_path}"],
-               timeout=60)
-    assert proc.returncode != 0
-    assert proc.stderr.strip() == ("error: hydra/launcher=submitit_slurm needs the optional plugin, which is not "
-                                   "installed: pip install hydra-submitit-launcher (docs/beyond.md, \"Clusters\")")
-
-
 def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
     """Under `python train.py` the launcher used to print only "training failed: rank 1 (exit 1)"."""
     code = ("import runpy, sys\n"

@@ -1,8 +1,11 @@
-"""One SLURM task = one rank, for Hydra's submitit launcher (conf/hydra/launcher/submitit_slurm.yaml).
+"""One SLURM task = one rank: ``srun python train.py`` (scripts/train.sbatch) and Hydra's submitit
+launcher (conf/hydra/launcher/submitit_slurm.yaml) with several tasks per job.
 
-submitit runs the Hydra job function in every task of a SLURM job (``srun``,
-``tasks_per_node`` tasks on each of ``nodes`` nodes) and marks them with
-``SUBMITIT_EXECUTOR=slurm``. torch.distributed's ``env://`` rendezvous wants
+Inside a job step of several tasks (``srun -n 4 ...``; submitit runs the Hydra job
+function in every task the same way) each task is one rank. The batch shell itself
+has SLURM_PROCID=0 and SLURM_NTASKS but no SLURM_STEP_ID, and a step of one task
+(a submitit job with ``tasks_per_node=1``) starts its ``dist.world_size`` workers
+itself, so neither is taken for a rank. torch.distributed's ``env://`` rendezvous wants
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; this module derives
 them from SLURM's own variables: the rank is SLURM_PROCID, the master is the
 first host of SLURM_JOB_NODELIST, and the port is a function of the job id, so
@@ -23,6 +26,18 @@ class SlurmEnvError(RuntimeError):
 
 def is_submitit_task(env: Mapping[str, str]) -> bool:
     return env.get("SUBMITIT_EXECUTOR") == "slurm" and "SLURM_PROCID" in env
+
+
+def step_tasks(env: Mapping[str, str]) -> int:
+    """The number of tasks of the SLURM job step this process is a task of; 0 outside a step."""
+    if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return 0
+    return int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+
+
+def is_rank_task(env: Mapping[str, str]) -> bool:
+    """True in a task of an srun step of several tasks: this process is rank SLURM_PROCID."""
+    return step_tasks(env) > 1
 
 
 def first_host(nodelist: str) -> str:
@@ -49,5 +64,22 @@ def torch_env(env: Mapping[str, str]) -> dict[str, str]:
     if missing:
         raise SlurmEnvError(f"this SLURM task lacks {missing}; run it through srun (the submitit launcher does)")
     port = env.get("MASTER_PORT") or str(PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN)
-    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env["SLURM_LOCALID"],
+    world = env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]
+    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env["SLURM_LOCALID"],
             "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodelist), "MASTER_PORT": port}
+
+
+def hydra_args(env: Mapping[str, str], argv: list[str]) -> list[str]:
+    """Hydra overrides for one task of ``srun -n N python train.py``: without an explicit
+    ``hydra.run.dir`` every task would pick its own timestamped directory, so they get
+    ``outputs/slurm/<job id>`` (the same for a requeued job, which then resumes there with
+    ``checkpoint.resume=latest``); ``dist.world_size`` defaults to the step's task count, as
+    under torchrun; tasks other than 0 write none of Hydra's files."""
+    extra = []
+    if not any(a.startswith("dist.world_size=") for a in argv):
+        extra.append(f"dist.world_size={step_tasks(env)}")
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        extra.append(f"hydra.run.dir=outputs/slurm/{env['SLURM_JOB_ID']}")
+    if env.get("SLURM_PROCID", "0") != "0":
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    return extra
