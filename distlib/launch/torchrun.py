@@ -30,6 +30,15 @@ def use_deterministic_kernels() -> None:
         set_flag(True)
 
 
+def use_cuda_device(device: str) -> None:
+    """Make ``device`` this process's GPU, with repeatable arithmetic: cuBLAS reads
+    CUBLAS_WORKSPACE_CONFIG when it is first used, and with a fixed workspace (plus the
+    deterministic algorithms above) a GPU run repeats bit for bit (PyTorch's reproducibility
+    notes). Call before anything touches CUDA."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.cuda.set_device(torch.device(device))
+
+
 def _agent_store(timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
