@@ -72,7 +72,7 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     device = cfg.device(int(os.environ.get("LOCAL_RANK", "0")))
     if device != "cpu":
         use_cuda_device(device)
-    _join(cfg)
+    _join(cfg, device)
     failures, rank, stopped_by = [], dist.get_rank(), None
     try:
         # NCCL moves messages between GPUs; gloo between hosts (CUDA tensors are staged through them).
@@ -113,12 +113,12 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     return failures, stopped_by
 
 
-def _join(cfg: RunConfig) -> None:
+def _join(cfg: RunConfig, device: str = "cpu") -> None:
     """The rendezvous, under dist.timeout_s; a rank that never arrives is named. Any other failure
     (a bad address, a port in use) keeps its own message: it is not a rank that did not arrive."""
     Faults(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
     try:
-        init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+        init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s), device)
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
         # torch tells a timeout only in the text: DistStoreError "wait timeout after ...", "Timed out
         # initializing ...", a client socket that "has timed out"

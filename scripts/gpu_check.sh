@@ -50,7 +50,8 @@ EOF
     f) $PY train.py train.device=$DEV zero=stage3 dist.tp=2 hydra.run.dir="$LOG/f_zero3_tp2" > "$LOG/f_zero3_tp2.log" 2>&1
        rc=$?; tail -n 4 "$LOG/f_zero3_tp2.log"; [ $rc = 0 ] && grep -q "RESUME VERIFIED" "$LOG/f_zero3_tp2.log" ;;
     g) $PY -c "import pytest" 2>/dev/null || { echo "pytest is not installed"; exit 1; }
-       $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py ;;
+       $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$LOG/g_pytest.log"
+       grep -q " passed" "$LOG/g_pytest.log" && ! grep -qE "skipped|failed|error" "$LOG/g_pytest.log" ;;
   esac
   exit $?
 fi
@@ -80,7 +81,7 @@ EOF
 )
 if [ -n "$missing" ]; then
   echo "installing from .gpu_wheels/ into $DEPS: $missing"
-  if ! "$PY" -m pip install --quiet --no-index --no-deps --find-links .gpu_wheels --target "$DEPS" $missing; then
+  if ! "$PY" -m pip install --quiet --no-index --no-deps --find-links "$PWD/.gpu_wheels" --target "$DEPS" $missing; then
     echo "pip failed or is missing: unpacking the wheels instead"
     "$PY" - "$DEPS" $missing <<'EOF'
 import glob, re, sys, zipfile
