@@ -14,6 +14,7 @@
 # antlr4 (and PyYAML, numpy, safetensors, pytest if missing) come from the wheels in .gpu_wheels/
 # and go into a temporary directory on PYTHONPATH. Everything is logged to $OUT (if set, else a
 # temporary directory): gpu_check.log, one directory per step, gpu_throughput.json.
+# GPU_CHECK_STEPS="a c" runs only those steps (e.g. to rerun failed ones).
 # GPU_CHECK_DEVICE=cpu runs the same steps on the CPU (a dry run of the script; b and the GPU
 # tests cannot pass there).
 set -uo pipefail
@@ -60,13 +61,14 @@ export PY=${PYTHON:-python3}
 export DEV=${GPU_CHECK_DEVICE:-cuda}   # cpu: a dry run of this script on a machine without a GPU
 LOG=${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}
 mkdir -p "$LOG"
-exec > >(tee "$LOG/gpu_check.log") 2>&1
+
+main() {
 began=$(date +%s)
 echo "gpu_check: logs in $LOG"
 command -v nvidia-smi > /dev/null && nvidia-smi -L
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda,
       '| NCCL', '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-',
-      '| GPUs', torch.cuda.device_count())" || { echo "GPU CHECK FAILED: $PY cannot import torch"; exit 1; }
+      '| GPUs', torch.cuda.device_count())" || { echo "GPU CHECK FAILED: $PY cannot import torch"; return 1; }
 
 # Dependencies from .gpu_wheels/ (pure-Python hydra-core, omegaconf, antlr4; the others only if
 # missing), never from an index, never over torch: --no-deps, into a private directory.
@@ -101,6 +103,7 @@ export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 results=()
 for spec in a:90 b:60 c:90 d:90 e:90 f:60 g:90; do
   step=${spec%%:*} limit=${spec##*:}
+  [[ " ${GPU_CHECK_STEPS:-a b c d e f g} " == *" $step "* ]] || continue
   echo
   echo "=== step $step (limit ${limit}s)"
   t0=$(date +%s)
@@ -124,5 +127,9 @@ if [ -z "$failed" ]; then
   echo "GPU VERIFIED"
 else
   echo "GPU CHECK FAILED: steps ${failed% }"
-  exit 1
+  return 1
 fi
+}
+
+main 2>&1 | tee "$LOG/gpu_check.log"
+exit "${PIPESTATUS[0]}"
