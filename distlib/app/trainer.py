@@ -21,8 +21,9 @@ share (per-rank norms, memory reports). docs/unattended.md has the step in more 
 
 ``device`` ("cpu" or "cuda:<k>", ``RunConfig.device``) is where the model, its optimizer's buffers
 and the batches live; the model is built on the CPU (the same initial weights on every device)
-and moved there. A step reads back from the device only what it logs and decides on: the loss
-(summed on the device over the micro-batches, read once), the grad norm and the parameter norm.
+and moved there. A step reads back from the device only what it logs and decides on: the grad
+norm, then the loss (summed on the device over the micro-batches; by then the norm's read has
+waited for the device), and the parameter norm after the update.
 """
 from __future__ import annotations
 
@@ -166,9 +167,10 @@ class Trainer:
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
-        local_loss = self._forward_backward(step)
+        summed = self._forward_backward(step)       # on the device, still being computed
         self.hooks.after_backward(step, self.optimizer.grad_buffer)
         grad_norm = self.optimizer.sync_grads()      # over the data- and tensor-parallel groups
+        local_loss = float(summed)                   # reading the norm already waited for the device
         recent = [s.loss for s in result.steps[-self.cfg.guard.spike_window:]]
         # The loss is the mean over one data-parallel group (TP ranks of a group share a loss);
         # every rank's loss and norm take part in the verdict.
@@ -183,17 +185,18 @@ class Trainer:
         self.hooks.after_step(step)
         return step + 1
 
-    def _forward_backward(self, step: int) -> float:
-        """Forward and backward over this rank's micro-batches; returns its (accumulated) loss."""
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
+        float64 scalar on the device."""
         self.model.train()
-        # Summed in float64 on the device and read once: the same additions, in the same order, as
-        # adding each micro-batch's float(loss) on the host, without a device sync per micro-batch.
+        # Summed in float64 on the device, read once: the same additions, in the same order, as adding
+        # each micro-batch's float(loss) on the host, without a device sync per micro-batch.
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, targets in self.data.step_batches(step, self.mesh.dp.rank):
             loss = self.model(inputs.to(self.device), targets.to(self.device)) / self.cfg.train.grad_accum
             loss.backward()
             local_loss += loss.detach()
-        return float(local_loss)
+        return local_loss
 
     def _apply_update(self, step: int) -> float:
         """The update with this step's learning rate (returned), then the attached hooks see it."""
