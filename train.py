@@ -28,7 +28,7 @@ from distlib.app import data
 from distlib.app import summary as report
 from distlib.launch import slurm
 from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
-                            share_config, shared_run_dir, use_deterministic_kernels)
+                            share_config, shared_run_dir, use_cuda_device, use_deterministic_kernels)
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
@@ -70,15 +70,19 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     and the signal that stopped the run early, if one did."""
     torch.set_num_threads(1)
     use_deterministic_kernels()
-    _join(cfg)
+    device = cfg.device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device != "cpu":
+        use_cuda_device(device)
+    _join(cfg, device)
     failures, rank, stopped_by = [], dist.get_rank(), None
     try:
-        comm = Comm.world()
+        # NCCL moves messages between GPUs; gloo between hosts (CUDA tensors are staged through them).
+        comm = Comm.world(device=device if cfg.dist.backend == "nccl" else "cpu")
         if comm.size != cfg.dist.world_size:
             raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
                               f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
         # Fault injection (conf/fault/) attaches from outside the loop; none configured: no-op hooks.
-        result = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank)).run()
+        result = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank), device=device).run()
         failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
         if comm.rank == 0:
             report.write_json(result, failures, Path(run_dir) / "report.json")
@@ -110,12 +114,12 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     return failures, stopped_by
 
 
-def _join(cfg: RunConfig) -> None:
+def _join(cfg: RunConfig, device: str = "cpu") -> None:
     """The rendezvous, under dist.timeout_s; a rank that never arrives is named. Any other failure
     (a bad address, a port in use) keeps its own message: it is not a rank that did not arrive."""
     Faults(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
     try:
-        init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s))
+        init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s), device)
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
         # torch tells a timeout only in the text: DistStoreError "wait timeout after ...", "Timed out
         # initializing ...", a client socket that "has timed out"

@@ -75,7 +75,7 @@ class Saved:
 
 
 def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    return t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 class Checkpointer:
@@ -149,7 +149,7 @@ class Checkpointer:
     def state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None) -> tuple[dict, dict]:
         """(tensors, rank_state) of this rank: optimizer partition, RNG, step and data position."""
         skipped = self.data.skipped if skipped is None else skipped
-        rng_tensors, rng_meta = checkpoint.capture_rng()
+        rng_tensors, rng_meta = checkpoint.capture_rng(optimizer.device)
         tensors = {**optimizer.state_shard(), **rng_tensors}
         rank_state = {"step": step, "optimizer_steps": optimizer.step_count,
                       "data": self.data.position(step, skipped), "rng": rng_meta}
@@ -235,6 +235,7 @@ class Checkpointer:
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:
             checkpoint.restore_rng(rng, rank_state["rng"])
+            checkpoint.restore_device_rng(rng, optimizer.device)
         else:
             seed_process_rngs(self.cfg.seed, self.mesh.dp.rank)
         if optimizer is self.optimizer:   # (verify_resume loads into a second optimizer: not the run's data)
@@ -257,6 +258,7 @@ class Checkpointer:
         tensors, rank_state = point.state
         self.optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
         checkpoint.restore_rng(tensors, rank_state["rng"])
+        checkpoint.restore_device_rng(tensors, self.optimizer.device)
         self.data.skipped = rank_state.get("skipped_batches", 0)
 
     def rolled_back_to(self, target: RollbackPoint, trip: int) -> list[str]:
@@ -328,7 +330,7 @@ def saved_rng_draws(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, l
     version, state, py_gauss = meta["python"]
     python_gen = random.Random()
     python_gen.setstate((version, tuple(state), py_gauss))
-    return {"torch": torch.rand(_DRAWS, generator=torch_gen, dtype=torch.float64).tolist(),
+    return {"torch": torch.rand(_DRAWS, generator=torch_gen, dtype=torch.float64, device="cpu").tolist(),
             "numpy": numpy_gen.random_sample(_DRAWS).tolist(), "python": [python_gen.random() for _ in range(_DRAWS)]}
 
 
@@ -337,7 +339,7 @@ def process_rng_draws() -> dict[str, list[float]]:
     put back afterwards."""
     numpy_state, python_state = np.random.get_state(), random.getstate()
     with torch.random.fork_rng(devices=[]):
-        drawn = {"torch": torch.rand(_DRAWS, dtype=torch.float64).tolist(),
+        drawn = {"torch": torch.rand(_DRAWS, dtype=torch.float64, device="cpu").tolist(),
                  "numpy": np.random.random_sample(_DRAWS).tolist(), "python": [random.random() for _ in range(_DRAWS)]}
     np.random.set_state(numpy_state)
     random.setstate(python_state)

@@ -14,6 +14,7 @@ import torch
 from distlib.parallel.adamw import AdamWConfig
 from distlib.comm.mesh import MeshError, check_layout
 from distlib.app.lr_schedule import KEYS as SCHEDULE_KEYS, ScheduleConfig
+from distlib.app.devices import DEVICES, cuda_devices, no_cuda_reason, rank_device
 from distlib.app.model import ModelConfig, TPLayoutError, check_tp_layout
 from distlib.app.unattended.guard_config import GuardConfig   # re-exported: the guard group
 from distlib.app.tokens import BYTE_VOCAB
@@ -96,6 +97,7 @@ class TrainConfig:
     eval_windows: int = 128      # held-out windows per evaluation
     dtype: str = "fp32"
     profile_steps: tuple[int, int] | None = None   # [a, b]: torch.profiler traces of steps a..b
+    device: str = "auto"         # auto: cuda under dist.backend=nccl, else cpu
 
     def __post_init__(self) -> None:
         if self.profile_steps is not None:
@@ -107,6 +109,10 @@ class TrainConfig:
             object.__setattr__(self, "profile_steps", window)
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"train.device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and not cuda_devices():
+            raise ConfigError(f"train.device=cuda but {no_cuda_reason()}; use train.device=cpu")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0 (0 disables), got {self.eval_every}")
         for name in ("steps", "grad_accum", "eval_windows"):
@@ -134,12 +140,9 @@ class DistConfig:
             raise ConfigError(f"dist.tp must be >= 1, got {self.tp}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"dist.backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.backend == "nccl":
-            # NCCL moves CUDA tensors only, and every tensor here lives on the CPU (device placement
-            # is not built yet): without this check the run dies later as a rendezvous "timeout".
-            cuda = "" if torch.cuda.is_available() else "; this torch build has no CUDA either"
-            raise ConfigError(f"dist.backend=nccl is not supported yet: every tensor is placed on the CPU, "
-                              f"which NCCL cannot move{cuda}. Use dist.backend=gloo")
+        if self.backend == "nccl" and not cuda_devices():
+            # Without this check the run would die later, as a rendezvous "timeout".
+            raise ConfigError(f"dist.backend=nccl needs CUDA GPUs but {no_cuda_reason()}; use dist.backend=gloo")
         if not self.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
 
@@ -260,6 +263,10 @@ class RunConfig:
     def param_dtype(self) -> torch.dtype:
         return DTYPES[self.train.dtype]
 
+    def device(self, local_rank: int) -> str:
+        """Where this rank's tensors live (``devices.rank_device``)."""
+        return rank_device(self.train.device, self.dist.backend, local_rank)
+
     def _check_batch(self) -> None:
         t, ranks = self.train, self.dp_size
         where = (f"dist.world_size={ranks}" if self.dist.tp == 1 else
@@ -309,6 +316,9 @@ class RunConfig:
         cfg._check_batch()
         if cfg.optimizer.schedule.warmup_steps + cfg.optimizer.schedule.decay_steps > cfg.train.steps:
             raise ConfigError(f"optimizer.warmup_steps + optimizer.decay_steps exceed train.steps={cfg.train.steps}")
+        if cfg.dist.backend == "nccl" and cfg.train.device == "cpu":
+            raise ConfigError("dist.backend=nccl moves CUDA tensors only, but train.device=cpu; use "
+                              "train.device=cuda (or auto), or dist.backend=gloo")
         cfg.fault.check_run(cfg.dist.world_size, cfg.train.steps)
         if cfg.data.kind == "synthetic" and cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "

@@ -56,7 +56,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
-        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
+        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool, device="cpu").tril()   # moved with the model
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,9 +142,10 @@ class MiniGPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int) -> MiniGPT:
-    """A MiniGPT whose initial weights depend only on ``seed`` (not on global RNG state)."""
+    """A MiniGPT whose initial weights depend only on ``seed`` (not on global RNG state), drawn on
+    the CPU whatever the default device: every device then starts from the same bytes."""
     fork = torch.random.fork_rng(devices=[])
-    with fork:
+    with fork, torch.device("cpu"):
         torch.manual_seed(seed)
         return MiniGPT(cfg)
 

@@ -109,7 +109,7 @@ def generate(model: MiniGPT, prompt: list[int], new_tokens: int, temperature: fl
         raise SampleError(f"prompt token(s) {bad[:5]} outside the model's vocabulary [0, {vocab})")
     tokens = list(prompt)
     for _ in range(new_tokens):
-        context = torch.tensor([tokens[-model.cfg.seq_len:]], dtype=torch.int64)
+        context = torch.tensor([tokens[-model.cfg.seq_len:]], dtype=torch.int64, device=model.lm_head.weight.device)
         logits = model(context)[0, -1].double()
         if temperature == 0:
             tokens.append(int(torch.argmax(logits)))

@@ -18,6 +18,12 @@ reads), the ``Checkpointer`` (every checkpoint decision), the guard's ``Rollback
 Every step runs inside ``watchdog.watch``, which turns a timed-out collective into an error
 naming the step and the ranks that did not arrive. ``agree`` carries the few values ranks must
 share (per-rank norms, memory reports). docs/unattended.md has the step in more detail.
+
+``device`` ("cpu" or "cuda:<k>", ``RunConfig.device``) is where the model, its optimizer's buffers
+and the batches live; the model is built on the CPU (the same initial weights on every device)
+and moved there. A step reads back from the device only what it logs and decides on: the grad
+norm, then the loss (summed on the device over the micro-batches; by then the norm's read has
+waited for the device), and the parameter norm after the update.
 """
 from __future__ import annotations
 
@@ -72,10 +78,11 @@ class RunResult:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, comm: Comm, run_dir: Path, clock=None, hooks: StepHooks | None = None):
+    def __init__(self, cfg: RunConfig, comm: Comm, run_dir: Path, clock=None, hooks: StepHooks | None = None,
+                 device: str = "cpu"):
         # Count traffic per collective kind and (dist.check_collectives) check every call's header.
         comm = comm.instrumented(check=cfg.dist.check_collectives)
-        self.cfg, self.comm, self.run_dir = cfg, comm, Path(run_dir)
+        self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
         self.mesh = build_mesh(comm, cfg.dist.tp)   # its dp / tp groups: comm's check, their own stats
         if hooks is None and cfg.fault.configured:     # a drill that silently injects nothing proves nothing
             raise ValueError("fault.* is set but no hooks are attached: pass "
@@ -101,7 +108,7 @@ class Trainer:
             print(message, flush=True)
 
     def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
-        model = build_model(self.cfg.model, seed)
+        model = build_model(self.cfg.model, seed).to(self.device)
         broadcast_module_(model, self.comm)
         self.tp_splits = shard_model_(model, self.mesh.tp)     # parameter name -> Split (none at tp=1)
         optimizer = make_optimizer(model, self.mesh.dp, self.cfg.zero.stage, self.cfg.optimizer.adamw,
@@ -170,9 +177,10 @@ class Trainer:
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
-        local_loss = self._forward_backward(step)
+        summed = self._forward_backward(step)       # on the device, still being computed
         self.hooks.after_backward(step, self.optimizer.grad_buffer)
         grad_norm = self.optimizer.sync_grads()      # over the data- and tensor-parallel groups
+        local_loss = float(summed)                   # reading the norm already waited for the device
         recent = [s.loss for s in result.steps[-self.cfg.guard.spike_window:]]
         # The loss is the mean over one data-parallel group (TP ranks of a group share a loss);
         # every rank's loss and norm take part in the verdict.
@@ -188,15 +196,18 @@ class Trainer:
         self.profiler.end(step)
         return step + 1
 
-    def _forward_backward(self, step: int) -> float:
-        """Forward and backward over this rank's micro-batches; returns its (accumulated) loss."""
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
+        float64 scalar on the device."""
         self.model.train()
-        local_loss = 0.0
+        # Summed in float64 on the device, read once: the same additions, in the same order, as adding
+        # each micro-batch's float(loss) on the host, without a device sync per micro-batch.
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, targets in self.data.step_batches(step, self.mesh.dp.rank):
             with self.activations.measure(self.model):
-                loss = self.model(inputs, targets) / self.cfg.train.grad_accum
+                loss = self.model(inputs.to(self.device), targets.to(self.device)) / self.cfg.train.grad_accum
             loss.backward()
-            local_loss += float(loss.detach())
+            local_loss += loss.detach()
         return local_loss
 
     def _apply_update(self, step: int) -> float:
@@ -281,13 +292,13 @@ class Trainer:
         # With ZeRO-3 or tensor parallelism every forward is collective: all ranks run as many
         # as the busiest one (the extra ones score nothing).
         forwards = int(max(row[0] for row in agree.gather([float(len(batches))], dp)))
-        idle = torch.zeros(1, self.cfg.model.seq_len, dtype=torch.int64)
+        idle = torch.zeros(1, self.cfg.model.seq_len, dtype=torch.int64, device="cpu")
         self.model.eval()
         total, count = 0.0, 0
         try:
             for i in range(forwards):
                 inputs, targets = batches[i] if i < len(batches) else (idle, idle)
-                loss = float(self.model(inputs, targets))
+                loss = float(self.model(inputs.to(self.device), targets.to(self.device)))
                 if i < len(batches):
                     total += loss * targets.numel()
                     count += targets.numel()

@@ -43,7 +43,7 @@ def repartition(partitions: list[torch.Tensor], numel: int, world_size: int) -> 
     if full.numel() < numel:
         raise CheckpointError(f"partitions hold {full.numel()} elements, fewer than the {numel} parameters")
     size = shard_numel(numel, world_size)
-    padded = torch.zeros(size * world_size, dtype=full.dtype)
+    padded = torch.zeros(size * world_size, dtype=full.dtype, device=full.device)
     padded[:numel] = full[:numel]
     return [padded[r * size:(r + 1) * size].clone() for r in range(world_size)]
 
@@ -92,7 +92,7 @@ def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_ra
     numel, old_world = int(layout["numel"]), int(manifest["world_size"]) // tp
     file_rank = (lambda d: d * tp + tp_rank) if tp > 1 else (lambda d: d)
     size = shard_numel(numel, world_size)
-    state = {key: torch.zeros(size, dtype=torch.float32) for key in STATE_KEYS}
+    state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}   # host copies
     filled = 0
     for old_rank, start, end in partition_sources(numel, old_world, world_size, rank):
         with _open(path, file_rank(old_rank)) as f:

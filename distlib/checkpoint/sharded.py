@@ -66,11 +66,15 @@ def shard_name(rank: int) -> str:
 
 
 # -- RNG state of this process -------------------------------------------------
-def capture_rng() -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, json) holding the torch, numpy and python global RNG states."""
+def capture_rng(device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, json) holding the torch, numpy and python global RNG states, and on a CUDA
+    ``device`` that device's generator as ``rng.cuda`` (absent on the CPU: CPU checkpoints are
+    byte-identical to those written before GPUs were supported)."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     tensors = {"rng.torch": torch.get_rng_state(), "rng.numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
+    if torch.device(device).type == "cuda":
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
     meta = {"numpy": [np_kind, int(np_pos), int(np_has_gauss), float(np_gauss)],
             "python": [py_version, list(py_state), py_gauss]}
     return tensors, meta
@@ -82,6 +86,13 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     np.random.set_state((kind, tensors["rng.numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
     version, state, py_gauss = meta["python"]
     random.setstate((version, tuple(state), py_gauss))
+
+
+def restore_device_rng(tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
+    """The saved CUDA generator into a CUDA ``device``. A checkpoint saved on the CPU has none
+    (the device's generator keeps its seeding); on the CPU a saved one is not needed."""
+    if torch.device(device).type == "cuda" and "rng.cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng.cuda"], device)
 
 
 # -- writing -------------------------------------------------------------------

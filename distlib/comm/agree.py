@@ -3,6 +3,8 @@
 The training loop uses these instead of collectives: a mean loss for the log,
 a per-rank vector for checks, one verdict for a control-flow decision (which
 every rank must take identically, or the ranks diverge and deadlock).
+They are host values (Python numbers in, Python numbers out), so their tensors are on the CPU
+whatever device the model is on; over NCCL ``p2p.P2P`` stages them.
 """
 from __future__ import annotations
 
@@ -17,21 +19,21 @@ from distlib.comm.group import Comm
 
 def mean(value: float, comm: Comm) -> float:
     """Mean of a float over ranks (SUM then divide, never a native AVG)."""
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device="cpu")
     return float(collectives.all_reduce(t, comm, op="sum")[0]) / comm.size
 
 
 def gather(values: list[float], comm: Comm) -> list[list[float]]:
     """Every rank's ``values`` (same length on all ranks), indexed by rank, on every rank."""
     width = len(values)
-    out = torch.zeros(comm.size * width, dtype=torch.float64)
-    collectives.all_gather(out, torch.tensor(values, dtype=torch.float64), comm)
+    out = torch.zeros(comm.size * width, dtype=torch.float64, device="cpu")
+    collectives.all_gather(out, torch.tensor(values, dtype=torch.float64, device="cpu"), comm)
     return out.view(comm.size, width).tolist() if width else [[] for _ in range(comm.size)]
 
 
 def all_true(flag: bool, comm: Comm) -> bool:
     """True on every rank iff ``flag`` is true on every rank."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device="cpu")
     return bool(collectives.all_reduce(t, comm, op="min")[0])
 
 
@@ -44,7 +46,7 @@ def rank0_and_any(value: int, flag: int, comm: Comm) -> tuple[int, int]:
     """Two decisions in one collective: rank 0's ``value`` (e.g. its clock's verdict) and the
     largest ``flag`` any rank raised (0 = none), e.g. a signal that reached only some ranks."""
     mine = value if comm.rank == 0 else _LOWEST
-    t = torch.tensor([mine, flag], dtype=torch.int64)
+    t = torch.tensor([mine, flag], dtype=torch.int64, device="cpu")
     got = collectives.all_reduce(t, comm, op="max").tolist()
     return int(got[0]), int(got[1])
 

@@ -38,6 +38,9 @@ Uneven splits: reduce_scatter and all_gather take ``bounds=`` (one contiguous (s
 per rank, possibly empty), so ZeRO-2/3 can reduce a bucket straight into each rank's
 partition; the default is the even split of ``chunk_bounds``.
 
+Devices: temporaries are allocated where the tensor lives; ``p2p.P2P`` stages tensors (CUDA over
+gloo) and, with NCCL (``comm.batched``), posts a round's messages as one batch.
+
 Underneath: ``p2p.P2P`` posts the messages and turns a failed wait (a peer that timed out or
 died) into ``CollectiveError`` naming the collective, this rank and the peer; every outermost
 call runs in ``header.collective``, which counts it (``comm.stats``) and, with ``comm.check``,
@@ -121,7 +124,7 @@ def _rs_direct(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tupl
     """Send chunk j straight to rank j; the owner reduces all N parts in rank order 0..N-1."""
     p2p, n, me = P2P("reduce_scatter", comm), comm.size, comm.rank
     lo, hi = bounds[me]
-    parts = [flat[lo:hi] if j == me else torch.empty(hi - lo, dtype=flat.dtype) for j in range(n)]
+    parts = [flat[lo:hi] if j == me else torch.empty(hi - lo, dtype=flat.dtype, device=flat.device) for j in range(n)]
     handles = [p2p.recv(parts[j], j) for j in range(n) if j != me]
     handles += [p2p.send(flat[a:b], j) for j, (a, b) in enumerate(bounds) if j != me]
     p2p.wait(*handles)
@@ -135,7 +138,7 @@ def _rs_ring(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: list[tuple[
     p2p, n, me = P2P("reduce_scatter", comm), comm.size, comm.rank
     right, left = me + 1, me - 1
     width = max(b - a for a, b in bounds)
-    bufs = [torch.empty(width, dtype=flat.dtype) for _ in range(2)]
+    bufs = [torch.empty(width, dtype=flat.dtype, device=flat.device) for _ in range(2)]
     sending = flat[slice(*bounds[(me - 1) % n])]        # step 0 sends our own contribution
     for step in range(n - 1):
         lo, hi = bounds[(me - step - 2) % n]
@@ -174,7 +177,7 @@ def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | N
     custom = bounds is not None
     bounds = _check_bounds(bounds, flat.numel(), comm, "reduce_scatter")
     lo, hi = bounds[comm.rank]
-    out = torch.empty(hi - lo, dtype=flat.dtype)
+    out = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
     with collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op,
                      algo=algo or choose_algorithm("reduce_scatter", flat.numel() * flat.element_size(), comm.size),
                      bounds=bounds if custom else None):
@@ -215,9 +218,13 @@ def _ag_ring(flat: Tensor, comm: Comm, bounds: list[tuple[int, int]]) -> None:
         return [flat[lo + a: lo + b] for a, b in _segments(hi - lo, flat.element_size())]
 
     incoming = [segs(me - s - 1) for s in range(n - 1)]         # chunk received at step s
-    recvs = [[p2p.recv(t, me - 1) for t in step] for step in incoming]
+    # Batched (NCCL: a round's messages go out together) step s's receives are posted at step s,
+    # with the forwards of step s - 1; otherwise all up front.
+    recvs = [[p2p.recv(t, me - 1) for t in step] for step in incoming[:1 if comm.batched else n - 1]]
     sends = [p2p.send(t, me + 1) for t in segs(me)]
     for s in range(n - 1):
+        if s >= len(recvs):
+            recvs.append([p2p.recv(t, me - 1) for t in incoming[s]])
         for t, h in zip(incoming[s], recvs[s]):
             p2p.wait(h)
             if s < n - 2:                                       # the last chunk stops here
@@ -331,10 +338,10 @@ def all_gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
     """Every rank's ``payload`` (any length), indexed by group rank, on every rank."""
     n = comm.size
     with collective(comm, "all_gather_bytes"):
-        lengths = torch.zeros(n, dtype=torch.int64)
-        all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), comm)
+        lengths = torch.zeros(n, dtype=torch.int64, device="cpu")
+        all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64, device="cpu"), comm)
         width = int(lengths.max())
-        buf = torch.zeros(n * width, dtype=torch.uint8)
+        buf = torch.zeros(n * width, dtype=torch.uint8, device="cpu")
         mine = buf[comm.rank * width: comm.rank * width + len(payload)]
         if payload:
             mine.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))

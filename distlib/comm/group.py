@@ -11,6 +11,10 @@ bytes sent and seconds per collective kind for this rank, and ``check``, which
 makes every collective first exchange a small header (kind, size, dtype, op,
 call number) so ranks that call mismatched collectives get a descriptive error
 instead of a hang, an abort inside gloo or silently truncated data.
+
+``device`` is where the group's messages travel: "cpu" for gloo, "cuda:<k>" for NCCL. A tensor
+elsewhere is staged through a buffer there (``p2p.P2P``): CUDA tensors over gloo go through
+pinned host memory, which is how several ranks share one GPU.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class Comm:
     group: object | None = None     # torch ProcessGroup; None means the default (world) group
     stats: CommStats | None = dataclasses.field(default=None, compare=False)
     check: bool = False             # exchange a header before each collective (see module doc)
+    device: str = "cpu"             # where messages travel: "cpu" (gloo) or "cuda:<k>" (NCCL)
 
     @property
     def size(self) -> int:
@@ -63,16 +68,22 @@ class Comm:
         """This group with a fresh CommStats and the given header-check setting."""
         return dataclasses.replace(self, stats=CommStats(), check=check)
 
-    @staticmethod
-    def world() -> "Comm":
-        if not dist.is_initialized():
-            return Comm(ranks=(0,), rank=0)
-        return Comm(ranks=tuple(range(dist.get_world_size())), rank=dist.get_rank())
+    @property
+    def batched(self) -> bool:
+        """Whether a round's sends and receives must be posted together (NCCL: one batch per
+        round, or two ranks' unbatched send/recv pairs can wait on each other forever)."""
+        return self.device != "cpu"
 
     @staticmethod
-    def subgroup(ranks: list[int] | tuple[int, ...], group: object) -> "Comm":
+    def world(device: str = "cpu") -> "Comm":
+        if not dist.is_initialized():
+            return Comm(ranks=(0,), rank=0, device=device)
+        return Comm(ranks=tuple(range(dist.get_world_size())), rank=dist.get_rank(), device=device)
+
+    @staticmethod
+    def subgroup(ranks: list[int] | tuple[int, ...], group: object, device: str = "cpu") -> "Comm":
         """Comm for an existing subgroup (created on every rank with ``dist.new_group``)."""
         me = dist.get_rank()
         if me not in ranks:
             raise ValueError(f"rank {me} is not a member of group {list(ranks)}")
-        return Comm(ranks=tuple(ranks), rank=list(ranks).index(me), group=group)
+        return Comm(ranks=tuple(ranks), rank=list(ranks).index(me), group=group, device=device)

@@ -59,7 +59,7 @@ def check_header(comm: Comm, kind: str, header: list[int]) -> None:
     """Exchange ``header`` with every member (fixed size, so it cannot mismatch itself) and raise
     the same CollectiveMismatchError on every rank if any member's differs."""
     p2p, me = P2P(f"{kind} (header check)", comm), comm.rank
-    mine = torch.tensor(header, dtype=torch.int64)
+    mine = torch.tensor(header, dtype=torch.int64, device="cpu")
     parts = [mine if j == me else torch.empty_like(mine) for j in range(comm.size)]
     handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
     handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]

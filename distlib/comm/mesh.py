@@ -48,7 +48,8 @@ def build_mesh(world: Comm, tp: int) -> Mesh:
     check_layout(world.size, tp)
 
     def riders() -> dict:
-        return dict(stats=CommStats() if world.stats is not None else None, check=world.check)
+        return dict(stats=CommStats() if world.stats is not None else None, check=world.check,
+                    device=world.device)
 
     if tp == 1:
         return Mesh(world=world, dp=dataclasses.replace(world, **riders()),

@@ -30,22 +30,34 @@ def use_deterministic_kernels() -> None:
         set_flag(True)
 
 
+def use_cuda_device(device: str) -> None:
+    """Make ``device`` this process's GPU, with repeatable arithmetic: cuBLAS reads
+    CUBLAS_WORKSPACE_CONFIG when it is first used, and with a fixed workspace (plus the
+    deterministic algorithms above) a GPU run repeats bit for bit (PyTorch's reproducibility
+    notes). Call before anything touches CUDA."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.cuda.set_device(torch.device(device))
+
+
 def _agent_store(timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+def init_process_group(backend: str, timeout: datetime.timedelta, device: str = "cpu") -> None:
     """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
     does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
-    group's gloo addresses. So each attempt gets its own key prefix in that store."""
+    group's gloo addresses. So each attempt gets its own key prefix in that store. With NCCL,
+    ``device_id`` creates the communicators now (and those of every later subgroup), so the
+    first batched point-to-point round of a group need not involve all its ranks."""
+    bound = {"device_id": torch.device(device)} if backend == "nccl" else {}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"distlib/attempt_{attempt}", _agent_store(timeout.total_seconds()))
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, **bound)
 
 
 def rank0_composes(argv: list[str]) -> bool:

@@ -74,7 +74,7 @@ def check_step(local_loss: float, grad_norm: float, history: list[float], cfg: G
 
 def parameter_digests(flat: torch.Tensor, slots) -> list[str]:
     """sha256 of each parameter's bytes in the flat buffer (slots: name, offset, numel)."""
-    raw = flat.detach().contiguous().view(torch.uint8).numpy()
+    raw = flat.detach().contiguous().view(torch.uint8).cpu().numpy()
     size = flat.element_size()
     return [hashlib.sha256(raw[s.offset * size:(s.offset + s.numel) * size].tobytes()).hexdigest() for s in slots]
 

@@ -14,6 +14,10 @@ exp_avg, exp_avg_sq) on rank r, so the on-disk format does not depend on the sta
 
 Mixed precision (``param_dtype=torch.bfloat16``): the module computes with bf16 parameters;
 gradients are accumulated and reduced in fp32 and the master weights and Adam state stay fp32.
+
+Device: every buffer (flat parameters, gradients, master weights, Adam state, buckets) is
+allocated on the device of the module's parameters (``self.device``); ``state_shard`` and
+``params_snapshot`` return host copies, which is what a checkpoint writes and compares.
 """
 from __future__ import annotations
 
@@ -46,13 +50,14 @@ class ZeroOptimizer:
         self.module, self.comm, self.cfg, self.grad_clip = module, comm, cfg, grad_clip
         self.param_dtype = param_dtype
         self.params = list(module.parameters())
+        self.device = self.params[0].device
         self.layout = FlatLayout.of(module, comm.size)
         self.step_count = 0
         self._synced: tuple[torch.Tensor, float] | None = None   # set by sync_grads, used by apply_update
         self.my_range = slice(*self.layout.shard_range(comm.rank))
         self.norms = NormTerms(self.layout, comm, tp, tp_split)
         self._memory = PeakMemory()
-        fp32_flat = torch.zeros(self.layout.padded_numel)
+        fp32_flat = torch.zeros(self.layout.padded_numel, device=self.device)
         with torch.no_grad():
             for slot, p in zip(self.layout.slots, self.params):
                 fp32_flat[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
@@ -75,8 +80,8 @@ class ZeroOptimizer:
     def _partitioned_state(self, fp32_flat: torch.Tensor) -> None:
         """fp32 master weights and Adam moments of this rank's partition only (stages 1-3)."""
         self.master = fp32_flat[self.my_range].clone()
-        self.exp_avg = torch.zeros(self.layout.shard_numel)
-        self.exp_avg_sq = torch.zeros(self.layout.shard_numel)
+        self.exp_avg = torch.zeros(self.layout.shard_numel, device=self.device)
+        self.exp_avg_sq = torch.zeros(self.layout.shard_numel, device=self.device)
 
     # -- the step -------------------------------------------------------------------
     @torch.no_grad()
@@ -142,8 +147,8 @@ class ZeroOptimizer:
         return self.flat_params
 
     def params_snapshot(self) -> torch.Tensor:
-        """A copy of the parameter bytes this rank holds (for byte-exact restore checks)."""
-        return self.param_buffer.clone()
+        """A host copy of the parameter bytes this rank holds (for byte-exact restore checks)."""
+        return self.param_buffer.to("cpu", copy=True)
 
     # -- state for checkpoints --------------------------------------------------------
     def _mine(self, t: torch.Tensor) -> torch.Tensor:
@@ -152,8 +157,8 @@ class ZeroOptimizer:
         return t
 
     def state_shard(self) -> dict[str, torch.Tensor]:
-        """This rank's partition of (master, exp_avg, exp_avg_sq), as fp32 copies."""
-        return {k: self._mine(getattr(self, k)).clone() for k in STATE_KEYS}
+        """This rank's partition of (master, exp_avg, exp_avg_sq), as fp32 host copies."""
+        return {k: self._mine(getattr(self, k)).to("cpu", copy=True) for k in STATE_KEYS}
 
     @torch.no_grad()
     def load_state_shard(self, shard: dict[str, torch.Tensor], step_count: int) -> None:

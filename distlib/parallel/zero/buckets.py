@@ -84,7 +84,7 @@ class GradBuckets:
         self.layout, self.params, self.comm, self.buckets = layout, list(params), comm, buckets
         self._sample, self._reduced = sample, reduced
         self.my_start = layout.shard_range(comm.rank)[0]
-        self.partition = torch.zeros(layout.shard_numel)
+        self.partition = torch.zeros(layout.shard_numel, device=self.params[0].device)
         self._bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.params}
         self._buffers: list[torch.Tensor | None] = [None] * len(buckets)
         self._arrived: list[set[int]] = [set() for _ in buckets]   # params whose gradient is in
@@ -109,7 +109,7 @@ class GradBuckets:
             b = self._bucket_of[index]
             bucket = self.buckets[b]
             if self._buffers[b] is None:
-                self._buffers[b] = torch.empty(bucket.numel)
+                self._buffers[b] = torch.empty(bucket.numel, device=self.partition.device)
             start = slot.offset - bucket.lo
             self._buffers[b][start:start + slot.numel].copy_(p.grad.reshape(-1))
             self._arrived[b].add(index)

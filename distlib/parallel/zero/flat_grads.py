@@ -19,7 +19,7 @@ def flat_grad_buffer(layout: FlatLayout, params: Sequence[torch.Tensor], low_pre
                      sample: Callable[[], None]) -> torch.Tensor:
     """A zeroed fp32 buffer of ``layout.padded_numel`` that the parameters' gradients accumulate
     into; ``sample`` runs in each low-precision hook, while the bf16 gradient is still alive."""
-    flat = torch.zeros(layout.padded_numel)
+    flat = torch.zeros(layout.padded_numel, device=params[0].device)
     for slot, p in zip(layout.slots, params):
         if low_precision:
             p.grad = None

@@ -50,7 +50,7 @@ class Sizes:
 
     @staticmethod
     def of(layout: FlatLayout, param_dtype: torch.dtype) -> "Sizes":
-        return Sizes(p=layout.numel, n=layout.world_size, b=torch.empty(0, dtype=param_dtype).element_size(),
+        return Sizes(p=layout.numel, n=layout.world_size, b=param_dtype.itemsize,
                      pad=layout.padded_numel - layout.numel, largest_param=max(s.numel for s in layout.slots))
 
     @property

@@ -40,7 +40,7 @@ class NormTerms:
 
     def square_terms(self, part: torch.Tensor, rank: int) -> torch.Tensor:
         """[sum of squares over TP-split params, over replicated params] of partition ``rank``."""
-        terms = torch.zeros(2)
+        terms = torch.zeros(2, device=part.device)
         for a, b, is_split in self.segments[rank]:
             terms[0 if is_split else 1] += part[a:b].float().pow(2).sum()
         return terms
@@ -50,14 +50,14 @@ class NormTerms:
         (collective over it); replicated ones are identical on every TP rank and counted once."""
         split_sq, replicated_sq = terms.sum(dim=0)
         if self.tp is not None:
-            per_tp = torch.zeros(self.tp.size)
+            per_tp = torch.zeros(self.tp.size, device=terms.device)
             collectives.all_gather(per_tp, split_sq.reshape(1), self.tp)
             split_sq = per_tp.sum()
         return float((split_sq + replicated_sq).sqrt())
 
     def of_partition(self, partition: torch.Tensor) -> float:
         """The global norm from this rank's partition (collective over dp, then tp)."""
-        terms = torch.zeros(self.dp.size, 2)
+        terms = torch.zeros(self.dp.size, 2, device=partition.device)
         collectives.all_gather(terms.view(-1), self.square_terms(partition, self.dp.rank), self.dp)
         return self.from_terms(terms)
 

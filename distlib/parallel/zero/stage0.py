@@ -25,8 +25,8 @@ class Stage0Optimizer(ZeroOptimizer):
         self._replicated_params(fp32_flat)
         self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
         self.master = fp32_flat.clone() if self.low_precision else self.flat_params
-        self.exp_avg = torch.zeros(self.layout.padded_numel)
-        self.exp_avg_sq = torch.zeros(self.layout.padded_numel)
+        self.exp_avg = torch.zeros(self.layout.padded_numel, device=self.device)
+        self.exp_avg_sq = torch.zeros(self.layout.padded_numel, device=self.device)
 
     def _param_storage(self) -> list[torch.Tensor]:
         return [self.flat_params]

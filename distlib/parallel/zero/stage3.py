@@ -57,7 +57,7 @@ class Stage3Optimizer(ZeroOptimizer):
         self._gathered = [False] * len(self.units)
         self._unit_buffers = []
         for b, (unit, module) in enumerate(zip(self.units, units)):
-            full = torch.empty(unit.numel, dtype=self.param_dtype)
+            full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
             for i in unit.params:
                 slot = self.layout.slots[i]
                 start = slot.offset - unit.lo
@@ -126,7 +126,7 @@ class Stage3Optimizer(ZeroOptimizer):
     @torch.no_grad()
     def full_params(self) -> torch.Tensor:
         """A gathered copy of every partition (a temporary bP, outside the step's memory peak)."""
-        full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype)
+        full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
         collectives.all_gather(full, self.param_shard, self.comm)
         return full
 
