@@ -24,22 +24,31 @@ PROBE_N = 256
 PROBE_REPEATS = 8
 
 
-def probe_flops(n: int = PROBE_N, repeats: int = PROBE_REPEATS) -> float:
-    """Floating-point operations per second of this process: the fastest of ``repeats`` n x n fp32
-    matrix multiplies (after one warm-up)."""
-    a, b = torch.full((n, n), 0.5), torch.full((n, n), 0.25)
+def probe_flops(device: torch.device, n: int = PROBE_N, repeats: int = PROBE_REPEATS) -> float:
+    """Floating-point operations per second of this process on ``device``: the fastest of
+    ``repeats`` n x n fp32 matrix multiplies (after one warm-up; a CUDA device is synchronised
+    around each, so the time is the kernel's, not its launch's)."""
+    a = torch.full((n, n), 0.5, device=device)
+    b = torch.full((n, n), 0.25, device=device)
+
+    def wait() -> None:
+        if a.device.type == "cuda":
+            torch.cuda.synchronize(a.device)
+
     torch.mm(a, b)
+    wait()
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         torch.mm(a, b)
+        wait()
         best = min(best, time.perf_counter() - began)
     return 2 * n ** 3 / max(best, 1e-9)
 
 
-def peak_flops(comm: Comm) -> float:
+def peak_flops(comm: Comm, device: torch.device) -> float:
     """Every rank's probe, summed: the job's peak. Collective (one gather)."""
-    return sum(row[0] for row in agree.gather([probe_flops()], comm))
+    return sum(row[0] for row in agree.gather([probe_flops(device)], comm))
 
 
 def model_params(cfg: ModelConfig) -> int:

@@ -127,7 +127,7 @@ class Trainer:
         with schedule.StopSignals(deadline_s=cfg.dist.timeout_s) as signals, \
                 MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps,
                            groups={"dp": self.mesh.dp, "tp": self.mesh.tp}, guard=cfg.guard,
-                           model_flops=flops, peak_flops=throughput.peak_flops(comm)) as log:
+                           model_flops=flops, peak_flops=throughput.peak_flops(comm, self.device)) as log:
             self.log = log
             self._log_start(start, resume_path)
             step = start + 1
