@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast resume bench venv clean text-demo multinode
+.PHONY: demo test test-fast resume bench venv clean text-demo multinode gpu-wheels
 
 venv: $(STAMP)
 
@@ -47,6 +47,17 @@ text-demo: $(STAMP)
 # Two hosts in two network namespaces (needs root and iproute2; docs/beyond.md).
 multinode: $(STAMP)
 	bash scripts/multinode.sh --verify outputs/multinode-$$(date +%Y%m%d-%H%M%S)
+
+# The wheels scripts/gpu_check.sh installs offline on a GPU machine (Python 3.12, x86_64; docs/gpu.md).
+GPU_WHEELS := .gpu_wheels
+gpu-wheels: $(STAMP)
+	mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps -d $(GPU_WHEELS) hydra-core==1.3.2 omegaconf==2.3.0 packaging pytest \
+		pluggy iniconfig pygments
+	$(PY) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) antlr4-python3-runtime==4.9.3
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) \
+		safetensors==0.8.0 PyYAML numpy
 
 clean:
 	rm -rf outputs multirun .pytest_cache data/*.u8.tokens
