@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -19,6 +20,12 @@ import torch.distributed as dist
 from distlib.comm.group import Comm
 
 DEFAULT_TIMEOUT_S = 120.0
+# gloo's full-mesh connect on loopback has failed now and then on this 2-core machine under load
+# ("Connection closed by peer", seen once in ~40 full runs): an infrastructure flake before the
+# test's function ran on any rank. run_ranks then starts all ranks afresh, at most RETRIES times,
+# and says so on stderr; any other failure is reported as it is.
+RENDEZVOUS_FLAKE = "gloo rendezvous failed before the test ran: "
+RETRIES = 2
 
 
 def _child(rank: int, world_size: int, ports, fn, args, queue, timeout_s: float) -> None:
@@ -27,8 +34,14 @@ def _child(rank: int, world_size: int, ports, fn, args, queue, timeout_s: float)
         port = ports.get()          # the parent starts the store only after forking us (see run_ranks)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            if "connectFullMesh" not in str(exc):
+                raise
+            queue.put((rank, False, RENDEZVOUS_FLAKE + traceback.format_exc()))   # before fn ran anywhere
+            return
         try:
             result = fn(Comm.world(), *args)
         finally:
@@ -49,6 +62,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     Raises AssertionError carrying the child's traceback if any rank fails, and
     TimeoutError naming the ranks that did not finish within ``timeout_s``.
     """
+    for attempt in range(RETRIES + 1):
+        results, failures = _run_once(fn, world_size, args, timeout_s)
+        flaky = [f for f in failures.values() if f.startswith(RENDEZVOUS_FLAKE)]
+        if not flaky or attempt == RETRIES:
+            break
+        print(f"multiproc: {flaky[0].splitlines()[-1][:200]} -- starting the {world_size} ranks again "
+              f"(attempt {attempt + 2} of {RETRIES + 1})", file=sys.stderr, flush=True)
+    if failures:
+        first = min(failures)
+        raise AssertionError(f"rank {first} failed:\n{failures[first]}"
+                             + (f"\n(also failed: {sorted(failures)[1:]})" if len(failures) > 1 else ""))
+    return [results[r] for r in range(world_size)]
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float
+              ) -> tuple[dict[int, Any], dict[int, str]]:
     ctx = mp.get_context("fork")
     queue, ports = ctx.Queue(), ctx.SimpleQueue()
     procs = [ctx.Process(target=_child, args=(r, world_size, ports, fn, args, queue, timeout_s),
@@ -86,15 +115,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                         failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                 continue
             (results if ok else failures)[rank] = payload
+            if not ok and payload.startswith(RENDEZVOUS_FLAKE):
+                break           # the others may wait in their rendezvous or first collective: stop them
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=0 if any(f.startswith(RENDEZVOUS_FLAKE) for f in failures.values()) else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
         del store
-    if failures:
-        first = min(failures)
-        raise AssertionError(f"rank {first} failed:\n{failures[first]}"
-                             + (f"\n(also failed: {sorted(failures)[1:]})" if len(failures) > 1 else ""))
-    return [results[r] for r in range(world_size)]
+    return results, failures
