@@ -76,7 +76,24 @@ def report_failed(log, pending: PendingSave, boundary: int, error: Exception, fa
 
 class AsyncSaves:
     """The async half of ``checkpointer.Checkpointer`` (which it is a base of: it uses the
-    checkpointer's state, _meta, _committed, hooks, clock, root, comm and in_flight)."""
+    checkpointer's state, save, _meta, _committed, hooks, clock, root, comm and in_flight), with
+    the checkpoint part of a step boundary (``boundary``), sync or async."""
+
+    def boundary(self, step: int, decision, log) -> list[Saved]:
+        """The checkpoint part of a step boundary, after ``stopping.decide``: commit the async save
+        in flight once no rank is still writing (or, waiting for it, before a new save or a stop),
+        then take the save ``decision`` asks for. Returns the saves committed here (each logged)."""
+        done = []
+        if self.in_flight is not None and (decision.writes_done or decision.save or decision.stop):
+            done += self.settle(step, log, fatal=bool(decision.stop))
+        if decision.save and self.cfg.checkpoint.async_save:
+            self.start_save(step, decision.save)
+        elif decision.save:
+            done.append(self.save(step, decision.save))
+            report_saved(log, done[-1], step)
+        if decision.stop:
+            done += self.settle(step, log, fatal=True)
+        return done
 
     def writing(self) -> bool | None:
         """For ``stopping.decide``: None with checkpoint.async_save off, else whether this rank's

@@ -38,7 +38,7 @@ from distlib.app.config import RunConfig
 from distlib.app.data import GlobalBatches
 from distlib.app.fit_check import check_fits
 from distlib.app.hooks import StepHooks
-from distlib.app.async_save import AsyncSaves, PendingSave, Saved, report_saved
+from distlib.app.async_save import AsyncSaves, PendingSave, Saved
 from distlib.app.rng_draws import process_rng_draws, saved_rng_draws
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
 from distlib.app.unattended.stopping import CheckpointClock
@@ -157,22 +157,6 @@ class Checkpointer(AsyncSaves):
         if self.data.skipped:     # guard.skip_batches: part of the data position (docs/unattended.md)
             meta["skipped_batches"] = self.data.skipped
         return meta
-
-    def boundary(self, step: int, decision, log) -> list[Saved]:
-        """The checkpoint part of a step boundary, after ``stopping.decide``: commit the async save
-        in flight once no rank is still writing (or, waiting for it, before a new save or a stop),
-        then take the save ``decision`` asks for. Returns the saves committed here (each logged)."""
-        done = []
-        if self.in_flight is not None and (decision.writes_done or decision.save or decision.stop):
-            done += self.settle(step, log, fatal=bool(decision.stop))
-        if decision.save and self.cfg.checkpoint.async_save:
-            self.start_save(step, decision.save)
-        elif decision.save:
-            done.append(self.save(step, decision.save))
-            report_saved(log, done[-1], step)
-        if decision.stop:
-            done += self.settle(step, log, fatal=True)
-        return done
 
     def save(self, step: int, reason: str = "") -> Saved:
         """Commit this run's state after ``step`` (collective), then apply retention: at once with the
