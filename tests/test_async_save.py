@@ -15,7 +15,7 @@ from multiproc import run_ranks
 from distlib.app.config import ConfigError, RunConfig
 from distlib.app.hooks import StepHooks
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import step_hooks
+from distlib.app.unattended.faults import Faults, step_hooks
 from distlib.checkpoint import sharded as checkpoint
 
 ASYNC = {"async_save": True}
@@ -173,3 +173,39 @@ def test_async_save_returns_before_writing(tmp_path):
     run_ranks(_slow_disk_rank, 2, tree(2, steps=4), str(sync), timeout_s=60)
     (e,) = _events(sync, "checkpoint_saved")
     assert e["blocking_s"] == e["total_s"] >= _SlowDisk.WRITE_S and "write_s" not in e
+
+
+class _SlowDiskFaults(Faults):
+    """The configured faults, on a disk where every shard write takes 1 s (in the background)."""
+
+    def save_hook(self, step: int):
+        inner = super().save_hook(step)
+
+        def hook(point: str, path: Path) -> None:
+            if point == "shard_written":
+                time.sleep(1.0)
+            if inner is not None:
+                inner(point, path)
+        return hook
+
+
+def _slow_disk_faults_rank(comm, config: dict, run_dir: str) -> dict:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    cfg = RunConfig.from_dict(config)
+    result = Trainer(cfg, comm, Path(run_dir), hooks=_SlowDiskFaults(cfg.fault, comm.rank)).run()
+    return {"rollbacks": [(e["to_step"], e["source"]) for e in result.rollbacks]}
+
+
+@pytest.mark.parametrize("trip, to_step", [(4, 0), (5, 3)])
+def test_guard_trip_with_an_async_save_in_flight(tmp_path, capfd, trip, to_step):
+    # The save of step 3 is still being written when the guard trips. At step 4 (the step that
+    # would have made it trusted) it holds the bad update's state: dropped, back to the start.
+    # At step 5 step 4 has passed: it is committed first and is the rollback target.
+    run = tmp_path / "run"
+    config = tree(2, steps=6, checkpoint=ASYNC, fault={"nan_grad_rank": 1, "nan_grad_step": trip})
+    results = run_ranks(_slow_disk_faults_rank, 2, config, str(run), timeout_s=60)
+    source = str(run / "checkpoints" / "step_00000003") if to_step else "the step-0 state kept in memory"
+    assert results[0]["rollbacks"] == [(to_step, source)]
+    dropped = "checkpoint: dropped the async save of step 3 (step 4 tripped the guard)"
+    assert (dropped in capfd.readouterr().out) == (trip == 4)
+    assert _committed(run) == ["step_00000003", "step_00000006"] and _partials(run) == []
