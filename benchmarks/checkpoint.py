@@ -206,7 +206,7 @@ def main() -> None:
     rows = []
     print(f"checkpoint throughput: P = {numel / 1e6:.1f}M parameters, state = {state_bytes / 1e6:.0f} MB "
           f"(fp32 master + exp_avg + exp_avg_sq) over {args.world_size} rank(s), best of {args.repeats}")
-    print(f"{'what':<16}  {'seconds':>8}  {'MB/s':>8}  {'vs raw write':>12}  how")
+    print(f"{"what":<24}  {'seconds':>8}  {'MB/s':>8}  {'vs raw write':>12}  how")
     for name, note in (("raw write", "12P/N bytes per rank + fsync"),
                        ("distlib save", "safetensors + sha256 + fsync + commit"),
                        ("torch DCP save", "no checksums"),
@@ -221,7 +221,7 @@ def main() -> None:
         t = seconds[name]
         rows.append({"what": name, "note": note, "seconds": t, "mb_per_s": state_bytes / t / 1e6,
                      "raw_write_ratio": raw / t})
-        print(f"{name:<16}  {t:>8.3f}  {state_bytes / t / 1e6:>8.0f}  {raw / t:>12.2f}  {note}")
+        print(f"{name:<24}  {t:>8.3f}  {state_bytes / t / 1e6:>8.0f}  {raw / t:>12.2f}  {note}")
     print(f"save: distlib / torch DCP time = {seconds['distlib save'] / seconds['torch DCP save']:.2f}; "
           f"load: {seconds['distlib load'] / seconds['torch DCP load']:.2f}  (wall {wall:.0f} s)")
     blocking_ratio = seconds["distlib async blocking"] / seconds["torch DCP async blocking"]
