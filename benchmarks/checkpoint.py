@@ -206,7 +206,7 @@ def main() -> None:
     rows = []
     print(f"checkpoint throughput: P = {numel / 1e6:.1f}M parameters, state = {state_bytes / 1e6:.0f} MB "
           f"(fp32 master + exp_avg + exp_avg_sq) over {args.world_size} rank(s), best of {args.repeats}")
-    print(f"{"what":<24}  {'seconds':>8}  {'MB/s':>8}  {'vs raw write':>12}  how")
+    print(f"{'what':<24}  {'seconds':>8}  {'MB/s':>8}  {'vs raw write':>12}  how")
     for name, note in (("raw write", "12P/N bytes per rank + fsync"),
                        ("distlib save", "safetensors + sha256 + fsync + commit"),
                        ("torch DCP save", "no checksums"),
