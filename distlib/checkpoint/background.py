@@ -4,7 +4,6 @@ The thread runs ``sharded.write_own_shard`` (write, fsync, sha256) on tensors th
 copied to host memory first, so nothing it reads changes under it. It takes part in no
 collective: the ranks agree that every write finished at a later step boundary, and only
 then ``sharded.complete_save`` gathers the file entries and rank 0 commits the manifest.
-Writing, fsync and hashing release the GIL, so the training loop keeps its core.
 """
 from __future__ import annotations
 
