@@ -10,6 +10,13 @@ parameters (12P bytes), partitioned over N ranks. In one run, on the same disk a
   distlib      checkpoint.save (safetensors + sha256 + fsync + manifest + atomic rename) and
                load = verify (every size and sha256) + read this rank's shard
   torch DCP    torch.distributed.checkpoint.save / load of the same tensors (no checksums)
+  async        distlib's checkpoint.async_save path (copy to host memory as Checkpointer.state does,
+               open_save, write_own_shard in a BackgroundWrite thread; once every rank's write is
+               done -- a barrier stands for the step boundary's decide -- complete_save commits) and
+               torch.distributed.checkpoint.async_save (its default: thread, blocking CPU stager).
+               "blocking" is what a training loop would wait for: ours = the copy + open + the
+               commit; DCP's = until async_save returns. "total" runs until the checkpoint is
+               complete on every rank. Blocking times are the slowest rank's.
 
 A timing is the slowest rank's (ranks line up on a barrier first); the best of --repeats is kept
 (the first round also pays for first-touch page allocation).
@@ -37,6 +44,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from distlib.checkpoint import sharded as checkpoint  # noqa: E402
 from distlib.checkpoint import reshard  # noqa: E402
+from distlib.checkpoint.background import BackgroundWrite  # noqa: E402
 from distlib.parallel.flat_layout import FlatLayout  # noqa: E402
 from distlib.parallel.adamw import STATE_KEYS  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
@@ -66,6 +74,41 @@ def _raw_write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             f.write(memoryview(t.numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _ours_async(comm, dest: Path, tensors: dict, meta: dict) -> tuple[float, float]:
+    """(blocking, total) of one distlib async save, as Checkpointer.start_save / settle run it."""
+    dist.barrier()
+    began = time.perf_counter()
+    staged = {k: v.to("cpu", copy=True) for k, v in tensors.items()}     # Checkpointer.state's copy
+    final = checkpoint.open_save(dest, 1, comm)
+    writer = BackgroundWrite(lambda: checkpoint.write_own_shard(final, comm.rank, staged, {"step": 1}))
+    returned = time.perf_counter()           # the loop goes on from here
+    while not writer.done():                 # (training would run steps meanwhile)
+        time.sleep(0.001)
+    dist.barrier()                           # the boundary's decide: every rank's write is done
+    commit_began = time.perf_counter()
+    checkpoint.complete_save(final, 1, meta, writer.result, comm)
+    blocking = returned - began + time.perf_counter() - commit_began
+    dist.barrier()
+    return _max_over_ranks(blocking), time.perf_counter() - began
+
+
+def _dcp_async(state: dict, dest: Path) -> tuple[float, float]:
+    """(blocking, total) of one torch.distributed.checkpoint.async_save (it returns a Future)."""
+    dist.barrier()
+    began = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=str(dest))
+    blocking = time.perf_counter() - began
+    future.result()
+    dist.barrier()
+    return _max_over_ranks(blocking), time.perf_counter() - began
 
 
 def _bench_rank(comm, numel: int, repeats: int, workdir: str) -> dict:
@@ -119,6 +162,23 @@ def _bench_rank(comm, numel: int, repeats: int, workdir: str) -> dict:
         dist.barrier()
         if rank0:
             shutil.rmtree(theirs)
+
+        ours_async = work / f"ours_async{attempt}"
+        blocking, total = _ours_async(comm, ours_async, tensors, meta)
+        keep("distlib async blocking", blocking)
+        keep("distlib async total", total)
+        dist.barrier()
+        if rank0:
+            checkpoint.verify(ours_async / checkpoint.step_dir_name(1))   # it committed, and it verifies
+            shutil.rmtree(ours_async)
+
+        theirs_async = work / f"dcp_async{attempt}"
+        blocking, total = _dcp_async(state, theirs_async)
+        keep("torch DCP async blocking", blocking)
+        keep("torch DCP async total", total)
+        dist.barrier()
+        if rank0:
+            shutil.rmtree(theirs_async)
         raw_write()  # once more after the others, so its best is not at a disadvantage of order
     return best
 
@@ -146,10 +206,14 @@ def main() -> None:
     rows = []
     print(f"checkpoint throughput: P = {numel / 1e6:.1f}M parameters, state = {state_bytes / 1e6:.0f} MB "
           f"(fp32 master + exp_avg + exp_avg_sq) over {args.world_size} rank(s), best of {args.repeats}")
-    print(f"{'what':<16}  {'seconds':>8}  {'MB/s':>8}  {'vs raw write':>12}  how")
+    print(f"{'what':<24}  {'seconds':>8}  {'MB/s':>8}  {'vs raw write':>12}  how")
     for name, note in (("raw write", "12P/N bytes per rank + fsync"),
                        ("distlib save", "safetensors + sha256 + fsync + commit"),
                        ("torch DCP save", "no checksums"),
+                       ("distlib async blocking", "what the loop waits: copy + open + commit"),
+                       ("distlib async total", "until committed"),
+                       ("torch DCP async blocking", "until async_save returns (staging)"),
+                       ("torch DCP async total", "until the future is done"),
                        ("distlib load", "verify + read"),
                        ("distlib verify", "sizes + sha256 of every file, split over ranks"),
                        ("distlib read", "each rank reads its shard"),
@@ -157,13 +221,17 @@ def main() -> None:
         t = seconds[name]
         rows.append({"what": name, "note": note, "seconds": t, "mb_per_s": state_bytes / t / 1e6,
                      "raw_write_ratio": raw / t})
-        print(f"{name:<16}  {t:>8.3f}  {state_bytes / t / 1e6:>8.0f}  {raw / t:>12.2f}  {note}")
+        print(f"{name:<24}  {t:>8.3f}  {state_bytes / t / 1e6:>8.0f}  {raw / t:>12.2f}  {note}")
     print(f"save: distlib / torch DCP time = {seconds['distlib save'] / seconds['torch DCP save']:.2f}; "
           f"load: {seconds['distlib load'] / seconds['torch DCP load']:.2f}  (wall {wall:.0f} s)")
+    blocking_ratio = seconds["distlib async blocking"] / seconds["torch DCP async blocking"]
+    print(f"async save blocking: distlib / torch DCP async_save = {blocking_ratio:.2f} "
+          f"(goal: below 1); total: {seconds['distlib async total'] / seconds['torch DCP async total']:.2f}")
     out = Path(ROOT) / "benchmarks" / "results" / "checkpoint.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"params": numel, "state_bytes": state_bytes, "world_size": args.world_size,
                                "repeats": args.repeats, "torch": torch.__version__, "rows": rows,
+                               "async_blocking_vs_dcp_async": blocking_ratio,
                                "wall_s": wall}, indent=2))
     print(f"wrote {out}")
 

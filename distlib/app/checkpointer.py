@@ -38,6 +38,8 @@ from distlib.app.config import RunConfig
 from distlib.app.data import GlobalBatches
 from distlib.app.fit_check import check_fits
 from distlib.app.hooks import StepHooks
+from distlib.app.async_save import AsyncSaves, PendingSave, Saved
+from distlib.app.rng_draws import process_rng_draws, saved_rng_draws
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
 from distlib.app.unattended.stopping import CheckpointClock
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
@@ -62,23 +64,11 @@ class ResumeCheck:
         return not self.mismatches
 
 
-@dataclass(frozen=True)
-class Saved:
-    """One committed save: where, its manifest, and how long it took."""
-    path: Path
-    manifest: dict
-    seconds: float
-
-    @property
-    def bytes(self) -> int:
-        return sum(f["bytes"] for f in self.manifest["files"])
-
-
 def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
-class Checkpointer:
+class Checkpointer(AsyncSaves):
     def __init__(self, cfg: RunConfig, comm: Comm, mesh: Mesh, run_dir: Path, data: GlobalBatches,
                  model: torch.nn.Module, optimizer: ZeroOptimizer, tp_splits: dict[str, Split], hooks: StepHooks,
                  clock: Callable[[], float]):
@@ -90,6 +80,7 @@ class Checkpointer:
         self.targets = RollbackTargets(None)    # replaced by resume(): the run's starting state
         # (step, tensors, rank_state, params) of the checkpoint verify_resume reloads at the end
         self.snapshot: tuple[int, dict, dict, torch.Tensor] | None = None
+        self.in_flight: PendingSave | None = None   # checkpoint.async_save: written, not yet committed
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -157,36 +148,52 @@ class Checkpointer:
             rank_state["skipped_batches"] = skipped
         return tensors, rank_state
 
-    def save(self, step: int) -> Saved:
-        """Commit this run's state after ``step`` (collective), then apply retention: at once with the
-        guard off, else when the checkpoint becomes trusted (``step_passed``)."""
-        began = time.perf_counter()
-        tensors, rank_state = self.state(step, self.optimizer)
+    def _meta(self, step: int) -> dict:
+        """The manifest's run-wide part for a save after ``step``."""
         meta = {"zero_stage": self.cfg.zero.stage, "seed": self.cfg.seed,
                 "model": dataclasses.asdict(self.cfg.model), "data": self.data.position(step),
                 "data_config": dataclasses.asdict(self.cfg.data), "layout": self.optimizer.layout.to_dict(),
                 **self._parallel_meta()}
         if self.data.skipped:     # guard.skip_batches: part of the data position (docs/unattended.md)
             meta["skipped_batches"] = self.data.skipped
-        path = checkpoint.save(self.root, step, tensors, rank_state, meta, self.comm, self.hooks.save_hook(step))
-        manifest = checkpoint.read_manifest(path)
+        return meta
+
+    def save(self, step: int, reason: str = "") -> Saved:
+        """Commit this run's state after ``step`` (collective), then apply retention: at once with the
+        guard off, else when the checkpoint becomes trusted (``step_passed``)."""
+        began = time.perf_counter()
+        tensors, rank_state = self.state(step, self.optimizer)
+        path = checkpoint.save(self.root, step, tensors, rank_state, self._meta(step), self.comm,
+                               self.hooks.save_hook(step))
         self.clock.saved()
         # With keep_last the first checkpoint may be pruned; the newest never is.
-        if self.snapshot is None or self.cfg.checkpoint.keep_last:
-            self.snapshot = (step, tensors, rank_state, self.optimizer.params_snapshot())
-        self.targets.saved_checkpoint(step, path)
-        if not self.cfg.guard.enabled:
+        params = self.optimizer.params_snapshot() if self.snapshot is None or self.cfg.checkpoint.keep_last else None
+        seconds = time.perf_counter() - began
+        return self._committed(step, path, tensors, rank_state, params,
+                               Saved(path, {}, seconds, step, reason, seconds), trusted=False)
+
+    def _committed(self, step: int, path: Path, tensors: dict, rank_state: dict, params: torch.Tensor | None,
+                   saved: Saved, trusted: bool) -> Saved:
+        """Bookkeeping of a committed save: verify_resume's snapshot, rollback targets, retention."""
+        manifest = checkpoint.read_manifest(path)
+        if params is not None:
+            self.snapshot = (step, tensors, rank_state, params)
+        if self.targets.saved_checkpoint(step, path, trusted) or not self.cfg.guard.enabled:
             self.prune()
-        return Saved(path, manifest, time.perf_counter() - began)
+        return dataclasses.replace(saved, manifest=manifest)
 
     def step_passed(self) -> None:
         """The guard accepted a step: a checkpoint saved after the previous one is trusted now."""
         if self.targets.step_passed():
             self.prune()
 
-    def finish(self) -> None:
+    def finish(self, step: int, log) -> list[Saved]:
+        """The end of the run: an async save in flight is waited for and committed (a failure
+        raises), then the last checkpoint is as trusted as it will get."""
+        done = self.settle(step, log, fatal=True)
         if self.targets.pending is not None:
-            self.prune()            # the last checkpoint is as trusted as it will get
+            self.prune()
+        return done
 
     def prune(self) -> None:
         """checkpoint.keep_last: rank 0 deletes all but the newest K committed checkpoints, and every
@@ -300,9 +307,6 @@ class Checkpointer:
         return ResumeCheck(step, every)
 
 
-_DRAWS = 4   # numbers drawn from each generator by the resume check
-
-
 def fresh_run_collision(root: Path, newest: Path) -> checkpoint.CheckpointError:
     """A fresh run into ``root`` would collide with (and never overwrite) its checkpoints."""
     return checkpoint.CheckpointError(
@@ -317,30 +321,3 @@ def refuse_fresh_run_over_checkpoints(root: Path, resume: str | None) -> None:
         committed = checkpoint.list_committed(root)
         if committed:
             raise fresh_run_collision(root, committed[-1])
-
-
-def saved_rng_draws(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, list[float]]:
-    """What torch, numpy and python generators in the states ``checkpoint.capture_rng`` saved draw
-    first (private generators: the process's own are not touched)."""
-    torch_gen = torch.Generator()
-    torch_gen.set_state(tensors["rng.torch"])
-    kind, pos, has_gauss, gauss = meta["numpy"]
-    numpy_gen = np.random.RandomState()
-    numpy_gen.set_state((kind, tensors["rng.numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, state, py_gauss = meta["python"]
-    python_gen = random.Random()
-    python_gen.setstate((version, tuple(state), py_gauss))
-    return {"torch": torch.rand(_DRAWS, generator=torch_gen, dtype=torch.float64, device="cpu").tolist(),
-            "numpy": numpy_gen.random_sample(_DRAWS).tolist(), "python": [python_gen.random() for _ in range(_DRAWS)]}
-
-
-def process_rng_draws() -> dict[str, list[float]]:
-    """What the process's global generators draw next (dropout draws from these); their states are
-    put back afterwards."""
-    numpy_state, python_state = np.random.get_state(), random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        drawn = {"torch": torch.rand(_DRAWS, dtype=torch.float64, device="cpu").tolist(),
-                 "numpy": np.random.random_sample(_DRAWS).tolist(), "python": [random.random() for _ in range(_DRAWS)]}
-    np.random.set_state(numpy_state)
-    random.setstate(python_state)
-    return drawn

@@ -17,6 +17,7 @@ from distlib.app.lr_schedule import KEYS as SCHEDULE_KEYS, ScheduleConfig
 from distlib.app.devices import DEVICES, cuda_devices, no_cuda_reason, rank_device
 from distlib.app.model import ModelConfig, TPLayoutError, check_tp_layout
 from distlib.app.unattended.guard_config import GuardConfig   # re-exported: the guard group
+from distlib.app.checkpoint_config import CheckpointConfig   # re-exported: the checkpoint group
 from distlib.app.tokens import BYTE_VOCAB
 
 
@@ -44,24 +45,6 @@ class ZeroConfig:
             raise ConfigError(f"zero.stage must be one of 0, 1, 2, 3, got {self.stage!r}")
         if self.bucket_numel < 1:
             raise ConfigError(f"zero.bucket_numel must be >= 1, got {self.bucket_numel}")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    dir: str = "checkpoints"
-    every_steps: int = 10
-    every_minutes: float = 30.0
-    resume: str | None = None
-    verify_resume: bool = True
-    keep_last: int = 0
-
-    def __post_init__(self) -> None:
-        if self.every_steps < 0:
-            raise ConfigError(f"checkpoint.every_steps must be >= 0, got {self.every_steps}")
-        if not self.every_minutes >= 0:
-            raise ConfigError(f"checkpoint.every_minutes must be >= 0 (0 disables), got {self.every_minutes}")
-        if self.keep_last < 0:
-            raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last}")
 
 
 @dataclass(frozen=True)

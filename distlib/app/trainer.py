@@ -162,7 +162,7 @@ class Trainer:
     def _finish(self, start: int, result: RunResult) -> None:
         last = result.steps[-1].step if result.steps else start
         with watchdog.watch("end of run", self.comm, self.cfg.dist.timeout_s):
-            self.checkpointer.finish()
+            result.manifests += [saved.manifest for saved in self.checkpointer.finish(last, self.log)]
             result.memory = self.memory_report()
             self.log.final_memory(last, self.memory_bytes())
             if not result.stopped_by:
@@ -240,15 +240,11 @@ class Trainer:
         return StepLog(step, loss, grad_norm, norms, seconds, val_loss)
 
     def _maybe_save(self, step: int, result: RunResult, signals: schedule.StopSignals) -> None:
-        decision = schedule.decide(step, self.cfg.checkpoint.every_steps, self.checkpointer.clock, signals, self.comm)
+        ckpt = self.checkpointer      # (checkpoint.async_save: decide also says whether a write is running)
+        decision = schedule.decide(step, self.cfg.checkpoint.every_steps, ckpt.clock, signals, self.comm, ckpt.writing())
         if decision.stop:
             signals.acknowledge()          # every rank reached the boundary; the save has no deadline
-        if decision.save:
-            saved = self.checkpointer.save(step)
-            result.manifests.append(saved.manifest)
-            self.log.event("checkpoint_saved", step, say=f"{saved.path} ({saved.bytes} bytes, {saved.seconds:.2f} s, "
-                           f"{decision.save})", path=str(saved.path), reason=decision.save, bytes=saved.bytes,
-                           seconds=saved.seconds)
+        result.manifests += [saved.manifest for saved in ckpt.boundary(step, decision, self.log)]
         if decision.stop:
             result.stopped_by = decision.stop
             self.log.event("preempted", step, say=f"{decision.stop} received: checkpoint saved, stopping",

@@ -9,8 +9,9 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step_00000010/``)::
                             data position, the flat layout (names, shapes, offsets,
                             padding) and, for every file, its name, byte size and sha256
 
-Commit protocol: rank 0 creates ``.step_XXXXXXXX.partial/``; every rank writes
-and fsyncs its shard and reports (size, sha256) through an all-gather; rank 0
+Commit protocol: rank 0 creates ``.step_XXXXXXXX.partial/`` (``open_save``); every rank writes
+and fsyncs its shard (``write_own_shard``: inline, or in a background thread for an async
+save) and reports (size, sha256) through an all-gather (``complete_save``); rank 0
 writes ``manifest.json`` (temp name, fsync, rename) and then renames the
 directory to its final name. A crash at any point leaves either no
 ``step_XXXXXXXX`` directory or a complete one; a directory without a committed
@@ -151,23 +152,36 @@ def commit(partial: Path, final: Path, manifest: dict, hook: SaveHook | None = N
     _fsync(final.parent)
 
 
-def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: dict,
-         meta: dict, comm: Comm, hook: SaveHook | None = None) -> Path:
-    """Collectively write this rank's shard; rank 0 commits the manifest. Returns the final path.
-    Raises CheckpointError on every rank if any rank failed; the previous checkpoints stay as they were."""
-    hook = hook or _no_hook
+def open_save(root: Path, step: int, comm: Comm) -> Path:
+    """First part of a save (collective): rank 0 creates the partial directory of ``step``, every
+    rank hears whether it could. Returns the final path the commit will publish."""
     final = Path(root) / step_dir_name(step)
-    partial = partial_dir(final)
     agree.agreed(lambda: begin(final), comm, CheckpointError, rank0_only=True)
+    return final
 
-    def write() -> dict:
-        try:
-            return write_shard(partial, comm.rank, tensors, rank_state, hook)
-        except Exception as exc:
-            raise CheckpointError(f"rank {comm.rank} writing {partial / shard_name(comm.rank)}: "
-                                  f"{exc if isinstance(exc, CheckpointError) else f'{type(exc).__name__}: {exc}'}") from exc
+
+def write_own_shard(final: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
+                    hook: SaveHook | None = None) -> dict:
+    """This rank's part of a save: write, fsync and hash its shard into ``partial_dir(final)``
+    (no collective: an async save runs it in a background thread). Returns the manifest entry;
+    raises CheckpointError naming the rank and the file."""
+    partial = partial_dir(final)
     try:
-        reports = agree.agreed_all(write, comm, CheckpointError)    # every rank's file entry, or the error
+        return write_shard(partial, rank, tensors, rank_state, hook)
+    except Exception as exc:
+        raise CheckpointError(f"rank {rank} writing {partial / shard_name(rank)}: "
+                              f"{exc if isinstance(exc, CheckpointError) else f'{type(exc).__name__}: {exc}'}") from exc
+
+
+def complete_save(final: Path, step: int, meta: dict, written: Callable[[], dict], comm: Comm,
+                  hook: SaveHook | None = None) -> Path:
+    """Last part of a save (collective): every rank's file entry (``written()``: this rank's, or
+    its error) is gathered, and only if every rank wrote its shard rank 0 commits the manifest.
+    Raises CheckpointError on every rank if any failed; the partial directory is removed then."""
+    hook = hook or _no_hook
+    partial = partial_dir(final)
+    try:
+        reports = agree.agreed_all(written, comm, CheckpointError)    # every rank's file entry, or the error
     except CheckpointError as exc:
         if comm.rank == 0:  # free the space a full disk needs back; nothing here was committed
             shutil.rmtree(partial, ignore_errors=True)
@@ -177,6 +191,27 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: di
     agree.agreed(lambda: commit(partial, final, manifest, hook), comm, CheckpointError, rank0_only=True)
     hook("committed", final)
     return final
+
+
+def abandon_save(final: Path, written: Callable[[], object], comm: Comm) -> None:
+    """Give up a save whose shards are being written (collective): once every rank's ``written()``
+    returned or failed, rank 0 removes the partial directory. Nothing is committed."""
+    try:
+        agree.agreed_all(lambda: (written(), None)[1], comm, CheckpointError)
+    except CheckpointError:
+        pass                     # a failed write is as abandoned as a finished one
+    if comm.rank == 0:
+        shutil.rmtree(partial_dir(final), ignore_errors=True)
+
+
+def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: dict,
+         meta: dict, comm: Comm, hook: SaveHook | None = None) -> Path:
+    """Collectively write this rank's shard; rank 0 commits the manifest. Returns the final path.
+    Raises CheckpointError on every rank if any rank failed; the previous checkpoints stay as they were.
+    (An async save runs the same three parts, ``write_own_shard`` in a background thread.)"""
+    final = open_save(root, step, comm)
+    return complete_save(final, step, meta, lambda: write_own_shard(final, comm.rank, tensors, rank_state, hook),
+                         comm, hook)
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

@@ -47,20 +47,30 @@ class RollbackTargets:
         self.pending: RollbackPoint | None = None   # saved; waits for the next step's verdict
         self.saved: list[RollbackPoint] = []        # committed by this run and still in place
 
-    def saved_checkpoint(self, step: int, path: Path) -> None:
+    def saved_checkpoint(self, step: int, path: Path, trusted: bool = False) -> bool:
+        """A checkpoint was committed. ``trusted``: the step after it has passed the guard already
+        (an async save commits at a later boundary); else it is pending. True if it is trusted now."""
         point = RollbackPoint(step, path)
         self.saved.append(point)
-        if self.trusted:         # (the guard is on)
-            self.pending = point
+        if not self.trusted:     # the guard is off
+            return False
+        if trusted:
+            self._trust(point)
+            return True
+        self.pending = point
+        return False
 
     def step_passed(self) -> bool:
         """The step after the pending checkpoint passed the guard: that checkpoint is trusted.
         True if one was."""
         if self.pending is None:
             return False
-        self.trusted = [p for p in self.trusted if p.path is not None] + [self.pending]
+        self._trust(self.pending)
         self.pending = None
         return True
+
+    def _trust(self, point: RollbackPoint) -> None:
+        self.trusted = [p for p in self.trusted if p.path is not None] + [point]
 
     def forget(self, removed: list[str]) -> None:
         """Checkpoints deleted by retention (checkpoint.keep_last) are no rollback targets."""
@@ -113,6 +123,7 @@ class Rollback:
                        f"guard.max_rollbacks={cfg.max_rollbacks}: stopping instead of rolling back again")
             log.event("guard_stop", step, say=message, **detail)
             raise GuardError(message)
+        self.checkpointer.settle_for_rollback(step, log)   # an async save in flight: committed or dropped
         targets = self.checkpointer.targets
         distrusted, errors = targets.pending, []
         for target in targets.candidates():

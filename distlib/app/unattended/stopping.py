@@ -5,7 +5,9 @@ rank 0's clock verdict ("``every_minutes`` have passed since the last save"; the
 other ranks' clocks are never consulted, so all ranks save at the same step) and
 whether any rank received SIGTERM/SIGINT/SIGUSR2 (a pre-emption may reach the ranks at
 different moments, or only some of them). On a stop every rank saves at the same
-step and leaves the loop.
+step and leaves the loop. With ``checkpoint.async_save`` the same collective carries a third
+fact: whether any rank's background checkpoint write is still running (when none is, the
+ranks commit that save at this boundary); with it off the collective is unchanged.
 """
 from __future__ import annotations
 
@@ -91,11 +93,20 @@ class CheckpointClock:
 class Decision:
     save: str | None         # why to save after this step: "every_steps", "every_minutes", "signal"
     stop: str | None         # the signal that stops the run after this step (e.g. "SIGTERM")
+    writes_done: bool = False  # async saves: no rank's background write is still running
 
 
-def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm) -> Decision:
-    """The same Decision on every rank, through one collective."""
-    time_due, signum = agree.rank0_and_any(int(clock.due()), signals.received, comm)
+def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm,
+           writing: bool | None = None) -> Decision:
+    """The same Decision on every rank, through one collective. ``writing``: None with
+    checkpoint.async_save off, else whether this rank's background write is still running."""
+    writes_done = False
+    if writing is None:
+        time_due, signum = agree.rank0_and_any(int(clock.due()), signals.received, comm)
+    else:   # one gather instead of the all-reduce: rank 0's clock, any rank's signal, any rank writing
+        rows = agree.gather([float(clock.due()), float(signals.received), float(writing)], comm)
+        time_due, signum = int(rows[0][0]), int(max(row[1] for row in rows))
+        writes_done = not any(row[2] for row in rows)
     stop = signal.Signals(signum).name if signum else None
     if every_steps and step % every_steps == 0:
         save = "every_steps"
@@ -103,4 +114,4 @@ def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSig
         save = "every_minutes"
     else:
         save = "signal" if stop else None
-    return Decision(save, stop)
+    return Decision(save, stop, writes_done)
