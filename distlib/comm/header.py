@@ -178,14 +178,18 @@ class Gate:
         self.deferred = []
 
     def close(self) -> None:
-        """At the end of the collective: every header went out, and every inlined payload was used."""
+        """At the end of the collective: every header is on its way, and every inlined payload was used."""
         self.settle()
-        self.p2p.wait(*self.sent.values())
+        # Not waited on here: a peer that read our header inlined in its own first message may post
+        # its receive of ours only at its first wait, and waiting for that would put back the round
+        # the header left (measured: 2 waits per collective instead of 1). Kept alive until done.
+        _IN_FLIGHT[:] = [m for m in _IN_FLIGHT if not m.work.is_completed()] + list(self.sent.values())
         if self.stash:
             raise CollectiveMismatchError(f"{self.kind}: peers {sorted(self.stash)} sent a payload with the header "
                                           f"that this rank never received", self.kind)
 
 
+_IN_FLIGHT: list = []            # header sends of finished collectives not yet known to be complete
 HEADER_WORDS = 9                 # call, kind, numel, dtype, op, src, algo, bounds, inlined bytes
 HEADER_BYTES = 8 * HEADER_WORDS
 # A first message whose payload is at most this many bytes carries it after the header; a receiver

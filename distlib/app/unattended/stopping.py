@@ -1,6 +1,7 @@
 """When to save and when to stop: step counts, rank 0's clock, and pre-emption signals.
 
-Every step ends with one small collective (``decide``) that carries two decisions:
+Every step ends with one small collective (the trainer's per-step gather, which carries
+``vote``; ``decide`` alone is one gather of its own) that carries two decisions:
 rank 0's clock verdict ("``every_minutes`` have passed since the last save"; the
 other ranks' clocks are never consulted, so all ranks save at the same step) and
 whether any rank received SIGTERM/SIGINT/SIGUSR2 (a pre-emption may reach the ranks at
@@ -93,9 +94,18 @@ class Decision:
     stop: str | None         # the signal that stops the run after this step (e.g. "SIGTERM")
 
 
-def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm) -> Decision:
-    """The same Decision on every rank, through one collective."""
-    time_due, signum = agree.rank0_and_any(int(clock.due()), signals.received, comm)
+def vote(clock: CheckpointClock, signals: StopSignals, comm: Comm) -> list[float]:
+    """This rank's part of the decision (``VOTE_WIDTH`` floats): rank 0's clock verdict (the
+    others' clocks never count) and the stop signal this rank received (0: none)."""
+    return [float(clock.due()) if comm.rank == 0 else 0.0, float(signals.received)]
+
+
+VOTE_WIDTH = 2
+
+
+def decision(step: int, every_steps: int, votes: list[list[float]]) -> Decision:
+    """The Decision every rank takes from the same gathered ``vote`` rows."""
+    time_due, signum = bool(votes[0][0]), int(max(v[1] for v in votes))
     stop = signal.Signals(signum).name if signum else None
     if every_steps and step % every_steps == 0:
         save = "every_steps"
@@ -104,3 +114,9 @@ def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSig
     else:
         save = "signal" if stop else None
     return Decision(save, stop)
+
+
+def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm) -> Decision:
+    """The same Decision on every rank, through one collective (the trainer folds ``vote`` into
+    its per-step gather instead)."""
+    return decision(step, every_steps, agree.gather(vote(clock, signals, comm), comm))
