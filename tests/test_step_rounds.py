@@ -13,8 +13,8 @@ import rounds  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-# grad all_reduce (stage 1: over dp), the grad norm's terms, the guard's verdict, the parameter
-# broadcast after the sharded update, and the one post-update gather (was three: norms, metrics, decide)
+# gradient reduce-scatter (stage 1), the grad norm's terms gathered, the guard's verdict, the parameter
+# all-gather after the sharded update, and the one post-update gather (was three: norms, metrics, decide)
 CAPSTONE_COLLECTIVES_PER_STEP = 5
 
 
