@@ -200,7 +200,7 @@ def _header_bytes(comm):
 
 def test_header_check_costs_one_small_message_per_peer():
     for rank, (plain, checked) in enumerate(run_ranks(_header_bytes, 2)):
-        assert checked - plain == 8 * 8      # eight int64 header fields to the one peer
+        assert checked - plain == 9 * 8      # nine int64 header words to the one peer (in its message)
 
 
 # --------------------------------------------------------------------------- stall diagnosis

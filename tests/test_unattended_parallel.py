@@ -163,7 +163,7 @@ def _uneven(comm, mismatch):
 
 def test_uneven_bounds_are_counted_and_checked():
     per_rank = run_ranks(_uneven, 3, False)
-    sizes, header = [2, 0, 8], 8 * 8 * 2          # 8 int64 header fields to each of the 2 peers
+    sizes, header = [2, 0, 8], 9 * 8 * 2          # 9 int64 header words to each of the 2 peers
     for rank, (out, full, rs_bytes, ag_bytes) in enumerate(per_rank):
         assert out == [3.0] * sizes[rank] and full == [3.0] * 10
         assert rs_bytes == header + 4 * (10 - sizes[rank])      # every chunk but its own

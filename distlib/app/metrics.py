@@ -5,7 +5,8 @@ Rank 0 writes ``<run dir>/<metrics.file>``: one ``"type": "step"`` record per st
 step_time_s measures: per kind over all of a rank's groups, and as ``comm_bytes``
 the bytes rank 0 really sent on each named sub-group, e.g. data- and tensor-parallel) and ``"type": "event"`` records (run start/restart, checkpoint saved, rollback,
 pre-emption, desync, errors, run end). Values that live on every rank (memory,
-collective traffic, step time) reach rank 0 through one gather per step and are
+collective traffic, step time) reach rank 0 through one gather per step (the trainer's,
+which carries the step's other per-rank values too: ``row`` is this rank's part) and are
 logged as max and mean over ranks. With ``metrics.per_rank`` every rank also writes
 its own values to ``metrics.rank<R>.jsonl``. Each step record also names the slowest rank (the
 busiest outside collectives) and its lag over the median (``unattended.stragglers``; a persistent
@@ -32,6 +33,7 @@ from distlib.app.unattended.stragglers import StragglerWatch, slowest
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes", "activation_bytes")
 SECONDS = len(MEMORY_KEYS)        # index of step_time_s in a rank's gathered row; its comm figures follow
+ROW_WIDTH = SECONDS + 1 + 3 * len(KINDS)
 
 
 def _memory_row(memory: dict[str, int]) -> list[float]:
@@ -116,14 +118,21 @@ class MetricsLog:
         self._comm_seen = self._comm_now()
         self._group_seen = self._group_bytes_now()
 
-    def step(self, step: int, *, loss: float, local_loss: float, grad_norm: float, param_norm: float,
-             lr: float, seconds: float, memory: dict[str, int], val_loss: float | None = None) -> None:
-        """One step's record. Collective: every rank calls it (one gather)."""
+    def row(self, seconds: float, memory: dict[str, int]) -> list[float]:
+        """This rank's part of the step's record, ``ROW_WIDTH`` floats: memory, step time, and the
+        collective traffic since begin_step (the trainer gathers it with the step's other parts)."""
         comm_delta = [now - seen for now, seen in zip(self._comm_now(), self._comm_seen)]
+        return _memory_row(memory) + [seconds] + comm_delta
+
+    def step(self, step: int, *, loss: float, local_loss: float, grad_norm: float, param_norm: float,
+             lr: float, seconds: float, memory: dict[str, int], val_loss: float | None = None,
+             rows: list[list[float]] | None = None) -> None:
+        """One step's record from every rank's ``row`` (``rows``, gathered by the caller with the
+        step's other values), or, without them, through a gather of its own. Every rank calls it."""
         # Bytes this rank really sent on each group since begin_step (rank 0's go in the record).
         comm_bytes = {name: now - self._group_seen[name] for name, now in self._group_bytes_now().items()}
-        mine = _memory_row(memory) + [seconds] + comm_delta
-        rows = agree.gather(mine, self.comm)
+        rows = rows if rows is not None else agree.gather(self.row(seconds, memory), self.comm)
+        mine = rows[self.comm.rank]
         if self.own:
             self._write(self.own, {"type": "step", "step": step, "rank": self.comm.rank,
                                    "local_loss": json_number(local_loss), "grad_norm": json_number(grad_norm),

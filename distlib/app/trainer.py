@@ -11,8 +11,9 @@ reads), the ``Checkpointer`` (every checkpoint decision), the guard's ``Rollback
     optimizer.sync_grads                   gradient sync -> global grad norm
     guard.check_step                       the collective verdict; a trip rolls back instead
     optimizer.apply_update                 (lr_schedule.lr_at(step) x hooks.lr_factor), then hooks.after_update
-    log                                    metrics record; every guard.check_sync_every steps the replica check
-    maybe save / stop                      schedule.decide (one collective) -> checkpointer.save
+    log                                    one gather: parameter norms, metrics row, save/stop votes;
+                                           every guard.check_sync_every steps the replica check
+    maybe save / stop                      stopping.decision (from the votes) -> checkpointer.save
     hooks.after_step
 
 Every step runs inside ``watchdog.watch``, which turns a timed-out collective into an error
@@ -75,6 +76,16 @@ class RunResult:
     numel: int = 0
     rollbacks: list[dict] = field(default_factory=list)   # one per guard trip that rolled back
     stopped_by: str | None = None                        # e.g. "SIGTERM": saved and left early
+
+
+def gather_parts(parts: list[list[float]], comm: Comm) -> list[list[list[float]]]:
+    """Several components' per-rank vectors in one ``agree.gather``: each part's rows (one per rank)
+    back, in the order given. The widths must be the same on every rank (each is fixed by its
+    component), so every rank splits the same gathered rows the same way."""
+    widths = [len(p) for p in parts]
+    rows = agree.gather([x for p in parts for x in p], comm)
+    ends = [sum(widths[:i + 1]) for i in range(len(widths))]
+    return [[row[end - w:end] for row in rows] for w, end in zip(widths, ends)]
 
 
 class Trainer:
@@ -190,8 +201,9 @@ class Trainer:
             return self._roll_back(step, verdict, grad_norm, result)
         self.checkpointer.step_passed()
         lr = self._apply_update(step)
-        result.steps.append(self._log_step(step, verdict.loss, local_loss, grad_norm, lr, began, signals))
-        self._maybe_save(step, result, signals)
+        record, decision = self._log_step(step, verdict.loss, local_loss, grad_norm, lr, began, signals)
+        result.steps.append(record)
+        self._maybe_save(step, result, signals, decision)
         self.hooks.after_step(step)
         self.profiler.end(step)
         return step + 1
@@ -221,27 +233,33 @@ class Trainer:
         return lr
 
     def _log_step(self, step: int, loss: float, local_loss: float, grad_norm: float, lr: float, began: float,
-                  signals: schedule.StopSignals) -> StepLog:
-        """The step's record (metrics, per-rank norms, held-out loss on evaluation steps) and, every
-        guard.check_sync_every steps, the replica check."""
+                  signals: schedule.StopSignals) -> tuple[StepLog, schedule.Decision]:
+        """The step's record (metrics, per-rank norms, held-out loss on evaluation steps), the save/stop
+        decision -- their per-rank values in one gather -- and every guard.check_sync_every steps the
+        replica check."""
         cfg = self.cfg
-        norms = [row[0] for row in agree.gather([self.optimizer.param_norm()], self.comm)]
         seconds = time.perf_counter() - began
         signals.deadline_s = max(signals.deadline_s, cfg.dist.timeout_s + 2 * seconds)
         val_loss = self.evaluate() if cfg.train.eval_every and step % cfg.train.eval_every == 0 else None
+        memory = self.memory_bytes()
+        norms, rows, votes = gather_parts([[self.optimizer.param_norm()], self.log.row(seconds, memory),
+                                           schedule.vote(self.checkpointer.clock, signals, self.comm,
+                                                         self.checkpointer.writing())], self.comm)
+        norms = [row[0] for row in norms]
         self.log.step(step, loss=loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
-                      lr=lr, seconds=seconds, memory=self.memory_bytes(), val_loss=val_loss)
+                      lr=lr, seconds=seconds, memory=memory, val_loss=val_loss, rows=rows)
         if cfg.guard.check_sync_every and step % cfg.guard.check_sync_every == 0:
             try:
                 self.check_replicas(step)
             except guard.DesyncError as exc:
                 self.log.event("desync", step, say=str(exc), message=str(exc))
                 raise
-        return StepLog(step, loss, grad_norm, norms, seconds, val_loss)
+        decision = schedule.decision(step, cfg.checkpoint.every_steps, votes)
+        return StepLog(step, loss, grad_norm, norms, seconds, val_loss), decision
 
-    def _maybe_save(self, step: int, result: RunResult, signals: schedule.StopSignals) -> None:
-        ckpt = self.checkpointer      # (checkpoint.async_save: decide also says whether a write is running)
-        decision = schedule.decide(step, self.cfg.checkpoint.every_steps, ckpt.clock, signals, self.comm, ckpt.writing())
+    def _maybe_save(self, step: int, result: RunResult, signals: schedule.StopSignals,
+                    decision: schedule.Decision) -> None:
+        ckpt = self.checkpointer      # (checkpoint.async_save: the decision also says whether a write is running)
         if decision.stop:
             signals.acknowledge()          # every rank reached the boundary; the save has no deadline
         result.manifests += [saved.manifest for saved in ckpt.boundary(step, decision, self.log)]

@@ -8,7 +8,7 @@ so the same code serves every parallel layout.
 Two optional riders travel with a Comm (both off by default, so benchmarks and
 tests see the bare collectives): ``stats``, a ``CommStats`` that counts calls,
 bytes sent and seconds per collective kind for this rank, and ``check``, which
-makes every collective first exchange a small header (kind, size, dtype, op,
+makes every collective carry a small header (kind, size, dtype, op,
 call number) so ranks that call mismatched collectives get a descriptive error
 instead of a hang, an abort inside gloo or silently truncated data.
 

@@ -9,6 +9,8 @@ every message passes, into the kind of the outermost collective in progress (``c
 """
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -28,7 +30,19 @@ class CollectiveMismatchError(CollectiveError):
     """Ranks called different collectives, or the same one with different sizes or dtypes."""
 
 
-class _Message:
+# The header gate of the checked outermost collective in progress (``header.Gate``), if any: it
+# sees every message posted before the header check passes (``header`` explains why).
+GATE: contextvars.ContextVar = contextvars.ContextVar("collective_header_gate", default=None)
+
+
+class Done:
+    """The work of a message that needs no wait (a receive served from the header message)."""
+
+    def wait(self) -> None:
+        pass
+
+
+class Message:
     """One posted (or, batched, about to be posted) send or receive. ``wire`` is the tensor that
     travels (``tensor`` itself, or its staging buffer on the transport device); a staged receive
     is copied back into ``tensor`` after its wait."""
@@ -49,7 +63,7 @@ class P2P:
 
     def __init__(self, name: str, comm: Comm):
         self.name, self.comm = name, comm
-        self._pending: list[_Message] = []
+        self._pending: list[Message] = []
 
     def _fail(self, peer: int, what: str, err: Exception) -> CollectiveError:
         c = self.comm
@@ -84,14 +98,22 @@ class P2P:
             wire = self._wire(t)
             if fn is dist.isend:
                 wire.copy_(t)   # synchronous: the bytes are in the buffer before it is posted
-        message = _Message(fn, t, wire, peer, what)
+        message = Message(fn, t, wire, peer, what)
+        gate = GATE.get()
+        if gate is not None and gate.comm is self.comm:
+            gate.post(self, message)        # the header rides in it, or it waits for the check
+            return message
         if self.comm.batched:
             self._pending.append(message)
             return message
+        return self.start(message)
+
+    def start(self, message: Message) -> Message:
+        """Post ``message`` to gloo now."""
         try:
-            message.work = fn(wire, self.comm.peer(peer), group=self.comm.group)
+            message.work = message.fn(message.wire, self.comm.peer(message.peer), group=self.comm.group)
         except Exception as e:  # noqa: BLE001 - re-raised with context
-            raise self._fail(peer, what, e) from e
+            raise self._fail(message.peer, message.what, e) from e
         return message
 
     def _flush(self) -> None:
@@ -106,6 +128,9 @@ class P2P:
             m.work = work
 
     def wait(self, *handles) -> None:
+        gate = GATE.get()
+        if gate is not None and gate.comm is self.comm:
+            gate.settle()                   # every header first: a mismatch raises before any payload
         messages = [h for h in handles if h is not None]
         if any(m.work is None for m in messages):
             self._flush()

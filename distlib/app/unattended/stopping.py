@@ -1,6 +1,7 @@
 """When to save and when to stop: step counts, rank 0's clock, and pre-emption signals.
 
-Every step ends with one small collective (``decide``) that carries two decisions:
+Every step ends with one small collective (the trainer's per-step gather, which carries
+``vote``; ``decide`` alone is one gather of its own) that carries two decisions:
 rank 0's clock verdict ("``every_minutes`` have passed since the last save"; the
 other ranks' clocks are never consulted, so all ranks save at the same step) and
 whether any rank received SIGTERM/SIGINT/SIGUSR2 (a pre-emption may reach the ranks at
@@ -96,17 +97,20 @@ class Decision:
     writes_done: bool = False  # async saves: no rank's background write is still running
 
 
-def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm,
-           writing: bool | None = None) -> Decision:
-    """The same Decision on every rank, through one collective. ``writing``: None with
-    checkpoint.async_save off, else whether this rank's background write is still running."""
-    writes_done = False
-    if writing is None:
-        time_due, signum = agree.rank0_and_any(int(clock.due()), signals.received, comm)
-    else:   # one gather instead of the all-reduce: rank 0's clock, any rank's signal, any rank writing
-        rows = agree.gather([float(clock.due()), float(signals.received), float(writing)], comm)
-        time_due, signum = int(rows[0][0]), int(max(row[1] for row in rows))
-        writes_done = not any(row[2] for row in rows)
+def vote(clock: CheckpointClock, signals: StopSignals, comm: Comm, writing: bool | None = False) -> list[float]:
+    """This rank's part of the decision (``VOTE_WIDTH`` floats): rank 0's clock verdict (the
+    others' clocks never count), the stop signal this rank received (0: none) and whether its
+    background checkpoint write (checkpoint.async_save) is still running."""
+    return [float(clock.due()) if comm.rank == 0 else 0.0, float(signals.received), float(bool(writing))]
+
+
+VOTE_WIDTH = 3
+
+
+def decision(step: int, every_steps: int, votes: list[list[float]]) -> Decision:
+    """The Decision every rank takes from the same gathered ``vote`` rows."""
+    time_due, signum = bool(votes[0][0]), int(max(v[1] for v in votes))
+    writes_done = not any(v[2] for v in votes)
     stop = signal.Signals(signum).name if signum else None
     if every_steps and step % every_steps == 0:
         save = "every_steps"
@@ -115,3 +119,10 @@ def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSig
     else:
         save = "signal" if stop else None
     return Decision(save, stop, writes_done)
+
+
+def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm,
+           writing: bool | None = False) -> Decision:
+    """The same Decision on every rank, through one collective (the trainer folds ``vote`` into
+    its per-step gather instead)."""
+    return decision(step, every_steps, agree.gather(vote(clock, signals, comm, writing), comm))

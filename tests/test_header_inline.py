@@ -1,0 +1,56 @@
+"""The header check rides in the payload messages (distlib/comm/header.py ``Gate``): every
+algorithm gives the same bytes checked or not, small and large payloads; a mismatch raises the
+same error on every rank without aborting, and leaves nothing posted (the group stays usable)."""
+import pytest
+import torch
+
+from distlib.comm import collectives
+from distlib.comm.header import INLINE_BYTES
+from distlib.comm.p2p import CollectiveMismatchError
+from multiproc import run_ranks
+
+SMALL, LARGE = 5, INLINE_BYTES // 4 + 3000        # floats: inlined / sent after the header
+
+
+def _every_algorithm(comm, numel, check):
+    comm = comm.instrumented(check=check)
+    g = torch.Generator().manual_seed(comm.rank)
+    out = []
+    for algo in ("exchange", "direct", "ring"):
+        t = torch.randn(numel, generator=g)
+        out.append(collectives.all_reduce(t, comm, algo=algo))
+    for algo in ("direct", "ring"):
+        x = torch.randn(numel, generator=g)
+        out.append(collectives.reduce_scatter(x, comm, algo=algo))
+        full = torch.zeros(numel)
+        bounds = collectives.chunk_bounds(numel, comm.size)
+        out.append(collectives.all_gather(full, x[slice(*bounds[comm.rank])], comm, algo=algo))
+    for algo in ("tree", "chain"):
+        out.append(collectives.broadcast(torch.randn(numel, generator=g), comm.size - 1, comm, algo=algo))
+    out.append(torch.tensor(list(b"".join(collectives.all_gather_bytes(b"x" * (comm.rank + 1), comm)))))
+    return [t.tolist() for t in out], comm.stats.total_calls
+
+
+@pytest.mark.parametrize("numel", [SMALL, LARGE])
+def test_checked_collectives_are_bitwise_the_unchecked_ones(numel):
+    checked = run_ranks(_every_algorithm, 3, numel, True)
+    assert checked == run_ranks(_every_algorithm, 3, numel, False)
+
+
+def _large_mismatch(comm):
+    comm = comm.instrumented(check=True)
+    n = 3 * LARGE + (3 if comm.rank == 1 else 0)        # rank 1's chunks are larger than expected
+    try:
+        collectives.all_gather(torch.zeros(n), torch.ones(n // 3), comm, algo="ring")
+        message = "no error"
+    except CollectiveMismatchError as exc:
+        message = str(exc)
+    t = torch.ones(LARGE)               # nothing left posted: the next collective works
+    collectives.all_reduce(t, comm)
+    return message, t[0].item()
+
+
+def test_a_large_mismatch_raises_everywhere_and_the_group_stays_usable():
+    for message, after in run_ranks(_large_mismatch, 3, timeout_s=30):
+        assert "mismatched collective" in message and f"all_gather(numel={3 * LARGE + 3}" in message, message
+        assert after == 3.0
