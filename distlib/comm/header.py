@@ -116,7 +116,7 @@ class Gate:
     def _header_to(self, peer: int, payload: Tensor | None) -> None:
         inline = 0 if payload is None else payload.numel() * payload.element_size()
         wire = torch.empty(HEADER_BYTES + inline, dtype=torch.uint8, device="cpu")
-        wire[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(self.header + [inline], dtype=torch.int64))
+        wire[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(self.header + [inline], dtype=torch.int64, device=wire.device))
         if inline:
             wire[HEADER_BYTES:].copy_(_bytes(payload))
         stats = self.comm.stats

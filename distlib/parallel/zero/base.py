@@ -7,7 +7,8 @@ norm) followed by ``apply_update(lr)`` (clip by that norm, AdamW on the fp32 mas
 parameters), so a caller can look at the norm and the loss before deciding to update.
 
 A stage says where things live by implementing the hooks at the bottom of ``ZeroOptimizer``:
-its storage (``_init_storage``), what it holds (``_param_storage``/``_grad_storage``), how the
+its storage (``_init_storage``, which also names ``grad_home``, the fp32 tensor gradients land in),
+what it holds beyond that (``_param_storage``/``_grad_storage``), how the
 gradients are averaged (``_reduce_grads``) and how updated master weights reach the module
 (``_publish_params``). Whatever the stage, a checkpoint holds partition r of the fp32 (master,
 exp_avg, exp_avg_sq) on rank r, so the on-disk format does not depend on the stage.
@@ -194,26 +195,28 @@ class ZeroOptimizer:
 
     @property
     def grad_buffer(self) -> torch.Tensor:
-        """The fp32 buffer gradients accumulate into before ``sync_grads``: all of them at stages
-        0/1, this rank's (already reduced) partition at stages 2/3."""
-        raise NotImplementedError
+        """The fp32 buffer gradients accumulate into before ``sync_grads`` (``_init_storage`` sets
+        ``grad_home``): all of them at stages 0/1, this rank's (already reduced) partition at 2/3."""
+        return self.grad_home
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         """Allocate parameters, gradients and state from the fp32 copy of the initial weights."""
         raise NotImplementedError
 
     def _param_storage(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The parameter tensors this rank holds (stages 0-2: the replicated flat buffer)."""
+        return [self.flat_params]
 
     def _grad_storage(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The gradient tensors this rank holds (stages 2/3 add their buckets in flight)."""
+        return [self.grad_home]
 
     def _reduce_grads(self) -> torch.Tensor:
         """Average this step's gradients over the group; returns what AdamW updates the master with."""
         raise NotImplementedError
 
     def _zero_grads(self) -> None:
-        raise NotImplementedError
+        self.grad_home.zero_()
 
     def _publish_params(self) -> None:
         """Make the module's parameters reflect the updated master weights."""

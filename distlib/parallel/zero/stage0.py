@@ -24,22 +24,10 @@ class Stage0Optimizer(ZeroOptimizer):
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self._replicated_params(fp32_flat)
         self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
+        self.grad_home = self.flat_grads
         self.master = fp32_flat.clone() if self.low_precision else self.flat_params
         self.exp_avg = torch.zeros(self.layout.padded_numel, device=self.device)
         self.exp_avg_sq = torch.zeros(self.layout.padded_numel, device=self.device)
-
-    def _param_storage(self) -> list[torch.Tensor]:
-        return [self.flat_params]
-
-    def _grad_storage(self) -> list[torch.Tensor]:
-        return [self.flat_grads]
-
-    @property
-    def grad_buffer(self) -> torch.Tensor:
-        return self.flat_grads
-
-    def _zero_grads(self) -> None:
-        self.flat_grads.zero_()
 
     @torch.no_grad()
     def _reduce_grads(self) -> torch.Tensor:

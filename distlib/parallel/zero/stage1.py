@@ -22,20 +22,8 @@ class Stage1Optimizer(ZeroOptimizer):
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self._replicated_params(fp32_flat)
         self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
+        self.grad_home = self.flat_grads
         self._partitioned_state(fp32_flat)
-
-    def _param_storage(self) -> list[torch.Tensor]:
-        return [self.flat_params]
-
-    def _grad_storage(self) -> list[torch.Tensor]:
-        return [self.flat_grads]
-
-    @property
-    def grad_buffer(self) -> torch.Tensor:
-        return self.flat_grads
-
-    def _zero_grads(self) -> None:
-        self.flat_grads.zero_()
 
     @torch.no_grad()
     def _reduce_grads(self) -> torch.Tensor:

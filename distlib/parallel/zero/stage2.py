@@ -33,19 +33,10 @@ class Stage2Optimizer(ZeroOptimizer):
         self._partitioned_state(fp32_flat)
         self.grads = GradBuckets(self.layout, self.params, self.comm,
                                  buckets_by_size(self.module, self.layout, self.bucket_numel), self._sample_memory)
-
-    def _param_storage(self) -> list[torch.Tensor]:
-        return [self.flat_params]
+        self.grad_home = self.grads.partition
 
     def _grad_storage(self) -> list[torch.Tensor]:
         return self.grads.live()
-
-    @property
-    def grad_buffer(self) -> torch.Tensor:
-        return self.grads.partition
-
-    def _zero_grads(self) -> None:
-        self.grads.partition.zero_()
 
     def _reduce_grads(self) -> torch.Tensor:
         partition = self.grads.collect(self.stage)

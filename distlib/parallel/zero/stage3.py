@@ -54,6 +54,7 @@ class Stage3Optimizer(ZeroOptimizer):
                                                       self.layout.slots) for u in units]
         self.grads = GradBuckets(self.layout, self.params, self.comm, self.units, self._sample_memory,
                                  reduced=self._release)
+        self.grad_home = self.grads.partition
         self._gathered = [False] * len(self.units)
         self._unit_buffers = []
         for b, (unit, module) in enumerate(zip(self.units, units)):
@@ -97,13 +98,6 @@ class Stage3Optimizer(ZeroOptimizer):
             out.register_hook(lambda grad: self._gather(b))
 
     # -- the step -------------------------------------------------------------------
-    @property
-    def grad_buffer(self) -> torch.Tensor:
-        return self.grads.partition
-
-    def _zero_grads(self) -> None:
-        self.grads.partition.zero_()
-
     def _reduce_grads(self) -> torch.Tensor:
         partition = self.grads.collect(self.stage)
         self._sample_memory()
