@@ -162,8 +162,8 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
         failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
         print(f"error: training failed: {failed}", file=sys.stderr)
         for r, failure in sorted(exc.failures.items()):
-            # worker() records an unexpected exception in torchelastic's error file (message + traceback)
-            # (an unexpected error is a bug: its traceback is printed too, as torchrun's workers do)
+            # worker() (@record) leaves an unexpected exception in torchelastic's error file; it is a bug,
+            # so its traceback is printed too, as torchrun's workers do
             if isinstance(failure.message, dict) and "message" in failure.message:
                 stack = failure.message.get("extraInfo", {}).get("py_callstack", "")
                 print(f"rank {r}: {stack or failure.message['message']}".rstrip(), file=sys.stderr)
@@ -184,7 +184,7 @@ def main() -> None:
     if any(a.startswith("hydra/launcher=submitit") for a in sys.argv[1:]) and not _submitit_installed():
         # Hydra would fail with a traceback ending in "Unknown plugin class".
         sys.exit("error: hydra/launcher=submitit_slurm needs the optional plugin, which is not installed: "
-                 "pip install hydra-submitit-launcher (docs/beyond.md, \"Clusters\")")
+                 "pip install hydra-submitit-launcher (docs/beyond.md, \"SLURM\")")
     import hydra
     hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
 

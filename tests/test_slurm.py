@@ -90,4 +90,4 @@ def test_slurm_launcher_without_its_plugin_is_one_clear_line(tmp_path):
     proc = run([sys.executable, "-c", HIDE_PLUGIN % tmp_path], timeout=60)
     assert proc.returncode != 0
     assert proc.stderr.strip() == ("error: hydra/launcher=submitit_slurm needs the optional plugin, which is not "
-                                   "installed: pip install hydra-submitit-launcher (docs/beyond.md, \"Clusters\")")
+                                   "installed: pip install hydra-submitit-launcher (docs/beyond.md, \"SLURM\")")
