@@ -93,12 +93,11 @@ class Checkpointer(AsyncSaves):
     def resume(self) -> tuple[int, Path | None]:
         """Load what checkpoint.resume names (if anything); (the step to continue after, its path).
         With the guard on, that state is the first rollback target."""
-        snapped = self.memory.resume(self.cfg.checkpoint.resume == "latest", self.root)   # (step, state)
+        snapped = self.memory.resume(self.cfg.checkpoint.resume == "latest", self.root)   # a RollbackPoint
         path, verified = (None, False) if snapped else self.resolve_resume()
-        start = 0
+        start = snapped.step if snapped else 0
         if snapped:
-            start = snapped[0]
-            self.restore(RollbackPoint(start, None, snapped[1]))
+            self.restore(snapped)
         elif path is not None:
             start = self.load(path, self.model, self.optimizer, verified)
             self.say(f"resumed from {path} at step {start}")

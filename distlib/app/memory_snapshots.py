@@ -33,6 +33,7 @@ from distlib.checkpoint import replica
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
+from distlib.app.unattended.rollback import RollbackPoint
 
 
 def fingerprint(meta: dict, world_size: int) -> str:
@@ -122,9 +123,9 @@ class MemorySnapshots:
             shm.clean(self.dir)
 
     # -- resuming ---------------------------------------------------------------------
-    def resume(self, latest: bool, disk_root: Path) -> tuple[int, tuple[dict, dict]] | None:
-        """(step, (tensors, rank_state)) restored from the newest complete snapshot round, or None:
-        resume from disk. A run that does not resume first removes any earlier snapshots."""
+    def resume(self, latest: bool, disk_root: Path) -> RollbackPoint | None:
+        """The state (in memory) of the newest complete snapshot round, or None: resume from disk.
+        A run that does not resume first removes any earlier snapshots."""
         if not self.every:
             return None
         if not latest:
@@ -167,7 +168,7 @@ class MemorySnapshots:
         self.say(f"resume: from the memory snapshot of step {step} in {self.dir}"
                  + (f" (rank(s) {moved} from peer replicas)" if moved else ""))
         self.newest = step
-        return step, state
+        return RollbackPoint(step, None, state)
 
     @staticmethod
     def _decode(data: bytes | None, expected: str) -> tuple[dict, dict]:
