@@ -174,3 +174,11 @@ def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, ca
     assert _files(job) == clean["files"]
     assert "(rank(s) [1] from peer replicas)" in capfd.readouterr().out
     assert not nodes[0].exists() and not nodes[1].exists()
+
+
+def test_memory_every_steps_is_validated():
+    from distlib.app.config import ConfigError, RunConfig
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="checkpoint.memory_every_steps must be an integer >= 0"):
+            RunConfig.from_dict({"checkpoint": {"memory_every_steps": bad}})
+    assert RunConfig.from_dict({}).checkpoint.memory_every_steps == 0
