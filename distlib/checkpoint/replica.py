@@ -1,5 +1,7 @@
 """Moving snapshot bytes between ranks: the peer replica of each snapshot, and the transfers of a
-restore (a rank whose own snapshot is gone gets it from the rank that holds its replica).
+restore (a rank whose own snapshot is gone gets it from the rank that holds its replica). They
+are host bytes, so their tensors are on the CPU whatever the model's device (over NCCL
+``p2p.P2P`` stages them).
 
 Peers: with L ranks per node (``LOCAL_WORLD_SIZE``) and W ranks in all, rank r's snapshot is also
 held by rank (r + L) mod W -- a rank of the next node, in torchrun's rank order (node k holds
@@ -22,16 +24,17 @@ def peer_offset(local_world_size: int, world_size: int) -> int:
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8, device="cpu")
 
 
 def exchange(data: bytes, comm: Comm, offset: int) -> bytes:
     """Send ``data`` to rank (r + offset), receive the bytes of rank (r - offset); returns them."""
     p2p = P2P("snapshot replica", comm)
     to, frm = (comm.rank + offset) % comm.size, (comm.rank - offset) % comm.size
-    sizes = torch.tensor([len(data)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    sizes = (torch.tensor([len(data)], dtype=torch.int64, device="cpu"),
+             torch.zeros(1, dtype=torch.int64, device="cpu"))
     p2p.wait(p2p.send(sizes[0], to), p2p.recv(sizes[1], frm))
-    incoming = torch.zeros(int(sizes[1][0]), dtype=torch.uint8)
+    incoming = torch.zeros(int(sizes[1][0]), dtype=torch.uint8, device="cpu")
     p2p.wait(p2p.send(_as_tensor(data), to), p2p.recv(incoming, frm))
     return incoming.numpy().tobytes()
 
@@ -43,7 +46,7 @@ def deliver(sends: list[tuple[int, bytes]], receive: tuple[int, int] | None, com
     handles = [p2p.send(_as_tensor(data), to) for to, data in sends]
     incoming = None
     if receive is not None:
-        incoming = torch.zeros(receive[1], dtype=torch.uint8)
+        incoming = torch.zeros(receive[1], dtype=torch.uint8, device="cpu")
         handles.append(p2p.recv(incoming, receive[0]))
     p2p.wait(*handles)
     return None if incoming is None else incoming.numpy().tobytes()
