@@ -23,6 +23,8 @@
 # Environment: MULTINODE_NAME (prefix of namespace/interface/host names, <= 12 chars; default
 # dlmn<pid>), MULTINODE_SUBNET (first three octets; default 10.200.0), MULTINODE_PORT
 # (rendezvous port on node 0; default 29400), MULTINODE_TIMEOUT (seconds per node; default 300),
+# MULTINODE_MAX_RESTARTS (torchrun --max-restarts; default 0), MULTINODE_OWN_SHM=1 (each node
+# gets its own tmpfs on /dev/shm, as separate hosts have: in-memory snapshots stay node-local),
 # PYTHON (default .venv/bin/python). Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2;
 # exits 77 if namespaces cannot be created. Everything it creates (namespaces, the veth pair,
 # /etc/netns/<name>) is removed on exit, also on failure or Ctrl-C.
@@ -44,6 +46,8 @@ SUBNET="${MULTINODE_SUBNET:-10.200.0}"
 PORT="${MULTINODE_PORT:-29400}"
 TIMEOUT="${MULTINODE_TIMEOUT:-300}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+MAX_RESTARTS="${MULTINODE_MAX_RESTARTS:-0}"
+export MULTINODE_OWN_SHM="${MULTINODE_OWN_SHM:-0}"
 NPROC=2
 NODES=("$NAME-node0" "$NAME-node1")      # namespace = hostname of each node
 VETH=("${NAME}v0" "${NAME}v1")
@@ -101,13 +105,14 @@ echo "multinode: ${NODES[0]} (${ADDR[0]}, ${VETH[0]}) <-> ${NODES[1]} (${ADDR[1]
 RUN_ID="$NAME-$(date +%s)"
 for i in 0 1; do
     # shellcheck disable=SC2016  # $0.. expand inside the node's shell, not here
-    ip netns exec "${NODES[$i]}" unshare --uts sh -c 'hostname "$1" && shift && cd "$1" && shift && exec "$@"' \
+    ip netns exec "${NODES[$i]}" unshare --uts --mount sh -c 'hostname "$1" && shift && cd "$1" && shift \
+            && { [ "$MULTINODE_OWN_SHM" != 1 ] || mount -t tmpfs -o size=256m,mode=1777 tmpfs /dev/shm; } && exec "$@"' \
         node "${NODES[$i]}" "$WORK" \
         env GLOO_SOCKET_IFNAME="${VETH[$i]}" LOGLEVEL=INFO \
         timeout --kill-after=10 "$TIMEOUT" \
         "$PYTHON" -m torch.distributed.run --nnodes 2 --nproc_per_node $NPROC \
             --rdzv-backend c10d --rdzv-endpoint "${NODES[0]}:$PORT" --rdzv-id "$RUN_ID" \
-            --rdzv-conf join_timeout=120 --max-restarts 0 \
+            --rdzv-conf join_timeout=120 --max-restarts "$MAX_RESTARTS" \
             "$REPO/train.py" dist.world_size=$((2 * NPROC)) "${OVERRIDES[@]}" \
         > "$WORK/node$i.log" 2>&1 &
     PIDS+=($!)

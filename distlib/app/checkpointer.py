@@ -39,6 +39,7 @@ from distlib.app.data import GlobalBatches
 from distlib.app.fit_check import check_fits
 from distlib.app.hooks import StepHooks
 from distlib.app.async_save import AsyncSaves, PendingSave, Saved
+from distlib.app.memory_snapshots import MemorySnapshots, fingerprint
 from distlib.app.rng_draws import process_rng_draws, saved_rng_draws
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
 from distlib.app.unattended.stopping import CheckpointClock
@@ -81,6 +82,8 @@ class Checkpointer(AsyncSaves):
         # (step, tensors, rank_state, params) of the checkpoint verify_resume reloads at the end
         self.snapshot: tuple[int, dict, dict, torch.Tensor] | None = None
         self.in_flight: PendingSave | None = None   # checkpoint.async_save: written, not yet committed
+        self.memory = MemorySnapshots(cfg.checkpoint.memory_every_steps, comm, run_dir,
+                                      lambda: fingerprint(self._meta(0), comm.size), self.say)
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -90,15 +93,18 @@ class Checkpointer(AsyncSaves):
     def resume(self) -> tuple[int, Path | None]:
         """Load what checkpoint.resume names (if anything); (the step to continue after, its path).
         With the guard on, that state is the first rollback target."""
-        path, verified = self.resolve_resume()
-        start = 0
-        if path is not None:
+        snapped = self.memory.resume(self.cfg.checkpoint.resume == "latest", self.root)   # a RollbackPoint
+        path, verified = (None, False) if snapped else self.resolve_resume()
+        start = snapped.step if snapped else 0
+        if snapped:
+            self.restore(snapped)
+        elif path is not None:
             start = self.load(path, self.model, self.optimizer, verified)
             self.say(f"resumed from {path} at step {start}")
         if self.cfg.guard.enabled:
             self.targets = RollbackTargets(RollbackPoint(start, path) if path
                                            else RollbackPoint(start, None, self.state(start, self.optimizer)))
-        return start, path
+        return start, self.memory.dir if snapped else path
 
     def resolve_resume(self) -> tuple[Path | None, bool]:
         """(checkpoint to resume from or None, whether it has been verified already). For "latest",
@@ -172,6 +178,12 @@ class Checkpointer(AsyncSaves):
         return self._committed(step, path, tensors, rank_state, params,
                                Saved(path, {}, seconds, step, reason, seconds), trusted=False)
 
+    def boundary(self, step: int, decision, log) -> list[Saved]:
+        """AsyncSaves.boundary, then (checkpoint.memory_every_steps) the in-memory snapshot."""
+        done = super().boundary(step, decision, log)
+        self.memory.after_step(step, lambda: self.state(step, self.optimizer))
+        return done
+
     def _committed(self, step: int, path: Path, tensors: dict, rank_state: dict, params: torch.Tensor | None,
                    saved: Saved, trusted: bool) -> Saved:
         """Bookkeeping of a committed save: verify_resume's snapshot, rollback targets, retention."""
@@ -191,6 +203,7 @@ class Checkpointer(AsyncSaves):
         """The end of the run: an async save in flight is waited for and committed (a failure
         raises), then the last checkpoint is as trusted as it will get."""
         done = self.settle(step, log, fatal=True)
+        self.memory.finish()
         if self.targets.pending is not None:
             self.prune()
         return done
@@ -272,6 +285,7 @@ class Checkpointer(AsyncSaves):
         """After a rollback to ``target``: this run's later checkpoints are moved aside (their new
         paths returned) and none of them is the one verify_resume reloads."""
         set_aside = self.targets.rolled_back_to(target, trip, self.root, self.comm)
+        self.memory.rolled_back(target.step)
         if self.snapshot is not None and self.snapshot[0] > target.step:
             self.snapshot = None
         return set_aside

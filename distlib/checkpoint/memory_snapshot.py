@@ -1,0 +1,212 @@
+"""In-memory snapshots: one rank's checkpoint shard kept in host shared memory (``/dev/shm``).
+
+A snapshot is the same bytes a disk checkpoint's shard would hold (``encode``: the safetensors
+file of the rank's optimizer partition and RNG tensors, its rank_state in the metadata), so
+resuming from it is bitwise the same as resuming from disk. A file in ``/dev/shm`` outlives the
+process that wrote it (a SIGKILL, an OOM kill), not the machine.
+
+Layout, one directory per job (``job_dir``)::
+
+    /dev/shm/distlib-<16 hex of sha256(run directory)>/
+        step00000012.rank00003.held00003.safetensors   rank 3's shard after step 12, held by rank 3
+        step00000012.rank00003.held00003.json          its manifest: step, owner, holder, bytes,
+                                                       sha256, the run's fingerprint
+        step00000012.rank00001.held00003.safetensors   rank 1's shard: a peer replica (``replica``)
+
+The data file is written under a temporary name and renamed, then the manifest likewise: a file
+without its manifest was never finished and is ignored (and removed). ``scan`` refuses, names and
+removes a snapshot whose bytes do not match its manifest's size and sha256. Nothing is fsynced:
+the memory is the medium.
+
+The job identity is the run directory (absolute path): the same across torchrun restarts of a job
+(they resume from the same directory) and different for two jobs running at the same time (two
+jobs writing one run directory would collide on their checkpoints anyway).
+
+``start_reaper`` starts the process that removes a job's directory once the launcher (the
+torchrun agent) exits, whatever way the job ended: workers killed by a signal run no cleanup.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+SHM = Path("/dev/shm")
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    owner: int          # the rank whose state it is
+    holder: int         # the rank that wrote the file (the owner, or its peer for a replica)
+    bytes: int
+    sha256: str
+    fingerprint: str    # the run's shape (world size, layout, model, ...): a snapshot fits only its own
+    path: Path          # the data file
+
+    def describe(self) -> dict:
+        return {"step": self.step, "owner": self.owner, "bytes": self.bytes, "sha256": self.sha256,
+                "fingerprint": self.fingerprint}
+
+
+def job_dir(run_dir: Path | str, base: Path = SHM) -> Path:
+    """The job's directory of snapshots: named by the hash of the run directory's absolute path."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(base) / f"distlib-{key}"
+
+
+def encode(tensors: dict[str, torch.Tensor], rank_state: dict) -> bytes:
+    """The bytes of the shard a disk checkpoint would write (``sharded.write_shard``)."""
+    return safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()},
+                                  metadata={"rank_state": json.dumps(rank_state)})
+
+
+def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, rank_state) of ``encode``'s bytes."""
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    return safetensors.torch.load(data), json.loads(header["__metadata__"]["rank_state"])
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _stem(step: int, owner: int, holder: int) -> str:
+    return f"step{step:08d}.rank{owner:05d}.held{holder:05d}"
+
+
+def write(directory: Path, step: int, owner: int, holder: int, data: bytes, fingerprint: str) -> Snapshot:
+    """Write ``data`` and its manifest (each to a temporary name, then renamed; the manifest last)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = _stem(step, owner, holder)
+    path = directory / f"{stem}.safetensors"
+    snap = Snapshot(step, owner, holder, len(data), sha256(data), fingerprint, path)
+    _write_atomic(path, data)
+    manifest = {"format": FORMAT, "step": step, "owner": owner, "holder": holder, "bytes": snap.bytes,
+                "sha256": snap.sha256, "fingerprint": fingerprint}
+    _write_atomic(directory / f"{stem}.json", json.dumps(manifest).encode())
+    return snap
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _manifest(path: Path) -> Snapshot:
+    m = json.loads(path.read_text())
+    if m.get("format") != FORMAT:
+        raise ValueError(f"format {m.get('format')!r}, this program reads {FORMAT}")
+    return Snapshot(int(m["step"]), int(m["owner"]), int(m["holder"]), int(m["bytes"]), str(m["sha256"]),
+                    str(m["fingerprint"]), path.with_suffix(".safetensors"))
+
+
+def listing(directory: Path) -> list[Snapshot]:
+    """The finished snapshots in ``directory`` (manifest present and readable; not yet verified)."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            found.append(_manifest(path))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue                      # half-removed or foreign: scan() removes it
+    return found
+
+
+def verify(snap: Snapshot) -> bytes:
+    """The snapshot's bytes, or ValueError naming the file, expected and actual."""
+    try:
+        data = snap.path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"memory snapshot {snap.path}: cannot read it ({exc})") from exc
+    if len(data) != snap.bytes:
+        raise ValueError(f"memory snapshot {snap.path}: {len(data)} bytes, expected {snap.bytes}")
+    actual = sha256(data)
+    if actual != snap.sha256:
+        raise ValueError(f"memory snapshot {snap.path}: sha256 {actual}, expected {snap.sha256} "
+                         f"(its contents changed)")
+    return data
+
+
+def scan(directory: Path, share: tuple[int, int] = (0, 1)) -> tuple[list[Snapshot], list[str]]:
+    """(intact snapshots, problems): every finished snapshot in ``directory``; those of this
+    ``share`` = (index, count) are hashed, and a damaged one is named in problems and removed.
+    Unfinished files (no manifest, a temporary name) are removed too."""
+    found = listing(directory)
+    index, count = share
+    intact, problems = [], []
+    for i, snap in enumerate(found):
+        if i % count != index:
+            intact.append(snap)
+            continue
+        try:
+            verify(snap)
+            intact.append(snap)
+        except ValueError as exc:
+            problems.append(str(exc))
+            remove(snap)
+    if directory.is_dir() and index == 0:
+        finished = {s.path.name for s in found} | {s.path.with_suffix(".json").name for s in found}
+        for path in directory.iterdir():
+            if path.name not in finished and ".tmp" not in path.name:   # (a temporary: someone writing)
+                path.unlink(missing_ok=True)
+    return intact, problems
+
+
+def remove(snap: Snapshot) -> None:
+    """Manifest first: a half-removed snapshot is never listed."""
+    snap.path.with_suffix(".json").unlink(missing_ok=True)
+    snap.path.unlink(missing_ok=True)
+
+
+def remove_steps(directory: Path, keep, holder: int | None = None) -> int:
+    """Remove every snapshot in ``directory`` whose step is not ``keep(step)`` (of ``holder`` only,
+    if given); returns the bytes freed."""
+    freed = 0
+    for snap in listing(directory):
+        if not keep(snap.step) and (holder is None or snap.holder == holder):
+            remove(snap)
+            freed += snap.bytes
+    return freed
+
+
+def clean(directory: Path) -> None:
+    """Remove the job's directory and everything in it."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# The reaper: a tiny process outside the worker's process group (a new session) that waits for the
+# launcher to exit, then removes the job's directory. It imports nothing of torch (starts in ~20 ms).
+_REAPER = """
+import os, shutil, sys, time
+pid, directory = int(sys.argv[1]), sys.argv[2]
+while True:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        break
+    except PermissionError:
+        pass
+    time.sleep(0.2)
+shutil.rmtree(directory, ignore_errors=True)
+"""
+
+
+def start_reaper(launcher_pid: int, directory: Path) -> subprocess.Popen:
+    """Remove ``directory`` once process ``launcher_pid`` has exited (finished, failed or killed)."""
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(launcher_pid), str(directory)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)

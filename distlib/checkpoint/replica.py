@@ -1,0 +1,52 @@
+"""Moving snapshot bytes between ranks: the peer replica of each snapshot, and the transfers of a
+restore (a rank whose own snapshot is gone gets it from the rank that holds its replica). They
+are host bytes, so their tensors are on the CPU whatever the model's device (over NCCL
+``p2p.P2P`` stages them).
+
+Peers: with L ranks per node (``LOCAL_WORLD_SIZE``) and W ranks in all, rank r's snapshot is also
+held by rank (r + L) mod W -- a rank of the next node, in torchrun's rank order (node k holds
+global ranks k*L .. k*L+L-1) -- so losing one node's memory loses no snapshot. On one node
+(L = W) there is no peer and nothing is sent.
+"""
+from __future__ import annotations
+
+import torch
+
+from distlib.comm.group import Comm
+from distlib.comm.p2p import P2P
+
+
+def peer_offset(local_world_size: int, world_size: int) -> int:
+    """How far (in ranks) a snapshot's replica lives from its owner; 0: no replica (one node)."""
+    if local_world_size <= 0 or local_world_size >= world_size:
+        return 0
+    return local_world_size
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8, device="cpu")
+
+
+def exchange(data: bytes, comm: Comm, offset: int) -> bytes:
+    """Send ``data`` to rank (r + offset), receive the bytes of rank (r - offset); returns them."""
+    p2p = P2P("snapshot replica", comm)
+    to, frm = (comm.rank + offset) % comm.size, (comm.rank - offset) % comm.size
+    sizes = (torch.tensor([len(data)], dtype=torch.int64, device="cpu"),
+             torch.zeros(1, dtype=torch.int64, device="cpu"))
+    p2p.wait(p2p.send(sizes[0], to), p2p.recv(sizes[1], frm))
+    incoming = torch.zeros(int(sizes[1][0]), dtype=torch.uint8, device="cpu")
+    p2p.wait(p2p.send(_as_tensor(data), to), p2p.recv(incoming, frm))
+    return incoming.numpy().tobytes()
+
+
+def deliver(sends: list[tuple[int, bytes]], receive: tuple[int, int] | None, comm: Comm) -> bytes | None:
+    """One round of transfers every rank agreed on: this rank sends each (to_rank, bytes) of
+    ``sends`` and, with ``receive`` = (from_rank, size), receives that many bytes (returned)."""
+    p2p = P2P("snapshot restore", comm)
+    handles = [p2p.send(_as_tensor(data), to) for to, data in sends]
+    incoming = None
+    if receive is not None:
+        incoming = torch.zeros(receive[1], dtype=torch.uint8, device="cpu")
+        handles.append(p2p.recv(incoming, receive[0]))
+    p2p.wait(*handles)
+    return None if incoming is None else incoming.numpy().tobytes()

@@ -1,0 +1,184 @@
+"""Issue 13 items 3-6: in-memory snapshots in /dev/shm, peer replicas, exact recovery, hygiene."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ckpt_util import train, train_rank, tree
+from multiproc import run_ranks
+
+from distlib.app.memory_snapshots import choose
+from distlib.checkpoint import memory_snapshot as shm
+from distlib.checkpoint import sharded as checkpoint
+
+STEPS, EVERY = 8, 4     # disk checkpoints at 4 and 8; the kill comes after step 6
+
+
+def _files(run) -> dict[str, bytes]:
+    ckpt = run / "checkpoints" / checkpoint.step_dir_name(STEPS)
+    manifest = checkpoint.verify(ckpt)
+    return {f["path"]: (ckpt / f["path"]).read_bytes() for f in manifest["files"]}
+
+
+@pytest.fixture
+def job(tmp_path):
+    """A run directory; its /dev/shm directory is removed afterwards whatever the test did."""
+    run = tmp_path / "run"
+    yield run
+    shm.clean(shm.job_dir(run))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict:
+    """The uninterrupted 2-rank run, snapshots off: the losses and final checkpoint to reproduce."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    results = train(tree(2, steps=STEPS, every=EVERY), run)
+    return {"losses": results[0]["losses"], "files": _files(run)}
+
+
+def _killed(run, monkeypatch, **env) -> None:
+    """A 2-rank run with snapshots every step whose rank 1 is SIGKILLed after step 6."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(AssertionError, match="rank 1"):        # rank 1 died, rank 0 saw it stop
+        train(tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1},
+                   fault={"kill_rank": 1, "kill_at_step": 6}), run)
+
+
+def _resume(run, monkeypatch) -> list[dict]:
+    """The torchrun restart of the same job: resume=latest, not the first attempt (no second kill)."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    return train(tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1, "resume": "latest"},
+                      fault={"kill_rank": 1, "kill_at_step": 6}), run)
+
+
+# -- the format --------------------------------------------------------------------------------------
+def test_snapshot_bytes_are_the_disk_shard_bytes(tmp_path):
+    tensors = {"master": torch.randn(10), "rng.torch": torch.get_rng_state()}
+    rank_state = {"step": 3, "data": {"next_sample": 48}}
+    checkpoint.write_shard(tmp_path, 0, tensors, rank_state)
+    data = shm.encode(tensors, rank_state)
+    assert data == (tmp_path / checkpoint.shard_name(0)).read_bytes()
+    back, state = shm.decode(data)
+    assert state == rank_state and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_damaged_snapshot_is_refused_by_hash_named_and_removed(tmp_path):
+    good = shm.write(tmp_path, 5, 0, 0, b"x" * 100, "fp")
+    bad = shm.write(tmp_path, 5, 1, 1, b"y" * 100, "fp")
+    raw = bytearray(bad.path.read_bytes())
+    raw[50] ^= 1
+    bad.path.write_bytes(bytes(raw))
+    (tmp_path / "step00000004.rank00000.held00000.safetensors").write_bytes(b"no manifest: never finished")
+    intact, problems = shm.scan(tmp_path)
+    assert intact == [good]
+    assert len(problems) == 1 and str(bad.path) in problems[0] and "sha256" in problems[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([good.path.name, good.path.with_suffix(".json").name])
+
+
+def test_only_the_newest_step_is_kept(tmp_path):
+    for step in (1, 2, 3):
+        shm.write(tmp_path, step, 0, 0, b"z" * 10, "fp")
+    shm.remove_steps(tmp_path, lambda s: s == 3)
+    assert [s.step for s in shm.listing(tmp_path)] == [3]
+
+
+def test_job_directory_is_stable_per_run_directory_and_distinct_between_them(tmp_path):
+    assert shm.job_dir(tmp_path / "a") == shm.job_dir(tmp_path / "x" / ".." / "a")
+    assert shm.job_dir(tmp_path / "a") != shm.job_dir(tmp_path / "b")
+    assert shm.job_dir(tmp_path / "a").parent == shm.SHM
+
+
+# -- the agreed choice -------------------------------------------------------------------------------
+def _have(step, owner, fp="fp"):
+    return {"step": step, "owner": owner, "bytes": 1, "sha256": "s", "fingerprint": fp}
+
+
+def test_choose_newest_complete_round_and_its_providers():
+    reports = [{"have": [_have(6, 0), _have(6, 1), _have(5, 0)], "disk": 4},
+               {"have": [_have(5, 1)], "disk": None}]
+    # step 6: rank 1's own copy is gone, rank 0 holds its replica
+    assert choose(reports, 2, "fp") == (6, {0: 0, 1: 0})
+    reports[0]["have"] = [_have(6, 0), _have(5, 0)]       # nobody holds rank 1's step 6: step 5
+    assert choose(reports, 2, "fp") == (5, {0: 0, 1: 1})
+    reports[0]["disk"] = 6                                 # a newer disk checkpoint wins
+    assert choose(reports, 2, "fp") is None
+    reports[0]["disk"] = None
+    assert choose(reports, 2, "another run's shape") is None
+
+
+# -- training with snapshots -------------------------------------------------------------------------
+def test_snapshots_change_no_loss_and_leave_nothing_after_a_finished_run(job, clean):
+    results = train(tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1}), job)
+    assert results[0]["losses"] == clean["losses"]          # the exact floats (loss_hex)
+    assert _files(job) == clean["files"]
+    assert not shm.job_dir(job).exists()
+
+
+@pytest.mark.slow
+def test_sigkill_resumes_from_the_snapshot_of_the_step_it_died_after(job, clean, monkeypatch, capfd):
+    _killed(job, monkeypatch)
+    snaps = shm.listing(shm.job_dir(job))
+    assert sorted((s.step, s.owner) for s in snaps) == [(6, 0), (6, 1)]     # only the newest kept
+    resumed = _resume(job, monkeypatch)
+    assert [r["start"] for r in resumed] == [6, 6]         # no step lost (disk alone: step 4)
+    assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 6}
+    assert _files(job) == clean["files"]
+    assert "resume: from the memory snapshot of step 6" in capfd.readouterr().out
+    assert not shm.job_dir(job).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("harm", ["damaged", "missing"])
+def test_a_damaged_or_missing_snapshot_falls_back_to_disk_exactly(job, clean, monkeypatch, capfd, harm):
+    _killed(job, monkeypatch)
+    snap = next(s for s in shm.listing(shm.job_dir(job)) if s.owner == 1)
+    if harm == "damaged":
+        raw = bytearray(snap.path.read_bytes())
+        raw[-1] ^= 0xFF
+        snap.path.write_bytes(bytes(raw))
+    else:
+        shm.remove(snap)
+    resumed = _resume(job, monkeypatch)
+    assert [r["start"] for r in resumed] == [4, 4]         # the step-4 disk checkpoint
+    assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 4}
+    assert _files(job) == clean["files"]
+    err = capfd.readouterr().err
+    assert (f"refusing a damaged memory snapshot (removed): memory snapshot {snap.path}" in err) == (harm == "damaged")
+
+
+def _on_own_node(comm, config: dict, run_dir: str, memory: str) -> dict:
+    """A rank whose node has its own shared memory (DISTLIB_SHM_DIR=<memory>/node<rank>)."""
+    os.environ["DISTLIB_SHM_DIR"] = f"{memory}/node{comm.rank}"
+    return train_rank(comm, config, run_dir)
+
+
+@pytest.mark.slow
+def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, capfd, tmp_path):
+    # One rank per "node" (LOCAL_WORLD_SIZE=1), each node its own memory: rank r's replica is held
+    # by rank r+1 mod 2, on the other node.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    memory = tmp_path / "shm"
+    config = tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1},
+                  fault={"kill_rank": 1, "kill_at_step": 6})
+    with pytest.raises(AssertionError, match="rank 1"):
+        run_ranks(_on_own_node, 2, config, str(job), str(memory), timeout_s=60)
+    nodes = [shm.job_dir(job, memory / f"node{n}") for n in range(2)]
+    assert [sorted((s.owner, s.holder) for s in shm.listing(d)) for d in nodes] == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
+    shm.clean(nodes[1])                                     # node 1 lost its memory
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    config["checkpoint"]["resume"] = "latest"
+    resumed = run_ranks(_on_own_node, 2, config, str(job), str(memory), timeout_s=60)
+    assert [r["start"] for r in resumed] == [6, 6]         # rank 1's state came from node 0
+    assert _files(job) == clean["files"]
+    assert "(rank(s) [1] from peer replicas)" in capfd.readouterr().out
+    assert not nodes[0].exists() and not nodes[1].exists()
+
+
+def test_memory_every_steps_is_validated():
+    from distlib.app.config import ConfigError, RunConfig
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="checkpoint.memory_every_steps must be an integer >= 0"):
+            RunConfig.from_dict({"checkpoint": {"memory_every_steps": bad}})
+    assert RunConfig.from_dict({}).checkpoint.memory_every_steps == 0
