@@ -31,6 +31,7 @@ import torch
 
 from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint.staging import StagingBuffers
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.mesh import Mesh
@@ -81,6 +82,7 @@ class Checkpointer(AsyncSaves):
         # (step, tensors, rank_state, params) of the checkpoint verify_resume reloads at the end
         self.snapshot: tuple[int, dict, dict, torch.Tensor] | None = None
         self.in_flight: PendingSave | None = None   # checkpoint.async_save: written, not yet committed
+        self.staging = StagingBuffers()             # checkpoint.async_save: host copies, reused
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -137,11 +139,14 @@ class Checkpointer(AsyncSaves):
         return path, True
 
     # -- saving ---------------------------------------------------------------
-    def state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None) -> tuple[dict, dict]:
-        """(tensors, rank_state) of this rank: optimizer partition, RNG, step and data position."""
+    def state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None,
+              staging: StagingBuffers | None = None) -> tuple[dict, dict]:
+        """(tensors, rank_state) of this rank: optimizer partition (fresh host copies, or copied
+        into ``staging``'s reused buffers), RNG, step and data position."""
         skipped = self.data.skipped if skipped is None else skipped
         rng_tensors, rng_meta = checkpoint.capture_rng(optimizer.device)
-        tensors = {**optimizer.state_shard(), **rng_tensors}
+        shard = optimizer.state_shard() if staging is None else staging.stage(optimizer.state_views())
+        tensors = {**shard, **rng_tensors}
         rank_state = {"step": step, "optimizer_steps": optimizer.step_count,
                       "data": self.data.position(step, skipped), "rng": rng_meta}
         if skipped:
@@ -166,17 +171,23 @@ class Checkpointer(AsyncSaves):
         path = checkpoint.save(self.root, step, tensors, rank_state, self._meta(step), self.comm,
                                self.hooks.save_hook(step))
         self.clock.saved()
-        # With keep_last the first checkpoint may be pruned; the newest never is.
-        params = self.optimizer.params_snapshot() if self.snapshot is None or self.cfg.checkpoint.keep_last else None
+        params = self.optimizer.params_snapshot() if self.wants_snapshot() else None
         seconds = time.perf_counter() - began
         return self._committed(step, path, tensors, rank_state, params,
                                Saved(path, {}, seconds, step, reason, seconds), trusted=False)
+
+    def wants_snapshot(self) -> bool:
+        """Whether the next save becomes verify_resume's snapshot: the first one, or with keep_last
+        (which may prune the first checkpoint; the newest never) every one."""
+        return self.cfg.checkpoint.verify_resume and (self.snapshot is None or bool(self.cfg.checkpoint.keep_last))
 
     def _committed(self, step: int, path: Path, tensors: dict, rank_state: dict, params: torch.Tensor | None,
                    saved: Saved, trusted: bool) -> Saved:
         """Bookkeeping of a committed save: verify_resume's snapshot, rollback targets, retention."""
         manifest = checkpoint.read_manifest(path)
         if params is not None:
+            if self.snapshot is not None:     # its tensors are read no more: the next async save's buffers
+                self.staging.take_back(self.snapshot[1])
             self.snapshot = (step, tensors, rank_state, params)
         if self.targets.saved_checkpoint(step, path, trusted) or not self.cfg.guard.enabled:
             self.prune()
