@@ -65,3 +65,17 @@ def test_handed_over_tensors_are_never_written_again_and_taken_back_ones_are_reu
     again = staging.stage(sources)
     assert {k: t.data_ptr() for k, t in again.items()} == {k: t.data_ptr() for k, t in snapshot.items()}
     assert torch.equal(again["master"], sources["master"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_from_cuda_the_buffers_are_pinned_and_the_writer_sees_the_copy_of_that_moment():
+    staging = StagingBuffers()
+    source = torch.randn(1 << 22, device="cuda")
+    expected = source.cpu()
+    staged = staging.stage({"master": source})["master"]
+    source.add_(1)                       # the next step, queued behind the copy on the same stream
+    staging.wait_copied()                # what the background writer does before it reads
+    assert staged.is_pinned() and torch.equal(staged, expected)
+    again = staging.stage({"master": source})["master"]
+    staging.wait_copied()
+    assert again.data_ptr() == staged.data_ptr() and torch.equal(again, source.cpu())
