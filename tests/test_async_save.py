@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt_util import train, tree
+from ckpt_util import train, train_rank, tree
 from multiproc import run_ranks
 
 from distlib.app.config import ConfigError, RunConfig
@@ -209,3 +209,40 @@ def test_guard_trip_with_an_async_save_in_flight(tmp_path, capfd, trip, to_step)
     dropped = "checkpoint: dropped the async save of step 3 (step 4 tripped the guard)"
     assert (dropped in capfd.readouterr().out) == (trip == 4)
     assert _committed(run) == ["step_00000003", "step_00000006"] and _partials(run) == []
+
+
+def _staging_rank(comm, config: dict, run_dir: str) -> dict:
+    """A run that records where every async save's staged optimizer tensors live."""
+    from distlib.checkpoint.staging import StagingBuffers
+    staged, stage = [], StagingBuffers.stage
+
+    def recording(self, sources):
+        out = stage(self, sources)
+        staged.append({k: t.data_ptr() for k, t in out.items()})
+        return out
+    StagingBuffers.stage = recording        # (in this forked rank only)
+    result = train_rank(comm, config, run_dir)
+    return {**result, "staged": staged}
+
+
+@pytest.mark.parametrize("verify_resume, keep_last, same", [
+    (False, 0, [(0, 1)]),                   # one set of buffers for both saves
+    (True, 0, [(1, 2), (1, 3), (2, 3)]),    # the first save's copy is the snapshot: the rest reuse theirs
+    (True, 1, [(0, 2), (1, 3)]),            # each copy is the snapshot until the next commit gives it back
+])
+def test_staging_buffers_are_reused_and_every_save_writes_its_own_state(tmp_path, clean, verify_resume,
+                                                                      keep_last, same):
+    run = tmp_path / "run"
+    every = 3 if same == [(0, 1)] else 2
+    config = tree(2, steps=8, every=every, checkpoint={**ASYNC, "verify_resume": verify_resume,
+                                                       "keep_last": keep_last})
+    results = run_ranks(_staging_rank, 2, config, str(run), timeout_s=60)
+    ptrs = [p["master"] for p in results[0]["staged"]]
+    assert len(ptrs) == (2 if every == 3 else 4)
+    pairs = {(i, j) for i in range(len(ptrs)) for j in range(i + 1, len(ptrs)) if ptrs[i] == ptrs[j]}
+    assert pairs == set(same)
+    assert results[0]["losses"] == clean["losses"]
+    if verify_resume:
+        assert all(r["resume_ok"] for r in results)    # the snapshot's copy was never written over
+    else:   # the second save (into the first one's buffers) wrote step 6's state: the sync bytes
+        assert _file_hashes(run) == _file_hashes(clean["run"])

@@ -46,7 +46,7 @@ class PendingSave:
     meta: dict
     hook: SaveHook | None
     writer: BackgroundWrite
-    tensors: dict[str, torch.Tensor]      # the staged host copies (verify_resume compares them)
+    tensors: dict[str, torch.Tensor]      # the staging buffers' copies (verify_resume compares them)
     rank_state: dict
     params: torch.Tensor | None           # parameter bytes at the save, when verify_resume needs them
     began: float
@@ -103,15 +103,25 @@ class AsyncSaves:
         return self.in_flight is not None and not self.in_flight.writer.done()
 
     def start_save(self, step: int, reason: str) -> None:
-        """checkpoint.async_save: copy the state to host memory, open the partial directory
-        (collective) and start this rank's background write; the commit comes at a later boundary."""
+        """checkpoint.async_save: copy the state into the staging buffers, open the partial directory
+        (collective) and start this rank's background write; the commit comes at a later boundary.
+        At most one save is in flight: the previous one was committed or dropped (its write
+        finished), so its staging buffers are free to be written over."""
         assert self.in_flight is None, "at most one save in flight"
         began = time.perf_counter()
-        tensors, rank_state = self.state(step, self.optimizer)   # host copies: the staging memory
-        params = self.optimizer.params_snapshot() if self.snapshot is None or self.cfg.checkpoint.keep_last else None
+        tensors, rank_state = self.state(step, self.optimizer, staging=self.staging)
+        params = self.optimizer.params_snapshot() if self.wants_snapshot() else None
+        if params is not None:       # these host copies become verify_resume's snapshot at the commit
+            self.staging.hand_over()
         meta, hook = self._meta(step), self.hooks.save_hook(step)
         final = checkpoint.open_save(self.root, step, self.comm)
-        writer = BackgroundWrite(lambda: checkpoint.write_own_shard(final, self.comm.rank, tensors, rank_state, hook))
+        staging = self.staging
+
+        def write() -> dict:
+            staging.wait_copied()    # a CUDA source's copies (the loop did not wait for them)
+            return checkpoint.write_own_shard(final, self.comm.rank, tensors, rank_state, hook)
+        writer = BackgroundWrite(write)
+        staging.lend(writer.done)
         self.clock.saved()
         self.in_flight = PendingSave(step, reason, final, meta, hook, writer, tensors, rank_state, params,
                                      began, time.perf_counter() - began)

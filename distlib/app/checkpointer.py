@@ -18,19 +18,16 @@ retention must never delete the newest trusted one.
 from __future__ import annotations
 
 import dataclasses
-import json
-import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint.staging import StagingBuffers
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.mesh import Mesh
@@ -40,33 +37,12 @@ from distlib.app.fit_check import check_fits
 from distlib.app.hooks import StepHooks
 from distlib.app.async_save import AsyncSaves, PendingSave, Saved
 from distlib.app.memory_snapshots import MemorySnapshots, fingerprint
-from distlib.app.rng_draws import process_rng_draws, saved_rng_draws
+from distlib.app.resume_check import ResumeCheck, verify_resume
+from distlib.app.rng_draws import seed_process_rngs
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
 from distlib.app.unattended.stopping import CheckpointClock
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
 from distlib.parallel.zero import ZeroOptimizer
-
-
-def seed_process_rngs(seed: int, rank: int) -> None:
-    """Seed the global torch / numpy / python RNGs (dropout and anything else that draws from
-    them), differently per rank, so that two runs of the same config are byte-identical."""
-    torch.manual_seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-    random.seed(seed + rank)
-
-
-@dataclass
-class ResumeCheck:
-    step: int
-    mismatches: list[str]        # "rank R: what differed"; empty means byte-identical
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 class Checkpointer(AsyncSaves):
@@ -84,6 +60,7 @@ class Checkpointer(AsyncSaves):
         self.in_flight: PendingSave | None = None   # checkpoint.async_save: written, not yet committed
         self.memory = MemorySnapshots(cfg.checkpoint.memory_every_steps, comm, run_dir,
                                       lambda: fingerprint(self._meta(0), comm.size), self.say)
+        self.staging = StagingBuffers()             # checkpoint.async_save: host copies, reused
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -143,11 +120,14 @@ class Checkpointer(AsyncSaves):
         return path, True
 
     # -- saving ---------------------------------------------------------------
-    def state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None) -> tuple[dict, dict]:
-        """(tensors, rank_state) of this rank: optimizer partition, RNG, step and data position."""
+    def state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None,
+              staging: StagingBuffers | None = None) -> tuple[dict, dict]:
+        """(tensors, rank_state) of this rank: optimizer partition (fresh host copies, or copied
+        into ``staging``'s reused buffers), RNG, step and data position."""
         skipped = self.data.skipped if skipped is None else skipped
         rng_tensors, rng_meta = checkpoint.capture_rng(optimizer.device)
-        tensors = {**optimizer.state_shard(), **rng_tensors}
+        shard = optimizer.state_shard() if staging is None else staging.stage(optimizer.state_views())
+        tensors = {**shard, **rng_tensors}
         rank_state = {"step": step, "optimizer_steps": optimizer.step_count,
                       "data": self.data.position(step, skipped), "rng": rng_meta}
         if skipped:
@@ -172,8 +152,7 @@ class Checkpointer(AsyncSaves):
         path = checkpoint.save(self.root, step, tensors, rank_state, self._meta(step), self.comm,
                                self.hooks.save_hook(step))
         self.clock.saved()
-        # With keep_last the first checkpoint may be pruned; the newest never is.
-        params = self.optimizer.params_snapshot() if self.snapshot is None or self.cfg.checkpoint.keep_last else None
+        params = self.optimizer.params_snapshot() if self.wants_snapshot() else None
         seconds = time.perf_counter() - began
         return self._committed(step, path, tensors, rank_state, params,
                                Saved(path, {}, seconds, step, reason, seconds), trusted=False)
@@ -184,11 +163,18 @@ class Checkpointer(AsyncSaves):
         self.memory.after_step(step, lambda: self.state(step, self.optimizer))
         return done
 
+    def wants_snapshot(self) -> bool:
+        """Whether the next save becomes verify_resume's snapshot: the first one, or with keep_last
+        (which may prune the first checkpoint; the newest never) every one."""
+        return self.cfg.checkpoint.verify_resume and (self.snapshot is None or bool(self.cfg.checkpoint.keep_last))
+
     def _committed(self, step: int, path: Path, tensors: dict, rank_state: dict, params: torch.Tensor | None,
                    saved: Saved, trusted: bool) -> Saved:
         """Bookkeeping of a committed save: verify_resume's snapshot, rollback targets, retention."""
         manifest = checkpoint.read_manifest(path)
         if params is not None:
+            if self.snapshot is not None:     # its tensors are read no more: the next async save's buffers
+                self.staging.take_back(self.snapshot[1])
             self.snapshot = (step, tensors, rank_state, params)
         if self.targets.saved_checkpoint(step, path, trusted) or not self.cfg.guard.enabled:
             self.prune()
@@ -290,35 +276,9 @@ class Checkpointer(AsyncSaves):
             self.snapshot = None
         return set_aside
 
-    # -- the resume check (invariant 4) ---------------------------------------
+    # -- the resume check (invariant 4): resume_check.py ------------------------
     def verify_resume(self, build: Callable[[], tuple[torch.nn.Module, ZeroOptimizer]]) -> ResumeCheck | None:
-        """Reload the snapshot's checkpoint into a freshly built model and optimizer (``build``: one
-        initialised from a different seed) with the process RNGs re-seeded differently, and compare
-        every restored byte with the snapshot taken at save, and what the restored generators draw
-        with what the saved ones draw. None: nothing to check (no save, or switched off)."""
-        if self.snapshot is None or not self.cfg.checkpoint.verify_resume:
-            return None
-        step, tensors, rank_state, params = self.snapshot
-        model, optimizer = build()
-        # Without this a restore that does nothing would pass whenever nothing drew since the save
-        # (no dropout): the process RNGs would still hold the saved states.
-        seed_process_rngs(self.cfg.seed + 1, self.mesh.dp.rank)
-        loaded_step = self.load(self.root / checkpoint.step_dir_name(step), model, optimizer)
-        restored_tensors, restored_state = self.state(loaded_step, optimizer, rank_state.get("skipped_batches", 0))
-        mismatches = []
-        for key in sorted(tensors):
-            if _bytes(tensors[key]) != _bytes(restored_tensors[key]):
-                mismatches.append(f"{key} differs")
-        if _bytes(params) != _bytes(optimizer.params_snapshot()):
-            mismatches.append("model parameters differ")
-        if rank_state != json.loads(json.dumps(restored_state)):
-            mismatches.append("step, data position or python/numpy RNG differ")
-        expected, drawn = saved_rng_draws(tensors, rank_state["rng"]), process_rng_draws()
-        mismatches += [f"{name} RNG draws differ after the restore" for name in expected
-                       if expected[name] != drawn[name]]
-        reports = agree.gather_bytes(json.dumps(mismatches).encode(), self.comm)
-        every = [f"rank {r}: {m}" for r, rep in enumerate(reports) for m in json.loads(rep)]
-        return ResumeCheck(step, every)
+        return verify_resume(self, build)
 
 
 def fresh_run_collision(root: Path, newest: Path) -> checkpoint.CheckpointError:

@@ -10,6 +10,14 @@ import torch
 _DRAWS = 4   # numbers drawn from each generator by the resume check
 
 
+def seed_process_rngs(seed: int, rank: int) -> None:
+    """Seed the global torch / numpy / python RNGs (dropout and anything else that draws from
+    them), differently per rank, so that two runs of the same config are byte-identical."""
+    torch.manual_seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    random.seed(seed + rank)
+
+
 def saved_rng_draws(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, list[float]]:
     """What torch, numpy and python generators in the states ``checkpoint.capture_rng`` saved draw
     first (private generators: the process's own are not touched)."""

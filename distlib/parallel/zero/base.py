@@ -157,9 +157,14 @@ class ZeroOptimizer:
         except at stage 0)."""
         return t
 
+    def state_views(self) -> dict[str, torch.Tensor]:
+        """This rank's partition of (master, exp_avg, exp_avg_sq): the live tensors, not copies
+        (an async save copies them into its staging buffers)."""
+        return {k: self._mine(getattr(self, k)) for k in STATE_KEYS}
+
     def state_shard(self) -> dict[str, torch.Tensor]:
         """This rank's partition of (master, exp_avg, exp_avg_sq), as fp32 host copies."""
-        return {k: self._mine(getattr(self, k)).to("cpu", copy=True) for k in STATE_KEYS}
+        return {k: v.to("cpu", copy=True) for k, v in self.state_views().items()}
 
     @torch.no_grad()
     def load_state_shard(self, shard: dict[str, torch.Tensor], step_count: int) -> None:
