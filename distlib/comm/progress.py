@@ -19,6 +19,9 @@ Rules that keep it correct (every rank must post its messages to a peer in the s
   (they are submitted from hooks the same graph fires in the same order);
 - the submitting thread runs no collective of its own on ``comm`` while jobs are pending: callers
   ``drain()`` first (the ZeRO stages do it in ``sync_grads`` and before any main-thread collective);
+- a job touches only what it was given (its buffers, the group): never state the submitting thread
+  changes meanwhile -- e.g. a parameter's ``.grad``, which backward rewrites (reading it from the
+  thread crashed the process);
 - the thread exists only while jobs are pending: it is started by ``submit`` when none runs and
   ends as soon as the queue is empty, so none is alive between steps (a rank that forks, or exits,
   has nothing to shut down) and none is ever started before the ranks are forked. A group of one

@@ -96,7 +96,6 @@ class Stage3Optimizer(ZeroOptimizer):
         a, z = bounds[self.comm.rank]
         start = unit.lo + a - self.my_range.start
         collectives.all_gather(full, self.param_shard[start:start + (z - a)], self.comm, bounds=bounds)
-        self._sample_memory()
 
     def _free(self, b: int) -> None:
         self._unit_buffers[b].untyped_storage().resize_(0)
@@ -107,12 +106,14 @@ class Stage3Optimizer(ZeroOptimizer):
             ticket, self._gathering[b] = self._gathering[b], None
             if ticket is not None:
                 ticket.wait()
+                self._sample_memory()
             return
         self._gathered[b] = True
         if self.progress is None:
             self._fill(b)
         else:
             self.progress.submit(self._fill, b).wait()
+        self._sample_memory()     # here, never on the thread: it reads .grad, which backward rewrites
 
     def _prefetch(self, b: int) -> None:
         if 0 <= b < len(self.units) and not self._gathered[b]:
