@@ -22,7 +22,8 @@ Prefetch (``overlap``): every collective of the group runs on the communication 
 (``comm.progress.Progress``), in the order the hooks submit it. The forward pre-hook of unit k
 waits for k's gather and queues k+1's (units are numbered in forward order: the model's children),
 so k+1's all-gather is in flight while k computes; in backward the hook on k's output waits for k
-and queues k-1's, and k's gradient reduce-scatter and its release are queued behind it. Two units
+and queues k-1's, and k's gradient reduce-scatter and its release are queued behind it; the last
+unit stays gathered from its forward to its backward, which comes next. Two units
 (and two gradient buckets) are live at a time instead of one. An all-gather copies values, so
 results are bitwise those without prefetch. ``sync_grads`` waits for the queue and then drops
 any unit still gathered (a prefetch that no forward or backward used), so no stale parameters
@@ -140,8 +141,10 @@ class Stage3Optimizer(ZeroOptimizer):
             self._prefetch(b - 1)
 
     def _after_forward(self, b: int, out) -> None:
-        self._release(b)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
+        grads = isinstance(out, torch.Tensor) and out.requires_grad
+        if not (grads and self.progress is not None and b == len(self.units) - 1):
+            self._release(b)        # (overlap: the last unit stays, its backward comes first)
+        if grads:
             out.register_hook(lambda grad: self._before_backward(b))
 
     # -- the step -------------------------------------------------------------------
