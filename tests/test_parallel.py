@@ -264,7 +264,9 @@ def test_measured_memory_matches_the_formula_per_stage(results):
                 assert grads_bound < 4 * p, f"{name}: the stage-2 gradient bound would admit full grads"
             if case["stage"] >= 2:
                 assert rank["param_grads_left"] == [], f"{name}: full gradients persist: {rank['param_grads_left']}"
-            if case["stage"] == 3 and n > 1:
+            # (with overlap, ZeRO-3 prefetch holds two units, which in this 2-block model is more than P:
+            # only the formula above bounds it)
+            if case["stage"] == 3 and n > 1 and not case["overlap"]:
                 assert rank["memory"]["params"] < 4 * p, f"{name}: stage 3 holds a full parameter copy"
             if case["stage"] >= 1:
                 assert rank["memory"]["optimizer"] <= 12 * math.ceil(p / n), name

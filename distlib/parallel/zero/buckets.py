@@ -11,13 +11,17 @@ duration of a hook. With K micro-batches each backward reduces again and accumul
 partition (K reduce-scatters per step, which stages 0/1 avoid by syncing once).
 
 With a ``progress`` (``overlap``), the hook hands the bucket's reduce-scatter to the
-communication thread instead of running it, and ``collect`` waits for all of them first.
+communication thread instead of running it, and ``collect`` waits for all of them first. At most
+MAX_QUEUED buckets are queued or running (a hook that would queue one more first waits for the
+oldest), so backward cannot outrun the thread by more than that: the gradient memory stays
+4P/N + (MAX_QUEUED + 1) buckets instead of growing to the whole gradient.
 
 Stage 2 packs modules into buckets by size (``buckets_by_size``); stage 3 uses one bucket per
 unit (its gathered block), and is told when a bucket is reduced so it can free the unit.
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +32,9 @@ from distlib.comm import collectives
 from distlib.comm.group import Comm
 from distlib.comm.progress import Progress
 from distlib.parallel.flat_layout import FlatLayout, ParamSlot
+
+MAX_QUEUED = 1      # (overlap) buckets whose reduce-scatter may be queued or running at once: one
+# runs while backward fills the next; more would only let backward run further ahead of a busy thread
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class GradBuckets:
         self._reductions = [0] * len(buckets)   # per bucket, this step (= micro-batches)
         self.progress = progress
         self._sending: dict[int, torch.Tensor] = {}   # (overlap) id -> bucket whose reduce-scatter is queued
+        self._queued: collections.deque = collections.deque()   # (overlap) their tickets, oldest first
         for i, p in enumerate(self.params):
             p.grad = None
             p.register_post_accumulate_grad_hook(self._grad_ready_hook(i))
@@ -134,8 +142,10 @@ class GradBuckets:
         if self.progress is None:
             self._reduce_into_partition(b, buffer)
         else:
+            while len(self._queued) >= MAX_QUEUED:
+                self._queued.popleft().wait()
             self._sending[id(buffer)] = buffer
-            self.progress.submit(self._reduce_into_partition, b, buffer)
+            self._queued.append(self.progress.submit(self._reduce_into_partition, b, buffer))
         self._reduced(b)
 
     @torch.no_grad()
@@ -154,6 +164,7 @@ class GradBuckets:
         times (a parameter without a gradient would leave its bucket waiting forever)."""
         if self.progress is not None:
             self.progress.drain()
+            self._queued.clear()
         most = max(self._reductions)
         missing = [i for b, bucket in enumerate(self.buckets) for i in bucket.params
                    if self._reductions[b] < most or (self._arrived[b] and i not in self._arrived[b])]

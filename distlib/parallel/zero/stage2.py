@@ -20,7 +20,7 @@ import torch
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import ZeroOptimizer
-from distlib.parallel.zero.buckets import GradBuckets, buckets_by_size
+from distlib.parallel.zero.buckets import MAX_QUEUED, GradBuckets, buckets_by_size
 
 
 class Stage2Optimizer(ZeroOptimizer):
@@ -48,10 +48,10 @@ class Stage2Optimizer(ZeroOptimizer):
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
         """params bP, grads 4P/N (+ one fp32 bucket + one parameter's gradient in a hook), Adam
-        12P/N; allowances include the padded tail (< N elements). With overlap the buckets in
-        flight add up to the whole gradient (4P): backward may outrun the thread."""
+        12P/N; allowances include the padded tail (< N elements). With overlap up to MAX_QUEUED
+        more buckets are queued or being reduced on the communication thread."""
         s = self._sizes()
-        live = 4 * s.p if self.progress is not None else 4 * self.grads.largest
+        live = 4 * self.grads.largest * (1 + (MAX_QUEUED if self.progress is not None else 0))
         return {"params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
                 "grads": (4 * s.p / s.n, 4 * s.pad / s.n + live + s.b * s.largest_param,
                           "4P/N + bucket"),
