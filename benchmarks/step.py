@@ -1,9 +1,8 @@
 """One training step (forward, backward, optimizer): our ZeRO stages vs torch's DDP, ZeRO and FSDP2.
 
-    .venv/bin/python benchmarks/step.py            # tiny + medium, 2 and 4 ranks (~4 min on 2 shared cores)
-    .venv/bin/python benchmarks/step.py --quick    # fewer steps (~1.5 min)
-    .venv/bin/python benchmarks/step.py --models tiny --worlds 2
-    .venv/bin/python benchmarks/step.py --models medium --overlap on    # only our overlapped stages
+    .venv/bin/python benchmarks/step.py            # tiny + medium, 2 and 4 ranks (see benchmarks/README.md)
+    .venv/bin/python benchmarks/step.py --quick    # fewer steps
+    .venv/bin/python benchmarks/step.py --models medium --overlap on --no-exposed    # fewer variants
 
 Every variant trains its own copy of the same MiniGPT (same seed, so the same initial weights)
 on the same batches (the global batch of step t is fixed; rank r takes its slice), inside the
@@ -18,17 +17,14 @@ measures; for torch, the tensors in ``optimizer.state``, DTensors counted by the
 All variants must reach the same loss: every step's rank-mean loss is compared with torch
 DDP's, and any relative difference above LOSS_RTOL is flagged.
 
-Exposed communication (``exposed``): a variant's step time minus the time of the same step with
-communication skipped (its twin, "(no comm)", built alike and run interleaved with the rest:
-our collectives replaced by local no-ops, ``_no_comm.py``; torch DDP's twin is the bare model
-with torch.optim.AdamW). Measured for our stages and DDP; torch's ZeRO and FSDP2 have no such
-switch. ``--no-exposed`` drops the twins.
+``exposed``: a variant's step time minus that of its twin "(no comm)", the same step with
+communication skipped (our collectives replaced by local no-ops, ``_no_comm.py``; DDP's twin is
+the bare model), run interleaved with the rest; torch's ZeRO and FSDP2 have no such switch.
 
-Variants: ours stage 0..3, without and with ``overlap`` (gradient sync from backward hooks on a
-communication thread, ZeRO-3 prefetch; stages 0-2 then use OVERLAP_BUCKET_NUMEL buckets) (stages the installed ZeroOptimizer does not accept are skipped
-with a printed note), torch DDP + torch.optim.AdamW, DDP + ZeroRedundancyOptimizer(AdamW),
-FSDP2 (fully_shard per block and at the root) with reshard_after_forward False and True.
-JSON: benchmarks/results/step.json.
+Variants: ours stage 0..3 without and with ``overlap`` (sync from backward hooks, ZeRO-3
+prefetch; stages 0-2 then use OVERLAP_BUCKET_NUMEL buckets; stages the optimizer refuses are
+skipped with a note), torch DDP + torch.optim.AdamW, DDP + ZeroRedundancyOptimizer(AdamW), FSDP2
+(fully_shard per block and at the root), reshard_after_forward False and True. JSON: results/step.json.
 """
 from __future__ import annotations
 
@@ -72,9 +68,7 @@ ADAMW = AdamWConfig(lr=1e-3)
 LOSS_RTOL = 1e-4
 # Which torch tool each of our stages replaces.
 PEER = {0: "torch DDP", 1: "torch DDP", 2: "FSDP2 reshard=False", 3: "FSDP2 reshard=True"}
-# Gradient buckets of the overlapped stages 0-2 (elements): 1 MiB of fp32, ~7 buckets for the
-# medium model (torch DDP: a 1 MiB first bucket, then 25 MiB ones).
-OVERLAP_BUCKET_NUMEL = 1 << 18
+OVERLAP_BUCKET_NUMEL = 1 << 18   # overlapped stages 0-2: 1 MiB fp32 buckets (DDP: 1 MiB, then 25 MiB)
 NO_COMM = " (no comm)"
 
 
@@ -288,17 +282,13 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_goals(rows: list[dict]) -> None:
-    """Issue #15's goals, per overlapped stage: >= 1.1x its peer; exposed communication <= 10% of
-    the step at 4 ranks."""
-    for r in rows:
-        if r["stage"] is not None and "overlap" in r["variant"] and not r["no_comm"] and "ratio_vs_peer" in r:
-            ok = r["ratio_vs_peer"] >= 1.1
-            line = f"  {r['model']} {r['world']} ranks, {r['variant']}: {r['ratio_vs_peer']:.2f}x {r['peer']} " + \
-                   ("(met)" if ok else "(NOT met: < 1.1x)")
-            if "exposed_frac" in r and r["world"] == 4:
-                line += f"; exposed {100 * r['exposed_frac']:.0f}% " + ("(met)" if r["exposed_frac"] <= 0.10 else
-                                                                      "(NOT met: > 10%)")
-            print(line)
+    """Issue #15's goals per overlapped stage: >= 1.1x its peer; exposed <= 10% of the step at 4 ranks."""
+    for r in (r for r in rows if "overlap" in r["variant"] and not r["no_comm"] and "ratio_vs_peer" in r):
+        line = (f"  {r['model']} {r['world']} ranks, {r['variant']}: {r['ratio_vs_peer']:.2f}x {r['peer']} "
+                + ("(met)" if r["ratio_vs_peer"] >= 1.1 else "(NOT met: < 1.1x)"))
+        if "exposed_frac" in r and r["world"] == 4:
+            line += f"; exposed {100 * r['exposed_frac']:.0f}% " + ("(met)" if r["exposed_frac"] <= 0.1 else "(NOT met)")
+        print(line)
 
 
 def main() -> None:
