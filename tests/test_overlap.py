@@ -204,3 +204,41 @@ def test_checkpoint_resume_with_overlap_is_bitwise(tmp_path, stage):
     for first, resumed, start, restored, within in run_ranks(_resume, 2, str(tmp_path), stage):
         assert restored and start == 2 and within
         assert resumed == first[2:]
+
+
+def _mismatch_on_the_thread(comm):
+    from distlib.comm import collectives
+    from distlib.comm.p2p import CollectiveMismatchError
+    checked = comm.instrumented(check=True)
+    progress = Progress(checked)
+    progress.submit(collectives.all_reduce, torch.ones(4), checked)                 # matched: counted
+    progress.submit(collectives.all_reduce, torch.ones(4 + checked.rank), checked)  # sizes differ
+    try:
+        progress.drain()
+    except CollectiveMismatchError as exc:
+        return str(exc), checked.stats.calls["all_reduce"], not _comm_threads()
+    return None
+
+
+def test_the_header_check_and_the_counters_work_on_the_thread():
+    for message, calls, no_thread in run_ranks(_mismatch_on_the_thread, 2):
+        assert "numel=4" in message and "numel=5" in message and calls == 2 and no_thread
+
+
+def _peer_gone(comm):
+    from distlib.comm import collectives, watchdog
+    if comm.rank == 1:
+        return None                      # leaves without joining: rank 0's queued all-reduce fails
+    progress = Progress(comm)
+    try:
+        with watchdog.watch("step 7", comm, 5.0):
+            progress.submit(collectives.all_reduce, torch.ones(8), comm)
+            progress.drain()
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_a_peer_lost_during_a_queued_collective_reaches_the_watchdog():
+    (kind, message), _ = run_ranks(_peer_gone, 2, timeout_s=20)
+    assert kind == "StallError" and "step 7" in message and "all_reduce" in message, message
