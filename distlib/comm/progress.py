@@ -22,10 +22,11 @@ Rules that keep it correct (every rank must post its messages to a peer in the s
 - a job touches only what it was given (its buffers, the group): never state the submitting thread
   changes meanwhile -- e.g. a parameter's ``.grad``, which backward rewrites (reading it from the
   thread crashed the process);
-- the thread exists only while jobs are pending: it is started by ``submit`` when none runs and
-  ends as soon as the queue is empty, so none is alive between steps (a rank that forks, or exits,
-  has nothing to shut down) and none is ever started before the ranks are forked. A group of one
-  runs its jobs inline.
+- the thread lives from the first ``submit`` to the next ``drain`` (the optimizer drains in
+  ``sync_grads`` and ``zero_grad``), idle between jobs in the meantime (starting one per job cost a
+  ZeRO-3 step ~2x its CPU on the tiny model); so none is alive between steps, none is ever started
+  before the ranks are forked, and a daemon thread left by a forward without a step (evaluation)
+  cannot keep a process from exiting. A group of one runs its jobs inline.
 The header check and the per-kind counters (``header.collective``, ``comm.stats``) see each
 collective as usual: one outermost collective at a time, on whichever thread.
 """
@@ -60,47 +61,46 @@ class Ticket:
 
 
 class Progress:
-    """A FIFO of collective jobs on ``comm``, run on a thread that lives while the queue is not empty."""
+    """A FIFO of collective jobs on ``comm``, run on a thread that lives from the first submit to
+    the next ``drain``."""
 
     def __init__(self, comm: Comm):
         self.comm = comm
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._jobs: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
+        self._stop = False
         self._failed: BaseException | None = None
         self._last: Ticket | None = None
-        self.submitted = 0           # jobs submitted so far (tests read the order through their jobs)
 
     def submit(self, fn: Callable, *args) -> Ticket:
         ticket = Ticket()
-        self.submitted += 1
         if self.comm.size == 1:                  # nothing to wait on: run inline
             self._run(ticket, fn, args)
             return ticket
-        with self._lock:
+        with self._cond:
             self._jobs.append((ticket, fn, args))
             self._last = ticket
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"distlib-comm-{self.comm.rank}",
                                                 daemon=True)
                 self._thread.start()
+            self._cond.notify()
         return ticket
 
     def drain(self) -> None:
-        """Wait for every job submitted so far; re-raise the first failure (it stays: a group whose
-        collective failed is out of step, so every later job and drain raises it too)."""
-        last = self._last
-        if last is not None:
-            last._done.wait()
+        """Wait for every job submitted so far and end the thread; re-raise the first failure (it
+        stays: a group whose collective failed is out of step, so every later job and drain raises
+        it too)."""
         thread = self._thread
-        if thread is not None and not self._jobs:
-            thread.join(timeout=1.0)    # it is leaving (queue empty): let it finish leaving
+        if thread is not None:
+            with self._cond:
+                self._stop = True
+                self._cond.notify()
+            thread.join()               # it leaves once the queue is empty
+            self._stop = False
         if self._failed is not None:
             raise self._failed
-
-    @property
-    def idle(self) -> bool:
-        return self._last is None or self._last.done
 
     def _run(self, ticket: Ticket, fn: Callable, args) -> None:
         if self._failed is not None:             # a failed collective leaves the group out of step
@@ -116,7 +116,9 @@ class Progress:
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
+            with self._cond:
+                while not self._jobs and not self._stop:
+                    self._cond.wait()      # idle between jobs of a step: no thread start per job
                 if not self._jobs:
                     self._thread = None
                     return
