@@ -23,8 +23,9 @@ Rules that keep it correct (every rank must post its messages to a peer in the s
   changes meanwhile -- e.g. a parameter's ``.grad``, which backward rewrites (reading it from the
   thread crashed the process);
 - the thread lives from the first ``submit`` to the next ``drain`` (the optimizer drains in
-  ``sync_grads`` and ``zero_grad``), idle between jobs in the meantime (starting one per job cost a
-  ZeRO-3 step ~2x its CPU on the tiny model); so none is alive between steps, none is ever started
+  ``sync_grads`` and ``zero_grad``), idle between jobs in the meantime (a thread started per job
+  made a ZeRO-3 step of the tiny model, communication skipped, cost 36 CPU ms instead of 17 on 2
+  ranks; idling, 15 against 12: benchmarks/README.md); so none is alive between steps, none is ever started
   before the ranks are forked, and a daemon thread left by a forward without a step (evaluation)
   cannot keep a process from exiting. A group of one runs its jobs inline.
 The header check and the per-kind counters (``header.collective``, ``comm.stats``) see each
