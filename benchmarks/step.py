@@ -1,8 +1,8 @@
 """One training step (forward, backward, optimizer): our ZeRO stages vs torch's DDP, ZeRO and FSDP2.
 
-    .venv/bin/python benchmarks/step.py            # tiny + medium, 2 and 4 ranks (~4 min on 2 shared cores)
-    .venv/bin/python benchmarks/step.py --quick    # fewer steps (~1.5 min)
-    .venv/bin/python benchmarks/step.py --models tiny --worlds 2
+    .venv/bin/python benchmarks/step.py            # tiny + medium, 2 and 4 ranks (see benchmarks/README.md)
+    .venv/bin/python benchmarks/step.py --quick    # fewer steps
+    .venv/bin/python benchmarks/step.py --models medium --overlap on --no-exposed    # fewer variants
 
 Every variant trains its own copy of the same MiniGPT (same seed, so the same initial weights)
 on the same batches (the global batch of step t is fixed; rank r takes its slice), inside the
@@ -17,14 +17,19 @@ measures; for torch, the tensors in ``optimizer.state``, DTensors counted by the
 All variants must reach the same loss: every step's rank-mean loss is compared with torch
 DDP's, and any relative difference above LOSS_RTOL is flagged.
 
-Variants: ours stage 0..3 (stages the installed ZeroOptimizer does not accept are skipped
-with a printed note), torch DDP + torch.optim.AdamW, DDP + ZeroRedundancyOptimizer(AdamW),
-FSDP2 (fully_shard per block and at the root) with reshard_after_forward False and True.
-JSON: benchmarks/results/step.json.
+``exposed``: a variant's step time minus that of its twin "(no comm)", the same step with
+communication skipped (our collectives replaced by local no-ops, ``_no_comm.py``; DDP's twin is
+the bare model), run interleaved with the rest; torch's ZeRO and FSDP2 have no such switch.
+
+Variants: ours stage 0..3 without and with ``overlap`` (sync from backward hooks, ZeRO-3
+prefetch; stages 0-2 then use OVERLAP_BUCKET_NUMEL buckets; stages the optimizer refuses are
+skipped with a note), torch DDP + torch.optim.AdamW, DDP + ZeroRedundancyOptimizer(AdamW), FSDP2
+(fully_shard per block and at the root), reshard_after_forward False and True. JSON: results/step.json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -47,6 +52,7 @@ from distlib.app.data import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
 from distlib.parallel.broadcast import broadcast_module_  # noqa: E402
 from distlib.app.model import ModelConfig, build_model  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
+from _no_comm import local_collectives  # noqa: E402
 
 MODELS = {
     # the capstone's model (conf/model/minigpt.yaml), 30k parameters
@@ -62,6 +68,8 @@ ADAMW = AdamWConfig(lr=1e-3)
 LOSS_RTOL = 1e-4
 # Which torch tool each of our stages replaces.
 PEER = {0: "torch DDP", 1: "torch DDP", 2: "FSDP2 reshard=False", 3: "FSDP2 reshard=True"}
+OVERLAP_BUCKET_NUMEL = 1 << 18   # overlapped stages 0-2: 1 MiB fp32 buckets (DDP: 1 MiB, then 25 MiB)
+NO_COMM = " (no comm)"
 
 
 def our_stages() -> tuple[list[int], dict[int, str]]:
@@ -84,6 +92,8 @@ class Variant:
     name: str
     step: Callable[[torch.Tensor, torch.Tensor], float]      # one training step, returns the local loss
     optimizer_bytes: Callable[[], int]
+    stage: int | None = None       # ours: the ZeRO stage
+    local: bool = False            # a twin timed with communication skipped
 
 
 def _storage_bytes(tensors) -> int:
@@ -117,10 +127,11 @@ def _torch_step(model, optimizer):
     return step
 
 
-def build_ours(cfg: ModelConfig, comm: Comm, stage: int) -> Variant:
+def build_ours(cfg: ModelConfig, comm: Comm, stage: int, overlap: bool = False, local: bool = False) -> Variant:
     model = build_model(cfg, MODEL_SEED)
     broadcast_module_(model, comm)
-    opt = make_optimizer(model, comm, stage, ADAMW)
+    opt = make_optimizer(model, comm, stage, ADAMW, overlap=overlap,
+                         **({"bucket_numel": OVERLAP_BUCKET_NUMEL} if overlap else {}))
 
     def step(x, y):
         loss = model(x, y)
@@ -128,14 +139,16 @@ def build_ours(cfg: ModelConfig, comm: Comm, stage: int) -> Variant:
         opt.step()
         opt.zero_grad()
         return float(loss.detach())
-    return Variant(f"ours stage {stage}", step, lambda: int(opt.memory_bytes()["optimizer"]))
+    name = f"ours stage {stage}" + (" overlap" if overlap else "") + (NO_COMM if local else "")
+    return Variant(name, step, lambda: int(opt.memory_bytes()["optimizer"]), stage, local)
 
 
-def build_ddp(cfg: ModelConfig, comm: Comm) -> Variant:
+def build_ddp(cfg: ModelConfig, comm: Comm, local: bool = False) -> Variant:
     from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(build_model(cfg, MODEL_SEED))
+    model = build_model(cfg, MODEL_SEED) if local else DistributedDataParallel(build_model(cfg, MODEL_SEED))
     opt = _torch_adamw(model.parameters())
-    return Variant("torch DDP", _torch_step(model, opt), lambda: _torch_state_bytes(opt))
+    return Variant("torch DDP" + (NO_COMM if local else ""), _torch_step(model, opt),
+                   lambda: _torch_state_bytes(opt), local=local)
 
 
 def build_ddp_zero(cfg: ModelConfig, comm: Comm) -> Variant:
@@ -165,8 +178,11 @@ TORCH_VARIANTS = {"ddp": build_ddp, "zero": build_ddp_zero,
                   "fsdp2-reshard": lambda cfg, comm: build_fsdp2(cfg, comm, True)}
 
 
-def build_variants(cfg: ModelConfig, comm: Comm, stages: list[int], torch_variants: list[str]) -> list[Variant]:
-    return [build_ours(cfg, comm, s) for s in stages] + [TORCH_VARIANTS[k](cfg, comm) for k in torch_variants]
+def build_variants(cfg: ModelConfig, comm: Comm, stages: list[int], torch_variants: list[str],
+                   overlaps: list[bool], exposed: bool) -> list[Variant]:
+    ours = [build_ours(cfg, comm, s, o) for s in stages for o in overlaps]
+    twins = [build_ours(cfg, comm, s, o, local=True) for s in stages for o in overlaps] + [build_ddp(cfg, comm, True)]
+    return ours + [TORCH_VARIANTS[k](cfg, comm) for k in torch_variants] + (twins if exposed else [])
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -188,35 +204,38 @@ def time_interleaved(variants: list[Variant], batches, warmup: int) -> dict[str,
         for v in variants[k:] + variants[:k]:
             dist.barrier()
             began, cpu_began = time.perf_counter(), time.process_time()
-            loss = v.step(x, y)
+            with local_collectives() if v.local else contextlib.nullcontext():
+                loss = v.step(x, y)
             elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu_began
             out[v.name]["losses"].append(loss)
             if t >= warmup:
                 out[v.name]["seconds"].append(elapsed)
                 out[v.name]["cpu_seconds"].append(cpu)
     for v in variants:
-        out[v.name]["optimizer_bytes"] = v.optimizer_bytes()
+        out[v.name].update(optimizer_bytes=v.optimizer_bytes(), stage=v.stage, local=v.local)
     return out
 
 
 def _rank_main(comm: Comm, model_name: str, stages: list[int], torch_variants: list[str], steps: int,
-               warmup: int) -> dict:
+               warmup: int, overlaps: list[bool], exposed: bool) -> dict:
     cfg, batch = MODELS[model_name]
-    variants = build_variants(cfg, comm, stages, torch_variants)
+    variants = build_variants(cfg, comm, stages, torch_variants, overlaps, exposed)
     return time_interleaved(variants, batches_for(cfg, batch, comm, warmup + steps), warmup)
 
 
 # ----------------------------------------------------------------------------- parent
 
 def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
-    """One row per variant: median slowest-rank ms, rank-mean losses, bytes, agreement."""
+    """One row per variant: median slowest-rank ms, rank-mean losses, bytes, agreement, and (with
+    its no-comm twin) the exposed communication."""
     cfg, batch = MODELS[model_name]
     rows = []
     for name in per_rank[0]:
         slowest = [max(ts) for ts in zip(*(r[name]["seconds"] for r in per_rank))]
         cpu = [sum(ts) for ts in zip(*(r[name]["cpu_seconds"] for r in per_rank))]
         losses = [statistics.fmean(ls) for ls in zip(*(r[name]["losses"] for r in per_rank))]
-        rows.append({"model": model_name, "world": world, "variant": name,
+        rows.append({"model": model_name, "world": world, "variant": name, "stage": per_rank[0][name]["stage"],
+                     "no_comm": per_rank[0][name]["local"],
                      "params": sum(p.numel() for p in build_model(cfg, 0).parameters()),
                      "batch_per_rank": batch, "seq_len": cfg.seq_len,
                      "ms": statistics.median(slowest) * 1e3,
@@ -224,14 +243,21 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
                      "cpu_ms": statistics.median(cpu) * 1e3,
                      "optimizer_bytes": [r[name]["optimizer_bytes"] for r in per_rank],
                      "losses": losses, "final_loss": losses[-1]})
-    ddp = next(r for r in rows if r["variant"] == "torch DDP")
     by_name = {r["variant"]: r for r in rows}
+    ddp = by_name["torch DDP"]
     for r in rows:
         r["ratio_vs_ddp"] = ddp["ms"] / r["ms"]
+        twin = by_name.get(r["variant"] + NO_COMM)
+        if twin is not None:
+            r["exposed_ms"] = r["ms"] - twin["ms"]
+            r["exposed_frac"] = r["exposed_ms"] / r["ms"]
+        if r["no_comm"]:            # the ranks drift apart without communication: no loss check
+            r["loss_agrees"], r["max_loss_rel_diff_vs_ddp"] = True, None
+            continue
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ddp["losses"]))
         r["max_loss_rel_diff_vs_ddp"] = diff
         r["loss_agrees"] = diff <= LOSS_RTOL
-        peer = PEER.get(int(r["variant"].rsplit(" ", 1)[1])) if r["variant"].startswith("ours stage ") else None
+        peer = PEER.get(r["stage"])
         if peer in by_name:
             r["peer"] = peer
             r["ratio_vs_peer"] = by_name[peer]["ms"] / r["ms"]
@@ -239,17 +265,30 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'model':<7}{'ranks':>6}  {'variant':<23}{'ms/step':>9}{'(min-max)':>14}{'vs DDP':>8}"
-            f"{'vs peer':>9}{'CPU ms':>8}{'opt bytes/rank':>16}{'final loss':>12}{'max rel dloss':>15}")
+    head = (f"{'model':<7}{'ranks':>6}  {'variant':<32}{'ms/step':>9}{'(min-max)':>14}{'vs DDP':>8}"
+            f"{'vs peer':>9}{'exposed':>15}{'CPU ms':>8}{'opt bytes/rank':>16}{'final loss':>12}{'max rel dloss':>15}")
     print(head)
     print("-" * len(head))
     for r in rows:
         spread = f"{r['ms_min']:.0f}-{r['ms_max']:.0f}"
         peer = f"{r['ratio_vs_peer']:.2f}" if "ratio_vs_peer" in r else "-"
+        exposed = f"{r['exposed_ms']:.1f} ({100 * r['exposed_frac']:.0f}%)" if "exposed_ms" in r else "-"
         flag = "" if r["loss_agrees"] else "  DISAGREES"
-        print(f"{r['model']:<7}{r['world']:>6}  {r['variant']:<23}{r['ms']:>9.1f}{spread:>14}"
-              f"{r['ratio_vs_ddp']:>8.2f}{peer:>9}{r['cpu_ms']:>8.0f}{max(r['optimizer_bytes']):>16,}"
-              f"{r['final_loss']:>12.6f}{r['max_loss_rel_diff_vs_ddp']:>15.1e}{flag}")
+        dloss = "-" if r["max_loss_rel_diff_vs_ddp"] is None else f"{r['max_loss_rel_diff_vs_ddp']:.1e}"
+        loss = "-" if r["no_comm"] else f"{r['final_loss']:.6f}"
+        print(f"{r['model']:<7}{r['world']:>6}  {r['variant']:<32}{r['ms']:>9.1f}{spread:>14}"
+              f"{r['ratio_vs_ddp']:>8.2f}{peer:>9}{exposed:>15}{r['cpu_ms']:>8.0f}{max(r['optimizer_bytes']):>16,}"
+              f"{loss:>12}{dloss:>15}{flag}")
+
+
+def print_goals(rows: list[dict]) -> None:
+    """Issue #15's goals per overlapped stage: >= 1.1x its peer; exposed <= 10% of the step at 4 ranks."""
+    for r in (r for r in rows if "overlap" in r["variant"] and not r["no_comm"] and "ratio_vs_peer" in r):
+        line = (f"  {r['model']} {r['world']} ranks, {r['variant']}: {r['ratio_vs_peer']:.2f}x {r['peer']} "
+                + ("(met)" if r["ratio_vs_peer"] >= 1.1 else "(NOT met: < 1.1x)"))
+        if "exposed_frac" in r and r["world"] == 4:
+            line += f"; exposed {100 * r['exposed_frac']:.0f}% " + ("(met)" if r["exposed_frac"] <= 0.1 else "(NOT met)")
+        print(line)
 
 
 def main() -> None:
@@ -263,12 +302,16 @@ def main() -> None:
                     help="our ZeRO stages to run (those the optimizer refuses are skipped with a note)")
     ap.add_argument("--torch", nargs="+", default=list(TORCH_VARIANTS), choices=list(TORCH_VARIANTS),
                     help="torch baselines to run (torch DDP always runs: it is the reference)")
+    ap.add_argument("--overlap", choices=["both", "on", "off"], default="both",
+                    help="our stages with zero overlap off, on, or both (default)")
+    ap.add_argument("--no-exposed", action="store_true", help="skip the no-comm twins (no exposed column)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "step.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     stages, skipped = our_stages()
     stages = [s for s in stages if s in args.stages]
     torch_variants = ["ddp"] + [k for k in args.torch if k != "ddp"]
+    overlaps = {"both": [False, True], "on": [True], "off": [False]}[args.overlap]
     for stage, why in skipped.items():
         print(f"note: our ZeRO stage {stage} is not benchmarked: the installed optimizer refuses it ({why})")
     rows = []
@@ -277,12 +320,15 @@ def main() -> None:
                                ("medium", False): 10, ("medium", True): 4}[model_name, args.quick]
         for world in args.worlds:
             began = time.perf_counter()
-            per_rank = run_ranks(_rank_main, world, model_name, stages, torch_variants, steps, args.warmup, timeout_s=900)
+            per_rank = run_ranks(_rank_main, world, model_name, stages, torch_variants, steps, args.warmup,
+                                 overlaps, not args.no_exposed, timeout_s=1800)
             rows += summarise(per_rank, model_name, world)
             print(f"[{model_name}, {world} ranks: {steps} timed steps after {args.warmup} warm-up, "
                   f"{time.perf_counter() - began:.0f} s]", flush=True)
     print()
     print_table(rows)
+    print("\ngoals (issue #15):")
+    print_goals(rows)
     bad = [r for r in rows if not r["loss_agrees"]]
     print(f"\nloss agreement: every step's rank-mean loss within rel {LOSS_RTOL:g} of torch DDP's: "
           + ("yes" if not bad else "NO: " + ", ".join(f"{r['model']}/{r['world']}/{r['variant']}" for r in bad)))
@@ -292,6 +338,7 @@ def main() -> None:
                    "loss_rtol": LOSS_RTOL, "adamw": dataclasses.asdict(ADAMW),
                    "skipped_stages": skipped, "warmup": args.warmup,
                    "unit": "ms per step: median over timed iterations of the slowest rank",
+                   "overlap_bucket_numel": OVERLAP_BUCKET_NUMEL,
                    "results": rows}, f, indent=1)
     print(f"wrote {args.out}")
     if bad:

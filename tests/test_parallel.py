@@ -73,7 +73,7 @@ def _train_case(comm, case: dict) -> dict:
     model = build_model(CFG, SEED)
     splits = shard_model_(model, mesh.tp)
     opt = make_optimizer(model, mesh.dp, stage, ADAMW, clip, tp=mesh.tp, tp_split=splits, bucket_numel=BUCKET,
-                         param_dtype=DTYPES[case["dtype"]])
+                         param_dtype=DTYPES[case["dtype"]], overlap=case["overlap"], grad_accum=accum)
     per_rank = GLOBAL_BATCH // mesh.dp.size
     micro = per_rank // accum
     out = {"losses": [], "norms": [], "comm": []}
@@ -111,18 +111,21 @@ def _tensors(results: list[dict]) -> list[dict]:
     return [{k: torch.from_numpy(v) if k in ("grad0", "master") else v for k, v in r.items()} for r in results]
 
 
-def _case(stage, tp=1, accum=2, clip=CLIP, dtype="fp32"):
-    return {"stage": stage, "tp": tp, "accum": accum, "clip": clip, "dtype": dtype}
+def _case(stage, tp=1, accum=2, clip=CLIP, dtype="fp32", overlap=False):
+    return {"stage": stage, "tp": tp, "accum": accum, "clip": clip, "dtype": dtype, "overlap": overlap}
 
 
 CASES = {
     2: [_case(s) for s in range(4)]                                   # ZeRO 0-3, accumulation, clipping
        + [_case(1, accum=4), _case(2, accum=4), _case(3, accum=4)]    # 4 micro-batches of 1 sequence
        + [_case(s, tp=2, accum=1, clip=0.0) for s in (0, 3)]          # pure tensor parallel
-       + [_case(s, dtype="bf16") for s in (0, 2)],                    # mixed precision
+       + [_case(s, dtype="bf16") for s in (0, 2)]                     # mixed precision
+       + [_case(s, overlap=True) for s in range(4)]                   # zero.overlap (sync in backward)
+       + [_case(1, dtype="bf16", overlap=True)],
     4: [_case(s, tp=2) for s in range(4)]                             # 2 DP x 2 TP
        + [_case(3, clip=0.0)]                                         # DP 4
-       + [_case(3, tp=2, dtype="bf16")],
+       + [_case(3, tp=2, dtype="bf16")]
+       + [_case(s, tp=2, overlap=True) for s in (1, 3)] + [_case(0, clip=0.0, overlap=True)],
 }
 
 
@@ -261,7 +264,9 @@ def test_measured_memory_matches_the_formula_per_stage(results):
                 assert grads_bound < 4 * p, f"{name}: the stage-2 gradient bound would admit full grads"
             if case["stage"] >= 2:
                 assert rank["param_grads_left"] == [], f"{name}: full gradients persist: {rank['param_grads_left']}"
-            if case["stage"] == 3 and n > 1:
+            # (with overlap, ZeRO-3 prefetch holds two units, which in this 2-block model is more than P:
+            # only the formula above bounds it)
+            if case["stage"] == 3 and n > 1 and not case["overlap"]:
                 assert rank["memory"]["params"] < 4 * p, f"{name}: stage 3 holds a full parameter copy"
             if case["stage"] >= 1:
                 assert rank["memory"]["optimizer"] <= 12 * math.ceil(p / n), name
@@ -276,7 +281,7 @@ def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results)
     micro-batch: 3 parameter-sized transfers to stage 2's 2 (ZeRO's 1.5x). Every stage also
     all-gathers the two sum-of-squares terms of the grad norm (8 bytes to the peer)."""
     runs = {(c["stage"], c["accum"]): ranks[0] for c, ranks in zip(CASES[2], results[2])
-            if c["tp"] == 1 and c["dtype"] == "fp32"}
+            if c["tp"] == 1 and c["dtype"] == "fp32" and not c["overlap"]}
     sent = {key: run["comm"][-1]["dp"] for key, run in runs.items()}
     layout = runs[(1, 2)]["layout"]
     p, padded, mine = layout["numel"], layout["padded_numel"], layout["shard_numel"]
@@ -288,6 +293,12 @@ def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results)
         assert sent[(2, k)] == k * 4 * theirs + 4 * padded // 2 + norm, f"stage 2, K={k}"
         assert sent[(3, k)] == k * (2 * 4 * mine + 4 * theirs) + norm, f"stage 3, K={k}"
     assert all(run["comm"][-1]["tp"] == 0 for run in runs.values())
+    # zero.overlap: the same collectives at stages 2/3 (queued, not run in the hook); at stages 0/1
+    # one per bucket, and no bucket covers the padded tail, so the padding is not sent
+    overlapped = {c["stage"]: ranks[0]["comm"][-1]["dp"] for c, ranks in zip(CASES[2], results[2])
+                  if c["overlap"] and c["dtype"] == "fp32"}
+    assert overlapped[2] == sent[(2, 2)] and overlapped[3] == sent[(3, 2)]
+    assert overlapped[0] == 4 * p + norm and overlapped[1] == 4 * theirs + 4 * padded // 2 + norm
 
 
 def test_tensor_parallel_sends_four_activation_all_reduces_per_block(results):

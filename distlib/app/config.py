@@ -39,8 +39,11 @@ class OptimizerConfig:
 class ZeroConfig:
     stage: int = 1
     bucket_numel: int = 8192
+    overlap: bool = False      # gradient sync from backward hooks on a comm thread; ZeRO-3 prefetch
 
     def __post_init__(self) -> None:
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"zero.overlap must be true or false, got {self.overlap!r}")
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage must be one of 0, 1, 2, 3, got {self.stage!r}")
         if self.bucket_numel < 1:
@@ -303,6 +306,9 @@ class RunConfig:
             raise ConfigError("dist.backend=nccl moves CUDA tensors only, but train.device=cpu; use "
                               "train.device=cuda (or auto), or dist.backend=gloo")
         cfg.fault.check_run(cfg.dist.world_size, cfg.train.steps)
+        if cfg.zero.overlap and cfg.fault.nan_grad_rank is not None:
+            raise ConfigError("fault.nan_grad_rank poisons the gradients after backward, but with zero.overlap "
+                              "their sync has already started there; set zero.overlap=false for this drill")
         if cfg.data.kind == "synthetic" and cfg.data.total_tokens < cfg.model.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({cfg.data.total_tokens}) must exceed model.seq_len "
                               f"({cfg.model.seq_len})")

@@ -122,9 +122,10 @@ class Trainer:
         model = build_model(self.cfg.model, seed).to(self.device)
         broadcast_module_(model, self.comm)
         self.tp_splits = shard_model_(model, self.mesh.tp)     # parameter name -> Split (none at tp=1)
-        optimizer = make_optimizer(model, self.mesh.dp, self.cfg.zero.stage, self.cfg.optimizer.adamw,
-                                   self.cfg.optimizer.grad_clip, tp=self.mesh.tp, tp_split=self.tp_splits,
-                                   param_dtype=self.cfg.param_dtype, bucket_numel=self.cfg.zero.bucket_numel)
+        z = self.cfg.zero
+        optimizer = make_optimizer(model, self.mesh.dp, z.stage, self.cfg.optimizer.adamw, self.cfg.optimizer.grad_clip,
+                                   tp=self.mesh.tp, tp_split=self.tp_splits, param_dtype=self.cfg.param_dtype,
+                                   bucket_numel=z.bucket_numel, overlap=z.overlap, grad_accum=self.cfg.train.grad_accum)
         return model, optimizer
 
     # -- the run ----------------------------------------------------------------

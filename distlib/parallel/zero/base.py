@@ -16,6 +16,13 @@ exp_avg, exp_avg_sq) on rank r, so the on-disk format does not depend on the sta
 Mixed precision (``param_dtype=torch.bfloat16``): the module computes with bf16 parameters;
 gradients are accumulated and reduced in fp32 and the master weights and Adam state stay fp32.
 
+Overlap (``overlap=True``, off by default): the gradient collectives start from backward hooks and
+run on a communication thread (``comm.progress.Progress``) while backward computes -- stages 0/1
+in buckets on the last micro-batch (``overlap.OverlappedSync``), stage 2/3's bucket
+reduce-scatters without blocking the hook, and stage 3 prefetches the next unit's parameters.
+``sync_grads`` waits for all of it before the norm; no other collective of the group runs on
+the main thread while any is in flight.
+
 Device: every buffer (flat parameters, gradients, master weights, Adam state, buckets) is
 allocated on the device of the module's parameters (``self.device``); ``state_shard`` and
 ``params_snapshot`` return host copies, which is what a checkpoint writes and compares.
@@ -28,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from distlib.comm.group import Comm
+from distlib.comm.progress import Progress
 from distlib.parallel.adamw import STATE_KEYS, AdamWConfig, adamw_step_
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.zero.memory import PeakMemory, Sizes
@@ -40,16 +48,18 @@ class ZeroOptimizer:
     ``tp``/``tp_split``: the tensor-parallel group and the names of the parameters split over it,
     so the global norms count each split parameter on its rank and replicated ones once."""
     stage: int
-    options: tuple[str, ...] = ()    # the stage-specific keyword arguments make_optimizer passes on
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: AdamWConfig, grad_clip: float = 0.0, *,
-                 tp: Comm | None = None, tp_split: Collection[str] = (), param_dtype: torch.dtype = torch.float32):
+                 tp: Comm | None = None, tp_split: Collection[str] = (), param_dtype: torch.dtype = torch.float32,
+                 bucket_numel: int = 8192, overlap: bool = False, grad_accum: int = 1):
         if grad_clip < 0:
             raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables), got {grad_clip}")
         if param_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"parameter dtype must be float32 or bfloat16, got {param_dtype}")
         self.module, self.comm, self.cfg, self.grad_clip = module, comm, cfg, grad_clip
         self.param_dtype = param_dtype
+        self.bucket_numel, self.grad_accum = bucket_numel, grad_accum
+        self.progress = Progress(comm) if overlap else None   # the communication thread's queue
         self.params = list(module.parameters())
         self.device = self.params[0].device
         self.layout = FlatLayout.of(module, comm.size)
@@ -123,6 +133,8 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         """Clear the gradients (and drop synchronised ones that were never applied)."""
+        if self.progress is not None:
+            self.progress.drain()
         self._zero_grads()
         self._synced = None
 

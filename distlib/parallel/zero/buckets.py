@@ -10,11 +10,18 @@ lives is the 4P/N partition, the bucket being filled, and one parameter's gradie
 duration of a hook. With K micro-batches each backward reduces again and accumulates into the
 partition (K reduce-scatters per step, which stages 0/1 avoid by syncing once).
 
+With a ``progress`` (``overlap``), the hook hands the bucket's reduce-scatter to the
+communication thread instead of running it, and ``collect`` waits for all of them first. At most
+MAX_QUEUED buckets are queued or running (a hook that would queue one more first waits for the
+oldest), so backward cannot outrun the thread by more than that: the gradient memory stays
+4P/N + (MAX_QUEUED + 1) buckets instead of growing to the whole gradient.
+
 Stage 2 packs modules into buckets by size (``buckets_by_size``); stage 3 uses one bucket per
 unit (its gathered block), and is told when a bucket is reduced so it can free the unit.
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +30,11 @@ import torch.nn as nn
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
+from distlib.comm.progress import Progress
 from distlib.parallel.flat_layout import FlatLayout, ParamSlot
+
+MAX_QUEUED = 1      # (overlap) buckets whose reduce-scatter may be queued or running at once: one
+# runs while backward fills the next; more would only let backward run further ahead of a busy thread
 
 
 @dataclass(frozen=True)
@@ -77,10 +88,11 @@ class GradBuckets:
     """This rank's fp32 gradient partition, filled bucket by bucket during backward.
 
     ``sample`` runs in every hook (while the parameter's gradient and the bucket are alive);
-    ``reduced(b)`` runs after bucket ``b`` was reduce-scattered."""
+    ``reduced(b)`` runs after bucket ``b``'s reduce-scatter was run (or, with ``progress``, queued)."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[torch.Tensor], comm: Comm, buckets: list[Bucket],
-                 sample: Callable[[], None], reduced: Callable[[int], None] = lambda b: None):
+                 sample: Callable[[], None], reduced: Callable[[int], None] = lambda b: None,
+                 progress: Progress | None = None):
         self.layout, self.params, self.comm, self.buckets = layout, list(params), comm, buckets
         self._sample, self._reduced = sample, reduced
         self.my_start = layout.shard_range(comm.rank)[0]
@@ -89,13 +101,16 @@ class GradBuckets:
         self._buffers: list[torch.Tensor | None] = [None] * len(buckets)
         self._arrived: list[set[int]] = [set() for _ in buckets]   # params whose gradient is in
         self._reductions = [0] * len(buckets)   # per bucket, this step (= micro-batches)
+        self.progress = progress
+        self._sending: dict[int, torch.Tensor] = {}   # (overlap) id -> bucket whose reduce-scatter is queued
+        self._queued: collections.deque = collections.deque()   # (overlap) their tickets, oldest first
         for i, p in enumerate(self.params):
             p.grad = None
             p.register_post_accumulate_grad_hook(self._grad_ready_hook(i))
 
     def live(self) -> list[torch.Tensor]:
-        """The gradient tensors alive now: the partition and the buckets being filled."""
-        return [self.partition] + [t for t in self._buffers if t is not None]
+        """The gradient tensors alive now: the partition, the buckets being filled and those queued."""
+        return [self.partition] + [t for t in self._buffers if t is not None] + list(self._sending.values())
 
     @property
     def largest(self) -> int:
@@ -120,21 +135,36 @@ class GradBuckets:
         return hook
 
     def _reduce(self, b: int) -> None:
-        bucket, buffer = self.buckets[b], self._buffers[b]
+        buffer = self._buffers[b]
+        self._buffers[b] = None
+        self._arrived[b] = set()
+        self._reductions[b] += 1
+        if self.progress is None:
+            self._reduce_into_partition(b, buffer)
+        else:
+            while len(self._queued) >= MAX_QUEUED:
+                self._queued.popleft().wait()
+            self._sending[id(buffer)] = buffer
+            self._queued.append(self.progress.submit(self._reduce_into_partition, b, buffer))
+        self._reduced(b)
+
+    @torch.no_grad()
+    def _reduce_into_partition(self, b: int, buffer: torch.Tensor) -> None:
+        bucket = self.buckets[b]
         bounds = self.layout.bounds_within(bucket.lo, bucket.hi)
         mine = collectives.reduce_scatter(buffer, self.comm, op="avg", bounds=bounds)
         a, z = bounds[self.comm.rank]
         if z > a:
             start = bucket.lo + a - self.my_start
             self.partition[start:start + (z - a)].add_(mine)
-        self._buffers[b] = None
-        self._arrived[b] = set()
-        self._reductions[b] += 1
-        self._reduced(b)
+        self._sending.pop(id(buffer), None)
 
     def collect(self, stage: int) -> torch.Tensor:
         """The reduced partition, after checking that every bucket was reduced the same number of
         times (a parameter without a gradient would leave its bucket waiting forever)."""
+        if self.progress is not None:
+            self.progress.drain()
+            self._queued.clear()
         most = max(self._reductions)
         missing = [i for b, bucket in enumerate(self.buckets) for i in bucket.params
                    if self._reductions[b] < most or (self._arrived[b] and i not in self._arrived[b])]

@@ -2,7 +2,8 @@
 
 Every rank holds all parameters, all gradients (one fp32 flat buffer, ``flat_grads``) and the
 whole AdamW state. ``sync_grads`` all-reduces the flat gradients (SUM / N), once per step
-whatever the number of micro-batches, and every rank runs the identical AdamW update on
+whatever the number of micro-batches (with ``overlap``, in buckets from the last backward's
+hooks: ``overlap.OverlappedSync``), and every rank runs the identical AdamW update on
 everything, so the replicas stay bitwise equal without sending parameters. fp32 parameters are
 their own master weights; bf16 ones get an fp32 master copy.
 
@@ -15,7 +16,9 @@ import torch
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.buckets import buckets_by_size
 from distlib.parallel.zero.flat_grads import flat_grad_buffer
+from distlib.parallel.zero.overlap import OverlappedSync
 
 
 class Stage0Optimizer(ZeroOptimizer):
@@ -25,6 +28,9 @@ class Stage0Optimizer(ZeroOptimizer):
         self._replicated_params(fp32_flat)
         self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
         self.grad_home = self.flat_grads
+        self.overlapped = None if self.progress is None else OverlappedSync(
+            self.layout, self.params, self.flat_grads, self.comm, buckets_by_size(self.module, self.layout,
+            self.bucket_numel), self.progress, scatter=False, accum=self.grad_accum)
         self.master = fp32_flat.clone() if self.low_precision else self.flat_params
         self.exp_avg = torch.zeros(self.layout.padded_numel, device=self.device)
         self.exp_avg_sq = torch.zeros(self.layout.padded_numel, device=self.device)
@@ -32,6 +38,8 @@ class Stage0Optimizer(ZeroOptimizer):
     @torch.no_grad()
     def _reduce_grads(self) -> torch.Tensor:
         self._sample_memory()
+        if self.overlapped is not None:         # started in backward: wait for it
+            return self.overlapped.finish()
         return collectives.all_reduce(self.flat_grads, self.comm, op="avg")
 
     def _mine(self, t: torch.Tensor) -> torch.Tensor:
@@ -41,6 +49,11 @@ class Stage0Optimizer(ZeroOptimizer):
         mine = self._mine(getattr(self, key))
         mine.copy_(partition)
         collectives.all_gather(getattr(self, key), mine, self.comm)
+
+    def _zero_grads(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.reset()
+        super()._zero_grads()
 
     def _publish_params(self) -> None:
         if self.master is not self.flat_params:

@@ -2,7 +2,8 @@
 
 Every rank holds all parameters and all gradients (one fp32 flat buffer, ``flat_grads``, as at
 stage 0), but only its partition of the fp32 master weights and Adam moments: 12P/N bytes
-instead of 8-12P. ``sync_grads`` reduce-scatters the flat gradients (avg), once per step, so
+instead of 8-12P. ``sync_grads`` reduce-scatters the flat gradients (avg), once per step (with
+``overlap``, in buckets from the last backward's hooks: ``overlap.OverlappedSync``), so
 each rank receives the averaged gradient of its partition; ``apply_update`` runs AdamW on the
 master partition, writes it into the parameters (compute dtype) and all-gathers the parameters,
 after which every rank again holds identical bytes.
@@ -13,7 +14,9 @@ import torch
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.buckets import buckets_by_size
 from distlib.parallel.zero.flat_grads import flat_grad_buffer
+from distlib.parallel.zero.overlap import OverlappedSync
 
 
 class Stage1Optimizer(ZeroOptimizer):
@@ -23,12 +26,22 @@ class Stage1Optimizer(ZeroOptimizer):
         self._replicated_params(fp32_flat)
         self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
         self.grad_home = self.flat_grads
+        self.overlapped = None if self.progress is None else OverlappedSync(
+            self.layout, self.params, self.flat_grads, self.comm, buckets_by_size(self.module, self.layout,
+            self.bucket_numel), self.progress, scatter=True, accum=self.grad_accum)
         self._partitioned_state(fp32_flat)
 
     @torch.no_grad()
     def _reduce_grads(self) -> torch.Tensor:
         self._sample_memory()
+        if self.overlapped is not None:         # started in backward: wait for it
+            return self.overlapped.finish()
         return collectives.reduce_scatter(self.flat_grads, self.comm, op="avg")
+
+    def _zero_grads(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.reset()
+        super()._zero_grads()
 
     def _publish_params(self) -> None:
         self.flat_params[self.my_range].copy_(self.master)

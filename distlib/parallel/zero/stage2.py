@@ -8,6 +8,9 @@ time backward returns the partition is reduced, and ``sync_grads`` only checks t
 was reduced once per micro-batch. ``apply_update`` runs AdamW on the master partition and
 all-gathers the parameters, as stage 1 does.
 
+With ``overlap`` the hook hands the bucket's reduce-scatter to the communication thread and
+returns, so backward goes on computing while it runs; ``sync_grads`` waits for the last one.
+
 With K micro-batches each backward reduce-scatters again and accumulates into the partition, so
 gradient memory stays 4P/N at the price of K reduce-scatters per step.
 """
@@ -17,22 +20,18 @@ import torch
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import ZeroOptimizer
-from distlib.parallel.zero.buckets import GradBuckets, buckets_by_size
+from distlib.parallel.zero.buckets import MAX_QUEUED, GradBuckets, buckets_by_size
 
 
 class Stage2Optimizer(ZeroOptimizer):
     stage = 2
-    options = ("bucket_numel",)
-
-    def __init__(self, *args, bucket_numel: int = 8192, **kwargs):
-        self.bucket_numel = bucket_numel     # read by _init_storage, which the base __init__ calls
-        super().__init__(*args, **kwargs)
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self._replicated_params(fp32_flat)
         self._partitioned_state(fp32_flat)
         self.grads = GradBuckets(self.layout, self.params, self.comm,
-                                 buckets_by_size(self.module, self.layout, self.bucket_numel), self._sample_memory)
+                                 buckets_by_size(self.module, self.layout, self.bucket_numel), self._sample_memory,
+                                 progress=self.progress)
         self.grad_home = self.grads.partition
 
     def _grad_storage(self) -> list[torch.Tensor]:
@@ -49,9 +48,11 @@ class Stage2Optimizer(ZeroOptimizer):
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
         """params bP, grads 4P/N (+ one fp32 bucket + one parameter's gradient in a hook), Adam
-        12P/N; allowances include the padded tail (< N elements)."""
+        12P/N; allowances include the padded tail (< N elements). With overlap up to MAX_QUEUED
+        more buckets are queued or being reduced on the communication thread."""
         s = self._sizes()
+        live = 4 * self.grads.largest * (1 + (MAX_QUEUED if self.progress is not None else 0))
         return {"params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
-                "grads": (4 * s.p / s.n, 4 * s.pad / s.n + 4 * self.grads.largest + s.b * s.largest_param,
+                "grads": (4 * s.p / s.n, 4 * s.pad / s.n + live + s.b * s.largest_param,
                           "4P/N + bucket"),
                 "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N")}

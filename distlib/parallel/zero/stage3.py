@@ -17,6 +17,17 @@ Autograd saved the parameters' *views*, so refilling the same storage before bac
 needs. PyTorch runs a parameter's gradient accumulation as soon as it is produced, so a unit's
 gradients are complete, and its storage freed, before the next unit's backward gathers: one unit
 is live at a time. ``apply_update`` only copies the master partition into ``param_shard``.
+
+Prefetch (``overlap``): every collective of the group runs on the communication thread
+(``comm.progress.Progress``), in the order the hooks submit it. The forward pre-hook of unit k
+waits for k's gather and queues k+1's (units are numbered in forward order: the model's children),
+so k+1's all-gather is in flight while k computes; in backward the hook on k's output waits for k
+and queues k-1's, and k's gradient reduce-scatter and its release are queued behind it; the last
+unit stays gathered from its forward to its backward, which comes next. Two units
+(and two gradient buckets) are live at a time instead of one. An all-gather copies values, so
+results are bitwise those without prefetch. ``sync_grads`` waits for the queue and then drops
+any unit still gathered (a prefetch that no forward or backward used), so no stale parameters
+survive the update.
 """
 from __future__ import annotations
 
@@ -53,9 +64,11 @@ class Stage3Optimizer(ZeroOptimizer):
         self.units: list[Bucket] = [contiguous_bucket([tuple(index[id(p)] for p in u.parameters())],
                                                       self.layout.slots) for u in units]
         self.grads = GradBuckets(self.layout, self.params, self.comm, self.units, self._sample_memory,
-                                 reduced=self._release)
+                                 reduced=self._release, progress=self.progress)
         self.grad_home = self.grads.partition
-        self._gathered = [False] * len(self.units)
+        self._gathered = [False] * len(self.units)     # gathered, or (overlap) its gather is queued
+        self._gathering: list = [None] * len(self.units)   # (overlap) the queued gather's Ticket
+        self._backward_seen: set[int] = set()          # units whose backward began since their forward
         self._unit_buffers = []
         for b, (unit, module) in enumerate(zip(self.units, units)):
             full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
@@ -65,7 +78,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 self.params[i].data = full[start:start + slot.numel].view(slot.shape)
             full.untyped_storage().resize_(0)
             self._unit_buffers.append(full)
-            module.register_forward_pre_hook(lambda m, args, b=b: self._gather(b))
+            module.register_forward_pre_hook(lambda m, args, b=b: self._before_forward(b))
             module.register_forward_hook(lambda m, args, out, b=b: self._after_forward(b, out))
 
     def _param_storage(self) -> list[torch.Tensor]:
@@ -76,30 +89,72 @@ class Stage3Optimizer(ZeroOptimizer):
 
     # -- gather / free --------------------------------------------------------------
     @torch.no_grad()
-    def _gather(self, b: int) -> None:
-        if self._gathered[b]:
-            return
+    def _fill(self, b: int) -> None:
+        """Give unit ``b`` its storage back and all-gather its parameters into it."""
         unit, full = self.units[b], self._unit_buffers[b]
         full.untyped_storage().resize_(unit.numel * full.element_size())
         bounds = self.layout.bounds_within(unit.lo, unit.hi)
         a, z = bounds[self.comm.rank]
         start = unit.lo + a - self.my_range.start
         collectives.all_gather(full, self.param_shard[start:start + (z - a)], self.comm, bounds=bounds)
+
+    def _free(self, b: int) -> None:
+        self._unit_buffers[b].untyped_storage().resize_(0)
+
+    def _gather(self, b: int) -> None:
+        """Unit ``b``'s parameters, ready now (waits for a prefetch, or gathers)."""
+        if self._gathered[b]:
+            ticket, self._gathering[b] = self._gathering[b], None
+            if ticket is not None:
+                ticket.wait()
+                self._sample_memory()
+            return
         self._gathered[b] = True
-        self._sample_memory()
+        if self.progress is None:
+            self._fill(b)
+        else:
+            self.progress.submit(self._fill, b).wait()
+        self._sample_memory()     # here, never on the thread: it reads .grad, which backward rewrites
+
+    def _prefetch(self, b: int) -> None:
+        if 0 <= b < len(self.units) and not self._gathered[b]:
+            self._gathered[b] = True
+            self._gathering[b] = self.progress.submit(self._fill, b)
 
     def _release(self, b: int) -> None:
-        self._unit_buffers[b].untyped_storage().resize_(0)
         self._gathered[b] = False
+        if self.progress is None:
+            self._free(b)
+        else:
+            self.progress.submit(self._free, b)     # behind what still reads the unit
+
+    def _before_forward(self, b: int) -> None:
+        self._backward_seen.discard(b)
+        self._gather(b)
+        if self.progress is not None:
+            self._prefetch(b + 1)
+
+    def _before_backward(self, b: int) -> None:
+        self._backward_seen.add(b)
+        self._gather(b)
+        if self.progress is not None and b - 1 not in self._backward_seen:
+            self._prefetch(b - 1)
 
     def _after_forward(self, b: int, out) -> None:
-        self._release(b)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: self._gather(b))
+        grads = isinstance(out, torch.Tensor) and out.requires_grad
+        if not (grads and self.progress is not None and b == len(self.units) - 1):
+            self._release(b)        # (overlap: the last unit stays, its backward comes first)
+        if grads:
+            out.register_hook(lambda grad: self._before_backward(b))
 
     # -- the step -------------------------------------------------------------------
     def _reduce_grads(self) -> torch.Tensor:
         partition = self.grads.collect(self.stage)
+        if self.progress is not None:       # the queue is empty now: drop unused prefetches
+            for b, gathered in enumerate(self._gathered):
+                if gathered:
+                    self._gathered[b], self._gathering[b] = False, None
+                    self._free(b)
         self._sample_memory()
         return partition
 
@@ -120,15 +175,19 @@ class Stage3Optimizer(ZeroOptimizer):
     @torch.no_grad()
     def full_params(self) -> torch.Tensor:
         """A gathered copy of every partition (a temporary bP, outside the step's memory peak)."""
+        if self.progress is not None:
+            self.progress.drain()
         full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
         collectives.all_gather(full, self.param_shard, self.comm)
         return full
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
         """params bP/N (+ one gathered unit), grads 4P/N (+ the unit's fp32 gradient bucket + one
-        parameter's gradient), Adam 12P/N; allowances include the padded tail (< N elements)."""
+        parameter's gradient), Adam 12P/N; allowances include the padded tail (< N elements).
+        With overlap (prefetch) two units and two buckets."""
         s = self._sizes()
         unit = self.grads.largest
-        return {"params": (s.b * s.p / s.n, s.b * s.pad / s.n + s.b * unit, f"{s.b}P/N + unit"),
-                "grads": (4 * s.p / s.n, 4 * s.pad / s.n + 4 * unit + s.b * s.largest_param, "4P/N + unit"),
+        live = 2 if self.progress is not None else 1
+        return {"params": (s.b * s.p / s.n, s.b * s.pad / s.n + live * s.b * unit, f"{s.b}P/N + unit"),
+                "grads": (4 * s.p / s.n, 4 * s.pad / s.n + live * 4 * unit + s.b * s.largest_param, "4P/N + unit"),
                 "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N")}
