@@ -25,13 +25,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from distlib.comm import collectives as C  # noqa: E402
+from distlib.comm.cost_model import CANDIDATES  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*_tensor` is deprecated")  # *_into_tensor / *_scatter_tensor
 
 OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
-ALGOS = {"broadcast": ("tree", "chain"), "reduce_scatter": ("direct", "ring"),
-         "all_gather": ("direct", "ring"), "all_reduce": ("exchange", "direct", "ring")}
+ALGOS = CANDIDATES          # every algorithm of each collective (--algos times them all)
 
 
 def _iters(nbytes: int) -> int:
@@ -124,15 +124,15 @@ def main() -> None:
             out["ratio"] = out["torch_ms"] / out["ours_ms"]
             results.append(out)
 
-    extra = [a for a in ("tree", "chain", "exchange", "direct", "ring") if args.algos]
-    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}"
+    extra = list(dict.fromkeys(a for op in OPS for a in ALGOS[op])) if args.algos else []
+    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}{'ours = ':>14}"
     print(head + "".join(f"{a + ' ms':>11}" for a in extra))
     for r in results:
         b = r["bytes"]
         size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
         line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}"
-        print(f"{line}{r['ratio']:>8.2f}" + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}"
-                                           for a in extra))
+        print(f"{line}{r['ratio']:>8.2f}{C.choose_algorithm(r['op'], b, r['world']):>14}"
+              + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra))
     path = os.path.join(ROOT, "benchmarks", "results", "collectives.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
