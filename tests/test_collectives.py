@@ -309,3 +309,21 @@ def test_algorithm_choice_is_the_cost_models_cheapest_and_keeps_small_sums_in_ra
     assert cost_model.choose_algorithm("all_reduce", 4096, 4, cheap) != "exchange"
     with pytest.raises(ValueError):
         C.choose_algorithm("gather", 1, 2)
+
+
+def test_cost_model_table_lists_every_candidate_and_collectives_dispatches_each():
+    from distlib.comm import cost_model
+    rows = [line.split("|")[1:3] for line in cost_model.__doc__.splitlines() if line.startswith("| ") and "---" not in line]
+    listed = {}
+    for coll, algo in rows[1:]:
+        listed.setdefault(coll.strip(), []).append(algo.strip())
+    assert {k: tuple(v) for k, v in listed.items()} == cost_model.CANDIDATES
+    solo = Comm((0,), 0)
+    for algo in cost_model.CANDIDATES["all_reduce"]:
+        assert torch.equal(C.all_reduce(torch.ones(3), solo, algo=algo), torch.ones(3))
+    for algo in cost_model.CANDIDATES["broadcast"]:
+        assert torch.equal(C.broadcast(torch.ones(3), 0, solo, algo=algo), torch.ones(3))
+    for algo in cost_model.CANDIDATES["reduce_scatter"]:
+        assert torch.equal(C.reduce_scatter(torch.ones(3), solo, algo=algo), torch.ones(3))
+    for algo in cost_model.CANDIDATES["all_gather"]:
+        assert torch.equal(C.all_gather(torch.zeros(3), torch.ones(3), solo, algo=algo), torch.ones(3))
