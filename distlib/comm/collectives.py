@@ -202,10 +202,12 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
     flat = _flat(tensor)
     name, run = _pick("broadcast", algo, flat, comm, BC.ALGORITHMS)
     if comm.size > 1:
-        nbytes = flat.numel() * flat.element_size()
-        ag = AG.ALGORITHMS[choose_algorithm("all_gather", nbytes, comm.size)]
+        extra = {}
+        if name == "scatter":       # its all_gather: the one the model picks for the whole tensor
+            ag = choose_algorithm("all_gather", flat.numel() * flat.element_size(), comm.size)
+            extra = {"chunks": chunk_bounds(flat.numel(), comm.size), "all_gather": AG.ALGORITHMS[ag]}
         with collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
-            run(flat, src, comm, SEGMENT_BYTES, chunks=chunk_bounds(flat.numel(), comm.size), all_gather=ag)
+            run(flat, src, comm, SEGMENT_BYTES, **extra)
     return tensor
 
 

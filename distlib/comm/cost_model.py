@@ -38,6 +38,7 @@ small tensors) overrides them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -107,8 +108,10 @@ def estimate(collective: str, algo: str, nbytes: int, world: int, model: CostMod
     return model.cost(*_shape(collective, algo, float(nbytes), world, model))
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_algorithm(collective: str, nbytes: int, world: int, model: CostModel = MEASURED) -> str:
-    """The cheapest algorithm in the model for ``nbytes`` on ``world`` ranks (a pure function)."""
+    """The cheapest algorithm in the model for ``nbytes`` on ``world`` ranks. A pure function, so
+    it is memoised: pricing every candidate takes ~40 us, a 1 KB gloo message ~100 us."""
     if collective not in CANDIDATES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {sorted(CANDIDATES)}")
     if world <= 1:
