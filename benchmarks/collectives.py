@@ -72,10 +72,10 @@ def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
     return times
 
 
-def _bench_rank(comm, sizes, with_algos):
+def _bench_rank(comm, sizes, with_algos, ops=OPS):
     torch.manual_seed(comm.rank)
     rows = []
-    for op in OPS:
+    for op in ops:
         for nbytes in sizes:
             x = torch.randn(nbytes // 4)
             ours, ref = _callables(op, x, comm, None)
@@ -87,12 +87,12 @@ def _bench_rank(comm, sizes, with_algos):
     return rows
 
 
-def _run(world: int, sizes: list[int], with_algos: bool, timeout_s: float, tries: int = 3):
+def _run(world: int, sizes: list[int], with_algos: bool, timeout_s: float, tries: int = 3, ops=OPS):
     """run_ranks, retried: forked ranks occasionally hang while connecting to the rendezvous
     store (before any collective runs), which run_ranks reports as a TimeoutError."""
     for attempt in range(1, tries + 1):
         try:
-            return run_ranks(_bench_rank, world, sizes, with_algos, timeout_s=timeout_s)
+            return run_ranks(_bench_rank, world, sizes, with_algos, ops, timeout_s=timeout_s)
         except TimeoutError as e:
             print(f"world {world}, attempt {attempt}: {e}; retrying", file=sys.stderr)
     raise RuntimeError(f"world {world}: every attempt timed out")
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 sizes (1 KB, 64 KB, 4 MB, 16 MB), < 1 min")
     ap.add_argument("--algos", action="store_true", help="also time each forced algorithm of ours")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="only these collectives")
     ap.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 16) instead of the default list")
     args = ap.parse_args()
     sizes = args.sizes or ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
@@ -115,7 +116,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     results = []
     for world in args.worlds:
-        per_rank = _run(world, sizes, args.algos, timeout_s=120 if args.quick else 400)
+        # 8 ranks on 2 shared cores at load ~20 needed more than 120 s for --quick
+        per_rank = _run(world, sizes, args.algos, timeout_s=(40 if args.quick else 100) * world, ops=args.ops)
         for i, row in enumerate(per_rank[0]):
             out = {k: row[k] for k in ("op", "world", "bytes")}
             for key in row:

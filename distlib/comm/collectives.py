@@ -10,12 +10,12 @@ levels, bytes sent and bytes reduced per rank of each, and why its constants are
 rather than probed), and each public function takes ``algo=`` to force one, which the tests do
 at every size:
 
-| collective     | algorithms                                  | default (committed model)     |
-|----------------|---------------------------------------------|-------------------------------|
-| all_reduce     | exchange, direct, ring, rabenseifner        | see ``choose_algorithm``      |
-| reduce_scatter | direct, ring, halving                       |                               |
-| all_gather     | direct, ring, bruck                         |                               |
-| broadcast      | flat, tree, chain, scatter (van de Geijn)   |                               |
+| collective     | algorithms (``algo=``)                      |
+|----------------|---------------------------------------------|
+| all_reduce     | exchange, direct, ring, rabenseifner        |
+| reduce_scatter | direct, ring, halving                       |
+| all_gather     | direct, ring, bruck                         |
+| broadcast      | flat, tree, chain, scatter (van de Geijn)   |
 
 Bitwise agreement: after all_reduce, broadcast and all_gather every rank holds identical
 bytes. Direct, ring and halving reduce-scatter reduce each element on exactly one rank (its
