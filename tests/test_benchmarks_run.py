@@ -28,3 +28,13 @@ def test_benchmark_runs_and_writes_its_json(name, tmp_path):
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-2500:]
     assert out.stat().st_mtime_ns != before and json.loads(out.read_text()), f"{name} wrote no result"
+
+
+def test_committed_cost_model_is_the_best_fit_to_the_committed_tables():
+    """distlib/comm/cost_model.py's constants are what fit_cost_model.py finds on the committed
+    --algos tables, and the docstring's "8% longer than the fastest" is its score."""
+    proc = subprocess.run([sys.executable, "benchmarks/fit_cost_model.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2500:]
+    best, committed = (line.split(" over the fastest")[0].split()[-1] for line in proc.stdout.splitlines()[:2])
+    assert best == committed == "0.082", proc.stdout
