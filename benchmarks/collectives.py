@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/collectives.py            # full: 1 KB .. 64 MB, ~3-4 min on 2 cores
     .venv/bin/python benchmarks/collectives.py --quick    # 1 KB, 64 KB, 4 MB, 16 MB: < 1 min
     .venv/bin/python benchmarks/collectives.py --algos    # also time every forced algorithm of ours
+    .venv/bin/python benchmarks/collectives.py --quick --worlds 2 4 8 --ops all_reduce   # what make bench runs, one op
 
 Each (op, size) is warmed up, then timed for several iterations; an iteration's time is
 the slowest rank's (ranks line up on a barrier first), and the table reports the median.
