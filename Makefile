@@ -29,7 +29,7 @@ resume: $(STAMP)
 # Every benchmark, each against torch's own tool in the same run (< 10 min on 2 shared cores);
 # tables on stdout, JSON in benchmarks/results/. benchmarks/README.md explains the numbers.
 bench: $(STAMP)
-	$(PY) benchmarks/collectives.py --quick
+	$(PY) benchmarks/collectives.py --quick --worlds 2 4 8
 	$(PY) benchmarks/step.py
 	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/startup.py

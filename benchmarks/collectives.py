@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/collectives.py            # full: 1 KB .. 64 MB, ~3-4 min on 2 cores
     .venv/bin/python benchmarks/collectives.py --quick    # 1 KB, 64 KB, 4 MB, 16 MB: < 1 min
     .venv/bin/python benchmarks/collectives.py --algos    # also time every forced algorithm of ours
+    .venv/bin/python benchmarks/collectives.py --quick --worlds 2 4 8 --ops all_reduce   # what make bench runs, one op
 
 Each (op, size) is warmed up, then timed for several iterations; an iteration's time is
 the slowest rank's (ranks line up on a barrier first), and the table reports the median.
@@ -25,13 +26,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from distlib.comm import collectives as C  # noqa: E402
+from distlib.comm.cost_model import CANDIDATES  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*_tensor` is deprecated")  # *_into_tensor / *_scatter_tensor
 
 OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
-ALGOS = {"broadcast": ("tree", "chain"), "reduce_scatter": ("direct", "ring"),
-         "all_gather": ("direct", "ring"), "all_reduce": ("exchange", "direct", "ring")}
+ALGOS = CANDIDATES          # every algorithm of each collective (--algos times them all)
 
 
 def _iters(nbytes: int) -> int:
@@ -72,10 +73,10 @@ def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
     return times
 
 
-def _bench_rank(comm, sizes, with_algos):
+def _bench_rank(comm, sizes, with_algos, ops=OPS):
     torch.manual_seed(comm.rank)
     rows = []
-    for op in OPS:
+    for op in ops:
         for nbytes in sizes:
             x = torch.randn(nbytes // 4)
             ours, ref = _callables(op, x, comm, None)
@@ -87,12 +88,12 @@ def _bench_rank(comm, sizes, with_algos):
     return rows
 
 
-def _run(world: int, sizes: list[int], with_algos: bool, timeout_s: float, tries: int = 3):
+def _run(world: int, sizes: list[int], with_algos: bool, timeout_s: float, tries: int = 3, ops=OPS):
     """run_ranks, retried: forked ranks occasionally hang while connecting to the rendezvous
     store (before any collective runs), which run_ranks reports as a TimeoutError."""
     for attempt in range(1, tries + 1):
         try:
-            return run_ranks(_bench_rank, world, sizes, with_algos, timeout_s=timeout_s)
+            return run_ranks(_bench_rank, world, sizes, with_algos, ops, timeout_s=timeout_s)
         except TimeoutError as e:
             print(f"world {world}, attempt {attempt}: {e}; retrying", file=sys.stderr)
     raise RuntimeError(f"world {world}: every attempt timed out")
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 sizes (1 KB, 64 KB, 4 MB, 16 MB), < 1 min")
     ap.add_argument("--algos", action="store_true", help="also time each forced algorithm of ours")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="only these collectives")
     ap.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 16) instead of the default list")
     args = ap.parse_args()
     sizes = args.sizes or ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
@@ -115,7 +117,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     results = []
     for world in args.worlds:
-        per_rank = _run(world, sizes, args.algos, timeout_s=120 if args.quick else 400)
+        # 8 ranks on 2 shared cores at load ~20 needed more than 120 s for --quick
+        per_rank = _run(world, sizes, args.algos, timeout_s=(40 if args.quick else 100) * world, ops=args.ops)
         for i, row in enumerate(per_rank[0]):
             out = {k: row[k] for k in ("op", "world", "bytes")}
             for key in row:
@@ -124,15 +127,15 @@ def main() -> None:
             out["ratio"] = out["torch_ms"] / out["ours_ms"]
             results.append(out)
 
-    extra = [a for a in ("tree", "chain", "exchange", "direct", "ring") if args.algos]
-    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}"
+    extra = list(dict.fromkeys(a for op in OPS for a in ALGOS[op])) if args.algos else []
+    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}{'ours = ':>14}"
     print(head + "".join(f"{a + ' ms':>11}" for a in extra))
     for r in results:
         b = r["bytes"]
         size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
         line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}"
-        print(f"{line}{r['ratio']:>8.2f}" + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}"
-                                           for a in extra))
+        print(f"{line}{r['ratio']:>8.2f}{C.choose_algorithm(r['op'], b, r['world']):>14}"
+              + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra))
     path = os.path.join(ROOT, "benchmarks", "results", "collectives.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -35,3 +35,13 @@ def test_benchmark_runs_and_writes_its_json(name, tmp_path):
     if name == "recovery":      # kill after step 5, disk checkpoint at 4: snapshots lose nothing, disk one step
         median = json.loads(out.read_text())["median"]
         assert median["snapshots"]["steps_lost"] == 0 and median["disk only"]["steps_lost"] == 1
+
+
+def test_committed_cost_model_is_the_best_fit_to_the_committed_tables():
+    """distlib/comm/cost_model.py's constants are what fit_cost_model.py finds on the committed
+    --algos tables, and the docstring's "8% longer than the fastest" is its score."""
+    proc = subprocess.run([sys.executable, "benchmarks/fit_cost_model.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2500:]
+    best, committed = (line.split(" over the fastest")[0].split()[-1] for line in proc.stdout.splitlines()[:2])
+    assert best == committed == "0.082", proc.stdout

@@ -9,6 +9,7 @@ data, where a rank-dependent summation order would show.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import time
@@ -26,9 +27,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 OPS = ("sum", "avg", "max", "min")
 TORCH_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
             "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-RS_ALGOS, AG_ALGOS = ("direct", "ring"), ("direct", "ring")
-AR_ALGOS = ("exchange", "direct", "ring")
-BCAST_ALGOS = ("tree", "chain")
+RS_ALGOS, AG_ALGOS = ("direct", "ring", "halving"), ("direct", "ring", "bruck")
+AR_ALGOS = ("exchange", "direct", "ring", "rabenseifner")
+BCAST_ALGOS = ("flat", "tree", "chain", "scatter")
 TINY_SEGMENT = 64  # bytes: 16 fp32 / 32 bf16 elements per pipeline segment
 
 
@@ -147,12 +148,29 @@ def test_every_algorithm_matches_torch(world):
     _assert_identical(per_rank)
 
 
+def _light_battery_rank(comm: Comm) -> dict[str, str]:
+    C.SEGMENT_BYTES = TINY_SEGMENT
+    return _run_battery(comm, sizes=(0, 5, 1000), dtypes=(torch.float32,))
+
+
+@pytest.mark.parametrize("world", [5, 6, 7, 8])
+def test_every_algorithm_matches_torch_up_to_8_ranks(world):
+    """5-8 ranks (non-powers of two fold ranks into virtual ones; Bruck wraps around): fewer
+    sizes and one dtype, so that 8 ranks stay fast on 2 cores."""
+    per_rank = run_ranks(_light_battery_rank, world, timeout_s=120)
+    assert len(per_rank[0]) > 50
+    _assert_identical(per_rank)
+
+
 def _more_dtypes_rank(comm: Comm) -> list[str]:
     """float64 / float16 / int32 / int64 through the default (size-chosen) algorithms, with the
     thresholds lowered so that 70001 elements take the large-tensor paths; and 2-D tensors."""
     checked = []
     C.SEGMENT_BYTES = 16 << 10
-    C.AR_EXCHANGE_MAX_BYTES, C.DIRECT_MAX_BYTES, C.BCAST_TREE_MAX_BYTES = 16 << 10, 64 << 10, 64 << 10
+    # latency 256x cheaper: 70001 elements are priced like ~70 MB, so the large-tensor algorithms run
+    m = C.MODEL
+    C.MODEL = dataclasses.replace(m, alpha=m.alpha / 256, mu=m.mu / 256, nu=m.nu / 256, segment=C.SEGMENT_BYTES)
+    assert C.choose_algorithm("all_reduce", 70_001 * 4, comm.size) not in ("exchange", "direct")
     for dtype in (torch.float64, torch.float16, torch.int32, torch.int64):
         for numel in (5, 70_001):           # 70001 x 2-8 bytes > every lowered threshold
             x = _data("int", numel, torch.float64, comm.rank).to(dtype)
@@ -271,22 +289,41 @@ def test_bad_arguments_raise_value_error():
         C.all_reduce(torch.zeros(3, 4).t(), solo)
 
 
-def test_algorithm_choice_follows_the_documented_thresholds():
-    choose, mib = C.choose_algorithm, 1 << 20
-    for world in (2, 3, 4):
-        per_rank = C.AR_EXCHANGE_MAX_BYTES // (world - 1)     # exchange sends (N-1) B per rank
-        assert choose("all_reduce", per_rank, world) == "exchange"
-        assert choose("all_reduce", per_rank + 1, world) == "direct"
-        for coll in ("reduce_scatter", "all_gather"):
-            assert choose(coll, 1, world) == "direct"
-            assert choose(coll, C.DIRECT_MAX_BYTES, world) == "direct"
-        assert choose("broadcast", C.BCAST_TREE_MAX_BYTES, world) == "tree"
-    for coll, big in (("all_reduce", "ring"), ("reduce_scatter", "ring"), ("all_gather", "ring"),
-                      ("broadcast", "chain")):
-        assert choose(coll, 64 * mib, 4) == big and choose(coll, 64 * mib, 3) == big
-        assert choose(coll, 64 * mib, 2) != big        # 2 ranks: ring/chain would only add messages
-    # growing tensors on 4 ranks walk exchange -> direct -> ring, never back
-    sweep = [choose("all_reduce", 1 << k, 4) for k in range(10, 27)]
-    assert sweep == sorted(sweep, key=["exchange", "direct", "ring"].index) and len(set(sweep)) == 3
+def test_algorithm_choice_is_the_cost_models_cheapest_and_keeps_small_sums_in_rank_order():
+    from distlib.comm import cost_model
+    mib = 1 << 20
+    for coll, algos in cost_model.CANDIDATES.items():
+        for world in range(2, 9):
+            for nbytes in (1 << k for k in range(4, 27)):
+                got = C.choose_algorithm(coll, nbytes, world)
+                costs = [cost_model.estimate(coll, a, nbytes, world) for a in algos]
+                assert got in algos and cost_model.estimate(coll, got, nbytes, world) == min(costs), (coll, world, nbytes)
+    # the golden runs' tensors (< 1 MiB) keep the rank-order fold 0..N-1 (exchange or direct) at
+    # every world size, and the large ones leave exchange's (N-1) B per rank
+    for world in range(2, 9):
+        assert {C.choose_algorithm("all_reduce", 1 << k, world) for k in range(2, 20)} <= {"exchange", "direct"}
+        assert C.choose_algorithm("all_reduce", 1 << 10, world) == "exchange"
+        assert C.choose_algorithm("all_reduce", 64 * mib, world) != "exchange"
+    # a model with cheaper latency moves the same size to the bandwidth-optimal algorithms
+    cheap = cost_model.CostModel(alpha=0.0, mu=0.0, nu=0.0)
+    assert cost_model.choose_algorithm("all_reduce", 4096, 4, cheap) != "exchange"
     with pytest.raises(ValueError):
-        choose("gather", 1, 2)
+        C.choose_algorithm("gather", 1, 2)
+
+
+def test_cost_model_table_lists_every_candidate_and_collectives_dispatches_each():
+    from distlib.comm import cost_model
+    rows = [line.split("|")[1:3] for line in cost_model.__doc__.splitlines() if line.startswith("| ") and "---" not in line]
+    listed = {}
+    for coll, algo in rows[1:]:
+        listed.setdefault(coll.strip(), []).append(algo.strip())
+    assert {k: tuple(v) for k, v in listed.items()} == cost_model.CANDIDATES
+    solo = Comm((0,), 0)
+    for algo in cost_model.CANDIDATES["all_reduce"]:
+        assert torch.equal(C.all_reduce(torch.ones(3), solo, algo=algo), torch.ones(3))
+    for algo in cost_model.CANDIDATES["broadcast"]:
+        assert torch.equal(C.broadcast(torch.ones(3), 0, solo, algo=algo), torch.ones(3))
+    for algo in cost_model.CANDIDATES["reduce_scatter"]:
+        assert torch.equal(C.reduce_scatter(torch.ones(3), solo, algo=algo), torch.ones(3))
+    for algo in cost_model.CANDIDATES["all_gather"]:
+        assert torch.equal(C.all_gather(torch.zeros(3), torch.ones(3), solo, algo=algo), torch.ones(3))

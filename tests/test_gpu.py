@@ -32,7 +32,7 @@ def _collectives(comm):
     for numel in (1, 7, 1000):
         g = torch.Generator().manual_seed(comm.rank * 100 + numel)
         x = torch.randn(numel, generator=g)
-        for algo in ("exchange", "direct", "ring"):
+        for algo in ("exchange", "direct", "ring", "rabenseifner"):
             cpu, gpu = x.clone(), x.to(GPU)
             C.all_reduce(cpu, comm, "avg", algo=algo)
             C.all_reduce(gpu, comm, "avg", algo=algo)
@@ -45,7 +45,7 @@ def _collectives(comm):
             C.all_gather(full, x.to(GPU)[lo:hi], comm, algo=algo)
             ref = C.all_gather(torch.empty(numel), x[lo:hi], comm, algo=algo)
             out.append(("all_gather", algo, numel, torch.equal(full.cpu(), ref), full.device.type))
-        for algo in ("tree", "chain"):
+        for algo in ("flat", "tree", "chain", "scatter"):
             gpu = C.broadcast(x.to(GPU), 1, comm, algo=algo)
             out.append(("broadcast", algo, numel, torch.equal(gpu.cpu(), C.broadcast(x.clone(), 1, comm, algo=algo)),
                         gpu.device.type))

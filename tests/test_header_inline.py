@@ -16,16 +16,16 @@ def _every_algorithm(comm, numel, check):
     comm = comm.instrumented(check=check)
     g = torch.Generator().manual_seed(comm.rank)
     out = []
-    for algo in ("exchange", "direct", "ring"):
+    for algo in ("exchange", "direct", "ring", "rabenseifner"):
         t = torch.randn(numel, generator=g)
         out.append(collectives.all_reduce(t, comm, algo=algo))
-    for algo in ("direct", "ring"):
+    for rs, algo in (("direct", "direct"), ("ring", "ring"), ("halving", "bruck")):
         x = torch.randn(numel, generator=g)
-        out.append(collectives.reduce_scatter(x, comm, algo=algo))
+        out.append(collectives.reduce_scatter(x, comm, algo=rs))
         full = torch.zeros(numel)
         bounds = collectives.chunk_bounds(numel, comm.size)
         out.append(collectives.all_gather(full, x[slice(*bounds[comm.rank])], comm, algo=algo))
-    for algo in ("tree", "chain"):
+    for algo in ("flat", "tree", "chain", "scatter"):
         out.append(collectives.broadcast(torch.randn(numel, generator=g), comm.size - 1, comm, algo=algo))
     out.append(torch.tensor(list(b"".join(collectives.all_gather_bytes(b"x" * (comm.rank + 1), comm)))))
     return [t.tolist() for t in out], comm.stats.total_calls

@@ -40,7 +40,7 @@ from distlib.comm.group import KINDS, Comm
 from distlib.comm.p2p import GATE, P2P, CollectiveMismatchError, Done, Message
 
 OPS = ("sum", "avg", "max", "min")
-ALGOS = ("direct", "ring", "exchange", "tree", "chain")
+ALGOS = ("direct", "ring", "exchange", "tree", "chain", "rabenseifner", "halving", "bruck", "flat", "scatter")
 # The header's codes by index; a value outside a table is coded by a checksum (>= 1000), which
 # still mismatches correctly and is printed as the raw code.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
