@@ -15,11 +15,17 @@ first and last stages share no parameter and no gradient needs to cross between 
 """
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlib.comm import agree
+from distlib.comm.mesh import Mesh
 from distlib.app.model import MiniGPT
+from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.tensor_parallel import Split, manifest_layouts
 
 
 def stage_block_ids(n_layers: int, pp: int, virtual: int, rank: int) -> list[list[int]]:
@@ -66,3 +72,17 @@ def keep_stage_(model: MiniGPT, pp: int, virtual: int, rank: int) -> list[Chunk]
     if not last:
         model.ln_f = model.lm_head = None
     return [Chunk(model, chunk, first and c == 0, last and c == virtual - 1) for c, chunk in enumerate(ids)]
+
+
+def stage_layouts(mesh: Mesh, layout: FlatLayout, tp_splits: dict[str, Split]) -> dict:
+    """The manifest's pipeline fields (collective over the world; {} without pipeline parallelism):
+    ``pp``, the rank order, and ``pp_layouts[stage][tp_rank]``, each stage's flat layout (with the
+    tensor-parallel splits, as ``tp_layouts``), which is how a checkpoint finds every parameter
+    by name when it is loaded at another pipeline degree."""
+    if mesh.pp is None:
+        return {}
+    mine = manifest_layouts(layout.to_dict(), tp_splits)[mesh.tp.rank] if tp_splits else layout.to_dict()
+    every = [json.loads(blob) for blob in agree.gather_bytes(json.dumps(mine).encode(), mesh.world)]
+    tp, per_stage = mesh.tp.size, mesh.world.size // mesh.pp.size
+    return {"pp": mesh.pp.size, "rank_order": "global rank = (pp_rank * dp + dp_rank) * tp + tp_rank",
+            "pp_layouts": [[every[s * per_stage + t] for t in range(tp)] for s in range(mesh.pp.size)]}
