@@ -15,7 +15,17 @@ from distlib.parallel.pipeline.recorder import Recorder
 from tests.multiproc import run_ranks
 
 D, B = 8, 3
-CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("mixed", 1))
+
+
+def plan_of(name: str, P: int, m: int, v: int):
+    """The schedule's plan; "mixed" is GPipe with the backwards reversed on even ranks, so a rank
+    consumes its gradients in another order than its neighbour sends them: the executor must
+    receive in the sender's order (one FIFO per peer) to hand each backward its own gradient."""
+    if name != "mixed":
+        return schedule.build(name, P, m, v)
+    plan = schedule.build("gpipe", P, m)
+    return [acts[:m] + (acts[m:][::-1] if r % 2 == 0 else acts[m:]) for r, acts in enumerate(plan)]
 
 
 def stack(num_stages: int) -> list[nn.Module]:
@@ -53,7 +63,7 @@ def _pipeline(comm, m):
     for name, v in CASES:
         stages = stack(P * v)
         chunks = [stages[schedule.stage_of(comm.rank, c, P)] for c in range(v)]
-        plan = schedule.build(name, P, m, v)
+        plan = plan_of(name, P, m, v)
         rec = Recorder(comm.rank)
         loss = executor.run(plan, chunks, comm, feed=lambda i: xs[i], loss_fn=lambda i, y: loss_of(y, ts[i]),
                             act_shape=(B, D), act_dtype=torch.float32, device="cpu", recorder=rec)
@@ -72,7 +82,7 @@ def test_pipeline_matches_one_rank(P):
     m = 8
     results = [pickle.loads(r) for r in run_ranks(_pipeline, P, m)]
     for name, v in CASES:
-        plan = schedule.build(name, P, m, v)
+        plan = plan_of(name, P, m, v)
         print(f"\n{name} pp={P} m={m} v={v}\n{schedule.format_plan(plan)}")
         ref_loss, ref_grads = reference(P * v, m)
         last_rank = schedule.place_of(P * v - 1, P)[0]
