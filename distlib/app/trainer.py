@@ -329,11 +329,10 @@ class Trainer:
                 "activations": self.pipeline.activation_peak if self.pipeline else self.activations.peak}
 
     def memory_report(self) -> list[dict]:
-        measured = self.memory_bytes()
-        keys = sorted(measured)
-        rows = agree.gather([float(measured[k]) for k in keys], self.comm)
-        formula = self.optimizer.memory_formula()
-        expected, allowance = ({k: v[i] for k, v in formula.items()} for i in (0, 1))
-        text = {k: v[2] for k, v in formula.items()}
-        return [{"rank": r, "measured": dict(zip(keys, map(int, row))), "expected": expected,
-                 "allowance": allowance, "formula": text} for r, row in enumerate(rows)]
+        measured, formula = self.memory_bytes(), self.optimizer.memory_formula()
+        keys, terms = sorted(measured), sorted(formula)     # each rank's own formula: pipeline stages differ
+        rows = agree.gather([float(measured[k]) for k in keys] + [formula[k][i] for i in (0, 1) for k in terms],
+                            self.comm)
+        text, n = {k: v[2] for k, v in formula.items()}, len(keys)
+        return [{"rank": r, "measured": dict(zip(keys, map(int, row[:n]))), "expected": dict(zip(terms, row[n:])),
+                 "allowance": dict(zip(terms, row[n + len(terms):])), "formula": text} for r, row in enumerate(rows)]
