@@ -10,7 +10,9 @@ from multiproc import run_ranks
 
 from distlib.app.config import ConfigError, RunConfig
 from distlib.app.trainer import Trainer
+from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
+from distlib.comm.mesh import build_mesh
 
 REL = 1e-5
 # n_layers 2 x pp: pp x 2 virtual chunks; grad_accum 4 micro-batches (interleaved: a multiple of pp)
@@ -48,6 +50,29 @@ def test_interleaving_needs_micro_batches_in_multiples_of_pp_and_blocks_for_ever
         RunConfig.from_dict({"dist": {"world_size": 2, "pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}})
     cfg = RunConfig.from_dict({"dist": {"world_size": 8, "tp": 2, "pp": 2}, "train": {"global_batch": 8}})
     assert cfg.dp_size == 2                     # 8 ranks = 2 tensor x 2 data x 2 pipeline
+
+
+def _mesh(comm):
+    mesh = build_mesh(comm.instrumented(check=True), tp=2, pp=2)
+    stats = {id(g.stats) for g in (mesh.world, mesh.dp, mesh.tp, mesh.pp, mesh.stage)}
+    return {name: g.ranks for name, g in mesh.groups().items()} | {
+        "stage": mesh.stage.ranks, "loss_ranks": mesh.loss_ranks, "ends": (mesh.first_stage, mesh.last_stage),
+        "own_stats": len(stats) == 5, "checked": all(g.check for g in mesh.groups().values())}
+
+
+@pytest.mark.slow
+def test_the_mesh_knows_data_tensor_and_pipeline_groups_in_the_documented_rank_order():
+    got = run_ranks(_mesh, 8)
+    place = {(s * 2 + d) * 2 + t: (s, d, t) for s in range(2) for d in range(2) for t in range(2)}   # tp fastest
+    rank = {v: k for k, v in place.items()}
+    for g, row in enumerate(got):
+        s, d, t = place[g]
+        assert row["tp"] == tuple(rank[s, d, x] for x in range(2))
+        assert row["dp"] == tuple(rank[s, x, t] for x in range(2))
+        assert row["pp"] == tuple(rank[x, d, t] for x in range(2))
+        assert row["stage"] == tuple(rank[s, x, y] for x in range(2) for y in range(2))
+        assert row["loss_ranks"] == tuple(rank[1, x, t] for x in range(2))      # the last stage's dp group
+        assert row["ends"] == (s == 0, s == 1) and row["own_stats"] and row["checked"]
 
 
 def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
@@ -131,6 +156,8 @@ def test_a_pipeline_run_resumes_bitwise_and_its_manifest_records_the_stages(tmp_
     assert stages[0][:2] == ["tok_emb.weight", "pos_emb.weight"] and stages[1][-1] == "lm_head.bias"
     assert {n.split(".")[1] for n in stages[0] if n.startswith("blocks.")} == {"0", "1"}
     assert {n.split(".")[1] for n in stages[1] if n.startswith("blocks.")} == {"2", "3"}
+    with pytest.raises(checkpoint.CheckpointError, match="pipeline-parallel"):     # scripts/ckpt.py's tools
+        reshard.consolidate(tmp_path / "0" / "checkpoints" / "step_00000003", tmp_path / "out")
 
 
 @pytest.mark.slow
