@@ -38,6 +38,7 @@ from distlib.app.config import RunConfig
 from distlib.app.data import GlobalBatches
 from distlib.app.fit_check import check_fits
 from distlib.app.hooks import StepHooks
+from distlib.app.pipeline_model import stage_layouts
 from distlib.app.async_save import AsyncSaves, PendingSave, Saved
 from distlib.app.rng_draws import process_rng_draws, saved_rng_draws
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
@@ -81,6 +82,7 @@ class Checkpointer(AsyncSaves):
         # (step, tensors, rank_state, params) of the checkpoint verify_resume reloads at the end
         self.snapshot: tuple[int, dict, dict, torch.Tensor] | None = None
         self.in_flight: PendingSave | None = None   # checkpoint.async_save: written, not yet committed
+        self.pp_meta = stage_layouts(mesh, optimizer.layout, tp_splits)   # (collective; {} at dist.pp=1)
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -223,7 +225,7 @@ class Checkpointer(AsyncSaves):
                 "param_dtype": self.cfg.train.dtype}
         if tp > 1:
             meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.tp_splits)
-        return meta
+        return {**meta, **self.pp_meta} if self.pp_meta else meta
 
     # -- loading --------------------------------------------------------------
     def load(self, path: Path, model: torch.nn.Module, optimizer: ZeroOptimizer, verified: bool = False) -> int:
@@ -237,7 +239,9 @@ class Checkpointer(AsyncSaves):
         manifest = agree.agreed(lambda: checkpoint.read_manifest(path), self.comm, checkpoint.CheckpointError)
         check_fits(path, manifest, optimizer.layout, self.cfg, self.mesh.tp.size, self.mesh.tp.rank, self.data)
         state, rank_state, rng = agree.agreed(
-            lambda: reshard.load_partition(path, manifest, self.mesh.dp.rank, self.mesh.dp.size, self.mesh.tp.rank),
+            lambda: reshard.load_partition(path, manifest, self.mesh.dp.rank, self.mesh.dp.size, self.mesh.tp.rank,
+                                           (optimizer.layout, *((self.mesh.pp.rank, self.mesh.pp.size) if self.mesh.pp
+                                                                else (0, 1)))),
             self.comm, checkpoint.CheckpointError)
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:

@@ -34,12 +34,14 @@ __all__ = ["STAGES", "ZeroOptimizer", "make_optimizer"]
 
 def make_optimizer(module: nn.Module, comm: Comm, stage: int, cfg: AdamWConfig, grad_clip: float = 0.0, *,
                    tp: Comm | None = None, tp_split: Collection[str] = (),
-                   param_dtype: torch.dtype = torch.float32, bucket_numel: int = 8192) -> ZeroOptimizer:
+                   param_dtype: torch.dtype = torch.float32, bucket_numel: int = 8192,
+                   pp: Comm | None = None) -> ZeroOptimizer:
     """The ZeRO ``stage`` optimizer of ``module`` over the data-parallel group ``comm``. ``tp``:
     the tensor-parallel group, ``tp_split``: names of the parameters split over it (both only for
-    the global norms). ``bucket_numel`` sizes stage 2's gradient buckets."""
+    the global norms); ``pp``: the pipeline group (the norms span every stage). ``bucket_numel``
+    sizes stage 2's gradient buckets."""
     if stage not in STAGES:
         raise ValueError(f"zero.stage must be one of {tuple(STAGES)}, got {stage}")
     cls = STAGES[stage]
     options = {k: v for k, v in {"bucket_numel": bucket_numel}.items() if k in cls.options}
-    return cls(module, comm, cfg, grad_clip, tp=tp, tp_split=tp_split, param_dtype=param_dtype, **options)
+    return cls(module, comm, cfg, grad_clip, tp=tp, tp_split=tp_split, param_dtype=param_dtype, pp=pp, **options)
