@@ -5,9 +5,9 @@ step time against torch's own pipelining (torch.distributed.pipelining), in the 
     .venv/bin/python benchmarks/pipeline.py --quick         # tiny model, 2 steps, 1 round
     .venv/bin/python benchmarks/pipeline.py --pp 2 4
 
-Model: a stack of torch ``nn.TransformerEncoderLayer`` blocks (d 256, 4 heads, ff 1024, no
-dropout), ``--layers`` in all, split evenly into P stages (P*v chunks for interleaved), hidden
-states (micro-batch 4, 128 tokens, 256) between them, a mean-squared loss after the last. A step is
+Model: a stack of torch ``nn.TransformerEncoderLayer`` blocks (``--d`` 128, 4 heads, feed-forward
+4d, no dropout), ``--layers`` 8 in all, split evenly into P stages (P*v chunks for interleaved),
+hidden states (micro-batch 4, ``--tokens`` 64, d) between them, a mean-squared loss after the last. A step is
 forward and backward of m micro-batches (no optimizer: both sides run the same update anyway).
 
 Variants, all on the same forked gloo ranks, rotated each step (each after a barrier) so outside
@@ -103,6 +103,8 @@ def worker(comm, P: int, m: int, steps: int, rounds: int, shape: dict) -> dict:
                 kwargs = {"target": ts.flatten(0, 1), "losses": []} if has_last else {}
                 plan.step(*([xs.flatten(0, 1)] if has_first else []), **kwargs)
             seconds = time.perf_counter() - t0
+            if rank == 0 and step % steps == 0 and (who, name) == order[-1]:
+                print(f"  pp={P}: step {step} of {rounds * steps} done", file=sys.stderr, flush=True)
             if step == 0:
                 continue
             if step == 1 and who == "torch":     # same chunks, same batch: the same gradients?
@@ -126,8 +128,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128, help="hidden size (4 heads, feed-forward 4d)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     args = ap.parse_args()
-    shape = dict(d=256, heads=4, layers=args.layers, micro=4, tokens=128)
+    shape = dict(d=args.d, heads=4, layers=args.layers, micro=4, tokens=args.tokens)
     if args.quick:
         shape.update(d=32, tokens=16)
         args.steps, args.rounds = 2, 1
