@@ -1,7 +1,8 @@
 """The pipeline executor on real forked gloo ranks: a toy stack of Linear layers split into
 stages gives the loss and every gradient of the whole stack run on one rank (torch autograd,
 the same micro-batches, each loss / m), for GPipe, 1F1B and interleaved 1F1B at pp 2 and 4;
-the schedules agree with each other; the measured in-flight activations are the plan's."""
+the schedules agree with each other; the measured in-flight activations are the plan's, and the
+measured activation memory follows them."""
 from __future__ import annotations
 
 import pickle
@@ -12,7 +13,7 @@ from torch import nn
 
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder
-from tests.multiproc import run_ranks
+from multiproc import run_ranks
 
 D, B = 8, 3
 CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("mixed", 1))
@@ -69,7 +70,8 @@ def _pipeline(comm, m):
                             act_shape=(B, D), act_dtype=torch.float32, device="cpu", recorder=rec)
         grads = {schedule.stage_of(comm.rank, c, P): [p.grad.clone() for p in chunks[c].parameters()]
                  for c in range(v)}
-        out[name] = dict(loss=loss, grads=grads, peak=rec.peak_in_flight, events=len(rec.events))
+        out[name] = dict(loss=loss, grads=grads, peak=rec.peak_in_flight, events=len(rec.events),
+                         peak_bytes=rec.peak_bytes, live_bytes=rec.live_bytes)
     return pickle.dumps(out)   # plain pickle: a queue would share the tensors' memory with a rank that exits
 
 
@@ -96,6 +98,10 @@ def test_pipeline_matches_one_rank(P):
         # measured in flight == what the checker predicts from the plan
         assert [r[name]["peak"] for r in results] == schedule.check(plan, P, m, v)
         assert all(r[name]["events"] == 2 * m * v for r in results)
+    for r, res in enumerate(results):
+        # activation memory follows the in-flight micro-batches (each holds the same bytes on a stage)
+        assert res["gpipe"]["peak_bytes"] * min(P - r, m) == res["1f1b"]["peak_bytes"] * m > 0
+        assert all(res[name]["live_bytes"] == 0 for name, _ in CASES)
     for r in range(P):       # gpipe and 1f1b run the same stages: the same gradients
         for s in results[r]["gpipe"]["grads"]:
             for g1, g2 in zip(results[r]["gpipe"]["grads"][s], results[r]["1f1b"]["grads"][s]):

@@ -73,3 +73,13 @@ def test_bad_combinations(args, words):
     with pytest.raises(ValueError, match=words) as err:
         schedule.build(*args)
     assert "\n" not in str(err.value)
+
+
+def test_plans_in_the_docs_are_the_built_ones():
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
+    blocks = re.findall(r"<!-- plan: (\w+) (\d+) (\d+) (\d+) -->\n```\n(.*?)\n```", doc, re.S)
+    assert len(blocks) == 2
+    for name, P, m, v, text in blocks:
+        assert schedule.format_plan(schedule.build(name, int(P), int(m), int(v))) == text

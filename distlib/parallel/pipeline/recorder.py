@@ -5,7 +5,7 @@
 CLOCK_MONOTONIC, one clock for every process of a machine -- with t_start taken once the inputs
 arrived, so waiting is idle time, and t_end once the outputs were sent. It also measures the
 activation memory of the in-flight micro-batches: the bytes autograd saves for backward during a
-chunk's forward (parameters excluded, each storage once) plus the chunk's input and output,
+chunk's forward (parameters excluded, each tensor once) plus the chunk's input and output,
 held from the forward to its backward.
 
 ``bubble`` turns the events of all ranks of one step into each rank's idle fraction, to be set
@@ -40,17 +40,18 @@ class Recorder:
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
         seen: dict[int, int] = {}
 
+        def count(t: torch.Tensor) -> None:   # a view counts its own bytes, not its whole storage
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+
         def pack(t: torch.Tensor):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params and s.device.type != "meta":
-                seen[s.data_ptr()] = s.nbytes()
+            count(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         for t in held:
-            if t is not None:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            count(t)
         nbytes = sum(seen.values())
         self._held[(micro, chunk)] = nbytes
         self.live_bytes += nbytes
