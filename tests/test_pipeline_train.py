@@ -1,6 +1,7 @@
 """Pipeline parallelism in the training application (dist.pp): the layout is refused with one
 line when it cannot work; every layout and schedule trains to world size 1's losses on the same
 global batch; checkpoints resume bitwise at the same layout and across pipeline degrees."""
+import json
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from multiproc import run_ranks
 
 from distlib.app.config import ConfigError, RunConfig
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.faults import step_hooks
 from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm.mesh import build_mesh
@@ -82,9 +84,10 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
     for i, t in enumerate(trees):
         d = Path(run_dir) / str(i)
         d.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(RunConfig.from_dict(t), comm, d)
+        cfg = RunConfig.from_dict(t)
+        trainer = Trainer(cfg, comm, d, hooks=step_hooks(cfg.fault, comm.rank))     # as train.py
         result = trainer.run()
-        out.append({"losses": {s.step: s.loss.hex() for s in result.steps},
+        out.append({"losses": {s.step: s.loss.hex() for s in result.steps}, "stopped_by": result.stopped_by,
                     "norms": [s.param_norms for s in result.steps], "resume_ok": result.resume_check
                     and result.resume_check.ok})
     return out
@@ -121,6 +124,9 @@ def test_every_layout_and_schedule_trains_to_world_size_ones_losses(tmp_path, wo
         assert sorted(got) == list(range(1, 21))
         worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
         assert worst <= REL, f"{layout} {schedule}: loss differs from world size 1 by {worst:.2e} (relative)"
+    step = next(json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()
+                if '"type": "step"' in line)
+    assert step["comm_bytes"]["pp"] > 0        # the pipeline group's traffic, reported apart
     for r in range(world):      # the parameter norm spans every stage: one value on every rank
         assert [run["norms"] for run in runs[r]] == [run["norms"] for run in runs[0]]
         assert all(len(set(norms)) == 1 for run in runs[r] for norms in run["norms"])
@@ -174,3 +180,15 @@ def test_a_checkpoint_resumes_across_pipeline_degrees(tmp_path, first, second):
         want, got = float.fromhex(full["losses"][k]), float.fromhex(resumed["losses"][k])
         assert abs(got - want) <= REL * abs(want), f"step {k}: {got} after the resume, {want} without"
     assert resumed["resume_ok"] is True
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_stage_saves_the_same_step_on_both_and_stops(tmp_path):
+    t = _resumable(2, pp=2)
+    t["fault"] = {"sigterm_rank": 1, "sigterm_step": 4}
+    runs = run_ranks(_train, 2, [t], str(tmp_path), timeout_s=600)
+    for (run,) in runs:
+        assert run["stopped_by"] == "SIGTERM" and sorted(run["losses"]) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "0" / "checkpoints").glob("step_*")) == ["step_00000003",
+                                                                                       "step_00000004"]
+    checkpoint.verify(tmp_path / "0" / "checkpoints" / "step_00000004")
