@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from e2e import torchrun
 from multiproc import run_ranks
 
 from distlib.app.config import ConfigError, RunConfig
@@ -192,3 +193,16 @@ def test_a_sigterm_to_one_stage_saves_the_same_step_on_both_and_stops(tmp_path):
     assert sorted(p.name for p in (tmp_path / "0" / "checkpoints").glob("step_*")) == ["step_00000003",
                                                                                        "step_00000004"]
     checkpoint.verify(tmp_path / "0" / "checkpoints" / "step_00000004")
+
+
+@pytest.mark.slow
+def test_a_stalled_stage_is_named_within_the_timeout_by_the_stage_waiting_on_it(tmp_path):
+    """The pipeline group's waits are bounded by dist.timeout_s like the world's (a new gloo
+    group's own default is 30 minutes): rank 1 stalls, rank 0's receive times out and names it."""
+    proc = torchrun(tmp_path, "dist.world_size=2", "dist.pp=2", "dist.timeout_s=5", "fault.hang_rank=1",
+                    "fault.hang_step=3", nproc=2, timeout=240)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error [rank 0]")]
+    assert errors and "step 3: pipeline did not complete on rank 0 within dist.timeout_s=5s" in errors[0], \
+        proc.stderr[-3000:]
+    assert "rank(s) [1] did not arrive" in errors[0]
