@@ -1,7 +1,7 @@
 """Pipeline schedules measured: bubble fraction against theory, peak activation memory per stage,
 step time against torch's own pipelining (torch.distributed.pipelining), in the same run.
 
-    .venv/bin/python benchmarks/pipeline.py                 # pp 2, m 8, 8 steps, 3 interleaved rounds
+    .venv/bin/python benchmarks/pipeline.py                 # pp 2, m 8, 2 interleaved rounds of 4 steps
     .venv/bin/python benchmarks/pipeline.py --quick         # tiny model, 2 steps, 1 round
     .venv/bin/python benchmarks/pipeline.py --pp 2 4
 
@@ -81,7 +81,7 @@ def worker(comm, P: int, m: int, steps: int, rounds: int, shape: dict) -> dict:
         plan = schedule.build(name, P, m, v)
         variants[("ours", name)] = (ours, plan, v)
         variants[("torch", name)] = (theirs, _torch_schedule(name, theirs, rank, P, v, m, None), v)
-    out = {f"{who}/{name}": dict(seconds=[], bubble=[], events=None, peak_bytes=0, peak_in_flight=0)
+    out = {f"{who}/{name}": dict(seconds=[], events=[], peak_bytes=0, peak_in_flight=0)
            for who, name in variants}
     order = list(variants)
     for step in range(rounds * steps + 1):            # step 0 warms up every variant
@@ -115,7 +115,7 @@ def worker(comm, P: int, m: int, steps: int, rounds: int, shape: dict) -> dict:
             row = out[f"{who}/{name}"]
             row["seconds"].append(seconds)
             if who == "ours":
-                row["events"] = rec.events
+                row["events"].append(rec.events)
                 row["peak_bytes"], row["peak_in_flight"] = rec.peak_bytes, rec.peak_in_flight
     return out
 
@@ -125,8 +125,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--pp", type=int, nargs="+", default=[2])
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step (m)")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d", type=int, default=128, help="hidden size (4 heads, feed-forward 4d)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
@@ -145,8 +145,9 @@ def main() -> None:
         for name, v in SCHEDULES:
             ours = [max(r[f"ours/{name}"]["seconds"][i] for r in ranks) for i in range(n)]
             theirs = [max(r[f"torch/{name}"]["seconds"][i] for r in ranks) for i in range(n)]
-            events = [e for r in ranks for e in r[f"ours/{name}"]["events"]]
-            measured = statistics.mean(bubble(events).values())
+            steps = [[e for r in ranks for e in r[f"ours/{name}"]["events"][i]] for i in range(n)]
+            measured = statistics.median(statistics.mean(bubble(ev).values()) for ev in steps)
+            events = steps[-1]
             row = dict(pp=P, schedule=name, v=v, m=args.micro, ours_ms=1000 * statistics.median(ours),
                        torch_ms=1000 * statistics.median(theirs), bubble=measured,
                        theory=theory(name, P, args.micro, v),

@@ -90,3 +90,13 @@ def test_bubble_from_events():
     assert bubble(ev) == {0: 0.5, 1: 0.5}
     assert theory("1f1b", 4, 8) == theory("gpipe", 4, 8) == 3 / 11
     assert theory("interleaved", 4, 8, 2) == 3 / 19
+
+
+def test_the_docs_timelines_exist():
+    import re
+    doc = (ROOT / "docs" / "parallelism.md").read_text()
+    pictures = re.findall(r"!\[[^\]]*\]\((img/pipeline_\w+\.png)\)", doc)
+    assert {p.split("_")[1] for p in pictures} == {"gpipe", "1f1b", "interleaved"}
+    for p in pictures:
+        w, h = _png_size((ROOT / "docs" / p).read_bytes())
+        assert w > 400 and h > 100
