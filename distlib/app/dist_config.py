@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlib.app.devices import cuda_devices, no_cuda_reason
+from distlib.app import devices   # looked up at call time (tests stand in GPUs for it)
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -41,9 +41,9 @@ class DistConfig:
                               f"(got {self.pp_schedule})")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"dist.backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.backend == "nccl" and not cuda_devices():
+        if self.backend == "nccl" and not devices.cuda_devices():
             # Without this check the run would die later, as a rendezvous "timeout".
-            raise ConfigError(f"dist.backend=nccl needs CUDA GPUs but {no_cuda_reason()}; use dist.backend=gloo")
+            raise ConfigError(f"dist.backend=nccl needs CUDA GPUs but {devices.no_cuda_reason()}; use dist.backend=gloo")
         if not self.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
 
