@@ -1,16 +1,21 @@
 """Pipeline parallelism in the training application (dist.pp): the layout is refused with one
 line when it cannot work; every layout and schedule trains to world size 1's losses on the same
 global batch; checkpoints resume bitwise at the same layout and across pipeline degrees."""
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from e2e import torchrun
 from multiproc import run_ranks
 
 from distlib.app.config import ConfigError, RunConfig
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.faults import step_hooks
+from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
+from distlib.comm.mesh import build_mesh
 
 REL = 1e-5
 # n_layers 2 x pp: pp x 2 virtual chunks; grad_accum 4 micro-batches (interleaved: a multiple of pp)
@@ -50,6 +55,29 @@ def test_interleaving_needs_micro_batches_in_multiples_of_pp_and_blocks_for_ever
     assert cfg.dp_size == 2                     # 8 ranks = 2 tensor x 2 data x 2 pipeline
 
 
+def _mesh(comm):
+    mesh = build_mesh(comm.instrumented(check=True), tp=2, pp=2)
+    stats = {id(g.stats) for g in (mesh.world, mesh.dp, mesh.tp, mesh.pp, mesh.stage)}
+    return {name: g.ranks for name, g in mesh.groups().items()} | {
+        "stage": mesh.stage.ranks, "loss_ranks": mesh.loss_ranks, "ends": (mesh.first_stage, mesh.last_stage),
+        "own_stats": len(stats) == 5, "checked": all(g.check for g in mesh.groups().values())}
+
+
+@pytest.mark.slow
+def test_the_mesh_knows_data_tensor_and_pipeline_groups_in_the_documented_rank_order():
+    got = run_ranks(_mesh, 8)
+    place = {(s * 2 + d) * 2 + t: (s, d, t) for s in range(2) for d in range(2) for t in range(2)}   # tp fastest
+    rank = {v: k for k, v in place.items()}
+    for g, row in enumerate(got):
+        s, d, t = place[g]
+        assert row["tp"] == tuple(rank[s, d, x] for x in range(2))
+        assert row["dp"] == tuple(rank[s, x, t] for x in range(2))
+        assert row["pp"] == tuple(rank[x, d, t] for x in range(2))
+        assert row["stage"] == tuple(rank[s, x, y] for x in range(2) for y in range(2))
+        assert row["loss_ranks"] == tuple(rank[1, x, t] for x in range(2))      # the last stage's dp group
+        assert row["ends"] == (s == 0, s == 1) and row["own_stats"] and row["checked"]
+
+
 def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
     """One rank: train each tree in turn (one fork serves several schedules)."""
     torch.use_deterministic_algorithms(True)
@@ -57,9 +85,10 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
     for i, t in enumerate(trees):
         d = Path(run_dir) / str(i)
         d.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(RunConfig.from_dict(t), comm, d)
+        cfg = RunConfig.from_dict(t)
+        trainer = Trainer(cfg, comm, d, hooks=step_hooks(cfg.fault, comm.rank))     # as train.py
         result = trainer.run()
-        out.append({"losses": {s.step: s.loss.hex() for s in result.steps},
+        out.append({"losses": {s.step: s.loss.hex() for s in result.steps}, "stopped_by": result.stopped_by,
                     "norms": [s.param_norms for s in result.steps], "resume_ok": result.resume_check
                     and result.resume_check.ok})
     return out
@@ -96,6 +125,9 @@ def test_every_layout_and_schedule_trains_to_world_size_ones_losses(tmp_path, wo
         assert sorted(got) == list(range(1, 21))
         worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
         assert worst <= REL, f"{layout} {schedule}: loss differs from world size 1 by {worst:.2e} (relative)"
+    step = next(json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()
+                if '"type": "step"' in line)
+    assert step["comm_bytes"]["pp"] > 0        # the pipeline group's traffic, reported apart
     for r in range(world):      # the parameter norm spans every stage: one value on every rank
         assert [run["norms"] for run in runs[r]] == [run["norms"] for run in runs[0]]
         assert all(len(set(norms)) == 1 for run in runs[r] for norms in run["norms"])
@@ -131,6 +163,8 @@ def test_a_pipeline_run_resumes_bitwise_and_its_manifest_records_the_stages(tmp_
     assert stages[0][:2] == ["tok_emb.weight", "pos_emb.weight"] and stages[1][-1] == "lm_head.bias"
     assert {n.split(".")[1] for n in stages[0] if n.startswith("blocks.")} == {"0", "1"}
     assert {n.split(".")[1] for n in stages[1] if n.startswith("blocks.")} == {"2", "3"}
+    with pytest.raises(checkpoint.CheckpointError, match="pipeline-parallel"):     # scripts/ckpt.py's tools
+        reshard.consolidate(tmp_path / "0" / "checkpoints" / "step_00000003", tmp_path / "out")
 
 
 @pytest.mark.slow
@@ -147,3 +181,28 @@ def test_a_checkpoint_resumes_across_pipeline_degrees(tmp_path, first, second):
         want, got = float.fromhex(full["losses"][k]), float.fromhex(resumed["losses"][k])
         assert abs(got - want) <= REL * abs(want), f"step {k}: {got} after the resume, {want} without"
     assert resumed["resume_ok"] is True
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_stage_saves_the_same_step_on_both_and_stops(tmp_path):
+    t = _resumable(2, pp=2)
+    t["fault"] = {"sigterm_rank": 1, "sigterm_step": 4}
+    runs = run_ranks(_train, 2, [t], str(tmp_path), timeout_s=600)
+    for (run,) in runs:
+        assert run["stopped_by"] == "SIGTERM" and sorted(run["losses"]) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "0" / "checkpoints").glob("step_*")) == ["step_00000003",
+                                                                                       "step_00000004"]
+    checkpoint.verify(tmp_path / "0" / "checkpoints" / "step_00000004")
+
+
+@pytest.mark.slow
+def test_a_stalled_stage_is_named_within_the_timeout_by_the_stage_waiting_on_it(tmp_path):
+    """The pipeline group's waits are bounded by dist.timeout_s like the world's (a new gloo
+    group's own default is 30 minutes): rank 1 stalls, rank 0's receive times out and names it."""
+    proc = torchrun(tmp_path, "dist.world_size=2", "dist.pp=2", "dist.timeout_s=5", "fault.hang_rank=1",
+                    "fault.hang_step=3", nproc=2, timeout=240)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error [rank 0]")]
+    assert errors and "step 3: pipeline did not complete on rank 0 within dist.timeout_s=5s" in errors[0], \
+        proc.stderr[-3000:]
+    assert "rank(s) [1] did not arrive" in errors[0]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from distlib.comm.mesh import Mesh
-from distlib.comm.p2p import P2P
 from distlib.app.dist_config import DistConfig
 from distlib.app.model import MiniGPT
 from distlib.app.pipeline_model import Chunk, keep_stage_, lm_loss
@@ -45,7 +44,10 @@ class PipelineStep:
         micro = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         self.model.train()
         self.recorder = Recorder(self.mesh.pp.rank)
-        loss = self._execute(micro)
+        loss = executor.run(self.plan, self.chunks, self.mesh.pp, feed=lambda i: micro[i][0],
+                            loss_fn=lambda i, logits: lm_loss(logits, micro[i][1]),
+                            act_shape=(*micro[0][0].shape, self.model.cfg.dim), act_dtype=self.dtype,
+                            device=self.device, recorder=self.recorder)
         self.peak = max(self.peak, self.recorder.peak_bytes)
         return loss
 
@@ -54,9 +56,3 @@ class PipelineStep:
         """The most bytes of activations this rank held for backward at once, over the run's steps
         (the recorder's count: saved tensors plus each chunk's input and output)."""
         return self.peak
-
-    def _execute(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        return executor.run(self.plan, self.chunks, self.mesh.pp, feed=lambda i: micro[i][0],
-                            loss_fn=lambda i, logits: lm_loss(logits, micro[i][1]),
-                            act_shape=(*micro[0][0].shape, self.model.cfg.dim), act_dtype=self.dtype,
-                            device=self.device, recorder=self.recorder)

@@ -95,7 +95,7 @@ class Trainer:
         # Count traffic per collective kind and (dist.check_collectives) check every call's header.
         comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
-        self.mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp)   # dp / tp (/ pp) groups: comm's check, own stats
+        self.mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s)   # dp/tp(/pp): comm's check
         if hooks is None and cfg.fault.configured:     # a drill that silently injects nothing proves nothing
             raise ValueError("fault.* is set but no hooks are attached: pass "
                              "hooks=distlib.app.unattended.faults.step_hooks(cfg.fault, rank) to Trainer")

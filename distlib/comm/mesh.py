@@ -28,6 +28,7 @@ and ``pp`` a group of one.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -75,12 +76,20 @@ def check_layout(world_size: int, tp: int, pp: int = 1) -> None:
         raise MeshError(f"{what} must be >= 1 and divide dist.world_size={world_size}")
 
 
-def build_mesh(world: Comm, tp: int, pp: int = 1) -> Mesh:
+def _new_group(ranks: list[int], timeout_s: float | None):
+    """A torch process group; ``timeout_s``: its waits' bound (torch's default for a new gloo group
+    is 30 minutes, not the world's ``dist.timeout_s``: a stalled peer would not be detected)."""
+    if timeout_s is None:
+        return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def build_mesh(world: Comm, tp: int, pp: int = 1, timeout_s: float | None = None) -> Mesh:
     """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank),
-    and with ``pp`` > 1 the pipeline and stage groups."""
+    and with ``pp`` > 1 the pipeline and stage groups; each waits at most ``timeout_s``."""
     check_layout(world.size, tp, pp)
     if pp > 1:
-        return _build_3d(world, tp, pp)
+        return _build_3d(world, tp, pp, timeout_s)
 
     def riders() -> dict:
         return dict(stats=CommStats() if world.stats is not None else None, check=world.check,
@@ -97,14 +106,14 @@ def build_mesh(world: Comm, tp: int, pp: int = 1) -> Mesh:
     for kind, groups in (("tp", tp_groups), ("dp", dp_groups)):
         for ranks in groups:
             # gloo needs a real group even of size 1 only for collectives; skip those.
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = _new_group(ranks, timeout_s) if len(ranks) > 1 else None
             if me in ranks:
                 mine[kind] = dataclasses.replace(Comm.subgroup(ranks, group) if group is not None
                                                  else Comm(ranks=tuple(ranks), rank=0), **riders())
     return Mesh(world=world, dp=mine["dp"], tp=mine["tp"], stage=world)
 
 
-def _build_3d(world: Comm, tp: int, pp: int) -> Mesh:
+def _build_3d(world: Comm, tp: int, pp: int, timeout_s: float | None) -> Mesh:
     dp = world.size // (tp * pp)
     g = lambda s, d, t: world.peer((s * dp + d) * tp + t)   # noqa: E731 - the rank order, once
     groups = {"tp": [[g(s, d, t) for t in range(tp)] for s in range(pp) for d in range(dp)],
@@ -115,7 +124,7 @@ def _build_3d(world: Comm, tp: int, pp: int) -> Mesh:
     mine: dict[str, Comm] = {}
     for kind, lists in groups.items():
         for ranks in lists:
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = _new_group(ranks, timeout_s) if len(ranks) > 1 else None
             if me in ranks:
                 stats = CommStats() if world.stats is not None else None
                 base = Comm.subgroup(ranks, group) if group is not None else Comm(ranks=tuple(ranks), rank=0)
