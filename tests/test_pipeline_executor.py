@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from distlib.comm.group import Comm
+from distlib.comm.p2p import P2P
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder
 from multiproc import run_ranks
@@ -58,8 +60,12 @@ def reference(num_stages: int, m: int):
     return total, [[p.grad.clone() for p in s.parameters()] for s in stages]
 
 
-def _pipeline(comm, m):
+def _pipeline(comm, m, transport="plain"):
     torch.set_num_threads(1)
+    if transport == "batched":      # NCCL's way: posted together at the first wait (a forked rank: patched here only)
+        Comm.batched = property(lambda self: True)
+    if transport == "staged":       # a CUDA tensor over gloo: every message through a separate buffer
+        P2P.staged = lambda self, t: True
     P, out = comm.size, {}
     xs, ts = batch(m)
     for name, v in CASES:
@@ -82,8 +88,20 @@ def rel(a, b):
 
 @pytest.mark.parametrize("P", [1, 2, 4])
 def test_pipeline_matches_one_rank(P):
+    check_against_one_rank(P, "plain")
+
+
+@pytest.mark.parametrize("transport", ["batched", "staged"])
+def test_pipeline_over_the_gpu_transports(transport):
+    """The message paths a GPU takes, exercised over gloo (tests/test_devices.py does the same for
+    the collectives): NCCL's batched posting (sends wait for the rank's next wait: no deadlock)
+    and staging through buffers."""
+    check_against_one_rank(2, transport)
+
+
+def check_against_one_rank(P: int, transport: str) -> None:
     m = 8
-    results = [pickle.loads(r) for r in run_ranks(_pipeline, P, m)]
+    results = [pickle.loads(r) for r in run_ranks(_pipeline, P, m, transport)]
     for name, v in CASES:
         plan = plan_of(name, P, m, v)
         print(f"\n{name} pp={P} m={m} v={v}\n{schedule.format_plan(plan)}")
