@@ -2,8 +2,8 @@
 stages gives the loss and every gradient of the whole stack run on one rank (torch autograd,
 the same micro-batches, each loss / m), for GPipe, 1F1B and interleaved 1F1B at pp 1, 2 and 4 (pp 1:
 interleaved chunks hand over on the rank, no message);
-the schedules agree with each other; the measured in-flight activations are the plan's, and the
-measured activation memory follows them."""
+the schedules agree with each other; the measured in-flight activations are the plan's, the
+measured activation memory follows them, and sent tensors are not held to the end of the step."""
 from __future__ import annotations
 
 import pickle
@@ -78,7 +78,8 @@ def _pipeline(comm, m, transport="plain"):
         grads = {schedule.stage_of(comm.rank, c, P): [p.grad.clone() for p in chunks[c].parameters()]
                  for c in range(v)}
         out[name] = dict(loss=loss, grads=grads, peak=rec.peak_in_flight, events=len(rec.events),
-                         peak_bytes=rec.peak_bytes, live_bytes=rec.live_bytes)
+                         peak_bytes=rec.peak_bytes, live_bytes=rec.live_bytes,
+                         peak_sends=rec.peak_sends)
     return pickle.dumps(out)   # plain pickle: a queue would share the tensors' memory with a rank that exits
 
 
@@ -121,6 +122,8 @@ def check_against_one_rank(P: int, transport: str) -> None:
         # activation memory follows the in-flight micro-batches (each holds the same bytes on a stage)
         assert res["gpipe"]["peak_bytes"] * min(P - r, m) == res["1f1b"]["peak_bytes"] * m > 0
         assert all(res[name]["live_bytes"] == 0 for name, _ in CASES)
+        # sent tensors are let go once a reply shows they arrived: 1F1B holds as few as it has in flight
+        assert res["1f1b"]["peak_sends"] <= P, res["1f1b"]["peak_sends"]
     for r in range(P):       # gpipe and 1f1b run the same stages: the same gradients
         for s in results[r]["gpipe"]["grads"]:
             for g1, g2 in zip(results[r]["gpipe"]["grads"][s], results[r]["1f1b"]["grads"][s]):
