@@ -2,8 +2,8 @@
 stages gives the loss and every gradient of the whole stack run on one rank (torch autograd,
 the same micro-batches, each loss / m), for GPipe, 1F1B and interleaved 1F1B at pp 1, 2 and 4 (pp 1:
 interleaved chunks hand over on the rank, no message);
-the schedules agree with each other; the measured in-flight activations are the plan's, and the
-measured activation memory follows them."""
+the schedules agree with each other; the measured in-flight activations are the plan's, the
+measured activation memory follows them, and sent tensors are not held to the end of the step."""
 from __future__ import annotations
 
 import pickle
@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from distlib.comm.group import Comm
+from distlib.comm.p2p import P2P
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder
 from multiproc import run_ranks
@@ -58,8 +60,12 @@ def reference(num_stages: int, m: int):
     return total, [[p.grad.clone() for p in s.parameters()] for s in stages]
 
 
-def _pipeline(comm, m):
+def _pipeline(comm, m, transport="plain"):
     torch.set_num_threads(1)
+    if transport == "batched":      # NCCL's way: posted together at the first wait (a forked rank: patched here only)
+        Comm.batched = property(lambda self: True)
+    if transport == "staged":       # a CUDA tensor over gloo: every message through a separate buffer
+        P2P.staged = lambda self, t: True
     P, out = comm.size, {}
     xs, ts = batch(m)
     for name, v in CASES:
@@ -72,7 +78,8 @@ def _pipeline(comm, m):
         grads = {schedule.stage_of(comm.rank, c, P): [p.grad.clone() for p in chunks[c].parameters()]
                  for c in range(v)}
         out[name] = dict(loss=loss, grads=grads, peak=rec.peak_in_flight, events=len(rec.events),
-                         peak_bytes=rec.peak_bytes, live_bytes=rec.live_bytes)
+                         peak_bytes=rec.peak_bytes, live_bytes=rec.live_bytes,
+                         peak_sends=rec.peak_sends)
     return pickle.dumps(out)   # plain pickle: a queue would share the tensors' memory with a rank that exits
 
 
@@ -82,8 +89,20 @@ def rel(a, b):
 
 @pytest.mark.parametrize("P", [1, 2, 4])
 def test_pipeline_matches_one_rank(P):
+    check_against_one_rank(P, "plain")
+
+
+@pytest.mark.parametrize("transport", ["batched", "staged"])
+def test_pipeline_over_the_gpu_transports(transport):
+    """The message paths a GPU takes, exercised over gloo (tests/test_devices.py does the same for
+    the collectives): NCCL's batched posting (sends wait for the rank's next wait: no deadlock)
+    and staging through buffers."""
+    check_against_one_rank(2, transport)
+
+
+def check_against_one_rank(P: int, transport: str) -> None:
     m = 8
-    results = [pickle.loads(r) for r in run_ranks(_pipeline, P, m)]
+    results = [pickle.loads(r) for r in run_ranks(_pipeline, P, m, transport)]
     for name, v in CASES:
         plan = plan_of(name, P, m, v)
         print(f"\n{name} pp={P} m={m} v={v}\n{schedule.format_plan(plan)}")
@@ -103,6 +122,8 @@ def test_pipeline_matches_one_rank(P):
         # activation memory follows the in-flight micro-batches (each holds the same bytes on a stage)
         assert res["gpipe"]["peak_bytes"] * min(P - r, m) == res["1f1b"]["peak_bytes"] * m > 0
         assert all(res[name]["live_bytes"] == 0 for name, _ in CASES)
+        # sent tensors are let go once a reply shows they arrived: 1F1B holds as few as it has in flight
+        assert res["1f1b"]["peak_sends"] <= P, res["1f1b"]["peak_sends"]
     for r in range(P):       # gpipe and 1f1b run the same stages: the same gradients
         for s in results[r]["gpipe"]["grads"]:
             for g1, g2 in zip(results[r]["gpipe"]["grads"][s], results[r]["1f1b"]["grads"][s]):

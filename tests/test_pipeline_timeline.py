@@ -86,8 +86,8 @@ def test_timeline_png_from_a_real_run(tmp_path):
 
 def test_bubble_from_events():
     ev = [dict(rank=0, t_start=0.0, t_end=1.0), dict(rank=0, t_start=3.0, t_end=4.0),
-          dict(rank=1, t_start=1.0, t_end=3.0)]
-    assert bubble(ev) == {0: 0.5, 1: 0.5}
+          dict(rank=1, t_start=1.0, t_end=2.0)]
+    assert bubble(ev) == {0: 0.5, 1: 0.75}    # the span is 0..4 for both
     assert theory("1f1b", 4, 8) == theory("gpipe", 4, 8) == 3 / 11
     assert theory("interleaved", 4, 8, 2) == 3 / 19
 

@@ -28,7 +28,9 @@ sum over the pipeline group gives everyone the loss.
 
 A forward keeps its input (made ``requires_grad``) and output until its backward, which calls
 ``torch.autograd.backward(output, grad)`` and sends ``input.grad`` upstream. Sends are posted
-(isend) and waited on at the end of the step, so sending never blocks; a receive is posted when
+(isend) and never block: each is waited on once a later message back from its peer shows that
+it was received (the wait returns at once and its tensor is let go: ``confirmations``), the rest
+at the end of the step; a receive is posted when
 its action needs it (with any earlier messages from the same peer, in the peer's send order) --
 the semantics ``schedule.check`` proves deadlock-free. Two stages on the same rank (interleaved,
 P = 1) hand the tensor over without a message.
@@ -78,6 +80,26 @@ class _Mailbox:
         return buf
 
 
+def confirmations(plan: list[list[Action]], me: int, P: int, v: int) -> dict:
+    """For each message this rank sends to another rank: the first message that rank sends back
+    after the action that consumed it (key -> key). Once that reply arrived, the send is complete
+    and its wait returns at once, so its tensor can be let go; a send with no reply waits at the
+    end of the step. (gloo's send work reports completion only from its wait.)"""
+    out = {}
+    for a in plan[me]:
+        key = schedule.message_out(a, me, P, v)
+        if key is None or (to := schedule.destination(key, P)) == me:
+            continue
+        acts = plan[to]
+        used = next(i for i, b in enumerate(acts) if schedule.messages_in(b, to, P, v) == key)
+        for b in acts[used + 1:]:
+            reply = schedule.message_out(b, to, P, v)
+            if reply is not None and schedule.destination(reply, P) == me:
+                out[key] = reply
+                break
+    return out
+
+
 def run(plan: list[list[Action]], chunks: list[nn.Module], comm: Comm, *, feed: Callable[[int], Tensor],
         loss_fn: Callable[[int, Tensor], Tensor], act_shape, act_dtype: torch.dtype, device,
         recorder=None) -> Tensor:
@@ -88,7 +110,10 @@ def run(plan: list[list[Action]], chunks: list[nn.Module], comm: Comm, *, feed: 
     last = P * v - 1
     p2p = P2P("pipeline", comm)
     mail = _Mailbox(plan, me, P, v, p2p, act_shape, act_dtype, device)
-    sends: list = []                # (handle, tensor): waited on at the end, tensors kept alive till then
+    sends: dict = {}                # key -> (handle, tensor): the tensor is kept alive until the wait
+    release: dict = {}              # reply key -> the sends it confirms
+    for key, reply in confirmations(plan, me, P, v).items():
+        release.setdefault(reply, []).append(key)
     kept: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
     total = torch.zeros((), dtype=torch.float64, device=device)
     clock = recorder.clock if recorder is not None else None
@@ -98,12 +123,16 @@ def run(plan: list[list[Action]], chunks: list[nn.Module], comm: Comm, *, feed: 
         if to == me:
             mail.put_local(key, tensor)
         else:
-            sends.append((p2p.send(tensor, to), tensor))
+            sends[key] = (p2p.send(tensor, to), tensor)
+            if recorder is not None:
+                recorder.pending_sends(len(sends))
 
     for a in actions:
         s = schedule.stage_of(me, a.chunk, P)
         need = schedule.messages_in(a, me, P, v)
         received = mail.get(need, schedule.place_of(need[2], P)[0]) if need is not None else None
+        if need in release:
+            p2p.wait(*(sends.pop(k)[0] for k in release.pop(need) if k in sends))
         t0 = clock() if clock else 0.0
         if a.kind == "F":
             x = feed(a.micro) if s == 0 else received.requires_grad_(x_needs_grad(received))
@@ -130,7 +159,7 @@ def run(plan: list[list[Action]], chunks: list[nn.Module], comm: Comm, *, feed: 
                 recorder.backward_done(a.micro, a.chunk)
         if recorder is not None:
             recorder.event(a.kind, a.micro, a.chunk, t0, clock())
-    p2p.wait(*(h for h, _ in sends))
+    p2p.wait(*(h for h, _ in sends.values()))
     return total
 
 

@@ -26,6 +26,7 @@ class Recorder:
         self.events: list[dict] = []
         self.live_bytes = self.peak_bytes = 0
         self.in_flight = self.peak_in_flight = 0
+        self.peak_sends = 0         # most sent tensors held at once, waiting for their wait
         self._held: dict[tuple[int, int], int] = {}
         self.clock = time.perf_counter
 
@@ -58,6 +59,9 @@ class Recorder:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def pending_sends(self, count: int) -> None:
+        self.peak_sends = max(self.peak_sends, count)
 
     def backward_done(self, micro: int, chunk: int) -> None:
         self.live_bytes -= self._held.pop((micro, chunk))
