@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 RUNS = {
     "checkpoint": ["benchmarks/checkpoint.py", "--params", "1e5", "--world-size", "2", "--repeats", "1"],
     "collectives": ["benchmarks/collectives.py", "--quick", "--sizes", "1024"],
+    "pipeline": ["benchmarks/pipeline.py", "--quick"],
     "step": ["benchmarks/step.py", "--models", "tiny", "--worlds", "2", "--steps", "2", "--warmup", "1",
              "--stages", "1", "3", "--torch", "ddp"],
     # two torchrun jobs, each with a SIGKILLed worker and a restart (~40 s each on 2 loaded cores)

@@ -58,6 +58,8 @@ def train(tree, run_dir) -> list[dict]:
     ({"zero": {"stage": 2}}, {"nan_grad_rank": 1, "nan_grad_step": 5}, 5, 3),
     # lr spike after checkpoint 3 was trusted, on 2 tensor-parallel ranks (one data-parallel group)
     ({"zero": {"stage": 3}, "dist": {"tp": 2}}, {"lr_spike_step": 5, "lr_spike_factor": 1000.0}, 6, 3),
+    # NaN in the first pipeline stage's gradient (the loss lives on the last): 2 stages, one rank each
+    ({"dist": {"pp": 2}}, {"nan_grad_rank": 0, "nan_grad_step": 5}, 5, 3),
 ])
 def test_rollback_recovers_bitwise_at_zero_2_3_and_with_tensor_parallelism(tmp_path, layout, fault, trip_step,
                                                                            to_step):

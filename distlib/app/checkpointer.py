@@ -35,6 +35,7 @@ from distlib.app.config import RunConfig
 from distlib.app.data import GlobalBatches
 from distlib.app.fit_check import check_fits
 from distlib.app.hooks import StepHooks
+from distlib.app.pipeline_model import stage_layouts
 from distlib.app.async_save import AsyncSaves, PendingSave, Saved
 from distlib.app.memory_snapshots import MemorySnapshots, fingerprint
 from distlib.app.resume_check import ResumeCheck, verify_resume
@@ -61,6 +62,7 @@ class Checkpointer(AsyncSaves):
         self.memory = MemorySnapshots(cfg.checkpoint.memory_every_steps, comm, run_dir,
                                       lambda: fingerprint(self._meta(0), comm.size), self.say)
         self.staging = StagingBuffers()             # checkpoint.async_save: host copies, reused
+        self.pp_meta = stage_layouts(mesh, optimizer.layout, tp_splits)   # (collective; {} at dist.pp=1)
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -222,7 +224,7 @@ class Checkpointer(AsyncSaves):
                 "param_dtype": self.cfg.train.dtype}
         if tp > 1:
             meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.tp_splits)
-        return meta
+        return {**meta, **self.pp_meta} if self.pp_meta else meta
 
     # -- loading --------------------------------------------------------------
     def load(self, path: Path, model: torch.nn.Module, optimizer: ZeroOptimizer, verified: bool = False) -> int:
@@ -236,7 +238,9 @@ class Checkpointer(AsyncSaves):
         manifest = agree.agreed(lambda: checkpoint.read_manifest(path), self.comm, checkpoint.CheckpointError)
         check_fits(path, manifest, optimizer.layout, self.cfg, self.mesh.tp.size, self.mesh.tp.rank, self.data)
         state, rank_state, rng = agree.agreed(
-            lambda: reshard.load_partition(path, manifest, self.mesh.dp.rank, self.mesh.dp.size, self.mesh.tp.rank),
+            lambda: reshard.load_partition(path, manifest, self.mesh.dp.rank, self.mesh.dp.size, self.mesh.tp.rank,
+                                           (optimizer.layout, *((self.mesh.pp.rank, self.mesh.pp.size) if self.mesh.pp
+                                                                else (0, 1)))),
             self.comm, checkpoint.CheckpointError)
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:

@@ -19,10 +19,7 @@ from distlib.app.model import ModelConfig, TPLayoutError, check_tp_layout
 from distlib.app.unattended.guard_config import GuardConfig   # re-exported: the guard group
 from distlib.app.checkpoint_config import CheckpointConfig   # re-exported: the checkpoint group
 from distlib.app.tokens import BYTE_VOCAB
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work, with the key that holds it."""
+from distlib.app.dist_config import ConfigError, DistConfig, check_pipeline   # re-exported: the dist group
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # train.dtype -> parameter/compute dtype
@@ -109,28 +106,6 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1 or null, got {getattr(self, name)}")
         if self.batch_size is None and self.global_batch is None:
             raise ConfigError("set train.global_batch or train.batch_size (both are null)")
-
-
-@dataclass(frozen=True)
-class DistConfig:
-    world_size: int = 4
-    backend: str = "gloo"
-    timeout_s: float = 60.0
-    tp: int = 1
-    check_collectives: bool = True
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"dist.world_size must be >= 1, got {self.world_size}")
-        if self.tp < 1:
-            raise ConfigError(f"dist.tp must be >= 1, got {self.tp}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ConfigError(f"dist.backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.backend == "nccl" and not cuda_devices():
-            # Without this check the run would die later, as a rendezvous "timeout".
-            raise ConfigError(f"dist.backend=nccl needs CUDA GPUs but {no_cuda_reason()}; use dist.backend=gloo")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
 
 
 SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_commit")
@@ -237,8 +212,9 @@ class RunConfig:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the world divided into tensor-parallel groups of dist.tp."""
-        return self.dist.world_size // self.dist.tp
+        """Data-parallel ranks: the world divided into tensor-parallel groups of dist.tp and
+        pipeline stages of dist.pp."""
+        return self.dist.world_size // (self.dist.tp * self.dist.pp)
 
     @property
     def global_batch(self) -> int:
@@ -255,8 +231,10 @@ class RunConfig:
 
     def _check_batch(self) -> None:
         t, ranks = self.train, self.dp_size
-        where = (f"dist.world_size={ranks}" if self.dist.tp == 1 else
-                 f"dist.world_size/dist.tp={self.dist.world_size}/{self.dist.tp}={ranks} data-parallel")
+        d = self.dist
+        where = (f"dist.world_size={ranks}" if d.tp == d.pp == 1 else
+                 f"dist.world_size/dist.tp={d.world_size}/{d.tp}={ranks} data-parallel" if d.pp == 1 else
+                 f"dist.world_size/(dist.tp x dist.pp)={d.world_size}/({d.tp} x {d.pp})={ranks} data-parallel")
         if self.global_batch % (ranks * t.grad_accum):
             raise ConfigError(
                 f"train.global_batch={self.global_batch} does not divide into {where} rank(s) x "
@@ -295,11 +273,12 @@ class RunConfig:
             seed=int(tree.get("seed", 1234)),
         )
         try:
-            check_layout(cfg.dist.world_size, cfg.dist.tp)
+            check_layout(cfg.dist.world_size, cfg.dist.tp, cfg.dist.pp)
             check_tp_layout(cfg.model, cfg.dist.tp)
         except (MeshError, TPLayoutError) as exc:
             raise ConfigError(f"invalid parallel layout: {exc}") from exc
         cfg._check_batch()
+        check_pipeline(cfg.dist, cfg.model.n_layers, cfg.train.grad_accum, cfg.train.eval_every)
         if cfg.optimizer.schedule.warmup_steps + cfg.optimizer.schedule.decay_steps > cfg.train.steps:
             raise ConfigError(f"optimizer.warmup_steps + optimizer.decay_steps exceed train.steps={cfg.train.steps}")
         if cfg.dist.backend == "nccl" and cfg.train.device == "cpu":

@@ -1,8 +1,9 @@
 """The fit check: may this run load a checkpoint? Every difference is listed, nothing is loaded.
 
 Parameters must have the same names, shapes and flat-layout order (a different model config is
-named key by key), the tensor-parallel degree must match (resharding covers data-parallel world
-sizes only), and the data stream must continue exactly: same corpus, seed, global batch and
+named key by key; at another pipeline degree, every parameter of this rank's stage must be in
+the checkpoint with its shape), the tensor-parallel degree must match (resharding covers
+data-parallel world sizes and pipeline degrees), and the data stream must continue exactly: same corpus, seed, global batch and
 training windows.
 """
 from __future__ import annotations
@@ -31,16 +32,20 @@ def check_fits(path: Path, manifest: dict, layout: FlatLayout, cfg: RunConfig, t
             f"{manifest.get('tp', 1)}, this run has dist.tp={tp_size} (resharding across "
             f"tensor-parallel degrees is not supported)")
     saved = FlatLayout.from_dict(manifest.get("tp_layouts", [manifest["layout"]])[tp_rank])
-    if saved.slots != layout.slots:
+    theirs = {s.name: s.shape for s in saved.slots}
+    ours = {s.name: s.shape for s in layout.slots}
+    by_name = cfg.dist.pp > 1 or "pp_layouts" in manifest    # pipeline stages: parameters found by name
+    if by_name:
+        stages = manifest.get("pp_layouts") or [manifest.get("tp_layouts", [manifest["layout"]])]
+        theirs = {s.name: s.shape for per_tp in stages for s in FlatLayout.from_dict(per_tp[tp_rank]).slots}
+    if any(theirs.get(n) != shape for n, shape in ours.items()) if by_name else saved.slots != layout.slots:
         model = dataclasses.asdict(cfg.model)
         for key, value in manifest.get("model", {}).items():
             if model.get(key) != value:
                 problems.append(f"model.{key}: checkpoint {value}, this run {model.get(key)}")
-        ours = {s.name: s.shape for s in layout.slots}
-        theirs = {s.name: s.shape for s in saved.slots}
+        names = list(ours) if by_name else [s.name for s in saved.slots] + [n for n in ours if n not in theirs]
         shapes = [f"parameter {name}: checkpoint {_shape(theirs.get(name))}, model {_shape(ours.get(name))}"
-                  for name in [s.name for s in saved.slots] + [n for n in ours if n not in theirs]
-                  if ours.get(name) != theirs.get(name)]
+                  for name in names if ours.get(name) != theirs.get(name)]
         problems += shapes or ["same parameters and shapes, but a different order in the flat layout"]
     data_config = dataclasses.asdict(cfg.data)
     for key, value in manifest.get("data_config", {}).items():

@@ -48,6 +48,7 @@ from distlib.app.hooks import StepHooks
 from distlib.app.lr_schedule import lr_at
 from distlib.app.metrics import MetricsLog
 from distlib.app.model import MiniGPT, build_model, shard_model_
+from distlib.app.pipeline_step import PipelineStep, split_model_
 from distlib.app.profiling import StepProfiler
 from distlib.app.unattended import guard
 from distlib.app.unattended import stopping as schedule
@@ -94,7 +95,7 @@ class Trainer:
         # Count traffic per collective kind and (dist.check_collectives) check every call's header.
         comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
-        self.mesh = build_mesh(comm, cfg.dist.tp)   # its dp / tp groups: comm's check, their own stats
+        self.mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s)   # dp/tp(/pp): comm's check
         if hooks is None and cfg.fault.configured:     # a drill that silently injects nothing proves nothing
             raise ValueError("fault.* is set but no hooks are attached: pass "
                              "hooks=distlib.app.unattended.faults.step_hooks(cfg.fault, rank) to Trainer")
@@ -104,6 +105,8 @@ class Trainer:
         plan = BatchPlan(cfg.global_batch, self.mesh.dp.size, cfg.train.grad_accum)
         self.data, self.heldout = data.build(cfg, comm, plan)
         self.model, self.optimizer = self.build(seed=cfg.seed)
+        self.pipeline = self.chunks and PipelineStep(cfg.dist, cfg.train.grad_accum, self.mesh, self.model,
+                                                     self.chunks, cfg.param_dtype, self.device)
         self.hooks.check_model(self.optimizer.layout.slots)
         # rank 0's clock decides checkpoint.every_minutes
         self.checkpointer = Checkpointer(cfg, comm, self.mesh, self.run_dir, self.data, self.model, self.optimizer,
@@ -113,19 +116,16 @@ class Trainer:
         self.activations = ActivationMeter()    # bytes kept for backward (the memory profile's activations)
         self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)
 
-    def say(self, message: str) -> None:
-        """One line on rank 0's stdout (every rank knows the same facts; one speaks)."""
-        if self.comm.rank == 0:
-            print(message, flush=True)
-
     def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
         model = build_model(self.cfg.model, seed).to(self.device)
         broadcast_module_(model, self.comm)
+        self.chunks = split_model_(model, self.cfg.dist, self.mesh)   # this pipeline rank's (None at pp=1)
         self.tp_splits = shard_model_(model, self.mesh.tp)     # parameter name -> Split (none at tp=1)
         z = self.cfg.zero
         optimizer = make_optimizer(model, self.mesh.dp, z.stage, self.cfg.optimizer.adamw, self.cfg.optimizer.grad_clip,
                                    tp=self.mesh.tp, tp_split=self.tp_splits, param_dtype=self.cfg.param_dtype,
-                                   bucket_numel=z.bucket_numel, overlap=z.overlap, grad_accum=self.cfg.train.grad_accum)
+                                   bucket_numel=z.bucket_numel, overlap=z.overlap, grad_accum=self.cfg.train.grad_accum,
+                                   pp=self.mesh.pp)
         return model, optimizer
 
     # -- the run ----------------------------------------------------------------
@@ -138,7 +138,7 @@ class Trainer:
         flops = 6 * throughput.model_params(cfg.model) * tokens     # per step, for MFU
         with schedule.StopSignals(deadline_s=cfg.dist.timeout_s) as signals, \
                 MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps,
-                           groups={"dp": self.mesh.dp, "tp": self.mesh.tp}, guard=cfg.guard,
+                           groups=self.mesh.groups(), guard=cfg.guard,
                            model_flops=flops, peak_flops=throughput.peak_flops(comm, self.device)) as log:
             self.log = log
             self._log_start(start, resume_path)
@@ -168,7 +168,7 @@ class Trainer:
         else:
             self.log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
         if cfg.guard.check_sync_every and not self.replicas_to_compare():
-            self.say("guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by two "
+            self.checkpointer.say("guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by two "
                      "ranks, so the replica check has nothing to compare and does not run")
 
     def _finish(self, start: int, result: RunResult) -> None:
@@ -197,7 +197,7 @@ class Trainer:
         # The loss is the mean over one data-parallel group (TP ranks of a group share a loss);
         # every rank's loss and norm take part in the verdict.
         verdict = guard.check_step(local_loss, grad_norm, recent, self.cfg.guard, self.comm,
-                                   loss_ranks=self.mesh.dp.ranks)
+                                   loss_ranks=self.mesh.loss_ranks)
         if not verdict.ok:
             return self._roll_back(step, verdict, grad_norm, result)
         self.checkpointer.step_passed()
@@ -212,6 +212,8 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
         float64 scalar on the device."""
+        if self.pipeline:
+            return self.pipeline.run(self.data.step_batches(step, self.mesh.dp.rank))
         self.model.train()
         # Summed in float64 on the device, read once: the same additions, in the same order, as adding
         # each micro-batch's float(loss) on the host, without a device sync per micro-batch.
@@ -293,7 +295,7 @@ class Trainer:
         if not self.replicas_to_compare():
             return
         opt = self.optimizer
-        guard.check_replicas(opt.full_params(), opt.layout.slots, step, self.comm,
+        guard.check_replicas(opt.full_params(), opt.layout.slots, step, self.mesh.stage,
                              tp=self.mesh.tp.size, split=set(self.tp_splits))
 
 
@@ -324,14 +326,14 @@ class Trainer:
 
     def memory_bytes(self) -> dict[str, int]:
         """The model states' peak bytes (the optimizer's accounting) and the activations'."""
-        return {**self.optimizer.memory_bytes(), "activations": self.activations.peak}
+        return {**self.optimizer.memory_bytes(),
+                "activations": self.pipeline.activation_peak if self.pipeline else self.activations.peak}
 
     def memory_report(self) -> list[dict]:
-        measured = self.memory_bytes()
-        keys = sorted(measured)
-        rows = agree.gather([float(measured[k]) for k in keys], self.comm)
-        formula = self.optimizer.memory_formula()
-        expected, allowance = ({k: v[i] for k, v in formula.items()} for i in (0, 1))
-        text = {k: v[2] for k, v in formula.items()}
-        return [{"rank": r, "measured": dict(zip(keys, map(int, row))), "expected": expected,
-                 "allowance": allowance, "formula": text} for r, row in enumerate(rows)]
+        measured, formula = self.memory_bytes(), self.optimizer.memory_formula()
+        keys, terms = sorted(measured), sorted(formula)     # each rank's own formula: pipeline stages differ
+        rows = agree.gather([float(measured[k]) for k in keys] + [formula[k][i] for i in (0, 1) for k in terms],
+                            self.comm)
+        text, n = {k: v[2] for k, v in formula.items()}, len(keys)
+        return [{"rank": r, "measured": dict(zip(keys, map(int, row[:n]))), "expected": dict(zip(terms, row[n:])),
+                 "allowance": dict(zip(terms, row[n + len(terms):])), "formula": text} for r, row in enumerate(rows)]

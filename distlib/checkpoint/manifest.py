@@ -129,18 +129,29 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     tp = _count(manifest, "tp", "", 1, optional=True) or 1
     if world % tp:
         raise ManifestProblem(f"world_size {world} is not a multiple of tp {tp}")
+    pp = _count(manifest, "pp", "", 1, optional=True) or 1
+    if world % (tp * pp):
+        raise ManifestProblem(f"world_size {world} is not a multiple of tp {tp} x pp {pp}")
     dp = _count(manifest, "dp", "", 1, optional=True)
     # Resharding (only ever of tp == 1 checkpoints) used to copy the source's dp, which nothing
     # reads when tp == 1; such checkpoints are otherwise sound, so they stay readable.
     stale_ok = tp == 1 and "resharded_from" in manifest
-    if dp is not None and dp * tp != world and not stale_ok:
-        raise ManifestProblem(f"dp {dp} x tp {tp} != world_size {world}")
+    if dp is not None and dp * tp * pp != world and not stale_ok:
+        raise ManifestProblem(f"dp {dp} x tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f" != world_size {world}")
     layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1)
     if layouts is not None and len(layouts) != tp:
         raise ManifestProblem(f"tp_layouts has {len(layouts)} layout(s), expected one per tensor rank ({tp})")
-    check_layout(_field(manifest, "layout", "", dict), "layout", world // tp)
+    check_layout(_field(manifest, "layout", "", dict), "layout", world // (tp * pp))
     for t, layout in enumerate(layouts or []):
-        check_layout(layout, f"tp_layouts[{t}]", world // tp, tp, t)
+        check_layout(layout, f"tp_layouts[{t}]", world // (tp * pp), tp, t)
+    stages = _field(manifest, "pp_layouts", "", list, optional=pp == 1)
+    if stages is not None and len(stages) != pp:
+        raise ManifestProblem(f"pp_layouts has {len(stages)} stage(s), expected one per pipeline stage ({pp})")
+    for s, per_tp in enumerate(stages or []):
+        if not isinstance(per_tp, list) or len(per_tp) != tp:
+            raise ManifestProblem(f"pp_layouts[{s}] must list one layout per tensor rank ({tp})")
+        for t, layout in enumerate(per_tp):
+            check_layout(layout, f"pp_layouts[{s}][{t}]", world // (tp * pp), tp if tp > 1 else None, t)
     files = _field(manifest, "files", "", list)
     if len(files) != world:
         raise ManifestProblem(f"files lists {len(files)} file(s), expected one shard per rank ({world})")

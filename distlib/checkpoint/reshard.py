@@ -13,6 +13,13 @@ A tensor-parallel checkpoint has one flat layout per tensor-parallel rank
 ranks with these same functions (same ``tp``); consolidating one or changing its
 ``tp`` is not supported.
 
+A pipeline-parallel checkpoint (manifest ``pp`` = P) holds one flat layout per stage and tensor
+rank (``pp_layouts``), its files in the rank order (pp_rank * dp + dp_rank) * tp + tp_rank.
+Loading it at another pipeline degree, or a pp = 1 one into stages, goes by parameter name
+(``_load_by_name``): each element of the new partition is found in the stage that held its
+parameter and read from that stage's data-parallel shards -- the same index arithmetic, per
+parameter.
+
 RNG: new rank r takes old rank r's RNG state when r < N; ranks r >= N have none
 (the caller re-seeds them and says so). The data position is world-size
 independent as long as the global batch stays the same (``distlib.data``).
@@ -74,19 +81,27 @@ def _tensor_parallel(manifest: dict) -> int:
 
 
 def _whole_model_only(manifest: dict, what: str) -> None:
+    if int(manifest.get("pp", 1)) > 1:
+        raise CheckpointError(f"{what}: this checkpoint is pipeline-parallel (pp={manifest['pp']}); each stage's "
+                              f"shards hold other parameters (manifest pp_layouts) and are not supported here")
     if _tensor_parallel(manifest) > 1:
         raise CheckpointError(f"{what}: this checkpoint is tensor-parallel (tp={manifest['tp']}); its shards "
                               f"hold pieces of tensors (manifest tp_layouts) and are not supported here")
 
 
-def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_rank: int = 0
+def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_rank: int = 0,
+                   stage: tuple[FlatLayout, int, int] | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
     """(state, rank_state, rng) for ``rank`` of ``world_size`` from a verified checkpoint of any
     world size: state is partition ``rank`` of each of STATE_KEYS; rng is the saved RNG tensors
     (None when the checkpoint has no rank ``rank`` or that rank kept none). For a tensor-parallel
     checkpoint (manifest ``tp`` = T), ``rank``/``world_size`` are data-parallel and the state
-    comes from tensor rank ``tp_rank``'s shards (global rank = dp_rank * T + tp_rank)."""
+    comes from tensor rank ``tp_rank``'s shards (global rank = dp_rank * T + tp_rank). ``stage``:
+    (this rank's flat layout, its pipeline rank, the pipeline degree) when the run is
+    pipeline-parallel; then, or when the checkpoint is, parameters are found by name."""
     path = Path(path)
+    if int(manifest.get("pp", 1)) > 1 or (stage is not None and stage[2] > 1):
+        return _load_by_name(path, manifest, rank, world_size, tp_rank, stage)
     tp = _tensor_parallel(manifest)
     layout = manifest["tp_layouts"][tp_rank] if tp > 1 else manifest["layout"]
     numel, old_world = int(layout["numel"]), int(manifest["world_size"]) // tp
@@ -106,6 +121,51 @@ def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_ra
     if rank != own or not rng or rank_state.get("rng") is None:
         rank_state["rng"], rng = None, None
     return state, rank_state, rng
+
+
+def _load_by_name(path: Path, manifest: dict, rank: int, world_size: int, tp_rank: int,
+                  stage: tuple[FlatLayout, int, int] | None):
+    if stage is None:
+        raise CheckpointError(f"checkpoint {path} is pipeline-parallel: loading it needs this rank's layout")
+    layout, pp_rank, pp = stage
+    tp, old_pp = _tensor_parallel(manifest), int(manifest.get("pp", 1))
+    stages = manifest.get("pp_layouts") or [manifest.get("tp_layouts") or [manifest["layout"]]]
+    old_dp = int(manifest["world_size"]) // (tp * old_pp)
+    where = {}       # parameter name -> (old stage, offset in its flat layout, that layout's numel)
+    for s, per_tp in enumerate(stages):
+        old = FlatLayout.from_dict(per_tp[tp_rank])
+        where.update({slot.name: (s, slot.offset, old.numel) for slot in old.slots})
+    size = shard_numel(layout.numel, world_size)
+    lo, hi = rank * size, min((rank + 1) * size, layout.numel)
+    state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}   # host copies
+    for slot in layout.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a >= b:
+            continue
+        if slot.name not in where:
+            raise CheckpointError(f"checkpoint {path} has no parameter {slot.name}")
+        s, offset, numel = where[slot.name]
+        src = offset + a - slot.offset          # [src, src + b - a) of stage s's flat vector
+        for old_rank, start, end in _pieces(numel, old_dp, src, src + b - a):
+            with _open(path, (s * old_dp + old_rank) * tp + tp_rank) as f:
+                at = a - lo + old_rank * shard_numel(numel, old_dp) + start - src
+                for key in STATE_KEYS:
+                    state[key][at:at + end - start] = f.get_slice(key)[start:end]
+    same = old_pp == pp and rank < old_dp        # the same place existed: its RNG carries over
+    own = ((pp_rank * old_dp + rank) * tp + tp_rank) if same else tp_rank
+    with _open(path, own) as f:
+        rank_state = json.loads(f.metadata()["rank_state"])
+        rng = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng.")}
+    if not same or not rng or rank_state.get("rng") is None:
+        rank_state["rng"], rng = None, None
+    return state, rank_state, rng
+
+
+def _pieces(numel: int, old_world: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(old_rank, start, end) within old partitions that hold elements [lo, hi) of a flat vector."""
+    size = shard_numel(numel, old_world)
+    return [(r, max(lo, r * size) - r * size, min(hi, (r + 1) * size) - r * size)
+            for r in range(old_world) if max(lo, r * size) < min(hi, (r + 1) * size)]
 
 
 def _shards(path: Path, manifest: dict) -> list[dict[str, torch.Tensor]]:

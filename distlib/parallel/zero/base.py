@@ -46,12 +46,13 @@ class ZeroOptimizer:
     """AdamW over the data-parallel group ``comm``; the stage subclasses decide what is sharded.
 
     ``tp``/``tp_split``: the tensor-parallel group and the names of the parameters split over it,
-    so the global norms count each split parameter on its rank and replicated ones once."""
+    so the global norms count each split parameter on its rank and replicated ones once; ``pp``: the
+    pipeline group (this rank's position at every stage), over which the norms add the stages'."""
     stage: int
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: AdamWConfig, grad_clip: float = 0.0, *,
                  tp: Comm | None = None, tp_split: Collection[str] = (), param_dtype: torch.dtype = torch.float32,
-                 bucket_numel: int = 8192, overlap: bool = False, grad_accum: int = 1):
+                 bucket_numel: int = 8192, overlap: bool = False, grad_accum: int = 1, pp: Comm | None = None):
         if grad_clip < 0:
             raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables), got {grad_clip}")
         if param_dtype not in (torch.float32, torch.bfloat16):
@@ -66,7 +67,7 @@ class ZeroOptimizer:
         self.step_count = 0
         self._synced: tuple[torch.Tensor, float] | None = None   # set by sync_grads, used by apply_update
         self.my_range = slice(*self.layout.shard_range(comm.rank))
-        self.norms = NormTerms(self.layout, comm, tp, tp_split)
+        self.norms = NormTerms(self.layout, comm, tp, tp_split, pp)
         self._memory = PeakMemory()
         fp32_flat = torch.zeros(self.layout.padded_numel, device=self.device)
         with torch.no_grad():

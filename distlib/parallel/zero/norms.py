@@ -4,7 +4,9 @@ A rank sees one data-parallel partition of its tensor-parallel shard of the mode
 norm adds, per partition, two sums of squares: over the TP-split parameters, which differ between
 tensor-parallel ranks and are summed over the TP group, and over the replicated ones, which are
 identical bytes on every TP rank and so are counted once. The partitions' terms are combined in
-rank order, so every rank computes the same float.
+rank order, so every rank computes the same float. With pipeline parallelism (``pp``: the group
+of this rank's position at every stage, each stage holding other parameters) the stages' totals
+are added in stage order last.
 """
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ class NormTerms:
     """``dp``: the group the partitions are spread over; ``tp``: the tensor-parallel group (None or
     size 1 without tensor parallelism); ``tp_split``: names of the parameters split over it."""
 
-    def __init__(self, layout: FlatLayout, dp: Comm, tp: Comm | None = None, tp_split: Collection[str] = ()):
+    def __init__(self, layout: FlatLayout, dp: Comm, tp: Comm | None = None, tp_split: Collection[str] = (),
+                 pp: Comm | None = None):
         split = set(tp_split)
         unknown = split - {s.name for s in layout.slots}
         if unknown:
             raise ValueError(f"tensor-parallel split parameters not in the model: {sorted(unknown)}")
         self.dp, self.tp = dp, tp if tp is not None and tp.size > 1 else None
+        self.pp = pp if pp is not None and pp.size > 1 else None
         # Per partition: (start, end, tp_split) runs of parameters, relative to the partition.
         self.segments: list[list[tuple[int, int, bool]]] = []
         for rank in range(dp.size):
@@ -53,7 +57,12 @@ class NormTerms:
             per_tp = torch.zeros(self.tp.size, device=terms.device)
             collectives.all_gather(per_tp, split_sq.reshape(1), self.tp)
             split_sq = per_tp.sum()
-        return float((split_sq + replicated_sq).sqrt())
+        total = split_sq + replicated_sq
+        if self.pp is not None:
+            per_stage = torch.zeros(self.pp.size, device=terms.device)
+            collectives.all_gather(per_stage, total.reshape(1), self.pp)
+            total = per_stage.sum()
+        return float(total.sqrt())
 
     def of_partition(self, partition: torch.Tensor) -> float:
         """The global norm from this rank's partition (collective over dp, then tp)."""

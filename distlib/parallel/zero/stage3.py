@@ -40,13 +40,14 @@ from distlib.parallel.zero.buckets import Bucket, GradBuckets, contiguous_bucket
 
 
 def unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's top-level children that hold parameters (ModuleLists expanded)."""
+    """The model's top-level children that hold parameters (ModuleLists and ModuleDicts expanded)."""
     if any(True for _ in model.parameters(recurse=False)):
         raise ValueError(f"ZeRO-3 needs every parameter inside a child module; {type(model).__name__} "
                          f"holds some directly")
     units = []
     for child in model.children():
-        for m in (child if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]):
+        members = child.values() if isinstance(child, nn.ModuleDict) else child
+        for m in (members if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else [child]):
             if any(True for _ in m.parameters()):
                 units.append(m)
     return units
