@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/checkpoint.py --params 10e6 --world-size 4
 	$(PY) benchmarks/recovery.py
+	$(PY) benchmarks/pipeline.py --pp 2 4
 
 # Real text (docs/beyond.md): 400 steps on data/sample.txt, 2 ranks, validation every 25 steps, then samples.
 TEXT_DEMO := outputs/text-demo
