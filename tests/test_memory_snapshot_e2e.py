@@ -1,7 +1,12 @@
 """Issue 13 items 3, 5, 6 through torchrun: a SIGKILLed worker, the restart resumes from /dev/shm
-and finishes byte-identical; nothing is left in /dev/shm after a finished or a failed job."""
+and finishes byte-identical; nothing is left in /dev/shm after a finished or a failed job.
+
+The restart case is the snapshot run of benchmarks/recovery.py (the same torchrun job, kept with
+--keep): one job proves the recovery claims here and that the benchmark runs and writes its JSON
+(tests/test_benchmarks_run.py leaves recovery.py to this file)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +22,10 @@ from distlib.checkpoint import sharded as checkpoint
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["dist.world_size=2", "train.steps=8", "train.global_batch=16", "checkpoint.every_steps=4",
        "checkpoint.resume=latest", "checkpoint.memory_every_steps=1", "fault.kill_rank=1", "fault.kill_at_step=6"]
+# benchmarks/recovery.py runs RUN (with checkpoint.verify_resume=false, as tree() has it) under
+# torchrun --max-restarts 1, once with snapshots and once without ("disk only").
+BENCH = ["benchmarks/recovery.py", "--world-size", "2", "--steps", "8", "--kill-at", "6", "--every", "4",
+         "--repeats", "1"]
 
 
 def _torchrun(run_dir: Path, restarts: int) -> subprocess.CompletedProcess:
@@ -43,11 +52,17 @@ def _gone(directory: Path, within_s: float = 10.0) -> bool:
 def test_torchrun_restart_resumes_from_memory_byte_identical_and_cleans_up(tmp_path):
     clean = train(tree(2, steps=8, every=4), tmp_path / "clean")
     assert all(r["error"] is None for r in clean)
-    run = tmp_path / "killed"
-    proc = _torchrun(run, restarts=1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "fault: rank 1 kills itself after step 6" in proc.stderr
-    assert "resume: from the memory snapshot of step 6" in proc.stdout     # disk alone: step 4
+    out = tmp_path / "recovery.json"
+    proc = subprocess.run([sys.executable, *BENCH, "--out", str(out), "--keep", str(tmp_path / "runs")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-2500:]
+    # The benchmark: kill after step 6, disk checkpoint at 4: snapshots lose nothing, disk only two steps.
+    median = json.loads(out.read_text())["median"]
+    assert median["snapshots"]["steps_lost"] == 0 and median["disk only"]["steps_lost"] == 2
+    run = tmp_path / "runs" / "snapshots0"
+    stdout, stderr = (run / "torchrun.stdout").read_text(), (run / "torchrun.stderr").read_text()
+    assert "fault: rank 1 kills itself after step 6" in stderr
+    assert "resume: from the memory snapshot of step 6" in stdout     # disk alone: step 4
     assert _files(run) == _files(tmp_path / "clean")
     assert not shm.job_dir(run).exists()          # removed by the finished run itself
 
