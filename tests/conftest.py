@@ -39,3 +39,21 @@ def resume_script_run(tmp_path_factory):
     proc = subprocess.run(["bash", "scripts/resume.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", "RESUME_DIR": str(out)})
     return proc, out
+
+
+# README.md's sweep line as tests/test_readme_commands.py runs it (fewer steps, a checkpoint, the
+# sweep directory given); {dir} is the sweep directory.
+SWEEP_CMD = ".venv/bin/python train.py -m dist.world_size=1,2,4 train.steps=4 checkpoint.every_steps=2 hydra.sweep.dir={dir}"
+
+
+@pytest.fixture(scope="session")
+def world_size_sweep(tmp_path_factory):
+    """README.md's `train.py -m dist.world_size=1,2,4` (as SWEEP_CMD), once per session:
+    tests/test_cli.py checks its jobs, tests/test_readme_commands.py that the README line runs.
+    Returns (the CompletedProcess, the sweep directory)."""
+    import subprocess
+    sweep = tmp_path_factory.mktemp("sweep")
+    cmd = SWEEP_CMD.format(dir=sweep).replace(".venv/bin/python", sys.executable, 1).split()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, sweep

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SWEEP_CMD
 
 from e2e import ROOT
 
@@ -98,6 +99,10 @@ def test_readme_command_runs(cmd, capstone, request, tmp_path):
     text = request.getfixturevalue("text_run") if "<text run>" in cmd else None
     real = runnable(cmd, capstone, text, tmp_path)
     if real is None:
+        return
+    if real == SWEEP_CMD.format(dir=tmp_path / "run"):    # run once, for this test and test_cli.py
+        proc, _ = request.getfixturevalue("world_size_sweep")
+        assert proc.returncode == 0, f"{real}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
         return
     proc = _run(real)
     assert proc.returncode == 0, f"{real}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
