@@ -1,6 +1,7 @@
 """Recovery from a SIGKILLed worker under torchrun: in-memory snapshots vs disk checkpoints only.
 
     .venv/bin/python benchmarks/recovery.py [--world-size 4] [--steps 24] [--kill-at 19] [--every 10] [--repeats 2]
+                                            [--keep DIR]
 
 Runs the capstone (`torchrun --nproc_per_node N --max-restarts 1 train.py`, resume=latest, disk
 checkpoints every ``--every`` steps) and SIGKILLs rank 1 after step ``--kill-at`` (fault.kill_rank),
@@ -14,7 +15,9 @@ interleaved ``--repeats`` times. From the run's metrics.jsonl (rank 0's wall clo
 
 There is no torch counterpart to compare with: torch has no in-memory checkpoint (DCP writes
 storage), so the comparison is the same job with and without snapshots, as ratios.
-JSON: benchmarks/results/recovery.json.
+JSON: benchmarks/results/recovery.json. ``--keep DIR`` keeps each run's directory
+(DIR/snapshots<i>, DIR/disk_only<i>, with torchrun's output in torchrun.stdout/.stderr there);
+tests/test_memory_snapshot_e2e.py checks the snapshot run's checkpoint and messages.
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ def run_once(run_dir: Path, args, memory: int) -> dict:
            f"checkpoint.memory_every_steps={memory}", "fault.kill_rank=1", f"fault.kill_at_step={args.kill_at}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "torchrun.stdout").write_text(proc.stdout)
+    (run_dir / "torchrun.stderr").write_text(proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}): {proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -67,9 +73,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recovery.json"))
+    parser.add_argument("--keep", default=None, help="keep the run directories under this directory")
     args = parser.parse_args()
     runs: dict[str, list[dict]] = {"snapshots": [], "disk only": []}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
         for i in range(args.repeats):
             order = list(runs) if i % 2 == 0 else list(runs)[::-1]
             for name in order:

@@ -10,3 +10,50 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def capstone_run(tmp_path_factory):
+    """The capstone exactly as README.md's first command runs it (`torchrun --nproc_per_node 4
+    train.py`, only the run directory given), once per session: tests/test_capstone.py checks its
+    output and invariants, tests/test_readme_commands.py that the command runs and that the README
+    commands reading outputs/<run> work on it. Returns (the CompletedProcess, the run directory)."""
+    import subprocess
+    run_dir = tmp_path_factory.mktemp("capstone") / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "train.py", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, run_dir
+
+
+@pytest.fixture(scope="session")
+def resume_script_run(tmp_path_factory):
+    """README.md's `bash scripts/resume.sh`, run as written (RESUME_DIR keeps its two runs), once
+    per session: tests/test_resume.py checks what it proves, tests/test_readme_commands.py that the
+    README command runs. Returns (the CompletedProcess, RESUME_DIR)."""
+    import subprocess
+    out = tmp_path_factory.mktemp("resume_script")
+    proc = subprocess.run(["bash", "scripts/resume.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "RESUME_DIR": str(out)})
+    return proc, out
+
+
+# README.md's sweep line as tests/test_readme_commands.py runs it (fewer steps, a checkpoint, the
+# sweep directory given); {dir} is the sweep directory.
+SWEEP_CMD = ".venv/bin/python train.py -m dist.world_size=1,2,4 train.steps=4 checkpoint.every_steps=2 hydra.sweep.dir={dir}"
+
+
+@pytest.fixture(scope="session")
+def world_size_sweep(tmp_path_factory):
+    """README.md's `train.py -m dist.world_size=1,2,4` (as SWEEP_CMD), once per session:
+    tests/test_cli.py checks its jobs, tests/test_readme_commands.py that the README line runs.
+    Returns (the CompletedProcess, the sweep directory)."""
+    import subprocess
+    sweep = tmp_path_factory.mktemp("sweep")
+    cmd = SWEEP_CMD.format(dir=sweep).replace(".venv/bin/python", sys.executable, 1).split()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, sweep

@@ -1,6 +1,7 @@
 """The benchmarks still run (they import the library directly, so a refactor can break them
 without any other test noticing). Tiny settings: this checks that they work, not their numbers;
-startup.py and scaling.py are left to `make bench` (minutes each)."""
+startup.py and scaling.py are left to `make bench` (minutes each); recovery.py (two torchrun jobs)
+runs in tests/test_memory_snapshot_e2e.py, which also checks its snapshot run's checkpoint."""
 import json
 import subprocess
 import sys
@@ -17,25 +18,19 @@ RUNS = {
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
     "step": ["benchmarks/step.py", "--models", "tiny", "--worlds", "2", "--steps", "2", "--warmup", "1",
              "--stages", "1", "3", "--torch", "ddp"],
-    # two torchrun jobs, each with a SIGKILLed worker and a restart (~40 s each on 2 loaded cores)
-    "recovery": ["benchmarks/recovery.py", "--world-size", "2", "--steps", "6", "--kill-at", "5", "--every", "4",
-                 "--repeats", "1"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_benchmark_runs_and_writes_its_json(name, tmp_path):
-    # step.py and recovery.py take --out; the others write benchmarks/results/<name>.json
-    takes_out = name in ("step", "recovery")
+    # step.py takes --out; the others write benchmarks/results/<name>.json
+    takes_out = name == "step"
     out = tmp_path / f"{name}.json" if takes_out else ROOT / "benchmarks" / "results" / f"{name}.json"
     before = out.stat().st_mtime_ns if out.exists() else None
     args = RUNS[name] + (["--out", str(out)] if takes_out else [])
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-2500:]
     assert out.stat().st_mtime_ns != before and json.loads(out.read_text()), f"{name} wrote no result"
-    if name == "recovery":      # kill after step 5, disk checkpoint at 4: snapshots lose nothing, disk one step
-        median = json.loads(out.read_text())["median"]
-        assert median["snapshots"]["steps_lost"] == 0 and median["disk only"]["steps_lost"] == 1
 
 
 def test_committed_cost_model_is_the_best_fit_to_the_committed_tables():

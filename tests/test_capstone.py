@@ -5,16 +5,15 @@ import json
 
 import pytest
 
-from e2e import torchrun, train
+from e2e import train
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def capstone(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("capstone")
-    proc = torchrun(run_dir)
-    return proc, run_dir
+def capstone(capstone_run):
+    """README's capstone command, run once for this file and tests/test_readme_commands.py (conftest.py)."""
+    return capstone_run
 
 
 def test_capstone_exits_zero_and_prints_everything(capstone):

@@ -74,15 +74,16 @@ def _tree_bytes(root):
 def test_a_refused_fresh_run_touches_nothing(tmp_path):
     """A fresh run into a directory holding checkpoints is refused before any file is written
     (Hydra's .hydra/config.yaml and overrides.yaml used to be rewritten first)."""
-    first = train(tmp_path, "dist.world_size=1", "train.steps=2", "checkpoint.every_steps=2", timeout=120)
+    first = train(tmp_path, "dist.world_size=1", "train.steps=2", "checkpoint.every_steps=1", timeout=120)
     assert first.returncode == 0, first.stderr
     assert (tmp_path / ".hydra" / "overrides.yaml").exists()   # written for a run that starts
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     before = _tree_bytes(tmp_path)
     again = train(tmp_path, "dist.world_size=1", "train.steps=3", "checkpoint.every_steps=3", timeout=120)
     assert again.returncode == 1
-    assert "already holds checkpoint(s) up to step_00000002; pass checkpoint.resume=latest" in again.stderr
+    assert "already holds checkpoint(s) up to step_00000002; pass checkpoint.resume=latest" in again.stderr  # the newest
     assert "Traceback" not in again.stderr
-    assert _tree_bytes(tmp_path) == before
+    assert _tree_bytes(tmp_path) == before                     # metrics.jsonl included
 
 
 def test_bad_override_on_the_command_line_fails_fast(tmp_path):
@@ -93,11 +94,12 @@ def test_bad_override_on_the_command_line_fails_fast(tmp_path):
 
 
 @pytest.mark.slow
-def test_multirun_sweep_over_world_size(tmp_path):
-    proc = run([sys.executable, "train.py", "-m", "dist.world_size=1,2,4", f"hydra.sweep.dir={tmp_path}"],
-               timeout=300)
+def test_multirun_sweep_over_world_size(world_size_sweep):
+    # README's sweep line (4 steps, a checkpoint at 2), run once for this test and
+    # tests/test_readme_commands.py (conftest.py)
+    proc, sweep = world_size_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and (p / "report.json").exists())
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and (p / "report.json").exists())
     assert [re.sub(r"^\d+_", "", j) for j in jobs] == ["ws1_zero1", "ws2_zero1", "ws4_zero1"]
     assert proc.stdout.count("RESUME VERIFIED") == 3
 
@@ -108,14 +110,3 @@ def test_torchrun_world_size_contradicting_the_config_is_refused(tmp_path):
     proc = torchrun(tmp_path, "dist.world_size=4", nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "dist.world_size=4 but 2 processes were started" in proc.stderr
-
-
-@pytest.mark.slow
-def test_a_fresh_run_in_a_directory_with_checkpoints_is_refused_at_once(tmp_path):
-    first = train(tmp_path, "dist.world_size=1", "train.steps=10", "checkpoint.every_steps=5")
-    assert first.returncode == 0, first.stderr[-2000:]
-    metrics = (tmp_path / "metrics.jsonl").read_bytes()
-    again = train(tmp_path, "dist.world_size=1", "train.steps=10", "checkpoint.every_steps=5")
-    assert again.returncode != 0
-    assert "already holds checkpoint(s) up to step_00000010; pass checkpoint.resume=latest" in again.stderr
-    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics, "the refused run must not touch the log"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -37,13 +38,23 @@ def clean(tmp_path_factory) -> dict:
     return {"losses": results[0]["losses"], "files": _files(run)}
 
 
-def _killed(run, monkeypatch, **env) -> None:
-    """A 2-rank run with snapshots every step whose rank 1 is SIGKILLed after step 6."""
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A 2-rank run with snapshots every step whose rank 1 is SIGKILLed after step 6 (run once;
+    each test resumes its own copy, see ``_copy_killed``)."""
+    run = tmp_path_factory.mktemp("killed") / "run"
     with pytest.raises(AssertionError, match="rank 1"):        # rank 1 died, rank 0 saw it stop
         train(tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1},
                    fault={"kill_rank": 1, "kill_at_step": 6}), run)
+    yield run
+    shm.clean(shm.job_dir(run))
+
+
+def _copy_killed(killed, run) -> None:
+    """``run`` becomes the killed job as it was left: its run directory and its /dev/shm snapshots
+    (the job directory is named by the run directory, the snapshots' fingerprint is not)."""
+    shutil.copytree(killed, run)
+    shutil.copytree(shm.job_dir(killed), shm.job_dir(run))
 
 
 def _resume(run, monkeypatch) -> list[dict]:
@@ -117,8 +128,8 @@ def test_snapshots_change_no_loss_and_leave_nothing_after_a_finished_run(job, cl
 
 
 @pytest.mark.slow
-def test_sigkill_resumes_from_the_snapshot_of_the_step_it_died_after(job, clean, monkeypatch, capfd):
-    _killed(job, monkeypatch)
+def test_sigkill_resumes_from_the_snapshot_of_the_step_it_died_after(job, clean, killed, monkeypatch, capfd):
+    _copy_killed(killed, job)
     snaps = shm.listing(shm.job_dir(job))
     assert sorted((s.step, s.owner) for s in snaps) == [(6, 0), (6, 1)]     # only the newest kept
     resumed = _resume(job, monkeypatch)
@@ -131,8 +142,8 @@ def test_sigkill_resumes_from_the_snapshot_of_the_step_it_died_after(job, clean,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("harm", ["damaged", "missing"])
-def test_a_damaged_or_missing_snapshot_falls_back_to_disk_exactly(job, clean, monkeypatch, capfd, harm):
-    _killed(job, monkeypatch)
+def test_a_damaged_or_missing_snapshot_falls_back_to_disk_exactly(job, clean, killed, monkeypatch, capfd, harm):
+    _copy_killed(killed, job)
     snap = next(s for s in shm.listing(shm.job_dir(job)) if s.owner == 1)
     if harm == "damaged":
         raw = bytearray(snap.path.read_bytes())

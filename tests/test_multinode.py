@@ -70,46 +70,6 @@ def _losses(path: Path) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_two_nodes_equal_one_host_and_their_checkpoint_resumes_on_one_host(tmp_path):
-    reason = _namespaces_unavailable()
-    if reason:
-        pytest.skip(f"two-namespace multi-node run not possible: {reason}")
-    name = "t" + uuid.uuid4().hex[:8]
-    try:
-        result = _run_script(name, ["--verify", str(tmp_path)], timeout=400)
-        left = _namespaces(name)
-    finally:
-        _remove(name)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert left == [], f"the script left namespaces behind: {left}"
-    assert not any(Path("/etc/netns").glob(f"{name}-*"))
-
-    # Placement: each node ran two of the four ranks and reached the store on node 0 by name.
-    placed = {}
-    for i in (0, 1):
-        log = (tmp_path / f"node{i}.log").read_text()
-        assert f"master_addr={name}-node0" in log, f"node{i} did not use node0's store:\n{log[-2000:]}"
-        placed[i] = [int(r) for r in re.search(r"global_ranks=\[([\d, ]+)\]", log).group(1).split(",")]
-    assert sorted(placed[0] + placed[1]) == [0, 1, 2, 3] and len(placed[0]) == 2, placed
-
-    # One run directory, agreed through torchrun's store (no hydra.run.dir was passed).
-    runs = sorted((tmp_path / "outputs").glob("*/*"))
-    assert len(runs) == 1, runs
-    assert (tmp_path / "multinode_run_dir").read_text().strip() == str(runs[0])
-    assert "RESUME VERIFIED" in (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
-
-    # Repeat the script's comparison here: every loss bit-identical, the 2x2 checkpoint resumed on one host.
-    multi, single = _losses(runs[0] / "metrics.jsonl"), _losses(tmp_path / "single" / "metrics.jsonl")
-    resumed = _losses(tmp_path / "resume" / "metrics.jsonl")
-    assert sorted(multi) == list(range(1, 21)) and multi == single
-    assert sorted(resumed) == list(range(11, 21))
-    assert all(resumed[s] == multi[s] for s in resumed)
-    manifest = json.loads((runs[0] / "checkpoints" / "step_00000010" / "manifest.json").read_text())
-    assert manifest["world_size"] == 4 and len(manifest["files"]) == 4
-    assert "MULTINODE VERIFIED" in result.stdout
-
-
-@pytest.mark.slow
 def test_a_failed_two_node_job_still_removes_its_namespaces(tmp_path):
     reason = _namespaces_unavailable()
     if reason:
@@ -153,19 +113,31 @@ def _node_processes(ns: str) -> tuple[list[int], int | None]:
     return workers, agent
 
 
+def _run_dir(work: Path) -> Path | None:
+    """The run directory the nodes agreed on (outputs/<date>/<time> under the work dir), once it exists."""
+    found = sorted((work / "outputs").glob("*/*/metrics.jsonl"))
+    return found[0].parent if found else None
+
+
 @pytest.mark.slow
-def test_a_lost_node_resumes_from_the_other_nodes_replicas(tmp_path):
-    """Issue 13 item 4: every worker of node1 SIGKILLed and node1's /dev/shm emptied mid-run; the
-    restarted 2x2 job resumes from the memory snapshots, node1's ranks from node0's replicas,
-    and ends bitwise equal to one host's uninterrupted run."""
+def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path):
+    """One 2x2 job proves both the plain multi-node claims and issue 13 item 4 (they used to be two
+    jobs, each with the script's two one-host runs for --verify):
+    - placement: each node ran two of the four ranks and reached the store on node 0 by name;
+    - one run directory, agreed through torchrun's store (no hydra.run.dir is passed), kept by the
+      restart of the job;
+    - every worker of node1 SIGKILLed and node1's /dev/shm emptied mid-run: the restarted job
+      resumes from the memory snapshots, node1's ranks from node0's replicas;
+    - every loss (steps 1-20) bitwise equal to one host's 4 ranks, the final checkpoint's shards
+      byte-identical to one host's, and the 2x2 step-10 checkpoint resumed on one host reproduces
+      steps 11-20 bitwise."""
     import time
     reason = _namespaces_unavailable()
     if reason:
         pytest.skip(f"two-namespace multi-node run not possible: {reason}")
     from distlib.checkpoint import memory_snapshot as shm
     name = "m" + uuid.uuid4().hex[:8]
-    run = tmp_path / "run"
-    args = ["--verify", str(tmp_path), f"hydra.run.dir={run}", "train.steps=20", "checkpoint.every_steps=10",
+    args = ["--verify", str(tmp_path), "train.steps=20", "checkpoint.every_steps=10",
             "checkpoint.resume=latest", "checkpoint.memory_every_steps=1", "fault.slow_rank=0", "fault.slow_seconds=0.3"]
     env = {**os.environ, "MULTINODE_NAME": name, "MULTINODE_TIMEOUT": "400", "MULTINODE_MAX_RESTARTS": "2",
            "MULTINODE_OWN_SHM": "1", "PYTHON": os.environ.get("PYTHON", sys.executable)}
@@ -175,7 +147,8 @@ def test_a_lost_node_resumes_from_the_other_nodes_replicas(tmp_path):
         deadline, seen = time.monotonic() + 300, 0
         while seen < 6 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
-            if (run / "metrics.jsonl").exists():
+            run = _run_dir(tmp_path)
+            if run is not None:
                 steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()[:-1])
                          if r["type"] == "step"]
                 seen = max(steps, default=0)
@@ -189,19 +162,46 @@ def test_a_lost_node_resumes_from_the_other_nodes_replicas(tmp_path):
         for directory in lost:            # node1's memory is gone with its workers
             shutil.rmtree(directory)
         out, err = proc.communicate(timeout=500)
+        left = _namespaces(name)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.communicate(timeout=60)
         _remove(name)
     assert proc.returncode == 0, out + err
+    assert left == [], f"the script left namespaces behind: {left}"
+    assert not any(Path("/etc/netns").glob(f"{name}-*"))
+
+    # Placement: each node ran two of the four ranks and reached the store on node 0 by name.
+    placed = {}
+    for i in (0, 1):
+        log = (tmp_path / f"node{i}.log").read_text()
+        assert f"master_addr={name}-node0" in log, f"node{i} did not use node0's store:\n{log[-2000:]}"
+        placed[i] = [int(r) for r in re.search(r"global_ranks=\[([\d, ]+)\]", log).group(1).split(",")]
+    assert sorted(placed[0] + placed[1]) == [0, 1, 2, 3] and len(placed[0]) == 2, placed
+
+    # One run directory, agreed through torchrun's store (no hydra.run.dir was passed), also by the restart.
+    runs = sorted((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1, runs
+    assert (tmp_path / "multinode_run_dir").read_text().strip() == str(runs[0])
     logs = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
+    assert "RESUME VERIFIED" in logs
+
     resumed = re.search(r"resume: from the memory snapshot of step (\d+) .*\(rank\(s\) \[([\d, ]+)\] from peer replicas\)",
                         logs)
     assert resumed, logs[-3000:]
     assert int(resumed.group(1)) >= seen - 1 and len(resumed.group(2).split(",")) == 2
-    assert "MULTINODE VERIFIED" in out           # every loss bitwise equal to one host's 4 ranks
-    final = [tmp_path / d / "checkpoints" / "step_00000020" for d in ("run", "single")]
+
+    # Repeat the script's comparison here: every loss bit-identical, the 2x2 checkpoint resumed on one host.
+    assert "MULTINODE VERIFIED" in out
+    multi, single = _losses(runs[0] / "metrics.jsonl"), _losses(tmp_path / "single" / "metrics.jsonl")
+    on_one_host = _losses(tmp_path / "resume" / "metrics.jsonl")
+    assert sorted(multi) == list(range(1, 21)) and multi == single
+    assert sorted(on_one_host) == list(range(11, 21))
+    assert all(on_one_host[s] == multi[s] for s in on_one_host)
+    manifest = json.loads((runs[0] / "checkpoints" / "step_00000010" / "manifest.json").read_text())
+    assert manifest["world_size"] == 4 and len(manifest["files"]) == 4
+    final = [d / "checkpoints" / "step_00000020" for d in (runs[0], tmp_path / "single")]
     assert [sorted((p.name, p.read_bytes()) for p in f.glob("*.safetensors")) for f in final][0] == \
            sorted((p.name, p.read_bytes()) for p in final[1].glob("*.safetensors"))
     assert not shm.job_dir(tmp_path / "single").exists()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SWEEP_CMD
 
 from e2e import ROOT
 
@@ -46,10 +47,10 @@ def _run(cmd: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def capstone_run(tmp_path_factory) -> Path:
-    """outputs/<run> of the README: the capstone, run exactly as the README's first line says."""
-    run_dir = tmp_path_factory.mktemp("readme") / "capstone"
-    proc = _run(f".venv/bin/torchrun --nproc_per_node 4 train.py hydra.run.dir={run_dir}")
+def capstone(capstone_run) -> Path:
+    """outputs/<run> of the README: the capstone, run exactly as the README's first line says
+    (conftest.py's capstone_run, shared with tests/test_capstone.py)."""
+    proc, run_dir = capstone_run
     assert proc.returncode == 0 and "RESUME VERIFIED" in proc.stdout, proc.stderr[-2000:]
     return run_dir
 
@@ -73,8 +74,6 @@ def runnable(cmd: str, capstone: Path, text: Path, tmp: Path) -> str | None:
         return cmd.replace("outputs/<text run>", str(text))
     if "outputs/<run>" in cmd:
         return cmd.replace("outputs/<run>", str(capstone))
-    if cmd.startswith("bash scripts/resume.sh"):
-        return f"RESUME_DIR={tmp / 'resume'} {cmd}"
     return _with_overrides(cmd, tmp / "run")
 
 
@@ -86,15 +85,24 @@ def test_every_readme_command_is_covered():
 
 
 @pytest.mark.parametrize("cmd", readme_commands())
-def test_readme_command_runs(cmd, capstone_run, request, tmp_path):
+def test_readme_command_runs(cmd, capstone, request, tmp_path):
     if cmd.startswith("make "):
         target = cmd.split()[1]
         proc = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
         return
+    if cmd.startswith("bash scripts/resume.sh"):    # run as written, once, for this test and test_resume.py
+        assert cmd == "bash scripts/resume.sh", f"conftest.py's resume_script_run runs no other form: {cmd}"
+        proc, _ = request.getfixturevalue("resume_script_run")
+        assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
+        return
     text = request.getfixturevalue("text_run") if "<text run>" in cmd else None
-    real = runnable(cmd, capstone_run, text, tmp_path)
+    real = runnable(cmd, capstone, text, tmp_path)
     if real is None:
+        return
+    if real == SWEEP_CMD.format(dir=tmp_path / "run"):    # run once, for this test and test_cli.py
+        proc, _ = request.getfixturevalue("world_size_sweep")
+        assert proc.returncode == 0, f"{real}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
         return
     proc = _run(real)
     assert proc.returncode == 0, f"{real}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
