@@ -204,14 +204,19 @@ def test_stop_signals_record_the_signal_and_restore_the_handlers(signum):
 # --------------------------------------------------------------------------- checkpoint clock
 
 
-def test_rank0s_clock_alone_decides_time_based_checkpoints(tmp_path):
+@pytest.mark.parametrize("dist, train_cfg, clocks", [
+    ({"world_size": 3}, {}, [25.0, 1e6, 0.0]),
+    # two pipeline stages (1F1B, 2 micro-batches): rank 1 holds the last stage and its own clock
+    ({"world_size": 2, "pp": 2}, {"grad_accum": 2}, [25.0, 1e6]),
+], ids=["dp3", "pp2"])
+def test_rank0s_clock_alone_decides_time_based_checkpoints(tmp_path, dist, train_cfg, clocks):
     # Rank 0's clock advances 25 s per reading (a reading at start, one per step, one per save);
     # rank 1's clock always says a save is overdue, rank 2's never moves. Were their clocks used,
     # the ranks would disagree and the collective save could not complete.
-    tree = config(dist={"world_size": 3}, checkpoint={"every_steps": 0, "every_minutes": 1.0},
-                  train={"steps": 9, "global_batch": 12})
-    results = train(tree, tmp_path, clocks=[25.0, 1e6, 0.0])
-    assert results[0]["saved"] == results[1]["saved"] == results[2]["saved"]
+    tree = config(dist=dist, checkpoint={"every_steps": 0, "every_minutes": 1.0},
+                  train={"steps": 9, "global_batch": 12, **train_cfg})
+    results = train(tree, tmp_path, clocks=clocks)
+    assert all(r["saved"] == results[0]["saved"] for r in results)
     saved = results[0]["saved"]
     assert len(saved) >= 2 and saved != list(range(1, 10)), saved
     reasons = {e["reason"] for e in events(tmp_path, "checkpoint_saved")}
