@@ -22,10 +22,13 @@ def capstone_run(tmp_path_factory):
     output and invariants, tests/test_readme_commands.py that the command runs and that the README
     commands reading outputs/<run> work on it. Returns (the CompletedProcess, the run directory)."""
     import subprocess
+    from e2e import free_port
     run_dir = tmp_path_factory.mktemp("capstone") / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "train.py", f"hydra.run.dir={run_dir}"]
+    # PET_MASTER_PORT is torchrun's own environment default for --master-port: the command stays
+    # README's, the port is a free one (29500 could be taken by another run on the machine)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PET_MASTER_PORT": str(free_port())})
     return proc, run_dir
 
 
