@@ -156,10 +156,9 @@ class MemorySnapshots:
                                     comm, checkpoint.CheckpointError)
             sends = [(owner, data) for owner, data in outgoing.items() if owner != rank]
             source = providers[rank]
-            size = next(s["bytes"] for s in reports[source]["have"] if s["step"] == step and s["owner"] == rank)
-            received = replica.deliver(sends, None if source == rank else (source, size), comm)
-            expected = next(s["sha256"] for s in reports[source]["have"] if s["step"] == step and s["owner"] == rank)
-            state = agree.agreed(lambda: self._decode(outgoing.get(rank, received), expected), comm,
+            held = next(s for s in reports[source]["have"] if s["step"] == step and s["owner"] == rank)
+            received = replica.deliver(sends, None if source == rank else (source, held["bytes"]), comm)
+            state = agree.agreed(lambda: self._decode(outgoing.get(rank, received), held["sha256"]), comm,
                                  checkpoint.CheckpointError)
         except checkpoint.CheckpointError as exc:
             self.say(f"resume: the memory snapshot of step {step} could not be restored ({exc}); from disk")
