@@ -38,8 +38,11 @@ from distlib.comm.group import Comm
 from distlib.comm.progress import Progress
 from distlib.parallel.adamw import STATE_KEYS, AdamWConfig, adamw_step_
 from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.zero.buckets import buckets_by_size
+from distlib.parallel.zero.flat_grads import flat_grad_buffer
 from distlib.parallel.zero.memory import PeakMemory, Sizes
 from distlib.parallel.zero.norms import NormTerms
+from distlib.parallel.zero.overlap import OverlappedSync
 
 
 class ZeroOptimizer:
@@ -49,6 +52,7 @@ class ZeroOptimizer:
     so the global norms count each split parameter on its rank and replicated ones once; ``pp``: the
     pipeline group (this rank's position at every stage), over which the norms add the stages'."""
     stage: int
+    overlapped: OverlappedSync | None = None    # stages 0/1 with overlap: the sync started in backward
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: AdamWConfig, grad_clip: float = 0.0, *,
                  tp: Comm | None = None, tp_split: Collection[str] = (), param_dtype: torch.dtype = torch.float32,
@@ -88,6 +92,17 @@ class ZeroOptimizer:
         self.flat_params = fp32_flat.to(self.param_dtype) if self.low_precision else fp32_flat
         for slot, p in zip(self.layout.slots, self.params):
             p.data = self.flat_params[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _replicated_grads(self, scatter: bool) -> None:
+        """Every parameter's gradient in one flat buffer (stages 0/1: the gradients' home); with
+        overlap, its sync in buckets from the last backward's hooks (``scatter``: reduce-scatter,
+        else all-reduce)."""
+        self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
+        self.grad_home = self.flat_grads
+        if self.progress is not None:
+            self.overlapped = OverlappedSync(self.layout, self.params, self.flat_grads, self.comm,
+                                             buckets_by_size(self.module, self.layout, self.bucket_numel),
+                                             self.progress, scatter=scatter, accum=self.grad_accum)
 
     def _partitioned_state(self, fp32_flat: torch.Tensor) -> None:
         """fp32 master weights and Adam moments of this rank's partition only (stages 1-3)."""
@@ -234,6 +249,8 @@ class ZeroOptimizer:
         raise NotImplementedError
 
     def _zero_grads(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.reset()
         self.grad_home.zero_()
 
     def _publish_params(self) -> None:

@@ -16,9 +16,6 @@ import torch
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import ZeroOptimizer
-from distlib.parallel.zero.buckets import buckets_by_size
-from distlib.parallel.zero.flat_grads import flat_grad_buffer
-from distlib.parallel.zero.overlap import OverlappedSync
 
 
 class Stage0Optimizer(ZeroOptimizer):
@@ -26,11 +23,7 @@ class Stage0Optimizer(ZeroOptimizer):
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self._replicated_params(fp32_flat)
-        self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
-        self.grad_home = self.flat_grads
-        self.overlapped = None if self.progress is None else OverlappedSync(
-            self.layout, self.params, self.flat_grads, self.comm, buckets_by_size(self.module, self.layout,
-            self.bucket_numel), self.progress, scatter=False, accum=self.grad_accum)
+        self._replicated_grads(scatter=False)
         self.master = fp32_flat.clone() if self.low_precision else self.flat_params
         self.exp_avg = torch.zeros(self.layout.padded_numel, device=self.device)
         self.exp_avg_sq = torch.zeros(self.layout.padded_numel, device=self.device)
@@ -49,11 +42,6 @@ class Stage0Optimizer(ZeroOptimizer):
         mine = self._mine(getattr(self, key))
         mine.copy_(partition)
         collectives.all_gather(getattr(self, key), mine, self.comm)
-
-    def _zero_grads(self) -> None:
-        if self.overlapped is not None:
-            self.overlapped.reset()
-        super()._zero_grads()
 
     def _publish_params(self) -> None:
         if self.master is not self.flat_params:

@@ -14,9 +14,6 @@ import torch
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import ZeroOptimizer
-from distlib.parallel.zero.buckets import buckets_by_size
-from distlib.parallel.zero.flat_grads import flat_grad_buffer
-from distlib.parallel.zero.overlap import OverlappedSync
 
 
 class Stage1Optimizer(ZeroOptimizer):
@@ -24,11 +21,7 @@ class Stage1Optimizer(ZeroOptimizer):
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self._replicated_params(fp32_flat)
-        self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
-        self.grad_home = self.flat_grads
-        self.overlapped = None if self.progress is None else OverlappedSync(
-            self.layout, self.params, self.flat_grads, self.comm, buckets_by_size(self.module, self.layout,
-            self.bucket_numel), self.progress, scatter=True, accum=self.grad_accum)
+        self._replicated_grads(scatter=True)
         self._partitioned_state(fp32_flat)
 
     @torch.no_grad()
@@ -37,11 +30,6 @@ class Stage1Optimizer(ZeroOptimizer):
         if self.overlapped is not None:         # started in backward: wait for it
             return self.overlapped.finish()
         return collectives.reduce_scatter(self.flat_grads, self.comm, op="avg")
-
-    def _zero_grads(self) -> None:
-        if self.overlapped is not None:
-            self.overlapped.reset()
-        super()._zero_grads()
 
     def _publish_params(self) -> None:
         self.flat_params[self.my_range].copy_(self.master)
