@@ -28,7 +28,8 @@ from distlib.app import data
 from distlib.app import summary as report
 from distlib.launch import slurm
 from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
-                            share_config, shared_run_dir, use_cuda_device, use_deterministic_kernels)
+                            StartError, join_job_start, share_config, shared_run_dir, use_cuda_device,
+                            use_deterministic_kernels)
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
@@ -257,6 +258,10 @@ if __name__ == "__main__":
     if UNDER_TORCHRUN:
         if any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
             sys.exit("error: a Hydra sweep (-m) starts its own workers; run it with plain `python train.py -m ...`")
+        try:
+            join_job_start()    # one key prefix and start number on every node (torchrun counts per node)
+        except StartError as exc:
+            sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: {exc}")
         explicit = any(arg.startswith("hydra.run.dir=") for arg in sys.argv[1:])
         if not explicit:
             stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")

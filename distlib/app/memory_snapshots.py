@@ -33,6 +33,7 @@ from distlib.checkpoint import replica
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
+from distlib.app import launcher_env
 from distlib.app.unattended.rollback import RollbackPoint
 
 
@@ -72,7 +73,7 @@ class MemorySnapshots:
         self.offset = replica.peer_offset(self.local_world, comm.size)
         self.newest: int | None = None
         if every and self.local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ \
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                and launcher_env.attempt() == 0:
             shm.start_reaper(os.getppid(), self.dir)     # the launcher's exit removes the directory
 
     @property

@@ -28,7 +28,6 @@ waited for the device), and the parameter norm after the update.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from distlib.comm import agree
 from distlib.comm import watchdog
 from distlib.comm.group import Comm
 from distlib.comm.mesh import build_mesh
-from distlib.app import data, throughput
+from distlib.app import data, launcher_env, throughput
 from distlib.app.activations import ActivationMeter
 from distlib.app.checkpointer import Checkpointer, ResumeCheck, seed_process_rngs
 from distlib.app.config import RunConfig
@@ -160,7 +159,7 @@ class Trainer:
 
     def _log_start(self, start: int, resume_path: Path | None) -> None:
         cfg, comm = self.cfg, self.comm
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        attempt = launcher_env.attempt()
         if resume_path is not None or attempt:
             self.log.event("restart", start, say=f"resumed from {resume_path} (launcher attempt {attempt})",
                            checkpoint=str(resume_path) if resume_path else None, attempt=attempt,

@@ -11,12 +11,16 @@ import datetime
 import json
 import os
 import sys
+import time
+import uuid
 
 import torch
 import torch.distributed as dist
 
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 CONFIG_WAIT_S = 300.0   # how long the other ranks wait for rank 0's config (torchrun ends them sooner if it fails)
+START_ENV = "DISTLIB_START"       # set by join_job_start(): this start's key prefix
+ATTEMPT_ENV = "DISTLIB_ATTEMPT"   # and its number, read by the application (distlib/app/launcher_env.py)
 
 
 def use_deterministic_kernels() -> None:
@@ -44,18 +48,85 @@ def _agent_store(timeout_s: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+class StartError(RuntimeError):
+    """The ranks of one start of the job could not agree that they are one start."""
+
+
+def join_job_start(timeout_s: float = CONFIG_WAIT_S) -> tuple[str, int]:
+    """(token, attempt): one key prefix and one start number shared by every rank of this start
+    of the job, whatever each node's agent counted. Sets DISTLIB_START and DISTLIB_ATTEMPT.
+
+    torchrun's TORCHELASTIC_RESTART_COUNT is counted per node: an agent whose own workers are
+    still healthy when another node's agent comes back restarts them as a "membership change"
+    without counting it (torch's SimpleElasticAgent._invoke_run). After node1 lost its workers,
+    node1's new ranks said 1 and node0's said 0, looked for rank 0's config and for each other's
+    gloo addresses under different key prefixes, and the restarted job hung until its timeouts
+    (5 minutes; CI, 2026-12-01). The rendezvous round that the agents share is not visible to
+    workers (their store is a separate one that rank 0's agent hosts for all rounds).
+
+    So the ranks agree through that store, in a way stale keys of dead starts cannot fool: rank 0
+    publishes a fresh token as the leader; every other rank acknowledges the leader it reads
+    (maybe a dead one first) with a fresh token of its own; rank 0 waits for all W-1
+    acknowledgements under its token and publishes them; a rank is in when it finds its own token
+    in its leader's list. The start number is rank 0's count of starts in that store (at least
+    its agent's restart count, should the store be new)."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":   # no store before the group: torchrun's count
+        return str(count), count
+    token, attempt = agree_start(_agent_store(timeout_s), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                 count, timeout_s)
+    os.environ[START_ENV], os.environ[ATTEMPT_ENV] = token, str(attempt)
+    return token, attempt
+
+
+def agree_start(store: dist.Store, rank: int, world: int, restart_count: int, timeout_s: float) -> tuple[str, int]:
+    """join_job_start's handshake on a given store (see there)."""
+    mine, deadline = uuid.uuid4().hex, time.monotonic() + timeout_s
+    if rank == 0:
+        attempt = max(store.add("distlib/starts", 1) - 1, restart_count)
+        store.set("distlib/leader", mine)
+        acks = [f"distlib/ack/{mine}/{r}" for r in range(1, world)]
+        try:
+            if acks:
+                store.wait(acks, datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the store raises several kinds for a timeout
+            missing = [r for r, key in enumerate(acks, 1) if not store.check([key])]
+            raise StartError(f"rank(s) {missing} of this start did not arrive within {timeout_s:g} s") from exc
+        members = [token.decode() for token in store.multi_get(acks)] if acks else []
+        store.set(f"distlib/go/{mine}", json.dumps({"attempt": attempt, "members": members}))
+        return mine, attempt
+    acked = None
+    while True:
+        leader = store.get("distlib/leader").decode()
+        if leader != acked:
+            store.set(f"distlib/ack/{leader}/{rank}", mine)
+            acked = leader
+        go = f"distlib/go/{leader}"
+        if store.check([go]):
+            decided = json.loads(store.get(go))
+            if mine in decided["members"]:
+                return leader, int(decided["attempt"])
+        if time.monotonic() > deadline:
+            raise StartError(f"rank 0 of this start did not admit rank {rank} within {timeout_s:g} s")
+        time.sleep(0.02)
+
+
+def _start_key() -> str:
+    """The key prefix of this start (join_job_start), else torchrun's per-node count."""
+    return os.environ.get(START_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def init_process_group(backend: str, timeout: datetime.timedelta, device: str = "cpu") -> None:
     """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
     does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
-    group's gloo addresses. So each attempt gets its own key prefix in that store. With NCCL,
+    group's gloo addresses. So each start gets its own key prefix (join_job_start). With NCCL,
     ``device_id`` creates the communicators now (and those of every later subgroup), so the
     first batched point-to-point round of a group need not involve all its ranks."""
     bound = {"device_id": torch.device(device)} if backend == "nccl" else {}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout, **bound)
         return
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"distlib/attempt_{attempt}", _agent_store(timeout.total_seconds()))
+    store = dist.PrefixStore(f"distlib/attempt_{_start_key()}", _agent_store(timeout.total_seconds()))
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, **bound)
 
@@ -70,8 +141,7 @@ def rank0_composes(argv: list[str]) -> bool:
 
 
 def _config_key() -> str:
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"distlib/config/{os.environ['TORCHELASTIC_RUN_ID']}/attempt_{attempt}"
+    return f"distlib/config/{os.environ['TORCHELASTIC_RUN_ID']}/attempt_{_start_key()}"
 
 
 def share_config(tree: dict, run_dir: str) -> None:

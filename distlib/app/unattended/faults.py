@@ -2,8 +2,8 @@
 
 Tests and drills use it to prove what happens when a worker dies mid-run, a
 process dies at a given point of a checkpoint save, or the disk fills up.
-Under torchrun a kill fires only on the first attempt
-(``TORCHELASTIC_RESTART_COUNT`` is 0), so the restarted group runs clean, as
+Under torchrun a kill fires only on the job's first start
+(``launcher_env.attempt()`` is 0, the same on every node), so the restarted group runs clean, as
 it would after a real one-off failure.
 
 The divergence, stall, desync and pre-emption faults (docs/unattended.md) fire
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from distlib.checkpoint.sharded import SaveHook
+from distlib.app import launcher_env
 from distlib.app.config import ConfigError, FaultConfig
 from distlib.app.hooks import StepHooks
 
@@ -37,7 +38,7 @@ _CRASH_POINTS = {"mid_shard": "shard_written", "before_manifest": "shards_writte
 
 
 def first_attempt() -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return launcher_env.attempt() == 0
 
 
 def kill_self() -> None:
