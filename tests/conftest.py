@@ -60,3 +60,28 @@ def world_size_sweep(tmp_path_factory):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, sweep
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left_behind():
+    """Tests fork ranks from this process (tests/multiproc.py, tests/forkrun.py), and a thread
+    alive at a fork can leave a lock held forever in the child: a test that leaves one behind
+    (a store server, a progress thread) makes a later test hang for its whole timeout. So each
+    test must end with as many threads as it began with; the one that does not is named here."""
+    before = _threads()
+    yield
+    after = _threads()
+    if after > before:
+        import gc
+        gc.collect()                        # a cycle may still hold a store or a thread's owner
+        for _ in range(50):
+            if _threads() <= before:
+                return
+            import time
+            time.sleep(0.02)
+        pytest.fail(f"this test left {_threads() - before} thread(s) running in the test process "
+                    f"({before} before, {_threads()} after); later forks could hang", pytrace=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_util import train, tree
+from forkrun import run_script
 
 from distlib.checkpoint import sharded as checkpoint
 from distlib.app.config import ConfigError, RunConfig
@@ -17,8 +18,11 @@ SMALL = ["dist.world_size=2", "train.steps=6", "checkpoint.every_steps=3", "trai
 
 
 def _train(run_dir: Path, *overrides: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, *launcher, "train.py", f"hydra.run.dir={run_dir}", *overrides]
+    """`python [launcher] train.py ...`; without a launcher in a fork of this process (tests/forkrun.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not launcher:
+        return run_script("train.py", f"hydra.run.dir={run_dir}", *overrides, env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    cmd = [sys.executable, *launcher, "train.py", f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 

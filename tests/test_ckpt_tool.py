@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint import reshard
 from distlib.app.data import make_corpus
 from distlib.app.model import MiniGPT, ModelConfig
+from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "ckpt.py"
@@ -33,7 +32,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    out = run_script(SCRIPT, "--help")
     assert out.returncode == 0, out.stderr
     for command in ("inspect", "verify", "consolidate", "reshard"):
         assert command in out.stdout
@@ -59,8 +58,7 @@ def test_verify_exit_status_tells(ckpt, tmp_path):
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x80
     shard.write_bytes(bytes(data))
-    out = subprocess.run([sys.executable, str(SCRIPT), "verify", str(damaged)],
-                         capture_output=True, text=True, timeout=60)
+    out = run_script(SCRIPT, "verify", str(damaged))
     assert out.returncode == 1
     assert out.stderr.startswith("error: checkpoint") and "rank00002.safetensors has sha256" in out.stderr
     assert "Traceback" not in out.stderr
@@ -135,8 +133,7 @@ def test_outputs_never_overwrite_nor_land_in_a_checkpoint(ckpt, tmp_path, capsys
 def test_refused_output_exits_nonzero_with_one_line(ckpt, tmp_path):
     source = tmp_path / ckpt.name          # a copy: a broken refusal must not damage the shared one
     shutil.copytree(ckpt, source)
-    out = subprocess.run([sys.executable, str(SCRIPT), "consolidate", str(source), str(source / "export")],
-                         capture_output=True, text=True, timeout=60)
+    out = run_script(SCRIPT, "consolidate", str(source), str(source / "export"))
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr == (f"error: refusing to write {source / 'export'} inside checkpoint {source}: a file its "
                           f"manifest does not list would fail its verification; write it elsewhere\n")

@@ -1,11 +1,10 @@
 """Parallel layouts that cannot work are refused with the key that is wrong, before any worker."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from distlib.app.config import ConfigError, RunConfig
+from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +36,7 @@ def test_data_parallel_size_and_global_batch_follow_the_mesh():
 
 @pytest.mark.slow
 def test_cli_refuses_a_bad_layout_before_starting_workers(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "dist.world_size=4", "dist.tp=3", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_script("train.py", "dist.world_size=4", "dist.tp=3", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr
     assert "config error: invalid parallel layout: dist.tp=3 must be >= 1 and divide dist.world_size=4" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -6,14 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 from ckpt_util import train, tree
+from forkrun import run_script
 
 from distlib.app.config import DTYPES, RunConfig
 from distlib.app.trainer import Trainer
@@ -180,7 +179,7 @@ def test_the_script_exits_with_one_line_not_a_traceback(runs, tmp_path):
     """world_size 0 passed `inspect` and `verify`, and `reshard` died in a traceback."""
     ckpt = _doctored(runs["dp"], tmp_path, _set("world_size", value=0))
     for argv in _verbs(ckpt, tmp_path):
-        out = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
+        out = run_script(SCRIPT, *argv)
         assert out.returncode == 1, (argv, out.stdout, out.stderr)
         assert out.stderr == f"error: checkpoint {ckpt / 'manifest.json'}: world_size must be >= 1, got 0\n", argv
 
@@ -201,9 +200,8 @@ def test_resume_refuses_and_loads_nothing(runs, tmp_path, case):
 @pytest.mark.slow
 def test_train_py_resume_prints_one_line(runs, tmp_path):
     ckpt = _doctored(runs["dp"], tmp_path, _set("world_size", value=0))
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}", "dist.world_size=1", "train.steps=6",
-           "train.global_batch=16", f"checkpoint.resume={ckpt}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script("train.py", f"hydra.run.dir={tmp_path / 'run'}", "dist.world_size=1", "train.steps=6",
+                      "train.global_batch=16", f"checkpoint.resume={ckpt}", timeout=300)
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: checkpoint")]
     assert lines == [f"error: checkpoint {ckpt / 'manifest.json'}: world_size must be >= 1, got 0"], proc.stderr

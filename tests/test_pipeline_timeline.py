@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch import nn
 
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder, bubble, theory
+from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -68,8 +68,7 @@ def test_timeline_png_from_a_real_run(tmp_path):
         runs.append(dict(schedule=name, pp=2, m=M, v=v, events=events))
     src = tmp_path / "events.json"
     src.write_text(json.dumps({"runs": runs}))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/pipeline_timeline.py"), str(src),
-                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = run_script("scripts/pipeline_timeline.py", str(src), "--out-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     for name, v in RUNS:
         png = tmp_path / f"pipeline_{name}_pp2.png"

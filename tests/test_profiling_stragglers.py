@@ -3,8 +3,6 @@ the straggler record and event (fault.slow_rank slows one rank on purpose), and 
 import importlib.util
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from distlib.app.throughput import model_params
 from distlib.app.trainer import Trainer
 from distlib.app.unattended.faults import step_hooks
 from distlib.app.unattended.stragglers import Slowest, StragglerWatch, slowest
+from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SLEEP = 0.3      # well above the forward/backward time, which varies by tens of ms on a loaded machine
@@ -70,8 +69,7 @@ def test_profiled_steps_leave_one_trace_per_rank_with_named_collectives(slow_run
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
 def test_report_splits_each_ranks_time_and_the_others_wait_for_the_slow_one(slow_run, tmp_path):
     run_dir, _ = slow_run
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/report.py"), str(run_dir), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script("scripts/report.py", str(run_dir), "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     rows = {int(m[0]): tuple(map(float, m[1:])) for m in re.findall(
         r"rank (\d+): compute +([\d.]+) ms +communication +([\d.]+) ms +waiting +([\d.]+) ms", proc.stdout)}

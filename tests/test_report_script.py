@@ -2,7 +2,6 @@
 PNGs need the optional matplotlib; without it the text report says they were skipped."""
 import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from multiproc import run_ranks
 from distlib.app.config import RunConfig
 from distlib.app.trainer import Trainer
 from distlib.app.unattended.faults import step_hooks
+from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -29,8 +29,7 @@ def make_run(run_dir: Path, world: int, **faults) -> Path:
 
 
 def report(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts/report.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return run_script("scripts/report.py", *map(str, args))
 
 
 @pytest.fixture(scope="module")

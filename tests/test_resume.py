@@ -1,11 +1,10 @@
 """scripts/resume.sh: exact resume from the step-10 checkpoint, and its mismatch report."""
 import json
 import shutil
-import sys
 
 import pytest
 
-from e2e import ROOT, run
+from forkrun import run_script
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,6 @@ def test_resume_script_proves_bitwise_resume(resume_script_run, tmp_path):
     (step14,) = [r for r in records if r["type"] == "step" and r["step"] == 14]
     step14["loss_hex"] = (float.fromhex(step14["loss_hex"]) * (1 + 2**-40)).hex()
     (doctored / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    bad = run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(out / "full"), str(doctored),
-               "--from-step", "11"])
+    bad = run_script("scripts/compare_runs.py", str(out / "full"), str(doctored), "--from-step", "11")
     assert bad.returncode == 1
     assert "losses first differ at step 14" in bad.stderr

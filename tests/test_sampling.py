@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from distlib.app.model import ModelConfig
 from distlib.app.tokens import ByteTokenizer
 from multiproc import run_ranks
 from trainrun import compose_tree, train
+from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "sample.py"
@@ -61,8 +60,7 @@ def test_a_damaged_shard_is_refused_before_loading(trained, tmp_path):
     shard.write_bytes(bytes(blob))
     with pytest.raises(CheckpointError, match="rank00001.safetensors has sha256"):
         sampling.load_model(copy)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(copy), "--prompt", "Rank", "--tokens", "5"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script(SCRIPT, str(copy), "--prompt", "Rank", "--tokens", "5")
     assert proc.returncode == 2 and "sha256" in proc.stderr and proc.stdout == ""
 
 
@@ -96,9 +94,8 @@ def test_top_k_and_temperature_restrict_and_seed_the_draw(trained):
 @pytest.mark.slow
 def test_sample_cli_prints_prompt_and_continuation(trained):
     ckpt, _ = trained
-    args = [sys.executable, str(SCRIPT), str(ckpt), "--prompt", "Rank zero → ", "--tokens", "25",
-            "--temperature", "0.8", "--top-k", "10", "--seed", "4"]
-    first = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    first = run_script(SCRIPT, str(ckpt), "--prompt", "Rank zero → ", "--tokens", "25",
+                       "--temperature", "0.8", "--top-k", "10", "--seed", "4")
     assert first.returncode == 0, first.stderr
     model = sampling.load_model(ckpt)
     expected = sampling.generate(model, ByteTokenizer.encode("Rank zero → "), 25, 0.8, 10,
@@ -131,11 +128,9 @@ def test_synthetic_vocabulary_samples_token_ids(tmp_path):
                          "checkpoint.verify_resume=false"])
     run_ranks(train, 2, tree, str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
-    from_ids = subprocess.run([sys.executable, str(SCRIPT), str(ckpt), "--prompt", "1 2 3", "--tokens", "4",
-                               "--temperature", "0"], capture_output=True, text=True, timeout=120)
+    from_ids = run_script(SCRIPT, str(ckpt), "--prompt", "1 2 3", "--tokens", "4", "--temperature", "0")
     assert from_ids.returncode == 0, from_ids.stderr
     ids = [int(t) for t in from_ids.stdout.split()]
     assert ids[:3] == [1, 2, 3] and len(ids) == 7 and all(0 <= t < 64 for t in ids)
-    from_text = subprocess.run([sys.executable, str(SCRIPT), str(ckpt), "--prompt", "hello"],
-                               capture_output=True, text=True, timeout=120)
+    from_text = run_script(SCRIPT, str(ckpt), "--prompt", "hello")
     assert from_text.returncode == 2 and "space-separated token ids" in from_text.stderr

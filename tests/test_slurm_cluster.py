@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e import ROOT
+from forkrun import run_script
 
 pytestmark = pytest.mark.slow
 
@@ -109,14 +110,12 @@ def _committed(run_dir: Path) -> list[Path]:
 
 
 def _verify(path: Path) -> None:
-    proc = subprocess.run([sys.executable, "scripts/ckpt.py", "verify", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = run_script("scripts/ckpt.py", "verify", str(path))
     assert proc.returncode == 0, f"{path}: {proc.stdout}{proc.stderr}"
 
 
 def _same_final_checkpoint(reference: Path, run_dir: Path) -> None:
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(reference), str(run_dir),
-                           "--checkpoint-step", str(STEPS)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = run_script("scripts/compare_runs.py", str(reference), str(run_dir), "--checkpoint-step", str(STEPS))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"step-{STEPS} checkpoints are byte-identical" in proc.stdout
 
@@ -273,9 +272,8 @@ def test_a_kill_mid_save_leaves_nothing_that_resume_trusts(cluster, reference, t
     for path in committed:
         _verify(path)
     # A later run with resume=latest (here outside SLURM: the checkpoint is not tied to the job).
-    proc = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run_dir}", "checkpoint.resume=latest",
-                           f"train.steps={STEPS}", "checkpoint.every_steps=10"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = run_script("train.py", f"hydra.run.dir={run_dir}", "checkpoint.resume=latest",
+                      f"train.steps={STEPS}", "checkpoint.every_steps=10", timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"resume: latest valid checkpoint is {committed[-1]}" in proc.stdout + proc.stderr
     assert f"resumed from {committed[-1]} at step {newest}" in proc.stdout

@@ -22,6 +22,7 @@ from distlib.app.summary import loss_table
 from distlib.app.tokens import ByteTokenizer, DataError
 from multiproc import run_ranks
 from trainrun import compose_tree, train
+from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "sample.txt"
@@ -182,9 +183,8 @@ def test_invalid_text_input_gets_a_clear_error(tmp_path, case, expect):
 
 @pytest.mark.slow
 def test_train_py_refuses_a_missing_text_file_with_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=text",
-                           f"data.path={tmp_path / 'nope.txt'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = run_script("train.py", "data=text", f"data.path={tmp_path / 'nope.txt'}",
+                      f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert f"data.path {tmp_path / 'nope.txt'} does not exist" in proc.stderr
 
@@ -193,9 +193,8 @@ def test_train_py_refuses_a_missing_text_file_with_exit_2(tmp_path):
 def test_train_py_reports_invalid_utf8_once(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"some text " * 100 + b"\xc3(")
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=text", f"data.path={bad}",
-                           "dist.world_size=2", f"hydra.run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    proc = run_script("train.py", "data=text", f"data.path={bad}", "dist.world_size=2",
+                      f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=180)
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "is not UTF-8 text" in line]
     assert lines == [f"error: data.path {bad} is not UTF-8 text: invalid continuation byte at byte 1000"], proc.stderr

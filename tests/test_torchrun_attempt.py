@@ -23,6 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from distlib.launch.torchrun import StartError, agree_start
+from forkrun import call_in_fork
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,6 +84,9 @@ def test_a_restart_the_nodes_count_differently_still_forms_one_group(tmp_path):
     assert procs["a"].returncode == 0 and procs["b"].returncode == 0, everything
 
 
+# The scenarios below run threads and a store server: each runs in a forked child (call_in_fork),
+# never in the test process, which forks ranks for later tests (tests/multiproc.py).
+
 def _store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
 
@@ -100,7 +104,7 @@ def _run_ranks(store: dist.TCPStore, world: int, first: list[int], timeout_s: fl
         try:
             results[rank] = agree_start(client, rank, world, restart_count=0, timeout_s=timeout_s)
         except StartError as exc:
-            results[rank] = exc
+            results[rank] = f"StartError: {exc}"
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world) if r not in absent]
     for t in threads:
         t.start()
@@ -109,19 +113,26 @@ def _run_ranks(store: dist.TCPStore, world: int, first: list[int], timeout_s: fl
     return results
 
 
-def test_stale_keys_of_a_finished_start_do_not_pull_a_rank_into_it():
+def _two_starts() -> tuple[dict, dict]:
     store = _store()
     first = _run_ranks(store, 3, first=[0])
-    assert len({token for token, _ in first.values()}) == 1 and {a for _, a in first.values()} == {0}, first
     # the second start's ranks 1 and 2 come first and read start 0's leader (with its admission list)
-    second = _run_ranks(store, 3, first=[1, 2])
+    return first, _run_ranks(store, 3, first=[1, 2])
+
+
+def test_stale_keys_of_a_finished_start_do_not_pull_a_rank_into_it():
+    first, second = call_in_fork(_two_starts)
+    assert len({token for token, _ in first.values()}) == 1 and {a for _, a in first.values()} == {0}, first
     tokens = {token for token, _ in second.values()}
     assert len(tokens) == 1 and tokens.isdisjoint(t for t, _ in first.values()), (first, second)
     assert {a for _, a in second.values()} == {1}, second
 
 
+def _rank_2_absent() -> dict:
+    return _run_ranks(_store(), 3, first=[0, 1], timeout_s=1.0, absent=(2,))
+
+
 def test_a_rank_that_never_comes_is_named():
-    store = _store()
-    results = _run_ranks(store, 3, first=[0, 1], timeout_s=1.0, absent=(2,))
-    assert isinstance(results[0], StartError) and "rank(s) [2] of this start did not arrive" in str(results[0])
-    assert isinstance(results[1], StartError) and "did not admit rank 1" in str(results[1]), results
+    results = call_in_fork(_rank_2_absent)
+    assert results[0] == "StartError: rank(s) [2] of this start did not arrive within 1 s", results
+    assert results[1] == "StartError: rank 0 of this start did not admit rank 1 within 1 s", results
