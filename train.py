@@ -110,6 +110,12 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         failures = [str(exc)]
+    except StallError as exc:
+        # Each rank that waited names what it waited for, now: the first of them to exit makes
+        # torchrun SIGTERM the others, and one still tearing its group down (no handler of ours
+        # left) died without its line (seen in CI: rank 2's line only, rank 0 exit -15).
+        print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
+        failures = [str(exc)]
     finally:
         dist.destroy_process_group()
     return failures, stopped_by
