@@ -132,6 +132,14 @@ def _rank_2_absent() -> dict:
     return _run_ranks(_store(), 3, first=[0, 1], timeout_s=1.0, absent=(2,))
 
 
+def _rank_0_absent() -> dict:
+    return _run_ranks(_store(), 2, first=[1], timeout_s=1.0, absent=(0,))
+
+
+def test_a_rank_0_that_never_comes_is_named():
+    assert call_in_fork(_rank_0_absent) == {1: "StartError: rank 0 of this start did not arrive within 1 s"}
+
+
 def test_a_rank_that_never_comes_is_named():
     results = call_in_fork(_rank_2_absent)
     assert results[0] == "StartError: rank(s) [2] of this start did not arrive within 1 s", results

@@ -95,6 +95,10 @@ def agree_start(store: dist.Store, rank: int, world: int, restart_count: int, ti
         members = [token.decode() for token in store.multi_get(acks)] if acks else []
         store.set(f"distlib/go/{mine}", json.dumps({"attempt": attempt, "members": members}))
         return mine, attempt
+    try:
+        store.wait(["distlib/leader"], datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - as above
+        raise StartError(f"rank 0 of this start did not arrive within {timeout_s:g} s") from exc
     acked = None
     while True:
         leader = store.get("distlib/leader").decode()
