@@ -1,5 +1,7 @@
+import gc
 import os
 import sys
+import time
 
 # The package `distlib` shadows PyPI's `distlib`; make sure ours (repo root) wins.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,14 +76,11 @@ def _no_thread_left_behind():
     test must end with as many threads as it began with; the one that does not is named here."""
     before = _threads()
     yield
-    after = _threads()
-    if after > before:
-        import gc
+    if _threads() > before:
         gc.collect()                        # a cycle may still hold a store or a thread's owner
         for _ in range(50):
             if _threads() <= before:
                 return
-            import time
             time.sleep(0.02)
         pytest.fail(f"this test left {_threads() - before} thread(s) running in the test process "
                     f"({before} before, {_threads()} after); later forks could hang", pytrace=False)

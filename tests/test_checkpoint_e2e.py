@@ -19,11 +19,11 @@ SMALL = ["dist.world_size=2", "train.steps=6", "checkpoint.every_steps=3", "trai
 
 def _train(run_dir: Path, *overrides: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`python [launcher] train.py ...`; without a launcher in a fork of this process (tests/forkrun.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not launcher:
         return run_script("train.py", f"hydra.run.dir={run_dir}", *overrides, env={"OMP_NUM_THREADS": "1"}, timeout=300)
     cmd = [sys.executable, *launcher, "train.py", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _error_lines(stderr: str) -> list[str]:
