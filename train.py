@@ -29,7 +29,7 @@ from distlib.app import summary as report
 from distlib.launch import slurm
 from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
                             StartError, join_job_start, share_config, shared_run_dir, use_cuda_device,
-                            use_deterministic_kernels)
+                            use_deterministic_kernels, wait_for_siblings)
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
@@ -140,6 +140,11 @@ def _join(cfg: RunConfig, device: str = "cpu") -> None:
                          f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})") from exc
 
 
+def _forked_worker(tree: dict, run_dir: str, world_size: int) -> None:
+    wait_for_siblings(world_size)     # no store traffic while the launcher still forks (torchrun.py)
+    worker(tree, run_dir)
+
+
 def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     """Start ``world_size`` workers through torch's elastic launcher (what torchrun uses). On
     SIGTERM/SIGINT the launcher forwards the signal; the workers finish their step, save and
@@ -155,7 +160,7 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     started = time.time()
     try:
-        elastic_launch(config, worker)(tree, run_dir)
+        elastic_launch(config, _forked_worker)(tree, run_dir, world_size)
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
         end = last_event(Path(run_dir) / RunConfig.from_dict(tree).metrics.file, "run_end", since=started)

@@ -135,6 +135,32 @@ def init_process_group(backend: str, timeout: datetime.timedelta, device: str = 
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, **bound)
 
 
+def children_of(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (every thread's, from /proc); [] where /proc lacks them."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return found
+
+
+def wait_for_siblings(count: int, timeout_s: float = 30.0) -> None:
+    """In a worker forked by `python train.py`'s own launcher: return once the launcher has forked
+    all ``count`` workers (or after ``timeout_s``). The launcher forks them one after another
+    while its store server thread runs; a worker that connects early makes that thread resolve
+    its address (getnameinfo, under a libc lock), and a sibling forked at that moment inherits
+    the lock held forever: it never reaches the rendezvous ("rank(s) [2] did not arrive" after
+    60 s, seen in the test suite). Waiting until every sibling exists keeps the store quiet
+    during the forks."""
+    deadline = time.monotonic() + timeout_s
+    parent = os.getppid()
+    while len(children_of(parent)) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def rank0_composes(argv: list[str]) -> bool:
     """Under torchrun only rank 0 runs Hydra and hands the composed config to the others through
     torchrun's store: importing Hydra and composing cost ~0.3 CPU-s per rank, which four ranks on
