@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distlib.app import data
+from distlib.app.data import batches as data
 from distlib.app import summary as report
 from distlib.launch import slurm
 from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
@@ -33,12 +33,13 @@ from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_pro
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
-from distlib.app.config import ConfigError, RunConfig
-from distlib.app.unattended.faults import Faults, step_hooks
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.faults import step_hooks
+from distlib.app.hooks import StepHooks
 from distlib.app.unattended.guard import DesyncError, GuardError
-from distlib.app.metrics import last_event
-from distlib.app.tokens import DataError
-from distlib.app.checkpointer import refuse_fresh_run_over_checkpoints
+from distlib.app.observe.metrics import last_event
+from distlib.app.data.tokens import DataError
+from distlib.app.checkpointing.checkpointer import refuse_fresh_run_over_checkpoints
 from distlib.app.trainer import Trainer
 from distlib.comm.watchdog import StallError
 
@@ -74,7 +75,9 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     device = cfg.device(int(os.environ.get("LOCAL_RANK", "0")))
     if device != "cpu":
         use_cuda_device(device)
-    _join(cfg, device)
+    # Fault injection (distlib/app/faults.py) attaches from outside the loop; none configured: no-op hooks.
+    hooks = step_hooks(cfg.fault, int(os.environ.get("RANK", "0")))
+    _join(cfg, hooks, device)
     failures, rank, stopped_by = [], dist.get_rank(), None
     try:
         # NCCL moves messages between GPUs; gloo between hosts (CUDA tensors are staged through them).
@@ -82,8 +85,7 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
         if comm.size != cfg.dist.world_size:
             raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
                               f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
-        # Fault injection (conf/fault/) attaches from outside the loop; none configured: no-op hooks.
-        result = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank), device=device).run()
+        result = Trainer(cfg, comm, Path(run_dir), hooks=hooks, device=device).run()
         failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
         if comm.rank == 0:
             report.write_json(result, failures, Path(run_dir) / "report.json")
@@ -121,10 +123,10 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     return failures, stopped_by
 
 
-def _join(cfg: RunConfig, device: str = "cpu") -> None:
+def _join(cfg: RunConfig, hooks: StepHooks, device: str = "cpu") -> None:
     """The rendezvous, under dist.timeout_s; a rank that never arrives is named. Any other failure
     (a bad address, a port in use) keeps its own message: it is not a rank that did not arrive."""
-    Faults(cfg.fault, int(os.environ.get("RANK", "0"))).hang(0)
+    hooks.joining()
     try:
         init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s), device)
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
@@ -198,6 +200,9 @@ def main() -> None:
         sys.exit("error: hydra/launcher=submitit_slurm needs the optional plugin, which is not installed: "
                  "pip install hydra-submitit-launcher (docs/beyond.md, \"SLURM\")")
     import hydra
+
+    from distlib.launch import hydra_config
+    hydra_config.register()       # every key's default, from the config dataclasses
     hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
 
 

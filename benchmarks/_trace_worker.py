@@ -76,7 +76,8 @@ def main() -> None:
     marks.mark("import torch")
     from distlib.checkpoint import sharded as checkpoint
     from distlib.app import summary as report
-    from distlib.app import checkpointer, trainer
+    from distlib.app import trainer
+    from distlib.app.checkpointing import checkpointer
     marks.mark("import distlib")
 
     # Hydra is imported by train.main(), on rank 0 only under torchrun: it lands in the next phase.

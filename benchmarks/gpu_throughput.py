@@ -33,12 +33,14 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distlib.app.model import ModelConfig, build_model  # noqa: E402
+from distlib.app.config.groups import ModelConfig  # noqa: E402
+from distlib.app.model.minigpt import build_model  # noqa: E402
 from distlib.comm.group import Comm  # noqa: E402
 from distlib.parallel.adamw import AdamWConfig  # noqa: E402
+from distlib.app.config.groups import OptimizerConfig
 from distlib.parallel.zero import make_optimizer  # noqa: E402
 
-ADAMW = AdamWConfig(lr=1e-4)
+ADAMW = OptimizerConfig(lr=1e-4).adamw
 
 
 def sync(device: torch.device) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from distlib.app.config import RunConfig              # noqa: E402
+from distlib.app.config.run import RunConfig              # noqa: E402
 from distlib.app.hooks import StepHooks               # noqa: E402
 from distlib.app.trainer import Trainer               # noqa: E402
 from distlib.comm import p2p                          # noqa: E402

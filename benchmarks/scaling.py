@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from distlib.comm.group import Comm  # noqa: E402
-from distlib.app.model import build_model  # noqa: E402
+from distlib.app.model.minigpt import build_model  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 MODEL = "medium"

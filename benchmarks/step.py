@@ -47,10 +47,12 @@ import torch.distributed as dist  # noqa: E402
 
 from distlib.parallel.zero import make_optimizer  # noqa: E402
 from distlib.parallel.adamw import AdamWConfig  # noqa: E402
+from distlib.app.config.groups import OptimizerConfig
 from distlib.comm.group import Comm  # noqa: E402
-from distlib.app.data import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
+from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
 from distlib.parallel.broadcast import broadcast_module_  # noqa: E402
-from distlib.app.model import ModelConfig, build_model  # noqa: E402
+from distlib.app.config.groups import ModelConfig  # noqa: E402
+from distlib.app.model.minigpt import build_model  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 from _no_comm import local_collectives  # noqa: E402
 
@@ -61,7 +63,7 @@ MODELS = {
     "medium": (ModelConfig(vocab_size=256, seq_len=128, dim=256, n_heads=8, n_layers=2), 8),
 }
 MODEL_SEED, DATA_SEED, ORDER_SEED = 1234, 0, 1234
-ADAMW = AdamWConfig(lr=1e-3)
+ADAMW = OptimizerConfig(lr=1e-3).adamw
 # Variants differ only in the order of floating-point reductions (gloo's ring vs ours, bucket
 # order), ~1e-7 relative per step, which Adam's normalisation can amplify over a few dozen steps;
 # anything above this is a real disagreement (a wrong average, a missed gradient, stale weights).

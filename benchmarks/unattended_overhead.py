@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from distlib.comm import collectives  # noqa: E402
-from distlib.app.config import RunConfig  # noqa: E402
+from distlib.app.config.run import RunConfig  # noqa: E402
 from distlib.app.trainer import Trainer  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from distlib.checkpoint.sharded import CheckpointError  # noqa: E402
 from distlib.app.sampling import SampleError, generate, load_model  # noqa: E402
-from distlib.app.tokens import BYTE_VOCAB, ByteTokenizer  # noqa: E402
+from distlib.app.data.tokens import BYTE_VOCAB, ByteTokenizer  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

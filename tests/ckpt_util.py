@@ -8,9 +8,9 @@ from multiproc import run_ranks
 
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.group import Comm
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import step_hooks
+from distlib.app.faults import step_hooks
 
 # A global batch of 16 sequences divides over 1, 2 and 4 ranks, so those worlds see the same data.
 GLOBAL_BATCH = 16

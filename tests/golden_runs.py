@@ -40,9 +40,9 @@ def _run_one(comm, tree: dict, run_dir: str) -> dict:
 
     import torch
 
-    from distlib.app.config import RunConfig
+    from distlib.app.config.run import RunConfig
     from distlib.app.trainer import Trainer
-    from distlib.app.unattended.faults import step_hooks
+    from distlib.app.faults import step_hooks
     torch.use_deterministic_algorithms(True)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         cfg = RunConfig.from_dict(tree)

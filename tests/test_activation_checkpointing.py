@@ -11,9 +11,10 @@ from multiproc import run_ranks
 from trainrun import compose_tree
 
 from distlib.app import summary
-from distlib.app.activations import ActivationMeter
-from distlib.app.config import ConfigError, RunConfig
-from distlib.app.model import ModelConfig, build_model
+from distlib.app.observe.activations import ActivationMeter
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import build_model
 from distlib.app.trainer import Trainer
 
 BASE = ["dist.world_size=2", "train.steps=3", "checkpoint.every_steps=0", "metrics.progress_every=0",
@@ -73,5 +74,5 @@ def test_checkpointed_model_matches_in_isolation_including_dropout():
 
 
 def test_an_unknown_mode_is_a_config_error():
-    with pytest.raises(ConfigError, match="model.activation_checkpointing must be 'none' or 'blocks'"):
+    with pytest.raises(ConfigError, match=r"model.activation_checkpointing must be one of \['none', 'blocks'\]"):
         RunConfig.from_dict({"model": {"activation_checkpointing": "layers"}})

@@ -1,6 +1,7 @@
 import torch
 
 from distlib.parallel.adamw import AdamWConfig, adamw_step_
+from distlib.app.config.groups import OptimizerConfig
 
 
 def test_flat_adamw_is_bitwise_torch_adamw():
@@ -29,7 +30,10 @@ def test_flat_adamw_is_bitwise_torch_adamw():
 
 def test_bad_hyperparameters_are_refused():
     import pytest
-    with pytest.raises(ValueError, match="optimizer.lr"):
-        AdamWConfig(lr=0)
-    with pytest.raises(ValueError, match="optimizer.beta2"):
-        AdamWConfig(beta2=1.0)
+    good = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        AdamWConfig(**{**good, "lr": 0.0})
+    with pytest.raises(ValueError, match="beta2 must be in"):
+        AdamWConfig(**{**good, "beta2": 1.0})
+    with pytest.raises(ValueError, match="optimizer.beta2 must be a number >= 0 and < 1, got 1.0"):
+        OptimizerConfig(beta2=1.0)

@@ -12,10 +12,10 @@ import pytest
 from ckpt_util import train, train_rank, tree
 from multiproc import run_ranks
 
-from distlib.app.config import ConfigError, RunConfig
+from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.hooks import StepHooks
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import Faults, step_hooks
+from distlib.app.faults import Faults, step_hooks
 from distlib.checkpoint import sharded as checkpoint
 
 ASYNC = {"async_save": True}

@@ -8,7 +8,7 @@ import torch
 
 from distlib.comm import agree
 from distlib.app import summary as report
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 from multiproc import run_ranks
 

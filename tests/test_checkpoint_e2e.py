@@ -11,7 +11,7 @@ from ckpt_util import train, tree
 from forkrun import run_script
 
 from distlib.checkpoint import sharded as checkpoint
-from distlib.app.config import ConfigError, RunConfig
+from distlib.app.config.run import ConfigError, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["dist.world_size=2", "train.steps=6", "checkpoint.every_steps=3", "train.global_batch=16"]
@@ -31,13 +31,13 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 def test_fault_options_are_validated():
-    with pytest.raises(ConfigError, match="fault.crash_in_save must be one of"):
+    with pytest.raises(ConfigError, match="fault.crash_in_save must be null or one of"):
         RunConfig.from_dict({"fault": {"crash_in_save": "sometime"}})
     with pytest.raises(ConfigError, match="must be set together"):
         RunConfig.from_dict({"fault": {"kill_rank": 1}})
     with pytest.raises(ConfigError, match="fault.kill_rank=4 is not a rank"):
         RunConfig.from_dict({"fault": {"kill_rank": 4, "kill_at_step": 2}})
-    with pytest.raises(ConfigError, match="checkpoint.keep_last must be >= 0"):
+    with pytest.raises(ConfigError, match="checkpoint.keep_last must be an integer >= 0"):
         RunConfig.from_dict({"checkpoint": {"keep_last": -1}})
 
 

@@ -14,7 +14,7 @@ from ckpt_util import tree, train
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.group import Comm
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 
 

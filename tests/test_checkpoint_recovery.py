@@ -9,7 +9,7 @@ from ckpt_util import train, tree
 
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.app.config import SAVE_CRASH_POINTS
+from distlib.app.faults import SAVE_CRASH_POINTS
 
 
 def _committed(run: Path) -> list[str]:

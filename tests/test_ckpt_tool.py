@@ -13,8 +13,9 @@ from ckpt_util import train, tree
 
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint import reshard
-from distlib.app.data import make_corpus
-from distlib.app.model import MiniGPT, ModelConfig
+from distlib.app.data.batches import make_corpus
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import MiniGPT
 from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,16 +4,14 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from e2e import ROOT, run, train
-from distlib.app.config import ConfigError, RunConfig
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.launch.hydra_config import compose_tree
 
 
 def _compose(*overrides):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
+    return compose_tree(list(overrides))
 
 
 def test_default_config_is_the_capstone():
@@ -27,7 +25,7 @@ def test_default_config_is_the_capstone():
 
 @pytest.mark.parametrize("override, message", [
     ("zero.stage=7", "zero.stage must be one of"),
-    ("dist.world_size=0", "dist.world_size must be >= 1"),
+    ("dist.world_size=0", "dist.world_size must be an integer >= 1"),
     ("model.dim=30", r"model.dim \(30\) must be divisible by model.n_heads \(4\)"),
     ("train.global_batch=10", "does not divide"),
     ("train.batch_size=3", "contradicts train.global_batch"),
@@ -37,7 +35,7 @@ def test_bad_values_are_refused_with_the_key_named(override, message):
     tree = _compose(override)
     with pytest.raises((ConfigError, ValueError), match=message):
         cfg = RunConfig.from_dict(tree)
-        from distlib.app.data import BatchPlan
+        from distlib.app.data.batches import BatchPlan
         BatchPlan(cfg.global_batch, cfg.dist.world_size, cfg.train.grad_accum)
 
 

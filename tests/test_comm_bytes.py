@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from multiproc import run_ranks
-from distlib.app.config import MetricsConfig, RunConfig
-from distlib.app.metrics import MetricsLog
+from distlib.app.config.groups import MetricsConfig
+from distlib.app.config.run import RunConfig
+from distlib.app.observe.metrics import MetricsLog
 from distlib.app.trainer import Trainer
 from distlib.comm import collectives
 from distlib.comm.mesh import build_mesh

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from distlib.app.data import BatchPlan, GlobalBatches, make_corpus
+from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
 
 
 def test_corpus_is_deterministic_and_learnable():

@@ -2,7 +2,8 @@ import torch
 
 from multiproc import run_ranks
 from distlib.parallel.broadcast import broadcast_module_
-from distlib.app.model import MiniGPT, ModelConfig
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import MiniGPT
 
 
 class WithBuffer(torch.nn.Module):

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 import test_collectives as battery
-from distlib.app import config as config_module
 from distlib.app import devices
-from distlib.app.config import ConfigError, RunConfig
+from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.trainer import Trainer
 from distlib.checkpoint import reshard, sharded
 from distlib.comm import agree
@@ -176,8 +175,7 @@ def test_cuda_without_a_gpu_is_one_config_error():
 
 
 def test_device_choice_with_gpus(monkeypatch):
-    for module in (devices, config_module):
-        monkeypatch.setattr(module, "cuda_devices", lambda: 2)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: 2)
     nccl = RunConfig.from_dict({"dist": {"backend": "nccl"}})
     assert [nccl.device(r) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     shared = RunConfig.from_dict({"train": {"device": "cuda"}})               # gloo, ranks share GPUs

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 from distlib.comm import agree
 from distlib.comm import collectives as C

@@ -12,10 +12,12 @@ from multiproc import run_ranks
 from distlib.comm import collectives
 from distlib.app.unattended import guard
 from distlib.parallel.adamw import AdamWConfig
+from distlib.app.config.groups import OptimizerConfig
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.group import Comm
-from distlib.app.config import GuardConfig
-from distlib.app.model import ModelConfig, build_model
+from distlib.app.config.operation import GuardConfig
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import build_model
 from distlib.comm.watchdog import StallError, watch
 from distlib.parallel.zero import make_optimizer
 
@@ -61,7 +63,7 @@ def test_verdict_is_identical_on_every_rank_and_trips_for_the_right_reasons():
 
 def _replicas(comm, perturb_rank, names, world):
     model = build_model(ModelConfig(), seed=0)
-    opt = make_optimizer(model, comm, 1, AdamWConfig())
+    opt = make_optimizer(model, comm, 1, OptimizerConfig().adamw)
     slots = {s.name: s for s in opt.layout.slots}
     if comm.rank == perturb_rank:
         for name in names:
@@ -91,7 +93,7 @@ def test_replica_check_names_the_divergent_rank_and_parameter(world):
 def _split_step(comm, stage, split):
     torch.manual_seed(0)
     model = build_model(ModelConfig(), seed=0)
-    opt = make_optimizer(model, comm, stage, AdamWConfig(), grad_clip=0.5)
+    opt = make_optimizer(model, comm, stage, OptimizerConfig().adamw, grad_clip=0.5)
     norms = []
     for i in range(3):
         tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * i + comm.rank))
@@ -111,7 +113,7 @@ def test_sync_grads_then_apply_update_is_step(stage):
 
 
 def test_apply_update_without_synced_grads_is_refused():
-    opt = make_optimizer(build_model(ModelConfig(), seed=0), Comm.world(), 1, AdamWConfig())
+    opt = make_optimizer(build_model(ModelConfig(), seed=0), Comm.world(), 1, OptimizerConfig().adamw)
     with pytest.raises(RuntimeError, match="needs sync_grads"):
         opt.apply_update()
     opt.sync_grads()

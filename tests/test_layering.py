@@ -16,25 +16,40 @@ PACKAGE = ROOT / "distlib"
 MAX_MODULE_LINES = 350
 MAX_CLASS_LINES = 250
 
+LIBRARY = ("distlib.comm", "distlib.parallel", "distlib.checkpoint")
+
 # package -> distlib modules it may import (prefixes); third-party names it must not import.
 RULES = {
     "distlib.comm": (("distlib.comm",), ()),
     "distlib.parallel": (("distlib.comm", "distlib.parallel"), ()),
     "distlib.checkpoint": (("distlib.comm", "distlib.checkpoint", "distlib.parallel.flat_layout",
                             "distlib.parallel.tensor_parallel", "distlib.parallel.adamw"), ()),
-    "distlib.app": (("distlib.comm", "distlib.parallel", "distlib.checkpoint", "distlib.app"), ()),
+    # the application's sub-packages (the most specific package of a module is the one whose rule applies)
+    "distlib.app.config": (LIBRARY + ("distlib.app.config", "distlib.app.devices", "distlib.app.faults"), ()),
+    "distlib.app.model": (LIBRARY + ("distlib.app.config", "distlib.app.model", "distlib.app.observe.activations"), ()),
+    "distlib.app.data": (LIBRARY + ("distlib.app.config", "distlib.app.data"), ()),
+    "distlib.app.observe": (LIBRARY + ("distlib.app.config", "distlib.app.observe"), ()),
+    "distlib.app.unattended": (LIBRARY + ("distlib.app.config", "distlib.app.observe", "distlib.app.unattended"), ()),
+    "distlib.app.checkpointing": (LIBRARY + ("distlib.app.config", "distlib.app.model", "distlib.app.data",
+                                             "distlib.app.unattended", "distlib.app.hooks", "distlib.app.launcher_env",
+                                             "distlib.app.checkpointing"), ()),
+    "distlib.app": (LIBRARY + ("distlib.app",), ()),
     "distlib.launch": (("distlib",), ()),
 }
 NO_THIRD_PARTY = {  # the library and the application take plain arguments, never Hydra's tree
     "distlib.comm": ("hydra", "omegaconf"), "distlib.parallel": ("hydra", "omegaconf"),
     "distlib.checkpoint": ("hydra", "omegaconf"), "distlib.app": ("hydra", "omegaconf"),
 }
-LIBRARY = ("distlib.comm", "distlib.parallel", "distlib.checkpoint")
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.parent / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -50,17 +65,19 @@ def imports(path: Path) -> list[tuple[int, str]]:
             base = node.module or ""
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            out.append((node.lineno, base))
-            # "from distlib.pkg import mod" imports the module distlib.pkg.mod
-            for a in node.names:
-                if (PACKAGE.parent / (base + "." + a.name).replace(".", "/")).with_suffix(".py").exists() or \
-                        (PACKAGE.parent / (base + "." + a.name).replace(".", "/") / "__init__.py").exists():
-                    out.append((node.lineno, base + "." + a.name))
+            # "from distlib.pkg import mod" imports the module distlib.pkg.mod (and of the package only
+            # its __init__, which holds no code); any other name is the package's own
+            modules = [base + "." + a.name for a in node.names if _is_module(base + "." + a.name)]
+            if len(modules) < len(node.names):
+                out.append((node.lineno, base))
+            out += [(node.lineno, m) for m in modules]
     return out
 
 
 def package_of(module: str) -> str | None:
-    return next((p for p in RULES if module == p or module.startswith(p + ".")), None)
+    """The most specific package of RULES that holds ``module``."""
+    found = [p for p in RULES if module == p or module.startswith(p + ".")]
+    return max(found, key=len) if found else None
 
 
 def all_modules() -> list[Path]:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from distlib.app.config import ConfigError, RunConfig
+from distlib.app.config.run import ConfigError, RunConfig
 from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,13 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("tree, message", [
     ({"dist": {"world_size": 4, "tp": 3}}, "dist.tp=3 must be >= 1 and divide dist.world_size=4"),
     ({"dist": {"world_size": 4, "tp": 4}, "model": {"n_heads": 2, "dim": 32}}, "dist.tp=4 must divide model.n_heads=2"),
-    ({"dist": {"world_size": 4, "tp": 0}}, "dist.tp must be >= 1"),
+    ({"dist": {"world_size": 4, "tp": 0}}, "dist.tp must be an integer >= 1"),
     ({"train": {"global_batch": 10}}, "train.global_batch=10 does not divide into dist.world_size=4 rank(s)"),
     ({"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": 16, "grad_accum": 3}},
      "train.global_batch=16 does not divide into dist.world_size/dist.tp=4/2=2 data-parallel rank(s) x "
      "train.grad_accum=3 micro-batch(es)"),
-    ({"zero": {"stage": 4}}, "zero.stage must be one of 0, 1, 2, 3"),
-    ({"zero": {"stage": 2, "bucket_numel": 0}}, "zero.bucket_numel must be >= 1"),
+    ({"zero": {"stage": 4}}, "zero.stage must be one of [0, 1, 2, 3], got 4"),
+    ({"zero": {"stage": 2, "bucket_numel": 0}}, "zero.bucket_numel must be an integer >= 1"),
     ({"train": {"dtype": "fp16"}}, "train.dtype must be one of"),
 ])
 def test_bad_layouts_are_config_errors(tree, message):

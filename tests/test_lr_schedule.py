@@ -7,18 +7,19 @@ import pytest
 from multiproc import run_ranks
 from trainrun import compose_tree, train
 
-from distlib.app.config import ConfigError, RunConfig
-from distlib.app.lr_schedule import ScheduleConfig, lr_at
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.config.groups import OptimizerConfig
+from distlib.app.lr_schedule import lr_at
 
 
 def test_the_default_is_the_configured_float_itself():
     for step in (1, 7, 20):
-        assert lr_at(step, 0.01, ScheduleConfig(), 20).hex() == (0.01).hex()
+        assert lr_at(step, OptimizerConfig(lr=0.01), 20).hex() == (0.01).hex()
 
 
 def test_warmup_then_cosine_to_the_floor():
-    cfg = ScheduleConfig(schedule="cosine", warmup_steps=4, min_lr_ratio=0.1)
-    lrs = [lr_at(t, 1.0, cfg, 20) for t in range(1, 21)]
+    cfg = OptimizerConfig(lr=1.0, schedule="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    lrs = [lr_at(t, cfg, 20) for t in range(1, 21)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 16)))
     assert all(a > b for a, b in zip(lrs[3:], lrs[4:]))        # decays every step after warmup
@@ -26,8 +27,8 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 def test_wsd_is_stable_until_its_decay_phase():
-    cfg = ScheduleConfig(schedule="wsd", warmup_steps=2, decay_steps=4, min_lr_ratio=0.0)
-    lrs = [lr_at(t, 2.0, cfg, 10) for t in range(1, 11)]
+    cfg = OptimizerConfig(lr=2.0, schedule="wsd", warmup_steps=2, decay_steps=4, min_lr_ratio=0.0)
+    lrs = [lr_at(t, cfg, 10) for t in range(1, 11)]
     assert lrs == [1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0]
 
 
@@ -35,9 +36,9 @@ def test_wsd_is_stable_until_its_decay_phase():
     ({"schedule": "linear"}, "optimizer.schedule must be one of"),
     ({"schedule": "wsd"}, "needs optimizer.decay_steps"),
     ({"schedule": "cosine", "decay_steps": 3}, "used by schedule=wsd only"),
-    ({"warmup_steps": -1}, "optimizer.warmup_steps must be >= 0"),
+    ({"warmup_steps": -1}, "optimizer.warmup_steps must be an integer >= 0, got -1"),
     ({"schedule": "wsd", "warmup_steps": 15, "decay_steps": 6}, "exceed train.steps=20"),
-    ({"min_lr_ratio": 2.0}, "optimizer.min_lr_ratio must be in [0, 1]"),
+    ({"min_lr_ratio": 2.0}, "optimizer.min_lr_ratio must be a number >= 0 and <= 1"),
 ])
 def test_bad_schedules_name_the_key(optimizer, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -56,9 +57,9 @@ def _steps(run_dir):
 
 def test_every_steps_rate_is_logged_and_a_resume_inside_warmup_or_decay_is_bitwise(tmp_path):
     full = run_ranks(train, 2, compose_tree(BASE + SCHEDULE), str(tmp_path / "full"))[0]
-    cfg = ScheduleConfig(schedule="wsd", warmup_steps=3, decay_steps=3, min_lr_ratio=0.1)
+    cfg = OptimizerConfig(lr=0.02, schedule="wsd", warmup_steps=3, decay_steps=3, min_lr_ratio=0.1)
     logged = [r["lr"] for r in _steps(tmp_path / "full")]
-    assert logged == [lr_at(t, 0.02, cfg, 8) for t in range(1, 9)]
+    assert logged == [lr_at(t, cfg, 8) for t in range(1, 9)]
     assert logged[0] < logged[3] == 0.02 > logged[-1]          # warmup, stable, decay all happened
     constant = run_ranks(train, 2, compose_tree(BASE + SCHEDULE[-2:]), str(tmp_path / "constant"))[0]
     assert constant["losses"][2] != full["losses"][2]         # the schedule changes the updates

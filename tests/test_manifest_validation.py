@@ -14,7 +14,7 @@ import torch
 from ckpt_util import train, tree
 from forkrun import run_script
 
-from distlib.app.config import DTYPES, RunConfig
+from distlib.app.config.run import DTYPES, RunConfig
 from distlib.app.trainer import Trainer
 from distlib.checkpoint import manifest as manifest_rules
 from distlib.checkpoint import sharded as checkpoint

@@ -9,7 +9,7 @@ import torch
 from ckpt_util import train, train_rank, tree
 from multiproc import run_ranks
 
-from distlib.app.memory_snapshots import choose
+from distlib.app.checkpointing.memory_snapshots import choose
 from distlib.checkpoint import memory_snapshot as shm
 from distlib.checkpoint import sharded as checkpoint
 
@@ -188,7 +188,7 @@ def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, ca
 
 
 def test_memory_every_steps_is_validated():
-    from distlib.app.config import ConfigError, RunConfig
+    from distlib.app.config.run import ConfigError, RunConfig
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="checkpoint.memory_every_steps must be an integer >= 0"):
             RunConfig.from_dict({"checkpoint": {"memory_every_steps": bad}})

@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlib.app.config import ConfigError, RunConfig
-from distlib.app.data import BatchPlan, GlobalBatches, make_corpus
-from distlib.app.model import ModelConfig, build_model
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import build_model
 from distlib.app.trainer import Trainer
 from distlib.comm.group import Comm
 from distlib.comm.p2p import CollectiveError
 from distlib.comm.progress import Progress
 from distlib.parallel.adamw import AdamWConfig
+from distlib.app.config.groups import OptimizerConfig
 from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.zero import make_optimizer
 from multiproc import run_ranks
@@ -50,7 +52,7 @@ def _ddp_grads(comm, accum, dtype=torch.float32):
 def _ours(comm, stage, accum, overlap, dtype=torch.float32, steps=3):
     model = build_model(CFG, seed=7)
     broadcast_module_(model, comm)
-    opt = make_optimizer(model, comm, stage, AdamWConfig(lr=3e-3), param_dtype=dtype, bucket_numel=BUCKET,
+    opt = make_optimizer(model, comm, stage, OptimizerConfig(lr=3e-3).adamw, param_dtype=dtype, bucket_numel=BUCKET,
                          overlap=overlap, grad_accum=accum)
     data, grads, losses = _data(comm, accum), None, []
     for step in range(steps):
@@ -106,7 +108,7 @@ def _launch_order(comm, accum):
     """Which buckets' syncs were handed to the thread when the first layer's gradient (the last one
     backward produces) was about to be accumulated, per micro-batch."""
     model = build_model(CFG, seed=7)
-    opt = make_optimizer(model, comm, 1, AdamWConfig(), bucket_numel=BUCKET, overlap=True, grad_accum=accum)
+    opt = make_optimizer(model, comm, 1, OptimizerConfig().adamw, bucket_numel=BUCKET, overlap=True, grad_accum=accum)
     seen = []
     model.tok_emb.weight.register_hook(lambda g: seen.append(list(opt.overlapped.launch_log)))
     for x, y in _data(comm, accum).micro_batches(0, comm.rank):
@@ -127,7 +129,7 @@ def test_sync_starts_during_the_last_backward_only():
 
 def _prefetch_log(comm):
     model = build_model(CFG, seed=7)
-    opt = make_optimizer(model, comm, 3, AdamWConfig(), overlap=True)
+    opt = make_optimizer(model, comm, 3, OptimizerConfig().adamw, overlap=True)
     log, submit = [], opt.progress.submit
     opt.progress.submit = lambda fn, *a: (log.append((fn.__name__, a[0])), submit(fn, *a))[1]
     units = [model.tok_emb, model.pos_emb, *model.blocks, model.ln_f, model.lm_head]

@@ -22,9 +22,10 @@ import torch
 
 from distlib.comm import agree
 from distlib.parallel.adamw import AdamWConfig
-from distlib.app.config import DTYPES
+from distlib.app.config.run import DTYPES
 from distlib.comm.mesh import build_mesh
-from distlib.app.model import TENSOR_PARALLEL_PLAN, ModelConfig, build_model, shard_model_
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import TENSOR_PARALLEL_PLAN, build_model, shard_model_
 from distlib.comm.group import Comm
 from distlib.parallel.tensor_parallel import (Column, ColumnParallelLinear, Row, RowParallelLinear, Split,
                                               parallelize_linears_, shard_of)

@@ -10,9 +10,9 @@ import torch
 from e2e import torchrun
 from multiproc import run_ranks
 
-from distlib.app.config import ConfigError, RunConfig
+from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import step_hooks
+from distlib.app.faults import step_hooks
 from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm.mesh import build_mesh
@@ -34,7 +34,7 @@ def tree(world: int, steps: int = 20, n_layers: int = 4, **dist) -> dict:
 @pytest.mark.parametrize("dist, message", [
     ({"world_size": 4, "pp": 3}, "dist.pp = 1 x 3 must be >= 1 and divide dist.world_size=4"),
     ({"world_size": 8, "tp": 2, "pp": 3}, "dist.tp x dist.pp = 2 x 3 must be >= 1 and divide dist.world_size=8"),
-    ({"world_size": 4, "pp": 0}, "dist.pp must be >= 1, got 0"),
+    ({"world_size": 4, "pp": 0}, "dist.pp must be an integer >= 1, got 0"),
     ({"world_size": 4, "pp": 4}, "model.n_layers=2 does not split into dist.pp x dist.pp_virtual = 4 x 1 = 4"),
     ({"world_size": 2, "pp": 2, "pp_schedule": "zigzag"}, "dist.pp_schedule must be one of"),
     ({"world_size": 2, "pp": 2, "pp_virtual": 2}, "dist.pp_virtual=2 needs dist.pp_schedule=interleaved"),

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from multiproc import run_ranks
 
-from distlib.app.config import ConfigError, RunConfig
-from distlib.app.throughput import model_params
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.model.minigpt import param_count
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import step_hooks
-from distlib.app.unattended.stragglers import Slowest, StragglerWatch, slowest
+from distlib.app.faults import step_hooks
+from distlib.app.observe.stragglers import Slowest, StragglerWatch, slowest
 from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def test_a_slowed_rank_is_named_slowest_every_step_and_a_straggler_once(slow_run
 
 def test_mfu_is_model_flops_over_step_time_and_the_measured_peak(slow_run):
     _, records = slow_run
-    flops = 6 * model_params(RunConfig().model) * 12 * 16
+    flops = 6 * param_count(RunConfig().model) * 12 * 16
     for r in (r for r in records if r["type"] == "step"):
         assert r["peak_flops"] > 1e8          # a few 256x256 matmuls, summed over 3 ranks
         assert r["mfu"] == pytest.approx(flops / r["step_time_s"] / r["peak_flops"])
@@ -95,8 +95,8 @@ def test_the_straggler_streak_needs_the_same_rank_over_the_factor_in_a_row():
     ({"train": {"profile_steps": 4}}, "train.profile_steps must be"),
     ({"fault": {"slow_rank": 1}}, "fault.slow_rank and fault.slow_seconds"),
     ({"fault": {"slow_rank": 9, "slow_seconds": 0.1}}, "fault.slow_rank=9 is not a rank"),
-    ({"guard": {"straggler_factor": 1.0}}, "guard.straggler_factor must be > 1"),
-    ({"guard": {"straggler_window": 0}}, "guard.straggler_window must be >= 1"),
+    ({"guard": {"straggler_factor": 1.0}}, "guard.straggler_factor must be a number > 1"),
+    ({"guard": {"straggler_window": 0}}, "guard.straggler_window must be an integer >= 1"),
 ])
 def test_bad_values_name_the_key(tree, message):
     with pytest.raises(ConfigError, match=message):

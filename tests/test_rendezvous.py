@@ -6,7 +6,8 @@ import pytest
 import torch.distributed as dist
 
 import train
-from distlib.app.config import RunConfig
+from distlib.app.hooks import StepHooks
+from distlib.app.config.run import RunConfig
 from distlib.comm.watchdog import StallError
 
 CFG = RunConfig.from_dict({"dist": {"world_size": 2, "timeout_s": 5}})
@@ -28,7 +29,7 @@ def _failing_join(monkeypatch, exc: Exception) -> None:
 def test_other_errors_pass_through_with_their_own_message(monkeypatch, exc):
     _failing_join(monkeypatch, exc)
     with pytest.raises(type(exc)) as err:
-        train._join(CFG)
+        train._join(CFG, StepHooks())
     assert err.value is exc and not isinstance(err.value, StallError)
 
 
@@ -44,7 +45,7 @@ def test_other_errors_pass_through_with_their_own_message(monkeypatch, exc):
 def test_a_timeout_names_the_ranks_that_did_not_arrive(monkeypatch, exc, who):
     _failing_join(monkeypatch, exc)
     with pytest.raises(StallError) as err:
-        train._join(CFG)
+        train._join(CFG, StepHooks())
     assert str(err.value).startswith("rendezvous: the process group of 2 ranks did not form within "
                                      f"dist.timeout_s=5s: {who} (")
     assert err.value.__cause__ is exc

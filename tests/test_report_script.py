@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from multiproc import run_ranks
 
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import step_hooks
+from distlib.app.faults import step_hooks
 from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from multiproc import run_ranks
 
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint import reshard
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 from distlib.parallel.adamw import STATE_KEYS
 

@@ -12,8 +12,8 @@ import torch
 from distlib.checkpoint import reshard
 from distlib.app import sampling
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.app.model import ModelConfig
-from distlib.app.tokens import ByteTokenizer
+from distlib.app.config.groups import ModelConfig
+from distlib.app.data.tokens import ByteTokenizer
 from multiproc import run_ranks
 from trainrun import compose_tree, train
 from forkrun import run_script

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from distlib.launch import slurm
+from distlib.launch.hydra_config import compose
 from e2e import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,8 +59,7 @@ def test_srun_tasks_share_one_run_directory_and_only_task_0_writes_hydra_files()
 
 
 def _hydra(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    return compose(overrides, return_hydra_config=True)
 
 
 def test_submitit_launcher_is_opt_in_and_runs_one_task_per_job_by_default():

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.parallel.tensor_parallel import Split
 from distlib.app.trainer import Trainer
 from multiproc import run_ranks

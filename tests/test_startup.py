@@ -49,5 +49,5 @@ def test_a_config_error_on_rank0_ends_the_torchrun_job_instead_of_leaving_the_ot
     from e2e import torchrun
     proc = torchrun(tmp_path, "optimizer.lr=-1", nproc=2, timeout=120)
     assert proc.returncode != 0
-    assert "optimizer.lr must be > 0" in proc.stderr
+    assert "optimizer.lr must be a number > 0" in proc.stderr
 

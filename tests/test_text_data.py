@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from distlib.app import data
-from distlib.app import tokens
+from distlib.app.data import batches as data
+from distlib.app.data import tokens
 from distlib.comm.group import Comm
-from distlib.app.config import ConfigError, RunConfig
-from distlib.app.data import BatchPlan, GlobalBatches, HeldOut, split_heldout
-from distlib.app.model import build_model
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.data.batches import BatchPlan, GlobalBatches, HeldOut, split_heldout
+from distlib.app.model.minigpt import build_model
 from distlib.app.summary import loss_table
-from distlib.app.tokens import ByteTokenizer, DataError
+from distlib.app.data.tokens import ByteTokenizer, DataError
 from multiproc import run_ranks
 from trainrun import compose_tree, train
 from forkrun import run_script

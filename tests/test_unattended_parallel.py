@@ -12,12 +12,13 @@ from multiproc import run_ranks
 from distlib.comm import collectives
 from distlib.app.unattended import guard
 from distlib.comm.p2p import CollectiveMismatchError
-from distlib.app.config import GuardConfig, RunConfig
+from distlib.app.config.operation import GuardConfig
+from distlib.app.config.run import RunConfig
 from distlib.parallel.flat_layout import ParamSlot
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.comm.mesh import build_mesh
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import step_hooks
+from distlib.app.faults import step_hooks
 
 BASE = {"train": {"steps": 8}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": 3},
         "metrics": {"progress_every": 0}}

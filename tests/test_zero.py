@@ -3,10 +3,12 @@ import torch
 
 from multiproc import run_ranks
 from distlib.parallel.adamw import AdamWConfig
+from distlib.app.config.groups import OptimizerConfig
 from distlib.comm.group import Comm
-from distlib.app.data import BatchPlan, GlobalBatches, make_corpus
+from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
 from distlib.parallel.broadcast import broadcast_module_
-from distlib.app.model import ModelConfig, build_model
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import build_model
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.zero import make_optimizer
 
@@ -17,7 +19,7 @@ ODD = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=1, mlp_r
 def _train(comm, stage, cfg, steps):
     model = build_model(cfg, seed=7)
     broadcast_module_(model, comm)
-    opt = make_optimizer(model, comm, stage, AdamWConfig(lr=3e-3))
+    opt = make_optimizer(model, comm, stage, OptimizerConfig(lr=3e-3).adamw)
     data = GlobalBatches(make_corpus(1, 4096, cfg.vocab_size), cfg.seq_len, BatchPlan(8, comm.size, 1), seed=3)
     losses, norms = [], []
     for step in range(steps):
@@ -72,7 +74,7 @@ def test_stage1_matches_plain_torch_adamw_on_the_global_batch():
 
 def _memory(comm, stage):
     model = build_model(ODD, seed=0)
-    opt = make_optimizer(model, comm, stage, AdamWConfig())
+    opt = make_optimizer(model, comm, stage, OptimizerConfig().adamw)
     return opt.memory_bytes(), opt.layout.numel, opt.layout.padded_numel
 
 
@@ -88,7 +90,7 @@ def test_optimizer_bytes_are_12P_over_N_from_the_tensors(world):
 
 def test_layout_roundtrips_and_params_are_views_of_the_flat_buffer():
     model = build_model(ODD, seed=0)
-    opt = make_optimizer(model, Comm.world(), 1, AdamWConfig())
+    opt = make_optimizer(model, Comm.world(), 1, OptimizerConfig().adamw)
     layout = FlatLayout.from_dict(opt.layout.to_dict())
     assert layout == opt.layout
     for slot, p in zip(layout.slots, model.parameters()):
@@ -98,4 +100,4 @@ def test_layout_roundtrips_and_params_are_views_of_the_flat_buffer():
 
 def test_bad_stage_is_refused():
     with pytest.raises(ValueError, match="zero.stage"):
-        make_optimizer(build_model(ODD, seed=0), Comm.world(), 7, AdamWConfig())
+        make_optimizer(build_model(ODD, seed=0), Comm.world(), 7, OptimizerConfig().adamw)

@@ -1,25 +1,13 @@
 """Compose the real Hydra config and run the Trainer on forked gloo ranks (no torchrun)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
-from distlib.app.unattended.faults import step_hooks
-
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def compose_tree(overrides: list[str]) -> dict:
-    """conf/ composed with ``overrides`` exactly as train.py would see it, as a plain dict."""
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+from distlib.app.faults import step_hooks
+from distlib.launch.hydra_config import compose_tree  # noqa: F401 - conf/ composed as train.py composes it
 
 
 def train(comm, tree: dict, run_dir: str) -> dict:

@@ -27,6 +27,9 @@ class StepHooks:
         """The model is built (``slots``: its flat layout); a hook that names a parameter fails
         here, before any step, instead of at the step it fires."""
 
+    def joining(self) -> None:
+        """Before this rank joins the process group (train.py)."""
+
     def before_step(self, step: int) -> None:
         pass
 

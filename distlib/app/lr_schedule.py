@@ -16,36 +16,13 @@ is bit for bit the one of a run without schedules.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-SCHEDULES = ("constant", "cosine", "wsd")
-KEYS = ("schedule", "warmup_steps", "decay_steps", "min_lr_ratio")   # keys of the optimizer group
+from distlib.app.config.groups import OptimizerConfig
 
 
-@dataclass(frozen=True)
-class ScheduleConfig:
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    decay_steps: int = 0        # wsd only: the final decay phase
-    min_lr_ratio: float = 0.0   # cosine / wsd: the rate they decay to, as a fraction of optimizer.lr
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"optimizer.schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        for name in ("warmup_steps", "decay_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"optimizer.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.schedule == "wsd" and self.decay_steps < 1:
-            raise ValueError("optimizer.schedule=wsd needs optimizer.decay_steps >= 1 (its final decay phase)")
-        if self.schedule != "wsd" and self.decay_steps:
-            raise ValueError(f"optimizer.decay_steps is used by schedule=wsd only (schedule={self.schedule}; "
-                             f"cosine decays from the end of warmup to train.steps)")
-
-
-def lr_at(step: int, lr: float, cfg: ScheduleConfig, total_steps: int) -> float:
-    """The learning rate of ``step`` (1-based) out of ``total_steps``, for base rate ``lr``."""
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """The learning rate of ``step`` (1-based) out of ``total_steps`` (``cfg.lr`` is the peak)."""
+    lr = cfg.lr
     if cfg.warmup_steps and step <= cfg.warmup_steps:
         return lr * step / cfg.warmup_steps
     if cfg.schedule == "constant":

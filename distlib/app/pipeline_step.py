@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from distlib.comm.mesh import Mesh
-from distlib.app.dist_config import DistConfig
-from distlib.app.model import MiniGPT
-from distlib.app.pipeline_model import Chunk, keep_stage_, lm_loss
+from distlib.app.config.operation import DistConfig
+from distlib.app.model.minigpt import MiniGPT
+from distlib.app.model.pipeline import Chunk, keep_stage_, lm_loss
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder
 

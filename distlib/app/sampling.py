@@ -20,7 +20,8 @@ import torch
 
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint import reshard
-from distlib.app.model import MiniGPT, ModelConfig
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.minigpt import MiniGPT
 from distlib.parallel.flat_layout import FlatLayout
 
 

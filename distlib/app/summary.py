@@ -47,7 +47,7 @@ def memory_table(result: RunResult, stage: int) -> str:
     totals = [row["measured"]["optimizer"] for row in result.memory]
     lines.append(f"optimizer bytes across ranks: max {max(totals)}, mean {sum(totals) / n:.1f}")
     kept = [row["measured"].get("activations") for row in result.memory]
-    if None not in kept:     # measured by the trainer's ActivationMeter (distlib/app/activations.py)
+    if None not in kept:     # measured by the trainer's ActivationMeter (distlib/app/observe/activations.py)
         lines.append(f"activation bytes kept for backward (largest forward) per rank: {', '.join(map(str, kept))}; "
                      f"max {max(kept)}, mean {sum(kept) / n:.1f}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ import math
 import re
 from typing import Callable
 
-# train.dtype's values (distlib.app.config.DTYPES; this layer may not import the application).
+# train.dtype's values (distlib.app.config.run.DTYPES; this layer may not import the application).
 PARAM_DTYPES = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 _SHA256 = re.compile(r"[0-9a-f]{64}")

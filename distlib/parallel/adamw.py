@@ -21,23 +21,24 @@ STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    lr: float = 1e-2
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
+    """The hyperparameters of ``adamw_step``; all given (the application's defaults are its config's)."""
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
-            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+            raise ValueError(f"AdamW lr must be > 0, got {self.lr}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
-                raise ValueError(f"optimizer.{name} must be in [0, 1), got {value}")
+                raise ValueError(f"AdamW {name} must be in [0, 1), got {value}")
         if not self.eps > 0:
-            raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
+            raise ValueError(f"AdamW eps must be > 0, got {self.eps}")
         if self.weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+            raise ValueError(f"AdamW weight_decay must be >= 0, got {self.weight_decay}")
 
 
 def adamw_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,

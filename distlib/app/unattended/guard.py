@@ -24,7 +24,7 @@ import torch
 
 from distlib.comm import agree
 from distlib.comm.group import Comm
-from distlib.app.config import GuardConfig
+from distlib.app.config.operation import GuardConfig
 
 
 class GuardError(RuntimeError):

@@ -10,7 +10,7 @@ the abandoned trajectory: they are moved (never deleted) to ``<dir>/rolled_back_
 so the re-run steps can save again.
 
 ``Rollback`` is the trip itself; the targets are kept by the run's ``Checkpointer``
-(``distlib.app.checkpointer``), whose retention must never delete the newest trusted one.
+(``distlib.app.checkpointing.checkpointer``), whose retention must never delete the newest trusted one.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from pathlib import Path
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm import agree
 from distlib.comm.group import Comm
-from distlib.app.config import GuardConfig
-from distlib.app.metrics import json_number
+from distlib.app.config.operation import GuardConfig
+from distlib.app.observe.metrics import json_number
 from distlib.app.unattended.guard import GuardError, Verdict
 
 

@@ -2,7 +2,7 @@
 
 Per step the model needs about 6 x P x tokens floating-point operations (2 per parameter and token
 forward, 4 backward; attention's score arithmetic is left out, as in the usual MFU), with P the
-whole model's parameter count (all tensor-parallel shards together). The peak is measured once at
+whole model's parameter count (all tensor-parallel shards together, ``model.param_count``). The peak is measured once at
 start, on every rank at the same time (so ranks sharing cores see the share they get): the best of
 a few 256x256 fp32 matrix multiplies (2 x 256^3 operations each), summed over ranks::
 
@@ -18,7 +18,6 @@ import torch
 
 from distlib.comm import agree
 from distlib.comm.group import Comm
-from distlib.app.model import MiniGPT, ModelConfig
 
 PROBE_N = 256
 PROBE_REPEATS = 8
@@ -49,12 +48,6 @@ def probe_flops(device: torch.device, n: int = PROBE_N, repeats: int = PROBE_REP
 def peak_flops(comm: Comm, device: torch.device) -> float:
     """Every rank's probe, summed: the job's peak. Collective (one gather)."""
     return sum(row[0] for row in agree.gather([probe_flops(device)], comm))
-
-
-def model_params(cfg: ModelConfig) -> int:
-    """P of the whole (unsplit) model, counted on the meta device: no memory, no RNG."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in MiniGPT(cfg).parameters())
 
 
 def mfu(model_flops_per_step: float, seconds: float, peak: float) -> float | None:

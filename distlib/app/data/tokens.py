@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distlib.app.config.groups import BYTE_VOCAB
 from distlib.comm import agree
 from distlib.comm.group import Comm
 
@@ -39,7 +40,6 @@ MAGIC = b"DLTOKENS"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIIIQ32s")
 HEADER_BYTES = 64
-BYTE_VOCAB = 256
 _READ_BLOCK = 1 << 20
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from distlib.comm import agree
 from distlib.comm.mesh import Mesh
-from distlib.app.model import MiniGPT
+from distlib.app.model.minigpt import MiniGPT
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
 

@@ -11,7 +11,7 @@ import torch
 
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
-from distlib.app.rng_draws import process_rng_draws, saved_rng_draws, seed_process_rngs
+from distlib.app.checkpointing.rng import process_rng_draws, saved_rng_draws, seed_process_rngs
 from distlib.parallel.zero import ZeroOptimizer
 
 @dataclass

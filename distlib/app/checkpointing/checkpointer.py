@@ -31,15 +31,15 @@ from distlib.checkpoint.staging import StagingBuffers
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.mesh import Mesh
-from distlib.app.config import RunConfig
-from distlib.app.data import GlobalBatches
-from distlib.app.fit_check import check_fits
+from distlib.app.config.run import RunConfig
+from distlib.app.data.batches import GlobalBatches
+from distlib.app.checkpointing.fit_check import check_fits
 from distlib.app.hooks import StepHooks
-from distlib.app.pipeline_model import stage_layouts
-from distlib.app.async_save import AsyncSaves, PendingSave, Saved
-from distlib.app.memory_snapshots import MemorySnapshots, fingerprint
-from distlib.app.resume_check import ResumeCheck, verify_resume
-from distlib.app.rng_draws import seed_process_rngs
+from distlib.app.model.pipeline import stage_layouts
+from distlib.app.checkpointing.async_saver import AsyncSaves, PendingSave, Saved
+from distlib.app.checkpointing.memory_snapshots import MemorySnapshots, fingerprint
+from distlib.app.checkpointing.resume_check import ResumeCheck, verify_resume
+from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
 from distlib.app.unattended.stopping import CheckpointClock
 from distlib.parallel.tensor_parallel import Split, manifest_layouts

@@ -12,8 +12,8 @@ import dataclasses
 from pathlib import Path
 
 from distlib.checkpoint import sharded as checkpoint
-from distlib.app.config import RunConfig
-from distlib.app.data import GlobalBatches
+from distlib.app.config.run import RunConfig
+from distlib.app.data.batches import GlobalBatches
 from distlib.parallel.flat_layout import FlatLayout
 
 

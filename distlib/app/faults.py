@@ -1,20 +1,18 @@
-"""Fault injection (``conf/fault/``): the failures the recovery paths exist for, on demand.
+"""Recovery drills: the failures the recovery paths exist for, injected on demand (``fault.*``).
 
-Tests and drills use it to prove what happens when a worker dies mid-run, a
-process dies at a given point of a checkpoint save, or the disk fills up.
-Under torchrun a kill fires only on the job's first start
-(``launcher_env.attempt()`` is 0, the same on every node), so the restarted group runs clean, as
-it would after a real one-off failure.
+Everything about faults is in this module: the ``fault`` config group (its keys and their
+checks), and ``Faults``, the ``StepHooks`` (``distlib.app.hooks``) that fire them. train.py
+attaches it (``step_hooks``) when a fault is configured; the trainer, the checkpointer and
+``distlib.checkpoint`` see only the seams (hooks at fixed points of a step, a save hook), never a
+fault. Users run these drills too (a SIGKILL mid-run, a crash inside a save, a full disk, a loss
+spike, a hang, a desynchronised replica, a pre-emption, a straggler).
 
-The divergence, stall, desync and pre-emption faults (docs/unattended.md) fire
-once per process: the first time their step is reached. The record of what fired
-lives here, in memory and not in checkpoints, so when the guard rolls back and
-the same step runs again it runs clean, which is what lets a test compare the
-recovered run with an undisturbed one bit for bit. The straggler fault
-(``slow_rank`` / ``slow_seconds``) is the exception: it slows every step.
-
-``Faults`` is a ``StepHooks`` (``distlib.app.hooks``): the launcher attaches it to the
-Trainer (``step_hooks``) when a fault is configured; the training loop never names a fault.
+Under torchrun a kill fires only on the job's first start (``launcher_env.attempt()`` is 0, the
+same on every node), so the restarted group runs clean, as after a real one-off failure. The
+divergence, stall, desync and pre-emption faults fire once per process, the first time their step
+is reached; the record of what fired lives here, in memory and not in checkpoints, so a step
+re-run after a guard rollback runs clean, which is what lets a test compare the recovered run
+with an undisturbed one bit for bit. The straggler fault slows every step.
 """
 from __future__ import annotations
 
@@ -23,18 +21,85 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from distlib.checkpoint.sharded import SaveHook
 from distlib.app import launcher_env
-from distlib.app.config import ConfigError, FaultConfig
+from distlib.app.config.schema import ConfigError, Group, key
 from distlib.app.hooks import StepHooks
+from distlib.checkpoint.sharded import SaveHook
 
+SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_commit")
 # fault.crash_in_save value -> the checkpoint.save hook point where the process dies
 _CRASH_POINTS = {"mid_shard": "shard_written", "before_manifest": "shards_written",
                  "before_commit": "manifest_written", "after_commit": "committed"}
+
+
+@dataclass(frozen=True)
+class FaultConfig(Group):
+    """Faults injected on purpose (every key null: none)."""
+    GROUP = "fault"
+    kill_rank: int | None = key(None, "this rank SIGKILLs itself ...", ge=0)
+    kill_at_step: int | None = key(None, "... right after this step (under torchrun on the job's first start only)",
+                                   ge=1)
+    crash_in_save: str | None = key(None, "every rank reaching this point of a save SIGKILLs itself: mid_shard (half "
+                                    "its shard written), before_manifest (all shards fsynced), before_commit "
+                                    "(manifest written, directory not renamed), after_commit",
+                                    choices=SAVE_CRASH_POINTS)
+    disk_full_rank: int | None = key(None, "this rank's shard write fails half-way with ENOSPC", ge=0)
+    save_fault_step: int | None = key(None, "the save (its step) that crash_in_save / disk_full_rank hit; null: the "
+                                      "first save", ge=1)
+    lr_spike_step: int | None = key(None, "multiply the learning rate of this step's update ...", ge=1)
+    lr_spike_factor: float | None = key(None, "... by this factor (the loss spike shows at the next step)", gt=0)
+    nan_grad_rank: int | None = key(None, "this rank's local gradients become NaN ...", ge=0)
+    nan_grad_step: int | None = key(None, "... at this step (after backward, before the gradient sync)", ge=1)
+    hang_rank: int | None = key(None, "this rank sleeps forever ...", ge=0)
+    hang_step: int | None = key(None, "... at the start of this step (0: before joining the process group)", ge=0)
+    perturb_rank: int | None = key(None, "this rank adds one ulp to one element of a parameter ...", ge=0)
+    perturb_step: int | None = key(None, "... after this step's update (the desync check must catch it)", ge=1)
+    perturb_param: str | None = key(None, "the parameter to perturb; null: the last one")
+    sigterm_rank: int | None = key(None, "this rank sends itself SIGTERM (a pre-emption that reaches one rank) ...",
+                                   ge=0)
+    sigterm_step: int | None = key(None, "... during this step", ge=1)
+    slow_rank: int | None = key(None, "this rank sleeps slow_seconds after every backward (a straggler on purpose, "
+                                "every step from the first) ...", ge=0)
+    slow_seconds: float | None = key(None, "... this long", gt=0)
+
+    # (rank key, step key): faults that target one rank at one step
+    RANKED = (("nan_grad_rank", "nan_grad_step"), ("hang_rank", "hang_step"), ("perturb_rank", "perturb_step"),
+              ("sigterm_rank", "sigterm_step"))
+    PAIRS = (("kill_rank", "kill_at_step"), ("lr_spike_step", "lr_spike_factor"), *RANKED,
+             ("slow_rank", "slow_seconds"))
+
+    def check(self) -> None:
+        for first, second in self.PAIRS:
+            a, b = getattr(self, first), getattr(self, second)
+            if (a is None) != (b is None):
+                raise ConfigError(f"fault.{first} and fault.{second} must be set together "
+                                  f"(got {first}={a}, {second}={b})")
+        if self.perturb_param is not None and self.perturb_rank is None:
+            raise ConfigError("fault.perturb_param needs fault.perturb_rank and fault.perturb_step")
+
+    @property
+    def configured(self) -> bool:
+        """Whether any fault is set."""
+        return any(v is not None for v in self.to_dict().values())
+
+    def check_run(self, world_size: int, steps: int, overlap: bool) -> None:
+        """Faults must target an existing rank and a step the run reaches, or they test nothing."""
+        for rank_key in ("kill_rank", "disk_full_rank", "slow_rank", *(r for r, _ in self.RANKED)):
+            rank = getattr(self, rank_key)
+            if rank is not None and rank >= world_size:
+                raise ConfigError(f"fault.{rank_key}={rank} is not a rank of dist.world_size={world_size}")
+        for step_key in ("lr_spike_step", *(s for _, s in self.RANKED)):
+            step = getattr(self, step_key)
+            if step is not None and step > steps:
+                raise ConfigError(f"fault.{step_key}={step} is beyond train.steps={steps}; it would never fire")
+        if overlap and self.nan_grad_rank is not None:
+            raise ConfigError("fault.nan_grad_rank poisons the gradients after backward, but with zero.overlap "
+                              "their sync has already started there; set zero.overlap=false for this drill")
 
 
 def first_attempt() -> bool:
@@ -67,6 +132,9 @@ class Faults(StepHooks):
     def check_model(self, slots) -> None:
         if self.cfg.perturb_param is not None:
             self.perturbed_slot(slots)       # a bad name fails now, not at the step
+
+    def joining(self) -> None:
+        self.hang(0)
 
     def before_step(self, step: int) -> None:
         self.hang(step)

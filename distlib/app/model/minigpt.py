@@ -13,40 +13,15 @@ tensor-parallel degree: attention derives its local head count from the width of
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from distlib.app.config.groups import ModelConfig
 from distlib.comm.group import Comm
-from distlib.app import activations
+from distlib.app.observe import activations
 from distlib.parallel.tensor_parallel import Column, Row, Split, parallelize_linears_
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 64
-    seq_len: int = 16
-    dim: int = 32
-    n_heads: int = 4
-    n_layers: int = 2
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    activation_checkpointing: str = "none"   # none | blocks: recompute each block in backward
-
-    def __post_init__(self) -> None:
-        if self.activation_checkpointing not in ("none", "blocks"):
-            raise ValueError(f"model.activation_checkpointing must be 'none' or 'blocks', "
-                             f"got {self.activation_checkpointing!r}")
-        for name in ("vocab_size", "seq_len", "dim", "n_heads", "n_layers", "mlp_ratio"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -141,6 +116,14 @@ class MiniGPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+def param_count(cfg: ModelConfig) -> int:
+    """P of the whole (unsplit) MiniGPT, from its shape alone: the same sum as its parameters' numel,
+    without building one (even on the meta device, nn.init imports torch._dynamo: +1.3 s a process)."""
+    d, hidden, v = cfg.dim, cfg.mlp_ratio * cfg.dim, cfg.vocab_size
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * hidden + hidden) + (hidden * d + d)
+    return v * d + cfg.seq_len * d + cfg.n_layers * block + 2 * d + (d * v + v)
+
+
 def build_model(cfg: ModelConfig, seed: int) -> MiniGPT:
     """A MiniGPT whose initial weights depend only on ``seed`` (not on global RNG state), drawn on
     the CPU whatever the default device: every device then starts from the same bytes."""
@@ -148,17 +131,6 @@ def build_model(cfg: ModelConfig, seed: int) -> MiniGPT:
     with fork, torch.device("cpu"):
         torch.manual_seed(seed)
         return MiniGPT(cfg)
-
-
-class TPLayoutError(ValueError):
-    """A model that cannot be split over this many tensor-parallel ranks."""
-
-
-def check_tp_layout(cfg: ModelConfig, tp: int) -> None:
-    """Heads must split evenly; then so do dim (a multiple of n_heads) and the MLP width."""
-    if cfg.n_heads % tp:
-        raise TPLayoutError(f"dist.tp={tp} must divide model.n_heads={cfg.n_heads} (heads are split across "
-                            f"tensor-parallel ranks)")
 
 
 # Megatron's split of a block: attention by heads (the fused q|k|v rows of a head stay on one
@@ -175,5 +147,7 @@ def shard_model_(model: MiniGPT, tp: Comm) -> dict[str, Split]:
     """Replace every block's attention and MLP Linear layers with this rank's tensor-parallel
     shard of them (in place, keeping parameter names and order); returns each split parameter's
     Split (none with a tensor-parallel group of one)."""
-    check_tp_layout(model.cfg, tp.size)
+    if model.cfg.n_heads % tp.size:
+        raise ValueError(f"dist.tp={tp.size} must divide model.n_heads={model.cfg.n_heads} (heads are split across "
+                         f"tensor-parallel ranks)")
     return parallelize_linears_(model, tp, TENSOR_PARALLEL_PLAN)

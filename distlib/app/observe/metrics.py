@@ -27,9 +27,10 @@ from pathlib import Path
 
 from distlib.comm import agree
 from distlib.comm.group import KINDS, Comm
-from distlib.app.config import GuardConfig, MetricsConfig
-from distlib.app.throughput import mfu
-from distlib.app.unattended.stragglers import StragglerWatch, slowest
+from distlib.app.config.groups import MetricsConfig
+from distlib.app.config.operation import GuardConfig
+from distlib.app.observe.throughput import mfu
+from distlib.app.observe.stragglers import StragglerWatch, slowest
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes", "activation_bytes")
 SECONDS = len(MEMORY_KEYS)        # index of step_time_s in a rank's gathered row; its comm figures follow

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from distlib.comm.group import Comm
-from distlib.app.tokens import DataError, load_text_tokens
+from distlib.app.data.tokens import DataError, load_text_tokens
 
 if TYPE_CHECKING:
-    from distlib.app.config import RunConfig
+    from distlib.app.config.run import RunConfig
 
 
 def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64,

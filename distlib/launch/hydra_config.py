@@ -1,0 +1,50 @@
+"""The configuration's defaults, handed to Hydra from the one place they are written.
+
+Every key's default is declared once, in the application's config dataclasses
+(``distlib.app.config``). ``register`` stores them in Hydra's ConfigStore as ``_defaults``, the
+first entry of conf/config.yaml's defaults list, so the YAML files under conf/ hold only what a
+choice changes (``zero=stage2`` sets ``stage: 2``; ``data=text`` sets the file, the vocabulary and
+the held-out share). The stored tree is plain (untyped): Hydra merges the command line into it
+as given, and ``RunConfig.from_dict`` checks every key (one ``config error: <key> ...`` line).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from distlib.app.config import schema
+from distlib.app.config.run import GROUPS, RunConfig
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+DEFAULTS_NAME = "_defaults"
+
+
+def defaults_tree() -> dict:
+    """Every group's keys with their defaults, and the top-level keys."""
+    tree = {name: schema.defaults(cls) for name, cls in GROUPS.items()}
+    tree.update(schema.defaults(RunConfig))
+    return tree
+
+
+def register() -> None:
+    """Make ``_defaults`` known to Hydra (idempotent: the same node every time)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=DEFAULTS_NAME, node=defaults_tree())
+
+
+def compose(overrides: list[str] | None = None, return_hydra_config: bool = False):
+    """conf/ composed with ``overrides`` as train.py composes it (tests and tools)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides or []),
+                             return_hydra_config=return_hydra_config)
+
+
+def compose_tree(overrides: list[str] | None = None) -> dict:
+    """``compose`` as a plain dict, interpolations resolved: what ``RunConfig.from_dict`` reads."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose(overrides), resolve=True)
