@@ -235,17 +235,25 @@ def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
         (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
 
 
-def run_config(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    tree = OmegaConf.to_container(cfg, resolve=True)
+def checked_config(tree: dict) -> RunConfig:
+    """The run's configuration from Hydra's composed ``tree``, every key checked (and the data source
+    looked at) before any worker starts; a bad value is one ``config error: <key> ...`` line and
+    exit status 2."""
     try:
         run_cfg = RunConfig.from_dict(tree)
         data.check_source(run_cfg)
     except (ConfigError, DataError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
+    return run_cfg
+
+
+def run_config(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    run_cfg = checked_config(tree)
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         refuse_fresh_run_over_checkpoints(Path(run_dir) / run_cfg.checkpoint.dir, run_cfg.checkpoint.resume)

@@ -43,7 +43,10 @@ def inspect(args: argparse.Namespace) -> None:
 
 
 def verify(args: argparse.Namespace) -> None:
+    from distlib.app.checkpointing.manifest_config import manifest_config
+
     manifest = checkpoint.verify(args.path)
+    manifest_config(manifest, args.path)      # its model and data config, checked like a run's
     total = sum(f["bytes"] for f in manifest["files"])
     print(f"OK: {args.path}: step {manifest['step']}, {len(manifest['files'])} file(s), {total} bytes, "
           f"every size and sha256 matches the manifest")

@@ -21,6 +21,7 @@ import torch
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint import reshard
 from distlib.app.config.groups import ModelConfig
+from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.model.minigpt import MiniGPT
 from distlib.parallel.flat_layout import FlatLayout
 
@@ -32,7 +33,7 @@ class SampleError(ValueError):
 def model_from_sharded(path: Path) -> MiniGPT:
     manifest = checkpoint.verify(path)
     flat = reshard.full_state(path, manifest)["master"]
-    model = MiniGPT(ModelConfig(**manifest["model"]))
+    model = MiniGPT(manifest_config(manifest, path)[0])
     state = {}
     for slot in FlatLayout.from_dict(manifest["layout"]).slots:
         state[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -34,6 +34,7 @@ from distlib.comm.mesh import Mesh
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.app.checkpointing.fit_check import check_fits
+from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.hooks import StepHooks
 from distlib.app.model.pipeline import stage_layouts
 from distlib.app.checkpointing.async_saver import AsyncSaves, PendingSave, Saved
@@ -235,7 +236,7 @@ class Checkpointer(AsyncSaves):
         path = Path(path)
         if not verified:
             checkpoint.verify_collectively(path, self.comm)
-        manifest = agree.agreed(lambda: checkpoint.read_manifest(path), self.comm, checkpoint.CheckpointError)
+        manifest = agree.agreed(lambda: _read_checked(path), self.comm, checkpoint.CheckpointError)
         check_fits(path, manifest, optimizer.layout, self.cfg, self.mesh.tp.size, self.mesh.tp.rank, self.data)
         state, rank_state, rng = agree.agreed(
             lambda: reshard.load_partition(path, manifest, self.mesh.dp.rank, self.mesh.dp.size, self.mesh.tp.rank,
@@ -283,6 +284,13 @@ class Checkpointer(AsyncSaves):
     # -- the resume check (invariant 4): resume_check.py ------------------------
     def verify_resume(self, build: Callable[[], tuple[torch.nn.Module, ZeroOptimizer]]) -> ResumeCheck | None:
         return verify_resume(self, build)
+
+
+def _read_checked(path: Path) -> dict:
+    """The manifest at ``path``, its run configuration checked like a run's own."""
+    manifest = checkpoint.read_manifest(path)
+    manifest_config(manifest, path)
+    return manifest
 
 
 def fresh_run_collision(root: Path, newest: Path) -> checkpoint.CheckpointError:
