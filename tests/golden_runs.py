@@ -1,7 +1,7 @@
 """The golden runs: per-step losses (float hex) of every existing layout, a contract.
 
-``tests/golden/losses.json`` was written by this module *before* the layered-layout refactor
-(issue 10) and is committed; ``tests/test_golden.py`` reruns every layout and compares bitwise.
+``tests/golden/losses.json`` was written by this module and is committed; ``tests/test_golden.py``
+reruns every layout and compares bitwise.
 A refactor, a new device path or a new feature at its default must not change a single bit.
 Regenerate only for a deliberate, documented change of arithmetic:
 

@@ -1,6 +1,6 @@
-"""Issue 13, items 1, 2 and 6: checkpoint.async_save writes in a background thread and commits at a
-later step boundary; the same bytes as a sync save, a failed or crashed background write commits
-nothing and leaves the previous checkpoint trusted, and the loop waits less than the write takes."""
+"""checkpoint.async_save writes in a background thread and commits at a later step boundary: the
+same bytes as a sync save; a failed or crashed background write commits nothing and leaves the
+previous checkpoint trusted; and the loop waits less than the write takes."""
 from __future__ import annotations
 
 import hashlib

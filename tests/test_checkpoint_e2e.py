@@ -1,4 +1,5 @@
-"""Issue 4 end to end through train.py: clear errors, crash recovery (item 7, torchrun restarts: see the end)."""
+"""Checkpoints through train.py: a damaged or mismatched checkpoint and a full disk end the run with
+one clear error line, and a run that crashed in a save resumes from the newest committed checkpoint."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
-"""Issue 4, items 1 and 6: nothing is loaded from a damaged or ill-fitting checkpoint."""
+"""Nothing is loaded from a damaged or ill-fitting checkpoint: each defect is refused with a message
+naming it, and the end-of-run resume check catches an RNG restore that does nothing."""
 from __future__ import annotations
 
 import hashlib
@@ -144,7 +145,7 @@ def test_mismatched_run_lists_every_difference_and_loads_nothing(ckpt, tmp_path,
     assert torch.equal(before, trainer.optimizer.flat_params)
 
 
-# -- invariant 4's RNG half can fail (issue 11, item 3) ---------------------------------------------
+# -- invariant 4's RNG half can fail -----------------------------------------------------------------
 def test_resume_check_catches_an_rng_restore_that_does_nothing(tmp_path, monkeypatch):
     """At the default config nothing draws from the process RNGs (dropout 0), so after the run they
     still hold the saved states: a restore that does nothing must still be caught. The check re-seeds

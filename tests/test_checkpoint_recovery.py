@@ -1,4 +1,5 @@
-"""Issue 4, items 2 and 3: atomic commit, retention, resume=latest, crashes and a full disk in a save."""
+"""A save commits atomically: a crash or a full disk during it leaves the previous checkpoint loadable,
+keep_last prunes only after a newer one commits, and resume=latest picks the newest that verifies."""
 from __future__ import annotations
 
 import shutil

@@ -1,4 +1,5 @@
-"""Issue 4, item 5: scripts/ckpt.py inspect / verify / consolidate / reshard."""
+"""scripts/ckpt.py: inspect prints a manifest, verify's exit status tells a sound checkpoint from a
+damaged one, consolidate and reshard write loadable outputs and never overwrite or write into a checkpoint."""
 from __future__ import annotations
 
 import importlib.util
@@ -110,7 +111,7 @@ def _tree_of(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("where", ["existing_dir", "existing_file", "the_checkpoint", "inside_checkpoint",
                                    "deep_inside_checkpoint"])
 def test_outputs_never_overwrite_nor_land_in_a_checkpoint(ckpt, tmp_path, capsys, verb, where):
-    """Issue 11, item 7: consolidate / reshard refuse an existing OUT, and an OUT inside a checkpoint
+    """consolidate / reshard refuse an existing OUT, and an OUT inside a checkpoint
     directory (an extra file there makes that checkpoint fail verification), writing nothing."""
     source = tmp_path / "checkpoints" / ckpt.name
     shutil.copytree(ckpt, source)

@@ -1,4 +1,5 @@
-"""Issue 13 items 3-6: in-memory snapshots in /dev/shm, peer replicas, exact recovery, hygiene."""
+"""In-memory snapshots in /dev/shm hold the disk shard's bytes; a killed or lost rank resumes from its own
+or a peer's snapshot exactly, a damaged one falls back to disk, and nothing is left behind after a run."""
 from __future__ import annotations
 
 import os

@@ -1,11 +1,8 @@
-"""Issue 13 items 3, 5, 6 through torchrun: a SIGKILLed worker, the restart resumes from /dev/shm
-and finishes byte-identical; nothing is left in /dev/shm after a finished or a failed job.
+"""Under torchrun, a SIGKILLed worker's restart resumes from the /dev/shm snapshots (or, without them,
+from disk) and finishes byte-identical to an uninterrupted run, and no job leaves anything in /dev/shm.
 
-The restart cases are the two runs of benchmarks/recovery.py (kept with --keep): its snapshot run
-is the torchrun job this file used to launch itself, its disk-only run the torchrun restart that
-tests/test_checkpoint_e2e.py used to launch (there on 4 ranks). One benchmark run proves the
-recovery claims of both and that the benchmark runs and writes its JSON (tests/test_benchmarks_run.py
-leaves recovery.py to this file)."""
+The two restart runs are benchmarks/recovery.py's (kept with --keep), so its one run also checks that
+the benchmark runs and writes its JSON (tests/test_benchmarks_run.py leaves recovery.py to this file)."""
 from __future__ import annotations
 
 import json

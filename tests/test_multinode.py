@@ -121,8 +121,8 @@ def _run_dir(work: Path) -> Path | None:
 
 @pytest.mark.slow
 def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path):
-    """One 2x2 job proves both the plain multi-node claims and issue 13 item 4 (they used to be two
-    jobs, each with the script's two one-host runs for --verify):
+    """One 2x2 job checks the multi-node claims and the recovery of a lost node from its peers'
+    in-memory replicas:
     - placement: each node ran two of the four ranks and reached the store on node 0 by name;
     - one run directory, agreed through torchrun's store (no hydra.run.dir is passed), kept by the
       restart of the job;

@@ -1,4 +1,4 @@
-"""Every command of README.md's quick start and entry-point list still runs (issue 11, item 10).
+"""Every command of README.md's quick start and entry-point list still runs.
 
 The commands are read from README.md itself, so a command added there without a way to run it
 here fails ``test_every_readme_command_is_covered``. Each runs as written, except: long runs get

@@ -1,4 +1,4 @@
-"""Issue 11, item 5: only a rendezvous that timed out is reported as a group that "did not form";
+"""Only a rendezvous that timed out is reported as a group that "did not form";
 any other failure to join keeps its own type and message."""
 from __future__ import annotations
 

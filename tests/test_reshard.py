@@ -1,4 +1,5 @@
-"""Issue 4, item 4: a checkpoint saved by N ranks continues on M ranks, any ZeRO stage."""
+"""A checkpoint saved by N ranks continues on M ranks, at any ZeRO stage, with the saved state loaded
+bit for bit; offline (scripts/ckpt.py reshard) and online resharding agree."""
 from __future__ import annotations
 
 import random

@@ -1,6 +1,6 @@
-"""Issue 13 item 2: the staging buffers an async save copies into are reused from save to save,
-hold the values of the latest copy (never stale ones), and are never written over while a
-background write may still read them."""
+"""The staging buffers an async save copies into are reused from save to save, hold the values of
+the latest copy (never stale ones), and are never written over while a background write may still
+read them."""
 from __future__ import annotations
 
 import pytest

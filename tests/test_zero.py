@@ -32,16 +32,20 @@ def _train(comm, stage, cfg, steps):
     return losses, norms, opt.flat_params[: opt.layout.numel].clone().numpy(), opt.memory_bytes(), opt.layout.numel
 
 
-def test_stage1_trains_like_stage0():
+def test_stage1_trains_like_stage0_bit_for_bit():
+    # Same arithmetic in the same order: stage 0's default all-reduce ("exchange") sums every element
+    # in rank order 0..N-1 and divides by N, as stage 1's default reduce-scatter ("direct") does on
+    # the element's owner; AdamW is elementwise and the grad norm sums the same partitions in rank
+    # order. So losses, grad norms and parameters must be identical bits, not merely close.
     for world in (2, 4):
         stage0 = run_ranks(_train, world, 0, ODD, 5)
         stage1 = run_ranks(_train, world, 1, ODD, 5)
         for rank in range(world):
             l0, n0, p0, _, _ = stage0[rank]
             l1, n1, p1, _, _ = stage1[rank]
-            assert l0 == pytest.approx(l1, rel=1e-6, abs=0), f"world {world} rank {rank}: losses differ"
-            assert n0 == pytest.approx(n1, rel=1e-6), f"world {world} rank {rank}: grad norms differ"
-            assert torch.allclose(torch.from_numpy(p0), torch.from_numpy(p1), rtol=1e-5, atol=1e-7)
+            assert [x.hex() for x in l0] == [x.hex() for x in l1], f"world {world} rank {rank}: losses differ"
+            assert [x.hex() for x in n0] == [x.hex() for x in n1], f"world {world} rank {rank}: grad norms differ"
+            assert p0.dtype == p1.dtype and p0.tobytes() == p1.tobytes(), f"world {world} rank {rank}: parameters differ"
         # replicas agree exactly after every stage-1 step
         assert len({r[2].tobytes() for r in stage1}) == 1
 
