@@ -12,9 +12,9 @@ from e2e import train
 from multiproc import run_ranks
 from trainrun import compose_tree
 
-from distlib.app.config import RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.hooks import StepHooks
-from distlib.app.model import build_model
+from distlib.app.model.minigpt import build_model
 from distlib.app.trainer import Trainer
 from distlib.launch.torchrun import use_deterministic_kernels
 
