@@ -39,7 +39,7 @@ from distlib.app.hooks import StepHooks
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.observe.metrics import last_event
 from distlib.app.data.tokens import DataError
-from distlib.app.checkpointing.checkpointer import refuse_fresh_run_over_checkpoints
+from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.trainer import Trainer
 from distlib.comm.watchdog import StallError
 

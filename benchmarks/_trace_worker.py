@@ -84,7 +84,7 @@ def main() -> None:
     _wrap(dist, "init_process_group", marks, "config (Hydra / from rank 0)", "process group")
     _wrap(trainer.Trainer, "__init__", marks, None, "trainer built (corpus, model, opt)")
     _wrap(checkpoint, "save", marks, "checkpoint save starts", "checkpoint saved")
-    _wrap(trainer.Trainer, "memory_report", marks, "training loop done", None)
+    _wrap(trainer, "memory_report", marks, "training loop done", None)
     _wrap(checkpointer.Checkpointer, "verify_resume", marks, None, "resume verified")
     _wrap(report, "check_invariants", marks, "run returned", None)
     _wrap(dist, "destroy_process_group", marks, "report printed", "process group destroyed")

@@ -119,7 +119,7 @@ def test_loading_never_unpickles(ckpt, tmp_path, monkeypatch):
     for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
         monkeypatch.setattr(module, name, refuse)
     trainer = _fresh_trainer(tmp_path, checkpoint={"resume": str(ckpt)})
-    assert trainer.checkpointer.load(ckpt, trainer.model, trainer.optimizer) == 6
+    assert trainer.checkpointer.loader.load(ckpt, trainer.model, trainer.optimizer) == 6
 
 
 @pytest.mark.parametrize("override, expected", [

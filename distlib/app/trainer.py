@@ -1,24 +1,25 @@
 """The training loop, read as the composition it is.
 
 Built once (``__init__``): the model, broadcast from rank 0 (``broadcast_module_``) and its
-Linear layers swapped for tensor-parallel ones (``shard_model_``), its ``ZeroOptimizer``, the data (``data.GlobalBatches``: which batch a step
-reads), the ``Checkpointer`` (every checkpoint decision), the guard's ``Rollback`` and the
-``StepHooks`` attached from outside (fault injection; no-ops by default). Then one step::
+Linear layers swapped for tensor-parallel ones (``shard_model_``), its ``ZeroOptimizer``, the data
+(``GlobalBatches``: which batch a step reads), the ``Checkpointer`` (every checkpoint decision),
+the guard's ``Rollback`` and ``ReplicaCheck``, and the ``StepHooks`` attached from outside (fault
+injection: distlib/app/faults.py; no-ops by default). Then one step::
 
     hooks.before_step
     batches -> forward / backward          data.step_batches (past skipped batches)
     hooks.after_backward
     optimizer.sync_grads                   gradient sync -> global grad norm
     guard.check_step                       the collective verdict; a trip rolls back instead
-    optimizer.apply_update                 (lr_schedule.lr_at(step) x hooks.lr_factor), then hooks.after_update
-    log                                    one gather: parameter norms, metrics row, save/stop votes;
-                                           every guard.check_sync_every steps the replica check
-    maybe save / stop                      stopping.decision (from the votes) -> checkpointer.save
+    optimizer.apply_update                 (lr_at(step) x hooks.lr_factor), then hooks.after_update
+    the step's values                      one gather: parameter norms, metrics row, save/stop votes
+    log                                    the metrics record; every guard.check_sync_every steps the replica check
+    maybe save / stop                      stopping.decision (from the votes) -> checkpointer.boundary
     hooks.after_step
 
 Every step runs inside ``watchdog.watch``, which turns a timed-out collective into an error
 naming the step and the ranks that did not arrive. ``agree`` carries the few values ranks must
-share (per-rank norms, memory reports). docs/unattended.md has the step in more detail.
+share. docs/unattended.md has the step in more detail.
 
 ``device`` ("cpu" or "cuda:<k>", ``RunConfig.device``) is where the model, its optimizer's buffers
 and the batches live; the model is built on the CPU (the same initial weights on every device)
@@ -34,26 +35,27 @@ from pathlib import Path
 
 import torch
 
-from distlib.comm import agree
-from distlib.comm import watchdog
-from distlib.comm.group import Comm
-from distlib.comm.mesh import build_mesh
 from distlib.app import launcher_env
-from distlib.app.data import batches as data
-from distlib.app.observe import throughput
-from distlib.app.observe.activations import ActivationMeter
-from distlib.app.checkpointing.checkpointer import Checkpointer, ResumeCheck, seed_process_rngs
+from distlib.app.checkpointing.checkpointer import Checkpointer
+from distlib.app.checkpointing.resume_check import ResumeCheck
+from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
-from distlib.app.data.batches import BatchPlan
+from distlib.app.data import batches as data
 from distlib.app.hooks import StepHooks
 from distlib.app.lr_schedule import lr_at
-from distlib.app.observe.metrics import MetricsLog
 from distlib.app.model.minigpt import MiniGPT, build_model, param_count, shard_model_
-from distlib.app.pipeline_step import PipelineStep, split_model_
+from distlib.app.observe import throughput
+from distlib.app.observe.activations import ActivationMeter
+from distlib.app.observe.memory import memory_report
+from distlib.app.observe.metrics import MetricsLog
 from distlib.app.observe.profiling import StepProfiler
-from distlib.app.unattended import guard
-from distlib.app.unattended import stopping
+from distlib.app.observe.validation import Validation
+from distlib.app.pipeline_step import PipelineStep, split_model_
+from distlib.app.unattended import guard, stopping
 from distlib.app.unattended.rollback import Rollback
+from distlib.comm import agree, watchdog
+from distlib.comm.group import Comm
+from distlib.comm.mesh import build_mesh
 from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.zero import ZeroOptimizer, make_optimizer
 
@@ -100,8 +102,8 @@ class Trainer:
         self.hooks = hooks if hooks is not None else StepHooks()
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
         seed_process_rngs(cfg.seed, self.mesh.dp.rank)
-        plan = BatchPlan(cfg.global_batch, self.mesh.dp.size, cfg.train.grad_accum)
-        self.data, self.heldout = data.build(cfg, comm, plan)
+        plan = data.BatchPlan(cfg.global_batch, self.mesh.dp.size, cfg.train.grad_accum)
+        self.data, heldout = data.build(cfg, comm, plan)
         self.model, self.optimizer = self.build(seed=cfg.seed)
         self.pipeline = self.chunks and PipelineStep(cfg.dist, cfg.train.grad_accum, self.mesh, self.model,
                                                      self.chunks, cfg.param_dtype, self.device)
@@ -110,6 +112,10 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, comm, self.mesh, self.run_dir, self.data, self.model, self.optimizer,
                                          self.tp_splits, self.hooks, clock or time.monotonic)
         self.rollback = Rollback(cfg.guard, self.checkpointer, self.data)
+        self.replicas = guard.ReplicaCheck(cfg.guard.check_sync_every, cfg.zero.stage, self.mesh, self.tp_splits,
+                                           self.optimizer)
+        self.validation = Validation(cfg.train.eval_every, heldout, self.model, self.mesh.dp, plan.micro_batch,
+                                     cfg.model.seq_len, self.device)
         self.log: MetricsLog | None = None      # open while run() runs
         self.activations = ActivationMeter()    # bytes kept for backward (the memory profile's activations)
         self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)
@@ -119,9 +125,9 @@ class Trainer:
         broadcast_module_(model, self.comm)
         self.chunks = split_model_(model, self.cfg.dist, self.mesh)   # this pipeline rank's (None at pp=1)
         self.tp_splits = shard_model_(model, self.mesh.tp)     # parameter name -> Split (none at tp=1)
-        z = self.cfg.zero
-        optimizer = make_optimizer(model, self.mesh.dp, z.stage, self.cfg.optimizer.adamw, self.cfg.optimizer.grad_clip,
-                                   tp=self.mesh.tp, tp_split=self.tp_splits, param_dtype=self.cfg.param_dtype,
+        z, opt = self.cfg.zero, self.cfg.optimizer
+        optimizer = make_optimizer(model, self.mesh.dp, z.stage, opt.adamw, opt.grad_clip, tp=self.mesh.tp,
+                                   tp_split=self.tp_splits, param_dtype=self.cfg.param_dtype,
                                    bucket_numel=z.bucket_numel, overlap=z.overlap, grad_accum=self.cfg.train.grad_accum,
                                    pp=self.mesh.pp)
         return model, optimizer
@@ -165,15 +171,15 @@ class Trainer:
                            world_size=comm.size, steps=cfg.train.steps)
         else:
             self.log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
-        if cfg.guard.check_sync_every and not self.replicas_to_compare():
-            self.checkpointer.say("guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by two "
-                     "ranks, so the replica check has nothing to compare and does not run")
+        if cfg.guard.check_sync_every and not self.replicas.possible:
+            self.checkpointer.say("guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by "
+                                  "two ranks, so the replica check has nothing to compare and does not run")
 
     def _finish(self, start: int, result: RunResult) -> None:
         last = result.steps[-1].step if result.steps else start
         with watchdog.watch("end of run", self.comm, self.cfg.dist.timeout_s):
             result.manifests += [saved.manifest for saved in self.checkpointer.finish(last, self.log)]
-            result.memory = self.memory_report()
+            result.memory = memory_report(self.memory_bytes(), self.optimizer.memory_formula(), self.comm)
             self.log.final_memory(last, self.memory_bytes())
             if not result.stopped_by:
                 result.resume_check = self.checkpointer.verify_resume(lambda: self.build(seed=self.cfg.seed + 1))
@@ -200,9 +206,17 @@ class Trainer:
             return self._roll_back(step, verdict, grad_norm, result)
         self.checkpointer.step_passed()
         lr = self._apply_update(step)
-        record, decision = self._log_step(step, verdict.loss, local_loss, grad_norm, lr, began, signals)
-        result.steps.append(record)
-        self._maybe_save(step, result, signals, decision)
+        seconds = time.perf_counter() - began
+        signals.deadline_s = max(signals.deadline_s, self.cfg.dist.timeout_s + 2 * seconds)
+        val_loss = self.validation.loss() if self.validation.due(step) else None
+        memory = self.memory_bytes()
+        norms, rows, votes = self._gather_step_values(seconds, memory, signals)
+        self.log.step(step, loss=verdict.loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
+                      lr=lr, seconds=seconds, memory=memory, val_loss=val_loss, rows=rows)
+        result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
+        if self.replicas.due(step):
+            self._check_replicas(step)
+        self._save_or_stop(step, result, signals, stopping.decision(step, self.cfg.checkpoint.every_steps, votes))
         self.hooks.after_step(step)
         self.profiler.end(step)
         return step + 1
@@ -225,45 +239,34 @@ class Trainer:
 
     def _apply_update(self, step: int) -> float:
         """The update with this step's learning rate (returned), then the attached hooks see it."""
-        opt = self.cfg.optimizer      # the schedule's rate is a function of the step: resumes continue it exactly
-        lr = lr_at(step, opt, self.cfg.train.steps) * self.hooks.lr_factor(step)
+        # the schedule's rate is a function of the step: resumes continue it exactly
+        lr = lr_at(step, self.cfg.optimizer, self.cfg.train.steps) * self.hooks.lr_factor(step)
         self.optimizer.apply_update(lr)
         self.optimizer.zero_grad()
         self.hooks.after_update(step, self.optimizer.param_buffer, self.optimizer.layout.slots,
                                 start=self.optimizer.param_buffer_start)
         return lr
 
-    def _log_step(self, step: int, loss: float, local_loss: float, grad_norm: float, lr: float, began: float,
-                  signals: stopping.StopSignals) -> tuple[StepLog, stopping.Decision]:
-        """The step's record (metrics, per-rank norms, held-out loss on evaluation steps), the save/stop
-        decision -- their per-rank values in one gather -- and every guard.check_sync_every steps the
-        replica check."""
-        cfg = self.cfg
-        seconds = time.perf_counter() - began
-        signals.deadline_s = max(signals.deadline_s, cfg.dist.timeout_s + 2 * seconds)
-        val_loss = self.evaluate() if cfg.train.eval_every and step % cfg.train.eval_every == 0 else None
-        memory = self.memory_bytes()
-        norms, rows, votes = gather_parts([[self.optimizer.param_norm()], self.log.row(seconds, memory),
-                                           stopping.vote(self.checkpointer.clock, signals, self.comm,
-                                                         self.checkpointer.writing())], self.comm)
-        norms = [row[0] for row in norms]
-        self.log.step(step, loss=loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
-                      lr=lr, seconds=seconds, memory=memory, val_loss=val_loss, rows=rows)
-        if cfg.guard.check_sync_every and step % cfg.guard.check_sync_every == 0:
-            try:
-                self.check_replicas(step)
-            except guard.DesyncError as exc:
-                self.log.event("desync", step, say=str(exc), message=str(exc))
-                raise
-        decision = stopping.decision(step, cfg.checkpoint.every_steps, votes)
-        return StepLog(step, loss, grad_norm, norms, seconds, val_loss), decision
+    def _gather_step_values(self, seconds: float, memory: dict[str, int],
+                            signals: stopping.StopSignals) -> tuple[list[float], list[list[float]], list[list[float]]]:
+        """Every rank's parameter norm, metrics row and save/stop vote, in one gather: (norms, rows, votes)."""
+        vote = stopping.vote(self.checkpointer.clock, signals, self.comm, self.checkpointer.writing())
+        norms, rows, votes = gather_parts([[self.optimizer.param_norm()], self.log.row(seconds, memory), vote],
+                                          self.comm)
+        return [row[0] for row in norms], rows, votes
 
-    def _maybe_save(self, step: int, result: RunResult, signals: stopping.StopSignals,
-                    decision: stopping.Decision) -> None:
-        ckpt = self.checkpointer      # (checkpoint.async_save: the decision also says whether a write is running)
+    def _check_replicas(self, step: int) -> None:
+        try:
+            self.replicas.check(step)
+        except guard.DesyncError as exc:
+            self.log.event("desync", step, say=str(exc), message=str(exc))
+            raise
+
+    def _save_or_stop(self, step: int, result: RunResult, signals: stopping.StopSignals,
+                      decision: stopping.Decision) -> None:
         if decision.stop:
             signals.acknowledge()          # every rank reached the boundary; the save has no deadline
-        result.manifests += [saved.manifest for saved in ckpt.boundary(step, decision, self.log)]
+        result.manifests += [saved.manifest for saved in self.checkpointer.boundary(step, decision, self.log)]
         if decision.stop:
             result.stopped_by = decision.stop
             self.log.event("preempted", step, say=f"{decision.stop} received: checkpoint saved, stopping",
@@ -278,60 +281,7 @@ class Trainer:
         result.manifests = [m for m in result.manifests if m["step"] <= event["to_step"]]
         return event["to_step"] + 1
 
-    # -- checks -----------------------------------------------------------------
-    def replicas_to_compare(self) -> bool:
-        """Whether any parameter bytes are held by more than one rank. At ZeRO stage 3 a data-parallel
-        group holds one copy of its parameters, split in partitions; only with tensor parallelism are
-        some (the non-split ones) replicated, across the tensor-parallel ranks."""
-        return self.cfg.zero.stage != 3 or self.mesh.tp.size > 1
-
-    def check_replicas(self, step: int) -> None:
-        """guard.check_replicas on what must be identical: every parameter within its data-parallel
-        group (ranks with the same tensor-parallel shard) and the non-split ones across all ranks.
-        At stage 3 the parameters are gathered first (collective over the data-parallel group), so
-        the comparison is of the non-split parameters across tensor-parallel ranks."""
-        if not self.replicas_to_compare():
-            return
-        opt = self.optimizer
-        guard.check_replicas(opt.full_params(), opt.layout.slots, step, self.mesh.stage,
-                             tp=self.mesh.tp.size, split=set(self.tp_splits))
-
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean per-token loss over the held-out windows: each data-parallel rank scores its share
-        (the tensor-parallel ranks of a group score it together), the (sum, count) pairs are
-        combined in rank order, so every rank gets the same value."""
-        dp = self.mesh.dp
-        batches = self.heldout.batches(dp.rank, dp.size, self.data.plan.micro_batch)
-        # With ZeRO-3 or tensor parallelism every forward is collective: all ranks run as many
-        # as the busiest one (the extra ones score nothing).
-        forwards = int(max(row[0] for row in agree.gather([float(len(batches))], dp)))
-        idle = torch.zeros(1, self.cfg.model.seq_len, dtype=torch.int64, device="cpu")
-        self.model.eval()
-        total, count = 0.0, 0
-        try:
-            for i in range(forwards):
-                inputs, targets = batches[i] if i < len(batches) else (idle, idle)
-                loss = float(self.model(inputs.to(self.device), targets.to(self.device)))
-                if i < len(batches):
-                    total += loss * targets.numel()
-                    count += targets.numel()
-        finally:
-            self.model.train()
-        rows = agree.gather([total, float(count)], dp)
-        return sum(row[0] for row in rows) / sum(row[1] for row in rows)
-
     def memory_bytes(self) -> dict[str, int]:
         """The model states' peak bytes (the optimizer's accounting) and the activations'."""
         return {**self.optimizer.memory_bytes(),
                 "activations": self.pipeline.activation_peak if self.pipeline else self.activations.peak}
-
-    def memory_report(self) -> list[dict]:
-        measured, formula = self.memory_bytes(), self.optimizer.memory_formula()
-        keys, terms = sorted(measured), sorted(formula)     # each rank's own formula: pipeline stages differ
-        rows = agree.gather([float(measured[k]) for k in keys] + [formula[k][i] for i in (0, 1) for k in terms],
-                            self.comm)
-        text, n = {k: v[2] for k, v in formula.items()}, len(keys)
-        return [{"rank": r, "measured": dict(zip(keys, map(int, row[:n]))), "expected": dict(zip(terms, row[n:])),
-                 "allowance": dict(zip(terms, row[n + len(terms):])), "formula": text} for r, row in enumerate(rows)]

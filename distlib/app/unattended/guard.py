@@ -112,3 +112,25 @@ def check_replicas(flat: torch.Tensor, slots, step: int, comm: Comm, tp: int = 1
             parts.append(f"rank {rank} differs in {len(names)} of {len(slots)} parameter(s): {shown}")
         raise DesyncError(f"desync at step {step}: replicated parameters are not byte-identical across "
                           f"{comm.size} ranks: " + "; ".join(parts))
+
+
+class ReplicaCheck:
+    """Every ``guard.check_sync_every`` steps, ``check_replicas`` on what must be identical: every
+    parameter within its data-parallel group (ranks with the same tensor-parallel shard) and the
+    non-split ones across all ranks. At ZeRO stage 3 the parameters are gathered first (collective
+    over the data-parallel group); with dist.tp=1 there no parameter is held by two ranks, so
+    there is nothing to compare."""
+
+    def __init__(self, every: int, zero_stage: int, mesh, tp_splits: dict, optimizer):
+        self.every, self.mesh, self.optimizer = every, mesh, optimizer
+        self.split = frozenset(tp_splits)
+        self.possible = zero_stage != 3 or mesh.tp.size > 1
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and self.possible
+
+    def check(self, step: int) -> None:
+        """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ."""
+        opt = self.optimizer
+        check_replicas(opt.full_params(), opt.layout.slots, step, self.mesh.stage, tp=self.mesh.tp.size,
+                       split=self.split)
