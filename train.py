@@ -115,7 +115,7 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
     except StallError as exc:
         # Each rank that waited names what it waited for, now: the first of them to exit makes
         # torchrun SIGTERM the others, and one still tearing its group down (no handler of ours
-        # left) died without its line (seen in a full suite run: rank 2's line only, rank 0 exit -15).
+        # left) would die without its line.
         print(f"error [rank {rank}]: {exc}", file=sys.stderr, flush=True)
         failures = [str(exc)]
     finally:

@@ -133,8 +133,8 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     if world % (tp * pp):
         raise ManifestProblem(f"world_size {world} is not a multiple of tp {tp} x pp {pp}")
     dp = _count(manifest, "dp", "", 1, optional=True)
-    # Resharding (only ever of tp == 1 checkpoints) used to copy the source's dp, which nothing
-    # reads when tp == 1; such checkpoints are otherwise sound, so they stay readable.
+    # A resharded tp == 1 checkpoint may carry its source's dp (older ckpt.py reshard copied it);
+    # nothing reads dp when tp == 1, so such checkpoints stay readable.
     stale_ok = tp == 1 and "resharded_from" in manifest
     if dp is not None and dp * tp * pp != world and not stale_ok:
         raise ManifestProblem(f"dp {dp} x tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f" != world_size {world}")

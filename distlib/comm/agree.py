@@ -42,16 +42,6 @@ def gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
     return collectives.all_gather_bytes(payload, comm)
 
 
-def rank0_and_any(value: int, flag: int, comm: Comm) -> tuple[int, int]:
-    """Two decisions in one collective: rank 0's ``value`` (e.g. its clock's verdict) and the
-    largest ``flag`` any rank raised (0 = none), e.g. a signal that reached only some ranks."""
-    mine = value if comm.rank == 0 else _LOWEST
-    t = torch.tensor([mine, flag], dtype=torch.int64, device="cpu")
-    got = collectives.all_reduce(t, comm, op="max").tolist()
-    return int(got[0]), int(got[1])
-
-
-_LOWEST = -(2 ** 62)
 T = TypeVar("T")
 
 

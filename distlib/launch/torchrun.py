@@ -61,7 +61,7 @@ def join_job_start(timeout_s: float = CONFIG_WAIT_S) -> tuple[str, int]:
     without counting it (torch's SimpleElasticAgent._invoke_run). After node1 lost its workers,
     node1's new ranks said 1 and node0's said 0, looked for rank 0's config and for each other's
     gloo addresses under different key prefixes, and the restarted job hung until its timeouts
-    (5 minutes; CI, 2026-12-01). The rendezvous round that the agents share is not visible to
+    (5 minutes). The rendezvous round that the agents share is not visible to
     workers (their store is a separate one that rank 0's agent hosts for all rounds).
 
     So the ranks agree through that store, in a way stale keys of dead starts cannot fool: rank 0

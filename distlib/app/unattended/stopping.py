@@ -1,7 +1,7 @@
 """When to save and when to stop: step counts, rank 0's clock, and pre-emption signals.
 
-Every step ends with one small collective (the trainer's per-step gather, which carries
-``vote``; ``decide`` alone is one gather of its own) that carries two decisions:
+Every step ends with one small collective (the trainer's per-step gather, which carries each
+rank's ``vote``; ``decision`` reads the gathered votes) that carries two decisions:
 rank 0's clock verdict ("``every_minutes`` have passed since the last save"; the
 other ranks' clocks are never consulted, so all ranks save at the same step) and
 whether any rank received SIGTERM/SIGINT/SIGUSR2 (a pre-emption may reach the ranks at
@@ -119,10 +119,3 @@ def decision(step: int, every_steps: int, votes: list[list[float]]) -> Decision:
     else:
         save = "signal" if stop else None
     return Decision(save, stop, writes_done)
-
-
-def decide(step: int, every_steps: int, clock: CheckpointClock, signals: StopSignals, comm: Comm,
-           writing: bool | None = False) -> Decision:
-    """The same Decision on every rank, through one collective (the trainer folds ``vote`` into
-    its per-step gather instead)."""
-    return decision(step, every_steps, agree.gather(vote(clock, signals, comm, writing), comm))
