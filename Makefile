@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast resume bench venv clean text-demo multinode gpu-wheels
+.PHONY: demo test test-fast lint format resume bench venv clean text-demo multinode gpu-wheels
 
 venv: $(STAMP)
 
@@ -17,8 +17,17 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 demo: $(STAMP)
 	$(PY) -m torch.distributed.run --nproc_per_node 4 train.py
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
+
+# ruff (pyproject.toml [tool.ruff]): the whole tree lints clean and is formatted; `make format` fixes both.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

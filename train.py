@@ -6,6 +6,7 @@
 
 Hydra composes conf/; this file only wires the pieces in distlib/ together.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,27 +25,38 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distlib.app.data import batches as data
 from distlib.app import summary as report
-from distlib.launch import slurm
-from distlib.launch.torchrun import (UNDER_TORCHRUN, config_from_rank0, init_process_group, rank0_composes,
-                            StartError, join_job_start, share_config, shared_run_dir, use_cuda_device,
-                            use_deterministic_kernels, wait_for_siblings)
-from distlib.checkpoint.sharded import CheckpointError
-from distlib.comm.p2p import CollectiveMismatchError
-from distlib.comm.group import Comm
+from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.data import batches as data
+from distlib.app.data.tokens import DataError
 from distlib.app.faults import step_hooks
 from distlib.app.hooks import StepHooks
-from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.observe.metrics import last_event
-from distlib.app.data.tokens import DataError
-from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.trainer import Trainer
+from distlib.app.unattended.guard import DesyncError, GuardError
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm.group import Comm
+from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError
+from distlib.launch import slurm
+from distlib.launch.torchrun import (
+    UNDER_TORCHRUN,
+    StartError,
+    config_from_rank0,
+    init_process_group,
+    join_job_start,
+    rank0_composes,
+    share_config,
+    shared_run_dir,
+    use_cuda_device,
+    use_deterministic_kernels,
+    wait_for_siblings,
+)
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
 
 @record
 def worker(tree: dict, run_dir: str) -> None:
@@ -83,8 +95,10 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
         # NCCL moves messages between GPUs; gloo between hosts (CUDA tensors are staged through them).
         comm = Comm.world(device=device if cfg.dist.backend == "nccl" else "cpu")
         if comm.size != cfg.dist.world_size:
-            raise ConfigError(f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
-                              f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)")
+            raise ConfigError(
+                f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
+                f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)"
+            )
         result = Trainer(cfg, comm, Path(run_dir), hooks=hooks, device=device).run()
         failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
         if comm.rank == 0:
@@ -95,13 +109,21 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
             for manifest in result.manifests[:1]:
                 print(report.manifest_text(manifest))
             if result.stopped_by:
-                print(f"stopped by {result.stopped_by} after step {result.steps[-1].step if result.steps else 0}: "
-                      f"checkpoint saved; continue with checkpoint.resume=latest")
+                print(
+                    f"stopped by {result.stopped_by} after step "
+                    f"{result.steps[-1].step if result.steps else 0}: "
+                    f"checkpoint saved; continue with checkpoint.resume=latest"
+                )
             elif result.resume_check is None:
-                print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
+                print(
+                    "resume check: not run (no checkpoint saved in this run, "
+                    "or checkpoint.verify_resume=false)"
+                )
             elif result.resume_check.ok:
-                print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
-                      f"{comm.size} ranks")
+                print(
+                    f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all "
+                    f"{comm.size} ranks"
+                )
                 print("RESUME VERIFIED")
             for failure in failures:
                 print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
@@ -132,18 +154,23 @@ def _join(cfg: RunConfig, hooks: StepHooks, device: str = "cpu") -> None:
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
         # torch tells a timeout only in the text: DistStoreError "wait timeout after ...", "Timed out
         # initializing ...", a client socket that "has timed out"
-        if not (isinstance(exc, TimeoutError) or isinstance(exc, RuntimeError)
-                and re.search(r"\btime(d)?[ -]?out\b", str(exc), re.IGNORECASE)):
+        if not (
+            isinstance(exc, TimeoutError)
+            or isinstance(exc, RuntimeError)
+            and re.search(r"\btime(d)?[ -]?out\b", str(exc), re.IGNORECASE)
+        ):
             raise
         # torch names the store keys it waited for; each ends in the rank that never wrote it
         missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
         who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
-        raise StallError(f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
-                         f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})") from exc
+        raise StallError(
+            f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
+            f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})"
+        ) from exc
 
 
 def _forked_worker(tree: dict, run_dir: str, world_size: int) -> None:
-    wait_for_siblings(world_size)     # no store traffic while the launcher still forks (torchrun.py)
+    wait_for_siblings(world_size)  # no store traffic while the launcher still forks (torchrun.py)
     worker(tree, run_dir)
 
 
@@ -155,9 +182,17 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="fork")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="fork",
+    )
     # The workers print their own one-line errors; the agent's tracebacks would bury them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     started = time.time()
@@ -167,10 +202,16 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
         name = signal.Signals(exc.sigval).name
         end = last_event(Path(run_dir) / RunConfig.from_dict(tree).metrics.file, "run_end", since=started)
         if end and end["status"] == f"stopped by {name}":
-            print(f"{name}: the workers saved a checkpoint at step {end['step']} and stopped; "
-                  f"continue with checkpoint.resume=latest hydra.run.dir={run_dir}", file=sys.stderr)
+            print(
+                f"{name}: the workers saved a checkpoint at step {end['step']} and stopped; "
+                f"continue with checkpoint.resume=latest hydra.run.dir={run_dir}",
+                file=sys.stderr,
+            )
             sys.exit(0)
-        print(f"error: {name} received and the workers did not report a clean stop (see {run_dir})", file=sys.stderr)
+        print(
+            f"error: {name} received and the workers did not report a clean stop (see {run_dir})",
+            file=sys.stderr,
+        )
         sys.exit(1)
     except ChildFailedError as exc:
         failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
@@ -186,9 +227,10 @@ def _launch(tree: dict, run_dir: str, world_size: int) -> None:
 
 def _submitit_installed() -> bool:
     import importlib.util
+
     try:
         return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
-    except ModuleNotFoundError:     # not even the hydra_plugins namespace exists
+    except ModuleNotFoundError:  # not even the hydra_plugins namespace exists
         return False
 
 
@@ -197,12 +239,15 @@ def main() -> None:
     the top: under torchrun the other ranks never need Hydra (see ``rank0_composes``)."""
     if any(a.startswith("hydra/launcher=submitit") for a in sys.argv[1:]) and not _submitit_installed():
         # Hydra would fail with a traceback ending in "Unknown plugin class".
-        sys.exit("error: hydra/launcher=submitit_slurm needs the optional plugin, which is not installed: "
-                 "pip install hydra-submitit-launcher (docs/beyond.md, \"SLURM\")")
+        sys.exit(
+            "error: hydra/launcher=submitit_slurm needs the optional plugin, which is not installed: "
+            'pip install hydra-submitit-launcher (docs/beyond.md, "SLURM")'
+        )
     import hydra
 
     from distlib.launch import hydra_config
-    hydra_config.register()       # every key's default, from the config dataclasses
+
+    hydra_config.register()  # every key's default, from the config dataclasses
     hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
 
 
@@ -217,21 +262,28 @@ _HYDRA_SUBDIR = ".hydra"
 def _defer_hydra_files(argv: list[str]) -> bool:
     """Whether this process should write Hydra's files itself: a plain run (no -m or other Hydra
     flag), on rank 0, without an explicit hydra.output_subdir."""
-    return (not any(a.startswith("-") for a in argv[1:]) and os.environ.get("RANK", "0") == "0"
-            and not any(a.startswith("hydra.output_subdir=") for a in argv[1:]))
+    return (
+        not any(a.startswith("-") for a in argv[1:])
+        and os.environ.get("RANK", "0") == "0"
+        and not any(a.startswith("hydra.output_subdir=") for a in argv[1:])
+    )
 
 
 def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, flag_override
-    hydra_cfg = OmegaConf.create(OmegaConf.to_container(HydraConfig.get()))   # a writable copy
+
+    hydra_cfg = OmegaConf.create(OmegaConf.to_container(HydraConfig.get()))  # a writable copy
     with flag_override(hydra_cfg, "readonly", False):
         hydra_cfg.output_subdir = _HYDRA_SUBDIR
         hydra_cfg.overrides.hydra = [o for o in hydra_cfg.overrides.hydra if o != "hydra.output_subdir=null"]
     out = run_dir / _HYDRA_SUBDIR
     out.mkdir(parents=True, exist_ok=True)
-    for name, node in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
-                       ("overrides.yaml", hydra_cfg.overrides.task)):
+    for name, node in (
+        ("config.yaml", cfg),
+        ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+        ("overrides.yaml", hydra_cfg.overrides.task),
+    ):
         (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
 
 
@@ -281,9 +333,11 @@ def run_config(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     if UNDER_TORCHRUN:
         if any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
-            sys.exit("error: a Hydra sweep (-m) starts its own workers; run it with plain `python train.py -m ...`")
+            sys.exit(
+                "error: a Hydra sweep (-m) starts its own workers; run it with plain `python train.py -m ...`"
+            )
         try:
-            join_job_start()    # one key prefix and start number on every node (torchrun counts per node)
+            join_job_start()  # one key prefix and start number on every node (torchrun counts per node)
         except StartError as exc:
             sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: {exc}")
         explicit = any(arg.startswith("hydra.run.dir=") for arg in sys.argv[1:])

@@ -9,6 +9,7 @@ all_gather_bytes returns this rank's payload N times. Nothing is sent, so the ra
 apart: such a step is timed, never checked for its loss. ``exposed communication = step time -
 no-comm step time``: the part of the communication that nothing hid.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,13 @@ def _all_gather_bytes(payload, comm):
     return [payload] * comm.size
 
 
-LOCAL = {"all_reduce": _all_reduce, "broadcast": _broadcast, "reduce_scatter": _reduce_scatter,
-         "all_gather": _all_gather, "all_gather_bytes": _all_gather_bytes}
+LOCAL = {
+    "all_reduce": _all_reduce,
+    "broadcast": _broadcast,
+    "reduce_scatter": _reduce_scatter,
+    "all_gather": _all_gather,
+    "all_gather_bytes": _all_gather_bytes,
+}
 
 
 @contextlib.contextmanager

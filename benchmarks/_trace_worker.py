@@ -8,6 +8,7 @@ call records a timestamp, and then runs train.py as ``__main__`` with runpy. tra
 not modified. Each rank writes ``rank<R>.json``: (phase, wall clock, process CPU seconds) marks,
 in order.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -37,7 +38,7 @@ class Marks:
             atexit.register(self.write)
 
     @staticmethod
-    def from_env() -> "Marks":
+    def from_env() -> Marks:
         return Marks(os.environ.get("DISTLIB_TRACE_DIR"))
 
     def mark(self, phase: str) -> None:
@@ -63,6 +64,7 @@ def _wrap(owner, name: str, marks: Marks, before: str | None, after: str | None)
         finally:
             if after:
                 marks.mark(after)
+
     setattr(owner, name, wrapper)
 
 
@@ -73,11 +75,13 @@ def main() -> None:
     sys.path[0] = root
     import torch  # noqa: F401
     import torch.distributed as dist
+
     marks.mark("import torch")
-    from distlib.checkpoint import sharded as checkpoint
     from distlib.app import summary as report
     from distlib.app import trainer
     from distlib.app.checkpointing import checkpointer
+    from distlib.checkpoint import sharded as checkpoint
+
     marks.mark("import distlib")
 
     # Hydra is imported by train.main(), on rank 0 only under torchrun: it lands in the next phase.
@@ -90,6 +94,7 @@ def main() -> None:
     _wrap(dist, "destroy_process_group", marks, "report printed", "process group destroyed")
 
     import runpy
+
     sys.argv = sys.argv[1:]
     runpy.run_path(train_py, run_name="__main__")
 

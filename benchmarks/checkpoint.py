@@ -23,9 +23,11 @@ parameters (12P bytes), partitioned over N ranks. In one run, on the same disk a
 A timing is the slowest rank's (ranks line up on a barrier first); the best of --repeats is kept
 (the first round also pays for first-touch page allocation).
 Before each load the files are dropped from the page cache (posix_fadvise DONTNEED), so loads
-read the disk (on a VM whose disk the host caches, "disk" speeds can exceed the hardware's). MB/s = 12P bytes / seconds. JSON: benchmarks/results/checkpoint.json.
+read the disk (on a VM whose disk the host caches, "disk" speeds can exceed the hardware's).
+MB/s = 12P bytes / seconds. JSON: benchmarks/results/checkpoint.json.
 Temporary files live under --dir (default: the system temp dir) and are removed as we go.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,18 +42,18 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from multiproc import run_ranks
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from distlib.checkpoint import sharded as checkpoint  # noqa: E402
-from distlib.checkpoint import reshard  # noqa: E402
-from distlib.checkpoint.background import BackgroundWrite  # noqa: E402
-from distlib.checkpoint.staging import StagingBuffers  # noqa: E402
-from distlib.parallel.flat_layout import FlatLayout  # noqa: E402
-from distlib.parallel.adamw import STATE_KEYS  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+from distlib.checkpoint import reshard
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint.background import BackgroundWrite
+from distlib.checkpoint.staging import StagingBuffers
+from distlib.parallel.adamw import STATE_KEYS
+from distlib.parallel.flat_layout import FlatLayout
 
 
 def _timed(fn) -> float:
@@ -91,18 +93,19 @@ def _ours_async(comm, dest: Path, tensors: dict, meta: dict, staging: StagingBuf
     (``staging``: kept across the saves, as the Checkpointer keeps it)."""
     dist.barrier()
     began = time.perf_counter()
-    staged = staging.stage(tensors)          # Checkpointer.state's copy into the reused buffers
+    staged = staging.stage(tensors)  # Checkpointer.state's copy into the reused buffers
     final = checkpoint.open_save(dest, 1, comm)
 
     def write() -> dict:
         staging.wait_copied()
         return checkpoint.write_own_shard(final, comm.rank, staged, {"step": 1})
+
     writer = BackgroundWrite(write)
     staging.lend(writer.done)
-    returned = time.perf_counter()           # the loop goes on from here
-    while not writer.done():                 # (training would run steps meanwhile)
+    returned = time.perf_counter()  # the loop goes on from here
+    while not writer.done():  # (training would run steps meanwhile)
         time.sleep(0.001)
-    dist.barrier()                           # the boundary's decide: every rank's write is done
+    dist.barrier()  # the boundary's decide: every rank's write is done
     commit_began = time.perf_counter()
     checkpoint.complete_save(final, 1, meta, writer.result, comm)
     blocking = returned - began + time.perf_counter() - commit_began
@@ -132,8 +135,8 @@ def _bench_rank(comm, numel: int, repeats: int, workdir: str) -> dict:
     work = Path(workdir)
     rank0 = comm.rank == 0
     best: dict[str, float] = {}
-    staging = StagingBuffers()           # ours, kept across the saves as Checkpointer keeps it
-    stager = DefaultStager(StagingOptions(False, False, False, False))   # DCP's, kept across its saves
+    staging = StagingBuffers()  # ours, kept across the saves as Checkpointer keeps it
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # DCP's, kept across its saves
 
     def keep(name: str, seconds: float) -> None:
         best[name] = min(best.get(name, float("inf")), seconds)
@@ -181,7 +184,7 @@ def _bench_rank(comm, numel: int, repeats: int, workdir: str) -> dict:
         keep("distlib async total", total)
         dist.barrier()
         if rank0:
-            checkpoint.verify(ours_async / checkpoint.step_dir_name(1))   # it committed, and it verifies
+            checkpoint.verify(ours_async / checkpoint.step_dir_name(1))  # it committed, and it verifies
             shutil.rmtree(ours_async)
 
         theirs_async = work / f"dcp_async{attempt}"
@@ -207,14 +210,18 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=50e6, help="parameters P (state = 12P bytes)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where the temporary checkpoints go (default: system temp)")
+    parser.add_argument(
+        "--dir", default=None, help="where the temporary checkpoints go (default: system temp)"
+    )
     args = parser.parse_args()
     numel = int(args.params)
     state_bytes = 12 * numel
     free = shutil.disk_usage(args.dir or tempfile.gettempdir()).free
     if free < 3 * state_bytes:
-        sys.exit(f"error: need about {3 * state_bytes / 1e9:.1f} GB free in {args.dir or tempfile.gettempdir()}, "
-                 f"have {free / 1e9:.1f} GB")
+        sys.exit(
+            f"error: need about {3 * state_bytes / 1e9:.1f} GB free in {args.dir or tempfile.gettempdir()}, "
+            f"have {free / 1e9:.1f} GB"
+        )
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=args.dir) as workdir:
         began = time.perf_counter()
         per_rank = run_ranks(_bench_rank, args.world_size, numel, args.repeats, workdir, timeout_s=600)
@@ -223,40 +230,66 @@ def main() -> None:
     seconds["distlib load"] = seconds["distlib verify"] + seconds["distlib read"]
     raw = seconds["raw write"]
     rows = []
-    print(f"checkpoint throughput: P = {numel / 1e6:.1f}M parameters, state = {state_bytes / 1e6:.0f} MB "
-          f"(fp32 master + exp_avg + exp_avg_sq) over {args.world_size} rank(s), best of {args.repeats}")
+    print(
+        f"checkpoint throughput: P = {numel / 1e6:.1f}M parameters, state = {state_bytes / 1e6:.0f} MB "
+        f"(fp32 master + exp_avg + exp_avg_sq) over {args.world_size} rank(s), best of {args.repeats}"
+    )
     print(f"{'what':<30}  {'seconds':>8}  {'MB/s':>8}  {'vs raw write':>12}  how")
-    for name, note in (("raw write", "12P/N bytes per rank + fsync"),
-                       ("distlib save", "safetensors + sha256 + fsync + commit"),
-                       ("torch DCP save", "no checksums"),
-                       ("distlib async blocking", "what the loop waits: copy + open + commit"),
-                       ("distlib async total", "until committed"),
-                       ("torch DCP async blocking", "until async_save returns (staging)"),
-                       ("torch DCP async total", "until the future is done"),
-                       ("DCP async kept stager blocking", "one DefaultStager across saves (cached)"),
-                       ("DCP async kept stager total", "until the future is done"),
-                       ("distlib load", "verify + read"),
-                       ("distlib verify", "sizes + sha256 of every file, split over ranks"),
-                       ("distlib read", "each rank reads its shard"),
-                       ("torch DCP load", "no verification")):
+    for name, note in (
+        ("raw write", "12P/N bytes per rank + fsync"),
+        ("distlib save", "safetensors + sha256 + fsync + commit"),
+        ("torch DCP save", "no checksums"),
+        ("distlib async blocking", "what the loop waits: copy + open + commit"),
+        ("distlib async total", "until committed"),
+        ("torch DCP async blocking", "until async_save returns (staging)"),
+        ("torch DCP async total", "until the future is done"),
+        ("DCP async kept stager blocking", "one DefaultStager across saves (cached)"),
+        ("DCP async kept stager total", "until the future is done"),
+        ("distlib load", "verify + read"),
+        ("distlib verify", "sizes + sha256 of every file, split over ranks"),
+        ("distlib read", "each rank reads its shard"),
+        ("torch DCP load", "no verification"),
+    ):
         t = seconds[name]
-        rows.append({"what": name, "note": note, "seconds": t, "mb_per_s": state_bytes / t / 1e6,
-                     "raw_write_ratio": raw / t})
+        rows.append(
+            {
+                "what": name,
+                "note": note,
+                "seconds": t,
+                "mb_per_s": state_bytes / t / 1e6,
+                "raw_write_ratio": raw / t,
+            }
+        )
         print(f"{name:<30}  {t:>8.3f}  {state_bytes / t / 1e6:>8.0f}  {raw / t:>12.2f}  {note}")
-    print(f"save: distlib / torch DCP time = {seconds['distlib save'] / seconds['torch DCP save']:.2f}; "
-          f"load: {seconds['distlib load'] / seconds['torch DCP load']:.2f}  (wall {wall:.0f} s)")
+    print(
+        f"save: distlib / torch DCP time = {seconds['distlib save'] / seconds['torch DCP save']:.2f}; "
+        f"load: {seconds['distlib load'] / seconds['torch DCP load']:.2f}  (wall {wall:.0f} s)"
+    )
     blocking_ratio = seconds["distlib async blocking"] / seconds["torch DCP async blocking"]
     kept_ratio = seconds["distlib async blocking"] / seconds["DCP async kept stager blocking"]
-    print(f"async save blocking: distlib / torch DCP async_save = {blocking_ratio:.2f} "
-          f"(goal: below 1); total: {seconds['distlib async total'] / seconds['torch DCP async total']:.2f}; "
-          f"blocking vs DCP with a kept stager: {kept_ratio:.2f}")
+    print(
+        f"async save blocking: distlib / torch DCP async_save = {blocking_ratio:.2f} "
+        f"(goal: below 1); total: {seconds['distlib async total'] / seconds['torch DCP async total']:.2f}; "
+        f"blocking vs DCP with a kept stager: {kept_ratio:.2f}"
+    )
     out = Path(ROOT) / "benchmarks" / "results" / "checkpoint.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"params": numel, "state_bytes": state_bytes, "world_size": args.world_size,
-                               "repeats": args.repeats, "torch": torch.__version__, "rows": rows,
-                               "async_blocking_vs_dcp_async": blocking_ratio,
-                               "async_blocking_vs_dcp_async_kept_stager": kept_ratio,
-                               "wall_s": wall}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "params": numel,
+                "state_bytes": state_bytes,
+                "world_size": args.world_size,
+                "repeats": args.repeats,
+                "torch": torch.__version__,
+                "rows": rows,
+                "async_blocking_vs_dcp_async": blocking_ratio,
+                "async_blocking_vs_dcp_async_kept_stager": kept_ratio,
+                "wall_s": wall,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -3,12 +3,13 @@
     .venv/bin/python benchmarks/collectives.py            # full: 1 KB .. 64 MB, ~3-4 min on 2 cores
     .venv/bin/python benchmarks/collectives.py --quick    # 1 KB, 64 KB, 4 MB, 16 MB: < 1 min
     .venv/bin/python benchmarks/collectives.py --algos    # also time every forced algorithm of ours
-    .venv/bin/python benchmarks/collectives.py --quick --worlds 2 4 8 --ops all_reduce   # what make bench runs, one op
+    .venv/bin/python benchmarks/collectives.py --quick --worlds 2 4 8 --ops all_reduce  # make bench's, one op
 
 Each (op, size) is warmed up, then timed for several iterations; an iteration's time is
 the slowest rank's (ranks line up on a barrier first), and the table reports the median.
 ratio = torch ms / ours ms, so > 1 means ours is faster. JSON: benchmarks/results/collectives.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,17 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
 
-from distlib.comm import collectives as C  # noqa: E402
-from distlib.comm.cost_model import CANDIDATES  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+from distlib.comm import collectives as C
+from distlib.comm.cost_model import CANDIDATES
 
 warnings.filterwarnings("ignore", message=".*_tensor` is deprecated")  # *_into_tensor / *_scatter_tensor
 
 OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
-ALGOS = CANDIDATES          # every algorithm of each collective (--algos times them all)
+ALGOS = CANDIDATES  # every algorithm of each collective (--algos times them all)
 
 
 def _iters(nbytes: int) -> int:
@@ -51,21 +52,23 @@ def _callables(op: str, x: torch.Tensor, comm, algo):
         return (lambda: C.reduce_scatter(x, comm, algo=algo)), (lambda: dist.reduce_scatter_tensor(out, x))
     if op == "all_gather":
         chunk = x[lo:hi].clone()
-        return ((lambda: C.all_gather(x, x[lo:hi], comm, algo=algo)),
-                (lambda: dist.all_gather_into_tensor(x, chunk)))
+        return (
+            (lambda: C.all_gather(x, x[lo:hi], comm, algo=algo)),
+            (lambda: dist.all_gather_into_tensor(x, chunk)),
+        )
     return (lambda: C.all_reduce(x, comm, algo=algo)), (lambda: dist.all_reduce(x))
 
 
 def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
     """Time every variant once per round, rotating the order, so that background load on a
     shared machine hits ours and torch's alike."""
-    for fn in fns.values():     # warm-up (connections, allocator)
+    for fn in fns.values():  # warm-up (connections, allocator)
         fn()
         fn()
     names = list(fns)
     times = {k: [] for k in names}
     for i in range(iters):
-        for k in names[i % len(names):] + names[:i % len(names)]:
+        for k in names[i % len(names) :] + names[: i % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
             fns[k]()
@@ -83,8 +86,9 @@ def _bench_rank(comm, sizes, with_algos, ops=OPS):
             fns = {"ours": ours, "torch": ref}
             if with_algos:
                 fns.update({a: _callables(op, x, comm, a)[0] for a in ALGOS[op]})
-            rows.append({"op": op, "world": comm.size, "bytes": nbytes,
-                         **_time_interleaved(fns, _iters(nbytes))})
+            rows.append(
+                {"op": op, "world": comm.size, "bytes": nbytes, **_time_interleaved(fns, _iters(nbytes))}
+            )
     return rows
 
 
@@ -109,11 +113,14 @@ def main() -> None:
     ap.add_argument("--algos", action="store_true", help="also time each forced algorithm of ours")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="only these collectives")
-    ap.add_argument("--sizes", type=int, nargs="+", help="bytes (multiples of 16) instead of the default list")
+    ap.add_argument(
+        "--sizes", type=int, nargs="+", help="bytes (multiples of 16) instead of the default list"
+    )
     args = ap.parse_args()
-    sizes = args.sizes or ([1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick
-                           else [1 << (10 + 2 * i) for i in range(9)])  # 1 KB .. 64 MB
-    torch.set_num_threads(1)   # also keeps forked ranks clear of the parent's thread pool
+    sizes = args.sizes or (
+        [1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick else [1 << (10 + 2 * i) for i in range(9)]
+    )  # 1 KB .. 64 MB
+    torch.set_num_threads(1)  # also keeps forked ranks clear of the parent's thread pool
     load_before = os.getloadavg()[0]
     results = []
     for world in args.worlds:
@@ -134,17 +141,29 @@ def main() -> None:
         b = r["bytes"]
         size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
         line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}"
-        print(f"{line}{r['ratio']:>8.2f}{C.choose_algorithm(r['op'], b, r['world']):>14}"
-              + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra))
+        print(
+            f"{line}{r['ratio']:>8.2f}{C.choose_algorithm(r['op'], b, r['world']):>14}"
+            + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra)
+        )
     path = os.path.join(ROOT, "benchmarks", "results", "collectives.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"quick": args.quick, "torch": torch.__version__, "cores": os.cpu_count(),
-                   "loadavg_1min": [load_before, os.getloadavg()[0]],
-                   "unit": "ms, median over iterations of the slowest rank; ratio = torch / ours",
-                   "results": results}, f, indent=1)
-    print(f"ratio = torch ms / ours ms (> 1: ours faster); 1-min load average {load_before:.1f} -> "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\nwrote {path}")
+        json.dump(
+            {
+                "quick": args.quick,
+                "torch": torch.__version__,
+                "cores": os.cpu_count(),
+                "loadavg_1min": [load_before, os.getloadavg()[0]],
+                "unit": "ms, median over iterations of the slowest rank; ratio = torch / ours",
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
+    print(
+        f"ratio = torch ms / ours ms (> 1: ours faster); 1-min load average {load_before:.1f} -> "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\nwrote {path}"
+    )
 
 
 if __name__ == "__main__":

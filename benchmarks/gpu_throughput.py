@@ -18,6 +18,7 @@ dense bf16 matmul rate measured here first (an 8192^3 matmul, best of several), 
 are shown against the bf16 peak too. ``vs torch`` = our tokens/s / torch's (> 1: faster).
 Prints a table; writes JSON (--json, default benchmarks/results/gpu_throughput.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from distlib.app.config.groups import ModelConfig  # noqa: E402
-from distlib.app.model.minigpt import build_model  # noqa: E402
-from distlib.comm.group import Comm  # noqa: E402
-from distlib.parallel.adamw import AdamWConfig  # noqa: E402
-from distlib.app.config.groups import OptimizerConfig
-from distlib.parallel.zero import make_optimizer  # noqa: E402
+from distlib.app.config.groups import (
+    ModelConfig,
+    OptimizerConfig,
+)
+from distlib.app.model.minigpt import build_model
+from distlib.comm.group import Comm
+from distlib.parallel.zero import make_optimizer
 
 ADAMW = OptimizerConfig(lr=1e-4).adamw
 
@@ -62,10 +64,12 @@ def bf16_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
             a @ b
         sync(device)
         best = min(best, time.perf_counter() - began)
-    return 2 * n ** 3 * reps / best
+    return 2 * n**3 * reps / best
 
 
-def batches(cfg: ModelConfig, batch: int, count: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    cfg: ModelConfig, batch: int, count: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(count):
@@ -76,7 +80,7 @@ def batches(cfg: ModelConfig, batch: int, count: int, device: torch.device) -> l
 
 def ours(cfg, dtype, device, data):
     model = build_model(cfg, seed=1234).to(device)
-    transport = str(device) if device.type == "cuda" else "cpu"      # NCCL on the GPU, gloo on the CPU
+    transport = str(device) if device.type == "cuda" else "cpu"  # NCCL on the GPU, gloo on the CPU
     opt = make_optimizer(model, Comm.world(device=transport), 1, ADAMW, param_dtype=dtype)
 
     def step(x, y):
@@ -85,15 +89,23 @@ def ours(cfg, dtype, device, data):
         opt.step()
         opt.zero_grad()
         return loss.detach()
+
     return step, sum(p.numel() for p in model.parameters())
 
 
 def torch_ddp(cfg, dtype, device, data):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     model = build_model(cfg, seed=1234).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=ADAMW.lr, betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps,
-                            weight_decay=ADAMW.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ddp.parameters(),
+        lr=ADAMW.lr,
+        betas=(ADAMW.beta1, ADAMW.beta2),
+        eps=ADAMW.eps,
+        weight_decay=ADAMW.weight_decay,
+        fused=True,
+    )
 
     def step(x, y):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -102,6 +114,7 @@ def torch_ddp(cfg, dtype, device, data):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+
     return step, sum(p.numel() for p in model.parameters())
 
 
@@ -114,8 +127,12 @@ def measure(make, cfg, dtype, device, data, warmup: int, steps: int) -> dict:
     losses = [step(*data[(warmup + i) % len(data)]) for i in range(steps)]
     sync(device)
     seconds = (time.perf_counter() - began) / steps
-    return {"params": params, "step_s": seconds, "last_loss": float(losses[-1]),
-            "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+    return {
+        "params": params,
+        "step_s": seconds,
+        "last_loss": float(losses[-1]),
+        "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+    }
 
 
 def main() -> None:
@@ -137,11 +154,17 @@ def main() -> None:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
-        cfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_heads=args.heads,
-                          n_layers=args.layers)
+        cfg = ModelConfig(
+            vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_heads=args.heads, n_layers=args.layers
+        )
         data = batches(cfg, args.batch, 4, device)
         peak = bf16_peak(device, n=8192 if device.type == "cuda" else 256)
         tokens = args.batch * args.seq
@@ -152,27 +175,47 @@ def main() -> None:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 r = measure(make, cfg, dtype, device, data, args.warmup, args.steps)
-                r.update(variant=variant, dtype=name, tokens_per_s=tokens / r["step_s"],
-                         mfu=6 * r["params"] * tokens / r["step_s"] / peak)
+                r.update(
+                    variant=variant,
+                    dtype=name,
+                    tokens_per_s=tokens / r["step_s"],
+                    mfu=6 * r["params"] * tokens / r["step_s"] / peak,
+                )
                 rows.append(r)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}: measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; "
-          f"model {rows[0]['params'] / 1e6:.1f}M params, {tokens} tokens/step, {args.steps} timed steps")
-    print(f"{'variant':<26} {'dtype':>5} {'ms/step':>8} {'tokens/s':>10} {'MFU':>6} {'vs torch':>8} "
-          f"{'peak GiB':>8} {'last loss':>9}")
+    print(
+        f"{name}, torch {torch.__version__}: measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; "
+        f"model {rows[0]['params'] / 1e6:.1f}M params, {tokens} tokens/step, {args.steps} timed steps"
+    )
+    print(
+        f"{'variant':<26} {'dtype':>5} {'ms/step':>8} {'tokens/s':>10} {'MFU':>6} {'vs torch':>8} "
+        f"{'peak GiB':>8} {'last loss':>9}"
+    )
     for r in rows:
         ref = next(x for x in rows if x["dtype"] == r["dtype"] and x["variant"].startswith("torch"))
         r["vs_torch"] = r["tokens_per_s"] / ref["tokens_per_s"]
-        print(f"{r['variant']:<26} {r['dtype']:>5} {r['step_s'] * 1e3:8.2f} {r['tokens_per_s']:10.0f} "
-              f"{r['mfu']:6.1%} {r['vs_torch']:8.2f} {r['peak_mem_bytes'] / 2**30:8.2f} {r['last_loss']:9.4f}")
+        print(
+            f"{r['variant']:<26} {r['dtype']:>5} {r['step_s'] * 1e3:8.2f} {r['tokens_per_s']:10.0f} "
+            f"{r['mfu']:6.1%} {r['vs_torch']:8.2f} {r['peak_mem_bytes'] / 2**30:8.2f} {r['last_loss']:9.4f}"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"device": name, "torch": torch.__version__, "bf16_peak_flops": peak, "tokens_per_step": tokens,
-                   "config": vars(args), "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "device": name,
+                "torch": torch.__version__,
+                "bf16_peak_flops": peak,
+                "tokens_per_step": tokens,
+                "config": vars(args),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.json}")
 
 

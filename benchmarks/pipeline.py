@@ -22,6 +22,7 @@ on the same chunks. Per schedule:
 JSON: benchmarks/results/pipeline.json, with the last step's events per schedule
 (``scripts/pipeline_timeline.py`` draws them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,10 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from distlib.parallel.pipeline import executor, schedule      # noqa: E402
-from distlib.parallel.pipeline.recorder import Recorder, bubble, theory   # noqa: E402
-from multiproc import run_ranks                               # noqa: E402
+from multiproc import run_ranks
+
+from distlib.parallel.pipeline import executor, schedule
+from distlib.parallel.pipeline.recorder import Recorder, bubble, theory
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 
@@ -50,19 +52,28 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 def chunks_for(rank: int, P: int, v: int, shape: dict) -> list[nn.Module]:
     """This rank's chunks of the one stack every variant starts from (seed 0)."""
     torch.manual_seed(0)
-    layers = [nn.TransformerEncoderLayer(shape["d"], shape["heads"], 4 * shape["d"], dropout=0.0,
-                                         batch_first=True) for _ in range(shape["layers"])]
+    layers = [
+        nn.TransformerEncoderLayer(shape["d"], shape["heads"], 4 * shape["d"], dropout=0.0, batch_first=True)
+        for _ in range(shape["layers"])
+    ]
     S = P * v
     per = len(layers) // S
-    stages = [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in range(S)]
+    stages = [nn.Sequential(*layers[s * per : (s + 1) * per]) for s in range(S)]
     return [stages[schedule.stage_of(rank, c, P)] for c in range(v)]
 
 
 def _torch_schedule(name, chunks, rank, P, v, m, group):
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
-    stages = [PipelineStage(c, schedule.stage_of(rank, i, P), P * v, torch.device("cpu"), group=group)
-              for i, c in enumerate(chunks)]
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    stages = [
+        PipelineStage(c, schedule.stage_of(rank, i, P), P * v, torch.device("cpu"), group=group)
+        for i, c in enumerate(chunks)
+    ]
     loss = nn.MSELoss()
     if name == "interleaved":
         return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss)
@@ -81,10 +92,11 @@ def worker(comm, P: int, m: int, steps: int, rounds: int, shape: dict) -> dict:
         plan = schedule.build(name, P, m, v)
         variants[("ours", name)] = (ours, plan, v)
         variants[("torch", name)] = (theirs, _torch_schedule(name, theirs, rank, P, v, m, None), v)
-    out = {f"{who}/{name}": dict(seconds=[], events=[], peak_bytes=0, peak_in_flight=0)
-           for who, name in variants}
+    out = {
+        f"{who}/{name}": dict(seconds=[], events=[], peak_bytes=0, peak_in_flight=0) for who, name in variants
+    }
     order = list(variants)
-    for step in range(rounds * steps + 1):            # step 0 warms up every variant
+    for step in range(rounds * steps + 1):  # step 0 warms up every variant
         order = order[1:] + order[:1]
         for who, name in order:
             chunks, plan, v = variants[(who, name)]
@@ -94,9 +106,17 @@ def worker(comm, P: int, m: int, steps: int, rounds: int, shape: dict) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             if who == "ours":
-                executor.run(plan, chunks, comm, feed=lambda i: xs[i],
-                             loss_fn=lambda i, y: nn.functional.mse_loss(y, ts[i]),
-                             act_shape=(b, T, d), act_dtype=torch.float32, device="cpu", recorder=rec)
+                executor.run(
+                    plan,
+                    chunks,
+                    comm,
+                    feed=lambda i: xs[i],
+                    loss_fn=lambda i, y: nn.functional.mse_loss(y, ts[i]),
+                    act_shape=(b, T, d),
+                    act_dtype=torch.float32,
+                    device="cpu",
+                    recorder=rec,
+                )
             else:
                 has_first = any(schedule.stage_of(rank, c, P) == 0 for c in range(v))
                 has_last = any(schedule.stage_of(rank, c, P) == P * v - 1 for c in range(v))
@@ -107,11 +127,13 @@ def worker(comm, P: int, m: int, steps: int, rounds: int, shape: dict) -> dict:
                 print(f"  pp={P}: step {step} of {rounds * steps} done", file=sys.stderr, flush=True)
             if step == 0:
                 continue
-            if step == 1 and who == "torch":     # same chunks, same batch: the same gradients?
+            if step == 1 and who == "torch":  # same chunks, same batch: the same gradients?
                 mine = variants[("ours", name)][0]
                 out[f"ours/{name}"]["grad_rel_vs_torch"] = max(
                     ((p.grad - q.grad).norm() / q.grad.norm()).item()
-                    for a, c in zip(mine, chunks) for p, q in zip(a.parameters(), c.parameters()))
+                    for a, c in zip(mine, chunks)
+                    for p, q in zip(a.parameters(), c.parameters())
+                )
             row = out[f"{who}/{name}"]
             row["seconds"].append(seconds)
             if who == "ours":
@@ -137,8 +159,10 @@ def main() -> None:
         args.steps, args.rounds = 2, 1
     results = {"shape": shape, "m": args.micro, "steps": args.steps, "rounds": args.rounds, "runs": []}
     print(f"TransformerEncoderLayer stack: {shape}, m={args.micro}, {args.steps * args.rounds} steps")
-    print(f"{'pp':>3} {'schedule':<12} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>10} {'bubble':>7} "
-          f"{'theory':>7} {'in flight/rank':>15} {'peak act MiB/rank':>20}")
+    print(
+        f"{'pp':>3} {'schedule':<12} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>10} {'bubble':>7} "
+        f"{'theory':>7} {'in flight/rank':>15} {'peak act MiB/rank':>20}"
+    )
     for P in args.pp:
         ranks = run_ranks(worker, P, P, args.micro, args.steps, args.rounds, shape, timeout_s=1800)
         n = len(ranks[0]["ours/gpipe"]["seconds"])
@@ -148,24 +172,36 @@ def main() -> None:
             steps = [[e for r in ranks for e in r[f"ours/{name}"]["events"][i]] for i in range(n)]
             measured = statistics.median(statistics.mean(bubble(ev).values()) for ev in steps)
             events = steps[-1]
-            row = dict(pp=P, schedule=name, v=v, m=args.micro, ours_ms=1000 * statistics.median(ours),
-                       torch_ms=1000 * statistics.median(theirs), bubble=measured,
-                       theory=theory(name, P, args.micro, v),
-                       peak_in_flight=[r[f"ours/{name}"]["peak_in_flight"] for r in ranks],
-                       peak_act_mib=[r[f"ours/{name}"]["peak_bytes"] / 2**20 for r in ranks],
-                       grad_rel_vs_torch=max(r[f"ours/{name}"]["grad_rel_vs_torch"] for r in ranks),
-                       events=events)
+            row = dict(
+                pp=P,
+                schedule=name,
+                v=v,
+                m=args.micro,
+                ours_ms=1000 * statistics.median(ours),
+                torch_ms=1000 * statistics.median(theirs),
+                bubble=measured,
+                theory=theory(name, P, args.micro, v),
+                peak_in_flight=[r[f"ours/{name}"]["peak_in_flight"] for r in ranks],
+                peak_act_mib=[r[f"ours/{name}"]["peak_bytes"] / 2**20 for r in ranks],
+                grad_rel_vs_torch=max(r[f"ours/{name}"]["grad_rel_vs_torch"] for r in ranks),
+                events=events,
+            )
             row["ratio"] = row["ours_ms"] / row["torch_ms"]
             results["runs"].append(row)
-            print(f"{P:>3} {name + (f' v={v}' if v > 1 else ''):<12} {row['ours_ms']:>9.1f} {row['torch_ms']:>9.1f} "
-                  f"{row['ratio']:>10.2f} {measured:>7.3f} {row['theory']:>7.3f} "
-                  f"{','.join(map(str, row['peak_in_flight'])):>15} "
-                  f"{','.join(f'{x:.1f}' for x in row['peak_act_mib']):>20} "
-                  f"{row['grad_rel_vs_torch']:>13.1e}")
+            print(
+                f"{P:>3} {name + (f' v={v}' if v > 1 else ''):<12} "
+                f"{row['ours_ms']:>9.1f} {row['torch_ms']:>9.1f} "
+                f"{row['ratio']:>10.2f} {measured:>7.3f} {row['theory']:>7.3f} "
+                f"{','.join(map(str, row['peak_in_flight'])):>15} "
+                f"{','.join(f'{x:.1f}' for x in row['peak_act_mib']):>20} "
+                f"{row['grad_rel_vs_torch']:>13.1e}"
+            )
     out = Path(ROOT) / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline.json").write_text(json.dumps(results, indent=1))
-    print(f"wrote {out / 'pipeline.json'} (draw: python scripts/pipeline_timeline.py {out / 'pipeline.json'})")
+    print(
+        f"wrote {out / 'pipeline.json'} (draw: python scripts/pipeline_timeline.py {out / 'pipeline.json'})"
+    )
 
 
 if __name__ == "__main__":

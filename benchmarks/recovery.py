@@ -1,6 +1,7 @@
 """Recovery from a SIGKILLed worker under torchrun: in-memory snapshots vs disk checkpoints only.
 
-    .venv/bin/python benchmarks/recovery.py [--world-size 4] [--steps 24] [--kill-at 19] [--every 10] [--repeats 2]
+    .venv/bin/python benchmarks/recovery.py [--world-size 4] [--steps 24] [--kill-at 19] [--every 10]
+                                            [--repeats 2]
                                             [--keep DIR]
 
 Runs the capstone (`torchrun --nproc_per_node N --max-restarts 1 train.py`, resume=latest, disk
@@ -19,6 +20,7 @@ JSON: benchmarks/results/recovery.json. ``--keep DIR`` keeps each run's director
 (DIR/snapshots<i>, DIR/disk_only<i>, with torchrun's output in torchrun.stdout/.stderr there);
 tests/test_memory_snapshot_e2e.py checks the snapshot run's checkpoint and messages.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,13 +44,28 @@ def _port() -> int:
 
 
 def run_once(run_dir: Path, args, memory: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.world_size}",
-           "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_port()}", "train.py",
-           f"hydra.run.dir={run_dir}", f"dist.world_size={args.world_size}", f"train.steps={args.steps}",
-           f"checkpoint.every_steps={args.every}", "checkpoint.resume=latest", "checkpoint.verify_resume=false",
-           f"checkpoint.memory_every_steps={memory}", "fault.kill_rank=1", f"fault.kill_at_step={args.kill_at}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={args.world_size}",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{_port()}",
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        f"dist.world_size={args.world_size}",
+        f"train.steps={args.steps}",
+        f"checkpoint.every_steps={args.every}",
+        "checkpoint.resume=latest",
+        "checkpoint.verify_resume=false",
+        f"checkpoint.memory_every_steps={memory}",
+        "fault.kill_rank=1",
+        f"fault.kill_at_step={args.kill_at}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "torchrun.stdout").write_text(proc.stdout)
     (run_dir / "torchrun.stderr").write_text(proc.stderr)
@@ -60,9 +77,13 @@ def run_once(run_dir: Path, args, memory: int) -> dict:
     after = [r for r in records[restart:] if r["type"] == "step"]
     resumed = records[restart]["step"]
     caught = next(r for r in after if r["step"] == args.kill_at + 1)
-    return {"steps_lost": args.kill_at - resumed, "resumed_after": resumed,
-            "resumed_s": records[restart]["time"] - killed["time"],
-            "first_step_s": after[0]["time"] - killed["time"], "caught_up_s": caught["time"] - killed["time"]}
+    return {
+        "steps_lost": args.kill_at - resumed,
+        "resumed_after": resumed,
+        "resumed_s": records[restart]["time"] - killed["time"],
+        "first_step_s": after[0]["time"] - killed["time"],
+        "caught_up_s": caught["time"] - killed["time"],
+    }
 
 
 def main() -> None:
@@ -81,18 +102,26 @@ def main() -> None:
         for i in range(args.repeats):
             order = list(runs) if i % 2 == 0 else list(runs)[::-1]
             for name in order:
-                runs[name].append(run_once(Path(tmp) / f"{name.replace(' ', '_')}{i}", args, int(name == "snapshots")))
-    rows = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
-            for name, rs in runs.items()}
-    print(f"SIGKILL of rank 1 after step {args.kill_at} of {args.steps}, {args.world_size} ranks, disk checkpoints "
-          f"every {args.every} steps; median of {args.repeats}")
+                runs[name].append(
+                    run_once(Path(tmp) / f"{name.replace(' ', '_')}{i}", args, int(name == "snapshots"))
+                )
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS} for name, rs in runs.items()}
+    print(
+        f"SIGKILL of rank 1 after step {args.kill_at} of {args.steps}, {args.world_size} ranks, "
+        f"disk checkpoints "
+        f"every {args.every} steps; median of {args.repeats}"
+    )
     print(f"{'variant':<12} {'steps lost':>10} {'resumed s':>10} {'first step s':>13} {'caught up s':>12}")
     for name, row in rows.items():
-        print(f"{name:<12} {row['steps_lost']:>10.0f} {row['resumed_s']:>10.2f} {row['first_step_s']:>13.2f} "
-              f"{row['caught_up_s']:>12.2f}")
+        print(
+            f"{name:<12} {row['steps_lost']:>10.0f} {row['resumed_s']:>10.2f} {row['first_step_s']:>13.2f} "
+            f"{row['caught_up_s']:>12.2f}"
+        )
     snap, disk = rows["snapshots"], rows["disk only"]
-    print(f"caught up: snapshots / disk only = {snap['caught_up_s'] / disk['caught_up_s']:.2f}; "
-          f"first step: {snap['first_step_s'] / disk['first_step_s']:.2f}")
+    print(
+        f"caught up: snapshots / disk only = {snap['caught_up_s'] / disk['caught_up_s']:.2f}; "
+        f"first step: {snap['first_step_s'] / disk['first_step_s']:.2f}"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "median": rows, "runs": runs}, indent=2))

@@ -18,6 +18,7 @@ price is ratio = checked / unchecked step time. The baseline is torch's own ("to
 same steps with no header check at all are the floor any check is measured against.
 JSON: benchmarks/results/rounds.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,13 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from distlib.app.config.run import RunConfig              # noqa: E402
-from distlib.app.hooks import StepHooks               # noqa: E402
-from distlib.app.trainer import Trainer               # noqa: E402
-from distlib.comm import p2p                          # noqa: E402
-from multiproc import run_ranks                       # noqa: E402
-from trainrun import compose_tree                     # noqa: E402
+from multiproc import run_ranks
+from trainrun import compose_tree
+
+from distlib.app.config.run import RunConfig
+from distlib.app.hooks import StepHooks
+from distlib.app.trainer import Trainer
+from distlib.comm import p2p
 
 NPROC = 4
 
@@ -84,12 +86,13 @@ def _counting_wait(wait):
             return wait(self, *handles)
         finally:
             depth[0] -= 1
+
     return counted
 
 
 def per_step(comm, tree: dict, run_dir: str) -> list[list[float]]:
     """One rank of a run; per step: [step, collectives, waits, seconds]."""
-    p2p.P2P.wait = _counting_wait(p2p.P2P.wait)      # (a forked rank: patched for this run only)
+    p2p.P2P.wait = _counting_wait(p2p.P2P.wait)  # (a forked rank: patched for this run only)
     hooks = StepCounter()
     trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir), hooks=hooks)
     hooks.trainer = trainer
@@ -98,8 +101,15 @@ def per_step(comm, tree: dict, run_dir: str) -> list[list[float]]:
 
 
 def capstone_tree(check: bool, steps: int) -> dict:
-    return compose_tree([f"train.steps={steps}", "checkpoint.every_steps=0", "checkpoint.every_minutes=0",
-                         "metrics.progress_every=0", f"dist.check_collectives={str(check).lower()}"])
+    return compose_tree(
+        [
+            f"train.steps={steps}",
+            "checkpoint.every_steps=0",
+            "checkpoint.every_minutes=0",
+            "metrics.progress_every=0",
+            f"dist.check_collectives={str(check).lower()}",
+        ]
+    )
 
 
 def main() -> None:
@@ -113,27 +123,39 @@ def main() -> None:
         for name, check in variants.items():
             with tempfile.TemporaryDirectory() as d:
                 ranks = run_ranks(per_step, NPROC, capstone_tree(check, args.steps), d)
-            for s in range(1, args.steps):               # step 1 warms up
+            for s in range(1, args.steps):  # step 1 warms up
                 r = results[name]
                 r["collectives"].add(ranks[0][s][1])
                 r["waits"].add(ranks[0][s][2])
                 r["seconds"].append(max(rows[s][3] for rows in ranks))
-    table = {name: {"collectives_per_step": sorted(r["collectives"]), "waits_per_step": sorted(r["waits"]),
-                    "step_ms_median": 1000 * statistics.median(r["seconds"]),
-                    "step_ms_min": 1000 * min(r["seconds"]), "step_ms_max": 1000 * max(r["seconds"])}
-             for name, r in results.items()}
+    table = {
+        name: {
+            "collectives_per_step": sorted(r["collectives"]),
+            "waits_per_step": sorted(r["waits"]),
+            "step_ms_median": 1000 * statistics.median(r["seconds"]),
+            "step_ms_min": 1000 * min(r["seconds"]),
+            "step_ms_max": 1000 * max(r["seconds"]),
+        }
+        for name, r in results.items()
+    }
     ratio = table["checked"]["step_ms_median"] / table["unchecked"]["step_ms_median"]
     print(f"capstone config, {NPROC} ranks, {args.steps} steps, rank 0's counts per step")
     print(f"{'variant':<10} {'collectives':>11} {'waits':>7} {'step ms (median, min-max)':>28}")
     for name, row in table.items():
-        print(f"{name:<10} {','.join(map(str, row['collectives_per_step'])):>11} "
-              f"{','.join(map(str, row['waits_per_step'])):>7} {row['step_ms_median']:>12.1f} "
-              f"({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f})")
+        print(
+            f"{name:<10} {','.join(map(str, row['collectives_per_step'])):>11} "
+            f"{','.join(map(str, row['waits_per_step'])):>7} {row['step_ms_median']:>12.1f} "
+            f"({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f})"
+        )
     print(f"header check: checked / unchecked step time = {ratio:.3f}")
     out = Path(ROOT) / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rounds.json").write_text(json.dumps({"nproc": NPROC, "steps": args.steps, "variants": table,
-                                                 "checked_over_unchecked": ratio}, indent=1))
+    (out / "rounds.json").write_text(
+        json.dumps(
+            {"nproc": NPROC, "steps": args.steps, "variants": table, "checked_over_unchecked": ratio},
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

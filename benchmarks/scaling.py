@@ -16,6 +16,7 @@ data-parallel copy. Done for our ZeRO stage 1 and stage 0 (vs a world-size-1 Zer
 sends nothing) and, as the reference, torch DDP (vs plain torch with torch.optim.AdamW).
 JSON: benchmarks/results/scaling.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step as S  # noqa: E402  (benchmarks/step.py: models, variants, data)
+import step as S  # benchmarks/step.py: models, variants, data
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from distlib.comm.group import Comm  # noqa: E402
-from distlib.app.model.minigpt import build_model  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+from distlib.app.model.minigpt import build_model
+from distlib.comm.group import Comm
 
 MODEL = "medium"
 GOAL = 0.85
@@ -48,8 +48,13 @@ def _single_process_torch(cfg) -> S.Variant:
 def _rank_main(comm: Comm, stages: list[int], steps: int, warmup: int) -> dict:
     cfg, batch = S.MODELS[MODEL]
     alone = Comm(ranks=(comm.peer(0),), rank=0)
-    pairs = {f"ours stage {s}": (S.build_ours(cfg, alone, s) if comm.rank == 0 else None, S.build_ours(cfg, comm, s))
-             for s in stages}
+    pairs = {
+        f"ours stage {s}": (
+            S.build_ours(cfg, alone, s) if comm.rank == 0 else None,
+            S.build_ours(cfg, comm, s),
+        )
+        for s in stages
+    }
     pairs["torch DDP"] = (_single_process_torch(cfg) if comm.rank == 0 else None, S.build_ddp(cfg, comm))
     one = S.batches_for(cfg, batch, alone, warmup + steps) if comm.rank == 0 else None
     two = S.batches_for(cfg, batch, comm, warmup + steps)
@@ -65,7 +70,7 @@ def _rank_main(comm: Comm, stages: list[int], steps: int, warmup: int) -> dict:
             elif comm.rank == 0:
                 pairs[name][0].step(*one[t])
             elapsed = time.perf_counter() - began
-            dist.barrier()          # rank 1 idles here while rank 0 runs a 1-rank step
+            dist.barrier()  # rank 1 idles here while rank 0 runs a 1-rank step
             if t >= warmup and (n == 2 or comm.rank == 0):
                 out[name][f"t{n}"].append(elapsed)
     return out
@@ -88,20 +93,46 @@ def main() -> None:
         t1 = statistics.median(per_rank[0][name]["t1"])
         t2 = statistics.median(max(a, b) for a, b in zip(per_rank[0][name]["t2"], per_rank[1][name]["t2"]))
         tokens = batch * cfg.seq_len
-        rows.append({"variant": name, "t1_ms": t1 * 1e3, "t2_ms": t2 * 1e3, "tokens_per_s_1": tokens / t1,
-                     "tokens_per_s_2": 2 * tokens / t2, "efficiency": t1 / t2})
-    print(f"medium MiniGPT, batch {batch} x {cfg.seq_len} tokens per rank; median of {steps} interleaved steps")
+        rows.append(
+            {
+                "variant": name,
+                "t1_ms": t1 * 1e3,
+                "t2_ms": t2 * 1e3,
+                "tokens_per_s_1": tokens / t1,
+                "tokens_per_s_2": 2 * tokens / t2,
+                "efficiency": t1 / t2,
+            }
+        )
+    print(
+        f"medium MiniGPT, batch {batch} x {cfg.seq_len} tokens per rank; median of {steps} interleaved steps"
+    )
     print(f"{'variant':<14}{'1 rank ms':>10}{'2 ranks ms':>11}{'tok/s 1':>9}{'tok/s 2':>9}{'efficiency':>12}")
     for r in rows:
-        print(f"{r['variant']:<14}{r['t1_ms']:>10.1f}{r['t2_ms']:>11.1f}{r['tokens_per_s_1']:>9.0f}"
-              f"{r['tokens_per_s_2']:>9.0f}{r['efficiency']:>12.2f}")
+        print(
+            f"{r['variant']:<14}{r['t1_ms']:>10.1f}{r['t2_ms']:>11.1f}{r['tokens_per_s_1']:>9.0f}"
+            f"{r['tokens_per_s_2']:>9.0f}{r['efficiency']:>12.2f}"
+        )
     ours = rows[0]
-    print(f"efficiency = tokens/s(2) / (2 tokens/s(1)) = t1/t2; goal >= {GOAL}: "
-          f"{'met' if ours['efficiency'] >= GOAL else 'NOT met'} for {ours['variant']}")
+    print(
+        f"efficiency = tokens/s(2) / (2 tokens/s(1)) = t1/t2; goal >= {GOAL}: "
+        f"{'met' if ours['efficiency'] >= GOAL else 'NOT met'} for {ours['variant']}"
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"quick": args.quick, "steps": steps, "model": MODEL, "batch_per_rank": batch,
-                   "seq_len": cfg.seq_len, "cores": os.cpu_count(), "goal": GOAL, "results": rows}, f, indent=1)
+        json.dump(
+            {
+                "quick": args.quick,
+                "steps": steps,
+                "model": MODEL,
+                "batch_per_rank": batch,
+                "seq_len": cfg.seq_len,
+                "cores": os.cpu_count(),
+                "goal": GOAL,
+                "results": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
 
 

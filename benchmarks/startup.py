@@ -16,6 +16,7 @@ runs train.py with runpy, so train.py itself carries no timing code). Phases are
 seconds since torchrun was started, for rank 0 and the slowest rank.
 JSON: benchmarks/results/startup.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NPROC = 4
 GOAL = 1.3
 
-FLOOR_SCRIPT = '''\
+FLOOR_SCRIPT = """\
 import os, sys, time
 sys.path.insert(0, {here!r})
 from _trace_worker import Marks
@@ -45,7 +46,7 @@ dist.init_process_group("gloo")
 marks.mark("process group")
 dist.destroy_process_group()
 marks.mark("destroyed")
-'''
+"""
 
 
 def _children_cpu() -> float:
@@ -57,11 +58,23 @@ def torchrun(script: str, args: list[str], env: dict, timeout: float) -> tuple[f
     """Run ``torchrun --nproc_per_node 4 script args`` on a free port; return its wall seconds and
     the CPU seconds it and its workers used (torchrun reaps its workers, so their usage is counted)."""
     cpu_before = _children_cpu()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", script, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(NPROC),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        script,
+        *args,
+    ]
     began = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     elapsed, cpu = time.perf_counter() - began, _children_cpu() - cpu_before
     if proc.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
@@ -98,8 +111,15 @@ def phase_rows(marks: dict[int, dict[str, tuple[float, float]]]) -> list[dict]:
         prev = names[i - 1] if i else None
         took = max(marks[r][name][0] - (marks[r][prev][0] if prev else 0.0) for r in ranks)
         cpu = sum(marks[r][name][1] - (marks[r][prev][1] if prev else 0.0) for r in ranks)
-        rows.append({"phase": name, "rank0_s": marks[0][name][0], "slowest_s": max(marks[r][name][0] for r in ranks),
-                     "took_s": took, "cpu_s_all_ranks": cpu})
+        rows.append(
+            {
+                "phase": name,
+                "rank0_s": marks[0][name][0],
+                "slowest_s": max(marks[r][name][0] for r in ranks),
+                "took_s": took,
+                "cpu_s_all_ranks": cpu,
+            }
+        )
     return rows
 
 
@@ -107,8 +127,10 @@ def print_phases(title: str, rows: list[dict], wall: float) -> None:
     print(f"\n{title}: seconds since torchrun started (a phase ends at its time)")
     print(f"  {'phase ends':<38}{'rank 0':>8}{'slowest':>9}{'longest':>9}{'CPU s, all ranks':>18}")
     for r in rows:
-        print(f"  {r['phase']:<38}{r['rank0_s']:>8.2f}{r['slowest_s']:>9.2f}{r['took_s']:>9.2f}"
-              f"{r['cpu_s_all_ranks']:>18.2f}")
+        print(
+            f"  {r['phase']:<38}{r['rank0_s']:>8.2f}{r['slowest_s']:>9.2f}{r['took_s']:>9.2f}"
+            f"{r['cpu_s_all_ranks']:>18.2f}"
+        )
     last = max(r["slowest_s"] for r in rows)
     print(f"  {'torchrun exited':<38}{wall:>8.2f}{wall:>9.2f}{wall - last:>9.2f}{'-':>18}")
 
@@ -118,13 +140,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one round instead of three")
     ap.add_argument("--rounds", type=int, help="floor/capstone pairs to time (default 3, --quick 1)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds allowed per torchrun")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for train.py (what-if runs, e.g. "
-                    "dist.check_collectives=false); the goal is judged on the default capstone")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides for train.py (what-if runs, e.g. "
+        "dist.check_collectives=false); the goal is judged on the default capstone",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "startup.json"))
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK"))}
-    env["OMP_NUM_THREADS"] = "1"   # torchrun sets it anyway; saying so silences its banner
+    env["OMP_NUM_THREADS"] = "1"  # torchrun sets it anyway; saying so silences its banner
 
     with tempfile.TemporaryDirectory(prefix="startup-bench-") as tmp:
         floor = os.path.join(tmp, "floor.py")
@@ -140,36 +166,68 @@ def main() -> None:
                 if kind == "floor":
                     wall, cpu = torchrun(floor, [], env, args.timeout)
                 else:
-                    wall, cpu = torchrun(train, [f"hydra.run.dir={os.path.join(tmp, f'run{i}')}", *args.overrides],
-                                         env, args.timeout)
+                    wall, cpu = torchrun(
+                        train,
+                        [f"hydra.run.dir={os.path.join(tmp, f'run{i}')}", *args.overrides],
+                        env,
+                        args.timeout,
+                    )
                 walls[kind].append(wall)
                 cpus[kind].append(cpu)
                 print(f"round {i + 1}/{rounds}: {kind:<8} {wall:6.2f} s wall, {cpu:6.2f} s CPU", flush=True)
         floor_wall, floor_marks = traced([floor, []], os.path.join(tmp, "trace-floor"), env, args.timeout)
-        cap_wall, cap_marks = traced([tracer, [train, f"hydra.run.dir={os.path.join(tmp, 'traced')}", *args.overrides]],
-                                     os.path.join(tmp, "trace-capstone"), env, args.timeout)
+        cap_wall, cap_marks = traced(
+            [tracer, [train, f"hydra.run.dir={os.path.join(tmp, 'traced')}", *args.overrides]],
+            os.path.join(tmp, "trace-capstone"),
+            env,
+            args.timeout,
+        )
 
     med = {k: statistics.median(v) for k, v in walls.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpus.items()}
     ratio = med["capstone"] / med["floor"]
     floor_rows, cap_rows = phase_rows(floor_marks), phase_rows(cap_marks)
     print(f"\n{'run':<44}{'wall s':>8}{'min':>7}{'max':>7}{'CPU s':>8}")
-    for kind, label in (("floor", "floor: torchrun x4, import torch, init gloo"),
-                        ("capstone", "capstone: torchrun x4 train.py")):
-        print(f"{label:<44}{med[kind]:>8.2f}{min(walls[kind]):>7.2f}{max(walls[kind]):>7.2f}{med_cpu[kind]:>8.2f}")
+    for kind, label in (
+        ("floor", "floor: torchrun x4, import torch, init gloo"),
+        ("capstone", "capstone: torchrun x4 train.py"),
+    ):
+        print(
+            f"{label:<44}{med[kind]:>8.2f}{min(walls[kind]):>7.2f}{max(walls[kind]):>7.2f}{med_cpu[kind]:>8.2f}"
+        )
     if args.overrides:
         print(f"capstone run with overrides: {' '.join(args.overrides)}")
-    print(f"capstone / floor = {ratio:.2f} wall (goal <= {GOAL}: {'met' if ratio <= GOAL else 'NOT met'}), "
-          f"{med_cpu['capstone'] / med_cpu['floor']:.2f} CPU; medians of {rounds} interleaved round(s)")
+    print(
+        f"capstone / floor = {ratio:.2f} wall (goal <= {GOAL}: {'met' if ratio <= GOAL else 'NOT met'}), "
+        f"{med_cpu['capstone'] / med_cpu['floor']:.2f} CPU; medians of {rounds} interleaved round(s)"
+    )
     print_phases(f"floor, traced run ({floor_wall:.2f} s)", floor_rows, floor_wall)
     print_phases(f"capstone, traced run ({cap_wall:.2f} s)", cap_rows, cap_wall)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"quick": args.quick, "rounds": rounds, "overrides": args.overrides, "nproc": NPROC, "cores": os.cpu_count(),
-                   "walls_s": walls, "median_s": med, "cpu_s": cpus, "median_cpu_s": med_cpu,
-                   "cpu_ratio": med_cpu["capstone"] / med_cpu["floor"], "ratio": ratio, "goal": GOAL, "goal_met": ratio <= GOAL,
-                   "traced": {"floor": {"wall_s": floor_wall, "phases": floor_rows},
-                              "capstone": {"wall_s": cap_wall, "phases": cap_rows}}}, f, indent=1)
+        json.dump(
+            {
+                "quick": args.quick,
+                "rounds": rounds,
+                "overrides": args.overrides,
+                "nproc": NPROC,
+                "cores": os.cpu_count(),
+                "walls_s": walls,
+                "median_s": med,
+                "cpu_s": cpus,
+                "median_cpu_s": med_cpu,
+                "cpu_ratio": med_cpu["capstone"] / med_cpu["floor"],
+                "ratio": ratio,
+                "goal": GOAL,
+                "goal_met": ratio <= GOAL,
+                "traced": {
+                    "floor": {"wall_s": floor_wall, "phases": floor_rows},
+                    "capstone": {"wall_s": cap_wall, "phases": cap_rows},
+                },
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
 
 

@@ -26,6 +26,7 @@ prefetch; stages 0-2 then use OVERLAP_BUCKET_NUMEL buckets; stages the optimizer
 skipped with a note), torch DDP + torch.optim.AdamW, DDP + ZeroRedundancyOptimizer(AdamW), FSDP2
 (fully_shard per block and at the root), reshard_after_forward False and True. JSON: results/step.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,25 +37,26 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from _no_comm import local_collectives
+from multiproc import run_ranks
 
-from distlib.parallel.zero import make_optimizer  # noqa: E402
-from distlib.parallel.adamw import AdamWConfig  # noqa: E402
-from distlib.app.config.groups import OptimizerConfig
-from distlib.comm.group import Comm  # noqa: E402
-from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus  # noqa: E402
-from distlib.parallel.broadcast import broadcast_module_  # noqa: E402
-from distlib.app.config.groups import ModelConfig  # noqa: E402
-from distlib.app.model.minigpt import build_model  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
-from _no_comm import local_collectives  # noqa: E402
+from distlib.app.config.groups import (
+    ModelConfig,
+    OptimizerConfig,
+)
+from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
+from distlib.app.model.minigpt import build_model
+from distlib.comm.group import Comm
+from distlib.parallel.broadcast import broadcast_module_
+from distlib.parallel.zero import make_optimizer
 
 MODELS = {
     # the capstone's model (conf/model/minigpt.yaml), 30k parameters
@@ -70,7 +72,7 @@ ADAMW = OptimizerConfig(lr=1e-3).adamw
 LOSS_RTOL = 1e-4
 # Which torch tool each of our stages replaces.
 PEER = {0: "torch DDP", 1: "torch DDP", 2: "FSDP2 reshard=False", 3: "FSDP2 reshard=True"}
-OVERLAP_BUCKET_NUMEL = 1 << 18   # overlapped stages 0-2: 1 MiB fp32 buckets (DDP: 1 MiB, then 25 MiB)
+OVERLAP_BUCKET_NUMEL = 1 << 18  # overlapped stages 0-2: 1 MiB fp32 buckets (DDP: 1 MiB, then 25 MiB)
 NO_COMM = " (no comm)"
 
 
@@ -80,7 +82,9 @@ def our_stages() -> tuple[list[int], dict[int, str]]:
     ok, skipped = [], {}
     for stage in (0, 1, 2, 3):
         try:
-            make_optimizer(build_model(ModelConfig(n_layers=1), seed=0), Comm(ranks=(0,), rank=0), stage, ADAMW)
+            make_optimizer(
+                build_model(ModelConfig(n_layers=1), seed=0), Comm(ranks=(0,), rank=0), stage, ADAMW
+            )
             ok.append(stage)
         except (ValueError, NotImplementedError) as exc:
             skipped[stage] = str(exc)
@@ -89,19 +93,20 @@ def our_stages() -> tuple[list[int], dict[int, str]]:
 
 # ----------------------------------------------------------------------------- variants
 
+
 @dataclass
 class Variant:
     name: str
-    step: Callable[[torch.Tensor, torch.Tensor], float]      # one training step, returns the local loss
+    step: Callable[[torch.Tensor, torch.Tensor], float]  # one training step, returns the local loss
     optimizer_bytes: Callable[[], int]
-    stage: int | None = None       # ours: the ZeRO stage
-    local: bool = False            # a twin timed with communication skipped
+    stage: int | None = None  # ours: the ZeRO stage
+    local: bool = False  # a twin timed with communication skipped
 
 
 def _storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
-        local = getattr(t, "_local_tensor", t)        # a DTensor's shard on this rank
+        local = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
         key = local.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
@@ -110,13 +115,15 @@ def _storage_bytes(tensors) -> int:
 
 
 def _torch_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return _storage_bytes(t for state in optimizer.state.values() for t in state.values()
-                          if isinstance(t, torch.Tensor))
+    return _storage_bytes(
+        t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+    )
 
 
 def _torch_adamw(params):
-    return torch.optim.AdamW(params, lr=ADAMW.lr, betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps,
-                             weight_decay=ADAMW.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=ADAMW.lr, betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps, weight_decay=ADAMW.weight_decay
+    )
 
 
 def _torch_step(model, optimizer):
@@ -126,14 +133,23 @@ def _torch_step(model, optimizer):
         loss.backward()
         optimizer.step()
         return float(loss.detach())
+
     return step
 
 
-def build_ours(cfg: ModelConfig, comm: Comm, stage: int, overlap: bool = False, local: bool = False) -> Variant:
+def build_ours(
+    cfg: ModelConfig, comm: Comm, stage: int, overlap: bool = False, local: bool = False
+) -> Variant:
     model = build_model(cfg, MODEL_SEED)
     broadcast_module_(model, comm)
-    opt = make_optimizer(model, comm, stage, ADAMW, overlap=overlap,
-                         **({"bucket_numel": OVERLAP_BUCKET_NUMEL} if overlap else {}))
+    opt = make_optimizer(
+        model,
+        comm,
+        stage,
+        ADAMW,
+        overlap=overlap,
+        **({"bucket_numel": OVERLAP_BUCKET_NUMEL} if overlap else {}),
+    )
 
     def step(x, y):
         loss = model(x, y)
@@ -141,31 +157,44 @@ def build_ours(cfg: ModelConfig, comm: Comm, stage: int, overlap: bool = False, 
         opt.step()
         opt.zero_grad()
         return float(loss.detach())
+
     name = f"ours stage {stage}" + (" overlap" if overlap else "") + (NO_COMM if local else "")
     return Variant(name, step, lambda: int(opt.memory_bytes()["optimizer"]), stage, local)
 
 
 def build_ddp(cfg: ModelConfig, comm: Comm, local: bool = False) -> Variant:
     from torch.nn.parallel import DistributedDataParallel
+
     model = build_model(cfg, MODEL_SEED) if local else DistributedDataParallel(build_model(cfg, MODEL_SEED))
     opt = _torch_adamw(model.parameters())
-    return Variant("torch DDP" + (NO_COMM if local else ""), _torch_step(model, opt),
-                   lambda: _torch_state_bytes(opt), local=local)
+    return Variant(
+        "torch DDP" + (NO_COMM if local else ""),
+        _torch_step(model, opt),
+        lambda: _torch_state_bytes(opt),
+        local=local,
+    )
 
 
 def build_ddp_zero(cfg: ModelConfig, comm: Comm) -> Variant:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
+
     model = DistributedDataParallel(build_model(cfg, MODEL_SEED))
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=ADAMW.lr,
-                                  betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps,
-                                  weight_decay=ADAMW.weight_decay)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(),
+        optimizer_class=torch.optim.AdamW,
+        lr=ADAMW.lr,
+        betas=(ADAMW.beta1, ADAMW.beta2),
+        eps=ADAMW.eps,
+        weight_decay=ADAMW.weight_decay,
+    )
     return Variant("DDP+ZeroRedundancyOpt", _torch_step(model, opt), lambda: _torch_state_bytes(opt.optim))
 
 
 def build_fsdp2(cfg: ModelConfig, comm: Comm, reshard: bool) -> Variant:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (comm.size,))
     model = build_model(cfg, MODEL_SEED)
     for block in model.blocks:
@@ -175,25 +204,38 @@ def build_fsdp2(cfg: ModelConfig, comm: Comm, reshard: bool) -> Variant:
     return Variant(f"FSDP2 reshard={reshard}", _torch_step(model, opt), lambda: _torch_state_bytes(opt))
 
 
-TORCH_VARIANTS = {"ddp": build_ddp, "zero": build_ddp_zero,
-                  "fsdp2": lambda cfg, comm: build_fsdp2(cfg, comm, False),
-                  "fsdp2-reshard": lambda cfg, comm: build_fsdp2(cfg, comm, True)}
+TORCH_VARIANTS = {
+    "ddp": build_ddp,
+    "zero": build_ddp_zero,
+    "fsdp2": lambda cfg, comm: build_fsdp2(cfg, comm, False),
+    "fsdp2-reshard": lambda cfg, comm: build_fsdp2(cfg, comm, True),
+}
 
 
-def build_variants(cfg: ModelConfig, comm: Comm, stages: list[int], torch_variants: list[str],
-                   overlaps: list[bool], exposed: bool) -> list[Variant]:
+def build_variants(
+    cfg: ModelConfig,
+    comm: Comm,
+    stages: list[int],
+    torch_variants: list[str],
+    overlaps: list[bool],
+    exposed: bool,
+) -> list[Variant]:
     ours = [build_ours(cfg, comm, s, o) for s in stages for o in overlaps]
-    twins = [build_ours(cfg, comm, s, o, local=True) for s in stages for o in overlaps] + [build_ddp(cfg, comm, True)]
+    twins = [build_ours(cfg, comm, s, o, local=True) for s in stages for o in overlaps] + [
+        build_ddp(cfg, comm, True)
+    ]
     return ours + [TORCH_VARIANTS[k](cfg, comm) for k in torch_variants] + (twins if exposed else [])
 
 
 # ----------------------------------------------------------------------------- one rank
 
+
 def batches_for(cfg: ModelConfig, batch_per_rank: int, comm: Comm, steps: int):
     """This rank's (inputs, targets) for each step of a run whose global batch is fixed."""
     plan = BatchPlan(batch_per_rank * comm.size, comm.size, 1)
-    tokens = make_corpus(DATA_SEED, max(4096, steps * plan.global_batch * (cfg.seq_len + 1) + 1),
-                         cfg.vocab_size)
+    tokens = make_corpus(
+        DATA_SEED, max(4096, steps * plan.global_batch * (cfg.seq_len + 1) + 1), cfg.vocab_size
+    )
     data = GlobalBatches(tokens, cfg.seq_len, plan, ORDER_SEED)
     return [data.micro_batches(step, comm.rank)[0] for step in range(steps)]
 
@@ -218,14 +260,23 @@ def time_interleaved(variants: list[Variant], batches, warmup: int) -> dict[str,
     return out
 
 
-def _rank_main(comm: Comm, model_name: str, stages: list[int], torch_variants: list[str], steps: int,
-               warmup: int, overlaps: list[bool], exposed: bool) -> dict:
+def _rank_main(
+    comm: Comm,
+    model_name: str,
+    stages: list[int],
+    torch_variants: list[str],
+    steps: int,
+    warmup: int,
+    overlaps: list[bool],
+    exposed: bool,
+) -> dict:
     cfg, batch = MODELS[model_name]
     variants = build_variants(cfg, comm, stages, torch_variants, overlaps, exposed)
     return time_interleaved(variants, batches_for(cfg, batch, comm, warmup + steps), warmup)
 
 
 # ----------------------------------------------------------------------------- parent
+
 
 def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
     """One row per variant: median slowest-rank ms, rank-mean losses, bytes, agreement, and (with
@@ -236,15 +287,25 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
         slowest = [max(ts) for ts in zip(*(r[name]["seconds"] for r in per_rank))]
         cpu = [sum(ts) for ts in zip(*(r[name]["cpu_seconds"] for r in per_rank))]
         losses = [statistics.fmean(ls) for ls in zip(*(r[name]["losses"] for r in per_rank))]
-        rows.append({"model": model_name, "world": world, "variant": name, "stage": per_rank[0][name]["stage"],
-                     "no_comm": per_rank[0][name]["local"],
-                     "params": sum(p.numel() for p in build_model(cfg, 0).parameters()),
-                     "batch_per_rank": batch, "seq_len": cfg.seq_len,
-                     "ms": statistics.median(slowest) * 1e3,
-                     "ms_min": min(slowest) * 1e3, "ms_max": max(slowest) * 1e3,
-                     "cpu_ms": statistics.median(cpu) * 1e3,
-                     "optimizer_bytes": [r[name]["optimizer_bytes"] for r in per_rank],
-                     "losses": losses, "final_loss": losses[-1]})
+        rows.append(
+            {
+                "model": model_name,
+                "world": world,
+                "variant": name,
+                "stage": per_rank[0][name]["stage"],
+                "no_comm": per_rank[0][name]["local"],
+                "params": sum(p.numel() for p in build_model(cfg, 0).parameters()),
+                "batch_per_rank": batch,
+                "seq_len": cfg.seq_len,
+                "ms": statistics.median(slowest) * 1e3,
+                "ms_min": min(slowest) * 1e3,
+                "ms_max": max(slowest) * 1e3,
+                "cpu_ms": statistics.median(cpu) * 1e3,
+                "optimizer_bytes": [r[name]["optimizer_bytes"] for r in per_rank],
+                "losses": losses,
+                "final_loss": losses[-1],
+            }
+        )
     by_name = {r["variant"]: r for r in rows}
     ddp = by_name["torch DDP"]
     for r in rows:
@@ -253,7 +314,7 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
         if twin is not None:
             r["exposed_ms"] = r["ms"] - twin["ms"]
             r["exposed_frac"] = r["exposed_ms"] / r["ms"]
-        if r["no_comm"]:            # the ranks drift apart without communication: no loss check
+        if r["no_comm"]:  # the ranks drift apart without communication: no loss check
             r["loss_agrees"], r["max_loss_rel_diff_vs_ddp"] = True, None
             continue
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ddp["losses"]))
@@ -267,8 +328,11 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'model':<7}{'ranks':>6}  {'variant':<32}{'ms/step':>9}{'(min-max)':>14}{'vs DDP':>8}"
-            f"{'vs peer':>9}{'exposed':>15}{'CPU ms':>8}{'opt bytes/rank':>16}{'final loss':>12}{'max rel dloss':>15}")
+    head = (
+        f"{'model':<7}{'ranks':>6}  {'variant':<32}{'ms/step':>9}{'(min-max)':>14}{'vs DDP':>8}"
+        f"{'vs peer':>9}{'exposed':>15}{'CPU ms':>8}{'opt bytes/rank':>16}{'final loss':>12}"
+        f"{'max rel dloss':>15}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -278,18 +342,24 @@ def print_table(rows: list[dict]) -> None:
         flag = "" if r["loss_agrees"] else "  DISAGREES"
         dloss = "-" if r["max_loss_rel_diff_vs_ddp"] is None else f"{r['max_loss_rel_diff_vs_ddp']:.1e}"
         loss = "-" if r["no_comm"] else f"{r['final_loss']:.6f}"
-        print(f"{r['model']:<7}{r['world']:>6}  {r['variant']:<32}{r['ms']:>9.1f}{spread:>14}"
-              f"{r['ratio_vs_ddp']:>8.2f}{peer:>9}{exposed:>15}{r['cpu_ms']:>8.0f}{max(r['optimizer_bytes']):>16,}"
-              f"{loss:>12}{dloss:>15}{flag}")
+        print(
+            f"{r['model']:<7}{r['world']:>6}  {r['variant']:<32}{r['ms']:>9.1f}{spread:>14}"
+            f"{r['ratio_vs_ddp']:>8.2f}{peer:>9}{exposed:>15}{r['cpu_ms']:>8.0f}{max(r['optimizer_bytes']):>16,}"
+            f"{loss:>12}{dloss:>15}{flag}"
+        )
 
 
 def print_goals(rows: list[dict]) -> None:
     """Issue #15's goals per overlapped stage: >= 1.1x its peer; exposed <= 10% of the step at 4 ranks."""
     for r in (r for r in rows if "overlap" in r["variant"] and not r["no_comm"] and "ratio_vs_peer" in r):
-        line = (f"  {r['model']} {r['world']} ranks, {r['variant']}: {r['ratio_vs_peer']:.2f}x {r['peer']} "
-                + ("(met)" if r["ratio_vs_peer"] >= 1.1 else "(NOT met: < 1.1x)"))
+        line = (
+            f"  {r['model']} {r['world']} ranks, {r['variant']}: {r['ratio_vs_peer']:.2f}x {r['peer']} "
+            + ("(met)" if r["ratio_vs_peer"] >= 1.1 else "(NOT met: < 1.1x)")
+        )
         if "exposed_frac" in r and r["world"] == 4:
-            line += f"; exposed {100 * r['exposed_frac']:.0f}% " + ("(met)" if r["exposed_frac"] <= 0.1 else "(NOT met)")
+            line += f"; exposed {100 * r['exposed_frac']:.0f}% " + (
+                "(met)" if r["exposed_frac"] <= 0.1 else "(NOT met)"
+            )
         print(line)
 
 
@@ -300,12 +370,26 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, help="timed steps per variant (default: by model and --quick)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3],
-                    help="our ZeRO stages to run (those the optimizer refuses are skipped with a note)")
-    ap.add_argument("--torch", nargs="+", default=list(TORCH_VARIANTS), choices=list(TORCH_VARIANTS),
-                    help="torch baselines to run (torch DDP always runs: it is the reference)")
-    ap.add_argument("--overlap", choices=["both", "on", "off"], default="both",
-                    help="our stages with zero overlap off, on, or both (default)")
+    ap.add_argument(
+        "--stages",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3],
+        help="our ZeRO stages to run (those the optimizer refuses are skipped with a note)",
+    )
+    ap.add_argument(
+        "--torch",
+        nargs="+",
+        default=list(TORCH_VARIANTS),
+        choices=list(TORCH_VARIANTS),
+        help="torch baselines to run (torch DDP always runs: it is the reference)",
+    )
+    ap.add_argument(
+        "--overlap",
+        choices=["both", "on", "off"],
+        default="both",
+        help="our stages with zero overlap off, on, or both (default)",
+    )
     ap.add_argument("--no-exposed", action="store_true", help="skip the no-comm twins (no exposed column)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "step.json"))
     args = ap.parse_args()
@@ -318,30 +402,59 @@ def main() -> None:
         print(f"note: our ZeRO stage {stage} is not benchmarked: the installed optimizer refuses it ({why})")
     rows = []
     for model_name in args.models:
-        steps = args.steps or {("tiny", False): 100, ("tiny", True): 20,
-                               ("medium", False): 10, ("medium", True): 4}[model_name, args.quick]
+        steps = (
+            args.steps
+            or {("tiny", False): 100, ("tiny", True): 20, ("medium", False): 10, ("medium", True): 4}[
+                model_name, args.quick
+            ]
+        )
         for world in args.worlds:
             began = time.perf_counter()
-            per_rank = run_ranks(_rank_main, world, model_name, stages, torch_variants, steps, args.warmup,
-                                 overlaps, not args.no_exposed, timeout_s=1800)
+            per_rank = run_ranks(
+                _rank_main,
+                world,
+                model_name,
+                stages,
+                torch_variants,
+                steps,
+                args.warmup,
+                overlaps,
+                not args.no_exposed,
+                timeout_s=1800,
+            )
             rows += summarise(per_rank, model_name, world)
-            print(f"[{model_name}, {world} ranks: {steps} timed steps after {args.warmup} warm-up, "
-                  f"{time.perf_counter() - began:.0f} s]", flush=True)
+            print(
+                f"[{model_name}, {world} ranks: {steps} timed steps after {args.warmup} warm-up, "
+                f"{time.perf_counter() - began:.0f} s]",
+                flush=True,
+            )
     print()
     print_table(rows)
     print("\ngoals (issue #15):")
     print_goals(rows)
     bad = [r for r in rows if not r["loss_agrees"]]
-    print(f"\nloss agreement: every step's rank-mean loss within rel {LOSS_RTOL:g} of torch DDP's: "
-          + ("yes" if not bad else "NO: " + ", ".join(f"{r['model']}/{r['world']}/{r['variant']}" for r in bad)))
+    print(
+        f"\nloss agreement: every step's rank-mean loss within rel {LOSS_RTOL:g} of torch DDP's: "
+        + ("yes" if not bad else "NO: " + ", ".join(f"{r['model']}/{r['world']}/{r['variant']}" for r in bad))
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"quick": args.quick, "torch": torch.__version__, "cores": os.cpu_count(),
-                   "loss_rtol": LOSS_RTOL, "adamw": dataclasses.asdict(ADAMW),
-                   "skipped_stages": skipped, "warmup": args.warmup,
-                   "unit": "ms per step: median over timed iterations of the slowest rank",
-                   "overlap_bucket_numel": OVERLAP_BUCKET_NUMEL,
-                   "results": rows}, f, indent=1)
+        json.dump(
+            {
+                "quick": args.quick,
+                "torch": torch.__version__,
+                "cores": os.cpu_count(),
+                "loss_rtol": LOSS_RTOL,
+                "adamw": dataclasses.asdict(ADAMW),
+                "skipped_stages": skipped,
+                "warmup": args.warmup,
+                "unit": "ms per step: median over timed iterations of the slowest rank",
+                "overlap_bucket_numel": OVERLAP_BUCKET_NUMEL,
+                "results": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
     if bad:
         sys.exit(1)

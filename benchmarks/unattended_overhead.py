@@ -14,6 +14,7 @@ the ratio to "bare". The second table times one small all_reduce (the guard's) w
 and without the header exchange, next to torch's own gloo all_reduce.
 JSON: benchmarks/results/unattended_overhead.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,13 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
 
-from distlib.comm import collectives  # noqa: E402
-from distlib.app.config.run import RunConfig  # noqa: E402
-from distlib.app.trainer import Trainer  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+from distlib.app.config.run import RunConfig
+from distlib.app.trainer import Trainer
+from distlib.comm import collectives
 
 VARIANTS = {
     "bare": {"guard": {"enabled": False, "check_sync_every": 0}, "dist": {"check_collectives": False}},
@@ -51,11 +52,14 @@ def _train(comm, tree, run_dir):
 def _small_all_reduce(comm, iters):
     plain, checked = comm.instrumented(check=False), comm.instrumented(check=True)
     t = torch.zeros(2, dtype=torch.float64)
-    fns = {"ours": lambda: collectives.all_reduce(t, plain), "ours + header check":
-           lambda: collectives.all_reduce(t, checked), "torch gloo": lambda: dist.all_reduce(t)}
+    fns = {
+        "ours": lambda: collectives.all_reduce(t, plain),
+        "ours + header check": lambda: collectives.all_reduce(t, checked),
+        "torch gloo": lambda: dist.all_reduce(t),
+    }
     times = {k: [] for k in fns}
     for i in range(iters):
-        for name in list(fns)[i % 3:] + list(fns)[:i % 3]:
+        for name in list(fns)[i % 3 :] + list(fns)[: i % 3]:
             dist.barrier()
             began = time.perf_counter()
             fns[name]()
@@ -74,9 +78,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             names = list(VARIANTS)
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                tree = {"train": {"steps": args.steps}, "metrics": {"progress_every": 0},
-                        "checkpoint": {"every_steps": 0, "verify_resume": False}, **VARIANTS[name]}
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                tree = {
+                    "train": {"steps": args.steps},
+                    "metrics": {"progress_every": 0},
+                    "checkpoint": {"every_steps": 0, "verify_resume": False},
+                    **VARIANTS[name],
+                }
                 seconds = run_ranks(_train, 4, tree, f"{tmp}/{name}{r}")[0]
                 step_times[name] += seconds[5:]
     medians = {name: statistics.median(v) for name, v in step_times.items()}
@@ -90,9 +98,17 @@ def main() -> None:
         print(f"{name:<22} {1e6 * s:>8.1f} us  {s / small['torch gloo']:>5.2f} x torch")
     out = Path(ROOT) / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "unattended_overhead.json").write_text(json.dumps(
-        {"step_median_s": medians, "small_all_reduce_median_s": small, "steps": args.steps, "rounds": args.rounds},
-        indent=1))
+    (out / "unattended_overhead.json").write_text(
+        json.dumps(
+            {
+                "step_median_s": medians,
+                "small_all_reduce_median_s": small,
+                "steps": args.steps,
+                "rounds": args.rounds,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ CKPT is a checkpoint directory such as outputs/.../checkpoints/step_00000010. OU
 path outside every checkpoint directory: nothing is ever overwritten.
 See docs/checkpoints.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this repo's distlib
 
-from distlib.checkpoint import sharded as checkpoint  # noqa: E402
 from distlib.checkpoint import reshard
-from distlib.checkpoint.sharded import CheckpointError  # noqa: E402
+from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint.sharded import CheckpointError
 
 
 def inspect(args: argparse.Namespace) -> None:
@@ -32,24 +33,32 @@ def inspect(args: argparse.Namespace) -> None:
     print(manifest_text(manifest))
     data = manifest.get("data")
     if data:
-        print(f"  data position: next global sample {data['next_sample']}, global batch {data['global_batch']}, "
-              f"order seed {data['seed']}")
+        print(
+            f"  data position: next global sample {data['next_sample']}, "
+            f"global batch {data['global_batch']}, "
+            f"order seed {data['seed']}"
+        )
     if "resharded_from" in manifest:
         source = manifest["resharded_from"]
         print(f"  resharded from {source['world_size']} rank(s): {source['path']}")
     on_disk = sum(f["bytes"] for f in files)
-    print(f"  total: {layout['numel']} parameters, {3 * 4 * layout['numel']} bytes of fp32 master + Adam state, "
-          f"{on_disk} bytes in {len(files)} file(s)")
+    print(
+        f"  total: {layout['numel']} parameters, "
+        f"{3 * 4 * layout['numel']} bytes of fp32 master + Adam state, "
+        f"{on_disk} bytes in {len(files)} file(s)"
+    )
 
 
 def verify(args: argparse.Namespace) -> None:
     from distlib.app.checkpointing.manifest_config import manifest_config
 
     manifest = checkpoint.verify(args.path)
-    manifest_config(manifest, args.path)      # its model and data config, checked like a run's
+    manifest_config(manifest, args.path)  # its model and data config, checked like a run's
     total = sum(f["bytes"] for f in manifest["files"])
-    print(f"OK: {args.path}: step {manifest['step']}, {len(manifest['files'])} file(s), {total} bytes, "
-          f"every size and sha256 matches the manifest")
+    print(
+        f"OK: {args.path}: step {manifest['step']}, {len(manifest['files'])} file(s), {total} bytes, "
+        f"every size and sha256 matches the manifest"
+    )
 
 
 def _new_output(out: str) -> None:
@@ -60,8 +69,10 @@ def _new_output(out: str) -> None:
         raise CheckpointError(f"refusing to overwrite existing {out}: give a path that does not exist yet")
     for parent in Path(out).resolve().parents:
         if (parent / checkpoint.MANIFEST).is_file():
-            raise CheckpointError(f"refusing to write {out} inside checkpoint {parent}: a file its manifest "
-                                  f"does not list would fail its verification; write it elsewhere")
+            raise CheckpointError(
+                f"refusing to write {out} inside checkpoint {parent}: a file its manifest "
+                f"does not list would fail its verification; write it elsewhere"
+            )
 
 
 def consolidate(args: argparse.Namespace) -> None:
@@ -78,9 +89,12 @@ def reshard_cmd(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ckpt.py", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ckpt.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("inspect", help="print the manifest: step, world size, stage, parameters, files")
     p.add_argument("path")
@@ -91,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("consolidate", help="write OUT/model.safetensors with full fp32 weights")
     p.add_argument("path")
     p.add_argument("out", help="output directory (must not exist, nor lie inside a checkpoint)")
-    p.add_argument("--optimizer", action="store_true",
-                   help="also write OUT/optimizer.safetensors (exp_avg.NAME, exp_avg_sq.NAME)")
+    p.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="also write OUT/optimizer.safetensors (exp_avg.NAME, exp_avg_sq.NAME)",
+    )
     p.set_defaults(run=consolidate)
     p = commands.add_parser("reshard", help="write a new checkpoint at OUT for --world-size ranks")
     p.add_argument("path")

@@ -7,6 +7,7 @@ step K on is bitwise equal (compared as float hex) and, with --checkpoint-step,
 that both runs' step-S checkpoints hold byte-identical shards. Exits 0 only if
 everything matches; otherwise names the first differing step or file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distlib.checkpoint import sharded as checkpoint  # noqa: E402
+from distlib.checkpoint import sharded as checkpoint
 
 
 def read_losses(run_dir: Path) -> dict[int, str]:
@@ -45,13 +46,17 @@ def compare_checkpoints(a: Path, b: Path) -> list[str]:
         return [f"checkpoint files differ: {sorted(files_a)} vs {sorted(files_b)}"]
     for name in sorted(files_a):
         if (a / name).read_bytes() != (b / name).read_bytes():
-            problems.append(f"{name} differs (sha256 {files_a[name]['sha256'][:12]}... vs "
-                            f"{files_b[name]['sha256'][:12]}...)")
+            problems.append(
+                f"{name} differs (sha256 {files_a[name]['sha256'][:12]}... vs "
+                f"{files_b[name]['sha256'][:12]}...)"
+            )
     return problems
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_a", type=Path)
     parser.add_argument("run_b", type=Path)
     parser.add_argument("--from-step", type=int, default=1, help="first step whose losses must match")
@@ -80,8 +85,10 @@ def main() -> int:
         name = checkpoint.step_dir_name(args.checkpoint_step)
         problems = compare_checkpoints(args.run_a / "checkpoints" / name, args.run_b / "checkpoints" / name)
         if problems:
-            print(f"MISMATCH: step-{args.checkpoint_step} checkpoints differ: " + "; ".join(problems),
-                  file=sys.stderr)
+            print(
+                f"MISMATCH: step-{args.checkpoint_step} checkpoints differ: " + "; ".join(problems),
+                file=sys.stderr,
+            )
             return 1
         print(f"step-{args.checkpoint_step} checkpoints are byte-identical")
     print(f"RESUME EXACT: steps {steps[0]}-{steps[-1]} bitwise equal")

@@ -9,6 +9,7 @@ repeated structure, so a byte-level MiniGPT learns visible words within a few
 hundred steps. tests/test_text_data.py checks the committed file is exactly
 what this script writes.
 """
+
 from __future__ import annotations
 
 import random
@@ -57,29 +58,90 @@ validation loss tells us whether the model learned the text or only memorised it
 """
 
 SUBJECTS = [
-    "rank zero", "every rank", "the optimizer", "the manifest", "the checkpoint", "the model",
-    "the ring", "the launcher", "the first node", "the second node", "the store", "each shard",
-    "the gradient", "the loss", "the data loader", "the trainer", "a worker", "the scheduler",
+    "rank zero",
+    "every rank",
+    "the optimizer",
+    "the manifest",
+    "the checkpoint",
+    "the model",
+    "the ring",
+    "the launcher",
+    "the first node",
+    "the second node",
+    "the store",
+    "each shard",
+    "the gradient",
+    "the loss",
+    "the data loader",
+    "the trainer",
+    "a worker",
+    "the scheduler",
 ]
 VERBS = [
-    "writes", "reads", "checks", "sends", "receives", "waits for", "agrees on", "keeps",
-    "restores", "saves", "splits", "gathers", "averages", "counts", "records", "verifies",
+    "writes",
+    "reads",
+    "checks",
+    "sends",
+    "receives",
+    "waits for",
+    "agrees on",
+    "keeps",
+    "restores",
+    "saves",
+    "splits",
+    "gathers",
+    "averages",
+    "counts",
+    "records",
+    "verifies",
 ]
 OBJECTS = [
-    "the manifest", "its shard", "the gradients", "the step number", "the random state",
-    "the next window", "the learning rate", "a hash of every file", "the same sum",
-    "the parameters", "the held out text", "the loss of the step", "the position in the data",
-    "the moments of the optimizer", "a message from the ring", "the run directory",
+    "the manifest",
+    "its shard",
+    "the gradients",
+    "the step number",
+    "the random state",
+    "the next window",
+    "the learning rate",
+    "a hash of every file",
+    "the same sum",
+    "the parameters",
+    "the held out text",
+    "the loss of the step",
+    "the position in the data",
+    "the moments of the optimizer",
+    "a message from the ring",
+    "the run directory",
 ]
 ENDINGS = [
-    "before the next step", "after every step", "once at the start", "at the end of the run",
-    "when the clock says so", "when the loss jumps", "in the same order on every rank",
-    "without waiting for anyone", "and then waits", "so that nothing is lost",
-    "so that the ranks agree", "and tells rank zero", "one byte at a time", "in a single message",
+    "before the next step",
+    "after every step",
+    "once at the start",
+    "at the end of the run",
+    "when the clock says so",
+    "when the loss jumps",
+    "in the same order on every rank",
+    "without waiting for anyone",
+    "and then waits",
+    "so that nothing is lost",
+    "so that the ranks agree",
+    "and tells rank zero",
+    "one byte at a time",
+    "in a single message",
 ]
 OPENERS = [
-    "Then", "After that", "Meanwhile", "At the same time", "Only then", "First", "Later",
-    "In the end", "Every time", "As a rule", "Usually", "Sometimes",
+    "Then",
+    "After that",
+    "Meanwhile",
+    "At the same time",
+    "Only then",
+    "First",
+    "Later",
+    "In the end",
+    "Every time",
+    "As a rule",
+    "Usually",
+    "Sometimes",
 ]
 TOPICS = [
     ("On checkpoints", ["the checkpoint", "the manifest", "each shard", "rank zero"]),
@@ -90,8 +152,14 @@ TOPICS = [
 ]
 QUESTIONS = [
     ("Who writes the manifest?", "Rank zero writes it, after every shard has been written and hashed."),
-    ("What happens if a shard is damaged?", "Its hash no longer matches the manifest, and the checkpoint is refused."),
-    ("Why do the ranks agree?", "Because they add the same numbers in the same order and take the same step."),
+    (
+        "What happens if a shard is damaged?",
+        "Its hash no longer matches the manifest, and the checkpoint is refused.",
+    ),
+    (
+        "Why do the ranks agree?",
+        "Because they add the same numbers in the same order and take the same step.",
+    ),
     ("What does the held out text measure?", "How well the model predicts text it has never trained on."),
     ("How many ranks are there?", "Four on one machine, or two on each of two machines."),
     ("What is a window?", "A short run of bytes from the text, one more than the model reads."),
@@ -144,7 +212,11 @@ def generate(seed: int = SEED, target_bytes: int = TARGET_BYTES) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "data" / "sample.txt"
+    out = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else Path(__file__).resolve().parent.parent / "data" / "sample.txt"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     text = generate()
     out.write_text(text, encoding="utf-8")

@@ -10,6 +10,7 @@ The input is benchmarks/pipeline.py's JSON (or any JSON with ``runs``: a list of
 rank). One PNG per run: ``pipeline_<schedule>_pp<P>.png``. Needs matplotlib (requirements-dev.txt,
 the same optional extra as scripts/report.py's charts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,14 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distlib.parallel.pipeline.recorder import bubble, theory   # noqa: E402
+from distlib.parallel.pipeline.recorder import bubble, theory
 
-FORWARD = ("#9ecae1", "#4292c6", "#08519c", "#08306b")     # chunk 0, 1, ... (blues)
-BACKWARD = ("#fdae6b", "#f16913", "#a63603", "#7f2704")    # (oranges)
+FORWARD = ("#9ecae1", "#4292c6", "#08519c", "#08306b")  # chunk 0, 1, ... (blues)
+BACKWARD = ("#fdae6b", "#f16913", "#a63603", "#7f2704")  # (oranges)
 
 
 def draw(run: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -39,22 +41,49 @@ def draw(run: dict, path: Path) -> None:
     for e in events:
         x, w = 1000 * (e["t_start"] - t0), max(1000 * (e["t_end"] - e["t_start"]), span_ms / 200)
         colors = FORWARD if e["kind"] == "F" else BACKWARD
-        ax.barh(e["rank"], w, left=x, height=0.8, color=colors[e["chunk"] % len(colors)], edgecolor="black",
-                linewidth=0.4)
+        ax.barh(
+            e["rank"],
+            w,
+            left=x,
+            height=0.8,
+            color=colors[e["chunk"] % len(colors)],
+            edgecolor="black",
+            linewidth=0.4,
+        )
         label = f"{e['micro']}" + (f".{e['chunk']}" if v > 1 else "")
         if w > span_ms / 90:
-            ax.text(x + w / 2, e["rank"], label, ha="center", va="center", fontsize=7,
-                    color="white" if e["chunk"] else "black")
+            ax.text(
+                x + w / 2,
+                e["rank"],
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if e["chunk"] else "black",
+            )
     ax.set_yticks(range(P), [f"rank {r}" for r in range(P)])
     ax.invert_yaxis()
     ax.set_xlim(0, span_ms)
     ax.set_xlabel("ms since the step's first action (measured)")
     measured = sum(bubble(events).values()) / P
-    ax.set_title(f"{run['schedule']}{f' v={v}' if v > 1 else ''}, pp={P}, m={run['m']}: bubble {measured:.2f} "
-                 f"measured, {theory(run['schedule'], P, run['m'], v):.2f} theory", fontsize=10)
-    handles = [Patch(color=colors[c], label=f"{what}" + (f" chunk {c}" if v > 1 else ""))
-               for what, colors in (("forward", FORWARD), ("backward", BACKWARD)) for c in range(v)]
-    ax.legend(handles=handles, loc="upper center", fontsize=7, bbox_to_anchor=(0.5, -0.2 - 0.15 / P), ncol=2 * v, frameon=False)
+    ax.set_title(
+        f"{run['schedule']}{f' v={v}' if v > 1 else ''}, pp={P}, m={run['m']}: bubble {measured:.2f} "
+        f"measured, {theory(run['schedule'], P, run['m'], v):.2f} theory",
+        fontsize=10,
+    )
+    handles = [
+        Patch(color=colors[c], label=f"{what}" + (f" chunk {c}" if v > 1 else ""))
+        for what, colors in (("forward", FORWARD), ("backward", BACKWARD))
+        for c in range(v)
+    ]
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        fontsize=7,
+        bbox_to_anchor=(0.5, -0.2 - 0.15 / P),
+        ncol=2 * v,
+        frameon=False,
+    )
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
@@ -68,7 +97,10 @@ def main(argv=None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("pipeline_timeline: matplotlib is not installed (pip install -r requirements-dev.txt)", file=sys.stderr)
+        print(
+            "pipeline_timeline: matplotlib is not installed (pip install -r requirements-dev.txt)",
+            file=sys.stderr,
+        )
         return 2
     runs = json.loads(Path(args.events).read_text())["runs"]
     out = Path(args.out_dir)

@@ -11,6 +11,7 @@ matplotlib is installed (an optional extra: ``pip install matplotlib``), ``loss.
 ``train.profile_steps`` (``traces/rank<R>.json``) also gets each rank's time split into
 compute, communication and waiting (text, and ``time_split.png``). Needs no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,12 @@ def _num(x) -> float:
 @dataclass
 class Run:
     path: Path
-    final: dict[int, dict] = field(default_factory=dict)        # step -> last record of that step
-    abandoned: list[dict] = field(default_factory=list)         # step records later re-run after a rollback
+    final: dict[int, dict] = field(default_factory=dict)  # step -> last record of that step
+    abandoned: list[dict] = field(default_factory=list)  # step records later re-run after a rollback
     events: list[dict] = field(default_factory=list)
 
     @staticmethod
-    def read(path: Path) -> "Run":
+    def read(path: Path) -> Run:
         run = Run(path)
         lines = (path / METRICS).read_text().splitlines()
         for n, line in enumerate(lines, 1):
@@ -46,9 +47,9 @@ class Run:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                if n == len(lines):      # a run killed mid-write leaves at most a torn last line
+                if n == len(lines):  # a run killed mid-write leaves at most a torn last line
                     break
-                raise SystemExit(f"error: {path / METRICS} line {n} is not JSON: {exc}")
+                raise SystemExit(f"error: {path / METRICS} line {n} is not JSON: {exc}") from None
             if record.get("type") == "event":
                 run.events.append(record)
             elif "step" in record and "loss" in record:
@@ -96,11 +97,14 @@ def summary(run: Run) -> str:
         return "\n".join(lines + ["no step records"])
     losses = [_num(s["loss"]) for s in steps]
     times = [s["step_time_s"] for s in steps]
-    lines += [f"steps logged: {len(steps)} (steps {steps[0]['step']}..{steps[-1]['step']}), world size "
-              f"{run.world_size()}",
-              f"loss: first {losses[0]:.6f}, last {losses[-1]:.6f}, min {min(losses):.6f}",
-              f"step time: median {1000 * statistics.median(times):.1f} ms, mean {1000 * statistics.mean(times):.1f} ms; "
-              f"tokens/s median {statistics.median(s['tokens_per_s'] or 0 for s in steps):.0f}"]
+    lines += [
+        f"steps logged: {len(steps)} (steps {steps[0]['step']}..{steps[-1]['step']}), world size "
+        f"{run.world_size()}",
+        f"loss: first {losses[0]:.6f}, last {losses[-1]:.6f}, min {min(losses):.6f}",
+        f"step time: median {1000 * statistics.median(times):.1f} ms, "
+        f"mean {1000 * statistics.mean(times):.1f} ms; "
+        f"tokens/s median {statistics.median(s['tokens_per_s'] or 0 for s in steps):.0f}",
+    ]
     kinds: dict[str, list[float]] = {}
     for s in steps:
         for kind, entry in s.get("comm", {}).items():
@@ -112,16 +116,25 @@ def summary(run: Run) -> str:
         total = sum(s.get("step_time_s_max", s["step_time_s"]) for s in steps)
         lines.append("collectives inside the logged steps (per rank; max over ranks):")
         for kind, (calls, sent, secs) in sorted(kinds.items(), key=lambda kv: -kv[1][2]):
-            lines.append(f"  {kind:<17} {calls:>7} calls  {_fmt_bytes(sent):>11} sent  {secs:8.3f} s "
-                         f"({100 * secs / total:.0f}% of the slowest rank's step time)")
+            lines.append(
+                f"  {kind:<17} {calls:>7} calls  {_fmt_bytes(sent):>11} sent  {secs:8.3f} s "
+                f"({100 * secs / total:.0f}% of the slowest rank's step time)"
+            )
     memory = steps[-1].get("memory")
     if memory:
-        lines.append("memory at the last step (max / mean over ranks): " + ", ".join(
-            f"{k.replace('_bytes', '')} {_fmt_bytes(v['max'])} / {_fmt_bytes(v['mean'])}" for k, v in memory.items()))
+        lines.append(
+            "memory at the last step (max / mean over ranks): "
+            + ", ".join(
+                f"{k.replace('_bytes', '')} {_fmt_bytes(v['max'])} / {_fmt_bytes(v['mean'])}"
+                for k, v in memory.items()
+            )
+        )
     saved = run.named("checkpoint_saved")
     if saved:
         reasons = sorted({e["reason"] for e in saved})
-        lines.append(f"checkpoints: {len(saved)} saved ({', '.join(reasons)}), last at step {saved[-1]['step']}")
+        lines.append(
+            f"checkpoints: {len(saved)} saved ({', '.join(reasons)}), last at step {saved[-1]['step']}"
+        )
     for e in run.named("rollback"):
         lines.append(f"rollback at step {e['step']} -> step {e['to_step']}: {e['reason']}")
     for name in ("restart", "preempted", "desync", "guard_stop", "error"):
@@ -131,7 +144,7 @@ def summary(run: Run) -> str:
     return "\n".join(lines)
 
 
-STEP_RANGE, COLLECTIVE_RANGE = "step ", "collective:"   # names of distlib's profiler ranges
+STEP_RANGE, COLLECTIVE_RANGE = "step ", "collective:"  # names of distlib's profiler ranges
 
 
 def time_split(run_dir: Path) -> list[dict] | None:
@@ -148,25 +161,41 @@ def time_split(run_dir: Path) -> list[dict] | None:
         events = [e for e in json.loads(f.read_text())["traceEvents"] if e.get("ph") == "X"]
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(STEP_RANGE)]
         steps.append(sum(b - a for a, b in spans) / 1e6)
-        calls.append([e["dur"] / 1e6 for e in sorted(events, key=lambda e: e["ts"])
-                      if e["name"].startswith(COLLECTIVE_RANGE) and any(a <= e["ts"] <= b for a, b in spans)])
+        calls.append(
+            [
+                e["dur"] / 1e6
+                for e in sorted(events, key=lambda e: e["ts"])
+                if e["name"].startswith(COLLECTIVE_RANGE) and any(a <= e["ts"] <= b for a, b in spans)
+            ]
+        )
     matched = min(len(c) for c in calls)
     fastest = [min(c[i] for c in calls) for i in range(matched)]
     split = []
     for rank, (total, durations) in enumerate(zip(steps, calls)):
         comm = sum(fastest) + sum(durations[matched:])
         waiting = sum(durations[:matched]) - sum(fastest)
-        split.append({"rank": rank, "compute_s": total - comm - waiting, "comm_s": comm, "waiting_s": waiting,
-                      "collectives": len(durations)})
+        split.append(
+            {
+                "rank": rank,
+                "compute_s": total - comm - waiting,
+                "comm_s": comm,
+                "waiting_s": waiting,
+                "collectives": len(durations),
+            }
+        )
     return split
 
 
 def time_split_text(split: list[dict]) -> str:
-    lines = ["time in the profiled steps (traces/, per rank): compute / communication / waiting for other ranks"]
+    lines = [
+        "time in the profiled steps (traces/, per rank): compute / communication / waiting for other ranks"
+    ]
     for r in split:
-        lines.append(f"  rank {r['rank']}: compute {1000 * r['compute_s']:8.1f} ms  communication "
-                     f"{1000 * r['comm_s']:8.1f} ms  waiting {1000 * r['waiting_s']:8.1f} ms  "
-                     f"({r['collectives']} collectives)")
+        lines.append(
+            f"  rank {r['rank']}: compute {1000 * r['compute_s']:8.1f} ms  communication "
+            f"{1000 * r['comm_s']:8.1f} ms  waiting {1000 * r['waiting_s']:8.1f} ms  "
+            f"({r['collectives']} collectives)"
+        )
     return "\n".join(lines)
 
 
@@ -191,8 +220,10 @@ def time_split_png(split: list[dict], out: Path, plt) -> Path:
 
 def compare(runs: list[Run]) -> str:
     """One row per job, side by side."""
-    header = (f"{'job':<28} {'ranks':>5} {'steps':>5} {'final loss':>11} {'min loss':>10} {'ms/step':>8} "
-              f"{'tok/s':>8} {'optim B max':>12} {'peak RSS max':>13} {'rollbacks':>9}  status")
+    header = (
+        f"{'job':<28} {'ranks':>5} {'steps':>5} {'final loss':>11} {'min loss':>10} {'ms/step':>8} "
+        f"{'tok/s':>8} {'optim B max':>12} {'peak RSS max':>13} {'rollbacks':>9}  status"
+    )
     rows = [header]
     for run in runs:
         steps = run.steps
@@ -201,21 +232,25 @@ def compare(runs: list[Run]) -> str:
             continue
         last = steps[-1]
         mem = last.get("memory", {})
-        rows.append(f"{run.path.name:<28} {run.world_size() or '-':>5} {len(steps):>5} {_num(last['loss']):>11.6f} "
-                    f"{min(_num(s['loss']) for s in steps):>10.6f} "
-                    f"{1000 * statistics.median(s['step_time_s'] for s in steps):>8.1f} "
-                    f"{statistics.median(s['tokens_per_s'] or 0 for s in steps):>8.0f} "
-                    f"{_fmt_bytes(mem.get('optimizer_bytes', {}).get('max', 0)):>12} "
-                    f"{_fmt_bytes(mem.get('peak_rss_bytes', {}).get('max', 0)):>13} "
-                    f"{len(run.named('rollback')):>9}  {run.status()}")
+        rows.append(
+            f"{run.path.name:<28} {run.world_size() or '-':>5} {len(steps):>5} {_num(last['loss']):>11.6f} "
+            f"{min(_num(s['loss']) for s in steps):>10.6f} "
+            f"{1000 * statistics.median(s['step_time_s'] for s in steps):>8.1f} "
+            f"{statistics.median(s['tokens_per_s'] or 0 for s in steps):>8.0f} "
+            f"{_fmt_bytes(mem.get('optimizer_bytes', {}).get('max', 0)):>12} "
+            f"{_fmt_bytes(mem.get('peak_rss_bytes', {}).get('max', 0)):>13} "
+            f"{len(run.named('rollback')):>9}  {run.status()}"
+        )
     return "\n".join(rows)
 
 
 def _pyplot():
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         return plt
     except ImportError:
         return None
@@ -225,20 +260,30 @@ def loss_png(runs: list[Run], out: Path, plt) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run in runs:
         steps = run.steps
-        ax.plot([s["step"] for s in steps], [_num(s["loss"]) for s in steps], marker=".",
-                label=run.path.name if len(runs) > 1 else "loss")
+        ax.plot(
+            [s["step"] for s in steps],
+            [_num(s["loss"]) for s in steps],
+            marker=".",
+            label=run.path.name if len(runs) > 1 else "loss",
+        )
         if run.abandoned:
-            ax.scatter([s["step"] for s in run.abandoned], [_num(s["loss"]) for s in run.abandoned],
-                       marker="x", color="grey", label="abandoned (rolled back)" if len(runs) == 1 else None)
+            ax.scatter(
+                [s["step"] for s in run.abandoned],
+                [_num(s["loss"]) for s in run.abandoned],
+                marker="x",
+                color="grey",
+                label="abandoned (rolled back)" if len(runs) == 1 else None,
+            )
         for e in run.named("rollback"):
             ax.axvline(e["step"], color="red", alpha=0.3, linestyle="--")
             if len(runs) == 1 and isinstance(e.get("loss"), (int, float)):
-                ax.scatter([e["step"]], [e["loss"]], color="red", marker="^",
-                           label=f"guard trip at step {e['step']}")
+                ax.scatter(
+                    [e["step"]], [e["loss"]], color="red", marker="^", label=f"guard trip at step {e['step']}"
+                )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     shown = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y) and y > 0]
-    if shown and max(shown) > 4 * min(shown):     # a spike would flatten the curve on a linear axis
+    if shown and max(shown) > 4 * min(shown):  # a spike would flatten the curve on a linear axis
         ax.set_yscale("log")
         for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
             axis(plt.matplotlib.ticker.FormatStrFormatter("%g"))
@@ -262,13 +307,19 @@ def memory_png(run: Run, out: Path, plt) -> Path | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.27
     for i, key in enumerate(("params_bytes", "grads_bytes", "optimizer_bytes")):
-        left.bar([r + (i - 1) * width for r in ranks], [row[key] for row in rows], width,
-                 label=key.replace("_bytes", ""))
+        left.bar(
+            [r + (i - 1) * width for r in ranks],
+            [row[key] for row in rows],
+            width,
+            label=key.replace("_bytes", ""),
+        )
     left.set_xticks(ranks)
     left.set_xlabel("rank")
     left.set_ylabel("bytes")
     left.set_title("tensors per rank")
-    left.set_ylim(0, 1.3 * max(row[k] for row in rows for k in ("params_bytes", "grads_bytes", "optimizer_bytes")))
+    left.set_ylim(
+        0, 1.3 * max(row[k] for row in rows for k in ("params_bytes", "grads_bytes", "optimizer_bytes"))
+    )
     left.legend(fontsize=8, ncol=3, loc="upper center")
     right.bar(ranks, [row["peak_rss_bytes"] / 2**20 for row in rows], color="tab:grey")
     right.set_xticks(ranks)
@@ -298,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runs = [Run.read(d) for d in sorted(p for p in root.iterdir() if (p / METRICS).is_file())]
         if not runs:
-            print(f"error: no {METRICS} in {root} or in its subdirectories (a run or a Hydra multirun directory)",
-                  file=sys.stderr)
+            print(
+                f"error: no {METRICS} in {root} or in its subdirectories "
+                "(a run or a Hydra multirun directory)",
+                file=sys.stderr,
+            )
             return 2
     out = args.out or root
     out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ then reassembled) or a consolidated .safetensors file. A byte-level model
 (vocabulary 256, data=text) takes and prints text; any other vocabulary (the
 synthetic corpus) takes and prints space-separated token ids.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from distlib.checkpoint.sharded import CheckpointError  # noqa: E402
-from distlib.app.sampling import SampleError, generate, load_model  # noqa: E402
-from distlib.app.data.tokens import BYTE_VOCAB, ByteTokenizer  # noqa: E402
+from distlib.app.data.tokens import BYTE_VOCAB, ByteTokenizer
+from distlib.app.sampling import SampleError, generate, load_model
+from distlib.checkpoint.sharded import CheckpointError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -31,8 +32,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; default 1.0")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--n-heads", type=int, default=None,
-                   help="attention heads, only for a .safetensors file without model metadata")
+    p.add_argument(
+        "--n-heads",
+        type=int,
+        default=None,
+        help="attention heads, only for a .safetensors file without model metadata",
+    )
     args = p.parse_args(argv)
     if args.tokens < 0:
         p.error(f"--tokens must be >= 0, got {args.tokens}")
@@ -51,8 +56,10 @@ def main(argv: list[str]) -> int:
             try:
                 prompt = [int(t) for t in args.prompt.split()]
             except ValueError:
-                raise SampleError(f"this model's vocabulary has {model.cfg.vocab_size} tokens, not the "
-                                  f"{BYTE_VOCAB} bytes of text; give --prompt as space-separated token ids")
+                raise SampleError(  # noqa: B904 - the ValueError is the prompt's, named in the message
+                    f"this model's vocabulary has {model.cfg.vocab_size} tokens, not the "
+                    f"{BYTE_VOCAB} bytes of text; give --prompt as space-separated token ids"
+                )
         generator = torch.Generator().manual_seed(args.seed)
         tokens = generate(model, prompt, args.tokens, args.temperature, args.top_k, generator)
     except (SampleError, CheckpointError) as exc:

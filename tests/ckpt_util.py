@@ -1,4 +1,5 @@
 """Small training runs for the checkpoint tests: a config tree, and a Trainer on real gloo ranks."""
+
 from __future__ import annotations
 
 import copy
@@ -6,11 +7,11 @@ from pathlib import Path
 
 from multiproc import run_ranks
 
+from distlib.app.config.run import RunConfig
+from distlib.app.faults import step_hooks
+from distlib.app.trainer import Trainer
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.group import Comm
-from distlib.app.config.run import RunConfig
-from distlib.app.trainer import Trainer
-from distlib.app.faults import step_hooks
 
 # A global batch of 16 sequences divides over 1, 2 and 4 ranks, so those worlds see the same data.
 GLOBAL_BATCH = 16
@@ -18,9 +19,11 @@ GLOBAL_BATCH = 16
 
 def tree(world_size: int, steps: int = 6, every: int = 3, **groups: dict) -> dict:
     """A RunConfig tree; ``groups`` update config groups, e.g. checkpoint={"resume": "latest"}."""
-    base = {"dist": {"world_size": world_size},
-            "train": {"steps": steps, "global_batch": GLOBAL_BATCH},
-            "checkpoint": {"every_steps": every, "verify_resume": False}}
+    base = {
+        "dist": {"world_size": world_size},
+        "train": {"steps": steps, "global_batch": GLOBAL_BATCH},
+        "checkpoint": {"every_steps": every, "verify_resume": False},
+    }
     out = copy.deepcopy(base)
     for group, values in groups.items():
         if isinstance(values, dict):
@@ -40,9 +43,13 @@ def train_rank(comm: Comm, config: dict, run_dir: str) -> dict:
     except CheckpointError as exc:
         return {"error": str(exc)}
     numel = trainer.optimizer.layout.numel
-    return {"error": None, "start": result.start_step, "losses": {s.step: s.loss for s in result.steps},
-            "params": trainer.optimizer.flat_params[:numel].numpy().copy(),  # tensors do not survive the queue
-            "resume_ok": None if result.resume_check is None else result.resume_check.ok}
+    return {
+        "error": None,
+        "start": result.start_step,
+        "losses": {s.step: s.loss for s in result.steps},
+        "params": trainer.optimizer.flat_params[:numel].numpy().copy(),  # tensors do not survive the queue
+        "resume_ok": None if result.resume_check is None else result.resume_check.ok,
+    }
 
 
 def train(config: dict, run_dir: Path) -> list[dict]:

@@ -24,13 +24,29 @@ def capstone_run(tmp_path_factory):
     output and invariants, tests/test_readme_commands.py that the command runs and that the README
     commands reading outputs/<run> work on it. Returns (the CompletedProcess, the run directory)."""
     import subprocess
+
     from e2e import free_port
+
     run_dir = tmp_path_factory.mktemp("capstone") / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "train.py", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "4",
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+    ]
     # PET_MASTER_PORT is torchrun's own environment default for --master-port: the command stays
     # README's, the port is a free one (29500 could be taken by another run on the machine)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PET_MASTER_PORT": str(free_port())})
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PET_MASTER_PORT": str(free_port())},
+    )
     return proc, run_dir
 
 
@@ -40,15 +56,25 @@ def resume_script_run(tmp_path_factory):
     per session: tests/test_resume.py checks what it proves, tests/test_readme_commands.py that the
     README command runs. Returns (the CompletedProcess, RESUME_DIR)."""
     import subprocess
+
     out = tmp_path_factory.mktemp("resume_script")
-    proc = subprocess.run(["bash", "scripts/resume.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "RESUME_DIR": str(out)})
+    proc = subprocess.run(
+        ["bash", "scripts/resume.sh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "RESUME_DIR": str(out)},
+    )
     return proc, out
 
 
 # README.md's sweep line as tests/test_readme_commands.py runs it (fewer steps, a checkpoint, the
 # sweep directory given); {dir} is the sweep directory.
-SWEEP_CMD = ".venv/bin/python train.py -m dist.world_size=1,2,4 train.steps=4 checkpoint.every_steps=2 hydra.sweep.dir={dir}"
+SWEEP_CMD = (
+    ".venv/bin/python train.py -m dist.world_size=1,2,4 train.steps=4 checkpoint.every_steps=2 "
+    "hydra.sweep.dir={dir}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -57,10 +83,17 @@ def world_size_sweep(tmp_path_factory):
     tests/test_cli.py checks its jobs, tests/test_readme_commands.py that the README line runs.
     Returns (the CompletedProcess, the sweep directory)."""
     import subprocess
+
     sweep = tmp_path_factory.mktemp("sweep")
     cmd = SWEEP_CMD.format(dir=sweep).replace(".venv/bin/python", sys.executable, 1).split()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     return proc, sweep
 
 
@@ -77,10 +110,13 @@ def _no_thread_left_behind():
     before = _threads()
     yield
     if _threads() > before:
-        gc.collect()                        # a cycle may still hold a store or a thread's owner
+        gc.collect()  # a cycle may still hold a store or a thread's owner
         for _ in range(50):
             if _threads() <= before:
                 return
             time.sleep(0.02)
-        pytest.fail(f"this test left {_threads() - before} thread(s) running in the test process "
-                    f"({before} before, {_threads()} after); later forks could hang", pytrace=False)
+        pytest.fail(
+            f"this test left {_threads() - before} thread(s) running in the test process "
+            f"({before} before, {_threads()} after); later forks could hang",
+            pytrace=False,
+        )

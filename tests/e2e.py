@@ -1,4 +1,5 @@
 """Helpers for end-to-end tests that run train.py / torchrun as real subprocesses."""
+
 from __future__ import annotations
 
 import os
@@ -26,12 +27,25 @@ def train(run_dir: Path, *overrides: str, timeout: float = 180) -> subprocess.Co
     """`python train.py` (self-launching its workers) with an explicit run directory, run in a
     fork of the test process (tests/forkrun.py: the same script, without 3-10 s of start-up)."""
     from forkrun import run_script
+
     return run_script("train.py", f"hydra.run.dir={run_dir}", *overrides, timeout=timeout)
 
 
-def torchrun(run_dir: Path, *overrides: str, nproc: int = 4, timeout: float = 180,
-             extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def torchrun(
+    run_dir: Path, *overrides: str, nproc: int = 4, timeout: float = 180, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N train.py` on a free port."""
-    return run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}", *extra, "train.py", f"hydra.run.dir={run_dir}", *overrides],
-               timeout=timeout)
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            *extra,
+            "train.py",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ],
+        timeout=timeout,
+    )

@@ -12,6 +12,7 @@ Use it for runs that end in the one process (errors, `ckpt.py inspect`); the REA
 and the multi-rank end-to-end tests keep launching real interpreters. Like tests/multiproc.py it
 must not fork while a thread is alive in the test process.
 """
+
 from __future__ import annotations
 
 import io
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _child(script: Path, args: list[str], env: dict | None, cwd: Path, out_fd: int, err_fd: int) -> None:
     code = 1
     try:
-        os.setpgid(0, 0)          # its own group: a timeout kills whatever it started
+        os.setpgid(0, 0)  # its own group: a timeout kills whatever it started
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
@@ -63,8 +64,9 @@ def _child(script: Path, args: list[str], env: dict | None, cwd: Path, out_fd: i
         os._exit(code)
 
 
-def run_script(script: str | Path, *args: str, env: dict | None = None, cwd: str | Path = ROOT,
-               timeout: float = 120) -> subprocess.CompletedProcess:
+def run_script(
+    script: str | Path, *args: str, env: dict | None = None, cwd: str | Path = ROOT, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """``python <script> <args>`` (the script's path relative to the repository root) in a fork of
     this process, from ``cwd`` (the repository root unless given)."""
     script = (ROOT / script).resolve()
@@ -77,7 +79,7 @@ def run_script(script: str | Path, *args: str, env: dict | None = None, cwd: str
         try:
             os.setpgid(pid, pid)  # also here, so a kill right after the fork finds the group
         except OSError:
-            pass                  # the child did it first (or already exited)
+            pass  # the child did it first (or already exited)
         deadline = time.monotonic() + timeout
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -90,8 +92,12 @@ def run_script(script: str | Path, *args: str, env: dict | None = None, cwd: str
             time.sleep(0.02)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess([str(script), *args], os.waitstatus_to_exitcode(status),
-                                           out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+        return subprocess.CompletedProcess(
+            [str(script), *args],
+            os.waitstatus_to_exitcode(status),
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+        )
 
 
 def call_in_fork(fn, *args, timeout: float = 60):

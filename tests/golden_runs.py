@@ -7,6 +7,7 @@ Regenerate only for a deliberate, documented change of arithmetic:
 
     .venv/bin/python tests/golden_runs.py --write
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,10 @@ LAYOUTS = {
     "dropout0.1_ws4": (4, ["model.dropout=0.1"]),
     "bf16_stage2_ws4": (4, ["train.dtype=bf16", "zero=stage2"]),
     "ws1": (1, []),
-    "lr_spike_rollback_ws4": (4, ["fault.lr_spike_step=12", "fault.lr_spike_factor=300",
-                                  "checkpoint.every_steps=5"]),
+    "lr_spike_rollback_ws4": (
+        4,
+        ["fault.lr_spike_step=12", "fault.lr_spike_factor=300", "checkpoint.every_steps=5"],
+    ),
 }
 
 
@@ -41,22 +44,28 @@ def _run_one(comm, tree: dict, run_dir: str) -> dict:
     import torch
 
     from distlib.app.config.run import RunConfig
-    from distlib.app.trainer import Trainer
     from distlib.app.faults import step_hooks
+    from distlib.app.trainer import Trainer
+
     torch.use_deterministic_algorithms(True)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         cfg = RunConfig.from_dict(tree)
-        trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))   # as train.py
+        trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))  # as train.py
         result = trainer.run()
-        params = trainer.optimizer.full_params()[:trainer.optimizer.layout.numel]   # collective at stage 3
-    return {"losses": [s.loss.hex() for s in result.steps],
-            "params_sha256": hashlib.sha256(params.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}
+        params = trainer.optimizer.full_params()[: trainer.optimizer.layout.numel]  # collective at stage 3
+    return {
+        "losses": [s.loss.hex() for s in result.steps],
+        "params_sha256": hashlib.sha256(
+            params.detach().contiguous().view(torch.uint8).numpy().tobytes()
+        ).hexdigest(),
+    }
 
 
 def run_layout(name: str) -> dict:
     """Run one golden layout on forked gloo ranks; rank 0's losses and final parameter digest."""
     from multiproc import run_ranks
     from trainrun import compose_tree
+
     world, overrides = LAYOUTS[name]
     tree = compose_tree([f"dist.world_size={world}", *overrides])
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,9 +78,12 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     import torch
+
     table = {"_cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    table |= {name: {"world_size": LAYOUTS[name][0], "overrides": LAYOUTS[name][1], **run_layout(name)}
-             for name in LAYOUTS}
+    table |= {
+        name: {"world_size": LAYOUTS[name][0], "overrides": LAYOUTS[name][1], **run_layout(name)}
+        for name in LAYOUTS
+    }
     GOLDEN.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {GOLDEN} ({len(LAYOUTS)} layouts)")
     return 0
@@ -80,5 +92,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
     import torch
+
     torch.set_num_threads(1)
     sys.exit(main(sys.argv[1:]))

@@ -5,6 +5,7 @@ Ranks are forked from the test process (which has already imported torch), so a
 rank. The rendezvous store is hosted by the parent on a port the OS picks, so
 tests running in parallel never collide on MASTER_PORT.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -12,7 +13,8 @@ import multiprocessing as mp
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,16 +33,22 @@ RETRIES = 2
 def _child(rank: int, world_size: int, ports, fn, args, queue, timeout_s: float) -> None:
     try:
         torch.set_num_threads(1)
-        port = ports.get()          # the parent starts the store only after forking us (see run_ranks)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        port = ports.get()  # the parent starts the store only after forking us (see run_ranks)
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         except RuntimeError as exc:
             if "connectFullMesh" not in str(exc):
                 raise
-            queue.put((rank, False, RENDEZVOUS_FLAKE + traceback.format_exc()))   # before fn ran anywhere
+            queue.put((rank, False, RENDEZVOUS_FLAKE + traceback.format_exc()))  # before fn ran anywhere
             return
         try:
             result = fn(Comm.world(), *args)
@@ -55,8 +63,9 @@ def _child(rank: int, world_size: int, ports, fn, args, queue, timeout_s: float)
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[Any]:
     """Call ``fn(comm, *args)`` on ``world_size`` forked ranks; return results by rank.
 
     Raises AssertionError carrying the child's traceback if any rank fails, and
@@ -67,29 +76,44 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         flaky = [f for f in failures.values() if f.startswith(RENDEZVOUS_FLAKE)]
         if not flaky or attempt == RETRIES:
             break
-        print(f"multiproc: {flaky[0].splitlines()[-1][:200]} -- starting the {world_size} ranks again "
-              f"(attempt {attempt + 2} of {RETRIES + 1})", file=sys.stderr, flush=True)
+        print(
+            f"multiproc: {flaky[0].splitlines()[-1][:200]} -- starting the {world_size} ranks again "
+            f"(attempt {attempt + 2} of {RETRIES + 1})",
+            file=sys.stderr,
+            flush=True,
+        )
     if failures:
         first = min(failures)
-        raise AssertionError(f"rank {first} failed:\n{failures[first]}"
-                             + (f"\n(also failed: {sorted(failures)[1:]})" if len(failures) > 1 else ""))
+        raise AssertionError(
+            f"rank {first} failed:\n{failures[first]}"
+            + (f"\n(also failed: {sorted(failures)[1:]})" if len(failures) > 1 else "")
+        )
     return [results[r] for r in range(world_size)]
 
 
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float
-              ) -> tuple[dict[int, Any], dict[int, str]]:
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float
+) -> tuple[dict[int, Any], dict[int, str]]:
     ctx = mp.get_context("fork")
     queue, ports = ctx.Queue(), ctx.SimpleQueue()
-    procs = [ctx.Process(target=_child, args=(r, world_size, ports, fn, args, queue, timeout_s),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, ports, fn, args, queue, timeout_s), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     # Fork first, start the store second: a thread alive in the parent at fork time (the store's
     # event loop, resolving a peer's name) can leave a libc lock held forever in a child (seen:
     # ranks stuck in getnameinfo's resolver lock, the others timing out in the rendezvous).
     try:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                              wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     except BaseException:
         for p in procs:
             p.kill()
@@ -108,15 +132,18 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
             except Exception:  # queue.Empty: check for ranks that died without reporting
-                dead = [r for r, p in enumerate(procs)
-                        if not p.is_alive() and r not in results and r not in failures]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and r not in failures
+                ]
                 if dead and queue.empty():
                     for r in dead:
                         failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                 continue
             (results if ok else failures)[rank] = payload
             if not ok and payload.startswith(RENDEZVOUS_FLAKE):
-                break           # the others may wait in their rendezvous or first collective: stop them
+                break  # the others may wait in their rendezvous or first collective: stop them
     finally:
         for p in procs:
             p.join(timeout=0 if any(f.startswith(RENDEZVOUS_FLAKE) for f in failures.values()) else 5)

@@ -2,6 +2,7 @@
 so the recomputation must replay the RNG) at ZeRO-1, at ZeRO-3 (whose recomputation needs the
 block's parameters gathered again) and with tensor parallelism; and fewer activation bytes kept
 for backward, as measured and printed in the memory profile."""
+
 import json
 from pathlib import Path
 
@@ -11,14 +12,20 @@ from multiproc import run_ranks
 from trainrun import compose_tree
 
 from distlib.app import summary
-from distlib.app.observe.activations import ActivationMeter
-from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.config.groups import ModelConfig
+from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.model.minigpt import build_model
+from distlib.app.observe.activations import ActivationMeter
 from distlib.app.trainer import Trainer
 
-BASE = ["dist.world_size=2", "train.steps=3", "checkpoint.every_steps=0", "metrics.progress_every=0",
-        "model.dropout=0.1", "train.monotone_until_step=0"]
+BASE = [
+    "dist.world_size=2",
+    "train.steps=3",
+    "checkpoint.every_steps=0",
+    "metrics.progress_every=0",
+    "model.dropout=0.1",
+    "train.monotone_until_step=0",
+]
 
 
 def _run(comm, tree, run_dir):
@@ -26,18 +33,31 @@ def _run(comm, tree, run_dir):
     cfg = RunConfig.from_dict(tree)
     trainer = Trainer(cfg, comm, Path(run_dir))
     result = trainer.run()
-    return {"losses": [s.loss.hex() for s in result.steps],
-            "params": trainer.optimizer.params_snapshot().numpy().copy(),
-            "activations": trainer.activations.peak,
-            "table": summary.memory_table(result, cfg.zero.stage)}
+    return {
+        "losses": [s.loss.hex() for s in result.steps],
+        "params": trainer.optimizer.params_snapshot().numpy().copy(),
+        "activations": trainer.activations.peak,
+        "table": summary.memory_table(result, cfg.zero.stage),
+    }
 
 
-@pytest.mark.parametrize("world, layout", [(2, ["zero=stage1"]), (2, ["zero=stage3"]),
-                                          (4, ["dist.tp=2", "zero=stage3"])], ids=["zero1", "zero3", "tp2-zero3"])
+@pytest.mark.parametrize(
+    "world, layout",
+    [(2, ["zero=stage1"]), (2, ["zero=stage3"]), (4, ["dist.tp=2", "zero=stage3"])],
+    ids=["zero1", "zero3", "tp2-zero3"],
+)
 def test_blocks_checkpointing_is_bitwise_and_keeps_fewer_bytes(tmp_path, world, layout):
-    plain, blocks = (run_ranks(_run, world, compose_tree(BASE + layout + [f"dist.world_size={world}",
-                                                                          f"model.activation_checkpointing={mode}"]),
-                               str(tmp_path / mode)) for mode in ("none", "blocks"))
+    plain, blocks = (
+        run_ranks(
+            _run,
+            world,
+            compose_tree(
+                BASE + layout + [f"dist.world_size={world}", f"model.activation_checkpointing={mode}"]
+            ),
+            str(tmp_path / mode),
+        )
+        for mode in ("none", "blocks")
+    )
     for a, b in zip(plain, blocks):
         assert a["losses"] == b["losses"]
         assert (a["params"] == b["params"]).all()
@@ -56,8 +76,8 @@ def test_the_meter_counts_each_saved_storage_once_and_no_parameters():
     lin = torch.nn.Linear(8, 8)
     meter = ActivationMeter()
     with meter.measure(lin):
-        y = lin(x)                   # saves x (and the weight: not counted)
-        z = (y * y).sum()            # saves y twice: one storage
+        y = lin(x)  # saves x (and the weight: not counted)
+        z = (y * y).sum()  # saves y twice: one storage
     assert meter.peak == x.nbytes + y.nbytes
     z.backward()
 
@@ -74,5 +94,7 @@ def test_checkpointed_model_matches_in_isolation_including_dropout():
 
 
 def test_an_unknown_mode_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"model.activation_checkpointing must be one of \['none', 'blocks'\]"):
+    with pytest.raises(
+        ConfigError, match=r"model.activation_checkpointing must be one of \['none', 'blocks'\]"
+    ):
         RunConfig.from_dict({"model": {"activation_checkpointing": "layers"}})

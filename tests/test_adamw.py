@@ -1,7 +1,7 @@
 import torch
 
-from distlib.parallel.adamw import AdamWConfig, adamw_step_
 from distlib.app.config.groups import OptimizerConfig
+from distlib.parallel.adamw import AdamWConfig, adamw_step_
 
 
 def test_flat_adamw_is_bitwise_torch_adamw():
@@ -11,8 +11,14 @@ def test_flat_adamw_is_bitwise_torch_adamw():
     cfg = AdamWConfig(lr=3e-3, beta1=0.85, beta2=0.97, eps=1e-7, weight_decay=0.05)
 
     reference = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = torch.optim.AdamW(reference, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                            weight_decay=cfg.weight_decay, foreach=False)
+    opt = torch.optim.AdamW(
+        reference,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
 
     flat = torch.cat([p.flatten() for p in params])
     exp_avg, exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)
@@ -30,6 +36,7 @@ def test_flat_adamw_is_bitwise_torch_adamw():
 
 def test_bad_hyperparameters_are_refused():
     import pytest
+
     good = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     with pytest.raises(ValueError, match="lr must be > 0"):
         AdamWConfig(**{**good, "lr": 0.0})

@@ -1,6 +1,7 @@
 """checkpoint.async_save writes in a background thread and commits at a later step boundary: the
 same bytes as a sync save; a failed or crashed background write commits nothing and leaves the
 previous checkpoint trusted; and the loop waits less than the write takes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,9 +14,9 @@ from ckpt_util import train, train_rank, tree
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.faults import Faults, step_hooks
 from distlib.app.hooks import StepHooks
 from distlib.app.trainer import Trainer
-from distlib.app.faults import Faults, step_hooks
 from distlib.checkpoint import sharded as checkpoint
 
 ASYNC = {"async_save": True}
@@ -31,8 +32,11 @@ def _partials(run: Path) -> list[str]:
 
 def _file_hashes(run: Path) -> dict[str, str]:
     root = run / "checkpoints"
-    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(root.rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }
 
 
 def _events(run: Path, name: str) -> list[dict]:
@@ -60,21 +64,24 @@ def test_async_save_writes_the_sync_bytes_and_resumes_bitwise(tmp_path, clean):
     assert first[0]["losses"] == clean["losses"]
     # Every shard and manifest byte-identical to the sync save of the same run.
     hashes = _file_hashes(run)
-    assert sorted(hashes) == [f"step_0000000{s}/{n}" for s in (3, 6)
-                              for n in ("manifest.json", "rank00000.safetensors", "rank00001.safetensors")]
+    assert sorted(hashes) == [
+        f"step_0000000{s}/{n}"
+        for s in (3, 6)
+        for n in ("manifest.json", "rank00000.safetensors", "rank00001.safetensors")
+    ]
     assert hashes == _file_hashes(clean["run"])
     saved = _events(run, "checkpoint_saved")
     assert [e["step"] for e in saved] == [3, 6]
     assert all(e["async_save"] and e["committed_step"] > e["step"] for e in saved)
 
     # Resume from the async-saved step 6: steps 7 and 8 reproduce the uninterrupted run bit for bit.
-    (run / "checkpoints" / "step_00000006").rename(tmp_path / "set_aside")   # first from step 3 ...
+    (run / "checkpoints" / "step_00000006").rename(tmp_path / "set_aside")  # first from step 3 ...
     resumed = train(tree(2, steps=8, checkpoint={**ASYNC, "resume": "latest"}), run)
     assert resumed[0]["start"] == 3
     assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 3}
     assert (resumed[0]["params"] == clean["params"]).all()
-    assert _file_hashes(run) == _file_hashes(clean["run"])   # its own async save of step 6 again
-    resumed = train(tree(2, steps=8, checkpoint={**ASYNC, "resume": "latest"}), run)   # ... then from 6
+    assert _file_hashes(run) == _file_hashes(clean["run"])  # its own async save of step 6 again
+    resumed = train(tree(2, steps=8, checkpoint={**ASYNC, "resume": "latest"}), run)  # ... then from 6
     assert resumed[0]["start"] == 6
     assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 6}
     assert (resumed[0]["params"] == clean["params"]).all()
@@ -82,31 +89,39 @@ def test_async_save_writes_the_sync_bytes_and_resumes_bitwise(tmp_path, clean):
 
 def test_keep_last_prunes_only_committed_async_saves(tmp_path):
     run = tmp_path / "run"
-    results = train(tree(2, steps=8, every=2, checkpoint={**ASYNC, "keep_last": 1, "verify_resume": True}), run)
-    assert all(r["resume_ok"] for r in results)      # the reloaded checkpoint was committed and kept
-    assert _committed(run) == ["step_00000008"] and _partials(run) == []   # the end waited for step 8's
+    results = train(
+        tree(2, steps=8, every=2, checkpoint={**ASYNC, "keep_last": 1, "verify_resume": True}), run
+    )
+    assert all(r["resume_ok"] for r in results)  # the reloaded checkpoint was committed and kept
+    assert _committed(run) == ["step_00000008"] and _partials(run) == []  # the end waited for step 8's
 
 
 def _rank_with_rollbacks(comm, config: dict, run_dir: str) -> dict:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     cfg = RunConfig.from_dict(config)
     result = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank)).run()
-    return {"rollbacks": [(e["to_step"], e["source"]) for e in result.rollbacks],
-            "steps": [s.step for s in result.steps]}
+    return {
+        "rollbacks": [(e["to_step"], e["source"]) for e in result.rollbacks],
+        "steps": [s.step for s in result.steps],
+    }
 
 
 def test_failed_background_write_is_reported_and_the_previous_checkpoint_stays_trusted(tmp_path, capfd):
     # Rank 1's disk is full in the background write of step 6; the guard then trips at step 8
     # (NaN gradients): the rollback must go to step 3, the newest checkpoint that was committed.
     run = tmp_path / "run"
-    config = tree(2, steps=8, checkpoint=ASYNC, fault={"disk_full_rank": 1, "save_fault_step": 6,
-                                                       "nan_grad_rank": 0, "nan_grad_step": 8})
+    config = tree(
+        2,
+        steps=8,
+        checkpoint=ASYNC,
+        fault={"disk_full_rank": 1, "save_fault_step": 6, "nan_grad_rank": 0, "nan_grad_step": 8},
+    )
     results = run_ranks(_rank_with_rollbacks, 2, config, str(run), timeout_s=60)
     assert results[0]["rollbacks"] == [(3, str(run / "checkpoints" / "step_00000003"))]
-    assert results[0]["steps"] == list(range(1, 9))         # the run went on, and re-ran 4..8
+    assert results[0]["steps"] == list(range(1, 9))  # the run went on, and re-ran 4..8
     failed = _events(run, "checkpoint_failed")
-    assert len(failed) == 2 and {e["checkpoint_step"] for e in failed} == {6}   # (the re-run save of 6 too)
-    assert all(e["step"] > 6 for e in failed)                # reported at a later boundary
+    assert len(failed) == 2 and {e["checkpoint_step"] for e in failed} == {6}  # (the re-run save of 6 too)
+    assert all(e["step"] > 6 for e in failed)  # reported at a later boundary
     assert "rank 1 writing" in failed[0]["message"] and "No space left on device" in failed[0]["message"]
     out = capfd.readouterr().out
     assert "[checkpoint_failed] step 7: checkpoint save of step 6 failed, nothing committed" in out
@@ -117,11 +132,15 @@ def test_failed_background_write_is_reported_and_the_previous_checkpoint_stays_t
 
 def test_failure_of_the_last_background_write_fails_the_run(tmp_path):
     run = tmp_path / "run"
-    results = train(tree(2, steps=6, checkpoint=ASYNC, fault={"disk_full_rank": 0, "save_fault_step": 6}), run)
-    assert {r["error"] for r in results} == {"checkpoint save of step 6 failed, nothing committed: rank 0 writing "
-                                             f"{run / 'checkpoints' / '.step_00000006.partial' / 'rank00000.safetensors'}"
-                                             ": OSError: [Errno 28] No space left on device (injected by "
-                                             "fault.disk_full_rank)"}
+    results = train(
+        tree(2, steps=6, checkpoint=ASYNC, fault={"disk_full_rank": 0, "save_fault_step": 6}), run
+    )
+    assert {r["error"] for r in results} == {
+        "checkpoint save of step 6 failed, nothing committed: rank 0 writing "
+        f"{run / 'checkpoints' / '.step_00000006.partial' / 'rank00000.safetensors'}"
+        ": OSError: [Errno 28] No space left on device (injected by "
+        "fault.disk_full_rank)"
+    }
     assert _committed(run) == ["step_00000003"] and _partials(run) == []
 
 
@@ -140,6 +159,7 @@ def test_crash_in_a_background_save_commits_nothing_and_resume_latest_ignores_it
 
 class _SlowDisk(StepHooks):
     """A disk that takes WRITE_S for every shard (in the background write), and steps of STEP_S."""
+
     WRITE_S, STEP_S = 0.4, 0.15
 
     def before_step(self, step: int) -> None:
@@ -149,6 +169,7 @@ class _SlowDisk(StepHooks):
         def hook(point: str, path: Path) -> None:
             if point == "shard_written":
                 time.sleep(self.WRITE_S)
+
         return hook
 
 
@@ -186,6 +207,7 @@ class _SlowDiskFaults(Faults):
                 time.sleep(1.0)
             if inner is not None:
                 inner(point, path)
+
         return hook
 
 
@@ -214,28 +236,35 @@ def test_guard_trip_with_an_async_save_in_flight(tmp_path, capfd, trip, to_step)
 def _staging_rank(comm, config: dict, run_dir: str) -> dict:
     """A run that records where every async save's staged optimizer tensors live."""
     from distlib.checkpoint.staging import StagingBuffers
+
     staged, stage = [], StagingBuffers.stage
 
     def recording(self, sources):
         out = stage(self, sources)
         staged.append({k: t.data_ptr() for k, t in out.items()})
         return out
-    StagingBuffers.stage = recording        # (in this forked rank only)
+
+    StagingBuffers.stage = recording  # (in this forked rank only)
     result = train_rank(comm, config, run_dir)
     return {**result, "staged": staged}
 
 
-@pytest.mark.parametrize("verify_resume, keep_last, same", [
-    (False, 0, [(0, 1)]),                   # one set of buffers for both saves
-    (True, 0, [(1, 2), (1, 3), (2, 3)]),    # the first save's copy is the snapshot: the rest reuse theirs
-    (True, 1, [(0, 2), (1, 3)]),            # each copy is the snapshot until the next commit gives it back
-])
-def test_staging_buffers_are_reused_and_every_save_writes_its_own_state(tmp_path, clean, verify_resume,
-                                                                      keep_last, same):
+@pytest.mark.parametrize(
+    "verify_resume, keep_last, same",
+    [
+        (False, 0, [(0, 1)]),  # one set of buffers for both saves
+        (True, 0, [(1, 2), (1, 3), (2, 3)]),  # the first save's copy is the snapshot: the rest reuse theirs
+        (True, 1, [(0, 2), (1, 3)]),  # each copy is the snapshot until the next commit gives it back
+    ],
+)
+def test_staging_buffers_are_reused_and_every_save_writes_its_own_state(
+    tmp_path, clean, verify_resume, keep_last, same
+):
     run = tmp_path / "run"
     every = 3 if same == [(0, 1)] else 2
-    config = tree(2, steps=8, every=every, checkpoint={**ASYNC, "verify_resume": verify_resume,
-                                                       "keep_last": keep_last})
+    config = tree(
+        2, steps=8, every=every, checkpoint={**ASYNC, "verify_resume": verify_resume, "keep_last": keep_last}
+    )
     results = run_ranks(_staging_rank, 2, config, str(run), timeout_s=60)
     ptrs = [p["master"] for p in results[0]["staged"]]
     assert len(ptrs) == (2 if every == 3 else 4)
@@ -243,6 +272,6 @@ def test_staging_buffers_are_reused_and_every_save_writes_its_own_state(tmp_path
     assert pairs == set(same)
     assert results[0]["losses"] == clean["losses"]
     if verify_resume:
-        assert all(r["resume_ok"] for r in results)    # the snapshot's copy was never written over
-    else:   # the second save (into the first one's buffers) wrote step 6's state: the sync bytes
+        assert all(r["resume_ok"] for r in results)  # the snapshot's copy was never written over
+    else:  # the second save (into the first one's buffers) wrote step 6's state: the sync bytes
         assert _file_hashes(run) == _file_hashes(clean["run"])

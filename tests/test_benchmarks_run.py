@@ -2,12 +2,12 @@
 without any other test noticing). Tiny settings: this checks that they work, not their numbers;
 startup.py and scaling.py are left to `make bench` (minutes each); recovery.py (two torchrun jobs)
 runs in tests/test_memory_snapshot_e2e.py, which also checks its snapshot run's checkpoint."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from e2e import ROOT
 
 pytestmark = pytest.mark.slow
@@ -16,8 +16,22 @@ RUNS = {
     "checkpoint": ["benchmarks/checkpoint.py", "--params", "1e5", "--world-size", "2", "--repeats", "1"],
     "collectives": ["benchmarks/collectives.py", "--quick", "--sizes", "1024"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
-    "step": ["benchmarks/step.py", "--models", "tiny", "--worlds", "2", "--steps", "2", "--warmup", "1",
-             "--stages", "1", "3", "--torch", "ddp"],
+    "step": [
+        "benchmarks/step.py",
+        "--models",
+        "tiny",
+        "--worlds",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--stages",
+        "1",
+        "3",
+        "--torch",
+        "ddp",
+    ],
 }
 
 
@@ -36,8 +50,15 @@ def test_benchmark_runs_and_writes_its_json(name, tmp_path):
 def test_committed_cost_model_is_the_best_fit_to_the_committed_tables():
     """distlib/comm/cost_model.py's constants are what fit_cost_model.py finds on the committed
     --algos tables, and the docstring's "8% longer than the fastest" is its score."""
-    proc = subprocess.run([sys.executable, "benchmarks/fit_cost_model.py"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fit_cost_model.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2500:]
-    best, committed = (line.split(" over the fastest")[0].split()[-1] for line in proc.stdout.splitlines()[:2])
+    best, committed = (
+        line.split(" over the fastest")[0].split()[-1] for line in proc.stdout.splitlines()[:2]
+    )
     assert best == committed == "0.082", proc.stdout

@@ -1,13 +1,13 @@
 """The capstone run (4 ranks, ZeRO-1, 20 steps) end to end, with its four invariants checked
 independently of the program's own checks: from the files it writes, from its output, and (invariant
 2) from parameter norms the test computes itself on every rank of a forked run of the same config."""
+
 import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
-
 from e2e import train
 from multiproc import run_ranks
 from trainrun import compose_tree
@@ -43,7 +43,7 @@ def test_capstone_exits_zero_and_prints_everything(capstone):
 def test_invariant_1_loss_decreases_monotonically(capstone):
     _, run_dir = capstone
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if r["type"] == "step"]      # (events are logged too)
+    losses = [r["loss"] for r in records if r["type"] == "step"]  # (events are logged too)
     assert len(losses) == 20
     assert all(b <= a * (1 + 1e-6) for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.5 * losses[0]
@@ -59,7 +59,7 @@ class _NormProbe(StepHooks):
 
     def after_update(self, step, params, slots, start=0):
         assert start == 0, "ZeRO-1: every rank holds every parameter"
-        own = torch.cat([params[s.offset:s.offset + s.numel] for s in slots])   # padding left out
+        own = torch.cat([params[s.offset : s.offset + s.numel] for s in slots])  # padding left out
         self._pending = (step, own.double().norm().item().hex())
 
     def after_step(self, step):
@@ -77,12 +77,16 @@ def _capstone_rank(comm, tree: dict, run_dir: str) -> dict:
     assert not cfg.fault.configured
     probe = _NormProbe()
     result = Trainer(cfg, comm, Path(run_dir), hooks=probe).run()
-    return {"ours": probe.norms, "steps": [s.step for s in result.steps],
-            "reported": [s.param_norms for s in result.steps], "rollbacks": len(result.rollbacks)}
+    return {
+        "ours": probe.norms,
+        "steps": [s.step for s in result.steps],
+        "reported": [s.param_norms for s in result.steps],
+        "rollbacks": len(result.rollbacks),
+    }
 
 
 def test_invariant_2_every_rank_has_the_same_parameter_norm(capstone, tmp_path):
-    tree = compose_tree([])                         # README's command: no overrides
+    tree = compose_tree([])  # README's command: no overrides
     assert (tree["dist"]["world_size"], tree["zero"]["stage"], tree["train"]["steps"]) == (4, 1, 20)
     run_dir = tmp_path / "run"
     ranks = run_ranks(_capstone_rank, 4, tree, str(run_dir))
@@ -100,14 +104,21 @@ def test_invariant_2_every_rank_has_the_same_parameter_norm(capstone, tmp_path):
         assert len(row) == 4
         for rank, norm in enumerate(row):
             ours = float.fromhex(ranks[rank]["ours"][step])
-            assert abs(norm - ours) <= 4 * eps * ours, f"step {step} rank {rank}: reported {norm!r}, computed {ours!r}"
-    logged = [r["param_norm"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-              if r["type"] == "step"]
+            assert abs(norm - ours) <= 4 * eps * ours, (
+                f"step {step} rank {rank}: reported {norm!r}, computed {ours!r}"
+            )
+    logged = [
+        r["param_norm"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["type"] == "step"
+    ]
     assert logged == [row[0] for row in reported]
     # The torchrun capstone is the same run bit for bit, so its report.json holds these same norms.
     _, capstone_dir = capstone
     steps = json.loads((capstone_dir / "report.json").read_text())["steps"]
-    assert [s["param_norms"] for s in steps] == reported, "the torchrun capstone's norms differ from the forked run's"
+    assert [s["param_norms"] for s in steps] == reported, (
+        "the torchrun capstone's norms differ from the forked run's"
+    )
 
 
 def _capstone_numel() -> int:
@@ -124,7 +135,7 @@ def _expected_optimizer_bytes(run_dir) -> int:
     assert p == layout["numel"] == sum(e["numel"] for e in layout["params"]) and layout["padding"] == 0
     assert p % n == 0
     expected = 12 * p // n
-    assert expected == 90_432           # P = 30,144: the number README's memory table shows
+    assert expected == 90_432  # P = 30,144: the number README's memory table shows
     return expected
 
 
@@ -150,10 +161,12 @@ def test_invariant_3_from_the_saved_optimizer_state_not_the_programs_measurement
     ckpt = run_dir / "checkpoints/step_00000010"
     for rank in range(4):
         raw = (ckpt / f"rank{rank:05d}.safetensors").read_bytes()
-        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
         state = {k: v for k, v in header.items() if k in ("master", "exp_avg", "exp_avg_sq")}
-        assert sorted(state) == ["exp_avg", "exp_avg_sq", "master"] and all(v["dtype"] == "F32" for v in state.values())
-        for v in state.values():            # the bytes stored are what the shape says
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "master"] and all(
+            v["dtype"] == "F32" for v in state.values()
+        )
+        for v in state.values():  # the bytes stored are what the shape says
             start, end = v["data_offsets"]
             assert end - start == 4 * torch.Size(v["shape"]).numel(), (rank, v)
         nbytes = sum(4 * torch.Size(v["shape"]).numel() for v in state.values())

@@ -1,5 +1,6 @@
 """Checkpoints through train.py: a damaged or mismatched checkpoint and a full disk end the run with
 one clear error line, and a run that crashed in a save resumes from the newest committed checkpoint."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,8 @@ import pytest
 from ckpt_util import train, tree
 from forkrun import run_script
 
-from distlib.checkpoint import sharded as checkpoint
 from distlib.app.config.run import ConfigError, RunConfig
+from distlib.checkpoint import sharded as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["dist.world_size=2", "train.steps=6", "checkpoint.every_steps=3", "train.global_batch=16"]
@@ -21,10 +22,13 @@ SMALL = ["dist.world_size=2", "train.steps=6", "checkpoint.every_steps=3", "trai
 def _train(run_dir: Path, *overrides: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`python [launcher] train.py ...`; without a launcher in a fork of this process (tests/forkrun.py)."""
     if not launcher:
-        return run_script("train.py", f"hydra.run.dir={run_dir}", *overrides, env={"OMP_NUM_THREADS": "1"}, timeout=300)
+        return run_script(
+            "train.py", f"hydra.run.dir={run_dir}", *overrides, env={"OMP_NUM_THREADS": "1"}, timeout=300
+        )
     cmd = [sys.executable, *launcher, "train.py", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -51,7 +55,9 @@ def test_load_errors_reach_the_user_as_one_clear_line(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x10
     shard.write_bytes(bytes(data))
-    one_rank = [arg.replace("dist.world_size=2", "dist.world_size=1") for arg in SMALL]  # loads reshard 2 -> 1
+    one_rank = [
+        arg.replace("dist.world_size=2", "dist.world_size=1") for arg in SMALL
+    ]  # loads reshard 2 -> 1
 
     damaged = _train(run, *one_rank, f"checkpoint.resume={root / 'step_00000006'}")
     assert damaged.returncode == 1
@@ -60,7 +66,9 @@ def test_load_errors_reach_the_user_as_one_clear_line(tmp_path):
     assert str(root / "step_00000006") in lines[0] and "rank00001.safetensors has sha256" in lines[0]
     assert "Traceback" not in damaged.stderr
 
-    mismatch = _train(tmp_path / "other", *one_rank, "model.dim=64", f"checkpoint.resume={root / 'step_00000003'}")
+    mismatch = _train(
+        tmp_path / "other", *one_rank, "model.dim=64", f"checkpoint.resume={root / 'step_00000003'}"
+    )
     assert mismatch.returncode == 1 and "Traceback" not in mismatch.stderr
     assert len(_error_lines(mismatch.stderr)) == 1
     assert "model.dim: checkpoint 32, this run 64" in mismatch.stderr

@@ -1,5 +1,6 @@
 """Nothing is loaded from a damaged or ill-fitting checkpoint: each defect is refused with a message
 naming it, and the end-of-run resume check catches an RNG restore that does nothing."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_util import tree, train
+from ckpt_util import train, tree
 
+from distlib.app.config.run import RunConfig
+from distlib.app.trainer import Trainer
+from distlib.checkpoint import rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.group import Comm
-from distlib.app.config.run import RunConfig
-from distlib.app.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def test_extra_shard_is_refused(ckpt):
         checkpoint.verify(ckpt)
 
 
-@pytest.mark.parametrize("text", ["{not json", "\xff\xfe"])   # a malformed field: test_manifest_validation.py
+@pytest.mark.parametrize("text", ["{not json", "\xff\xfe"])  # a malformed field: test_manifest_validation.py
 def test_unparsable_manifest_is_refused(ckpt, text):
     manifest = ckpt / "manifest.json"
     manifest.write_bytes(text.encode("latin-1") if text == "\xff\xfe" else text.encode())
@@ -116,22 +118,38 @@ def test_damaged_checkpoint_loads_nothing(ckpt, tmp_path):
 def test_loading_never_unpickles(ckpt, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("checkpoint data must not go through pickle")
+
     for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
         monkeypatch.setattr(module, name, refuse)
     trainer = _fresh_trainer(tmp_path, checkpoint={"resume": str(ckpt)})
     assert trainer.checkpointer.loader.load(ckpt, trainer.model, trainer.optimizer) == 6
 
 
-@pytest.mark.parametrize("override, expected", [
-    ({"model": {"dim": 64}}, ["model.dim: checkpoint 32, this run 64",
-                              "parameter tok_emb.weight: checkpoint 64x32, model 64x64",
-                              "parameter lm_head.weight: checkpoint 64x32, model 64x64"]),
-    ({"model": {"n_layers": 3}}, ["model.n_layers: checkpoint 2, this run 3",
-                                  "parameter blocks.2.attn.qkv.weight: checkpoint absent, model 96x32"]),
-    ({"train": {"global_batch": 8}}, ["global batch: checkpoint 16 sequences per step, this run 8",
-                                      "train.global_batch=16"]),
-    ({"data": {"seed": 5}}, ["data.seed: checkpoint 0, this run 5"]),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            {"model": {"dim": 64}},
+            [
+                "model.dim: checkpoint 32, this run 64",
+                "parameter tok_emb.weight: checkpoint 64x32, model 64x64",
+                "parameter lm_head.weight: checkpoint 64x32, model 64x64",
+            ],
+        ),
+        (
+            {"model": {"n_layers": 3}},
+            [
+                "model.n_layers: checkpoint 2, this run 3",
+                "parameter blocks.2.attn.qkv.weight: checkpoint absent, model 96x32",
+            ],
+        ),
+        (
+            {"train": {"global_batch": 8}},
+            ["global batch: checkpoint 16 sequences per step, this run 8", "train.global_batch=16"],
+        ),
+        ({"data": {"seed": 5}}, ["data.seed: checkpoint 0, this run 5"]),
+    ],
+)
 def test_mismatched_run_lists_every_difference_and_loads_nothing(ckpt, tmp_path, override, expected):
     trainer = _fresh_trainer(tmp_path, checkpoint={"resume": str(ckpt)}, **override)
     before = trainer.optimizer.flat_params.clone()
@@ -154,7 +172,7 @@ def test_resume_check_catches_an_rng_restore_that_does_nothing(tmp_path, monkeyp
     (good,) = train(config, tmp_path / "good")
     assert good["resume_ok"] is True
 
-    monkeypatch.setattr(checkpoint, "restore_rng", lambda tensors, meta: None)
+    monkeypatch.setattr(rng_state, "restore_rng", lambda tensors, meta: None)
     trainer = Trainer(RunConfig.from_dict(config), Comm.world(), tmp_path / "broken")
     check = trainer.run().resume_check
     assert not check.ok
@@ -167,13 +185,25 @@ def test_resume_with_dropout_continues_the_same_random_draws(tmp_path):
     one bit for bit only if each rank's generator state came back exactly."""
     common = dict(steps=8, every=4, model={"dropout": 0.1})
     full = train(tree(2, **common, checkpoint={"verify_resume": True}), tmp_path / "full")
-    resumed = train(tree(2, **common, checkpoint={"resume": str(tmp_path / "full/checkpoints/step_00000004")}),
-                    tmp_path / "resumed")
+    resumed = train(
+        tree(2, **common, checkpoint={"resume": str(tmp_path / "full/checkpoints/step_00000004")}),
+        tmp_path / "resumed",
+    )
     for rank in range(2):
         assert full[rank]["resume_ok"] is True
         assert resumed[rank]["start"] == 4
-        assert [resumed[rank]["losses"][s] for s in range(5, 9)] == [full[rank]["losses"][s] for s in range(5, 9)]
+        assert [resumed[rank]["losses"][s] for s in range(5, 9)] == [
+            full[rank]["losses"][s] for s in range(5, 9)
+        ]
         assert (resumed[rank]["params"] == full[rank]["params"]).all()
     # dropout is on: the same run without it takes other steps
     plain = train(tree(2, steps=8, every=4), tmp_path / "plain")
     assert plain[0]["losses"][5] != full[0]["losses"][5]
+
+
+def test_an_unreadable_shard_is_a_checkpoint_error_naming_the_file(tmp_path):
+    """load_shard on a file safetensors cannot parse (its callers verify first; a reader that
+    does not still gets one CheckpointError naming the file, not the parser's own exception)."""
+    (tmp_path / checkpoint.shard_name(0)).write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match=f"cannot read {checkpoint.shard_name(0)}: "):
+        checkpoint.load_shard(tmp_path, 0)

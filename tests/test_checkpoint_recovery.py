@@ -1,5 +1,6 @@
 """A save commits atomically: a crash or a full disk during it leaves the previous checkpoint loadable,
 keep_last prunes only after a newer one commits, and resume=latest picks the newest that verifies."""
+
 from __future__ import annotations
 
 import shutil
@@ -8,9 +9,9 @@ from pathlib import Path
 import pytest
 from ckpt_util import train, tree
 
+from distlib.app.faults import SAVE_CRASH_POINTS
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.app.faults import SAVE_CRASH_POINTS
 
 
 def _committed(run: Path) -> list[str]:
@@ -37,7 +38,7 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path, clean, 
     committed = point == "after_commit"
     assert _committed(run) == ["step_00000003"] + (["step_00000006"] if committed else [])
     assert _partials(run) == ([] if committed else [".step_00000006.partial"])
-    for path in checkpoint.list_committed(run / "checkpoints"):   # whatever is committed verifies
+    for path in checkpoint.list_committed(run / "checkpoints"):  # whatever is committed verifies
         checkpoint.verify(path)
 
     resumed = train(tree(2, steps=8, checkpoint={"resume": "latest"}), run)
@@ -71,8 +72,16 @@ def test_keep_last_prunes_only_after_a_newer_checkpoint_commits(tmp_path):
 
     # The save of step 10 dies before its commit: keep_last=1 must not have removed anything yet.
     with pytest.raises(AssertionError, match="exited with code -9"):
-        train(tree(2, steps=12, every=2, checkpoint={"keep_last": 1, "resume": "latest"},
-                   fault={"crash_in_save": "before_commit", "save_fault_step": 10}), run)
+        train(
+            tree(
+                2,
+                steps=12,
+                every=2,
+                checkpoint={"keep_last": 1, "resume": "latest"},
+                fault={"crash_in_save": "before_commit", "save_fault_step": 10},
+            ),
+            run,
+        )
     assert _committed(run) == ["step_00000006", "step_00000008"]
 
     train(tree(2, steps=12, every=2, checkpoint={"keep_last": 1, "resume": "latest"}), run)
@@ -96,7 +105,7 @@ def test_resume_latest_skips_damaged_and_uncommitted(tmp_path, clean, capfd):
     root = run / "checkpoints"
     shard = root / "step_00000006" / "rank00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1])
-    (root / "step_00000007").mkdir()                 # never committed: no manifest
+    (root / "step_00000007").mkdir()  # never committed: no manifest
     shutil.copytree(root / "step_00000003", root / ".step_00000008.partial")
     capfd.readouterr()
 
@@ -115,7 +124,10 @@ def test_resume_latest_refuses_when_every_checkpoint_is_damaged(tmp_path, clean)
     for step in ("step_00000003", "step_00000006"):
         (tmp_path / "checkpoints" / step / "rank00000.safetensors").unlink()
     result = train(tree(1, checkpoint={"resume": "latest"}), tmp_path)[0]
-    assert "none of the 2 checkpoint(s)" in result["error"] and "rank00000.safetensors is missing" in result["error"]
+    assert (
+        "none of the 2 checkpoint(s)" in result["error"]
+        and "rank00000.safetensors is missing" in result["error"]
+    )
 
 
 def test_resume_path_loads_exactly_that_or_fails(tmp_path, clean):

@@ -1,5 +1,6 @@
 """scripts/ckpt.py: inspect prints a manifest, verify's exit status tells a sound checkpoint from a
 damaged one, consolidate and reshard write loadable outputs and never overwrite or write into a checkpoint."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,13 +12,13 @@ import pytest
 import safetensors.torch
 import torch
 from ckpt_util import train, tree
-
-from distlib.checkpoint import sharded as checkpoint
-from distlib.checkpoint import reshard
-from distlib.app.data.batches import make_corpus
-from distlib.app.config.groups import ModelConfig
-from distlib.app.model.minigpt import MiniGPT
 from forkrun import run_script
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.data.batches import make_corpus
+from distlib.app.model.minigpt import MiniGPT
+from distlib.checkpoint import reshard
+from distlib.checkpoint import sharded as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "ckpt.py"
@@ -80,8 +81,9 @@ def test_consolidated_weights_load_into_a_plain_minigpt(ckpt, tmp_path):
 
     optim = safetensors.torch.load_file(str(tmp_path / "out" / "optimizer.safetensors"))
     for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(torch.cat([optim[f"{key}.{name}"].reshape(-1) for name, _ in model.named_parameters()]),
-                           full[key])
+        assert torch.equal(
+            torch.cat([optim[f"{key}.{name}"].reshape(-1) for name, _ in model.named_parameters()]), full[key]
+        )
 
     # And it is a working model: its loss on corpus text is well below ln(vocab) of an untrained one.
     tokens = torch.from_numpy(make_corpus(0, 17 * 8)).view(8, 17)
@@ -108,16 +110,22 @@ def _tree_of(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("verb", ["consolidate", "reshard"])
-@pytest.mark.parametrize("where", ["existing_dir", "existing_file", "the_checkpoint", "inside_checkpoint",
-                                   "deep_inside_checkpoint"])
+@pytest.mark.parametrize(
+    "where",
+    ["existing_dir", "existing_file", "the_checkpoint", "inside_checkpoint", "deep_inside_checkpoint"],
+)
 def test_outputs_never_overwrite_nor_land_in_a_checkpoint(ckpt, tmp_path, capsys, verb, where):
     """consolidate / reshard refuse an existing OUT, and an OUT inside a checkpoint
     directory (an extra file there makes that checkpoint fail verification), writing nothing."""
     source = tmp_path / "checkpoints" / ckpt.name
     shutil.copytree(ckpt, source)
-    out = {"existing_dir": tmp_path / "out", "existing_file": tmp_path / "out.safetensors",
-           "the_checkpoint": source, "inside_checkpoint": source / "export",
-           "deep_inside_checkpoint": source / "a" / "b"}[where]
+    out = {
+        "existing_dir": tmp_path / "out",
+        "existing_file": tmp_path / "out.safetensors",
+        "the_checkpoint": source,
+        "inside_checkpoint": source / "export",
+        "deep_inside_checkpoint": source / "a" / "b",
+    }[where]
     if where == "existing_dir":
         out.mkdir()
     elif where == "existing_file":
@@ -127,16 +135,20 @@ def test_outputs_never_overwrite_nor_land_in_a_checkpoint(ckpt, tmp_path, capsys
     assert ckpt_tool.main(argv) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: refusing to "), err
-    assert f"inside checkpoint {source}" in err if "inside" in where else "refusing to overwrite existing" in err
-    assert _tree_of(tmp_path) == before          # nothing written, not even a .partial directory
+    assert (
+        f"inside checkpoint {source}" in err if "inside" in where else "refusing to overwrite existing" in err
+    )
+    assert _tree_of(tmp_path) == before  # nothing written, not even a .partial directory
     checkpoint.verify(source)
 
 
 def test_refused_output_exits_nonzero_with_one_line(ckpt, tmp_path):
-    source = tmp_path / ckpt.name          # a copy: a broken refusal must not damage the shared one
+    source = tmp_path / ckpt.name  # a copy: a broken refusal must not damage the shared one
     shutil.copytree(ckpt, source)
     out = run_script(SCRIPT, "consolidate", str(source), str(source / "export"))
     assert out.returncode == 1 and out.stdout == ""
-    assert out.stderr == (f"error: refusing to write {source / 'export'} inside checkpoint {source}: a file its "
-                          f"manifest does not list would fail its verification; write it elsewhere\n")
+    assert out.stderr == (
+        f"error: refusing to write {source / 'export'} inside checkpoint {source}: a file its "
+        f"manifest does not list would fail its verification; write it elsewhere\n"
+    )
     checkpoint.verify(source)

@@ -1,11 +1,12 @@
 """Hydra overrides: bad values fail fast with a clear message; sweeps run one job per value."""
+
 import re
 import sys
 
 import pytest
 import torch
+from e2e import run, train
 
-from e2e import ROOT, run, train
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.launch.hydra_config import compose_tree
 
@@ -16,47 +17,67 @@ def _compose(*overrides):
 
 def test_default_config_is_the_capstone():
     cfg = RunConfig.from_dict(_compose())
-    assert (cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.vocab_size, cfg.model.seq_len) == \
-        (2, 32, 4, 64, 16)
-    assert (cfg.train.steps, cfg.global_batch // cfg.dist.world_size, cfg.dist.world_size, cfg.zero.stage) == \
-        (20, 4, 4, 1)
+    assert (
+        cfg.model.n_layers,
+        cfg.model.dim,
+        cfg.model.n_heads,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+    ) == (2, 32, 4, 64, 16)
+    assert (
+        cfg.train.steps,
+        cfg.global_batch // cfg.dist.world_size,
+        cfg.dist.world_size,
+        cfg.zero.stage,
+    ) == (20, 4, 4, 1)
     assert cfg.checkpoint.every_steps == 10 and cfg.dist.backend == "gloo"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("zero.stage=7", "zero.stage must be one of"),
-    ("dist.world_size=0", "dist.world_size must be an integer >= 1"),
-    ("model.dim=30", r"model.dim \(30\) must be divisible by model.n_heads \(4\)"),
-    ("train.global_batch=10", "does not divide"),
-    ("train.batch_size=3", "contradicts train.global_batch"),
-    ("+model.colour=red", "unknown key"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("zero.stage=7", "zero.stage must be one of"),
+        ("dist.world_size=0", "dist.world_size must be an integer >= 1"),
+        ("model.dim=30", r"model.dim \(30\) must be divisible by model.n_heads \(4\)"),
+        ("train.global_batch=10", "does not divide"),
+        ("train.batch_size=3", "contradicts train.global_batch"),
+        ("+model.colour=red", "unknown key"),
+    ],
+)
 def test_bad_values_are_refused_with_the_key_named(override, message):
     tree = _compose(override)
     with pytest.raises((ConfigError, ValueError), match=message):
         cfg = RunConfig.from_dict(tree)
         from distlib.app.data.batches import BatchPlan
+
         BatchPlan(cfg.global_batch, cfg.dist.world_size, cfg.train.grad_accum)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this machine has a GPU: NCCL is a valid choice here")
+@pytest.mark.skipif(
+    torch.cuda.device_count() > 0, reason="this machine has a GPU: NCCL is a valid choice here"
+)
 def test_nccl_without_cuda_is_one_config_error(tmp_path):
     """NCCL moves CUDA tensors only (before this check: a 60 s "rendezvous did not form")."""
     proc = train(tmp_path, "dist.backend=nccl", "dist.world_size=1", timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert "config error: dist.backend=nccl needs CUDA GPUs but this machine has no usable CUDA GPU" in proc.stderr
+    assert (
+        "config error: dist.backend=nccl needs CUDA GPUs but this machine has no usable CUDA GPU"
+        in proc.stderr
+    )
     assert "Traceback" not in proc.stderr and "rendezvous" not in proc.stderr
 
 
 def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
     """Under `python train.py` the launcher used to print only "training failed: rank 1 (exit 1)"."""
-    code = ("import runpy, sys\n"
-            "from distlib.app import trainer\n"
-            "def broken(self):\n"
-            "    raise RuntimeError(f'injected bug on rank {self.comm.rank}')\n"
-            "trainer.Trainer.run = broken   # the workers are forked, so they inherit it\n"
-            f"sys.argv = ['train.py', 'dist.world_size=2', 'hydra.run.dir={tmp_path}']\n"
-            "runpy.run_path('train.py', run_name='__main__')\n")
+    code = (
+        "import runpy, sys\n"
+        "from distlib.app import trainer\n"
+        "def broken(self):\n"
+        "    raise RuntimeError(f'injected bug on rank {self.comm.rank}')\n"
+        "trainer.Trainer.run = broken   # the workers are forked, so they inherit it\n"
+        f"sys.argv = ['train.py', 'dist.world_size=2', 'hydra.run.dir={tmp_path}']\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
     proc = run([sys.executable, "-c", code], timeout=120)
     assert proc.returncode == 1
     failed = re.search(r"error: training failed: rank (\d) \(exit 1\)", proc.stderr)
@@ -74,14 +95,16 @@ def test_a_refused_fresh_run_touches_nothing(tmp_path):
     (Hydra's .hydra/config.yaml and overrides.yaml used to be rewritten first)."""
     first = train(tmp_path, "dist.world_size=1", "train.steps=2", "checkpoint.every_steps=1", timeout=120)
     assert first.returncode == 0, first.stderr
-    assert (tmp_path / ".hydra" / "overrides.yaml").exists()   # written for a run that starts
+    assert (tmp_path / ".hydra" / "overrides.yaml").exists()  # written for a run that starts
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     before = _tree_bytes(tmp_path)
     again = train(tmp_path, "dist.world_size=1", "train.steps=3", "checkpoint.every_steps=3", timeout=120)
     assert again.returncode == 1
-    assert "already holds checkpoint(s) up to step_00000002; pass checkpoint.resume=latest" in again.stderr  # the newest
+    assert (
+        "already holds checkpoint(s) up to step_00000002; pass checkpoint.resume=latest" in again.stderr
+    )  # the newest
     assert "Traceback" not in again.stderr
-    assert _tree_bytes(tmp_path) == before                     # metrics.jsonl included
+    assert _tree_bytes(tmp_path) == before  # metrics.jsonl included
 
 
 def test_bad_override_on_the_command_line_fails_fast(tmp_path):
@@ -105,6 +128,7 @@ def test_multirun_sweep_over_world_size(world_size_sweep):
 @pytest.mark.slow
 def test_torchrun_world_size_contradicting_the_config_is_refused(tmp_path):
     from e2e import torchrun
+
     proc = torchrun(tmp_path, "dist.world_size=4", nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "dist.world_size=4 but 2 processes were started" in proc.stderr

@@ -7,6 +7,7 @@ order cannot matter), random data within the reduction-order bound. After all_re
 broadcast and all_gather every rank must hold identical bytes; that is checked on random
 data, where a rank-dependent summation order would show.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,16 +18,20 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 
 from distlib.comm import collectives as C
 from distlib.comm.group import Comm
-from multiproc import run_ranks
 
 SIZES = (0, 1, 3, 7, 1000, 4099)
 DTYPES = (torch.float32, torch.bfloat16)
 OPS = ("sum", "avg", "max", "min")
-TORCH_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-            "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+TORCH_OP = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 RS_ALGOS, AG_ALGOS = ("direct", "ring", "halving"), ("direct", "ring", "bruck")
 AR_ALGOS = ("exchange", "direct", "ring", "rabenseifner")
 BCAST_ALGOS = ("flat", "tree", "chain", "scatter")
@@ -35,7 +40,7 @@ TINY_SEGMENT = 64  # bytes: 16 fp32 / 32 bf16 elements per pipeline segment
 
 def _data(kind: str, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    if kind == "int":   # small integers: every partial sum of <= 4 of them is exact, even in bf16
+    if kind == "int":  # small integers: every partial sum of <= 4 of them is exact, even in bf16
         return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
     return torch.randn(numel, generator=g).to(dtype)
 
@@ -99,8 +104,12 @@ def _run_battery(comm: Comm, group=None, sizes=SIZES, dtypes=DTYPES) -> dict[str
                         _assert_reduced(got, ref, x, op, kind, comm, where, group, bounds)
 
             # all_gather: rank j's chunk is derived from seed j, so every rank knows the answer.
-            full = torch.cat([_data("rand", numel, dtype, 7 + j)[slice(*b)]
-                              for j, b in enumerate(C.chunk_bounds(numel, comm.size))])
+            full = torch.cat(
+                [
+                    _data("rand", numel, dtype, 7 + j)[slice(*b)]
+                    for j, b in enumerate(C.chunk_bounds(numel, comm.size))
+                ]
+            )
             for algo in AG_ALGOS:
                 for in_place in (False, True):
                     where = _case_name("all_gather", algo, in_place, numel, dtype)
@@ -115,7 +124,7 @@ def _run_battery(comm: Comm, group=None, sizes=SIZES, dtypes=DTYPES) -> dict[str
             for algo in BCAST_ALGOS:
                 for src in range(comm.size):
                     where = _case_name("broadcast", algo, src, numel, dtype)
-                    x = _data("rand", numel, dtype, seed0 + 500 + src)   # differs on every rank
+                    x = _data("rand", numel, dtype, seed0 + 500 + src)  # differs on every rank
                     ref = x.clone()
                     dist.broadcast(ref, src=comm.peer(src), group=group)
                     assert C.broadcast(x, src, comm, algo=algo) is x
@@ -169,10 +178,12 @@ def _more_dtypes_rank(comm: Comm) -> list[str]:
     C.SEGMENT_BYTES = 16 << 10
     # latency 256x cheaper: 70001 elements are priced like ~70 MB, so the large-tensor algorithms run
     m = C.MODEL
-    C.MODEL = dataclasses.replace(m, alpha=m.alpha / 256, mu=m.mu / 256, nu=m.nu / 256, segment=C.SEGMENT_BYTES)
+    C.MODEL = dataclasses.replace(
+        m, alpha=m.alpha / 256, mu=m.mu / 256, nu=m.nu / 256, segment=C.SEGMENT_BYTES
+    )
     assert C.choose_algorithm("all_reduce", 70_001 * 4, comm.size) not in ("exchange", "direct")
     for dtype in (torch.float64, torch.float16, torch.int32, torch.int64):
-        for numel in (5, 70_001):           # 70001 x 2-8 bytes > every lowered threshold
+        for numel in (5, 70_001):  # 70001 x 2-8 bytes > every lowered threshold
             x = _data("int", numel, torch.float64, comm.rank).to(dtype)
             for op in ("sum", "max", "min") + (("avg",) if dtype.is_floating_point else ()):
                 got = C.all_reduce(x.clone(), comm, op)
@@ -183,12 +194,12 @@ def _more_dtypes_rank(comm: Comm) -> list[str]:
             if not dtype.is_floating_point:
                 with pytest.raises(ValueError, match="avg"):
                     C.all_reduce(x.clone(), comm, "avg")
-    for rows in (6, 7001):                  # 7001 x 20 x 4 bytes: chain broadcast on 3 ranks
+    for rows in (6, 7001):  # 7001 x 20 x 4 bytes: chain broadcast on 3 ranks
         x = _data("rand", rows * 20, torch.float32, comm.rank).reshape(rows, 20)
         ref = x.clone()
         dist.broadcast(ref, src=comm.size - 1)
         assert torch.equal(C.broadcast(x, comm.size - 1, comm), ref) and x.shape == (rows, 20)
-    out = torch.empty(4 * comm.size, 3)     # even split: compare with all_gather_into_tensor too
+    out = torch.empty(4 * comm.size, 3)  # even split: compare with all_gather_into_tensor too
     mine = torch.full((4, 3), float(comm.rank))
     expect = torch.empty_like(out)
     dist.all_gather_into_tensor(expect, mine)
@@ -227,7 +238,7 @@ def _timeout_rank(comm: Comm) -> list[str]:
         "all_gather": lambda c: C.all_gather(torch.zeros(4), torch.zeros(2), c),
         "all_reduce": lambda c: C.all_reduce(torch.zeros(4), c),
     }
-    for name, call in calls.items():
+    for _name, call in calls.items():
         group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=0.3))
         if comm.rank == 0:
             start = time.monotonic()
@@ -237,7 +248,7 @@ def _timeout_rank(comm: Comm) -> list[str]:
             assert time.monotonic() - start < 3, "the process group timeout did not bound the wait"
             assert info.value.__cause__ is not None, "original exception not chained"
             messages.append(str(info.value))
-        dist.barrier()      # rank 1 stays alive (silent) until rank 0 has timed out
+        dist.barrier()  # rank 1 stays alive (silent) until rank 0 has timed out
     return messages
 
 
@@ -249,6 +260,7 @@ def test_hang_becomes_error_naming_collective_rank_and_peer():
 
 
 # ---------------------------------------------------------------- single process, no ranks
+
 
 def test_chunk_bounds_match_tensor_split():
     for numel in (0, 1, 3, 7, 8, 1000, 4099):
@@ -291,17 +303,25 @@ def test_bad_arguments_raise_value_error():
 
 def test_algorithm_choice_is_the_cost_models_cheapest_and_keeps_small_sums_in_rank_order():
     from distlib.comm import cost_model
+
     mib = 1 << 20
     for coll, algos in cost_model.CANDIDATES.items():
         for world in range(2, 9):
             for nbytes in (1 << k for k in range(4, 27)):
                 got = C.choose_algorithm(coll, nbytes, world)
                 costs = [cost_model.estimate(coll, a, nbytes, world) for a in algos]
-                assert got in algos and cost_model.estimate(coll, got, nbytes, world) == min(costs), (coll, world, nbytes)
+                assert got in algos and cost_model.estimate(coll, got, nbytes, world) == min(costs), (
+                    coll,
+                    world,
+                    nbytes,
+                )
     # the golden runs' tensors (< 1 MiB) keep the rank-order fold 0..N-1 (exchange or direct) at
     # every world size, and the large ones leave exchange's (N-1) B per rank
     for world in range(2, 9):
-        assert {C.choose_algorithm("all_reduce", 1 << k, world) for k in range(2, 20)} <= {"exchange", "direct"}
+        assert {C.choose_algorithm("all_reduce", 1 << k, world) for k in range(2, 20)} <= {
+            "exchange",
+            "direct",
+        }
         assert C.choose_algorithm("all_reduce", 1 << 10, world) == "exchange"
         assert C.choose_algorithm("all_reduce", 64 * mib, world) != "exchange"
     # a model with cheaper latency moves the same size to the bandwidth-optimal algorithms
@@ -313,7 +333,12 @@ def test_algorithm_choice_is_the_cost_models_cheapest_and_keeps_small_sums_in_ra
 
 def test_cost_model_table_lists_every_candidate_and_collectives_dispatches_each():
     from distlib.comm import cost_model
-    rows = [line.split("|")[1:3] for line in cost_model.__doc__.splitlines() if line.startswith("| ") and "---" not in line]
+
+    rows = [
+        line.split("|")[1:3]
+        for line in cost_model.__doc__.splitlines()
+        if line.startswith("| ") and "---" not in line
+    ]
     listed = {}
     for coll, algo in rows[1:]:
         listed.setdefault(coll.strip(), []).append(algo.strip())

@@ -4,12 +4,13 @@ One count of traffic: the CommStats of the world, data-parallel and tensor-paral
 (comm.mesh gives each sub-group its own). ``comm_bytes`` reads the dp and tp ones; the per-kind
 ``comm`` record adds all three, each once.
 """
+
 import json
 from pathlib import Path
 
 import torch
-
 from multiproc import run_ranks
+
 from distlib.app.config.groups import MetricsConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.observe.metrics import MetricsLog
@@ -23,14 +24,17 @@ MEMORY = {"params": 0, "grads": 0, "optimizer": 0}
 def _log_one_step(comm, tp: int, run_dir: str) -> None:
     world = comm.instrumented(check=False)
     mesh = build_mesh(world, tp)
-    with MetricsLog(MetricsConfig(progress_every=0), Path(run_dir), world, 1, 1,
-                    groups={"dp": mesh.dp, "tp": mesh.tp}) as log:
-        collectives.all_reduce(torch.ones(100), mesh.dp)     # before the step: not in its record
+    with MetricsLog(
+        MetricsConfig(progress_every=0), Path(run_dir), world, 1, 1, groups={"dp": mesh.dp, "tp": mesh.tp}
+    ) as log:
+        collectives.all_reduce(torch.ones(100), mesh.dp)  # before the step: not in its record
         log.begin_step()
         collectives.all_reduce(torch.ones(10), mesh.dp)
         collectives.all_reduce(torch.ones(30), mesh.tp)
         collectives.broadcast(torch.ones(7), 0, world)
-        log.step(1, loss=1.0, local_loss=1.0, grad_norm=1.0, param_norm=1.0, lr=0.1, seconds=1.0, memory=MEMORY)
+        log.step(
+            1, loss=1.0, local_loss=1.0, grad_norm=1.0, param_norm=1.0, lr=0.1, seconds=1.0, memory=MEMORY
+        )
 
 
 def _record(run_dir) -> dict:
@@ -43,13 +47,16 @@ def test_comm_bytes_are_each_groups_bytes_sent_and_the_kinds_count_every_group_o
     rec = _record(tmp_path / "tp2")
     assert rec["comm_bytes"] == {"dp": 4 * 10, "tp": 4 * 30}
     assert rec["comm"]["all_reduce"]["calls"] == 2 and rec["comm"]["all_reduce"]["bytes"]["max"] == 4 * 40
-    assert rec["comm"]["broadcast"]["calls"] == 1      # the world's own collectives are counted too
+    assert rec["comm"]["broadcast"]["calls"] == 1  # the world's own collectives are counted too
     # tp=1: dp is the world's process group, still counted apart and not twice.
     run_ranks(_log_one_step, 2, 1, str(tmp_path / "tp1"))
     rec = _record(tmp_path / "tp1")
     assert rec["comm_bytes"] == {"dp": 4 * 10, "tp": 0}
-    assert rec["comm"]["all_reduce"] == {"calls": 1, "bytes": {"max": 40.0, "mean": 40.0},
-                                         "seconds": rec["comm"]["all_reduce"]["seconds"]}
+    assert rec["comm"]["all_reduce"] == {
+        "calls": 1,
+        "bytes": {"max": 40.0, "mean": 40.0},
+        "seconds": rec["comm"]["all_reduce"]["seconds"],
+    }
 
 
 def _train(comm, tree: dict, run_dir: str) -> int:
@@ -64,8 +71,13 @@ def test_stage0_comm_bytes_are_the_all_reduce_the_algorithm_sends_not_the_ring_f
     exchange all-reduce sends B to each of the N-1 peers: (N-1) B, twice the ring algorithm's
     2 (N-1)/N B that the optimizer used to report."""
     n = 4
-    tree = {"dist": {"world_size": n}, "zero": {"stage": 0}, "train": {"steps": 3},
-            "checkpoint": {"every_steps": 0, "every_minutes": 0}, "metrics": {"progress_every": 0}}
+    tree = {
+        "dist": {"world_size": n},
+        "zero": {"stage": 0},
+        "train": {"steps": 3},
+        "checkpoint": {"every_steps": 0, "every_minutes": 0},
+        "metrics": {"progress_every": 0},
+    }
     padded = run_ranks(_train, n, tree, str(tmp_path))[0]
     records = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["type"] == "step"]
     b, header = 4 * padded, 9 * 8

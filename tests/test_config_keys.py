@@ -7,6 +7,7 @@ which the command line goes through: a sample of keys is also run through the re
 A manifest whose model or data config is invalid is refused by ``scripts/ckpt.py verify`` and by
 a resume, naming the key.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,12 +17,12 @@ import typing
 from pathlib import Path
 
 import pytest
+from forkrun import run_script
 
 import train
 from distlib.app.config import schema
 from distlib.app.config.run import GROUPS, RunConfig
 from distlib.launch.hydra_config import compose_tree, defaults_tree
-from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "ckpt_v1_ws2_stage1_step10"
@@ -46,7 +47,7 @@ def _all_keys() -> list[tuple[str, schema.Spec]]:
 
 
 def _wrong_type(spec: schema.Spec):
-    return 5 if spec.base is str else "maybe"      # a number for a string; a string for everything else
+    return 5 if spec.base is str else "maybe"  # a number for a string; a string for everything else
 
 
 def _out_of_range(spec: schema.Spec):
@@ -64,7 +65,7 @@ def _out_of_range(spec: schema.Spec):
             return base(rule.le + step)
         return base(rule.lt)
     if typing.get_origin(base) is tuple:
-        return [0, 1]                              # profile_steps: the first step is 1
+        return [0, 1]  # profile_steps: the first step is 1
     return None
 
 
@@ -93,8 +94,11 @@ def _with(tree: dict, settings: dict) -> dict:
 
 def test_every_key_has_a_rule_or_is_named_free_form():
     """No key escapes the matrix below: each has a range (or choices), is a bool, or is listed."""
-    unchecked = [name for name, spec in _all_keys() if spec.base is not bool and name not in SPECIAL_RANGE
-                 and _out_of_range(spec) is None]
+    unchecked = [
+        name
+        for name, spec in _all_keys()
+        if spec.base is not bool and name not in SPECIAL_RANGE and _out_of_range(spec) is None
+    ]
     assert sorted(unchecked) == sorted(FREE_FORM)
 
 
@@ -121,21 +125,27 @@ def warm_hydra():
     compose_tree(["seed=1"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("seed=abc", "config error: seed must be an integer >= 0, got 'abc'"),
-    ("model.vocab_size=1", "config error: model.vocab_size must be an integer >= 2, got 1"),
-    ("optimizer.lr=fast", "config error: optimizer.lr must be a number > 0, got 'fast'"),
-    ("zero.overlap=2", "config error: zero.overlap must be true or false, got 2"),
-    ("dist.pp_schedule=zigzag", "config error: dist.pp_schedule must be one of ['gpipe', '1f1b', 'interleaved']"),
-    ("train.profile_steps=[0,3]", "config error: train.profile_steps must be [a, b] with 1 <= a <= b"),
-    ("fault.kill_rank=-1", "config error: fault.kill_rank must be null or an integer >= 0, got -1"),
-    ("checkpoint.dir=5", "config error: checkpoint.dir must be a string, got 5"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("seed=abc", "config error: seed must be an integer >= 0, got 'abc'"),
+        ("model.vocab_size=1", "config error: model.vocab_size must be an integer >= 2, got 1"),
+        ("optimizer.lr=fast", "config error: optimizer.lr must be a number > 0, got 'fast'"),
+        ("zero.overlap=2", "config error: zero.overlap must be true or false, got 2"),
+        (
+            "dist.pp_schedule=zigzag",
+            "config error: dist.pp_schedule must be one of ['gpipe', '1f1b', 'interleaved']",
+        ),
+        ("train.profile_steps=[0,3]", "config error: train.profile_steps must be [a, b] with 1 <= a <= b"),
+        ("fault.kill_rank=-1", "config error: fault.kill_rank must be null or an integer >= 0, got -1"),
+        ("checkpoint.dir=5", "config error: checkpoint.dir must be a string, got 5"),
+    ],
+)
 def test_the_command_line_goes_through_the_same_check(override, message, warm_hydra, tmp_path):
     proc = run_script("train.py", override, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
-    run = tmp_path / "run"           # refused before the run wrote anything (Hydra may open an empty log)
+    run = tmp_path / "run"  # refused before the run wrote anything (Hydra may open an empty log)
     assert not run.exists() or {p.name for p in run.iterdir()} <= {"train.log"}
 
 
@@ -148,27 +158,44 @@ def _damaged_copy(tmp_path: Path, edit) -> Path:
     return ckpt
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda m: m["model"].update(dim=-1), "model.dim must be an integer >= 1, got -1"),
-    (lambda m: m["model"].update(colour="red"), "unknown key(s) in config group 'model': ['colour']"),
-    (lambda m: m["data_config"].update(follow_prob=2.0), "data.follow_prob must be a number >= 0 and <= 1, got 2.0"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["model"].update(dim=-1), "model.dim must be an integer >= 1, got -1"),
+        (lambda m: m["model"].update(colour="red"), "unknown key(s) in config group 'model': ['colour']"),
+        (
+            lambda m: m["data_config"].update(follow_prob=2.0),
+            "data.follow_prob must be a number >= 0 and <= 1, got 2.0",
+        ),
+    ],
+)
 def test_ckpt_verify_refuses_an_invalid_run_configuration_in_the_manifest(tmp_path, edit, message):
     ckpt = _damaged_copy(tmp_path, edit)
     proc = run_script("scripts/ckpt.py", "verify", str(ckpt))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stderr.startswith(f"error: checkpoint {ckpt}: the run configuration in its manifest is invalid: "
-                                  f"{message}") and proc.stderr.count("\n") == 1, proc.stderr
-    assert run_script("scripts/ckpt.py", "verify", str(FIXTURE)).returncode == 0     # the original is fine
+    assert (
+        proc.stderr.startswith(
+            f"error: checkpoint {ckpt}: the run configuration in its manifest is invalid: {message}"
+        )
+        and proc.stderr.count("\n") == 1
+    ), proc.stderr
+    assert run_script("scripts/ckpt.py", "verify", str(FIXTURE)).returncode == 0  # the original is fine
 
 
 @pytest.mark.slow
 def test_a_resume_refuses_an_invalid_run_configuration_in_the_manifest(tmp_path):
     ckpt = _damaged_copy(tmp_path, lambda m: m["model"].update(dim=-1))
-    proc = run_script("train.py", "dist.world_size=2", f"checkpoint.resume={ckpt}", f"hydra.run.dir={tmp_path / 'run'}",
-                      timeout=180)
+    proc = run_script(
+        "train.py",
+        "dist.world_size=2",
+        f"checkpoint.resume={ckpt}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=180,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: checkpoint")]
-    assert lines == [f"error: checkpoint {ckpt}: the run configuration in its manifest is invalid: "
-                     f"model.dim must be an integer >= 1, got -1"], proc.stderr
+    assert lines == [
+        f"error: checkpoint {ckpt}: the run configuration in its manifest is invalid: "
+        f"model.dim must be an integer >= 1, got -1"
+    ], proc.stderr
     assert "Traceback" not in proc.stderr

@@ -17,8 +17,10 @@ def test_corpus_is_deterministic_and_learnable():
 def test_ranks_get_disjoint_slices_of_one_global_batch():
     tokens = make_corpus(0, 20000)
     world, plan_global = 4, 16
-    per_rank = [GlobalBatches(tokens, 16, BatchPlan(plan_global, world, 1), seed=1).micro_batches(3, r)[0][0]
-                for r in range(world)]
+    per_rank = [
+        GlobalBatches(tokens, 16, BatchPlan(plan_global, world, 1), seed=1).micro_batches(3, r)[0][0]
+        for r in range(world)
+    ]
     single = GlobalBatches(tokens, 16, BatchPlan(plan_global, 1, 1), seed=1).micro_batches(3, 0)[0][0]
     stacked = np.concatenate([p.numpy() for p in per_rank])
     assert np.array_equal(stacked, single.numpy()), "ranks' slices must tile the world-size-1 global batch"
@@ -28,7 +30,7 @@ def test_ranks_get_disjoint_slices_of_one_global_batch():
 
 def test_targets_are_inputs_shifted_by_one():
     batches = GlobalBatches(make_corpus(0, 3000), 16, BatchPlan(4, 1, 1), seed=0)
-    (x, y), = batches.micro_batches(0, 0)
+    ((x, y),) = batches.micro_batches(0, 0)
     assert np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())
 
 
@@ -50,12 +52,20 @@ def _make_corpus_loop(seed, total_tokens, vocab_size=64, follow_prob=0.9):
     return tokens
 
 
-@pytest.mark.parametrize("seed,total,vocab,follow", [
-    (0, 65536, 64, 0.9),        # the capstone's corpus
-    (1, 5000, 64, 0.9), (7, 3001, 33, 0.9), (123, 4096, 256, 0.9),
-    (5, 2000, 2, 0.5), (9, 2000, 64, 0.0), (11, 3000, 17, 1.0), (13, 2, 64, 0.9),
-    (17, 10000, 1000, 0.97),
-])
+@pytest.mark.parametrize(
+    "seed,total,vocab,follow",
+    [
+        (0, 65536, 64, 0.9),  # the capstone's corpus
+        (1, 5000, 64, 0.9),
+        (7, 3001, 33, 0.9),
+        (123, 4096, 256, 0.9),
+        (5, 2000, 2, 0.5),
+        (9, 2000, 64, 0.0),
+        (11, 3000, 17, 1.0),
+        (13, 2, 64, 0.9),
+        (17, 10000, 1000, 0.97),
+    ],
+)
 def test_vectorised_corpus_equals_the_token_by_token_loop(seed, total, vocab, follow):
     fast = make_corpus(seed, total, vocab, follow)
     slow = _make_corpus_loop(seed, total, vocab, follow)

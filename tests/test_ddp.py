@@ -1,9 +1,9 @@
 import torch
-
 from multiproc import run_ranks
-from distlib.parallel.broadcast import broadcast_module_
+
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model.minigpt import MiniGPT
+from distlib.parallel.broadcast import broadcast_module_
 
 
 class WithBuffer(torch.nn.Module):
@@ -14,7 +14,7 @@ class WithBuffer(torch.nn.Module):
 
 
 def _replicas(comm):
-    torch.manual_seed(100 + comm.rank)          # every rank starts from different weights
+    torch.manual_seed(100 + comm.rank)  # every rank starts from different weights
     module = WithBuffer()
     module.counter += comm.rank + 1
     before = torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
@@ -28,7 +28,9 @@ def test_broadcast_module_gives_every_rank_rank0s_parameters_and_buffers():
         results = run_ranks(_replicas, world)
         rank0_before = results[0][0]
         for rank, (before, after, counter) in enumerate(results):
-            assert after.tobytes() == rank0_before.tobytes(), f"rank {rank} of {world} did not get rank 0's weights"
+            assert after.tobytes() == rank0_before.tobytes(), (
+                f"rank {rank} of {world} did not get rank 0's weights"
+            )
             assert counter.tolist() == [1, 1, 1], f"rank {rank}'s buffer was not broadcast"
             if rank:
                 assert before.tobytes() != rank0_before.tobytes()  # the test would notice a missing broadcast

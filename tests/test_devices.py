@@ -3,8 +3,8 @@
 * Every factory call in the training path names its device: a run with torch's default device
   set to ``meta`` (where any tensor created without ``device=`` would land, and then fail at its
   first real use) and torch's factories refusing a call from distlib without ``device=`` (autograd
-  hooks do not see the default device) trains bit for bit like the plain run, at every ZeRO stage and with tensor
-  parallelism, checkpoint save, resume check and evaluation included; and every buffer of the
+  hooks do not see the default device) trains bit for bit like the plain run, at every ZeRO stage
+  and with tensor parallelism, checkpoint save, resume check and evaluation included; and every buffer of the
   optimizer is on the model's device afterwards.
 * The two transports a GPU needs, exercised over gloo: staging every message through a buffer
   (what a CUDA tensor over gloo takes) and posting each round as one ``batch_isend_irecv``
@@ -12,34 +12,47 @@
 * The config rules of ``train.device`` and ``dist.backend=nccl``.
 * A checkpoint as a GPU writes it (with ``rng.cuda``) loads on the CPU and continues exactly.
 """
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-
 import test_collectives as battery
+import torch
+from multiproc import run_ranks
+
 from distlib.app import devices
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.trainer import Trainer
-from distlib.checkpoint import reshard, sharded
+from distlib.checkpoint import reshard, rng_state, sharded
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.p2p import P2P
-from multiproc import run_ranks
 
 MODEL = {"vocab_size": 30, "seq_len": 8, "dim": 16, "n_heads": 4, "n_layers": 2, "mlp_ratio": 2}
 
 
 def _cfg(stage: int, tp: int = 1, resume: str | None = None, dtype: str = "fp32") -> RunConfig:
-    return RunConfig.from_dict({
-        "model": MODEL, "zero": {"stage": stage, "bucket_numel": 600},
-        "data": {"total_tokens": 4096, "val_fraction": 0.1},
-        "train": {"steps": 3, "global_batch": 8, "grad_accum": 2, "eval_every": 3, "eval_windows": 5, "dtype": dtype},
-        "dist": {"world_size": 2, "tp": tp}, "guard": {"check_sync_every": 3},
-        "checkpoint": {"every_steps": 2, "resume": resume}})
+    return RunConfig.from_dict(
+        {
+            "model": MODEL,
+            "zero": {"stage": stage, "bucket_numel": 600},
+            "data": {"total_tokens": 4096, "val_fraction": 0.1},
+            "train": {
+                "steps": 3,
+                "global_batch": 8,
+                "grad_accum": 2,
+                "eval_every": 3,
+                "eval_windows": 5,
+                "dtype": dtype,
+            },
+            "dist": {"world_size": 2, "tp": tp},
+            "guard": {"check_sync_every": 3},
+            "checkpoint": {"every_steps": 2, "resume": resume},
+        }
+    )
 
 
 def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None):
@@ -61,14 +74,21 @@ def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None):
         torch.set_default_device(None)
         reshard.load_partition = read
     opt = trainer.optimizer
-    buffers = {name: t for name in ("flat_params", "flat_grads", "master", "exp_avg", "exp_avg_sq", "param_shard")
-               if isinstance(t := getattr(opt, name, None), torch.Tensor)}
+    buffers = {
+        name: t
+        for name in ("flat_params", "flat_grads", "master", "exp_avg", "exp_avg_sq", "param_shard")
+        if isinstance(t := getattr(opt, name, None), torch.Tensor)
+    }
     if hasattr(opt, "grads"):
         buffers |= {f"grads.live[{i}]": t for i, t in enumerate(opt.grads.live())}
     buffers |= {f"unit[{i}]": t for i, t in enumerate(getattr(opt, "_unit_buffers", []))}
     buffers |= {f"param {n}": p for n, p in trainer.model.named_parameters()}
-    return {"losses": [s.loss.hex() for s in result.steps], "val": [s.val_loss for s in result.steps],
-            "resume_ok": result.resume_check and result.resume_check.ok, "devices": {k: str(t.device) for k, t in buffers.items()}}
+    return {
+        "losses": [s.loss.hex() for s in result.steps],
+        "val": [s.val_loss for s in result.steps],
+        "resume_ok": result.resume_check and result.resume_check.ok,
+        "devices": {k: str(t.device) for k, t in buffers.items()},
+    }
 
 
 FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint")
@@ -79,13 +99,18 @@ def _strict_factories() -> None:
     """Make torch's factory functions refuse a call from distlib without ``device=``. Autograd
     hooks (ZeRO-2/3 buckets, bf16 accumulation) run with the default-device mode switched off,
     so this is what covers them. (In a forked rank: the test process is untouched.)"""
+
     def strict(name, real):
         def factory(*args, **kwargs):
             caller = sys._getframe(1)
             if "device" not in kwargs and caller.f_code.co_filename.startswith(DISTLIB):
-                raise AssertionError(f"torch.{name} without device= at {caller.f_code.co_filename}:{caller.f_lineno}")
+                raise AssertionError(
+                    f"torch.{name} without device= at {caller.f_code.co_filename}:{caller.f_lineno}"
+                )
             return real(*args, **kwargs)
+
         return factory
+
     for name in FACTORIES:
         setattr(torch, name, strict(name, getattr(torch, name)))
 
@@ -119,7 +144,7 @@ def test_no_tensor_of_a_training_run_is_created_on_the_default_device(tmp_path):
 def _transport_battery(comm, mode: str):
     """test_collectives' battery (every collective, algorithm, size, dtype, op) in ``mode``."""
     if "batched" in mode:
-        Comm.batched = property(lambda self: True)       # (a forked rank: the parent is untouched)
+        Comm.batched = property(lambda self: True)  # (a forked rank: the parent is untouched)
     if "staged" in mode:
         P2P.staged = lambda self, t: True
     return battery._battery_rank(comm)
@@ -161,9 +186,11 @@ class _Done:
 
 # -- config rules -------------------------------------------------------------
 def test_train_device_values_are_validated():
-    with pytest.raises(ConfigError, match=r"train.device must be one of \['auto', 'cpu', 'cuda'\], got 'gpu'"):
+    with pytest.raises(
+        ConfigError, match=r"train.device must be one of \['auto', 'cpu', 'cuda'\], got 'gpu'"
+    ):
         RunConfig.from_dict({"train": {"device": "gpu"}})
-    assert RunConfig.from_dict({}).device(3) == "cpu"                        # auto + gloo: the CPU
+    assert RunConfig.from_dict({}).device(3) == "cpu"  # auto + gloo: the CPU
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this machine has a GPU")
@@ -178,7 +205,7 @@ def test_device_choice_with_gpus(monkeypatch):
     monkeypatch.setattr(devices, "cuda_devices", lambda: 2)
     nccl = RunConfig.from_dict({"dist": {"backend": "nccl"}})
     assert [nccl.device(r) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
-    shared = RunConfig.from_dict({"train": {"device": "cuda"}})               # gloo, ranks share GPUs
+    shared = RunConfig.from_dict({"train": {"device": "cuda"}})  # gloo, ranks share GPUs
     assert (shared.dist.backend, shared.device(3)) == ("gloo", "cuda:1")
     assert RunConfig.from_dict({"train": {"device": "cpu"}}).device(1) == "cpu"
     with pytest.raises(ConfigError, match="dist.backend=nccl moves CUDA tensors only, but train.device=cpu"):
@@ -187,21 +214,22 @@ def test_device_choice_with_gpus(monkeypatch):
 
 # -- checkpoints across devices -------------------------------------------------
 def test_cpu_checkpoints_hold_no_cuda_rng_state():
-    tensors, _ = sharded.capture_rng("cpu")
+    tensors, _ = rng_state.capture_rng("cpu")
     assert sorted(tensors) == ["rng.numpy_keys", "rng.torch"]
 
 
 def _gpu_written_checkpoint(comm, root: str):
     """Train 3 steps saving at 2 with a capture_rng that also writes ``rng.cuda`` (as on a GPU),
     then resume from step 2 on the CPU: the same losses as the uninterrupted run."""
-    real = sharded.capture_rng
+    real = rng_state.capture_rng
 
     def as_on_a_gpu(device="cpu"):
         tensors, meta = real(device)
         return {**tensors, "rng.cuda": torch.arange(16, dtype=torch.uint8)}, meta
-    sharded.capture_rng = as_on_a_gpu
+
+    rng_state.capture_rng = as_on_a_gpu
     first = _run(comm, _cfg(1), Path(root) / "gpu", None)
-    sharded.capture_rng = real
+    rng_state.capture_rng = real
     ckpt = Path(root) / "gpu" / "checkpoints" / "step_00000002"
     keys = sorted(sharded.load_shard(ckpt, comm.rank)[0])
     resumed = _run(comm, _cfg(1, resume=str(ckpt)), Path(root) / "cpu", None)

@@ -5,22 +5,24 @@ tensors are staged through pinned host memory. The collectives give the bytes th
 training run keeps every buffer on the GPU, follows the CPU run's losses, and its checkpoints
 load on the CPU and the other way round.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
+from multiproc import run_ranks
 
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 from distlib.comm import agree
 from distlib.comm import collectives as C
-from multiproc import run_ranks
 
 # device_count (NVML), not is_available: the test process must not initialise CUDA before it forks
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() == 0,
-                                reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() == 0, reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)"
+)
 GPU = "cuda:0"
 MODEL = {"vocab_size": 30, "seq_len": 8, "dim": 16, "n_heads": 4, "n_layers": 2, "mlp_ratio": 2}
 
@@ -47,8 +49,15 @@ def _collectives(comm):
             out.append(("all_gather", algo, numel, torch.equal(full.cpu(), ref), full.device.type))
         for algo in ("flat", "tree", "chain", "scatter"):
             gpu = C.broadcast(x.to(GPU), 1, comm, algo=algo)
-            out.append(("broadcast", algo, numel, torch.equal(gpu.cpu(), C.broadcast(x.clone(), 1, comm, algo=algo)),
-                        gpu.device.type))
+            out.append(
+                (
+                    "broadcast",
+                    algo,
+                    numel,
+                    torch.equal(gpu.cpu(), C.broadcast(x.clone(), 1, comm, algo=algo)),
+                    gpu.device.type,
+                )
+            )
     return out
 
 
@@ -59,9 +68,15 @@ def test_collectives_on_cuda_tensors_over_gloo_match_the_cpu():
 
 
 def _cfg(resume: str | None = None, steps: int = 4) -> RunConfig:
-    return RunConfig.from_dict({"model": MODEL, "data": {"total_tokens": 4096},
-                                "train": {"steps": steps, "global_batch": 8, "device": "cuda"},
-                                "dist": {"world_size": 2}, "checkpoint": {"every_steps": 2, "resume": resume}})
+    return RunConfig.from_dict(
+        {
+            "model": MODEL,
+            "data": {"total_tokens": 4096},
+            "train": {"steps": steps, "global_batch": 8, "device": "cuda"},
+            "dist": {"world_size": 2},
+            "checkpoint": {"every_steps": 2, "resume": resume},
+        }
+    )
 
 
 def _train(comm, run_dir: Path, device: str, resume: str | None = None, steps: int = 4):
@@ -74,7 +89,9 @@ def _train(comm, run_dir: Path, device: str, resume: str | None = None, steps: i
     trainer = Trainer(_cfg(resume, steps), comm, run_dir, device=device)
     result = trainer.run()
     opt = trainer.optimizer
-    devices = {str(t.device) for t in (opt.flat_params, opt.flat_grads, opt.master, opt.exp_avg, opt.exp_avg_sq)}
+    devices = {
+        str(t.device) for t in (opt.flat_params, opt.flat_grads, opt.master, opt.exp_avg, opt.exp_avg_sq)
+    }
     return [s.loss for s in result.steps], devices, result.resume_check and result.resume_check.ok
 
 

@@ -1,5 +1,6 @@
 """The guard's verdict, the replica check, the split optimizer step, collective header checks,
 per-kind accounting and the stall diagnosis, on real gloo ranks."""
+
 import datetime
 import math
 import time
@@ -9,15 +10,13 @@ import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 
-from distlib.comm import collectives
-from distlib.app.unattended import guard
-from distlib.parallel.adamw import AdamWConfig
-from distlib.app.config.groups import OptimizerConfig
-from distlib.comm.p2p import CollectiveMismatchError
-from distlib.comm.group import Comm
+from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.config.operation import GuardConfig
-from distlib.app.config.groups import ModelConfig
 from distlib.app.model.minigpt import build_model
+from distlib.app.unattended import guard
+from distlib.comm import collectives
+from distlib.comm.group import Comm
+from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError, watch
 from distlib.parallel.zero import make_optimizer
 
@@ -35,15 +34,15 @@ def _verdicts(comm, cases):
 def test_verdict_is_identical_on_every_rank_and_trips_for_the_right_reasons():
     nan = float("nan")
     cases = [
-        ([1.0, 2.0, 3.0], 0.5, [], {}),                          # no history: nothing to compare with
-        ([1.0, 2.0, 3.0], 0.5, [1.5], {}),                       # 2.0 <= 2 x 1.5
-        ([1.0, 2.0, 9.0], 0.5, [1.5], {}),                       # 4.0 > 2 x 1.5: spike
-        ([1.0, nan, 3.0], 0.5, [9.0], {}),                       # one rank's loss is NaN
-        ([1.0, 2.0, 3.0], float("inf"), [9.0], {}),              # gradient norm overflowed
-        ([1.0, 2.0, 9.0], 0.5, [1.5], {"enabled": False}),       # disabled: never trips
-        ([1.0, 2.0, 9.0], 0.5, [1.5], {"spike_factor": 3.0}),    # 4.0 <= 3 x 1.5
-        ([1.0, 2.0, 9.0], 0.5, [1.0, 3.0], {"spike_window": 2}), # reference = mean(1, 3) = 2: 4 <= 4
-        ([1.0, 2.0, 9.0], 0.5, [1.0, 1.5], {"spike_window": 2}), # reference 1.25: spike
+        ([1.0, 2.0, 3.0], 0.5, [], {}),  # no history: nothing to compare with
+        ([1.0, 2.0, 3.0], 0.5, [1.5], {}),  # 2.0 <= 2 x 1.5
+        ([1.0, 2.0, 9.0], 0.5, [1.5], {}),  # 4.0 > 2 x 1.5: spike
+        ([1.0, nan, 3.0], 0.5, [9.0], {}),  # one rank's loss is NaN
+        ([1.0, 2.0, 3.0], float("inf"), [9.0], {}),  # gradient norm overflowed
+        ([1.0, 2.0, 9.0], 0.5, [1.5], {"enabled": False}),  # disabled: never trips
+        ([1.0, 2.0, 9.0], 0.5, [1.5], {"spike_factor": 3.0}),  # 4.0 <= 3 x 1.5
+        ([1.0, 2.0, 9.0], 0.5, [1.0, 3.0], {"spike_window": 2}),  # reference = mean(1, 3) = 2: 4 <= 4
+        ([1.0, 2.0, 9.0], 0.5, [1.0, 1.5], {"spike_window": 2}),  # reference 1.25: spike
     ]
     per_rank = run_ranks(_verdicts, 3, cases)
     assert per_rank[0] == per_rank[1] == per_rank[2]
@@ -67,7 +66,7 @@ def _replicas(comm, perturb_rank, names, world):
     slots = {s.name: s for s in opt.layout.slots}
     if comm.rank == perturb_rank:
         for name in names:
-            x = opt.flat_params[slots[name].offset:slots[name].offset + 1]
+            x = opt.flat_params[slots[name].offset : slots[name].offset + 1]
             x.copy_(torch.nextafter(x, torch.full_like(x, math.inf)))
     try:
         guard.check_replicas(opt.flat_params, opt.layout.slots, 7, comm)
@@ -82,7 +81,11 @@ def test_replica_check_names_the_divergent_rank_and_parameter(world):
     messages = run_ranks(_replicas, world, world - 1, ["blocks.1.attn.qkv.weight", "ln_f.bias"], world)
     assert len(set(messages)) == 1, "every rank must reach the same verdict"
     msg = messages[0]
-    assert f"rank {world - 1} differs in 2 of" in msg and "blocks.1.attn.qkv.weight" in msg and "ln_f.bias" in msg
+    assert (
+        f"rank {world - 1} differs in 2 of" in msg
+        and "blocks.1.attn.qkv.weight" in msg
+        and "ln_f.bias" in msg
+    )
     assert "desync at step 7" in msg
     assert all(f"rank {r} " not in msg for r in range(world - 1)), msg
 
@@ -117,7 +120,7 @@ def test_apply_update_without_synced_grads_is_refused():
     with pytest.raises(RuntimeError, match="needs sync_grads"):
         opt.apply_update()
     opt.sync_grads()
-    opt.zero_grad()       # a discarded (guard-tripped) step cannot be applied later
+    opt.zero_grad()  # a discarded (guard-tripped) step cannot be applied later
     with pytest.raises(RuntimeError, match="needs sync_grads"):
         opt.apply_update()
 
@@ -150,13 +153,21 @@ def _mismatch(comm, case):
         return str(exc)
 
 
-@pytest.mark.parametrize("case, expect", [
-    ("size", ["all_gather(numel=8", "all_gather(numel=12"]),
-    ("dtype", ["dtype=float32", "dtype=float64"]),
-    ("kind", ["rank 0 (global 0) called broadcast(", "rank 1 (global 1) called all_reduce("]),
-    ("op", ["all_reduce(numel=4, dtype=float32, op=sum, algo=exchange) as collective #0",
-            "all_reduce(numel=4, dtype=float32, op=max, algo=exchange) as collective #0"]),
-])
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("size", ["all_gather(numel=8", "all_gather(numel=12"]),
+        ("dtype", ["dtype=float32", "dtype=float64"]),
+        ("kind", ["rank 0 (global 0) called broadcast(", "rank 1 (global 1) called all_reduce("]),
+        (
+            "op",
+            [
+                "all_reduce(numel=4, dtype=float32, op=sum, algo=exchange) as collective #0",
+                "all_reduce(numel=4, dtype=float32, op=max, algo=exchange) as collective #0",
+            ],
+        ),
+    ],
+)
 def test_mismatched_collectives_raise_a_descriptive_error_on_every_rank(case, expect):
     messages = run_ranks(_mismatch, 2, case, timeout_s=30)
     for msg in messages:
@@ -177,7 +188,7 @@ def _accounting(comm, numel):
     t = torch.ones(numel)
     collectives.reduce_scatter(t, comm, algo="ring")
     collectives.reduce_scatter(t, comm, algo="direct")
-    collectives.all_reduce(t, comm, algo="ring")      # counted once, as an all_reduce
+    collectives.all_reduce(t, comm, algo="ring")  # counted once, as an all_reduce
     collectives.all_reduce(t, comm, algo="exchange")
     s = comm.stats
     return {k: (s.calls[k], s.bytes_sent[k], s.seconds[k] > 0) for k in s.calls}
@@ -201,8 +212,8 @@ def _header_bytes(comm):
 
 
 def test_header_check_costs_one_small_message_per_peer():
-    for rank, (plain, checked) in enumerate(run_ranks(_header_bytes, 2)):
-        assert checked - plain == 9 * 8      # nine int64 header words to the one peer (in its message)
+    for _rank, (plain, checked) in enumerate(run_ranks(_header_bytes, 2)):
+        assert checked - plain == 9 * 8  # nine int64 header words to the one peer (in its message)
 
 
 # --------------------------------------------------------------------------- stall diagnosis
@@ -212,7 +223,7 @@ def _stall(comm, sleeper):
     short = dist.new_group(list(comm.ranks), timeout=datetime.timedelta(seconds=1.5))
     sub = Comm.subgroup(comm.ranks, short).instrumented(check=False)
     if comm.rank == sleeper:
-        time.sleep(5)        # never joins the all_reduce below; the others give up after 1.5 s
+        time.sleep(5)  # never joins the all_reduce below; the others give up after 1.5 s
         return "slept"
     began = time.monotonic()
     try:
@@ -230,4 +241,4 @@ def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
         msg, seconds = results[rank]
         assert msg.startswith("step 7: all_reduce did not complete on rank"), msg
         assert "rank(s) [1] did not arrive" in msg, msg
-        assert seconds < 1.5 + 0.75 + 2.0, seconds     # the timeout, the grace, and slack
+        assert seconds < 1.5 + 0.75 + 2.0, seconds  # the timeout, the grace, and slack

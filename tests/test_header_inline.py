@@ -1,15 +1,16 @@
 """The header check rides in the payload messages (distlib/comm/header.py ``Gate``): every
 algorithm gives the same bytes checked or not, small and large payloads; a mismatch raises the
 same error on every rank without aborting, and leaves nothing posted (the group stays usable)."""
+
 import pytest
 import torch
+from multiproc import run_ranks
 
 from distlib.comm import collectives
 from distlib.comm.header import INLINE_BYTES
 from distlib.comm.p2p import CollectiveMismatchError
-from multiproc import run_ranks
 
-SMALL, LARGE = 5, INLINE_BYTES // 4 + 3000        # floats: inlined / sent after the header
+SMALL, LARGE = 5, INLINE_BYTES // 4 + 3000  # floats: inlined / sent after the header
 
 
 def _every_algorithm(comm, numel, check):
@@ -39,13 +40,13 @@ def test_checked_collectives_are_bitwise_the_unchecked_ones(numel):
 
 def _large_mismatch(comm):
     comm = comm.instrumented(check=True)
-    n = 3 * LARGE + (3 if comm.rank == 1 else 0)        # rank 1's chunks are larger than expected
+    n = 3 * LARGE + (3 if comm.rank == 1 else 0)  # rank 1's chunks are larger than expected
     try:
         collectives.all_gather(torch.zeros(n), torch.ones(n // 3), comm, algo="ring")
         message = "no error"
     except CollectiveMismatchError as exc:
         message = str(exc)
-    t = torch.ones(LARGE)               # nothing left posted: the next collective works
+    t = torch.ones(LARGE)  # nothing left posted: the next collective works
     collectives.all_reduce(t, comm)
     return message, t[0].item()
 

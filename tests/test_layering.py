@@ -6,6 +6,7 @@ there is no import circle, and no module or class grows past its size limit.
 Each package's rule is the paragraph in its ``__init__.py``; RULES below is that paragraph as
 data. A failure names the file, the line and the import.
 """
+
 from __future__ import annotations
 
 import ast
@@ -22,23 +23,49 @@ LIBRARY = ("distlib.comm", "distlib.parallel", "distlib.checkpoint")
 RULES = {
     "distlib.comm": (("distlib.comm",), ()),
     "distlib.parallel": (("distlib.comm", "distlib.parallel"), ()),
-    "distlib.checkpoint": (("distlib.comm", "distlib.checkpoint", "distlib.parallel.flat_layout",
-                            "distlib.parallel.tensor_parallel", "distlib.parallel.adamw"), ()),
+    "distlib.checkpoint": (
+        (
+            "distlib.comm",
+            "distlib.checkpoint",
+            "distlib.parallel.flat_layout",
+            "distlib.parallel.tensor_parallel",
+            "distlib.parallel.adamw",
+        ),
+        (),
+    ),
     # the application's sub-packages (the most specific package of a module is the one whose rule applies)
     "distlib.app.config": (LIBRARY + ("distlib.app.config", "distlib.app.devices", "distlib.app.faults"), ()),
-    "distlib.app.model": (LIBRARY + ("distlib.app.config", "distlib.app.model", "distlib.app.observe.activations"), ()),
+    "distlib.app.model": (
+        LIBRARY + ("distlib.app.config", "distlib.app.model", "distlib.app.observe.activations"),
+        (),
+    ),
     "distlib.app.data": (LIBRARY + ("distlib.app.config", "distlib.app.data"), ()),
     "distlib.app.observe": (LIBRARY + ("distlib.app.config", "distlib.app.observe"), ()),
-    "distlib.app.unattended": (LIBRARY + ("distlib.app.config", "distlib.app.observe", "distlib.app.unattended"), ()),
-    "distlib.app.checkpointing": (LIBRARY + ("distlib.app.config", "distlib.app.model", "distlib.app.data",
-                                             "distlib.app.unattended", "distlib.app.hooks", "distlib.app.launcher_env",
-                                             "distlib.app.checkpointing"), ()),
+    "distlib.app.unattended": (
+        LIBRARY + ("distlib.app.config", "distlib.app.observe", "distlib.app.unattended"),
+        (),
+    ),
+    "distlib.app.checkpointing": (
+        LIBRARY
+        + (
+            "distlib.app.config",
+            "distlib.app.model",
+            "distlib.app.data",
+            "distlib.app.unattended",
+            "distlib.app.hooks",
+            "distlib.app.launcher_env",
+            "distlib.app.checkpointing",
+        ),
+        (),
+    ),
     "distlib.app": (LIBRARY + ("distlib.app",), ()),
     "distlib.launch": (("distlib",), ()),
 }
 NO_THIRD_PARTY = {  # the library and the application take plain arguments, never Hydra's tree
-    "distlib.comm": ("hydra", "omegaconf"), "distlib.parallel": ("hydra", "omegaconf"),
-    "distlib.checkpoint": ("hydra", "omegaconf"), "distlib.app": ("hydra", "omegaconf"),
+    "distlib.comm": ("hydra", "omegaconf"),
+    "distlib.parallel": ("hydra", "omegaconf"),
+    "distlib.checkpoint": ("hydra", "omegaconf"),
+    "distlib.app": ("hydra", "omegaconf"),
 }
 
 
@@ -64,7 +91,9 @@ def imports(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             # "from distlib.pkg import mod" imports the module distlib.pkg.mod (and of the package only
             # its __init__, which holds no code); any other name is the package's own
             modules = [base + "." + a.name for a in node.names if _is_module(base + "." + a.name)]
@@ -99,8 +128,11 @@ def violations() -> list[str]:
             top = target.split(".")[0]
             if top in NO_THIRD_PARTY.get(pkg, ()):
                 found.append(f"{where} ({pkg} never imports {top})")
-            if top == "distlib" and target != "distlib" and not any(
-                    target == a or target.startswith(a + ".") for a in allowed):
+            if (
+                top == "distlib"
+                and target != "distlib"
+                and not any(target == a or target.startswith(a + ".") for a in allowed)
+            ):
                 found.append(f"{where} (rule of {pkg}: only {', '.join(allowed)})")
     return found
 
@@ -114,7 +146,7 @@ def circles() -> list[str]:
 
     def visit(m: str) -> None:
         if m in stack:
-            cycle = stack[stack.index(m):] + [m]
+            cycle = stack[stack.index(m) :] + [m]
             out.append(" -> ".join(cycle))
             return
         if m in seen:
@@ -152,8 +184,10 @@ def test_no_module_or_class_too_long():
             problems.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines > {MAX_MODULE_LINES}")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
-                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name} is "
-                                f"{node.end_lineno - node.lineno + 1} lines > {MAX_CLASS_LINES}")
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name} is "
+                    f"{node.end_lineno - node.lineno + 1} lines > {MAX_CLASS_LINES}"
+                )
     assert problems == [], "\n" + "\n".join(problems)
 
 

@@ -1,26 +1,38 @@
 """Parallel layouts that cannot work are refused with the key that is wrong, before any worker."""
+
 from pathlib import Path
 
 import pytest
+from forkrun import run_script
 
 from distlib.app.config.run import ConfigError, RunConfig
-from forkrun import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("tree, message", [
-    ({"dist": {"world_size": 4, "tp": 3}}, "dist.tp=3 must be >= 1 and divide dist.world_size=4"),
-    ({"dist": {"world_size": 4, "tp": 4}, "model": {"n_heads": 2, "dim": 32}}, "dist.tp=4 must divide model.n_heads=2"),
-    ({"dist": {"world_size": 4, "tp": 0}}, "dist.tp must be an integer >= 1"),
-    ({"train": {"global_batch": 10}}, "train.global_batch=10 does not divide into dist.world_size=4 rank(s)"),
-    ({"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": 16, "grad_accum": 3}},
-     "train.global_batch=16 does not divide into dist.world_size/dist.tp=4/2=2 data-parallel rank(s) x "
-     "train.grad_accum=3 micro-batch(es)"),
-    ({"zero": {"stage": 4}}, "zero.stage must be one of [0, 1, 2, 3], got 4"),
-    ({"zero": {"stage": 2, "bucket_numel": 0}}, "zero.bucket_numel must be an integer >= 1"),
-    ({"train": {"dtype": "fp16"}}, "train.dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "tree, message",
+    [
+        ({"dist": {"world_size": 4, "tp": 3}}, "dist.tp=3 must be >= 1 and divide dist.world_size=4"),
+        (
+            {"dist": {"world_size": 4, "tp": 4}, "model": {"n_heads": 2, "dim": 32}},
+            "dist.tp=4 must divide model.n_heads=2",
+        ),
+        ({"dist": {"world_size": 4, "tp": 0}}, "dist.tp must be an integer >= 1"),
+        (
+            {"train": {"global_batch": 10}},
+            "train.global_batch=10 does not divide into dist.world_size=4 rank(s)",
+        ),
+        (
+            {"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": 16, "grad_accum": 3}},
+            "train.global_batch=16 does not divide into dist.world_size/dist.tp=4/2=2 data-parallel "
+            "rank(s) x train.grad_accum=3 micro-batch(es)",
+        ),
+        ({"zero": {"stage": 4}}, "zero.stage must be one of [0, 1, 2, 3], got 4"),
+        ({"zero": {"stage": 2, "bucket_numel": 0}}, "zero.bucket_numel must be an integer >= 1"),
+        ({"train": {"dtype": "fp16"}}, "train.dtype must be one of"),
+    ],
+)
 def test_bad_layouts_are_config_errors(tree, message):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(tree)
@@ -28,9 +40,13 @@ def test_bad_layouts_are_config_errors(tree, message):
 
 
 def test_data_parallel_size_and_global_batch_follow_the_mesh():
-    cfg = RunConfig.from_dict({"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": None, "batch_size": 4}})
-    assert (cfg.dp_size, cfg.global_batch) == (2, 8)      # batch_size 4 per data-parallel rank
-    cfg = RunConfig.from_dict({"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": 16, "grad_accum": 2}})
+    cfg = RunConfig.from_dict(
+        {"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": None, "batch_size": 4}}
+    )
+    assert (cfg.dp_size, cfg.global_batch) == (2, 8)  # batch_size 4 per data-parallel rank
+    cfg = RunConfig.from_dict(
+        {"dist": {"world_size": 4, "tp": 2}, "train": {"global_batch": 16, "grad_accum": 2}}
+    )
     assert (cfg.dp_size, cfg.global_batch) == (2, 16)
 
 
@@ -38,5 +54,8 @@ def test_data_parallel_size_and_global_batch_follow_the_mesh():
 def test_cli_refuses_a_bad_layout_before_starting_workers(tmp_path):
     proc = run_script("train.py", "dist.world_size=4", "dist.tp=3", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr
-    assert "config error: invalid parallel layout: dist.tp=3 must be >= 1 and divide dist.world_size=4" in proc.stderr
+    assert (
+        "config error: invalid parallel layout: dist.tp=3 must be >= 1 and divide dist.world_size=4"
+        in proc.stderr
+    )
     assert not (tmp_path / "metrics.jsonl").exists()

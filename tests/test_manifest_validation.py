@@ -1,13 +1,14 @@
 """A malformed manifest is refused when it is read, with one line naming the field,
 from the library, from every scripts/ckpt.py verb and from train.py's resume -- never a traceback,
 a KeyError or a ZeroDivisionError from whichever reader indexes it first."""
+
 from __future__ import annotations
 
 import importlib.util
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ def _set(*path, value) -> Callable[[dict], None]:
         for key in path[:-1]:
             m = m[key]
         m[path[-1]] = value
+
     return edit
 
 
@@ -41,6 +43,7 @@ def _del(*path) -> Callable[[dict], None]:
         for key in path[:-1]:
             m = m[key]
         del m[path[-1]]
+
     return edit
 
 
@@ -50,6 +53,7 @@ def _qkv(m: dict, t: int) -> dict:
 
 class Whole:
     """An edit's result that replaces the whole manifest (other edits change it in place)."""
+
     def __init__(self, value):
         self.value = value
 
@@ -65,7 +69,11 @@ CASES = [
     ("zero_stage_4", _set("zero_stage", value=4), "zero_stage must be one of [0, 1, 2, 3], got 4"),
     ("no_zero_stage", _del("zero_stage"), 'manifest lacks "zero_stage"'),
     ("no_model", _del("model"), 'manifest lacks "model"'),
-    ("param_dtype", _set("param_dtype", value="fp8"), "param_dtype must be one of ['fp32', 'bf16'], got 'fp8'"),
+    (
+        "param_dtype",
+        _set("param_dtype", value="fp8"),
+        "param_dtype must be one of ['fp32', 'bf16'], got 'fp8'",
+    ),
     ("tp_zero", _set("tp", value=0), "tp must be >= 1, got 0"),
     ("tp_not_dividing", _set("tp", value=3), "world_size 2 is not a multiple of tp 3"),
     ("dp_inconsistent", _set("dp", value=3), "dp 3 x tp 1 != world_size 2"),
@@ -74,27 +82,54 @@ CASES = [
     ("layout_not_object", _set("layout", value=[]), "layout must be an object, got []"),
     ("param_lacks_shape", _del("layout", "params", 3, "shape"), 'layout.params[3] lacks "shape"'),
     ("param_lacks_name", _del("layout", "params", 0, "name"), 'layout.params[0] lacks "name"'),
-    ("param_not_object", _set("layout", "params", 3, value="x"), "layout.params[3] must be an object, got 'x'"),
-    ("param_bad_shape", _set("layout", "params", 1, "shape", value=[16, -32]),
-     "layout.params[1].shape must be a list of sizes >= 0, got [16, -32]"),
-    ("param_offset", _set("layout", "params", 3, "offset", value=2593),
-     "layout.params[3].offset is 2593, expected 2592 (parameters lie back to back)"),
-    ("param_numel", _set("layout", "params", 2, "numel", value=7),
-     "layout.params[2].numel is 7, but its shape [32] holds 32"),
-    ("param_twice", lambda m: m["layout"]["params"][3].update(name=m["layout"]["params"][2]["name"]),
-     "layout.params names a parameter twice"),
+    (
+        "param_not_object",
+        _set("layout", "params", 3, value="x"),
+        "layout.params[3] must be an object, got 'x'",
+    ),
+    (
+        "param_bad_shape",
+        _set("layout", "params", 1, "shape", value=[16, -32]),
+        "layout.params[1].shape must be a list of sizes >= 0, got [16, -32]",
+    ),
+    (
+        "param_offset",
+        _set("layout", "params", 3, "offset", value=2593),
+        "layout.params[3].offset is 2593, expected 2592 (parameters lie back to back)",
+    ),
+    (
+        "param_numel",
+        _set("layout", "params", 2, "numel", value=7),
+        "layout.params[2].numel is 7, but its shape [32] holds 32",
+    ),
+    (
+        "param_twice",
+        lambda m: m["layout"]["params"][3].update(name=m["layout"]["params"][2]["name"]),
+        "layout.params names a parameter twice",
+    ),
     ("layout_numel", _set("layout", "numel", value=5), "layout.numel is 5, expected"),
     ("layout_world_size", _set("layout", "world_size", value=3), "layout.world_size is 3, expected 2"),
     ("layout_padding", _set("layout", "padding", value=1), "layout.padding is 1, expected 0"),
-    ("layout_dtype", _set("layout", "dtype", value="float16"), "layout.dtype must be 'float32', got 'float16'"),
+    (
+        "layout_dtype",
+        _set("layout", "dtype", value="float16"),
+        "layout.dtype must be 'float32', got 'float16'",
+    ),
     ("no_files", _del("files"), 'manifest lacks "files"'),
     ("file_missing", _del("files", 1), "files lists 1 file(s), expected one shard per rank (2)"),
-    ("file_escapes", _set("files", 0, "path", value="../../elsewhere.safetensors"),
-     "files[0].path is '../../elsewhere.safetensors', expected 'rank00000.safetensors'"),
+    (
+        "file_escapes",
+        _set("files", 0, "path", value="../../elsewhere.safetensors"),
+        "files[0].path is '../../elsewhere.safetensors', expected 'rank00000.safetensors'",
+    ),
     ("files_swapped", lambda m: m["files"].reverse(), "files[0].path is 'rank00001.safetensors'"),
     ("file_rank", _set("files", 1, "rank", value=0), "files[1].rank is 0, expected 1"),
     ("file_bytes", _set("files", 0, "bytes", value=-1), "files[0].bytes must be >= 0, got -1"),
-    ("file_sha256", _set("files", 1, "sha256", value="xyz"), "files[1].sha256 must be 64 lowercase hex digits"),
+    (
+        "file_sha256",
+        _set("files", 1, "sha256", value="xyz"),
+        "files[1].sha256 must be 64 lowercase hex digits",
+    ),
     ("not_an_object", lambda m: Whole([m]), "a manifest is a JSON object, got [{"),
 ]
 
@@ -102,12 +137,20 @@ CASES = [
 TP_CASES = [
     ("layouts_count", _del("tp_layouts", 1), "tp_layouts has 1 layout(s), expected one per tensor rank (2)"),
     ("no_layouts", _del("tp_layouts"), 'manifest lacks "tp_layouts"'),
-    ("empty_layouts", _set("tp_layouts", value=[]), "tp_layouts has 0 layout(s), expected one per tensor rank (2)"),
+    (
+        "empty_layouts",
+        _set("tp_layouts", value=[]),
+        "tp_layouts has 0 layout(s), expected one per tensor rank (2)",
+    ),
     ("split_index", lambda m: _qkv(m, 1)["split"].update(index=0), "does not fit tensor rank 1 of 2"),
     ("split_parts", lambda m: _qkv(m, 0)["split"].update(parts=4), "does not fit tensor rank 0 of 2"),
     ("split_dim", lambda m: _qkv(m, 0)["split"].update(dim=2), "does not fit tensor rank 0 of 2"),
     ("no_split", lambda m: _qkv(m, 0).pop("split") and None, 'lacks "split"'),
-    ("full_shape", lambda m: _qkv(m, 1).update(full_shape=[24, 32]), "full_shape is [24, 32], expected [96, 32]"),
+    (
+        "full_shape",
+        lambda m: _qkv(m, 1).update(full_shape=[24, 32]),
+        "full_shape is [24, 32], expected [96, 32]",
+    ),
     ("replicated_shape", lambda m: _qkv(m, 1).update(split=None), "replicated (split null) but shape"),
     ("dp_with_tp", _set("dp", value=2), "dp 2 x tp 2 != world_size 2"),
 ]
@@ -139,7 +182,7 @@ def test_sound_manifests_pass(runs):
 
 
 def test_param_dtypes_are_train_dtypes():
-    assert set(manifest_rules.PARAM_DTYPES) == set(DTYPES)   # the checkpoint layer's copy of the list
+    assert set(manifest_rules.PARAM_DTYPES) == set(DTYPES)  # the checkpoint layer's copy of the list
 
 
 @pytest.mark.parametrize("edit, problem", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -161,8 +204,12 @@ def test_tensor_parallel_layouts_are_checked(runs, tmp_path, edit, problem):
 
 
 def _verbs(ckpt: Path, out: Path) -> list[list[str]]:
-    return [["inspect", str(ckpt)], ["verify", str(ckpt)], ["consolidate", str(ckpt), str(out / "c")],
-            ["reshard", str(ckpt), str(out / "r"), "--world-size", "1"]]
+    return [
+        ["inspect", str(ckpt)],
+        ["verify", str(ckpt)],
+        ["consolidate", str(ckpt), str(out / "c")],
+        ["reshard", str(ckpt), str(out / "r"), "--world-size", "1"],
+    ]
 
 
 @pytest.mark.parametrize("edit, problem", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -171,7 +218,10 @@ def test_every_ckpt_verb_prints_one_line(runs, tmp_path, capsys, edit, problem):
     for argv in _verbs(ckpt, tmp_path):
         assert ckpt_tool.main(argv) == 1, argv
         captured = capsys.readouterr()
-        assert captured.err.startswith("error: checkpoint ") and captured.err.count("\n") == 1, (argv, captured)
+        assert captured.err.startswith("error: checkpoint ") and captured.err.count("\n") == 1, (
+            argv,
+            captured,
+        )
         assert problem in captured.err and captured.out == "", (argv, captured)
     assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()
 
@@ -182,15 +232,21 @@ def test_the_script_exits_with_one_line_not_a_traceback(runs, tmp_path):
     for argv in _verbs(ckpt, tmp_path):
         out = run_script(SCRIPT, *argv)
         assert out.returncode == 1, (argv, out.stdout, out.stderr)
-        assert out.stderr == f"error: checkpoint {ckpt / 'manifest.json'}: world_size must be >= 1, got 0\n", argv
+        assert (
+            out.stderr == f"error: checkpoint {ckpt / 'manifest.json'}: world_size must be >= 1, got 0\n"
+        ), argv
 
 
-@pytest.mark.parametrize("case", ["world_size_zero", "param_lacks_shape", "file_escapes", "layout_world_size"])
+@pytest.mark.parametrize(
+    "case", ["world_size_zero", "param_lacks_shape", "file_escapes", "layout_world_size"]
+)
 def test_resume_refuses_and_loads_nothing(runs, tmp_path, case):
     _, edit, problem = next(c for c in CASES if c[0] == case)
     ckpt = _doctored(runs["dp"], tmp_path, edit)
     (tmp_path / "run").mkdir()
-    trainer = Trainer(RunConfig.from_dict(tree(1, checkpoint={"resume": str(ckpt)})), Comm.world(), tmp_path / "run")
+    trainer = Trainer(
+        RunConfig.from_dict(tree(1, checkpoint={"resume": str(ckpt)})), Comm.world(), tmp_path / "run"
+    )
     before = trainer.optimizer.flat_params.clone()
     with pytest.raises(CheckpointError) as err:
         trainer.run()
@@ -201,17 +257,28 @@ def test_resume_refuses_and_loads_nothing(runs, tmp_path, case):
 @pytest.mark.slow
 def test_train_py_resume_prints_one_line(runs, tmp_path):
     ckpt = _doctored(runs["dp"], tmp_path, _set("world_size", value=0))
-    proc = run_script("train.py", f"hydra.run.dir={tmp_path / 'run'}", "dist.world_size=1", "train.steps=6",
-                      "train.global_batch=16", f"checkpoint.resume={ckpt}", timeout=300)
+    proc = run_script(
+        "train.py",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "dist.world_size=1",
+        "train.steps=6",
+        "train.global_batch=16",
+        f"checkpoint.resume={ckpt}",
+        timeout=300,
+    )
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: checkpoint")]
-    assert lines == [f"error: checkpoint {ckpt / 'manifest.json'}: world_size must be >= 1, got 0"], proc.stderr
+    assert lines == [f"error: checkpoint {ckpt / 'manifest.json'}: world_size must be >= 1, got 0"], (
+        proc.stderr
+    )
     assert "Traceback" not in proc.stderr
 
 
 def test_a_stale_dp_from_the_old_reshard_tool_is_still_read(runs, tmp_path):
     """scripts/ckpt.py reshard used to copy the source's dp; with tp == 1 nothing reads it."""
-    ckpt = _doctored(runs["dp"], tmp_path, lambda m: m.update(dp=4, resharded_from={"path": "x", "world_size": 4}))
+    ckpt = _doctored(
+        runs["dp"], tmp_path, lambda m: m.update(dp=4, resharded_from={"path": "x", "world_size": 4})
+    )
     assert checkpoint.verify(ckpt)["dp"] == 4
 
 

@@ -1,5 +1,6 @@
 """In-memory snapshots in /dev/shm hold the disk shard's bytes; a killed or lost rank resumes from its own
 or a peer's snapshot exactly, a damaged one falls back to disk, and nothing is left behind after a run."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from distlib.app.checkpointing.memory_snapshots import choose
 from distlib.checkpoint import memory_snapshot as shm
 from distlib.checkpoint import sharded as checkpoint
 
-STEPS, EVERY = 8, 4     # disk checkpoints at 4 and 8; the kill comes after step 6
+STEPS, EVERY = 8, 4  # disk checkpoints at 4 and 8; the kill comes after step 6
 
 
 def _files(run) -> dict[str, bytes]:
@@ -44,9 +45,17 @@ def killed(tmp_path_factory):
     """A 2-rank run with snapshots every step whose rank 1 is SIGKILLed after step 6 (run once;
     each test resumes its own copy, see ``_copy_killed``)."""
     run = tmp_path_factory.mktemp("killed") / "run"
-    with pytest.raises(AssertionError, match="rank 1"):        # rank 1 died, rank 0 saw it stop
-        train(tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1},
-                   fault={"kill_rank": 1, "kill_at_step": 6}), run)
+    with pytest.raises(AssertionError, match="rank 1"):  # rank 1 died, rank 0 saw it stop
+        train(
+            tree(
+                2,
+                steps=STEPS,
+                every=EVERY,
+                checkpoint={"memory_every_steps": 1},
+                fault={"kill_rank": 1, "kill_at_step": 6},
+            ),
+            run,
+        )
     yield run
     shm.clean(shm.job_dir(run))
 
@@ -61,8 +70,16 @@ def _copy_killed(killed, run) -> None:
 def _resume(run, monkeypatch) -> list[dict]:
     """The torchrun restart of the same job: resume=latest, not the first attempt (no second kill)."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    return train(tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1, "resume": "latest"},
-                      fault={"kill_rank": 1, "kill_at_step": 6}), run)
+    return train(
+        tree(
+            2,
+            steps=STEPS,
+            every=EVERY,
+            checkpoint={"memory_every_steps": 1, "resume": "latest"},
+            fault={"kill_rank": 1, "kill_at_step": 6},
+        ),
+        run,
+    )
 
 
 # -- the format --------------------------------------------------------------------------------------
@@ -86,7 +103,9 @@ def test_damaged_snapshot_is_refused_by_hash_named_and_removed(tmp_path):
     intact, problems = shm.scan(tmp_path)
     assert intact == [good]
     assert len(problems) == 1 and str(bad.path) in problems[0] and "sha256" in problems[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([good.path.name, good.path.with_suffix(".json").name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [good.path.name, good.path.with_suffix(".json").name]
+    )
 
 
 def test_only_the_newest_step_is_kept(tmp_path):
@@ -108,13 +127,15 @@ def _have(step, owner, fp="fp"):
 
 
 def test_choose_newest_complete_round_and_its_providers():
-    reports = [{"have": [_have(6, 0), _have(6, 1), _have(5, 0)], "disk": 4},
-               {"have": [_have(5, 1)], "disk": None}]
+    reports = [
+        {"have": [_have(6, 0), _have(6, 1), _have(5, 0)], "disk": 4},
+        {"have": [_have(5, 1)], "disk": None},
+    ]
     # step 6: rank 1's own copy is gone, rank 0 holds its replica
     assert choose(reports, 2, "fp") == (6, {0: 0, 1: 0})
-    reports[0]["have"] = [_have(6, 0), _have(5, 0)]       # nobody holds rank 1's step 6: step 5
+    reports[0]["have"] = [_have(6, 0), _have(5, 0)]  # nobody holds rank 1's step 6: step 5
     assert choose(reports, 2, "fp") == (5, {0: 0, 1: 1})
-    reports[0]["disk"] = 6                                 # a newer disk checkpoint wins
+    reports[0]["disk"] = 6  # a newer disk checkpoint wins
     assert choose(reports, 2, "fp") is None
     reports[0]["disk"] = None
     assert choose(reports, 2, "another run's shape") is None
@@ -123,7 +144,7 @@ def test_choose_newest_complete_round_and_its_providers():
 # -- training with snapshots -------------------------------------------------------------------------
 def test_snapshots_change_no_loss_and_leave_nothing_after_a_finished_run(job, clean):
     results = train(tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1}), job)
-    assert results[0]["losses"] == clean["losses"]          # the exact floats (loss_hex)
+    assert results[0]["losses"] == clean["losses"]  # the exact floats (loss_hex)
     assert _files(job) == clean["files"]
     assert not shm.job_dir(job).exists()
 
@@ -132,9 +153,9 @@ def test_snapshots_change_no_loss_and_leave_nothing_after_a_finished_run(job, cl
 def test_sigkill_resumes_from_the_snapshot_of_the_step_it_died_after(job, clean, killed, monkeypatch, capfd):
     _copy_killed(killed, job)
     snaps = shm.listing(shm.job_dir(job))
-    assert sorted((s.step, s.owner) for s in snaps) == [(6, 0), (6, 1)]     # only the newest kept
+    assert sorted((s.step, s.owner) for s in snaps) == [(6, 0), (6, 1)]  # only the newest kept
     resumed = _resume(job, monkeypatch)
-    assert [r["start"] for r in resumed] == [6, 6]         # no step lost (disk alone: step 4)
+    assert [r["start"] for r in resumed] == [6, 6]  # no step lost (disk alone: step 4)
     assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 6}
     assert _files(job) == clean["files"]
     assert "resume: from the memory snapshot of step 6" in capfd.readouterr().out
@@ -143,7 +164,9 @@ def test_sigkill_resumes_from_the_snapshot_of_the_step_it_died_after(job, clean,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("harm", ["damaged", "missing"])
-def test_a_damaged_or_missing_snapshot_falls_back_to_disk_exactly(job, clean, killed, monkeypatch, capfd, harm):
+def test_a_damaged_or_missing_snapshot_falls_back_to_disk_exactly(
+    job, clean, killed, monkeypatch, capfd, harm
+):
     _copy_killed(killed, job)
     snap = next(s for s in shm.listing(shm.job_dir(job)) if s.owner == 1)
     if harm == "damaged":
@@ -153,11 +176,13 @@ def test_a_damaged_or_missing_snapshot_falls_back_to_disk_exactly(job, clean, ki
     else:
         shm.remove(snap)
     resumed = _resume(job, monkeypatch)
-    assert [r["start"] for r in resumed] == [4, 4]         # the step-4 disk checkpoint
+    assert [r["start"] for r in resumed] == [4, 4]  # the step-4 disk checkpoint
     assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 4}
     assert _files(job) == clean["files"]
     err = capfd.readouterr().err
-    assert (f"refusing a damaged memory snapshot (removed): memory snapshot {snap.path}" in err) == (harm == "damaged")
+    assert (f"refusing a damaged memory snapshot (removed): memory snapshot {snap.path}" in err) == (
+        harm == "damaged"
+    )
 
 
 def _on_own_node(comm, config: dict, run_dir: str, memory: str) -> dict:
@@ -172,17 +197,25 @@ def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, ca
     # by rank r+1 mod 2, on the other node.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     memory = tmp_path / "shm"
-    config = tree(2, steps=STEPS, every=EVERY, checkpoint={"memory_every_steps": 1},
-                  fault={"kill_rank": 1, "kill_at_step": 6})
+    config = tree(
+        2,
+        steps=STEPS,
+        every=EVERY,
+        checkpoint={"memory_every_steps": 1},
+        fault={"kill_rank": 1, "kill_at_step": 6},
+    )
     with pytest.raises(AssertionError, match="rank 1"):
         run_ranks(_on_own_node, 2, config, str(job), str(memory), timeout_s=60)
     nodes = [shm.job_dir(job, memory / f"node{n}") for n in range(2)]
-    assert [sorted((s.owner, s.holder) for s in shm.listing(d)) for d in nodes] == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
-    shm.clean(nodes[1])                                     # node 1 lost its memory
+    assert [sorted((s.owner, s.holder) for s in shm.listing(d)) for d in nodes] == [
+        [(0, 0), (1, 0)],
+        [(0, 1), (1, 1)],
+    ]
+    shm.clean(nodes[1])  # node 1 lost its memory
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     config["checkpoint"]["resume"] = "latest"
     resumed = run_ranks(_on_own_node, 2, config, str(job), str(memory), timeout_s=60)
-    assert [r["start"] for r in resumed] == [6, 6]         # rank 1's state came from node 0
+    assert [r["start"] for r in resumed] == [6, 6]  # rank 1's state came from node 0
     assert _files(job) == clean["files"]
     assert "(rank(s) [1] from peer replicas)" in capfd.readouterr().out
     assert not nodes[0].exists() and not nodes[1].exists()
@@ -190,6 +223,7 @@ def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, ca
 
 def test_memory_every_steps_is_validated():
     from distlib.app.config.run import ConfigError, RunConfig
+
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="checkpoint.memory_every_steps must be an integer >= 0"):
             RunConfig.from_dict({"checkpoint": {"memory_every_steps": bad}})

@@ -3,6 +3,7 @@ from disk) and finishes byte-identical to an uninterrupted run, and no job leave
 
 The two restart runs are benchmarks/recovery.py's (kept with --keep), so its one run also checks that
 the benchmark runs and writes its JSON (tests/test_benchmarks_run.py leaves recovery.py to this file)."""
+
 from __future__ import annotations
 
 import json
@@ -19,17 +20,50 @@ from distlib.checkpoint import memory_snapshot as shm
 from distlib.checkpoint import sharded as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ["dist.world_size=2", "train.steps=8", "train.global_batch=16", "checkpoint.every_steps=4",
-       "checkpoint.resume=latest", "checkpoint.memory_every_steps=1", "fault.kill_rank=1", "fault.kill_at_step=6"]
+RUN = [
+    "dist.world_size=2",
+    "train.steps=8",
+    "train.global_batch=16",
+    "checkpoint.every_steps=4",
+    "checkpoint.resume=latest",
+    "checkpoint.memory_every_steps=1",
+    "fault.kill_rank=1",
+    "fault.kill_at_step=6",
+]
 # benchmarks/recovery.py runs RUN (with checkpoint.verify_resume=false, as tree() has it) under
 # torchrun --max-restarts 1, once with snapshots and once without ("disk only").
-BENCH = ["benchmarks/recovery.py", "--world-size", "2", "--steps", "8", "--kill-at", "6", "--every", "4",
-         "--repeats", "1"]
+BENCH = [
+    "benchmarks/recovery.py",
+    "--world-size",
+    "2",
+    "--steps",
+    "8",
+    "--kill-at",
+    "6",
+    "--every",
+    "4",
+    "--repeats",
+    "1",
+]
 
 
 def _torchrun(run_dir: Path, restarts: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", str(restarts),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "train.py", f"hydra.run.dir={run_dir}", *RUN]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        *RUN,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
@@ -54,11 +88,20 @@ def recovery(tmp_path_factory) -> dict:
     clean = train(tree(2, steps=8, every=4), tmp / "clean")
     assert all(r["error"] is None for r in clean)
     out = tmp / "recovery.json"
-    proc = subprocess.run([sys.executable, *BENCH, "--out", str(out), "--keep", str(tmp / "runs")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, *BENCH, "--out", str(out), "--keep", str(tmp / "runs")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-2500:]
-    return {"clean": tmp / "clean", "json": json.loads(out.read_text()),
-            "snapshots": tmp / "runs" / "snapshots0", "disk only": tmp / "runs" / "disk_only0"}
+    return {
+        "clean": tmp / "clean",
+        "json": json.loads(out.read_text()),
+        "snapshots": tmp / "runs" / "snapshots0",
+        "disk only": tmp / "runs" / "disk_only0",
+    }
 
 
 def _output(run: Path) -> tuple[str, str]:
@@ -73,9 +116,9 @@ def test_torchrun_restart_resumes_from_memory_byte_identical_and_cleans_up(recov
     run = recovery["snapshots"]
     stdout, stderr = _output(run)
     assert "fault: rank 1 kills itself after step 6" in stderr
-    assert "resume: from the memory snapshot of step 6" in stdout     # disk alone: step 4
+    assert "resume: from the memory snapshot of step 6" in stdout  # disk alone: step 4
     assert _files(run) == _files(recovery["clean"])
-    assert not shm.job_dir(run).exists()          # removed by the finished run itself
+    assert not shm.job_dir(run).exists()  # removed by the finished run itself
 
 
 @pytest.mark.slow
@@ -88,7 +131,7 @@ def test_torchrun_restart_without_snapshots_resumes_from_disk_and_finishes_byte_
     assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in stdout
     assert "memory snapshot" not in stdout
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [m["step"] for m in metrics if m["type"] == "step"]     # (events are logged too)
+    steps = [m["step"] for m in metrics if m["type"] == "step"]  # (events are logged too)
     # The first attempt logged steps 1..5 (rank 1 took part in step 6, so rank 0 finished step 5),
     # the second went on from the step-4 checkpoint: steps 5..8 were logged again.
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-4:] == [5, 6, 7, 8] and steps.count(5) == 2, steps
@@ -108,7 +151,7 @@ def _final_files(run: Path) -> dict[str, tuple[int, str, bytes]]:
 @pytest.mark.slow
 def test_a_failed_job_leaves_nothing_in_shared_memory(tmp_path):
     run = tmp_path / "failed"
-    proc = _torchrun(run, restarts=0)             # the kill ends the job: no worker runs any cleanup
+    proc = _torchrun(run, restarts=0)  # the kill ends the job: no worker runs any cleanup
     assert proc.returncode != 0 and "fault: rank 1 kills itself after step 6" in proc.stderr
-    assert "memory snapshot:" in proc.stdout      # snapshots were written
+    assert "memory snapshot:" in proc.stdout  # snapshots were written
     assert _gone(shm.job_dir(run)), sorted(p.name for p in shm.job_dir(run).iterdir())

@@ -1,5 +1,6 @@
 """Two hosts, one machine: scripts/multinode.sh runs torchrun --nnodes 2 --nproc_per_node 2 across
 two network namespaces joined by a veth pair, and the result must equal one host's 4 ranks."""
+
 from __future__ import annotations
 
 import json
@@ -54,19 +55,29 @@ def _remove(prefix: str) -> None:
 
 def _run_script(name: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "MULTINODE_NAME": name, "MULTINODE_TIMEOUT": str(int(timeout) - 30)}
-    proc = subprocess.Popen(["bash", str(SCRIPT), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)   # the script's trap then removes the namespaces
+        os.killpg(proc.pid, signal.SIGTERM)  # the script's trap then removes the namespaces
         out, err = proc.communicate(timeout=60)
         pytest.fail(f"scripts/multinode.sh did not finish in {timeout}s:\n{out}\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _losses(path: Path) -> dict[int, str]:
-    return {r["step"]: r["loss_hex"] for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "step"}
+    return {
+        r["step"]: r["loss_hex"]
+        for r in map(json.loads, path.read_text().splitlines())
+        if r["type"] == "step"
+    }
 
 
 @pytest.mark.slow
@@ -89,9 +100,26 @@ def test_a_failed_two_node_job_still_removes_its_namespaces(tmp_path):
 def test_run_dir_agreement_refuses_torchrun_without_a_shared_store(tmp_path):
     """With torchrun's store sharing switched off there is nothing to agree through: fail, never hang."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(ROOT / "train.py"),
-                           "dist.world_size=2"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            str(ROOT / "train.py"),
+            "dist.world_size=2",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode != 0
     assert "pass hydra.run.dir=" in proc.stderr
     assert not (tmp_path / "outputs").exists()
@@ -99,7 +127,9 @@ def test_run_dir_agreement_refuses_torchrun_without_a_shared_store(tmp_path):
 
 def _node_processes(ns: str) -> tuple[list[int], int | None]:
     """(the training workers, the torchrun agent) running in namespace ``ns``."""
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+    pids = subprocess.run(
+        ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30
+    ).stdout.split()
     workers, agent = [], None
     for pid in map(int, pids):
         try:
@@ -132,25 +162,50 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
       byte-identical to one host's, and the 2x2 step-10 checkpoint resumed on one host reproduces
       steps 11-20 bitwise."""
     import time
+
     reason = _namespaces_unavailable()
     if reason:
         pytest.skip(f"two-namespace multi-node run not possible: {reason}")
     from distlib.checkpoint import memory_snapshot as shm
+
     name = "m" + uuid.uuid4().hex[:8]
-    args = ["--verify", str(tmp_path), "train.steps=20", "checkpoint.every_steps=10",
-            "checkpoint.resume=latest", "checkpoint.memory_every_steps=1", "fault.slow_rank=0", "fault.slow_seconds=0.3"]
-    env = {**os.environ, "MULTINODE_NAME": name, "MULTINODE_TIMEOUT": "400", "MULTINODE_MAX_RESTARTS": "2",
-           "MULTINODE_OWN_SHM": "1", "PYTHON": os.environ.get("PYTHON", sys.executable)}
-    proc = subprocess.Popen(["bash", str(SCRIPT), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    args = [
+        "--verify",
+        str(tmp_path),
+        "train.steps=20",
+        "checkpoint.every_steps=10",
+        "checkpoint.resume=latest",
+        "checkpoint.memory_every_steps=1",
+        "fault.slow_rank=0",
+        "fault.slow_seconds=0.3",
+    ]
+    env = {
+        **os.environ,
+        "MULTINODE_NAME": name,
+        "MULTINODE_TIMEOUT": "400",
+        "MULTINODE_MAX_RESTARTS": "2",
+        "MULTINODE_OWN_SHM": "1",
+        "PYTHON": os.environ.get("PYTHON", sys.executable),
+    }
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline, seen = time.monotonic() + 300, 0
         while seen < 6 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
             run = _run_dir(tmp_path)
             if run is not None:
-                steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()[:-1])
-                         if r["type"] == "step"]
+                steps = [
+                    r["step"]
+                    for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()[:-1])
+                    if r["type"] == "step"
+                ]
                 seen = max(steps, default=0)
         assert seen >= 6, f"the job never reached step 6: {proc.poll()}"
         workers, agent = _node_processes(f"{name}-node1")
@@ -159,7 +214,7 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
             os.kill(pid, signal.SIGKILL)
         lost = list(Path(f"/proc/{agent}/root/dev/shm").glob("distlib-*"))
         assert lost, "node1 held no snapshot"
-        for directory in lost:            # node1's memory is gone with its workers
+        for directory in lost:  # node1's memory is gone with its workers
             shutil.rmtree(directory)
         out, err = proc.communicate(timeout=500)
         left = _namespaces(name)
@@ -187,8 +242,10 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
     logs = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
     assert "RESUME VERIFIED" in logs
 
-    resumed = re.search(r"resume: from the memory snapshot of step (\d+) .*\(rank\(s\) \[([\d, ]+)\] from peer replicas\)",
-                        logs)
+    resumed = re.search(
+        r"resume: from the memory snapshot of step (\d+) .*\(rank\(s\) \[([\d, ]+)\] from peer replicas\)",
+        logs,
+    )
     assert resumed, logs[-3000:]
     assert int(resumed.group(1)) >= seen - 1 and len(resumed.group(2).split(",")) == 2
 
@@ -202,6 +259,7 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
     manifest = json.loads((runs[0] / "checkpoints" / "step_00000010" / "manifest.json").read_text())
     assert manifest["world_size"] == 4 and len(manifest["files"]) == 4
     final = [d / "checkpoints" / "step_00000020" for d in (runs[0], tmp_path / "single")]
-    assert [sorted((p.name, p.read_bytes()) for p in f.glob("*.safetensors")) for f in final][0] == \
-           sorted((p.name, p.read_bytes()) for p in final[1].glob("*.safetensors"))
+    assert [sorted((p.name, p.read_bytes()) for p in f.glob("*.safetensors")) for f in final][0] == sorted(
+        (p.name, p.read_bytes()) for p in final[1].glob("*.safetensors")
+    )
     assert not shm.job_dir(tmp_path / "single").exists()

@@ -1,10 +1,9 @@
 """The forked-rank harness itself: a gloo connect flake before the test's function ran is retried
 (all ranks afresh, said on stderr); a real failure is not."""
 
+import multiproc
 import pytest
 import torch.distributed as dist
-
-import multiproc
 from multiproc import run_ranks
 
 
@@ -22,7 +21,7 @@ def test_a_connect_flake_before_the_function_runs_is_retried(tmp_path, monkeypat
             raise RuntimeError("Gloo connectFullMesh failed with [...] Connection closed by peer")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(multiproc.dist, "init_process_group", flaky)   # the forked ranks inherit it
+    monkeypatch.setattr(multiproc.dist, "init_process_group", flaky)  # the forked ranks inherit it
     assert run_ranks(_rank, 2) == [0, 1]
     assert marker.exists() and "starting the 2 ranks again (attempt 2 of 3)" in capfd.readouterr().err
 

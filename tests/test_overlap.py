@@ -1,6 +1,7 @@
 """zero.overlap: the gradient sync starts in backward (stages 0-2) and ZeRO-3 prefetches the next
 unit, on a communication thread -- checked against torch DDP on real gloo ranks, by hook order
 (never by timing), and bitwise where it must be (ZeRO-3 prefetch; checkpoint resume)."""
+
 from __future__ import annotations
 
 import threading
@@ -8,23 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from multiproc import run_ranks
 
+from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
-from distlib.app.config.groups import ModelConfig
 from distlib.app.model.minigpt import build_model
 from distlib.app.trainer import Trainer
 from distlib.comm.group import Comm
 from distlib.comm.p2p import CollectiveError
 from distlib.comm.progress import Progress
-from distlib.parallel.adamw import AdamWConfig
-from distlib.app.config.groups import OptimizerConfig
 from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.zero import make_optimizer
-from multiproc import run_ranks
 
-CFG = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=2, mlp_ratio=3)   # P = 7,201
-BUCKET = 700          # several buckets of whole modules
+CFG = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=2, mlp_ratio=3)  # P = 7,201
+BUCKET = 700  # several buckets of whole modules
 
 
 def _comm_threads():
@@ -32,12 +31,18 @@ def _comm_threads():
 
 
 def _data(comm, accum):
-    return GlobalBatches(make_corpus(1, 4096, CFG.vocab_size), CFG.seq_len, BatchPlan(2 * comm.size * accum, comm.size, accum), seed=3)
+    return GlobalBatches(
+        make_corpus(1, 4096, CFG.vocab_size),
+        CFG.seq_len,
+        BatchPlan(2 * comm.size * accum, comm.size, accum),
+        seed=3,
+    )
 
 
 def _ddp_grads(comm, accum, dtype=torch.float32):
     """torch DDP's averaged gradient of step 0 (no_sync on all but the last micro-batch), flat."""
     from torch.nn.parallel import DistributedDataParallel
+
     model = DistributedDataParallel(build_model(CFG, seed=7).to(dtype))
     batches = _data(comm, accum).micro_batches(0, comm.rank)
     for i, (x, y) in enumerate(batches):
@@ -52,8 +57,16 @@ def _ddp_grads(comm, accum, dtype=torch.float32):
 def _ours(comm, stage, accum, overlap, dtype=torch.float32, steps=3):
     model = build_model(CFG, seed=7)
     broadcast_module_(model, comm)
-    opt = make_optimizer(model, comm, stage, OptimizerConfig(lr=3e-3).adamw, param_dtype=dtype, bucket_numel=BUCKET,
-                         overlap=overlap, grad_accum=accum)
+    opt = make_optimizer(
+        model,
+        comm,
+        stage,
+        OptimizerConfig(lr=3e-3).adamw,
+        param_dtype=dtype,
+        bucket_numel=BUCKET,
+        overlap=overlap,
+        grad_accum=accum,
+    )
     data, grads, losses = _data(comm, accum), None, []
     for step in range(steps):
         for x, y in data.micro_batches(step, comm.rank):
@@ -98,17 +111,21 @@ def _trains_like_the_plain_sync(comm, stage):
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_training_with_overlap_matches_training_without(stage):
     for (plain_losses, plain_params), (losses, params) in run_ranks(_trains_like_the_plain_sync, 3, stage):
-        if stage == 3:    # prefetching only moves an all-gather earlier: bitwise the same
+        if stage == 3:  # prefetching only moves an all-gather earlier: bitwise the same
             assert losses == plain_losses and params.tobytes() == plain_params.tobytes()
-        else:             # a bucket may pick another reduction algorithm than the whole buffer
-            torch.testing.assert_close(torch.from_numpy(params), torch.from_numpy(plain_params), rtol=1e-5, atol=1e-6)
+        else:  # a bucket may pick another reduction algorithm than the whole buffer
+            torch.testing.assert_close(
+                torch.from_numpy(params), torch.from_numpy(plain_params), rtol=1e-5, atol=1e-6
+            )
 
 
 def _launch_order(comm, accum):
     """Which buckets' syncs were handed to the thread when the first layer's gradient (the last one
     backward produces) was about to be accumulated, per micro-batch."""
     model = build_model(CFG, seed=7)
-    opt = make_optimizer(model, comm, 1, OptimizerConfig().adamw, bucket_numel=BUCKET, overlap=True, grad_accum=accum)
+    opt = make_optimizer(
+        model, comm, 1, OptimizerConfig().adamw, bucket_numel=BUCKET, overlap=True, grad_accum=accum
+    )
     seen = []
     model.tok_emb.weight.register_hook(lambda g: seen.append(list(opt.overlapped.launch_log)))
     for x, y in _data(comm, accum).micro_batches(0, comm.rank):
@@ -122,9 +139,9 @@ def _launch_order(comm, accum):
 def test_sync_starts_during_the_last_backward_only():
     for seen, everything_else, after in run_ranks(_launch_order, 2, 2):
         assert len(everything_else) >= 3
-        assert seen[0] == []                                  # first micro-batch: accumulate only
-        assert sorted(seen[1]) == everything_else             # last: all but the first layer's bucket
-        assert sorted(after) == sorted(everything_else + [after[-1]])   # sync_grads launched the rest, once
+        assert seen[0] == []  # first micro-batch: accumulate only
+        assert sorted(seen[1]) == everything_else  # last: all but the first layer's bucket
+        assert sorted(after) == sorted(everything_else + [after[-1]])  # sync_grads launched the rest, once
 
 
 def _prefetch_log(comm):
@@ -133,10 +150,11 @@ def _prefetch_log(comm):
     log, submit = [], opt.progress.submit
     opt.progress.submit = lambda fn, *a: (log.append((fn.__name__, a[0])), submit(fn, *a))[1]
     units = [model.tok_emb, model.pos_emb, *model.blocks, model.ln_f, model.lm_head]
-    for k, unit in enumerate(units):   # registered after the optimizer's hooks, so they run after them
+    for k, unit in enumerate(units):  # registered after the optimizer's hooks, so they run after them
         unit.register_forward_pre_hook(lambda m, a, k=k: log.append(("forward", k)))
-        unit.register_forward_hook(lambda m, a, out, k=k: [out.register_hook(lambda g: log.append(("backward", k)))]
-                                   and None)
+        unit.register_forward_hook(
+            lambda m, a, out, k=k: [out.register_hook(lambda g: log.append(("backward", k)))] and None
+        )
     x, y = _data(comm, 1).micro_batches(0, comm.rank)[0]
     model(x, y).backward()
     opt.sync_grads()
@@ -145,10 +163,10 @@ def _prefetch_log(comm):
 
 def test_zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward():
     for log, n in run_ranks(_prefetch_log, 2):
-        for k in range(n - 1):   # forward: k+1's gather queued before k computes
+        for k in range(n - 1):  # forward: k+1's gather queued before k computes
             assert log.index(("_fill", k + 1)) < log.index(("forward", k)), (k, log)
-        backward = log[log.index(("forward", n - 1)):]
-        for k in range(2, n):    # backward: k-1's before k computes (the two embeddings' start together)
+        backward = log[log.index(("forward", n - 1)) :]
+        for k in range(2, n):  # backward: k-1's before k computes (the two embeddings' start together)
             assert backward.index(("_fill", k - 1)) < backward.index(("backward", k)), (k, log)
         fills = [e for e in log if e[0] == "_fill"]
         # twice each, as without prefetch, except the last unit: kept from its forward to its backward
@@ -160,6 +178,7 @@ def test_a_failed_collective_on_the_thread_reaches_the_caller_and_stops_the_queu
 
     def fail():
         raise CollectiveError("all_reduce: rank 0 failed waiting on peer 1", "all_reduce", 1)
+
     ticket = progress.submit(fail)
     later = progress.submit(ran.append, 1)
     with pytest.raises(CollectiveError, match="waiting on peer 1"):
@@ -182,22 +201,37 @@ def _run(comm, tree, run_dir: Path):
     if comm.rank == 0:
         run_dir.mkdir(parents=True)
     from distlib.comm import agree
+
     agree.all_true(True, comm)
     return Trainer(RunConfig.from_dict(tree), comm, run_dir).run()
 
 
 def _resume(comm, root: str, stage: int):
-    tree = {"model": {"vocab_size": 30, "seq_len": 8, "dim": 16, "n_heads": 4, "n_layers": 2, "mlp_ratio": 2},
-            "zero": {"stage": stage, "bucket_numel": 600, "overlap": True}, "data": {"total_tokens": 4096},
-            "train": {"steps": 4, "global_batch": 8, "grad_accum": 2}, "dist": {"world_size": 2},
-            "checkpoint": {"every_steps": 2}}
+    tree = {
+        "model": {"vocab_size": 30, "seq_len": 8, "dim": 16, "n_heads": 4, "n_layers": 2, "mlp_ratio": 2},
+        "zero": {"stage": stage, "bucket_numel": 600, "overlap": True},
+        "data": {"total_tokens": 4096},
+        "train": {"steps": 4, "global_batch": 8, "grad_accum": 2},
+        "dist": {"world_size": 2},
+        "checkpoint": {"every_steps": 2},
+    }
     first = _run(comm, tree, Path(root) / "first")
     ckpt = Path(root) / "first" / "checkpoints" / "step_00000002"
-    resumed = _run(comm, {**tree, "checkpoint": {"every_steps": 0, "resume": str(ckpt)}}, Path(root) / "again")
-    within = all(row["measured"][k] <= row["expected"][k] + row["allowance"][k]
-                 for row in first.memory for k in row["expected"])     # prefetch's memory is in the formula
-    return ([s.loss for s in first.steps], [s.loss for s in resumed.steps], resumed.start_step,
-            first.resume_check.ok, within)
+    resumed = _run(
+        comm, {**tree, "checkpoint": {"every_steps": 0, "resume": str(ckpt)}}, Path(root) / "again"
+    )
+    within = all(
+        row["measured"][k] <= row["expected"][k] + row["allowance"][k]
+        for row in first.memory
+        for k in row["expected"]
+    )  # prefetch's memory is in the formula
+    return (
+        [s.loss for s in first.steps],
+        [s.loss for s in resumed.steps],
+        resumed.start_step,
+        first.resume_check.ok,
+        within,
+    )
 
 
 @pytest.mark.slow
@@ -211,9 +245,10 @@ def test_checkpoint_resume_with_overlap_is_bitwise(tmp_path, stage):
 def _mismatch_on_the_thread(comm):
     from distlib.comm import collectives
     from distlib.comm.p2p import CollectiveMismatchError
+
     checked = comm.instrumented(check=True)
     progress = Progress(checked)
-    progress.submit(collectives.all_reduce, torch.ones(4), checked)                 # matched: counted
+    progress.submit(collectives.all_reduce, torch.ones(4), checked)  # matched: counted
     progress.submit(collectives.all_reduce, torch.ones(4 + checked.rank), checked)  # sizes differ
     try:
         progress.drain()
@@ -229,8 +264,9 @@ def test_the_header_check_and_the_counters_work_on_the_thread():
 
 def _peer_gone(comm):
     from distlib.comm import collectives, watchdog
+
     if comm.rank == 1:
-        return None                      # leaves without joining: rank 0's queued all-reduce fails
+        return None  # leaves without joining: rank 0's queued all-reduce fails
     progress = Progress(comm)
     try:
         with watchdog.watch("step 7", comm, 5.0):

@@ -13,42 +13,57 @@ tensor-parallel split), so every stage and layout is compared the same way.
 Two run_ranks calls (2 and 4 ranks) carry all cases; the module-scoped fixtures
 run them once and the tests below read different aspects of the results.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-
-from distlib.comm import agree
-from distlib.parallel.adamw import AdamWConfig
-from distlib.app.config.run import DTYPES
-from distlib.comm.mesh import build_mesh
-from distlib.app.config.groups import ModelConfig
-from distlib.app.model.minigpt import TENSOR_PARALLEL_PLAN, build_model, shard_model_
-from distlib.comm.group import Comm
-from distlib.parallel.tensor_parallel import (Column, ColumnParallelLinear, Row, RowParallelLinear, Split,
-                                              parallelize_linears_, shard_of)
-from distlib.parallel.zero import make_optimizer
 from multiproc import run_ranks
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.config.run import DTYPES
+from distlib.app.model.minigpt import TENSOR_PARALLEL_PLAN, build_model, shard_model_
+from distlib.comm import agree
+from distlib.comm.group import Comm
+from distlib.comm.mesh import build_mesh
+from distlib.parallel.adamw import AdamWConfig
+from distlib.parallel.tensor_parallel import (
+    Column,
+    ColumnParallelLinear,
+    Row,
+    RowParallelLinear,
+    Split,
+    parallelize_linears_,
+    shard_of,
+)
+from distlib.parallel.zero import make_optimizer
 
 # vocab 31 makes P = 5631 (3503 per tensor-parallel rank): odd, so every data-parallel split pads.
 CFG = ModelConfig(vocab_size=31, seq_len=8, dim=16, n_heads=4, n_layers=2, mlp_ratio=2)
 ADAMW = AdamWConfig(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 SEED, STEPS, GLOBAL_BATCH, CLIP, BUCKET = 7, 3, 8, 0.3, 600
-DATA = torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, CFG.seq_len + 1),
-                     generator=torch.Generator().manual_seed(11))
+DATA = torch.randint(
+    0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, CFG.seq_len + 1), generator=torch.Generator().manual_seed(11)
+)
 REL = 1e-5
-BF16_WEIGHT_FRACTION = 0.2   # measured: at most 0.078 of the distance the fp32 run moved
-BF16_LOSS_FRACTION = 0.25   # measured: at most 0.068 of the reference loss's step change
+BF16_WEIGHT_FRACTION = 0.2  # measured: at most 0.078 of the distance the fp32 run moved
+BF16_LOSS_FRACTION = 0.25  # measured: at most 0.068 of the reference loss's step change
 
 
 def torch_reference(clip: float) -> dict:
     """Single process, plain torch: the numbers every layout must reproduce."""
     model = build_model(CFG, SEED)
     params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(params.values(), lr=ADAMW.lr, betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps,
-                            weight_decay=ADAMW.weight_decay, foreach=False)
+    opt = torch.optim.AdamW(
+        params.values(),
+        lr=ADAMW.lr,
+        betas=(ADAMW.beta1, ADAMW.beta2),
+        eps=ADAMW.eps,
+        weight_decay=ADAMW.weight_decay,
+        foreach=False,
+    )
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         batch = DATA[step]
@@ -70,20 +85,31 @@ def torch_reference(clip: float) -> dict:
 
 def _train_case(comm, case: dict) -> dict:
     stage, tp, accum, clip = case["stage"], case["tp"], case["accum"], case["clip"]
-    mesh = build_mesh(comm.instrumented(check=False), tp)    # dp and tp count the bytes they send
+    mesh = build_mesh(comm.instrumented(check=False), tp)  # dp and tp count the bytes they send
     model = build_model(CFG, SEED)
     splits = shard_model_(model, mesh.tp)
-    opt = make_optimizer(model, mesh.dp, stage, ADAMW, clip, tp=mesh.tp, tp_split=splits, bucket_numel=BUCKET,
-                         param_dtype=DTYPES[case["dtype"]], overlap=case["overlap"], grad_accum=accum)
+    opt = make_optimizer(
+        model,
+        mesh.dp,
+        stage,
+        ADAMW,
+        clip,
+        tp=mesh.tp,
+        tp_split=splits,
+        bucket_numel=BUCKET,
+        param_dtype=DTYPES[case["dtype"]],
+        overlap=case["overlap"],
+        grad_accum=accum,
+    )
     per_rank = GLOBAL_BATCH // mesh.dp.size
     micro = per_rank // accum
     out = {"losses": [], "norms": [], "comm": []}
     for step in range(STEPS):
         sent = {"dp": sum(mesh.dp.stats.bytes_sent.values()), "tp": sum(mesh.tp.stats.bytes_sent.values())}
-        rows = DATA[step][mesh.dp.rank * per_rank:(mesh.dp.rank + 1) * per_rank]
+        rows = DATA[step][mesh.dp.rank * per_rank : (mesh.dp.rank + 1) * per_rank]
         local = 0.0
         for k in range(accum):
-            batch = rows[k * micro:(k + 1) * micro]
+            batch = rows[k * micro : (k + 1) * micro]
             loss = model(batch[:, :-1], batch[:, 1:]) / accum
             loss.backward()
             local += float(loss.detach())
@@ -93,13 +119,24 @@ def _train_case(comm, case: dict) -> dict:
             out["param_grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
         opt.apply_update()
         opt.zero_grad()
-        out["comm"].append({"dp": sum(mesh.dp.stats.bytes_sent.values()) - sent["dp"],
-                            "tp": sum(mesh.tp.stats.bytes_sent.values()) - sent["tp"]})
+        out["comm"].append(
+            {
+                "dp": sum(mesh.dp.stats.bytes_sent.values()) - sent["dp"],
+                "tp": sum(mesh.tp.stats.bytes_sent.values()) - sent["tp"],
+            }
+        )
         out["losses"].append(agree.mean(local, mesh.dp))
     # numpy, not tensors: torch pickles tensors through shared memory that dies with the rank
-    out.update(master=opt.state_shard()["master"].numpy(), layout=opt.layout.to_dict(), dp_rank=mesh.dp.rank,
-               tp_rank=mesh.tp.rank, splits={n: s.to_dict() for n, s in splits.items()},
-               memory=opt.memory_bytes(), formula=opt.memory_formula(), param_norm=opt.param_norm())
+    out.update(
+        master=opt.state_shard()["master"].numpy(),
+        layout=opt.layout.to_dict(),
+        dp_rank=mesh.dp.rank,
+        tp_rank=mesh.tp.rank,
+        splits={n: s.to_dict() for n, s in splits.items()},
+        memory=opt.memory_bytes(),
+        formula=opt.memory_formula(),
+        param_norm=opt.param_norm(),
+    )
     return out
 
 
@@ -109,7 +146,9 @@ def _run_cases(comm, cases: list[dict]) -> list[dict]:
 
 
 def _tensors(results: list[dict]) -> list[dict]:
-    return [{k: torch.from_numpy(v) if k in ("grad0", "master") else v for k, v in r.items()} for r in results]
+    return [
+        {k: torch.from_numpy(v) if k in ("grad0", "master") else v for k, v in r.items()} for r in results
+    ]
 
 
 def _case(stage, tp=1, accum=2, clip=CLIP, dtype="fp32", overlap=False):
@@ -117,16 +156,17 @@ def _case(stage, tp=1, accum=2, clip=CLIP, dtype="fp32", overlap=False):
 
 
 CASES = {
-    2: [_case(s) for s in range(4)]                                   # ZeRO 0-3, accumulation, clipping
-       + [_case(1, accum=4), _case(2, accum=4), _case(3, accum=4)]    # 4 micro-batches of 1 sequence
-       + [_case(s, tp=2, accum=1, clip=0.0) for s in (0, 3)]          # pure tensor parallel
-       + [_case(s, dtype="bf16") for s in (0, 2)]                     # mixed precision
-       + [_case(s, overlap=True) for s in range(4)]                   # zero.overlap (sync in backward)
-       + [_case(1, dtype="bf16", overlap=True)],
-    4: [_case(s, tp=2) for s in range(4)]                             # 2 DP x 2 TP
-       + [_case(3, clip=0.0)]                                         # DP 4
-       + [_case(3, tp=2, dtype="bf16")]
-       + [_case(s, tp=2, overlap=True) for s in (1, 3)] + [_case(0, clip=0.0, overlap=True)],
+    2: [_case(s) for s in range(4)]  # ZeRO 0-3, accumulation, clipping
+    + [_case(1, accum=4), _case(2, accum=4), _case(3, accum=4)]  # 4 micro-batches of 1 sequence
+    + [_case(s, tp=2, accum=1, clip=0.0) for s in (0, 3)]  # pure tensor parallel
+    + [_case(s, dtype="bf16") for s in (0, 2)]  # mixed precision
+    + [_case(s, overlap=True) for s in range(4)]  # zero.overlap (sync in backward)
+    + [_case(1, dtype="bf16", overlap=True)],
+    4: [_case(s, tp=2) for s in range(4)]  # 2 DP x 2 TP
+    + [_case(3, clip=0.0)]  # DP 4
+    + [_case(3, tp=2, dtype="bf16")]
+    + [_case(s, tp=2, overlap=True) for s in (1, 3)]
+    + [_case(0, clip=0.0, overlap=True)],
 }
 
 
@@ -155,9 +195,9 @@ def _expected_partition(full: dict[str, torch.Tensor], rank: dict) -> torch.Tens
     for p in layout["params"]:
         split = rank["splits"].get(p["name"])
         local = shard_of(full[p["name"]], Split(**split) if split else None)
-        flat[p["offset"]:p["offset"] + p["numel"]] = local.reshape(-1)
+        flat[p["offset"] : p["offset"] + p["numel"]] = local.reshape(-1)
     n = layout["shard_numel"]
-    return flat[rank["dp_rank"] * n:(rank["dp_rank"] + 1) * n]
+    return flat[rank["dp_rank"] * n : (rank["dp_rank"] + 1) * n]
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -167,27 +207,40 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def test_losses_and_grad_norms_match_plain_torch(results, references):
-    for name, ws, case, ranks in _all(results):
+    for name, _ws, case, ranks in _all(results):
         ref = references[case["clip"]]
         for rank in ranks:
             for step, (got, want) in enumerate(zip(rank["losses"], ref["losses"])):
-                assert abs(got - want) <= REL * abs(want), f"{name}: step {step + 1} loss {got} vs torch {want}"
+                assert abs(got - want) <= REL * abs(want), (
+                    f"{name}: step {step + 1} loss {got} vs torch {want}"
+                )
             for step, (got, want) in enumerate(zip(rank["norms"], ref["norms"])):
-                assert abs(got - want) <= REL * want, f"{name}: step {step + 1} grad norm {got} vs torch {want}"
+                assert abs(got - want) <= REL * want, (
+                    f"{name}: step {step + 1} grad norm {got} vs torch {want}"
+                )
 
 
 def test_clipping_was_active_so_the_clip_parity_means_something(references):
     assert all(norm > CLIP for norm in references[CLIP]["norms"])
-    assert references[CLIP]["params"]["lm_head.weight"].sub(references[0.0]["params"]["lm_head.weight"]).abs().max() > 1e-4
+    assert (
+        references[CLIP]["params"]["lm_head.weight"]
+        .sub(references[0.0]["params"]["lm_head.weight"])
+        .abs()
+        .max()
+        > 1e-4
+    )
 
 
 def test_accumulated_gradient_equals_one_big_batch(results, references):
     """Step 1's synchronised gradient (K micro-batches on each of N ranks, or TP shards) equals the
     gradient of the whole global batch in one backward, within fp32 rounding."""
-    for name, ws, case, ranks in _all(results):
+    for name, _ws, case, ranks in _all(results):
         for rank in ranks:
-            _assert_close(rank["grad0"], _expected_partition(references[case["clip"]]["grads"], rank),
-                          f"{name} rank {rank['dp_rank']},{rank['tp_rank']} step-1 gradient")
+            _assert_close(
+                rank["grad0"],
+                _expected_partition(references[case["clip"]]["grads"], rank),
+                f"{name} rank {rank['dp_rank']},{rank['tp_rank']} step-1 gradient",
+            )
 
 
 def test_final_weights_match_plain_torch(results, references):
@@ -195,22 +248,26 @@ def test_final_weights_match_plain_torch(results, references):
     true gradient (softmax ignores a per-row shift), so its gradient is ~1e-12 rounding noise that
     depends on summation order, and Adam's normalised update turns any noise into a step of up to
     lr. Those few elements differ by ~1e-5 absolute between equally valid summation orders."""
-    for name, ws, case, ranks in _all(results):
+    for name, _ws, case, ranks in _all(results):
         for rank in ranks:
             want = _expected_partition(references[case["clip"]]["params"], rank)
             err = float((rank["master"] - want).norm() / want.norm())
-            assert err <= REL, f"{name} rank {rank['dp_rank']},{rank['tp_rank']}: weights after {STEPS} steps " \
-                               f"differ from torch by {err:.2e} (relative L2)"
-            full_norm = math.sqrt(sum(float(p.pow(2).sum()) for p in references[case["clip"]]["params"].values()))
+            assert err <= REL, (
+                f"{name} rank {rank['dp_rank']},{rank['tp_rank']}: weights after {STEPS} steps "
+                f"differ from torch by {err:.2e} (relative L2)"
+            )
+            full_norm = math.sqrt(
+                sum(float(p.pow(2).sum()) for p in references[case["clip"]]["params"].values())
+            )
             assert abs(rank["param_norm"] - full_norm) <= REL * full_norm, name
 
 
 def test_replicated_parameters_stay_bitwise_equal_across_tp_ranks(results):
-    for name, ws, case, ranks in _all(results):
+    for name, _ws, case, ranks in _all(results):
         if case["tp"] == 1:
             continue
         by_pos = {(r["dp_rank"], r["tp_rank"]): r for r in ranks}
-        for (dp, tp), rank in by_pos.items():
+        for (dp, _tp), rank in by_pos.items():
             other = by_pos[(dp, 0)]
             for p in rank["layout"]["params"]:
                 if p["name"] in rank["splits"]:
@@ -218,7 +275,10 @@ def test_replicated_parameters_stay_bitwise_equal_across_tp_ranks(results):
                 n = rank["layout"]["shard_numel"]
                 lo, hi = max(p["offset"], dp * n), min(p["offset"] + p["numel"], (dp + 1) * n)
                 if lo < hi:
-                    a, b = rank["master"][lo - dp * n:hi - dp * n], other["master"][lo - dp * n:hi - dp * n]
+                    a, b = (
+                        rank["master"][lo - dp * n : hi - dp * n],
+                        other["master"][lo - dp * n : hi - dp * n],
+                    )
                     assert torch.equal(a, b), f"{name}: replicated {p['name']} differs between TP ranks"
 
 
@@ -235,36 +295,42 @@ def test_bf16_follows_the_fp32_reference_at_bf16_precision(results, references, 
     moved from the initial weights, and each loss must be closer to the reference's than the
     reference's own step-to-step change."""
     init = {n: p.detach() for n, p in initial_params.items()}
-    for name, ws, case, ranks in _all(results, dtype="bf16"):
+    for name, _ws, case, ranks in _all(results, dtype="bf16"):
         ref = references[case["clip"]]
         for rank in ranks:
             assert rank["master"].dtype == torch.float32
             want, start = _expected_partition(ref["params"], rank), _expected_partition(init, rank)
             moved = float((want - start).norm())
             off = float((rank["master"] - want).norm())
-            assert moved > 0 and off <= BF16_WEIGHT_FRACTION * moved, \
+            assert moved > 0 and off <= BF16_WEIGHT_FRACTION * moved, (
                 f"{name}: bf16 weights {off:.3e} from the fp32 result, which moved {moved:.3e}"
+            )
             for step, (got, want_loss) in enumerate(zip(rank["losses"], ref["losses"])):
                 change = abs(ref["losses"][min(step + 1, STEPS - 1)] - ref["losses"][max(step - 1, 0)]) / 2
-                assert abs(got - want_loss) <= BF16_LOSS_FRACTION * change, \
-                    f"{name}: step {step + 1} loss {got} vs torch fp32 {want_loss} (its step change {change:.2e})"
+                assert abs(got - want_loss) <= BF16_LOSS_FRACTION * change, (
+                    f"{name}: step {step + 1} loss {got} vs torch fp32 {want_loss} "
+                    f"(its step change {change:.2e})"
+                )
 
 
 def test_measured_memory_matches_the_formula_per_stage(results):
     """Peak bytes of the live tensors lie between the formula and formula + documented buffers."""
-    for name, ws, case, ranks in _all(results, dtype=None):
+    for name, _ws, case, ranks in _all(results, dtype=None):
         for rank in ranks:
             for category, (formula, allowance, text) in rank["formula"].items():
                 measured = rank["memory"][category]
                 assert formula <= measured <= formula + allowance, (
                     f"{name}: {category} measured {measured} B, formula {text} = {formula} B "
-                    f"(+ {allowance} B allowed)")
+                    f"(+ {allowance} B allowed)"
+                )
             p, n = rank["layout"]["numel"], rank["layout"]["world_size"]
             grads_bound = rank["formula"]["grads"][0] + rank["formula"]["grads"][1]
             if case["stage"] == 2:
                 assert grads_bound < 4 * p, f"{name}: the stage-2 gradient bound would admit full grads"
             if case["stage"] >= 2:
-                assert rank["param_grads_left"] == [], f"{name}: full gradients persist: {rank['param_grads_left']}"
+                assert rank["param_grads_left"] == [], (
+                    f"{name}: full gradients persist: {rank['param_grads_left']}"
+                )
             # (with overlap, ZeRO-3 prefetch holds two units, which in this 2-block model is more than P:
             # only the formula above bounds it)
             if case["stage"] == 3 and n > 1 and not case["overlap"]:
@@ -281,12 +347,15 @@ def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results)
     gathers every block for forward and for backward (rank 0's part) and reduce-scatters it, per
     micro-batch: 3 parameter-sized transfers to stage 2's 2 (ZeRO's 1.5x). Every stage also
     all-gathers the two sum-of-squares terms of the grad norm (8 bytes to the peer)."""
-    runs = {(c["stage"], c["accum"]): ranks[0] for c, ranks in zip(CASES[2], results[2])
-            if c["tp"] == 1 and c["dtype"] == "fp32" and not c["overlap"]}
+    runs = {
+        (c["stage"], c["accum"]): ranks[0]
+        for c, ranks in zip(CASES[2], results[2])
+        if c["tp"] == 1 and c["dtype"] == "fp32" and not c["overlap"]
+    }
     sent = {key: run["comm"][-1]["dp"] for key, run in runs.items()}
     layout = runs[(1, 2)]["layout"]
     p, padded, mine = layout["numel"], layout["padded_numel"], layout["shard_numel"]
-    theirs, norm = p - mine, 2 * 4         # rank 1's real elements (its partition ends in padding)
+    theirs, norm = p - mine, 2 * 4  # rank 1's real elements (its partition ends in padding)
     assert p < padded, "the model was chosen so that the partitions need padding"
     assert sent[(0, 2)] == 4 * padded + norm, "stage 0: one all-reduce (exchange: B to the peer)"
     assert sent[(1, 2)] == sent[(1, 4)] == 2 * (4 * padded // 2) + norm, "stage 1 must sync once per step"
@@ -296,8 +365,11 @@ def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results)
     assert all(run["comm"][-1]["tp"] == 0 for run in runs.values())
     # zero.overlap: the same collectives at stages 2/3 (queued, not run in the hook); at stages 0/1
     # one per bucket, and no bucket covers the padded tail, so the padding is not sent
-    overlapped = {c["stage"]: ranks[0]["comm"][-1]["dp"] for c, ranks in zip(CASES[2], results[2])
-                  if c["overlap"] and c["dtype"] == "fp32"}
+    overlapped = {
+        c["stage"]: ranks[0]["comm"][-1]["dp"]
+        for c, ranks in zip(CASES[2], results[2])
+        if c["overlap"] and c["dtype"] == "fp32"
+    }
     assert overlapped[2] == sent[(2, 2)] and overlapped[3] == sent[(3, 2)]
     assert overlapped[0] == 4 * p + norm and overlapped[1] == 4 * theirs + 4 * padded // 2 + norm
 
@@ -318,7 +390,7 @@ def test_tensor_parallel_sends_four_activation_all_reduces_per_block(results):
 def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
     model = build_model(CFG, SEED)
     opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
-    model.tok_emb(DATA[0][:, :-1]).sum().backward()       # only the embedding gets a gradient
+    model.tok_emb(DATA[0][:, :-1]).sum().backward()  # only the embedding gets a gradient
     with pytest.raises(RuntimeError, match=r"29 parameter\(s\) did not receive a gradient") as err:
         opt.step()
     assert "pos_emb.weight" in str(err.value) and "tok_emb.weight" not in str(err.value)
@@ -348,11 +420,15 @@ def test_the_linear_swap_follows_the_plan_and_refuses_what_it_cannot_split():
     assert isinstance(model.blocks[1].mlp.proj, RowParallelLinear)
     assert type(model.lm_head) is torch.nn.Linear
     assert splits["blocks.1.attn.qkv.weight"] == Split(dim=0, parts=2, index=1, groups=3)
-    assert sorted(splits) == sorted(f"blocks.{i}.{layer}.{p}" for i in range(CFG.n_layers)
-                                    for layer, ps in (("attn.qkv", "wb"), ("attn.proj", "w"), ("mlp.fc", "wb"),
-                                                      ("mlp.proj", "w"))
-                                    for p in (("weight", "bias") if ps == "wb" else ("weight",)))
-    assert torch.equal(model.blocks[1].attn.qkv.weight, shard_of(full_qkv, splits["blocks.1.attn.qkv.weight"]))
+    assert sorted(splits) == sorted(
+        f"blocks.{i}.{layer}.{p}"
+        for i in range(CFG.n_layers)
+        for layer, ps in (("attn.qkv", "wb"), ("attn.proj", "w"), ("mlp.fc", "wb"), ("mlp.proj", "w"))
+        for p in (("weight", "bias") if ps == "wb" else ("weight",))
+    )
+    assert torch.equal(
+        model.blocks[1].attn.qkv.weight, shard_of(full_qkv, splits["blocks.1.attn.qkv.weight"])
+    )
     one = Comm(ranks=(0,), rank=0)
     with pytest.raises(TypeError, match="blocks.0.attn, a CausalSelfAttention"):
         parallelize_linears_(build_model(CFG, SEED), one, {"blocks.*.attn": Row()})

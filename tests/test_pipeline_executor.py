@@ -4,19 +4,20 @@ the same micro-batches, each loss / m), for GPipe, 1F1B and interleaved 1F1B at 
 interleaved chunks hand over on the rank, no message);
 the schedules agree with each other; the measured in-flight activations are the plan's, the
 measured activation memory follows them, and sent tensors are not held to the end of the step."""
+
 from __future__ import annotations
 
 import pickle
 
 import pytest
 import torch
+from multiproc import run_ranks
 from torch import nn
 
 from distlib.comm.group import Comm
 from distlib.comm.p2p import P2P
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder
-from multiproc import run_ranks
 
 D, B = 8, 3
 CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("mixed", 1))
@@ -62,9 +63,11 @@ def reference(num_stages: int, m: int):
 
 def _pipeline(comm, m, transport="plain"):
     torch.set_num_threads(1)
-    if transport == "batched":      # NCCL's way: posted together at the first wait (a forked rank: patched here only)
+    if (
+        transport == "batched"
+    ):  # NCCL's way: posted together at the first wait (a forked rank: patched here only)
         Comm.batched = property(lambda self: True)
-    if transport == "staged":       # a CUDA tensor over gloo: every message through a separate buffer
+    if transport == "staged":  # a CUDA tensor over gloo: every message through a separate buffer
         P2P.staged = lambda self, t: True
     P, out = comm.size, {}
     xs, ts = batch(m)
@@ -73,14 +76,31 @@ def _pipeline(comm, m, transport="plain"):
         chunks = [stages[schedule.stage_of(comm.rank, c, P)] for c in range(v)]
         plan = plan_of(name, P, m, v)
         rec = Recorder(comm.rank)
-        loss = executor.run(plan, chunks, comm, feed=lambda i: xs[i], loss_fn=lambda i, y: loss_of(y, ts[i]),
-                            act_shape=(B, D), act_dtype=torch.float32, device="cpu", recorder=rec)
-        grads = {schedule.stage_of(comm.rank, c, P): [p.grad.clone() for p in chunks[c].parameters()]
-                 for c in range(v)}
-        out[name] = dict(loss=loss, grads=grads, peak=rec.peak_in_flight, events=len(rec.events),
-                         peak_bytes=rec.peak_bytes, live_bytes=rec.live_bytes,
-                         peak_sends=rec.peak_sends)
-    return pickle.dumps(out)   # plain pickle: a queue would share the tensors' memory with a rank that exits
+        loss = executor.run(
+            plan,
+            chunks,
+            comm,
+            feed=lambda i: xs[i],
+            loss_fn=lambda i, y: loss_of(y, ts[i]),
+            act_shape=(B, D),
+            act_dtype=torch.float32,
+            device="cpu",
+            recorder=rec,
+        )
+        grads = {
+            schedule.stage_of(comm.rank, c, P): [p.grad.clone() for p in chunks[c].parameters()]
+            for c in range(v)
+        }
+        out[name] = dict(
+            loss=loss,
+            grads=grads,
+            peak=rec.peak_in_flight,
+            events=len(rec.events),
+            peak_bytes=rec.peak_bytes,
+            live_bytes=rec.live_bytes,
+            peak_sends=rec.peak_sends,
+        )
+    return pickle.dumps(out)  # plain pickle: a queue would share the tensors' memory with a rank that exits
 
 
 def rel(a, b):
@@ -110,7 +130,7 @@ def check_against_one_rank(P: int, transport: str) -> None:
         last_rank = schedule.place_of(P * v - 1, P)[0]
         losses = [r[name]["loss"] for r in results]
         assert rel(losses[last_rank], ref_loss) < 1e-6, (name, losses[last_rank], ref_loss)
-        assert all(l.item() == 0 for r, l in enumerate(losses) if r != last_rank)
+        assert all(loss.item() == 0 for r, loss in enumerate(losses) if r != last_rank)
         for r in range(P):
             for s, gs in results[r][name]["grads"].items():
                 for g, ref in zip(gs, ref_grads[s]):
@@ -124,7 +144,7 @@ def check_against_one_rank(P: int, transport: str) -> None:
         assert all(res[name]["live_bytes"] == 0 for name, _ in CASES)
         # sent tensors are let go once a reply shows they arrived: 1F1B holds as few as it has in flight
         assert res["1f1b"]["peak_sends"] <= P, res["1f1b"]["peak_sends"]
-    for r in range(P):       # gpipe and 1f1b run the same stages: the same gradients
+    for r in range(P):  # gpipe and 1f1b run the same stages: the same gradients
         for s in results[r]["gpipe"]["grads"]:
             for g1, g2 in zip(results[r]["gpipe"]["grads"][s], results[r]["1f1b"]["grads"][s]):
                 assert rel(g1, g2) < 1e-6

@@ -1,6 +1,7 @@
 """Pipeline schedules are plain per-rank action lists; the checker simulates each plan (sends
 never block, an action waits for the message it needs) and proves every send is received and
 nothing deadlocks, and measures in-flight activations: 1F1B <= P, GPipe == m."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,14 +40,18 @@ def test_plans_print():
         text = schedule.format_plan(plan)
         print(f"\n{name} pp={P} m={m} v={v} peaks={schedule.check(plan, P, m, v)}\n{text}")
         assert text.count("\n") == P - 1
-    assert schedule.format_plan(schedule.build("1f1b", 2, 3)) == \
-        "rank 0: F0 F1 B0 F2 B1 B2\nrank 1: F0 B0 F1 B1 F2 B2"
+    assert (
+        schedule.format_plan(schedule.build("1f1b", 2, 3))
+        == "rank 0: F0 F1 B0 F2 B1 B2\nrank 1: F0 B0 F1 B1 F2 B2"
+    )
 
 
 def test_checker_finds_a_deadlock():
     # rank 1 wants micro-batch 1 first; rank 0 sends it only after micro-batch 0's backward
-    plan = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
-            [Action("F", 1, 0), Action("B", 1, 0), Action("F", 0, 0), Action("B", 0, 0)]]
+    plan = [
+        [Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
+        [Action("F", 1, 0), Action("B", 1, 0), Action("F", 0, 0), Action("B", 0, 0)],
+    ]
     with pytest.raises(ValueError, match="deadlocks: rank 0 at B0 waits for .*rank 1 at F1 waits for"):
         schedule.check(plan, 2, 2)
     # a backward before its own forward
@@ -62,13 +67,16 @@ def test_checker_finds_missing_and_unmatched():
         schedule.check(plan[:1], 2, 2)
 
 
-@pytest.mark.parametrize("args,words", [
-    (("zigzag", 2, 4, 1), "must be one of gpipe, 1f1b, interleaved"),
-    (("1f1b", 2, 4, 2), "virtual chunks must be 1"),
-    (("interleaved", 2, 4, 1), "at least 2 virtual chunks"),
-    (("interleaved", 4, 6, 2), "multiple of the pipeline degree"),
-    (("gpipe", 0, 4, 1), "pp >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("zigzag", 2, 4, 1), "must be one of gpipe, 1f1b, interleaved"),
+        (("1f1b", 2, 4, 2), "virtual chunks must be 1"),
+        (("interleaved", 2, 4, 1), "at least 2 virtual chunks"),
+        (("interleaved", 4, 6, 2), "multiple of the pipeline degree"),
+        (("gpipe", 0, 4, 1), "pp >= 1"),
+    ],
+)
 def test_bad_combinations(args, words):
     with pytest.raises(ValueError, match=words) as err:
         schedule.build(*args)
@@ -78,6 +86,7 @@ def test_bad_combinations(args, words):
 def test_plans_in_the_docs_are_the_built_ones():
     import re
     from pathlib import Path
+
     doc = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
     blocks = re.findall(r"<!-- plan: (\w+) (\d+) (\d+) (\d+) -->\n```\n(.*?)\n```", doc, re.S)
     assert len(blocks) == 2

@@ -1,6 +1,7 @@
 """Pipeline parallelism in the training application (dist.pp): the layout is refused with one
 line when it cannot work; every layout and schedule trains to world size 1's losses on the same
 global batch; checkpoints resume bitwise at the same layout and across pipeline degrees."""
+
 import json
 import os
 from pathlib import Path
@@ -11,17 +12,25 @@ from e2e import torchrun
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.trainer import Trainer
 from distlib.app.faults import step_hooks
+from distlib.app.trainer import Trainer
 from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm.mesh import build_mesh
 
 REL = 1e-5
 # n_layers 2 x pp: pp x 2 virtual chunks; grad_accum 4 micro-batches (interleaved: a multiple of pp)
-BASE = {"model": {"n_layers": 4, "dim": 16, "n_heads": 4}, "train": {"steps": 20, "global_batch": 8, "grad_accum": 4},
-        "checkpoint": {"every_steps": 0, "verify_resume": False}, "metrics": {"progress_every": 0}}
-SCHEDULES = [{"pp_schedule": "gpipe"}, {"pp_schedule": "1f1b"}, {"pp_schedule": "interleaved", "pp_virtual": 2}]
+BASE = {
+    "model": {"n_layers": 4, "dim": 16, "n_heads": 4},
+    "train": {"steps": 20, "global_batch": 8, "grad_accum": 4},
+    "checkpoint": {"every_steps": 0, "verify_resume": False},
+    "metrics": {"progress_every": 0},
+}
+SCHEDULES = [
+    {"pp_schedule": "gpipe"},
+    {"pp_schedule": "1f1b"},
+    {"pp_schedule": "interleaved", "pp_virtual": 2},
+]
 
 
 def tree(world: int, steps: int = 20, n_layers: int = 4, **dist) -> dict:
@@ -31,14 +40,23 @@ def tree(world: int, steps: int = 20, n_layers: int = 4, **dist) -> dict:
     return t
 
 
-@pytest.mark.parametrize("dist, message", [
-    ({"world_size": 4, "pp": 3}, "dist.pp = 1 x 3 must be >= 1 and divide dist.world_size=4"),
-    ({"world_size": 8, "tp": 2, "pp": 3}, "dist.tp x dist.pp = 2 x 3 must be >= 1 and divide dist.world_size=8"),
-    ({"world_size": 4, "pp": 0}, "dist.pp must be an integer >= 1, got 0"),
-    ({"world_size": 4, "pp": 4}, "model.n_layers=2 does not split into dist.pp x dist.pp_virtual = 4 x 1 = 4"),
-    ({"world_size": 2, "pp": 2, "pp_schedule": "zigzag"}, "dist.pp_schedule must be one of"),
-    ({"world_size": 2, "pp": 2, "pp_virtual": 2}, "dist.pp_virtual=2 needs dist.pp_schedule=interleaved"),
-])
+@pytest.mark.parametrize(
+    "dist, message",
+    [
+        ({"world_size": 4, "pp": 3}, "dist.pp = 1 x 3 must be >= 1 and divide dist.world_size=4"),
+        (
+            {"world_size": 8, "tp": 2, "pp": 3},
+            "dist.tp x dist.pp = 2 x 3 must be >= 1 and divide dist.world_size=8",
+        ),
+        ({"world_size": 4, "pp": 0}, "dist.pp must be an integer >= 1, got 0"),
+        (
+            {"world_size": 4, "pp": 4},
+            "model.n_layers=2 does not split into dist.pp x dist.pp_virtual = 4 x 1 = 4",
+        ),
+        ({"world_size": 2, "pp": 2, "pp_schedule": "zigzag"}, "dist.pp_schedule must be one of"),
+        ({"world_size": 2, "pp": 2, "pp_virtual": 2}, "dist.pp_virtual=2 needs dist.pp_schedule=interleaved"),
+    ],
+)
 def test_a_pipeline_layout_that_cannot_work_is_one_config_error(dist, message):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict({"dist": dist})
@@ -46,27 +64,44 @@ def test_a_pipeline_layout_that_cannot_work_is_one_config_error(dist, message):
 
 
 def test_interleaving_needs_micro_batches_in_multiples_of_pp_and_blocks_for_every_chunk():
-    with pytest.raises(ConfigError, match="train.grad_accum .micro-batches, 3. to be a multiple of dist.pp=2"):
-        RunConfig.from_dict({"dist": {"world_size": 2, "pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2},
-                             "model": {"n_layers": 4}, "train": {"grad_accum": 3, "global_batch": 6}})
-    with pytest.raises(ConfigError, match="model.n_layers=2 does not split into dist.pp x dist.pp_virtual = 2 x 2"):
-        RunConfig.from_dict({"dist": {"world_size": 2, "pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}})
+    with pytest.raises(
+        ConfigError, match="train.grad_accum .micro-batches, 3. to be a multiple of dist.pp=2"
+    ):
+        RunConfig.from_dict(
+            {
+                "dist": {"world_size": 2, "pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2},
+                "model": {"n_layers": 4},
+                "train": {"grad_accum": 3, "global_batch": 6},
+            }
+        )
+    with pytest.raises(
+        ConfigError, match="model.n_layers=2 does not split into dist.pp x dist.pp_virtual = 2 x 2"
+    ):
+        RunConfig.from_dict(
+            {"dist": {"world_size": 2, "pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}}
+        )
     cfg = RunConfig.from_dict({"dist": {"world_size": 8, "tp": 2, "pp": 2}, "train": {"global_batch": 8}})
-    assert cfg.dp_size == 2                     # 8 ranks = 2 tensor x 2 data x 2 pipeline
+    assert cfg.dp_size == 2  # 8 ranks = 2 tensor x 2 data x 2 pipeline
 
 
 def _mesh(comm):
     mesh = build_mesh(comm.instrumented(check=True), tp=2, pp=2)
     stats = {id(g.stats) for g in (mesh.world, mesh.dp, mesh.tp, mesh.pp, mesh.stage)}
     return {name: g.ranks for name, g in mesh.groups().items()} | {
-        "stage": mesh.stage.ranks, "loss_ranks": mesh.loss_ranks, "ends": (mesh.first_stage, mesh.last_stage),
-        "own_stats": len(stats) == 5, "checked": all(g.check for g in mesh.groups().values())}
+        "stage": mesh.stage.ranks,
+        "loss_ranks": mesh.loss_ranks,
+        "ends": (mesh.first_stage, mesh.last_stage),
+        "own_stats": len(stats) == 5,
+        "checked": all(g.check for g in mesh.groups().values()),
+    }
 
 
 @pytest.mark.slow
 def test_the_mesh_knows_data_tensor_and_pipeline_groups_in_the_documented_rank_order():
     got = run_ranks(_mesh, 8)
-    place = {(s * 2 + d) * 2 + t: (s, d, t) for s in range(2) for d in range(2) for t in range(2)}   # tp fastest
+    place = {
+        (s * 2 + d) * 2 + t: (s, d, t) for s in range(2) for d in range(2) for t in range(2)
+    }  # tp fastest
     rank = {v: k for k, v in place.items()}
     for g, row in enumerate(got):
         s, d, t = place[g]
@@ -74,7 +109,7 @@ def test_the_mesh_knows_data_tensor_and_pipeline_groups_in_the_documented_rank_o
         assert row["dp"] == tuple(rank[s, x, t] for x in range(2))
         assert row["pp"] == tuple(rank[x, d, t] for x in range(2))
         assert row["stage"] == tuple(rank[s, x, y] for x in range(2) for y in range(2))
-        assert row["loss_ranks"] == tuple(rank[1, x, t] for x in range(2))      # the last stage's dp group
+        assert row["loss_ranks"] == tuple(rank[1, x, t] for x in range(2))  # the last stage's dp group
         assert row["ends"] == (s == 0, s == 1) and row["own_stats"] and row["checked"]
 
 
@@ -86,11 +121,16 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
         d = Path(run_dir) / str(i)
         d.mkdir(parents=True, exist_ok=True)
         cfg = RunConfig.from_dict(t)
-        trainer = Trainer(cfg, comm, d, hooks=step_hooks(cfg.fault, comm.rank))     # as train.py
+        trainer = Trainer(cfg, comm, d, hooks=step_hooks(cfg.fault, comm.rank))  # as train.py
         result = trainer.run()
-        out.append({"losses": {s.step: s.loss.hex() for s in result.steps}, "stopped_by": result.stopped_by,
-                    "norms": [s.param_norms for s in result.steps], "resume_ok": result.resume_check
-                    and result.resume_check.ok})
+        out.append(
+            {
+                "losses": {s.step: s.loss.hex() for s in result.steps},
+                "stopped_by": result.stopped_by,
+                "norms": [s.param_norms for s in result.steps],
+                "resume_ok": result.resume_check and result.resume_check.ok,
+            }
+        )
     return out
 
 
@@ -105,30 +145,49 @@ def world_one(tmp_path_factory):
 
     def losses_of(n_layers: int) -> dict[int, float]:
         if n_layers not in cache:
-            run = run_ranks(_train, 1, [tree(1, n_layers=n_layers)], str(tmp_path_factory.mktemp("ref")))[0][0]
+            run = run_ranks(_train, 1, [tree(1, n_layers=n_layers)], str(tmp_path_factory.mktemp("ref")))[0][
+                0
+            ]
             cache[n_layers] = losses(run)
         return cache[n_layers]
+
     return losses_of
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layout", [
-    (2, {"pp": 2}), (4, {"pp": 4}), (4, {"pp": 2}), (4, {"pp": 2, "tp": 2}), (8, {"pp": 2, "tp": 2}),
-], ids=["pp2", "pp4", "pp2xdp2", "pp2xtp2", "dp2xtp2xpp2"])
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        (2, {"pp": 2}),
+        (4, {"pp": 4}),
+        (4, {"pp": 2}),
+        (4, {"pp": 2, "tp": 2}),
+        (8, {"pp": 2, "tp": 2}),
+    ],
+    ids=["pp2", "pp4", "pp2xdp2", "pp2xtp2", "dp2xtp2xpp2"],
+)
 def test_every_layout_and_schedule_trains_to_world_size_ones_losses(tmp_path, world_one, world, layout):
     n_layers = 2 * layout["pp"]
-    runs = run_ranks(_train, world, [tree(world, n_layers=n_layers, **layout, **s) for s in SCHEDULES], str(tmp_path),
-                     timeout_s=900)
+    runs = run_ranks(
+        _train,
+        world,
+        [tree(world, n_layers=n_layers, **layout, **s) for s in SCHEDULES],
+        str(tmp_path),
+        timeout_s=900,
+    )
     want = world_one(n_layers)
     for schedule, run in zip(SCHEDULES, runs[0]):
         got = losses(run)
         assert sorted(got) == list(range(1, 21))
         worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
         assert worst <= REL, f"{layout} {schedule}: loss differs from world size 1 by {worst:.2e} (relative)"
-    step = next(json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()
-                if '"type": "step"' in line)
-    assert step["comm_bytes"]["pp"] > 0        # the pipeline group's traffic, reported apart
-    for r in range(world):      # the parameter norm spans every stage: one value on every rank
+    step = next(
+        json.loads(line)
+        for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()
+        if '"type": "step"' in line
+    )
+    assert step["comm_bytes"]["pp"] > 0  # the pipeline group's traffic, reported apart
+    for r in range(world):  # the parameter norm spans every stage: one value on every rank
         assert [run["norms"] for run in runs[r]] == [run["norms"] for run in runs[0]]
         assert all(len(set(norms)) == 1 for run in runs[r] for norms in run["norms"])
 
@@ -156,24 +215,28 @@ def _run_then_resume(tmp_path, first: tuple[int, dict], second: tuple[int, dict]
 def test_a_pipeline_run_resumes_bitwise_and_its_manifest_records_the_stages(tmp_path):
     full, resumed, manifest = _run_then_resume(tmp_path, (2, {"pp": 2}), (2, {"pp": 2}))
     assert sorted(resumed["losses"]) == [4, 5, 6]
-    assert resumed["losses"] == {k: full["losses"][k] for k in (4, 5, 6)}      # bit for bit
+    assert resumed["losses"] == {k: full["losses"][k] for k in (4, 5, 6)}  # bit for bit
     assert full["resume_ok"] is True and resumed["resume_ok"] is True
     assert (manifest["pp"], manifest["dp"], manifest["tp"], manifest["world_size"]) == (2, 1, 1, 2)
     stages = [[p["name"] for p in per_tp[0]["params"]] for per_tp in manifest["pp_layouts"]]
     assert stages[0][:2] == ["tok_emb.weight", "pos_emb.weight"] and stages[1][-1] == "lm_head.bias"
     assert {n.split(".")[1] for n in stages[0] if n.startswith("blocks.")} == {"0", "1"}
     assert {n.split(".")[1] for n in stages[1] if n.startswith("blocks.")} == {"2", "3"}
-    with pytest.raises(checkpoint.CheckpointError, match="pipeline-parallel"):     # scripts/ckpt.py's tools
+    with pytest.raises(checkpoint.CheckpointError, match="pipeline-parallel"):  # scripts/ckpt.py's tools
         reshard.consolidate(tmp_path / "0" / "checkpoints" / "step_00000003", tmp_path / "out")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first, second", [
-    ((2, {"pp": 2}), (1, {})),                  # pp2 -> pp1
-    ((1, {}), (2, {"pp": 2})),                  # pp1 -> pp2
-    ((4, {"pp": 2}), (1, {})),                  # pp2 x dp2 -> pp1 x dp1
-    ((2, {"pp": 2}), (4, {"pp": 2, "pp_schedule": "gpipe"})),   # pp2 -> pp2 x dp2
-], ids=["pp2-pp1", "pp1-pp2", "pp2dp2-pp1dp1", "pp2-pp2dp2"])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ((2, {"pp": 2}), (1, {})),  # pp2 -> pp1
+        ((1, {}), (2, {"pp": 2})),  # pp1 -> pp2
+        ((4, {"pp": 2}), (1, {})),  # pp2 x dp2 -> pp1 x dp1
+        ((2, {"pp": 2}), (4, {"pp": 2, "pp_schedule": "gpipe"})),  # pp2 -> pp2 x dp2
+    ],
+    ids=["pp2-pp1", "pp1-pp2", "pp2dp2-pp1dp1", "pp2-pp2dp2"],
+)
 def test_a_checkpoint_resumes_across_pipeline_degrees(tmp_path, first, second):
     full, resumed, _ = _run_then_resume(tmp_path, first, second)
     assert sorted(resumed["losses"]) == [4, 5, 6]
@@ -190,8 +253,10 @@ def test_a_sigterm_to_one_stage_saves_the_same_step_on_both_and_stops(tmp_path):
     runs = run_ranks(_train, 2, [t], str(tmp_path), timeout_s=600)
     for (run,) in runs:
         assert run["stopped_by"] == "SIGTERM" and sorted(run["losses"]) == [1, 2, 3, 4]
-    assert sorted(p.name for p in (tmp_path / "0" / "checkpoints").glob("step_*")) == ["step_00000003",
-                                                                                       "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / "0" / "checkpoints").glob("step_*")) == [
+        "step_00000003",
+        "step_00000004",
+    ]
     checkpoint.verify(tmp_path / "0" / "checkpoints" / "step_00000004")
 
 
@@ -199,10 +264,19 @@ def test_a_sigterm_to_one_stage_saves_the_same_step_on_both_and_stops(tmp_path):
 def test_a_stalled_stage_is_named_within_the_timeout_by_the_stage_waiting_on_it(tmp_path):
     """The pipeline group's waits are bounded by dist.timeout_s like the world's (a new gloo
     group's own default is 30 minutes): rank 1 stalls, rank 0's receive times out and names it."""
-    proc = torchrun(tmp_path, "dist.world_size=2", "dist.pp=2", "dist.timeout_s=5", "fault.hang_rank=1",
-                    "fault.hang_step=3", nproc=2, timeout=240)
+    proc = torchrun(
+        tmp_path,
+        "dist.world_size=2",
+        "dist.pp=2",
+        "dist.timeout_s=5",
+        "fault.hang_rank=1",
+        "fault.hang_step=3",
+        nproc=2,
+        timeout=240,
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error [rank 0]")]
-    assert errors and "step 3: pipeline did not complete on rank 0 within dist.timeout_s=5s" in errors[0], \
+    assert errors and "step 3: pipeline did not complete on rank 0 within dist.timeout_s=5s" in errors[0], (
         proc.stderr[-3000:]
+    )
     assert "rank(s) [1] did not arrive" in errors[0]

@@ -1,22 +1,23 @@
 """train.profile_steps (Chrome traces with every collective named), scripts/report.py's time split,
 the straggler record and event (fault.slow_rank slows one rank on purpose), and MFU."""
+
 import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from forkrun import run_script
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.model.minigpt import param_count
-from distlib.app.trainer import Trainer
 from distlib.app.faults import step_hooks
+from distlib.app.model.minigpt import param_count
 from distlib.app.observe.stragglers import Slowest, StragglerWatch, slowest
-from forkrun import run_script
+from distlib.app.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-SLEEP = 0.3      # well above the forward/backward time, which varies by tens of ms on a loaded machine
+SLEEP = 0.3  # well above the forward/backward time, which varies by tens of ms on a loaded machine
 
 
 def _train(comm, tree, run_dir):
@@ -27,9 +28,14 @@ def _train(comm, tree, run_dir):
 @pytest.fixture(scope="module")
 def slow_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("slow")
-    tree = {"dist": {"world_size": 3}, "train": {"steps": 5, "global_batch": 12, "profile_steps": [2, 3]},
-            "checkpoint": {"every_steps": 0}, "metrics": {"progress_every": 0},
-            "guard": {"straggler_window": 3}, "fault": {"slow_rank": 1, "slow_seconds": SLEEP}}
+    tree = {
+        "dist": {"world_size": 3},
+        "train": {"steps": 5, "global_batch": 12, "profile_steps": [2, 3]},
+        "checkpoint": {"every_steps": 0},
+        "metrics": {"progress_every": 0},
+        "guard": {"straggler_window": 3},
+        "fault": {"slow_rank": 1, "slow_seconds": SLEEP},
+    }
     run_ranks(_train, 3, tree, str(run_dir))
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     return run_dir, records
@@ -51,7 +57,7 @@ def test_mfu_is_model_flops_over_step_time_and_the_measured_peak(slow_run):
     _, records = slow_run
     flops = 6 * param_count(RunConfig().model) * 12 * 16
     for r in (r for r in records if r["type"] == "step"):
-        assert r["peak_flops"] > 1e8          # a few 256x256 matmuls, summed over 3 ranks
+        assert r["peak_flops"] > 1e8  # a few 256x256 matmuls, summed over 3 ranks
         assert r["mfu"] == pytest.approx(flops / r["step_time_s"] / r["peak_flops"])
 
 
@@ -62,7 +68,9 @@ def test_profiled_steps_leave_one_trace_per_rank_with_named_collectives(slow_run
         names = [e["name"] for e in events if e.get("ph") == "X"]
         assert sorted(n for n in names if n.startswith("step ")) == ["step 2", "step 3"]
         collectives = [n for n in names if n.startswith("collective:")]
-        assert collectives and all(re.fullmatch(r"collective:\w+ algo=\w+( bytes=\d+)?", n) for n in collectives)
+        assert collectives and all(
+            re.fullmatch(r"collective:\w+ algo=\w+( bytes=\d+)?", n) for n in collectives
+        )
         assert any(n.startswith("collective:reduce_scatter algo=") and "bytes=" in n for n in collectives)
 
 
@@ -71,8 +79,12 @@ def test_report_splits_each_ranks_time_and_the_others_wait_for_the_slow_one(slow
     run_dir, _ = slow_run
     proc = run_script("scripts/report.py", str(run_dir), "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    rows = {int(m[0]): tuple(map(float, m[1:])) for m in re.findall(
-        r"rank (\d+): compute +([\d.]+) ms +communication +([\d.]+) ms +waiting +([\d.]+) ms", proc.stdout)}
+    rows = {
+        int(m[0]): tuple(map(float, m[1:]))
+        for m in re.findall(
+            r"rank (\d+): compute +([\d.]+) ms +communication +([\d.]+) ms +waiting +([\d.]+) ms", proc.stdout
+        )
+    }
     assert sorted(rows) == [0, 1, 2]
     # Two profiled steps of a SLEEP on rank 1: its compute holds them, the others wait them out.
     assert rows[1][0] > 2 * 1000 * SLEEP * 0.5
@@ -83,21 +95,26 @@ def test_report_splits_each_ranks_time_and_the_others_wait_for_the_slow_one(slow
 
 def test_the_straggler_streak_needs_the_same_rank_over_the_factor_in_a_row():
     watch = StragglerWatch(factor=1.5, window=2)
-    seen = [watch.update(Slowest(rank, busy, 1.0)) for rank, busy in
-            [(1, 2.0), (2, 2.0), (2, 1.4), (2, 2.0), (2, 2.0), (2, 2.0)]]
+    seen = [
+        watch.update(Slowest(rank, busy, 1.0))
+        for rank, busy in [(1, 2.0), (2, 2.0), (2, 1.4), (2, 2.0), (2, 2.0), (2, 2.0)]
+    ]
     assert seen == [False, False, False, False, True, False]
     assert slowest([0.1, 0.3, 0.3, 0.2]) == Slowest(1, 0.3, 0.25)
 
 
-@pytest.mark.parametrize("tree, message", [
-    ({"train": {"profile_steps": [3, 2]}}, "train.profile_steps must be"),
-    ({"train": {"profile_steps": [1, 21]}}, "train.profile_steps must be"),
-    ({"train": {"profile_steps": 4}}, "train.profile_steps must be"),
-    ({"fault": {"slow_rank": 1}}, "fault.slow_rank and fault.slow_seconds"),
-    ({"fault": {"slow_rank": 9, "slow_seconds": 0.1}}, "fault.slow_rank=9 is not a rank"),
-    ({"guard": {"straggler_factor": 1.0}}, "guard.straggler_factor must be a number > 1"),
-    ({"guard": {"straggler_window": 0}}, "guard.straggler_window must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "tree, message",
+    [
+        ({"train": {"profile_steps": [3, 2]}}, "train.profile_steps must be"),
+        ({"train": {"profile_steps": [1, 21]}}, "train.profile_steps must be"),
+        ({"train": {"profile_steps": 4}}, "train.profile_steps must be"),
+        ({"fault": {"slow_rank": 1}}, "fault.slow_rank and fault.slow_seconds"),
+        ({"fault": {"slow_rank": 9, "slow_seconds": 0.1}}, "fault.slow_rank=9 is not a rank"),
+        ({"guard": {"straggler_factor": 1.0}}, "guard.straggler_factor must be a number > 1"),
+        ({"guard": {"straggler_window": 0}}, "guard.straggler_window must be an integer >= 1"),
+    ],
+)
 def test_bad_values_name_the_key(tree, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig.from_dict(tree)

@@ -4,10 +4,12 @@ The commands are read from README.md itself, so a command added there without a 
 here fails ``test_every_readme_command_is_covered``. Each runs as written, except: long runs get
 fewer steps (``train.steps=...`` overrides appended or replaced), output goes to a temporary
 directory (``hydra.run.dir`` / ``hydra.sweep.dir``), ``outputs/<run>`` stands for the run the
-capstone command made and ``outputs/<text run>`` for a 20-step ``data=text`` run, and the ``make`` targets are checked with ``make -n`` (``make test`` would
-run this suite inside itself; ``make bench`` takes minutes; ``make demo`` is the torchrun command
-below, run for real, and ``tests/test_capstone.py`` checks its output).
+capstone command made and ``outputs/<text run>`` for a 20-step ``data=text`` run, and the ``make``
+targets are checked with ``make -n`` (``make test`` would run this suite inside itself; ``make
+bench`` takes minutes; ``make demo`` is the torchrun command below, run for real, and
+``tests/test_capstone.py`` checks its output).
 """
+
 import re
 import subprocess
 import sys
@@ -15,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from conftest import SWEEP_CMD
-
 from e2e import ROOT
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,9 @@ def _with_overrides(cmd: str, run_dir: Path, steps: int = 4) -> str:
 def _run(cmd: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env_py = Path(sys.executable)
     # README says .venv/bin/...; the suite may run from another interpreter with the same packages
-    cmd = cmd.replace(".venv/bin/python", str(env_py)).replace(".venv/bin/torchrun", f"{env_py} -m torch.distributed.run")
+    cmd = cmd.replace(".venv/bin/python", str(env_py)).replace(
+        ".venv/bin/torchrun", f"{env_py} -m torch.distributed.run"
+    )
     return subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -68,8 +71,11 @@ def runnable(cmd: str, capstone: Path, text: Path, tmp: Path) -> str | None:
     """The command as this test runs it, or None for the make targets (checked by make -n)."""
     if cmd.startswith("make "):
         return None
-    if cmd.startswith(".venv/bin/torchrun --nproc_per_node 4 train.py") and cmd.split("train.py")[1].strip() == "":
-        return None          # the capstone itself: the fixture ran it
+    if (
+        cmd.startswith(".venv/bin/torchrun --nproc_per_node 4 train.py")
+        and cmd.split("train.py")[1].strip() == ""
+    ):
+        return None  # the capstone itself: the fixture ran it
     if "outputs/<text run>" in cmd:
         return cmd.replace("outputs/<text run>", str(text))
     if "outputs/<run>" in cmd:
@@ -81,7 +87,9 @@ def test_every_readme_command_is_covered():
     cmds = readme_commands()
     assert len(cmds) >= 10, cmds
     for cmd in cmds:
-        assert cmd.startswith((".venv/bin/", "make ", "bash scripts/")), f"README command this test cannot run: {cmd}"
+        assert cmd.startswith((".venv/bin/", "make ", "bash scripts/")), (
+            f"README command this test cannot run: {cmd}"
+        )
 
 
 @pytest.mark.parametrize("cmd", readme_commands())
@@ -91,7 +99,7 @@ def test_readme_command_runs(cmd, capstone, request, tmp_path):
         proc = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
         return
-    if cmd.startswith("bash scripts/resume.sh"):    # run as written, once, for this test and test_resume.py
+    if cmd.startswith("bash scripts/resume.sh"):  # run as written, once, for this test and test_resume.py
         assert cmd == "bash scripts/resume.sh", f"conftest.py's resume_script_run runs no other form: {cmd}"
         proc, _ = request.getfixturevalue("resume_script_run")
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
@@ -100,7 +108,7 @@ def test_readme_command_runs(cmd, capstone, request, tmp_path):
     real = runnable(cmd, capstone, text, tmp_path)
     if real is None:
         return
-    if real == SWEEP_CMD.format(dir=tmp_path / "run"):    # run once, for this test and test_cli.py
+    if real == SWEEP_CMD.format(dir=tmp_path / "run"):  # run once, for this test and test_cli.py
         proc, _ = request.getfixturevalue("world_size_sweep")
         assert proc.returncode == 0, f"{real}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
         return

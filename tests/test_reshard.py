@@ -1,5 +1,6 @@
 """A checkpoint saved by N ranks continues on M ranks, at any ZeRO stage, with the saved state loaded
 bit for bit; offline (scripts/ckpt.py reshard) and online resharding agree."""
+
 from __future__ import annotations
 
 import random
@@ -11,10 +12,10 @@ import torch
 from ckpt_util import train, tree
 from multiproc import run_ranks
 
-from distlib.checkpoint import sharded as checkpoint
-from distlib.checkpoint import reshard
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
+from distlib.checkpoint import reshard
+from distlib.checkpoint import sharded as checkpoint
 from distlib.parallel.adamw import STATE_KEYS
 
 
@@ -38,7 +39,7 @@ def test_repartition_and_partition_sources_agree_for_many_shapes():
         for rank in range(new):
             pieces = [old_parts[r][a:b] for r, a, b in reshard.partition_sources(numel, old, new, rank)]
             real = torch.cat(pieces) if pieces else torch.zeros(0)
-            assert torch.equal(real, parts[rank][:real.numel()]) and not parts[rank][real.numel():].any()
+            assert torch.equal(real, parts[rank][: real.numel()]) and not parts[rank][real.numel() :].any()
 
 
 def test_repartition_refuses_too_few_elements():
@@ -61,8 +62,9 @@ def _master(ckpt) -> np.ndarray:
 
 @pytest.mark.parametrize("world_size, stage", [(2, 1), (2, 0), (1, 1)])
 def test_first_step_after_reshard_matches_continuing_at_four(tmp_path, four, world_size, stage, capfd):
-    results = train(tree(world_size, steps=8, zero={"stage": stage},
-                         checkpoint={"resume": str(four["step6"])}), tmp_path)
+    results = train(
+        tree(world_size, steps=8, zero={"stage": stage}, checkpoint={"resume": str(four["step6"])}), tmp_path
+    )
     out = capfd.readouterr().out
     assert f"saved by 4 rank(s) at ZeRO stage 1, loaded into {world_size} at stage {stage}" in out
     first = results[0]
@@ -89,9 +91,11 @@ def _load_params(comm, config: dict, run_dir: str) -> dict:
     trainer = Trainer(RunConfig.from_dict(config), comm, Path(run_dir))
     trainer.checkpointer.loader.load(Path(config["checkpoint"]["resume"]), trainer.model, trainer.optimizer)
     numel = trainer.optimizer.layout.numel
-    return {"params": trainer.optimizer.flat_params[:numel].numpy().copy(),
-            "state": {k: v.numpy().copy() for k, v in trainer.optimizer.state_shard().items()},
-            "rng": torch.get_rng_state().numpy().copy()}
+    return {
+        "params": trainer.optimizer.flat_params[:numel].numpy().copy(),
+        "state": {k: v.numpy().copy() for k, v in trainer.optimizer.state_shard().items()},
+        "rng": torch.get_rng_state().numpy().copy(),
+    }
 
 
 def test_loaded_state_is_the_checkpoint_bit_for_bit(tmp_path, four):
@@ -112,7 +116,11 @@ def test_growing_the_world_reseeds_new_ranks_and_says_so(tmp_path, four, capfd):
     two = tmp_path / "two"
     train(tree(2, steps=6), two)
     loaded = run_ranks(
-        _load_params, 4, tree(4, checkpoint={"resume": str(two / "checkpoints" / "step_00000006")}), str(tmp_path))
+        _load_params,
+        4,
+        tree(4, checkpoint={"resume": str(two / "checkpoints" / "step_00000006")}),
+        str(tmp_path),
+    )
     assert "rank(s) [2, 3] have no saved RNG state" in capfd.readouterr().out
     for rank in (0, 1):
         saved = checkpoint.load_shard(two / "checkpoints" / "step_00000006", rank)[0]["rng.torch"].numpy()

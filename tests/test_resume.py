@@ -1,16 +1,16 @@
 """scripts/resume.sh: exact resume from the step-10 checkpoint, and its mismatch report."""
+
 import json
 import shutil
 
 import pytest
-
 from forkrun import run_script
 
 pytestmark = pytest.mark.slow
 
 
 def test_resume_script_proves_bitwise_resume(resume_script_run, tmp_path):
-    # README's `bash scripts/resume.sh`, run once for this test and tests/test_readme_commands.py (conftest.py)
+    # README's `bash scripts/resume.sh`, run once for this test and tests/test_readme_commands.py
     proc, out = resume_script_run
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "RESUME EXACT: steps 11-20 bitwise equal" in proc.stdout

@@ -1,4 +1,5 @@
 """scripts/sample.py and distlib/sampling.py: sharded and consolidated checkpoints on one process."""
+
 from __future__ import annotations
 
 import json
@@ -8,15 +9,15 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-
-from distlib.checkpoint import reshard
-from distlib.app import sampling
-from distlib.checkpoint.sharded import CheckpointError
-from distlib.app.config.groups import ModelConfig
-from distlib.app.data.tokens import ByteTokenizer
+from forkrun import run_script
 from multiproc import run_ranks
 from trainrun import compose_tree, train
-from forkrun import run_script
+
+from distlib.app import sampling
+from distlib.app.config.groups import ModelConfig
+from distlib.app.data.tokens import ByteTokenizer
+from distlib.checkpoint import reshard
+from distlib.checkpoint.sharded import CheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "sample.py"
@@ -28,9 +29,20 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sampling")
     text = tmp / "sample.txt"
     shutil.copy(ROOT / "data" / "sample.txt", text)
-    tree = compose_tree(["data=text", f"data.path={text}", "model.seq_len=16", "model.dim=24", "model.n_heads=3",
-                         "train.steps=6", "checkpoint.every_steps=6", "dist.world_size=3", "train.global_batch=12",
-                         "checkpoint.verify_resume=false"])
+    tree = compose_tree(
+        [
+            "data=text",
+            f"data.path={text}",
+            "model.seq_len=16",
+            "model.dim=24",
+            "model.n_heads=3",
+            "train.steps=6",
+            "checkpoint.every_steps=6",
+            "dist.world_size=3",
+            "train.global_batch=12",
+            "checkpoint.verify_resume=false",
+        ]
+    )
     ranks = run_ranks(train, 3, tree, str(tmp / "run"))
     ckpt = tmp / "run" / "checkpoints" / "step_00000006"
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -69,10 +81,10 @@ def test_greedy_generation_follows_the_models_argmax(trained):
     model = sampling.load_model(ckpt)
     prompt = ByteTokenizer.encode("The ring ")
     out = sampling.generate(model, prompt, 40, temperature=0)
-    assert out[:len(prompt)] == prompt and len(out) == len(prompt) + 40
+    assert out[: len(prompt)] == prompt and len(out) == len(prompt) + 40
     # replay: each new token is the argmax of the logits on the (cropped) context before it
     for i in range(len(prompt), len(out)):
-        context = torch.tensor([out[max(0, i - model.cfg.seq_len):i]])
+        context = torch.tensor([out[max(0, i - model.cfg.seq_len) : i]])
         assert out[i] == int(model(context)[0, -1].argmax())
 
 
@@ -80,7 +92,10 @@ def test_top_k_and_temperature_restrict_and_seed_the_draw(trained):
     ckpt, _ = trained
     model = sampling.load_model(ckpt)
     prompt = ByteTokenizer.encode("Every rank")
-    draw = lambda seed, **kw: sampling.generate(model, prompt, 30, generator=torch.Generator().manual_seed(seed), **kw)
+
+    def draw(seed, **kw):
+        return sampling.generate(model, prompt, 30, generator=torch.Generator().manual_seed(seed), **kw)
+
     assert draw(1, temperature=1.0) == draw(1, temperature=1.0)
     assert draw(1, temperature=1.0) != draw(2, temperature=1.0)
     # top_k=1 is greedy whatever the temperature
@@ -94,12 +109,25 @@ def test_top_k_and_temperature_restrict_and_seed_the_draw(trained):
 @pytest.mark.slow
 def test_sample_cli_prints_prompt_and_continuation(trained):
     ckpt, _ = trained
-    first = run_script(SCRIPT, str(ckpt), "--prompt", "Rank zero → ", "--tokens", "25",
-                       "--temperature", "0.8", "--top-k", "10", "--seed", "4")
+    first = run_script(
+        SCRIPT,
+        str(ckpt),
+        "--prompt",
+        "Rank zero → ",
+        "--tokens",
+        "25",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "10",
+        "--seed",
+        "4",
+    )
     assert first.returncode == 0, first.stderr
     model = sampling.load_model(ckpt)
-    expected = sampling.generate(model, ByteTokenizer.encode("Rank zero → "), 25, 0.8, 10,
-                                 torch.Generator().manual_seed(4))
+    expected = sampling.generate(
+        model, ByteTokenizer.encode("Rank zero → "), 25, 0.8, 10, torch.Generator().manual_seed(4)
+    )
     assert first.stdout == ByteTokenizer.decode(expected) + "\n"
     assert first.stdout.startswith("Rank zero → ")
 
@@ -108,7 +136,9 @@ def test_consolidated_safetensors_gives_the_same_model(trained, tmp_path):
     ckpt, params = trained
     model = sampling.load_model(ckpt)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    with_meta, = reshard.consolidate(ckpt, tmp_path / "consolidated")   # what scripts/ckpt.py consolidate writes
+    (with_meta,) = reshard.consolidate(
+        ckpt, tmp_path / "consolidated"
+    )  # what scripts/ckpt.py consolidate writes
     again = sampling.load_model(with_meta)
     assert again.cfg == model.cfg and torch.equal(_flat(again), params)
 
@@ -124,8 +154,9 @@ def test_consolidated_safetensors_gives_the_same_model(trained, tmp_path):
 
 @pytest.mark.slow
 def test_synthetic_vocabulary_samples_token_ids(tmp_path):
-    tree = compose_tree(["train.steps=2", "checkpoint.every_steps=2", "dist.world_size=2",
-                         "checkpoint.verify_resume=false"])
+    tree = compose_tree(
+        ["train.steps=2", "checkpoint.every_steps=2", "dist.world_size=2", "checkpoint.verify_resume=false"]
+    )
     run_ranks(train, 2, tree, str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
     from_ids = run_script(SCRIPT, str(ckpt), "--prompt", "1 2 3", "--tokens", "4", "--temperature", "0")

@@ -1,38 +1,54 @@
 """SLURM without a cluster: hostlist parsing, which processes are ranks, the Hydra arguments an srun
 task gets, and the submitit launcher's config. Everything that needs SLURM itself runs against a
 real local cluster in tests/test_slurm_cluster.py."""
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import pytest
+from e2e import run
 
 from distlib.launch import slurm
 from distlib.launch.hydra_config import compose
-from e2e import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("nodelist, first", [
-    ("node07", "node07"),
-    ("node[07-09,12]", "node07"),
-    ("gpu[003-004],cpu1", "gpu003"),
-    ("rack1-[3-4]-n[01-02]", "rack1-3-n01"),
-    ("a[1,5],b[2-3]", "a1"),
-])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("node07", "node07"),
+        ("node[07-09,12]", "node07"),
+        ("gpu[003-004],cpu1", "gpu003"),
+        ("rack1-[3-4]-n[01-02]", "rack1-3-n01"),
+        ("a[1,5],b[2-3]", "a1"),
+    ],
+)
 def test_first_host_of_a_slurm_hostlist(nodelist, first):
     assert slurm.first_host(nodelist) == first
 
 
-TASK = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123457",
-        "SLURM_JOB_NODELIST": "cn[10-11]", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}
+TASK = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_ID": "123457",
+    "SLURM_JOB_NODELIST": "cn[10-11]",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "4",
+}
 
 
 def test_slurm_task_environment_maps_to_torch_rendezvous():
-    assert slurm.torch_env(TASK) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                                     "MASTER_ADDR": "cn10", "MASTER_PORT": str(20000 + 123457 % 20000)}
+    assert slurm.torch_env(TASK) == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "cn10",
+        "MASTER_PORT": str(20000 + 123457 % 20000),
+    }
     assert slurm.torch_env({**TASK, "MASTER_PORT": "29999", "MASTER_ADDR": "head"})["MASTER_PORT"] == "29999"
     # `srun -n 2` inside a 4-task allocation: the step's task count is the world
     assert slurm.torch_env({**TASK, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"})["WORLD_SIZE"] == "2"
@@ -47,15 +63,20 @@ def test_only_tasks_of_a_multi_task_step_are_ranks():
     batch_shell = {k: v for k, v in TASK.items() if not k.startswith("SLURM_STEP")}
     assert not slurm.is_rank_task(batch_shell)
     one_task_step = {**TASK, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"}
-    assert not slurm.is_rank_task(one_task_step)          # it starts dist.world_size workers itself
+    assert not slurm.is_rank_task(one_task_step)  # it starts dist.world_size workers itself
     assert not slurm.is_rank_task({})
 
 
 def test_srun_tasks_share_one_run_directory_and_only_task_0_writes_hydra_files():
-    assert slurm.hydra_args({**TASK, "SLURM_PROCID": "0"}, []) == ["dist.world_size=4",
-                                                                   "hydra.run.dir=outputs/slurm/123457"]
+    assert slurm.hydra_args({**TASK, "SLURM_PROCID": "0"}, []) == [
+        "dist.world_size=4",
+        "hydra.run.dir=outputs/slurm/123457",
+    ]
     assert slurm.hydra_args(TASK, ["hydra.run.dir=/shared/run", "dist.world_size=4"]) == [
-        "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+        "hydra.output_subdir=null",
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+    ]
 
 
 def _hydra(overrides: list[str]):
@@ -88,5 +109,7 @@ def test_slurm_launcher_without_its_plugin_is_one_clear_line(tmp_path):
     """The plugin is hidden from the import system, so this holds where the `slurm` extra is installed too."""
     proc = run([sys.executable, "-c", HIDE_PLUGIN % tmp_path], timeout=60)
     assert proc.returncode != 0
-    assert proc.stderr.strip() == ("error: hydra/launcher=submitit_slurm needs the optional plugin, which is not "
-                                   "installed: pip install hydra-submitit-launcher (docs/beyond.md, \"SLURM\")")
+    assert proc.stderr.strip() == (
+        "error: hydra/launcher=submitit_slurm needs the optional plugin, which is not "
+        'installed: pip install hydra-submitit-launcher (docs/beyond.md, "SLURM")'
+    )

@@ -5,6 +5,7 @@ Skipped, with the reason, where SLURM is not installed (`apt-get install slurm-w
 installs it) or the shell is not root. One cluster serves the module; it is stopped at the end and
 the test checks that its daemons are gone.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,23 +20,35 @@ import time
 from pathlib import Path
 
 import pytest
-
 from e2e import ROOT
 from forkrun import run_script
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "scripts" / "slurm_local.sh"
-STEPS = 30          # long enough (> 3 s of training) that a signal sent at step 2 lands mid-run
-DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-        "PREEMPTED"}
+STEPS = 30  # long enough (> 3 s of training) that a signal sent at step 2 lands mid-run
+DONE = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 class Cluster:
     def __init__(self, root: Path):
         self.root = root
-        self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf"), "PYTHON": sys.executable,
-                    "PYTHONUNBUFFERED": "1"}
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": str(root / "slurm.conf"),
+            "PYTHON": sys.executable,
+            "PYTHONUNBUFFERED": "1",
+        }
 
     def cmd(self, *args: str, check: bool = True, timeout: float = 60) -> str:
         proc = subprocess.run(args, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -43,8 +56,9 @@ class Cluster:
             raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
         return proc.stdout
 
-    def sbatch(self, run_dir: Path, *args: str, options: tuple[str, ...] = (),
-               script: str = "scripts/train.sbatch") -> tuple[str, Path]:
+    def sbatch(
+        self, run_dir: Path, *args: str, options: tuple[str, ...] = (), script: str = "scripts/train.sbatch"
+    ) -> tuple[str, Path]:
         """Submit `script` with RUN_DIR=run_dir; returns (job id, output file)."""
         out = run_dir.parent / f"{run_dir.name}.out"
         self.env["RUN_DIR"] = str(run_dir)
@@ -76,8 +90,13 @@ def cluster(tmp_path_factory):
     if shutil.which("slurmctld") is None and not Path("/usr/sbin/slurmctld").exists():
         pytest.skip("SLURM is not installed (no slurmctld): apt-get install slurm-wlm munge (.ci/run does)")
     root = tmp_path_factory.mktemp("slurm")
-    start = subprocess.run(["bash", str(SCRIPT), "start", str(root)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHON": sys.executable})
+    start = subprocess.run(
+        ["bash", str(SCRIPT), "start", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     if start.returncode == 77:
         pytest.skip(start.stderr.strip())
     assert start.returncode == 0, start.stdout + start.stderr
@@ -85,7 +104,9 @@ def cluster(tmp_path_factory):
     try:
         yield Cluster(root)
     finally:
-        stop = subprocess.run(["bash", str(SCRIPT), "stop", str(root)], capture_output=True, text=True, timeout=120)
+        stop = subprocess.run(
+            ["bash", str(SCRIPT), "stop", str(root)], capture_output=True, text=True, timeout=120
+        )
         assert stop.returncode == 0, stop.stdout + stop.stderr
         alive = [p for p in pids if Path(f"/proc/{p}").exists()]
         assert not alive, f"daemons still running after stop: {alive}"
@@ -115,7 +136,9 @@ def _verify(path: Path) -> None:
 
 
 def _same_final_checkpoint(reference: Path, run_dir: Path) -> None:
-    proc = run_script("scripts/compare_runs.py", str(reference), str(run_dir), "--checkpoint-step", str(STEPS))
+    proc = run_script(
+        "scripts/compare_runs.py", str(reference), str(run_dir), "--checkpoint-step", str(STEPS)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"step-{STEPS} checkpoints are byte-identical" in proc.stdout
 
@@ -131,8 +154,9 @@ def reference(cluster, tmp_path_factory):
 
 
 def test_cluster_is_up_with_this_machines_cpus(cluster):
-    status = subprocess.run(["bash", str(SCRIPT), "status", str(cluster.root)], capture_output=True, text=True,
-                            timeout=30)
+    status = subprocess.run(
+        ["bash", str(SCRIPT), "status", str(cluster.root)], capture_output=True, text=True, timeout=30
+    )
     assert status.returncode == 0, status.stdout + status.stderr
     assert re.search(r"local\*\s+up\s+infinite\s+1\s+(idle|mixed|allocated)", status.stdout), status.stdout
     node = cluster.cmd("scontrol", "show", "node", "-o")
@@ -150,7 +174,10 @@ def test_batch_job_runs_one_srun_task_per_rank_and_ends_in_resume_verified(clust
     manifest = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").read_text())
     assert manifest["world_size"] == 4 and len(manifest["files"]) == 4
     # the ranks were srun's tasks, not torchrun's or our launcher's workers: no torchelastic in the job
-    assert "torchelastic" not in text.lower() and "TORCHELASTIC" not in (run_dir / ".hydra" / "config.yaml").read_text()
+    assert (
+        "torchelastic" not in text.lower()
+        and "TORCHELASTIC" not in (run_dir / ".hydra" / "config.yaml").read_text()
+    )
     # only task 0 wrote Hydra's files
     assert sorted(p.name for p in run_dir.iterdir() if p.suffix == ".log") == ["train.log"]
 
@@ -159,8 +186,9 @@ def test_torchrun_per_node_variant_runs_4_ranks_under_one_srun_task(cluster, tmp
     """scripts/train_torchrun.sbatch on the one local node (several nodes are the same command with
     --nodes=N; the cross-host rendezvous itself is tested in tests/test_multinode.py)."""
     run_dir = tmp_path / "torchrun"
-    job, out = cluster.sbatch(run_dir, "train.steps=2", "checkpoint.every_steps=2",
-                              script="scripts/train_torchrun.sbatch")
+    job, out = cluster.sbatch(
+        run_dir, "train.steps=2", "checkpoint.every_steps=2", script="scripts/train_torchrun.sbatch"
+    )
     info = cluster.wait(job)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
@@ -172,10 +200,11 @@ def test_torchrun_per_node_variant_runs_4_ranks_under_one_srun_task(cluster, tmp
 
 def test_usr2_saves_and_the_requeued_job_finishes_byte_identical(cluster, reference, tmp_path):
     run_dir = tmp_path / "preempted"
-    job, out = cluster.sbatch(run_dir, f"train.steps={STEPS}",
-                              options=("--signal=USR2@60", "--requeue", "--open-mode=append"))
+    job, out = cluster.sbatch(
+        run_dir, f"train.steps={STEPS}", options=("--signal=USR2@60", "--requeue", "--open-mode=append")
+    )
     _wait_for_step(run_dir, 2)
-    cluster.cmd("scancel", "--signal=USR2", job)          # what SLURM sends 60 s before the time limit
+    cluster.cmd("scancel", "--signal=USR2", job)  # what SLURM sends 60 s before the time limit
     info = cluster.wait(job)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", text
@@ -193,8 +222,9 @@ def test_scancel_stops_at_a_step_boundary_with_a_committed_checkpoint(cluster, t
     """Plain `scancel`: SIGTERM to every rank, which save and exit before KillWait's SIGKILL; the job
     ends CANCELLED and is not requeued (2 ranks: the cheapest job that has collectives)."""
     run_dir = tmp_path / "cancelled"
-    job, out = cluster.sbatch(run_dir, f"train.steps={STEPS}", "checkpoint.every_steps=0",
-                              options=("--ntasks=2",))
+    job, out = cluster.sbatch(
+        run_dir, f"train.steps={STEPS}", "checkpoint.every_steps=0", options=("--ntasks=2",)
+    )
     _wait_for_step(run_dir, 2)
     cluster.cmd("scancel", job)
     info = cluster.wait(job)
@@ -272,8 +302,14 @@ def test_a_kill_mid_save_leaves_nothing_that_resume_trusts(cluster, reference, t
     for path in committed:
         _verify(path)
     # A later run with resume=latest (here outside SLURM: the checkpoint is not tied to the job).
-    proc = run_script("train.py", f"hydra.run.dir={run_dir}", "checkpoint.resume=latest",
-                      f"train.steps={STEPS}", "checkpoint.every_steps=10", timeout=180)
+    proc = run_script(
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        "checkpoint.resume=latest",
+        f"train.steps={STEPS}",
+        "checkpoint.every_steps=10",
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"resume: latest valid checkpoint is {committed[-1]}" in proc.stdout + proc.stderr
     assert f"resumed from {committed[-1]} at step {newest}" in proc.stdout
@@ -287,22 +323,39 @@ def _submitit_installed() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _submitit_installed(),
-                    reason="the optional `slurm` extra is not installed: pip install -e '.[slurm]' (.ci/run does)")
+@pytest.mark.skipif(
+    not _submitit_installed(),
+    reason="the optional `slurm` extra is not installed: pip install -e '.[slurm]' (.ci/run does)",
+)
 def test_hydra_sweep_runs_one_slurm_job_per_world_size(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm",
-                           "dist.world_size=1,2,4", "train.steps=3", "checkpoint.every_steps=0",
-                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=cluster.env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            "dist.world_size=1,2,4",
+            "train.steps=3",
+            "checkpoint.every_steps=0",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = proc.stdout[proc.stdout.index("sweep comparison"):]
+    table = proc.stdout[proc.stdout.index("sweep comparison") :]
     rows = re.findall(r"^(\d_ws(\d)_zero1)\s+(\d)\s", table, re.M)
     assert [(ws, col) for _, ws, col in rows] == [("1", "1"), ("2", "2"), ("4", "4")], table
     assert "world-size invariance" in table and ": OK" in table
     # three SLURM jobs (one array of three tasks), all completed
     job_ids = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
     assert len(job_ids) == 3 and len({j.split("_")[0] for j in job_ids}) == 1, job_ids
-    for job in job_ids:   # submitit reads a job's result file as soon as it is written: the job may still be ending
+    for (
+        job
+    ) in job_ids:  # submitit reads a job's result file as soon as it is written: the job may still be ending
         info = cluster.wait(job, timeout=60)
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info

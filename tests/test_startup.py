@@ -1,4 +1,5 @@
 """Start-up costs that once were paid on every rank and must not come back."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -12,42 +13,54 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_deterministic_kernels_are_on_without_importing_the_compiler():
     # torch.use_deterministic_algorithms imports torch._dynamo (~4 s per rank); train.py's
     # helper must flip the same ATen switch without it.
-    code = ("import sys, torch\nfrom distlib.launch.torchrun import use_deterministic_kernels\n"
-            "assert not torch.are_deterministic_algorithms_enabled()\n"
-            "use_deterministic_kernels()\n"
-            "assert torch.are_deterministic_algorithms_enabled(), 'deterministic mode is off'\n"
-            "heavy = [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules]\n"
-            "assert not heavy, f'imported {heavy}'\n")
+    code = (
+        "import sys, torch\nfrom distlib.launch.torchrun import use_deterministic_kernels\n"
+        "assert not torch.are_deterministic_algorithms_enabled()\n"
+        "use_deterministic_kernels()\n"
+        "assert torch.are_deterministic_algorithms_enabled(), 'deterministic mode is off'\n"
+        "heavy = [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules]\n"
+        "assert not heavy, f'imported {heavy}'\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_under_torchrun_only_rank0_composes_unless_hydra_prints(monkeypatch):
     from distlib.launch import torchrun as launch
+
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setattr(launch, "UNDER_TORCHRUN", True)
     assert launch.rank0_composes(["train.py", "zero=stage0", "hydra.run.dir=/tmp/x"])
-    for flag in ("--cfg", "--help", "-c", "--info"):      # Hydra prints instead of running: every rank does
+    for flag in ("--cfg", "--help", "-c", "--info"):  # Hydra prints instead of running: every rank does
         assert not launch.rank0_composes(["train.py", flag, "job"]), flag
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")   # no store to share through
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no store to share through
     assert not launch.rank0_composes(["train.py", "zero=stage0"])
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(launch, "UNDER_TORCHRUN", False)              # python train.py: one Hydra run
+    monkeypatch.setattr(launch, "UNDER_TORCHRUN", False)  # python train.py: one Hydra run
     assert not launch.rank0_composes(["train.py", "zero=stage0"])
 
 
 def test_train_module_does_not_import_hydra():
     # ranks other than 0 import train.py and never compose; Hydra is imported inside main()
-    proc = subprocess.run([sys.executable, "-c", "import sys, train; assert 'hydra' not in sys.modules, 'hydra'; "
-                           "assert 'omegaconf' not in sys.modules, 'omegaconf'"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, train; assert 'hydra' not in sys.modules, 'hydra'; "
+            "assert 'omegaconf' not in sys.modules, 'omegaconf'",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.slow
 def test_a_config_error_on_rank0_ends_the_torchrun_job_instead_of_leaving_the_others_waiting(tmp_path):
     from e2e import torchrun
+
     proc = torchrun(tmp_path, "optimizer.lr=-1", nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "optimizer.lr must be a number > 0" in proc.stderr
-

@@ -1,11 +1,11 @@
 """Collectives per training step of the capstone configuration (a count, not a timing): after the
 update one gather carries the parameter norms, the metrics row (stragglers included) and the
 save/stop votes; the guard's verdict stays before the update."""
+
 import sys
 from pathlib import Path
 
 import pytest
-
 from multiproc import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -1,4 +1,5 @@
 """data=text: byte tokenizer, token file, deterministic batches, exact resume, validation loss."""
+
 from __future__ import annotations
 
 import json
@@ -11,18 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from distlib.app.data import batches as data
-from distlib.app.data import tokens
-from distlib.comm.group import Comm
-from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.data.batches import BatchPlan, GlobalBatches, HeldOut, split_heldout
-from distlib.app.model.minigpt import build_model
-from distlib.app.summary import loss_table
-from distlib.app.data.tokens import ByteTokenizer, DataError
+from forkrun import run_script
 from multiproc import run_ranks
 from trainrun import compose_tree, train
-from forkrun import run_script
+
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.data import batches as data
+from distlib.app.data import tokens
+from distlib.app.data.batches import BatchPlan, GlobalBatches, HeldOut, split_heldout
+from distlib.app.data.tokens import ByteTokenizer, DataError
+from distlib.app.model.minigpt import build_model
+from distlib.app.summary import loss_table
+from distlib.comm.group import Comm
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "sample.txt"
@@ -47,8 +48,12 @@ def test_byte_tokenizer_round_trips_any_unicode():
 
 def test_bundled_sample_is_what_the_generator_writes(tmp_path):
     out = tmp_path / "regenerated.txt"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_text.py"), str(out)], check=True,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_sample_text.py"), str(out)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert out.read_bytes() == SAMPLE.read_bytes()
     assert 50_000 <= len(out.read_bytes()) <= 200_000
     out.read_bytes().decode("utf-8")
@@ -86,7 +91,9 @@ def test_token_file_is_reused_when_unchanged_and_rebuilt_when_changed(sample):
     again, sha2, built2 = tokens.ensure_token_file(sample)
     assert (again, sha2, built2) == (target, sha, False)
     after = target.stat()
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "token file was rewritten"
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), (
+        "token file was rewritten"
+    )
 
     sample.write_text(sample.read_text(encoding="utf-8") + "One more line.\n", encoding="utf-8")
     _, sha3, built3 = tokens.ensure_token_file(sample)
@@ -162,12 +169,15 @@ def test_default_config_is_unchanged_by_the_new_keys():
     assert cfg.model.vocab_size == 64 and cfg.train.monotone_until_step == 20
 
 
-@pytest.mark.parametrize("case, expect", [
-    ("missing", "does not exist"),
-    ("empty", "is empty"),
-    ("short", "needs model.seq_len + 1 = 17"),
-    ("no_val", "fewer than one validation sequence"),
-])
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("missing", "does not exist"),
+        ("empty", "is empty"),
+        ("short", "needs model.seq_len + 1 = 17"),
+        ("no_val", "fewer than one validation sequence"),
+    ],
+)
 def test_invalid_text_input_gets_a_clear_error(tmp_path, case, expect):
     path = tmp_path / "in.txt"
     if case == "empty":
@@ -183,8 +193,13 @@ def test_invalid_text_input_gets_a_clear_error(tmp_path, case, expect):
 
 @pytest.mark.slow
 def test_train_py_refuses_a_missing_text_file_with_exit_2(tmp_path):
-    proc = run_script("train.py", "data=text", f"data.path={tmp_path / 'nope.txt'}",
-                      f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = run_script(
+        "train.py",
+        "data=text",
+        f"data.path={tmp_path / 'nope.txt'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"data.path {tmp_path / 'nope.txt'} does not exist" in proc.stderr
 
@@ -193,11 +208,20 @@ def test_train_py_refuses_a_missing_text_file_with_exit_2(tmp_path):
 def test_train_py_reports_invalid_utf8_once(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"some text " * 100 + b"\xc3(")
-    proc = run_script("train.py", "data=text", f"data.path={bad}", "dist.world_size=2",
-                      f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=180)
+    proc = run_script(
+        "train.py",
+        "data=text",
+        f"data.path={bad}",
+        "dist.world_size=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "is not UTF-8 text" in line]
-    assert lines == [f"error: data.path {bad} is not UTF-8 text: invalid continuation byte at byte 1000"], proc.stderr
+    assert lines == [f"error: data.path {bad} is not UTF-8 text: invalid continuation byte at byte 1000"], (
+        proc.stderr
+    )
 
 
 # -- batches ---------------------------------------------------------------------
@@ -207,8 +231,8 @@ def test_text_batches_are_deterministic_and_independent_of_world_size(sample):
     assert len(train_part) + len(held) == len(mapped) and len(held) == int(len(mapped) * 0.1)
     one = GlobalBatches(train_part, 32, BatchPlan(8, 1, 1), seed=7)
     four = GlobalBatches(train_part, 32, BatchPlan(8, 4, 1), seed=7)
-    for step in (0, 5, 1000):   # step 1000 wraps into a later epoch
-        (whole_x, whole_y), = one.micro_batches(step, 0)
+    for step in (0, 5, 1000):  # step 1000 wraps into a later epoch
+        ((whole_x, whole_y),) = one.micro_batches(step, 0)
         parts = [four.micro_batches(step, r)[0] for r in range(4)]
         assert torch.equal(torch.cat([x for x, _ in parts]), whole_x)
         assert torch.equal(torch.cat([y for _, y in parts]), whole_y)
@@ -229,12 +253,22 @@ def test_heldout_windows_split_across_ranks_cover_each_window_once():
 
 # -- training on text ----------------------------------------------------------------
 def test_exact_resume_on_text_is_bitwise(sample, tmp_path):
-    common = ["data=text", f"data.path={sample}", *SMALL, "train.steps=8", "checkpoint.every_steps=4",
-              "dist.world_size=2", "train.eval_every=4", "checkpoint.verify_resume=true"]
+    common = [
+        "data=text",
+        f"data.path={sample}",
+        *SMALL,
+        "train.steps=8",
+        "checkpoint.every_steps=4",
+        "dist.world_size=2",
+        "train.eval_every=4",
+        "checkpoint.verify_resume=true",
+    ]
     full = run_ranks(train, 2, compose_tree(common), str(tmp_path / "full"))
     assert full[0]["resume_ok"] is True
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000004"
-    resumed = run_ranks(train, 2, compose_tree(common + [f"checkpoint.resume={ckpt}"]), str(tmp_path / "resumed"))
+    resumed = run_ranks(
+        train, 2, compose_tree(common + [f"checkpoint.resume={ckpt}"]), str(tmp_path / "resumed")
+    )
     assert sorted(resumed[0]["losses"]) == [5, 6, 7, 8]
     for step, bits in resumed[0]["losses"].items():
         assert bits == full[0]["losses"][step], f"step {step} differs after resume"
@@ -245,19 +279,39 @@ def test_exact_resume_on_text_is_bitwise(sample, tmp_path):
 
 
 def test_resume_refuses_a_changed_text_file(sample, tmp_path):
-    common = ["data=text", f"data.path={sample}", *SMALL, "train.steps=2", "checkpoint.every_steps=2",
-              "dist.world_size=2", "checkpoint.verify_resume=false"]
+    common = [
+        "data=text",
+        f"data.path={sample}",
+        *SMALL,
+        "train.steps=2",
+        "checkpoint.every_steps=2",
+        "dist.world_size=2",
+        "checkpoint.verify_resume=false",
+    ]
     run_ranks(train, 2, compose_tree(common), str(tmp_path / "a"))
     sample.write_text(sample.read_text(encoding="utf-8").replace("rank", "Rank"), encoding="utf-8")
     ckpt = tmp_path / "a" / "checkpoints" / "step_00000002"
     with pytest.raises(AssertionError, match="data source: checkpoint"):
-        run_ranks(train, 2, compose_tree(common + [f"checkpoint.resume={ckpt}", "train.steps=4"]),
-                  str(tmp_path / "b"))
+        run_ranks(
+            train,
+            2,
+            compose_tree(common + [f"checkpoint.resume={ckpt}", "train.steps=4"]),
+            str(tmp_path / "b"),
+        )
 
 
 def test_validation_loss_falls_and_is_the_mean_over_all_heldout_windows(sample, tmp_path):
-    overrides = ["data=text", f"data.path={sample}", *SMALL, "train.steps=30", "checkpoint.every_steps=0",
-                 "dist.world_size=2", "train.eval_every=10", "train.eval_windows=40", "optimizer.lr=0.005"]
+    overrides = [
+        "data=text",
+        f"data.path={sample}",
+        *SMALL,
+        "train.steps=30",
+        "checkpoint.every_steps=0",
+        "dist.world_size=2",
+        "train.eval_every=10",
+        "train.eval_windows=40",
+        "optimizer.lr=0.005",
+    ]
     tree = compose_tree(overrides)
     ranks = run_ranks(train, 2, tree, str(tmp_path / "run"))
     val = ranks[0]["val"]
@@ -269,18 +323,23 @@ def test_validation_loss_falls_and_is_the_mean_over_all_heldout_windows(sample, 
     cfg = RunConfig.from_dict(tree)
     model = build_model(cfg.model, 0).eval()
     torch.nn.utils.vector_to_parameters(torch.from_numpy(ranks[0]["params"]), model.parameters())
-    held = HeldOut(split_heldout(tokens.open_tokens(sample.parent / "sample.txt.u8.tokens")[0], 0.1)[1], 16, 40)
+    held = HeldOut(
+        split_heldout(tokens.open_tokens(sample.parent / "sample.txt.u8.tokens")[0], 0.1)[1], 16, 40
+    )
     with torch.no_grad():
         losses = [float(model(x, y)) * y.numel() for x, y in held.batches(0, 1, 40)]
     assert val[30] == pytest.approx(sum(losses) / (40 * 16), rel=1e-6)  # float32 means of other groupings
 
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "val_loss" in r] == [10, 20, 30]
-    assert all(float.fromhex(r["val_loss_hex"]) == r["val_loss"] == val[r["step"]] for r in lines if "val_loss" in r)
+    assert all(
+        float.fromhex(r["val_loss_hex"]) == r["val_loss"] == val[r["step"]] for r in lines if "val_loss" in r
+    )
 
 
 def test_loss_table_shows_validation_only_when_evaluated():
-    from distlib.app.trainer import RunResult, StepLog
+    from distlib.app.results import RunResult, StepLog
+
     plain = RunResult(0, [StepLog(1, 2.0, 0.5, [1.0], 0.01), StepLog(2, 1.5, 0.4, [1.0], 0.01)])
     assert "val loss" not in loss_table(plain)
     evaluated = RunResult(0, [StepLog(1, 2.0, 0.5, [1.0], 0.01), StepLog(2, 1.5, 0.4, [1.0], 0.01, 1.75)])

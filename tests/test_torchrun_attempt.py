@@ -6,24 +6,24 @@ TORCHELASTIC_RESTART_COUNT then differ (A 0, B 1), and a key prefix built from i
 restarted job in two (the 2x2 multinode job hung this way in CI). Here two real torchrun agents
 on this host (c10d rendezvous, one worker each) produce exactly that: B's first worker exits
 with an error, A's sleeps; the second start must form one process group."""
+
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
-import datetime
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from forkrun import call_in_fork
 
 from distlib.launch.torchrun import StartError, agree_start
-from forkrun import call_in_fork
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,10 +62,32 @@ def test_a_restart_the_nodes_count_differently_still_forms_one_group(tmp_path):
     for node in "ab":
         env = {**os.environ, "NODE_TAG": node, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         procs[node] = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tmp_path.name,
-             "--max-restarts", "1", "--monitor-interval", "0.2", str(script)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                tmp_path.name,
+                "--max-restarts",
+                "1",
+                "--monitor-interval",
+                "0.2",
+                str(script),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     outs = {}
     try:
         for node, proc in procs.items():
@@ -80,19 +102,23 @@ def test_a_restart_the_nodes_count_differently_still_forms_one_group(tmp_path):
     assert "node a: restart count 0, attempt 1" in outs["a"], everything
     assert "node b: restart count 1, attempt 1" in outs["b"], everything
     # ... and one group of two still formed and both agents succeeded
-    assert "node a: group formed, sum 2" in outs["a"] and "node b: group formed, sum 2" in outs["b"], everything
+    assert "node a: group formed, sum 2" in outs["a"] and "node b: group formed, sum 2" in outs["b"], (
+        everything
+    )
     assert procs["a"].returncode == 0 and procs["b"].returncode == 0, everything
 
 
 # The scenarios below run threads and a store server: each runs in a forked child (call_in_fork),
 # never in the test process, which forks ranks for later tests (tests/multiproc.py).
 
+
 def _store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
 
 
-def _run_ranks(store: dist.TCPStore, world: int, first: list[int], timeout_s: float = 5.0,
-               absent: tuple[int, ...] = ()) -> dict:
+def _run_ranks(
+    store: dist.TCPStore, world: int, first: list[int], timeout_s: float = 5.0, absent: tuple[int, ...] = ()
+) -> dict:
     """agree_start on a thread per rank (ranks in `first` start 0.3 s before the others, those in
     `absent` never)."""
     results = {}
@@ -100,11 +126,14 @@ def _run_ranks(store: dist.TCPStore, world: int, first: list[int], timeout_s: fl
     def rank_main(rank: int) -> None:
         if rank not in first:
             time.sleep(0.3)
-        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client = dist.TCPStore(
+            "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+        )
         try:
             results[rank] = agree_start(client, rank, world, restart_count=0, timeout_s=timeout_s)
         except StartError as exc:
             results[rank] = f"StartError: {exc}"
+
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world) if r not in absent]
     for t in threads:
         t.start()
@@ -150,7 +179,9 @@ def _three_workers_forked_slowly() -> tuple[float, list[float]]:
     """A launcher forking 3 workers 0.2 s apart; each worker waits for its siblings, then notes
     when it went on. Returns (when the last fork returned, the workers' times)."""
     import tempfile
+
     from distlib.launch.torchrun import wait_for_siblings
+
     with tempfile.TemporaryDirectory() as tmp:
         pids = []
         for i in range(3):

@@ -1,6 +1,7 @@
 """Unattended-run behaviour through the real launchers (python train.py / torchrun): a
 pre-emption signal, a stalled rank, a rank that never joins, a guard trip on the capstone,
 and the guard's stop. Each run is short; the bounds allow for a loaded machine."""
+
 import json
 import signal
 import subprocess
@@ -37,13 +38,27 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 def popen(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path):
-    proc = popen([sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "dist.world_size=2",
-                  "train.steps=2000", "metrics.progress_every=0"])
+    proc = popen(
+        [
+            sys.executable,
+            "train.py",
+            f"hydra.run.dir={tmp_path}",
+            "dist.world_size=2",
+            "train.steps=2000",
+            "metrics.progress_every=0",
+        ]
+    )
     try:
         wait_for_step(tmp_path, 2, proc, timeout=120)
         proc.send_signal(signal.SIGTERM)
@@ -55,8 +70,11 @@ def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path)
     assert f"stopped by SIGTERM after step {last}: checkpoint saved" in out
     assert f"SIGTERM: the workers saved a checkpoint at step {last} and stopped" in err
     checkpoint.verify(tmp_path / "checkpoints" / checkpoint.step_dir_name(last))
-    events = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-              if r["type"] == "event"]
+    events = [
+        r
+        for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if r["type"] == "event"
+    ]
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
     assert saved[-1]["step"] == last and saved[-1]["reason"] == "signal"
     assert events[-1]["event"] == "run_end" and events[-1]["status"] == "stopped by SIGTERM"
@@ -64,11 +82,24 @@ def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path)
 
 def test_a_stalled_rank_ends_the_job_within_the_bound_and_is_named(tmp_path):
     timeout_s = 5
-    proc = popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", f"--master_port={free_port()}",
-                  "train.py", f"hydra.run.dir={tmp_path}", "dist.world_size=3", "train.global_batch=12",
-                  f"dist.timeout_s={timeout_s}", "fault.hang_rank=1", "fault.hang_step=3"])
+    proc = popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=3",
+            f"--master_port={free_port()}",
+            "train.py",
+            f"hydra.run.dir={tmp_path}",
+            "dist.world_size=3",
+            "train.global_batch=12",
+            f"dist.timeout_s={timeout_s}",
+            "fault.hang_rank=1",
+            "fault.hang_step=3",
+        ]
+    )
     try:
-        stalled_at = wait_for_step(tmp_path, 2, proc, timeout=120)   # rank 1 stalls right after this
+        stalled_at = wait_for_step(tmp_path, 2, proc, timeout=120)  # rank 1 stalls right after this
         out, err = proc.communicate(timeout=120)
         seconds = time.monotonic() - stalled_at
     finally:
@@ -84,17 +115,26 @@ def test_a_stalled_rank_ends_the_job_within_the_bound_and_is_named(tmp_path):
     for line in errors:
         assert "step 3: reduce_scatter" in line and "rank(s) [1] did not arrive" in line, line
         assert f"within dist.timeout_s={timeout_s}s" in line
-    assert "did not reach a step boundary" in err     # the stalled rank's own exit
+    assert "did not reach a step boundary" in err  # the stalled rank's own exit
 
 
 def test_a_rank_that_never_joins_fails_the_rendezvous_within_the_timeout(tmp_path):
     began = time.monotonic()
-    proc = torchrun(tmp_path, "dist.world_size=2", "dist.timeout_s=5", "fault.hang_rank=1", "fault.hang_step=0",
-                    nproc=2, timeout=120)
+    proc = torchrun(
+        tmp_path,
+        "dist.world_size=2",
+        "dist.timeout_s=5",
+        "fault.hang_rank=1",
+        "fault.hang_step=0",
+        nproc=2,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert time.monotonic() - began < 60
-    assert "error [rank 0]: rendezvous: the process group of 2 ranks did not form within dist.timeout_s=5s: " \
-           "rank(s) [1] did not arrive" in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "error [rank 0]: rendezvous: the process group of 2 ranks did not form within dist.timeout_s=5s: "
+        "rank(s) [1] did not arrive" in proc.stderr
+    ), proc.stderr[-3000:]
 
 
 def test_capstone_with_an_lr_spike_at_the_checkpoint_step_recovers_and_verifies(tmp_path, capstone_run):
@@ -104,7 +144,7 @@ def test_capstone_with_an_lr_spike_at_the_checkpoint_step_recovers_and_verifies(
     assert "[rollback] step 11: loss spike" in proc.stdout and "rolled back to step 0" in proc.stdout
     final = {}
     for r in step_records(tmp_path / "spiked"):
-        final[r["step"]] = r["loss_hex"]          # re-run steps supersede the abandoned ones
+        final[r["step"]] = r["loss_hex"]  # re-run steps supersede the abandoned ones
     # The uninterrupted capstone: README's torchrun command, run once per session (conftest.py)
     clean = {r["step"]: r["loss_hex"] for r in step_records(capstone_run[1])}
     assert sorted(clean) == list(range(1, 21)), capstone_run[0].stderr[-2000:]
@@ -113,8 +153,14 @@ def test_capstone_with_an_lr_spike_at_the_checkpoint_step_recovers_and_verifies(
 
 
 def test_the_guard_stops_a_run_past_max_rollbacks_with_one_clear_error(tmp_path):
-    proc = train(tmp_path, "dist.world_size=2", "train.steps=4", "guard.max_rollbacks=0",
-                 "fault.lr_spike_step=1", "fault.lr_spike_factor=100")
+    proc = train(
+        tmp_path,
+        "dist.world_size=2",
+        "train.steps=4",
+        "guard.max_rollbacks=0",
+        "fault.lr_spike_step=1",
+        "fault.lr_spike_factor=100",
+    )
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: guard tripped")]
     assert errors == ["error: guard tripped at step 2 (loss spike: " + errors[0].split("(loss spike: ")[1]]

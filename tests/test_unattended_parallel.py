@@ -1,6 +1,7 @@
 """The unattended-run machinery (guard, rollback, replica check, collective checks and counts)
 under the parallel layouts: ZeRO-2/3, where gradients and parameters are partitions, and tensor
 parallelism, where ranks of one data-parallel group hold different shards of the model."""
+
 import copy
 import hashlib
 from pathlib import Path
@@ -9,19 +10,23 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from distlib.comm import collectives
-from distlib.app.unattended import guard
-from distlib.comm.p2p import CollectiveMismatchError
 from distlib.app.config.operation import GuardConfig
 from distlib.app.config.run import RunConfig
-from distlib.parallel.flat_layout import ParamSlot
-from distlib.app.unattended.guard import DesyncError, GuardError
-from distlib.comm.mesh import build_mesh
-from distlib.app.trainer import Trainer
 from distlib.app.faults import step_hooks
+from distlib.app.trainer import Trainer
+from distlib.app.unattended import guard
+from distlib.app.unattended.guard import DesyncError, GuardError
+from distlib.comm import collectives
+from distlib.comm.mesh import build_mesh
+from distlib.comm.p2p import CollectiveMismatchError
+from distlib.parallel.flat_layout import ParamSlot
 
-BASE = {"train": {"steps": 8}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": 3},
-        "metrics": {"progress_every": 0}}
+BASE = {
+    "train": {"steps": 8},
+    "dist": {"world_size": 2},
+    "checkpoint": {"every_steps": 3},
+    "metrics": {"progress_every": 0},
+}
 
 
 def config(**groups) -> dict:
@@ -40,9 +45,12 @@ def _train(comm, tree, run_dir):
         return {"error": f"{type(exc).__name__}: {exc}"}
     # The bytes this rank holds (a partition at stage 3), and the whole model it computes with.
     held = trainer.optimizer.params_snapshot()
-    return {"losses": {s.step: s.loss.hex() for s in result.steps},
-            "params": hashlib.sha256(held.view(torch.uint8).numpy().tobytes()).hexdigest(),
-            "rollbacks": result.rollbacks, "resume_ok": result.resume_check.ok if result.resume_check else None}
+    return {
+        "losses": {s.step: s.loss.hex() for s in result.steps},
+        "params": hashlib.sha256(held.view(torch.uint8).numpy().tobytes()).hexdigest(),
+        "rollbacks": result.rollbacks,
+        "resume_ok": result.resume_check.ok if result.resume_check else None,
+    }
 
 
 def train(tree, run_dir) -> list[dict]:
@@ -52,25 +60,29 @@ def train(tree, run_dir) -> list[dict]:
 # --------------------------------------------------------------------------- rollback
 
 
-@pytest.mark.parametrize("layout, fault, trip_step, to_step", [
-    # lr spike at step 2 shows at step 3: back to the step-0 state kept in memory
-    ({"zero": {"stage": 3}}, {"lr_spike_step": 2, "lr_spike_factor": 1000.0}, 3, 0),
-    # NaN in rank 1's gradient partition (already reduced during backward): back to checkpoint 3
-    ({"zero": {"stage": 2}}, {"nan_grad_rank": 1, "nan_grad_step": 5}, 5, 3),
-    # lr spike after checkpoint 3 was trusted, on 2 tensor-parallel ranks (one data-parallel group)
-    ({"zero": {"stage": 3}, "dist": {"tp": 2}}, {"lr_spike_step": 5, "lr_spike_factor": 1000.0}, 6, 3),
-    # NaN in the first pipeline stage's gradient (the loss lives on the last): 2 stages, one rank each
-    ({"dist": {"pp": 2}}, {"nan_grad_rank": 0, "nan_grad_step": 5}, 5, 3),
-])
-def test_rollback_recovers_bitwise_at_zero_2_3_and_with_tensor_parallelism(tmp_path, layout, fault, trip_step,
-                                                                           to_step):
+@pytest.mark.parametrize(
+    "layout, fault, trip_step, to_step",
+    [
+        # lr spike at step 2 shows at step 3: back to the step-0 state kept in memory
+        ({"zero": {"stage": 3}}, {"lr_spike_step": 2, "lr_spike_factor": 1000.0}, 3, 0),
+        # NaN in rank 1's gradient partition (already reduced during backward): back to checkpoint 3
+        ({"zero": {"stage": 2}}, {"nan_grad_rank": 1, "nan_grad_step": 5}, 5, 3),
+        # lr spike after checkpoint 3 was trusted, on 2 tensor-parallel ranks (one data-parallel group)
+        ({"zero": {"stage": 3}, "dist": {"tp": 2}}, {"lr_spike_step": 5, "lr_spike_factor": 1000.0}, 6, 3),
+        # NaN in the first pipeline stage's gradient (the loss lives on the last): 2 stages, one rank each
+        ({"dist": {"pp": 2}}, {"nan_grad_rank": 0, "nan_grad_step": 5}, 5, 3),
+    ],
+)
+def test_rollback_recovers_bitwise_at_zero_2_3_and_with_tensor_parallelism(
+    tmp_path, layout, fault, trip_step, to_step
+):
     clean = train(config(**layout), tmp_path / "clean")
     faulty = train(config(**layout, fault=fault), tmp_path / "faulty")
     assert faulty[0]["rollbacks"] == faulty[1]["rollbacks"]
     (rollback,) = faulty[0]["rollbacks"]
     assert (rollback["step"], rollback["to_step"]) == (trip_step, to_step), rollback
     for rank in range(2):
-        assert faulty[rank]["losses"] == clean[rank]["losses"]      # every step, bit for bit
+        assert faulty[rank]["losses"] == clean[rank]["losses"]  # every step, bit for bit
         assert faulty[rank]["params"] == clean[rank]["params"]
         assert faulty[rank]["resume_ok"] is True
 
@@ -79,8 +91,14 @@ def test_rollback_recovers_bitwise_at_zero_2_3_and_with_tensor_parallelism(tmp_p
 
 
 def _verdict(comm, local_losses, norms, loss_ranks):
-    v = guard.check_step(local_losses[comm.rank], norms[comm.rank], [1.0], GuardConfig(spike_factor=10.0),
-                         comm, loss_ranks=loss_ranks)
+    v = guard.check_step(
+        local_losses[comm.rank],
+        norms[comm.rank],
+        [1.0],
+        GuardConfig(spike_factor=10.0),
+        comm,
+        loss_ranks=loss_ranks,
+    )
     return v.loss.hex(), v.trip
 
 
@@ -128,22 +146,34 @@ def test_replica_check_under_tensor_parallelism_compares_only_what_must_be_ident
 def test_a_perturbed_replicated_parameter_is_named_under_tensor_parallelism(tmp_path, stage):
     # With dist.tp=2 on 2 ranks each rank is its own data-parallel group; ln_f.bias is replicated
     # across the tensor ranks (at stage 3 the check gathers the parameters first).
-    tree = config(zero={"stage": stage}, dist={"tp": 2}, guard={"check_sync_every": 2},
-                  fault={"perturb_rank": 1, "perturb_step": 2, "perturb_param": "ln_f.bias"})
+    tree = config(
+        zero={"stage": stage},
+        dist={"tp": 2},
+        guard={"check_sync_every": 2},
+        fault={"perturb_rank": 1, "perturb_step": 2, "perturb_param": "ln_f.bias"},
+    )
     results = train(tree, tmp_path)
     assert results[0] == results[1]
-    assert results[0]["error"] == ("DesyncError: desync at step 2: replicated parameters are not byte-identical "
-                                   "across 2 ranks: rank 1 differs in 1 of 30 parameter(s): ln_f.bias")
+    assert results[0]["error"] == (
+        "DesyncError: desync at step 2: replicated parameters are not byte-identical "
+        "across 2 ranks: rank 1 differs in 1 of 30 parameter(s): ln_f.bias"
+    )
 
 
 def test_a_perturbed_tensor_parallel_shard_is_named_within_its_data_parallel_group(tmp_path):
     # 2 data-parallel x 2 tensor-parallel: rank 3 holds the same fc shard as rank 1.
-    tree = config(dist={"world_size": 4, "tp": 2}, train={"steps": 2}, guard={"check_sync_every": 2},
-                  fault={"perturb_rank": 3, "perturb_step": 2, "perturb_param": "blocks.0.mlp.fc.weight"})
+    tree = config(
+        dist={"world_size": 4, "tp": 2},
+        train={"steps": 2},
+        guard={"check_sync_every": 2},
+        fault={"perturb_rank": 3, "perturb_step": 2, "perturb_param": "blocks.0.mlp.fc.weight"},
+    )
     results = run_ranks(_train, 4, tree, str(tmp_path))
     assert len({r["error"] for r in results}) == 1
-    assert results[0]["error"] == ("DesyncError: desync at step 2: replicated parameters are not byte-identical "
-                                   "across 4 ranks: rank 3 differs in 1 of 30 parameter(s): blocks.0.mlp.fc.weight")
+    assert results[0]["error"] == (
+        "DesyncError: desync at step 2: replicated parameters are not byte-identical "
+        "across 4 ranks: rank 3 differs in 1 of 30 parameter(s): blocks.0.mlp.fc.weight"
+    )
 
 
 # --------------------------------------------------------------------------- collectives
@@ -166,11 +196,11 @@ def _uneven(comm, mismatch):
 
 def test_uneven_bounds_are_counted_and_checked():
     per_rank = run_ranks(_uneven, 3, False)
-    sizes, header = [2, 0, 8], 9 * 8 * 2          # 9 int64 header words to each of the 2 peers
+    sizes, header = [2, 0, 8], 9 * 8 * 2  # 9 int64 header words to each of the 2 peers
     for rank, (out, full, rs_bytes, ag_bytes) in enumerate(per_rank):
         assert out == [3.0] * sizes[rank] and full == [3.0] * 10
-        assert rs_bytes == header + 4 * (10 - sizes[rank])      # every chunk but its own
-        assert ag_bytes == header + 4 * 2 * sizes[rank]         # its chunk to both peers
+        assert rs_bytes == header + 4 * (10 - sizes[rank])  # every chunk but its own
+        assert ag_bytes == header + 4 * 2 * sizes[rank]  # its chunk to both peers
     messages = run_ranks(_uneven, 3, True)
     assert all("mismatched collective" in m and "bounds#" in m for m in messages), messages
 
@@ -182,8 +212,11 @@ def _mesh_riders(comm, tp):
     collectives.all_reduce(torch.ones(3), mesh.dp)
     collectives.all_reduce(torch.ones(5), mesh.dp)
     distinct = len({id(c.stats) for c in (world, mesh.dp, mesh.tp)})
-    return (distinct, mesh.dp.check and mesh.tp.check,
-            [c.stats.calls["all_reduce"] for c in (world, mesh.dp, mesh.tp)])
+    return (
+        distinct,
+        mesh.dp.check and mesh.tp.check,
+        [c.stats.calls["all_reduce"] for c in (world, mesh.dp, mesh.tp)],
+    )
 
 
 def test_mesh_subgroups_count_apart_and_carry_the_worlds_header_check():

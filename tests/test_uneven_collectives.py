@@ -1,12 +1,13 @@
 """reduce_scatter / all_gather with uneven, possibly empty, per-rank bounds (what ZeRO-2/3 use
 to move a bucket or block straight into / out of the ranks' partitions), against torch's own."""
+
 import torch
 import torch.distributed as dist
-
-from distlib.comm import collectives
 from multiproc import run_ranks
 
-BOUNDS = [(0, 5), (5, 5), (5, 13)]     # rank 1 owns nothing of this 13-element buffer
+from distlib.comm import collectives
+
+BOUNDS = [(0, 5), (5, 5), (5, 13)]  # rank 1 owns nothing of this 13-element buffer
 
 
 def _uneven(comm):
@@ -15,16 +16,16 @@ def _uneven(comm):
         for op in ("sum", "avg"):
             t = torch.randn(13, generator=torch.Generator().manual_seed(comm.rank + 1))
             want = t.clone()
-            dist.all_reduce(want)   # torch's collective is the reference
+            dist.all_reduce(want)  # torch's collective is the reference
             if op == "avg":
                 want /= comm.size
             lo, hi = BOUNDS[comm.rank]
-            if algo == "bruck":             # an all_gather algorithm only
+            if algo == "bruck":  # an all_gather algorithm only
                 continue
             got = collectives.reduce_scatter(t, comm, op=op, algo=algo, bounds=BOUNDS)
             if got.shape != (hi - lo,) or not torch.allclose(got, want[lo:hi], rtol=1e-6, atol=1e-6):
                 failures.append(f"reduce_scatter {algo} {op}: {got} vs {want[lo:hi]}")
-        if algo == "halving":               # a reduce_scatter algorithm only
+        if algo == "halving":  # a reduce_scatter algorithm only
             continue
         full = torch.zeros(13)
         mine = torch.arange(13, dtype=torch.float32)[slice(*BOUNDS[comm.rank])] * 10

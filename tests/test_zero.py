@@ -1,14 +1,12 @@
 import pytest
 import torch
-
 from multiproc import run_ranks
-from distlib.parallel.adamw import AdamWConfig
-from distlib.app.config.groups import OptimizerConfig
-from distlib.comm.group import Comm
+
+from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
-from distlib.parallel.broadcast import broadcast_module_
-from distlib.app.config.groups import ModelConfig
 from distlib.app.model.minigpt import build_model
+from distlib.comm.group import Comm
+from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.zero import make_optimizer
 
@@ -20,16 +18,24 @@ def _train(comm, stage, cfg, steps):
     model = build_model(cfg, seed=7)
     broadcast_module_(model, comm)
     opt = make_optimizer(model, comm, stage, OptimizerConfig(lr=3e-3).adamw)
-    data = GlobalBatches(make_corpus(1, 4096, cfg.vocab_size), cfg.seq_len, BatchPlan(8, comm.size, 1), seed=3)
+    data = GlobalBatches(
+        make_corpus(1, 4096, cfg.vocab_size), cfg.seq_len, BatchPlan(8, comm.size, 1), seed=3
+    )
     losses, norms = [], []
     for step in range(steps):
-        (x, y), = data.micro_batches(step, comm.rank)
+        ((x, y),) = data.micro_batches(step, comm.rank)
         loss = model(x, y)
         loss.backward()
         norms.append(opt.step())
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, norms, opt.flat_params[: opt.layout.numel].clone().numpy(), opt.memory_bytes(), opt.layout.numel
+    return (
+        losses,
+        norms,
+        opt.flat_params[: opt.layout.numel].clone().numpy(),
+        opt.memory_bytes(),
+        opt.layout.numel,
+    )
 
 
 def test_stage1_trains_like_stage0_bit_for_bit():
@@ -44,8 +50,12 @@ def test_stage1_trains_like_stage0_bit_for_bit():
             l0, n0, p0, _, _ = stage0[rank]
             l1, n1, p1, _, _ = stage1[rank]
             assert [x.hex() for x in l0] == [x.hex() for x in l1], f"world {world} rank {rank}: losses differ"
-            assert [x.hex() for x in n0] == [x.hex() for x in n1], f"world {world} rank {rank}: grad norms differ"
-            assert p0.dtype == p1.dtype and p0.tobytes() == p1.tobytes(), f"world {world} rank {rank}: parameters differ"
+            assert [x.hex() for x in n0] == [x.hex() for x in n1], (
+                f"world {world} rank {rank}: grad norms differ"
+            )
+            assert p0.dtype == p1.dtype and p0.tobytes() == p1.tobytes(), (
+                f"world {world} rank {rank}: parameters differ"
+            )
         # replicas agree exactly after every stage-1 step
         assert len({r[2].tobytes() for r in stage1}) == 1
 
@@ -56,7 +66,7 @@ def _single_process_reference(cfg, steps, world):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
     data = GlobalBatches(make_corpus(1, 4096, cfg.vocab_size), cfg.seq_len, BatchPlan(8, 1, 1), seed=3)
     for step in range(steps):
-        (x, y), = data.micro_batches(step, 0)
+        ((x, y),) = data.micro_batches(step, 0)
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
@@ -88,7 +98,7 @@ def test_optimizer_bytes_are_12P_over_N_from_the_tensors(world):
         assert padded - p < world, "padding must be at most world_size - 1 elements"
         assert measured["optimizer"] == 12 * padded // world
         assert 0 <= measured["optimizer"] - 12 * p / world < 12, f"rank {rank}: not 12P/N"
-    for measured, p, padded in run_ranks(_memory, world, 0):
+    for measured, _p, padded in run_ranks(_memory, world, 0):
         assert measured["optimizer"] == 8 * padded
 
 
@@ -98,8 +108,8 @@ def test_layout_roundtrips_and_params_are_views_of_the_flat_buffer():
     layout = FlatLayout.from_dict(opt.layout.to_dict())
     assert layout == opt.layout
     for slot, p in zip(layout.slots, model.parameters()):
-        assert p.data_ptr() == opt.flat_params[slot.offset:].data_ptr()
-        assert p.grad.data_ptr() == opt.flat_grads[slot.offset:].data_ptr()
+        assert p.data_ptr() == opt.flat_params[slot.offset :].data_ptr()
+        assert p.grad.data_ptr() == opt.flat_grads[slot.offset :].data_ptr()
 
 
 def test_bad_stage_is_refused():

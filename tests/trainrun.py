@@ -1,12 +1,14 @@
 """Compose the real Hydra config and run the Trainer on forked gloo ranks (no torchrun)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+
 from distlib.app.config.run import RunConfig
-from distlib.app.trainer import Trainer
 from distlib.app.faults import step_hooks
+from distlib.app.trainer import Trainer
 from distlib.launch.hydra_config import compose_tree  # noqa: F401 - conf/ composed as train.py composes it
 
 
@@ -15,9 +17,13 @@ def train(comm, tree: dict, run_dir: str) -> dict:
     torch.use_deterministic_algorithms(True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)  # Hydra makes it for train.py
     cfg = RunConfig.from_dict(tree)
-    trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))   # as train.py
+    trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))  # as train.py
     result = trainer.run()
-    return {"losses": {s.step: s.loss.hex() for s in result.steps},
-            "val": {s.step: s.val_loss for s in result.steps if s.val_loss is not None},
-            "params": trainer.optimizer.flat_params[:trainer.optimizer.layout.numel].numpy().copy(),  # numpy: a tensor would travel by shared memory
-            "resume_ok": None if result.resume_check is None else result.resume_check.ok}
+    return {
+        "losses": {s.step: s.loss.hex() for s in result.steps},
+        "val": {s.step: s.val_loss for s in result.steps if s.val_loss is not None},
+        "params": trainer.optimizer.flat_params[: trainer.optimizer.layout.numel]
+        .numpy()
+        .copy(),  # numpy: a tensor would travel by shared memory
+        "resume_ok": None if result.resume_check is None else result.resume_check.ok,
+    }

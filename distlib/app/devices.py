@@ -4,6 +4,7 @@ auto: "cuda:<LOCAL_RANK % GPUs>" under dist.backend=nccl, else "cpu"; cuda: the 
 with any backend (gloo then stages the CUDA tensors through host memory, so several ranks can
 share one GPU); cpu: the CPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,11 +20,12 @@ def cuda_devices() -> int:
 
 
 def no_cuda_reason() -> str:
-    return f"this machine has no usable CUDA GPU (torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})"
+    cuda = torch.version.cuda or "not built in"
+    return f"this machine has no usable CUDA GPU (torch {torch.__version__}, CUDA {cuda})"
 
 
 def rank_device(train_device: str, backend: str, local_rank: int) -> str:
-    """"cpu" or "cuda:<k>" for the rank with this ``local_rank`` (see the module doc)."""
+    """ "cpu" or "cuda:<k>" for the rank with this ``local_rank`` (see the module doc)."""
     if train_device == "cpu" or (train_device == "auto" and backend != "nccl"):
         return "cpu"
     return f"cuda:{local_rank % cuda_devices()}"

@@ -14,6 +14,7 @@ is reached; the record of what fired lives here, in memory and not in checkpoint
 re-run after a guard rollback runs clean, which is what lets a test compare the recovered run
 with an undisturbed one bit for bit. The straggler fault slows every step.
 """
+
 from __future__ import annotations
 
 import errno
@@ -33,52 +34,82 @@ from distlib.checkpoint.sharded import SaveHook
 
 SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_commit")
 # fault.crash_in_save value -> the checkpoint.save hook point where the process dies
-_CRASH_POINTS = {"mid_shard": "shard_written", "before_manifest": "shards_written",
-                 "before_commit": "manifest_written", "after_commit": "committed"}
+_CRASH_POINTS = {
+    "mid_shard": "shard_written",
+    "before_manifest": "shards_written",
+    "before_commit": "manifest_written",
+    "after_commit": "committed",
+}
 
 
 @dataclass(frozen=True)
 class FaultConfig(Group):
     """Faults injected on purpose (every key null: none)."""
+
     GROUP = "fault"
     kill_rank: int | None = key(None, "this rank SIGKILLs itself ...", ge=0)
-    kill_at_step: int | None = key(None, "... right after this step (under torchrun on the job's first start only)",
-                                   ge=1)
-    crash_in_save: str | None = key(None, "every rank reaching this point of a save SIGKILLs itself: mid_shard (half "
-                                    "its shard written), before_manifest (all shards fsynced), before_commit "
-                                    "(manifest written, directory not renamed), after_commit",
-                                    choices=SAVE_CRASH_POINTS)
+    kill_at_step: int | None = key(
+        None, "... right after this step (under torchrun on the job's first start only)", ge=1
+    )
+    crash_in_save: str | None = key(
+        None,
+        "every rank reaching this point of a save SIGKILLs itself: mid_shard (half "
+        "its shard written), before_manifest (all shards fsynced), before_commit "
+        "(manifest written, directory not renamed), after_commit",
+        choices=SAVE_CRASH_POINTS,
+    )
     disk_full_rank: int | None = key(None, "this rank's shard write fails half-way with ENOSPC", ge=0)
-    save_fault_step: int | None = key(None, "the save (its step) that crash_in_save / disk_full_rank hit; null: the "
-                                      "first save", ge=1)
+    save_fault_step: int | None = key(
+        None, "the save (its step) that crash_in_save / disk_full_rank hit; null: the first save", ge=1
+    )
     lr_spike_step: int | None = key(None, "multiply the learning rate of this step's update ...", ge=1)
-    lr_spike_factor: float | None = key(None, "... by this factor (the loss spike shows at the next step)", gt=0)
+    lr_spike_factor: float | None = key(
+        None, "... by this factor (the loss spike shows at the next step)", gt=0
+    )
     nan_grad_rank: int | None = key(None, "this rank's local gradients become NaN ...", ge=0)
     nan_grad_step: int | None = key(None, "... at this step (after backward, before the gradient sync)", ge=1)
     hang_rank: int | None = key(None, "this rank sleeps forever ...", ge=0)
-    hang_step: int | None = key(None, "... at the start of this step (0: before joining the process group)", ge=0)
+    hang_step: int | None = key(
+        None, "... at the start of this step (0: before joining the process group)", ge=0
+    )
     perturb_rank: int | None = key(None, "this rank adds one ulp to one element of a parameter ...", ge=0)
-    perturb_step: int | None = key(None, "... after this step's update (the desync check must catch it)", ge=1)
+    perturb_step: int | None = key(
+        None, "... after this step's update (the desync check must catch it)", ge=1
+    )
     perturb_param: str | None = key(None, "the parameter to perturb; null: the last one")
-    sigterm_rank: int | None = key(None, "this rank sends itself SIGTERM (a pre-emption that reaches one rank) ...",
-                                   ge=0)
+    sigterm_rank: int | None = key(
+        None, "this rank sends itself SIGTERM (a pre-emption that reaches one rank) ...", ge=0
+    )
     sigterm_step: int | None = key(None, "... during this step", ge=1)
-    slow_rank: int | None = key(None, "this rank sleeps slow_seconds after every backward (a straggler on purpose, "
-                                "every step from the first) ...", ge=0)
+    slow_rank: int | None = key(
+        None,
+        "this rank sleeps slow_seconds after every backward (a straggler on purpose, "
+        "every step from the first) ...",
+        ge=0,
+    )
     slow_seconds: float | None = key(None, "... this long", gt=0)
 
     # (rank key, step key): faults that target one rank at one step
-    RANKED = (("nan_grad_rank", "nan_grad_step"), ("hang_rank", "hang_step"), ("perturb_rank", "perturb_step"),
-              ("sigterm_rank", "sigterm_step"))
-    PAIRS = (("kill_rank", "kill_at_step"), ("lr_spike_step", "lr_spike_factor"), *RANKED,
-             ("slow_rank", "slow_seconds"))
+    RANKED = (
+        ("nan_grad_rank", "nan_grad_step"),
+        ("hang_rank", "hang_step"),
+        ("perturb_rank", "perturb_step"),
+        ("sigterm_rank", "sigterm_step"),
+    )
+    PAIRS = (
+        ("kill_rank", "kill_at_step"),
+        ("lr_spike_step", "lr_spike_factor"),
+        *RANKED,
+        ("slow_rank", "slow_seconds"),
+    )
 
     def check(self) -> None:
         for first, second in self.PAIRS:
             a, b = getattr(self, first), getattr(self, second)
             if (a is None) != (b is None):
-                raise ConfigError(f"fault.{first} and fault.{second} must be set together "
-                                  f"(got {first}={a}, {second}={b})")
+                raise ConfigError(
+                    f"fault.{first} and fault.{second} must be set together (got {first}={a}, {second}={b})"
+                )
         if self.perturb_param is not None and self.perturb_rank is None:
             raise ConfigError("fault.perturb_param needs fault.perturb_rank and fault.perturb_step")
 
@@ -96,10 +127,14 @@ class FaultConfig(Group):
         for step_key in ("lr_spike_step", *(s for _, s in self.RANKED)):
             step = getattr(self, step_key)
             if step is not None and step > steps:
-                raise ConfigError(f"fault.{step_key}={step} is beyond train.steps={steps}; it would never fire")
+                raise ConfigError(
+                    f"fault.{step_key}={step} is beyond train.steps={steps}; it would never fire"
+                )
         if overlap and self.nan_grad_rank is not None:
-            raise ConfigError("fault.nan_grad_rank poisons the gradients after backward, but with zero.overlap "
-                              "their sync has already started there; set zero.overlap=false for this drill")
+            raise ConfigError(
+                "fault.nan_grad_rank poisons the gradients after backward, but with zero.overlap "
+                "their sync has already started there; set zero.overlap=false for this drill"
+            )
 
 
 def first_attempt() -> bool:
@@ -131,7 +166,7 @@ class Faults(StepHooks):
     # -- the StepHooks points: which fault fires where in a step ---------------
     def check_model(self, slots) -> None:
         if self.cfg.perturb_param is not None:
-            self.perturbed_slot(slots)       # a bad name fails now, not at the step
+            self.perturbed_slot(slots)  # a bad name fails now, not at the step
 
     def joining(self) -> None:
         self.hang(0)
@@ -167,8 +202,10 @@ class Faults(StepHooks):
             if disk_full and point == "shard_written":
                 raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by fault.disk_full_rank)")
             if point == crash_at:
-                print(f"fault: rank {self.rank} dies in the step-{step} save at {self.cfg.crash_in_save}",
-                      file=sys.stderr)
+                print(
+                    f"fault: rank {self.rank} dies in the step-{step} save at {self.cfg.crash_in_save}",
+                    file=sys.stderr,
+                )
                 kill_self()
 
         return hook if (crash_at or disk_full) else None
@@ -225,7 +262,7 @@ class Faults(StepHooks):
                 self._say(f"holds no element of {slot.name} after step {step}: nothing perturbed")
                 return
             with torch.no_grad():
-                value = params[first:first + 1]
+                value = params[first : first + 1]
                 value.copy_(torch.nextafter(value, torch.full_like(value, float("inf"))))
             index = start + first - slot.offset
             self._say(f"perturbed {slot.name}[{index}] (flat) by one ulp after step {step}")
@@ -237,8 +274,9 @@ class Faults(StepHooks):
         for slot in slots:
             if slot.name == name:
                 return slot
-        raise ConfigError(f"fault.perturb_param={name!r} is not a parameter of the model "
-                         f"(known: {[s.name for s in slots]})")
+        raise ConfigError(
+            f"fault.perturb_param={name!r} is not a parameter of the model (known: {[s.name for s in slots]})"
+        )
 
     def sigterm(self, step: int) -> None:
         """fault.sigterm_rank / sigterm_step: a pre-emption signal that reaches only this rank."""

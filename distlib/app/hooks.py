@@ -13,6 +13,7 @@ default does nothing. In the order a step calls them::
 plus ``save_hook(step)`` for each checkpoint save (points inside ``checkpoint.save``) and
 ``check_model(slots)`` once, when the model is built.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,7 @@ class StepHooks:
         pass
 
     def after_backward(self, step: int, grad_buffer: torch.Tensor) -> None:
-        """``grad_buffer``: this rank's local gradients (stages 2/3: its partition, reduced during backward)."""
+        """``grad_buffer``: this rank's local gradients (stages 2/3: its partition, reduced in backward)."""
 
     def lr_factor(self, step: int) -> float:
         return 1.0

@@ -1,4 +1,5 @@
 """What the launcher tells a worker through its environment, read in one place."""
+
 from __future__ import annotations
 
 import os

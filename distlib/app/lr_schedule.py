@@ -13,6 +13,7 @@ step) continues the schedule exactly, with no scheduler state to save. Steps cou
 At the default (constant, no warmup) ``lr_at`` returns the configured float itself, so the update
 is bit for bit the one of a run without schedules.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
         span = total_steps - cfg.warmup_steps
         progress = min(1.0, (step - cfg.warmup_steps) / span) if span > 0 else 1.0
         return low + (lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    decay_from = total_steps - cfg.decay_steps          # wsd
+    decay_from = total_steps - cfg.decay_steps  # wsd
     if step <= decay_from:
         return lr
     return low + (lr - low) * max(0, total_steps - step) / cfg.decay_steps

@@ -10,14 +10,16 @@ stage; the other stages return 0 (the guard's verdict takes the loss from the la
 stage runs its micro-batches' backwards in micro-batch order), so the step is the same
 arithmetic as at pp = 1, spread over ranks.
 """
+
 from __future__ import annotations
 
 import torch
 
-from distlib.comm.mesh import Mesh
 from distlib.app.config.operation import DistConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.model.minigpt import MiniGPT
 from distlib.app.model.pipeline import Chunk, keep_stage_, lm_loss
+from distlib.comm.mesh import Mesh
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder
 
@@ -30,12 +32,13 @@ def split_model_(model: MiniGPT, dist: DistConfig, mesh: Mesh) -> list[Chunk] | 
 
 
 class PipelineStep:
-    def __init__(self, dist: DistConfig, micro_batches: int, mesh: Mesh, model: MiniGPT, chunks: list[Chunk],
-                 dtype: torch.dtype, device):
-        self.P, self.v, self.m = dist.pp, dist.pp_virtual, micro_batches
-        self.mesh, self.model, self.chunks, self.dtype, self.device = mesh, model, chunks, dtype, torch.device(device)
+    def __init__(self, cfg: RunConfig, mesh: Mesh, model: MiniGPT, chunks: list[Chunk], device):
+        dist = cfg.dist
+        self.P, self.v, self.m = dist.pp, dist.pp_virtual, cfg.train.grad_accum
+        self.mesh, self.model, self.chunks = mesh, model, chunks
+        self.dtype, self.device = cfg.param_dtype, torch.device(device)
         self.plan = schedule.build(dist.pp_schedule, self.P, self.m, self.v)
-        self.recorder = Recorder(mesh.pp.rank)    # the last step's events and activation bytes
+        self.recorder = Recorder(mesh.pp.rank)  # the last step's events and activation bytes
         self.peak = 0
 
     def run(self, batches) -> torch.Tensor:
@@ -44,10 +47,17 @@ class PipelineStep:
         micro = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         self.model.train()
         self.recorder = Recorder(self.mesh.pp.rank)
-        loss = executor.run(self.plan, self.chunks, self.mesh.pp, feed=lambda i: micro[i][0],
-                            loss_fn=lambda i, logits: lm_loss(logits, micro[i][1]),
-                            act_shape=(*micro[0][0].shape, self.model.cfg.dim), act_dtype=self.dtype,
-                            device=self.device, recorder=self.recorder)
+        loss = executor.run(
+            self.plan,
+            self.chunks,
+            self.mesh.pp,
+            feed=lambda i: micro[i][0],
+            loss_fn=lambda i, logits: lm_loss(logits, micro[i][1]),
+            act_shape=(*micro[0][0].shape, self.model.cfg.dim),
+            act_dtype=self.dtype,
+            device=self.device,
+            recorder=self.recorder,
+        )
         self.peak = max(self.peak, self.recorder.peak_bytes)
         return loss
 

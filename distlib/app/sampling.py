@@ -10,6 +10,7 @@ state_dict keys) is read directly; its model shape comes from the file's
 ``model`` metadata (JSON of ModelConfig) or, failing that, from the tensor
 shapes plus an explicit head count.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,11 @@ from pathlib import Path
 import safetensors
 import torch
 
-from distlib.checkpoint import sharded as checkpoint
-from distlib.checkpoint import reshard
-from distlib.app.config.groups import ModelConfig
 from distlib.app.checkpointing.manifest_config import manifest_config
+from distlib.app.config.groups import ModelConfig
 from distlib.app.model.minigpt import MiniGPT
+from distlib.checkpoint import reshard
+from distlib.checkpoint import sharded as checkpoint
 from distlib.parallel.flat_layout import FlatLayout
 
 
@@ -36,15 +37,17 @@ def model_from_sharded(path: Path) -> MiniGPT:
     model = MiniGPT(manifest_config(manifest, path)[0])
     state = {}
     for slot in FlatLayout.from_dict(manifest["layout"]).slots:
-        state[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        state[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
     _load_exactly(model, state, path)
     return model
 
 
 def _infer_config(state: dict[str, torch.Tensor], n_heads: int | None, path: Path) -> ModelConfig:
     if n_heads is None:
-        raise SampleError(f"{path} carries no 'model' metadata; pass the head count (--n-heads) so the "
-                          f"attention can be rebuilt")
+        raise SampleError(
+            f"{path} carries no 'model' metadata; pass the head count (--n-heads) so the "
+            f"attention can be rebuilt"
+        )
     try:
         vocab, dim = state["tok_emb.weight"].shape
         seq_len = state["pos_emb.weight"].shape[0]
@@ -52,8 +55,9 @@ def _infer_config(state: dict[str, torch.Tensor], n_heads: int | None, path: Pat
         mlp_ratio = state["blocks.0.mlp.fc.weight"].shape[0] // dim
     except (KeyError, ValueError) as exc:
         raise SampleError(f"{path} does not hold MiniGPT weights: {exc}") from exc
-    return ModelConfig(vocab_size=vocab, seq_len=seq_len, dim=dim, n_heads=n_heads, n_layers=n_layers,
-                       mlp_ratio=mlp_ratio)
+    return ModelConfig(
+        vocab_size=vocab, seq_len=seq_len, dim=dim, n_heads=n_heads, n_layers=n_layers, mlp_ratio=mlp_ratio
+    )
 
 
 def model_from_safetensors(path: Path, n_heads: int | None = None) -> MiniGPT:
@@ -73,8 +77,11 @@ def _load_exactly(model: MiniGPT, state: dict[str, torch.Tensor], path: Path) ->
     ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     theirs = {k: tuple(v.shape) for k, v in state.items()}
     if ours != theirs:
-        diff = [f"{k}: file {theirs.get(k)}, model {ours.get(k)}" for k in sorted(set(ours) | set(theirs))
-                if ours.get(k) != theirs.get(k)]
+        diff = [
+            f"{k}: file {theirs.get(k)}, model {ours.get(k)}"
+            for k in sorted(set(ours) | set(theirs))
+            if ours.get(k) != theirs.get(k)
+        ]
         raise SampleError(f"{path} does not match the model it describes: " + "; ".join(diff[:5]))
     model.load_state_dict(state, strict=True)
 
@@ -94,8 +101,14 @@ def load_model(path: str | Path, n_heads: int | None = None) -> MiniGPT:
 
 
 @torch.no_grad()
-def generate(model: MiniGPT, prompt: list[int], new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> list[int]:
+def generate(
+    model: MiniGPT,
+    prompt: list[int],
+    new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """``prompt`` followed by ``new_tokens`` sampled tokens. Temperature 0 picks the most likely
     token (greedy); top_k keeps only the k most likely before sampling. The model sees at most
     its last ``seq_len`` tokens."""
@@ -111,7 +124,9 @@ def generate(model: MiniGPT, prompt: list[int], new_tokens: int, temperature: fl
         raise SampleError(f"prompt token(s) {bad[:5]} outside the model's vocabulary [0, {vocab})")
     tokens = list(prompt)
     for _ in range(new_tokens):
-        context = torch.tensor([tokens[-model.cfg.seq_len:]], dtype=torch.int64, device=model.lm_head.weight.device)
+        context = torch.tensor(
+            [tokens[-model.cfg.seq_len :]], dtype=torch.int64, device=model.lm_head.weight.device
+        )
         logits = model(context)[0, -1].double()
         if temperature == 0:
             tokens.append(int(torch.argmax(logits)))

@@ -3,13 +3,14 @@
 Every rank holds the same RunResult (losses and per-rank vectors were shared
 through collectives), so every rank reaches the same verdict; only rank 0 prints.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
 
-from distlib.app.trainer import RunResult
+from distlib.app.results import RunResult
 
 
 def loss_table(result: RunResult) -> str:
@@ -19,8 +20,10 @@ def loss_table(result: RunResult) -> str:
     lines = [f"{'step':>4}  {'loss':>10}{val_head}  {'grad norm':>10}  {'param norm':>12}  {'ms':>7}"]
     for s in result.steps:
         val = (f"  {s.val_loss:>10.6f}" if s.val_loss is not None else f"  {'':>10}") if with_val else ""
-        lines.append(f"{s.step:>4}  {s.loss:>10.6f}{val}  {s.grad_norm:>10.6f}  {s.param_norms[0]:>12.6f}  "
-                     f"{1000 * s.seconds:>7.1f}")
+        lines.append(
+            f"{s.step:>4}  {s.loss:>10.6f}{val}  {s.grad_norm:>10.6f}  {s.param_norms[0]:>12.6f}  "
+            f"{1000 * s.seconds:>7.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -30,26 +33,32 @@ def memory_table(result: RunResult, stage: int) -> str:
     n = len(result.memory)
     first = result.memory[0]
     formula = first.get("formula", {})
-    lines = [f"memory per rank: peak bytes of the live tensors, ZeRO stage {stage}, P={result.numel} parameters "
-             f"per rank, N = data-parallel ranks",
-             f"  formula: params {formula.get('params', '?')}, grads {formula.get('grads', '?')}, "
-             f"optimizer {formula.get('optimizer', '?')}",
-             f"{'rank':>4}  {'params B':>9} {'formula':>9}  {'grads B':>9} {'formula':>9}  "
-             f"{'optim B':>9} {'formula':>9}  match"]
+    lines = [
+        f"memory per rank: peak bytes of the live tensors, ZeRO stage {stage}, P={result.numel} parameters "
+        f"per rank, N = data-parallel ranks",
+        f"  formula: params {formula.get('params', '?')}, grads {formula.get('grads', '?')}, "
+        f"optimizer {formula.get('optimizer', '?')}",
+        f"{'rank':>4}  {'params B':>9} {'formula':>9}  {'grads B':>9} {'formula':>9}  "
+        f"{'optim B':>9} {'formula':>9}  match",
+    ]
     for row in result.memory:
         m, e = row["measured"], row["expected"]
         cells = "  ".join(f"{m[k]:>9} {e[k]:>9.0f}" for k in ("params", "grads", "optimizer"))
         lines.append(f"{row['rank']:>4}  {cells}  {'yes' if _memory_ok(row) else 'NO'}")
     allowance = first["allowance"]
-    lines.append("  allowed above the P terms: " + ", ".join(f"{k} {allowance[k]:.0f} B" for k in
-                                                         ("params", "grads", "optimizer"))
-                 + " (padding; bucket / gathered unit; one parameter's gradient)")
+    lines.append(
+        "  allowed above the P terms: "
+        + ", ".join(f"{k} {allowance[k]:.0f} B" for k in ("params", "grads", "optimizer"))
+        + " (padding; bucket / gathered unit; one parameter's gradient)"
+    )
     totals = [row["measured"]["optimizer"] for row in result.memory]
     lines.append(f"optimizer bytes across ranks: max {max(totals)}, mean {sum(totals) / n:.1f}")
     kept = [row["measured"].get("activations") for row in result.memory]
-    if None not in kept:     # measured by the trainer's ActivationMeter (distlib/app/observe/activations.py)
-        lines.append(f"activation bytes kept for backward (largest forward) per rank: {', '.join(map(str, kept))}; "
-                     f"max {max(kept)}, mean {sum(kept) / n:.1f}")
+    if None not in kept:  # measured by the trainer's ActivationMeter (distlib/app/observe/activations.py)
+        lines.append(
+            f"activation bytes kept for backward (largest forward) per rank: {', '.join(map(str, kept))}; "
+            f"max {max(kept)}, mean {sum(kept) / n:.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -63,37 +72,53 @@ def check_invariants(result: RunResult, loss_tolerance: float, monotone_until_st
     window = [s for s in result.steps if s.step <= monotone_until_step]
     for prev, cur in zip(window, window[1:]):
         if cur.loss > prev.loss * (1 + loss_tolerance):
-            failures.append(f"invariant 1 (monotone loss): step {cur.step} loss {cur.loss!r} > "
-                            f"step {prev.step} loss {prev.loss!r}")
+            failures.append(
+                f"invariant 1 (monotone loss): step {cur.step} loss {cur.loss!r} > "
+                f"step {prev.step} loss {prev.loss!r}"
+            )
             break
     for s in result.steps:
         if len(set(s.param_norms)) != 1:
-            failures.append(f"invariant 2 (same parameter norm on every rank): step {s.step} norms {s.param_norms}")
+            failures.append(
+                f"invariant 2 (same parameter norm on every rank): step {s.step} norms {s.param_norms}"
+            )
             break
     for row in result.memory:
         if not _memory_ok(row):
-            failures.append(f"invariant 3 (memory formula): rank {row['rank']} measured {row['measured']} "
-                            f"vs formula {row['expected']} (+ padding {row['allowance']})")
+            failures.append(
+                f"invariant 3 (memory formula): rank {row['rank']} measured {row['measured']} "
+                f"vs formula {row['expected']} (+ padding {row['allowance']})"
+            )
     if result.resume_check is not None and not result.resume_check.ok:
-        failures.append(f"invariant 4 (byte-identical restore) of step {result.resume_check.step}: "
-                        + "; ".join(result.resume_check.mismatches))
+        failures.append(
+            f"invariant 4 (byte-identical restore) of step {result.resume_check.step}: "
+            + "; ".join(result.resume_check.mismatches)
+        )
     return failures
 
 
 def manifest_text(manifest: dict) -> str:
     """The manifest, readably: header, the flat layout one parameter a line, the files."""
     layout = manifest["layout"]
-    lines = [f"checkpoint manifest: step {manifest['step']}, world size {manifest['world_size']}, "
-             f"ZeRO stage {manifest['zero_stage']}, format {manifest['format_version']}",
-             f"  model: {json.dumps(manifest['model'])}"]
+    lines = [
+        f"checkpoint manifest: step {manifest['step']}, world size {manifest['world_size']}, "
+        f"ZeRO stage {manifest['zero_stage']}, format {manifest['format_version']}",
+        f"  model: {json.dumps(manifest['model'])}",
+    ]
     if manifest.get("tp", 1) > 1:
-        lines.append(f"  mesh: {manifest['dp']} data-parallel x {manifest['tp']} tensor-parallel "
-                     f"({manifest['rank_order']}); tensor rank 0's layout below, every rank's in tp_layouts")
-    lines += [f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "
-              f"{layout['padded_numel']} {layout['dtype']}, {layout['shard_numel']} per rank",
-              f"  {'offset':>8}  {'numel':>6}  {'shape':<10}  name"]
+        lines.append(
+            f"  mesh: {manifest['dp']} data-parallel x {manifest['tp']} tensor-parallel "
+            f"({manifest['rank_order']}); tensor rank 0's layout below, every rank's in tp_layouts"
+        )
+    lines += [
+        f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "
+        f"{layout['padded_numel']} {layout['dtype']}, {layout['shard_numel']} per rank",
+        f"  {'offset':>8}  {'numel':>6}  {'shape':<10}  name",
+    ]
     for p in layout["params"]:
-        lines.append(f"  {p['offset']:>8}  {p['numel']:>6}  {'x'.join(map(str, p['shape'])):<10}  {p['name']}")
+        lines.append(
+            f"  {p['offset']:>8}  {p['numel']:>6}  {'x'.join(map(str, p['shape'])):<10}  {p['name']}"
+        )
     lines.append(f"  {'file':<22}  {'bytes':>8}  sha256")
     for f in manifest["files"]:
         lines.append(f"  {f['path']:<22}  {f['bytes']:>8}  {f['sha256']}")

@@ -13,7 +13,8 @@ injection: distlib/app/faults.py; no-ops by default). Then one step::
     guard.check_step                       the collective verdict; a trip rolls back instead
     optimizer.apply_update                 (lr_at(step) x hooks.lr_factor), then hooks.after_update
     the step's values                      one gather: parameter norms, metrics row, save/stop votes
-    log                                    the metrics record; every guard.check_sync_every steps the replica check
+    log                                    the metrics record; every guard.check_sync_every steps
+                                           the replica check
     maybe save / stop                      stopping.decision (from the votes) -> checkpointer.boundary
     hooks.after_step
 
@@ -27,17 +28,16 @@ and moved there. A step reads back from the device only what it logs and decides
 norm, then the loss (summed on the device over the micro-batches; by then the norm's read has
 waited for the device), and the parameter norm after the update.
 """
+
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from distlib.app import launcher_env
 from distlib.app.checkpointing.checkpointer import Checkpointer
-from distlib.app.checkpointing.resume_check import ResumeCheck
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
@@ -51,86 +51,78 @@ from distlib.app.observe.metrics import MetricsLog
 from distlib.app.observe.profiling import StepProfiler
 from distlib.app.observe.validation import Validation
 from distlib.app.pipeline_step import PipelineStep, split_model_
+from distlib.app.results import RunResult, StepLog
 from distlib.app.unattended import guard, stopping
 from distlib.app.unattended.rollback import Rollback
 from distlib.comm import agree, watchdog
 from distlib.comm.group import Comm
-from distlib.comm.mesh import build_mesh
+from distlib.comm.mesh import Mesh, build_mesh
 from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.zero import ZeroOptimizer, make_optimizer
 
 
-@dataclass
-class StepLog:
-    step: int
-    loss: float
-    grad_norm: float
-    param_norms: list[float]     # one per rank, after the update
-    seconds: float
-    val_loss: float | None = None  # held-out loss after this step, on evaluation steps
-
-
-@dataclass
-class RunResult:
-    start_step: int
-    steps: list[StepLog] = field(default_factory=list)
-    memory: list[dict] = field(default_factory=list)   # per rank: measured / expected / allowance
-    manifests: list[dict] = field(default_factory=list)
-    resume_check: ResumeCheck | None = None
-    numel: int = 0
-    rollbacks: list[dict] = field(default_factory=list)   # one per guard trip that rolled back
-    stopped_by: str | None = None                        # e.g. "SIGTERM": saved and left early
-
-
-def gather_parts(parts: list[list[float]], comm: Comm) -> list[list[list[float]]]:
-    """Several components' per-rank vectors in one ``agree.gather``: each part's rows (one per rank)
-    back, in the order given. The widths must be the same on every rank (each is fixed by its
-    component), so every rank splits the same gathered rows the same way."""
-    widths = [len(p) for p in parts]
-    rows = agree.gather([x for p in parts for x in p], comm)
-    ends = [sum(widths[:i + 1]) for i in range(len(widths))]
-    return [[row[end - w:end] for row in rows] for w, end in zip(widths, ends)]
+def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: int):
+    """(model, optimizer, this pipeline rank's chunks or None, tensor-parallel splits): the model
+    initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline stage, its Linear
+    layers swapped for this rank's tensor-parallel shards, and its ZeroOptimizer."""
+    model = build_model(cfg.model, seed).to(device)
+    broadcast_module_(model, comm)
+    chunks = split_model_(model, cfg.dist, mesh)  # this pipeline rank's (None at pp=1)
+    tp_splits = shard_model_(model, mesh.tp)  # parameter name -> Split (none at tp=1)
+    z, opt = cfg.zero, cfg.optimizer
+    optimizer = make_optimizer(
+        model,
+        mesh.dp,
+        z.stage,
+        opt.adamw,
+        opt.grad_clip,
+        tp=mesh.tp,
+        tp_split=tp_splits,
+        param_dtype=cfg.param_dtype,
+        bucket_numel=z.bucket_numel,
+        overlap=z.overlap,
+        grad_accum=cfg.train.grad_accum,
+        pp=mesh.pp,
+    )
+    return model, optimizer, chunks, tp_splits
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, comm: Comm, run_dir: Path, clock=None, hooks: StepHooks | None = None,
-                 device: str = "cpu"):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        comm: Comm,
+        run_dir: Path,
+        clock=None,
+        hooks: StepHooks | None = None,
+        device: str = "cpu",
+    ):
         # Count traffic per collective kind and (dist.check_collectives) check every call's header.
         comm = comm.instrumented(check=cfg.dist.check_collectives)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
-        self.mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s)   # dp/tp(/pp): comm's check
-        self.hooks = hooks if hooks is not None else StepHooks()
+        self.mesh = mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s)  # dp/tp(/pp)
+        self.hooks = hooks = hooks if hooks is not None else StepHooks()
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
-        seed_process_rngs(cfg.seed, self.mesh.dp.rank)
-        plan = data.BatchPlan(cfg.global_batch, self.mesh.dp.size, cfg.train.grad_accum)
+        seed_process_rngs(cfg.seed, mesh.dp.rank)
+        plan = data.BatchPlan(cfg.global_batch, mesh.dp.size, cfg.train.grad_accum)
         self.data, heldout = data.build(cfg, comm, plan)
-        self.model, self.optimizer = self.build(seed=cfg.seed)
-        self.pipeline = self.chunks and PipelineStep(cfg.dist, cfg.train.grad_accum, self.mesh, self.model,
-                                                     self.chunks, cfg.param_dtype, self.device)
-        self.hooks.check_model(self.optimizer.layout.slots)
-        # rank 0's clock decides checkpoint.every_minutes
-        self.checkpointer = Checkpointer(cfg, comm, self.mesh, self.run_dir, self.data, self.model, self.optimizer,
-                                         self.tp_splits, self.hooks, clock or time.monotonic)
+        self.model, self.optimizer, chunks, splits = build(cfg, comm, mesh, self.device, cfg.seed)
+        model, optimizer = self.model, self.optimizer
+        self.pipeline = chunks and PipelineStep(cfg, mesh, model, chunks, self.device)
+        hooks.check_model(optimizer.layout.slots)
+        clock = clock or time.monotonic  # rank 0's clock decides checkpoint.every_minutes
+        self.checkpointer = Checkpointer(
+            cfg, comm, mesh, self.run_dir, self.data, model, optimizer, splits, hooks, clock
+        )
         self.rollback = Rollback(cfg.guard, self.checkpointer, self.data)
-        self.replicas = guard.ReplicaCheck(cfg.guard.check_sync_every, cfg.zero.stage, self.mesh, self.tp_splits,
-                                           self.optimizer)
-        self.validation = Validation(cfg.train.eval_every, heldout, self.model, self.mesh.dp, plan.micro_batch,
-                                     cfg.model.seq_len, self.device)
-        self.log: MetricsLog | None = None      # open while run() runs
-        self.activations = ActivationMeter()    # bytes kept for backward (the memory profile's activations)
+        self.replicas = guard.ReplicaCheck(
+            cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer
+        )
+        every = cfg.train.eval_every
+        self.validation = Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device)
+        self.log: MetricsLog | None = None  # open while run() runs
+        self.activations = ActivationMeter()  # bytes kept for backward (the memory profile's activations)
         self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)
-
-    def build(self, seed: int) -> tuple[MiniGPT, ZeroOptimizer]:
-        model = build_model(self.cfg.model, seed).to(self.device)
-        broadcast_module_(model, self.comm)
-        self.chunks = split_model_(model, self.cfg.dist, self.mesh)   # this pipeline rank's (None at pp=1)
-        self.tp_splits = shard_model_(model, self.mesh.tp)     # parameter name -> Split (none at tp=1)
-        z, opt = self.cfg.zero, self.cfg.optimizer
-        optimizer = make_optimizer(model, self.mesh.dp, z.stage, opt.adamw, opt.grad_clip, tp=self.mesh.tp,
-                                   tp_split=self.tp_splits, param_dtype=self.cfg.param_dtype,
-                                   bucket_numel=z.bucket_numel, overlap=z.overlap, grad_accum=self.cfg.train.grad_accum,
-                                   pp=self.mesh.pp)
-        return model, optimizer
 
     # -- the run ----------------------------------------------------------------
     def run(self) -> RunResult:
@@ -139,11 +131,21 @@ class Trainer:
             start, resume_path = self.checkpointer.resume()
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
         tokens = cfg.global_batch * cfg.model.seq_len
-        flops = 6 * param_count(cfg.model) * tokens     # per step, for MFU
-        with stopping.StopSignals(deadline_s=cfg.dist.timeout_s) as signals, \
-                MetricsLog(cfg.metrics, self.run_dir, comm, tokens, cfg.train.steps,
-                           groups=self.mesh.groups(), guard=cfg.guard,
-                           model_flops=flops, peak_flops=throughput.peak_flops(comm, self.device)) as log:
+        flops = 6 * param_count(cfg.model) * tokens  # per step, for MFU
+        with (
+            stopping.StopSignals(deadline_s=cfg.dist.timeout_s) as signals,
+            MetricsLog(
+                cfg.metrics,
+                self.run_dir,
+                comm,
+                tokens,
+                cfg.train.steps,
+                groups=self.mesh.groups(),
+                guard=cfg.guard,
+                model_flops=flops,
+                peak_flops=throughput.peak_flops(comm, self.device),
+            ) as log,
+        ):
             self.log = log
             self._log_start(start, resume_path)
             step = start + 1
@@ -154,7 +156,7 @@ class Trainer:
                     if result.stopped_by:
                         break
             except Exception as exc:
-                if not isinstance(exc, (guard.GuardError, guard.DesyncError)):   # those logged their own
+                if not isinstance(exc, (guard.GuardError, guard.DesyncError)):  # those logged their own
                     log.event("error", step, error=type(exc).__name__, message=str(exc))
                 raise
             finally:
@@ -166,14 +168,22 @@ class Trainer:
         cfg, comm = self.cfg, self.comm
         attempt = launcher_env.attempt()
         if resume_path is not None or attempt:
-            self.log.event("restart", start, say=f"resumed from {resume_path} (launcher attempt {attempt})",
-                           checkpoint=str(resume_path) if resume_path else None, attempt=attempt,
-                           world_size=comm.size, steps=cfg.train.steps)
+            self.log.event(
+                "restart",
+                start,
+                say=f"resumed from {resume_path} (launcher attempt {attempt})",
+                checkpoint=str(resume_path) if resume_path else None,
+                attempt=attempt,
+                world_size=comm.size,
+                steps=cfg.train.steps,
+            )
         else:
             self.log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
         if cfg.guard.check_sync_every and not self.replicas.possible:
-            self.checkpointer.say("guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by "
-                                  "two ranks, so the replica check has nothing to compare and does not run")
+            self.checkpointer.say(
+                "guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by "
+                "two ranks, so the replica check has nothing to compare and does not run"
+            )
 
     def _finish(self, start: int, result: RunResult) -> None:
         last = result.steps[-1].step if result.steps else start
@@ -182,9 +192,15 @@ class Trainer:
             result.memory = memory_report(self.memory_bytes(), self.optimizer.memory_formula(), self.comm)
             self.log.final_memory(last, self.memory_bytes())
             if not result.stopped_by:
-                result.resume_check = self.checkpointer.verify_resume(lambda: self.build(seed=self.cfg.seed + 1))
-        self.log.event("run_end", last, status="stopped by " + result.stopped_by if result.stopped_by else "completed",
-                       rollbacks=len(result.rollbacks))
+                result.resume_check = self.checkpointer.verify_resume(
+                    lambda: self.build(seed=self.cfg.seed + 1)
+                )
+        self.log.event(
+            "run_end",
+            last,
+            status="stopped by " + result.stopped_by if result.stopped_by else "completed",
+            rollbacks=len(result.rollbacks),
+        )
 
     # -- one step ---------------------------------------------------------------
     def _step(self, step: int, result: RunResult, signals: stopping.StopSignals) -> int:
@@ -193,15 +209,16 @@ class Trainer:
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
-        summed = self._forward_backward(step)       # on the device, still being computed
+        summed = self._forward_backward(step)  # on the device, still being computed
         self.hooks.after_backward(step, self.optimizer.grad_buffer)
-        grad_norm = self.optimizer.sync_grads()      # over the data- and tensor-parallel groups
-        local_loss = float(summed)                   # reading the norm already waited for the device
-        recent = [s.loss for s in result.steps[-self.cfg.guard.spike_window:]]
+        grad_norm = self.optimizer.sync_grads()  # over the data- and tensor-parallel groups
+        local_loss = float(summed)  # reading the norm already waited for the device
+        recent = [s.loss for s in result.steps[-self.cfg.guard.spike_window :]]
         # The loss is the mean over one data-parallel group (TP ranks of a group share a loss);
         # every rank's loss and norm take part in the verdict.
-        verdict = guard.check_step(local_loss, grad_norm, recent, self.cfg.guard, self.comm,
-                                   loss_ranks=self.mesh.loss_ranks)
+        verdict = guard.check_step(
+            local_loss, grad_norm, recent, self.cfg.guard, self.comm, loss_ranks=self.mesh.loss_ranks
+        )
         if not verdict.ok:
             return self._roll_back(step, verdict, grad_norm, result)
         self.checkpointer.step_passed()
@@ -211,12 +228,24 @@ class Trainer:
         val_loss = self.validation.loss() if self.validation.due(step) else None
         memory = self.memory_bytes()
         norms, rows, votes = self._gather_step_values(seconds, memory, signals)
-        self.log.step(step, loss=verdict.loss, local_loss=local_loss, grad_norm=grad_norm, param_norm=norms[0],
-                      lr=lr, seconds=seconds, memory=memory, val_loss=val_loss, rows=rows)
+        self.log.step(
+            step,
+            loss=verdict.loss,
+            local_loss=local_loss,
+            grad_norm=grad_norm,
+            param_norm=norms[0],
+            lr=lr,
+            seconds=seconds,
+            memory=memory,
+            val_loss=val_loss,
+            rows=rows,
+        )
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         if self.replicas.due(step):
             self._check_replicas(step)
-        self._save_or_stop(step, result, signals, stopping.decision(step, self.cfg.checkpoint.every_steps, votes))
+        self._save_or_stop(
+            step, result, signals, stopping.decision(step, self.cfg.checkpoint.every_steps, votes)
+        )
         self.hooks.after_step(step)
         self.profiler.end(step)
         return step + 1
@@ -243,16 +272,22 @@ class Trainer:
         lr = lr_at(step, self.cfg.optimizer, self.cfg.train.steps) * self.hooks.lr_factor(step)
         self.optimizer.apply_update(lr)
         self.optimizer.zero_grad()
-        self.hooks.after_update(step, self.optimizer.param_buffer, self.optimizer.layout.slots,
-                                start=self.optimizer.param_buffer_start)
+        self.hooks.after_update(
+            step,
+            self.optimizer.param_buffer,
+            self.optimizer.layout.slots,
+            start=self.optimizer.param_buffer_start,
+        )
         return lr
 
-    def _gather_step_values(self, seconds: float, memory: dict[str, int],
-                            signals: stopping.StopSignals) -> tuple[list[float], list[list[float]], list[list[float]]]:
-        """Every rank's parameter norm, metrics row and save/stop vote, in one gather: (norms, rows, votes)."""
+    def _gather_step_values(
+        self, seconds: float, memory: dict[str, int], signals: stopping.StopSignals
+    ) -> tuple[list[float], list[list[float]], list[list[float]]]:
+        """Every rank's parameter norm, metrics row and save/stop vote in one gather: (norms, rows, votes)."""
         vote = stopping.vote(self.checkpointer.clock, signals, self.comm, self.checkpointer.writing())
-        norms, rows, votes = gather_parts([[self.optimizer.param_norm()], self.log.row(seconds, memory), vote],
-                                          self.comm)
+        norms, rows, votes = agree.gather_parts(
+            [[self.optimizer.param_norm()], self.log.row(seconds, memory), vote], self.comm
+        )
         return [row[0] for row in norms], rows, votes
 
     def _check_replicas(self, step: int) -> None:
@@ -262,15 +297,20 @@ class Trainer:
             self.log.event("desync", step, say=str(exc), message=str(exc))
             raise
 
-    def _save_or_stop(self, step: int, result: RunResult, signals: stopping.StopSignals,
-                      decision: stopping.Decision) -> None:
+    def _save_or_stop(
+        self, step: int, result: RunResult, signals: stopping.StopSignals, decision: stopping.Decision
+    ) -> None:
         if decision.stop:
-            signals.acknowledge()          # every rank reached the boundary; the save has no deadline
+            signals.acknowledge()  # every rank reached the boundary; the save has no deadline
         result.manifests += [saved.manifest for saved in self.checkpointer.boundary(step, decision, self.log)]
         if decision.stop:
             result.stopped_by = decision.stop
-            self.log.event("preempted", step, say=f"{decision.stop} received: checkpoint saved, stopping",
-                           signal=decision.stop)
+            self.log.event(
+                "preempted",
+                step,
+                say=f"{decision.stop} received: checkpoint saved, stopping",
+                signal=decision.stop,
+            )
 
     def _roll_back(self, step: int, verdict: guard.Verdict, grad_norm: float, result: RunResult) -> int:
         """No update: restore the newest trusted state, forget what came after it; the step to run next."""
@@ -281,7 +321,13 @@ class Trainer:
         result.manifests = [m for m in result.manifests if m["step"] <= event["to_step"]]
         return event["to_step"] + 1
 
+    def _fresh_model(self) -> tuple[MiniGPT, ZeroOptimizer]:
+        """A model and optimizer like the run's, initialised from another seed (for the resume check)."""
+        return build(self.cfg, self.comm, self.mesh, self.device, self.cfg.seed + 1)[:2]
+
     def memory_bytes(self) -> dict[str, int]:
         """The model states' peak bytes (the optimizer's accounting) and the activations'."""
-        return {**self.optimizer.memory_bytes(),
-                "activations": self.pipeline.activation_peak if self.pipeline else self.activations.peak}
+        return {
+            **self.optimizer.memory_bytes(),
+            "activations": self.pipeline.activation_peak if self.pipeline else self.activations.peak,
+        }

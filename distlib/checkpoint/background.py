@@ -5,11 +5,12 @@ copied to host memory first, so nothing it reads changes under it. It takes part
 collective: the ranks agree that every write finished at a later step boundary, and only
 then ``sharded.complete_save`` gathers the file entries and rank 0 commits the manifest.
 """
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class BackgroundWrite:
@@ -21,7 +22,7 @@ class BackgroundWrite:
         self._value: dict | None = None
         self._error: BaseException | None = None
         self.began = time.perf_counter()
-        self.seconds: float | None = None        # how long the write took, once done
+        self.seconds: float | None = None  # how long the write took, once done
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

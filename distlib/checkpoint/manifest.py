@@ -11,11 +11,12 @@ The rules are the ones the writers follow: ``sharded.save`` (one shard per rank,
 ``FlatLayout.to_dict`` (contiguous parameters, derived sizes) and the tensor-parallel
 ``manifest_layouts`` (one layout per tensor rank, each split naming that rank).
 """
+
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 # train.dtype's values (distlib.app.config.run.DTYPES; this layer may not import the application).
 PARAM_DTYPES = ("fp32", "bf16")
@@ -28,7 +29,7 @@ class ManifestProblem(ValueError):
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)   # JSON true is not a count
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a count
 
 
 def _show(value) -> str:
@@ -46,7 +47,9 @@ def _field(obj: dict, key: str, where: str, kind: type | tuple, optional: bool =
     value = obj[key]
     ok = _is_int(value) if kind is int else isinstance(value, kind)
     if not ok:
-        what = {int: "an integer", str: "a string", list: "a list", dict: "an object"}.get(kind, "an object or null")
+        what = {int: "an integer", str: "a string", list: "a list", dict: "an object"}.get(
+            kind, "an object or null"
+        )
         raise ManifestProblem(f"{name} must be {what}, got {_show(value)}")
     return value
 
@@ -79,21 +82,30 @@ def check_layout(layout, where: str, world_size: int, tp: int | None = None, tp_
         _field(p, "name", at, str)
         shape = _shape(_field(p, "shape", at, list), f"{at}.shape")
         if _count(p, "offset", at, 0) != offset:
-            raise ManifestProblem(f"{at}.offset is {p['offset']}, expected {offset} (parameters lie back to back)")
+            raise ManifestProblem(
+                f"{at}.offset is {p['offset']}, expected {offset} (parameters lie back to back)"
+            )
         if _count(p, "numel", at, 0) != math.prod(shape):
-            raise ManifestProblem(f"{at}.numel is {p['numel']}, but its shape {list(shape)} holds {math.prod(shape)}")
+            raise ManifestProblem(
+                f"{at}.numel is {p['numel']}, but its shape {list(shape)} holds {math.prod(shape)}"
+            )
         offset += p["numel"]
         if tp is not None:
             _check_split(p, at, shape, tp, tp_rank)
     if len({p["name"] for p in params}) != len(params):
         raise ManifestProblem(f"{where}.params names a parameter twice")
     shard = -(-offset // world_size)
-    derived = {"numel": offset, "world_size": world_size, "shard_numel": shard,
-               "padded_numel": shard * world_size, "padding": shard * world_size - offset}
+    derived = {
+        "numel": offset,
+        "world_size": world_size,
+        "shard_numel": shard,
+        "padded_numel": shard * world_size,
+        "padding": shard * world_size - offset,
+    }
     for key, value in derived.items():
         if _count(layout, key, where, 0) != value:
             raise ManifestProblem(f"{where}.{key} is {layout[key]}, expected {value}")
-    if _field(layout, "dtype", where, str) != "float32":   # the master weights and Adam state
+    if _field(layout, "dtype", where, str) != "float32":  # the master weights and Adam state
         raise ManifestProblem(f"{where}.dtype must be 'float32', got {_show(layout['dtype'])}")
 
 
@@ -102,11 +114,17 @@ def _check_split(p: dict, at: str, shape: tuple[int, ...], tp: int, tp_rank: int
     split = _field(p, "split", at, (dict, type(None)))
     if split is None:
         if full != shape:
-            raise ManifestProblem(f"{at}: replicated (split null) but shape {list(shape)} != full_shape {list(full)}")
+            raise ManifestProblem(
+                f"{at}: replicated (split null) but shape {list(shape)} != full_shape {list(full)}"
+            )
         return
-    dim, parts, index, groups = (_count(split, k, f"{at}.split", 0) for k in ("dim", "parts", "index", "groups"))
+    dim, parts, index, groups = (
+        _count(split, k, f"{at}.split", 0) for k in ("dim", "parts", "index", "groups")
+    )
     if parts != tp or index != tp_rank or dim >= len(shape) or groups < 1 or shape[dim] % groups:
-        raise ManifestProblem(f"{at}.split {split} does not fit tensor rank {tp_rank} of {tp} for shape {list(shape)}")
+        raise ManifestProblem(
+            f"{at}.split {split} does not fit tensor rank {tp_rank} of {tp} for shape {list(shape)}"
+        )
     expected = tuple(n * parts if d == dim else n for d, n in enumerate(shape))
     if full != expected:
         raise ManifestProblem(f"{at}.full_shape is {list(full)}, expected {list(expected)} for split {split}")
@@ -137,7 +155,9 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     # nothing reads dp when tp == 1, so such checkpoints stay readable.
     stale_ok = tp == 1 and "resharded_from" in manifest
     if dp is not None and dp * tp * pp != world and not stale_ok:
-        raise ManifestProblem(f"dp {dp} x tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f" != world_size {world}")
+        raise ManifestProblem(
+            f"dp {dp} x tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f" != world_size {world}"
+        )
     layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1)
     if layouts is not None and len(layouts) != tp:
         raise ManifestProblem(f"tp_layouts has {len(layouts)} layout(s), expected one per tensor rank ({tp})")
@@ -146,7 +166,9 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
         check_layout(layout, f"tp_layouts[{t}]", world // (tp * pp), tp, t)
     stages = _field(manifest, "pp_layouts", "", list, optional=pp == 1)
     if stages is not None and len(stages) != pp:
-        raise ManifestProblem(f"pp_layouts has {len(stages)} stage(s), expected one per pipeline stage ({pp})")
+        raise ManifestProblem(
+            f"pp_layouts has {len(stages)} stage(s), expected one per pipeline stage ({pp})"
+        )
     for s, per_tp in enumerate(stages or []):
         if not isinstance(per_tp, list) or len(per_tp) != tp:
             raise ManifestProblem(f"pp_layouts[{s}] must list one layout per tensor rank ({tp})")
@@ -160,10 +182,14 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
         if not isinstance(entry, dict):
             raise ManifestProblem(f"{at} must be an object, got {_show(entry)}")
         if _field(entry, "path", at, str) != shard_name(r):
-            raise ManifestProblem(f"{at}.path is {_show(entry['path'])}, expected {shard_name(r)!r} "
-                                  f"(one shard per rank, in rank order, inside the checkpoint)")
+            raise ManifestProblem(
+                f"{at}.path is {_show(entry['path'])}, expected {shard_name(r)!r} "
+                f"(one shard per rank, in rank order, inside the checkpoint)"
+            )
         if _count(entry, "rank", at, 0, optional=True) not in (None, r):
             raise ManifestProblem(f"{at}.rank is {entry['rank']}, expected {r}")
         _count(entry, "bytes", at, 0)
         if not _SHA256.fullmatch(_field(entry, "sha256", at, str)):
-            raise ManifestProblem(f"{at}.sha256 must be 64 lowercase hex digits, got {_show(entry['sha256'])}")
+            raise ManifestProblem(
+                f"{at}.sha256 must be 64 lowercase hex digits, got {_show(entry['sha256'])}"
+            )

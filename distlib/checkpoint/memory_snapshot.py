@@ -25,6 +25,7 @@ jobs writing one run directory would collide on their checkpoints anyway).
 ``start_reaper`` starts the process that removes a job's directory once the launcher (the
 torchrun agent) exits, whatever way the job ended: workers killed by a signal run no cleanup.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,16 +47,21 @@ FORMAT = 1
 @dataclass(frozen=True)
 class Snapshot:
     step: int
-    owner: int          # the rank whose state it is
-    holder: int         # the rank that wrote the file (the owner, or its peer for a replica)
+    owner: int  # the rank whose state it is
+    holder: int  # the rank that wrote the file (the owner, or its peer for a replica)
     bytes: int
     sha256: str
-    fingerprint: str    # the run's shape (world size, layout, model, ...): a snapshot fits only its own
-    path: Path          # the data file
+    fingerprint: str  # the run's shape (world size, layout, model, ...): a snapshot fits only its own
+    path: Path  # the data file
 
     def describe(self) -> dict:
-        return {"step": self.step, "owner": self.owner, "bytes": self.bytes, "sha256": self.sha256,
-                "fingerprint": self.fingerprint}
+        return {
+            "step": self.step,
+            "owner": self.owner,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "fingerprint": self.fingerprint,
+        }
 
 
 def job_dir(run_dir: Path | str, base: Path = SHM) -> Path:
@@ -66,14 +72,15 @@ def job_dir(run_dir: Path | str, base: Path = SHM) -> Path:
 
 def encode(tensors: dict[str, torch.Tensor], rank_state: dict) -> bytes:
     """The bytes of the shard a disk checkpoint would write (``sharded.write_shard``)."""
-    return safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()},
-                                  metadata={"rank_state": json.dumps(rank_state)})
+    return safetensors.torch.save(
+        {k: v.contiguous() for k, v in tensors.items()}, metadata={"rank_state": json.dumps(rank_state)}
+    )
 
 
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, rank_state) of ``encode``'s bytes."""
     header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + header_len])
+    header = json.loads(data[8 : 8 + header_len])
     return safetensors.torch.load(data), json.loads(header["__metadata__"]["rank_state"])
 
 
@@ -92,8 +99,15 @@ def write(directory: Path, step: int, owner: int, holder: int, data: bytes, fing
     path = directory / f"{stem}.safetensors"
     snap = Snapshot(step, owner, holder, len(data), sha256(data), fingerprint, path)
     _write_atomic(path, data)
-    manifest = {"format": FORMAT, "step": step, "owner": owner, "holder": holder, "bytes": snap.bytes,
-                "sha256": snap.sha256, "fingerprint": fingerprint}
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "owner": owner,
+        "holder": holder,
+        "bytes": snap.bytes,
+        "sha256": snap.sha256,
+        "fingerprint": fingerprint,
+    }
     _write_atomic(directory / f"{stem}.json", json.dumps(manifest).encode())
     return snap
 
@@ -109,8 +123,15 @@ def _manifest(path: Path) -> Snapshot:
     m = json.loads(path.read_text())
     if m.get("format") != FORMAT:
         raise ValueError(f"format {m.get('format')!r}, this program reads {FORMAT}")
-    return Snapshot(int(m["step"]), int(m["owner"]), int(m["holder"]), int(m["bytes"]), str(m["sha256"]),
-                    str(m["fingerprint"]), path.with_suffix(".safetensors"))
+    return Snapshot(
+        int(m["step"]),
+        int(m["owner"]),
+        int(m["holder"]),
+        int(m["bytes"]),
+        str(m["sha256"]),
+        str(m["fingerprint"]),
+        path.with_suffix(".safetensors"),
+    )
 
 
 def listing(directory: Path) -> list[Snapshot]:
@@ -122,7 +143,7 @@ def listing(directory: Path) -> list[Snapshot]:
         try:
             found.append(_manifest(path))
         except (OSError, ValueError, KeyError, TypeError):
-            continue                      # half-removed or foreign: scan() removes it
+            continue  # half-removed or foreign: scan() removes it
     return found
 
 
@@ -136,8 +157,9 @@ def verify(snap: Snapshot) -> bytes:
         raise ValueError(f"memory snapshot {snap.path}: {len(data)} bytes, expected {snap.bytes}")
     actual = sha256(data)
     if actual != snap.sha256:
-        raise ValueError(f"memory snapshot {snap.path}: sha256 {actual}, expected {snap.sha256} "
-                         f"(its contents changed)")
+        raise ValueError(
+            f"memory snapshot {snap.path}: sha256 {actual}, expected {snap.sha256} (its contents changed)"
+        )
     return data
 
 
@@ -161,7 +183,7 @@ def scan(directory: Path, share: tuple[int, int] = (0, 1)) -> tuple[list[Snapsho
     if directory.is_dir() and index == 0:
         finished = {s.path.name for s in found} | {s.path.with_suffix(".json").name for s in found}
         for path in directory.iterdir():
-            if path.name not in finished and ".tmp" not in path.name:   # (a temporary: someone writing)
+            if path.name not in finished and ".tmp" not in path.name:  # (a temporary: someone writing)
                 path.unlink(missing_ok=True)
     return intact, problems
 
@@ -207,6 +229,11 @@ shutil.rmtree(directory, ignore_errors=True)
 
 def start_reaper(launcher_pid: int, directory: Path) -> subprocess.Popen:
     """Remove ``directory`` once process ``launcher_pid`` has exited (finished, failed or killed)."""
-    return subprocess.Popen([sys.executable, "-c", _REAPER, str(launcher_pid), str(directory)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(launcher_pid), str(directory)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )

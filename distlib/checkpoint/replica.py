@@ -8,6 +8,7 @@ held by rank (r + L) mod W -- a rank of the next node, in torchrun's rank order 
 global ranks k*L .. k*L+L-1) -- so losing one node's memory loses no snapshot. On one node
 (L = W) there is no peer and nothing is sent.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,15 +25,21 @@ def peer_offset(local_world_size: int, world_size: int) -> int:
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8, device="cpu")
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.zeros(0, dtype=torch.uint8, device="cpu")
+    )
 
 
 def exchange(data: bytes, comm: Comm, offset: int) -> bytes:
     """Send ``data`` to rank (r + offset), receive the bytes of rank (r - offset); returns them."""
     p2p = P2P("snapshot replica", comm)
     to, frm = (comm.rank + offset) % comm.size, (comm.rank - offset) % comm.size
-    sizes = (torch.tensor([len(data)], dtype=torch.int64, device="cpu"),
-             torch.zeros(1, dtype=torch.int64, device="cpu"))
+    sizes = (
+        torch.tensor([len(data)], dtype=torch.int64, device="cpu"),
+        torch.zeros(1, dtype=torch.int64, device="cpu"),
+    )
     p2p.wait(p2p.send(sizes[0], to), p2p.recv(sizes[1], frm))
     incoming = torch.zeros(int(sizes[1][0]), dtype=torch.uint8, device="cpu")
     p2p.wait(p2p.send(_as_tensor(data), to), p2p.recv(incoming, frm))

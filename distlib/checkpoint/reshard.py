@@ -24,6 +24,7 @@ RNG: new rank r takes old rank r's RNG state when r < N; ranks r >= N have none
 (the caller re-seeds them and says so). The data position is world-size
 independent as long as the global batch stays the same (``distlib.data``).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,10 +53,12 @@ def repartition(partitions: list[torch.Tensor], numel: int, world_size: int) -> 
     size = shard_numel(numel, world_size)
     padded = torch.zeros(size * world_size, dtype=full.dtype, device=full.device)
     padded[:numel] = full[:numel]
-    return [padded[r * size:(r + 1) * size].clone() for r in range(world_size)]
+    return [padded[r * size : (r + 1) * size].clone() for r in range(world_size)]
 
 
-def partition_sources(numel: int, old_world: int, new_world: int, new_rank: int) -> list[tuple[int, int, int]]:
+def partition_sources(
+    numel: int, old_world: int, new_world: int, new_rank: int
+) -> list[tuple[int, int, int]]:
     """The pieces (old_rank, start, end) of old partitions that, concatenated, form the real
     (unpadded) elements of partition ``new_rank`` of ``new_world``; the rest of it is padding."""
     old_size, new_size = shard_numel(numel, old_world), shard_numel(numel, new_world)
@@ -82,16 +85,25 @@ def _tensor_parallel(manifest: dict) -> int:
 
 def _whole_model_only(manifest: dict, what: str) -> None:
     if int(manifest.get("pp", 1)) > 1:
-        raise CheckpointError(f"{what}: this checkpoint is pipeline-parallel (pp={manifest['pp']}); each stage's "
-                              f"shards hold other parameters (manifest pp_layouts) and are not supported here")
+        raise CheckpointError(
+            f"{what}: this checkpoint is pipeline-parallel (pp={manifest['pp']}); each stage's "
+            f"shards hold other parameters (manifest pp_layouts) and are not supported here"
+        )
     if _tensor_parallel(manifest) > 1:
-        raise CheckpointError(f"{what}: this checkpoint is tensor-parallel (tp={manifest['tp']}); its shards "
-                              f"hold pieces of tensors (manifest tp_layouts) and are not supported here")
+        raise CheckpointError(
+            f"{what}: this checkpoint is tensor-parallel (tp={manifest['tp']}); its shards "
+            f"hold pieces of tensors (manifest tp_layouts) and are not supported here"
+        )
 
 
-def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_rank: int = 0,
-                   stage: tuple[FlatLayout, int, int] | None = None
-                   ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
+def load_partition(
+    path: Path,
+    manifest: dict,
+    rank: int,
+    world_size: int,
+    tp_rank: int = 0,
+    stage: tuple[FlatLayout, int, int] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
     """(state, rank_state, rng) for ``rank`` of ``world_size`` from a verified checkpoint of any
     world size: state is partition ``rank`` of each of STATE_KEYS; rng is the saved RNG tensors
     (None when the checkpoint has no rank ``rank`` or that rank kept none). For a tensor-parallel
@@ -107,12 +119,12 @@ def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_ra
     numel, old_world = int(layout["numel"]), int(manifest["world_size"]) // tp
     file_rank = (lambda d: d * tp + tp_rank) if tp > 1 else (lambda d: d)
     size = shard_numel(numel, world_size)
-    state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}   # host copies
+    state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}  # host copies
     filled = 0
     for old_rank, start, end in partition_sources(numel, old_world, world_size, rank):
         with _open(path, file_rank(old_rank)) as f:
             for key in STATE_KEYS:
-                state[key][filled:filled + end - start] = f.get_slice(key)[start:end]
+                state[key][filled : filled + end - start] = f.get_slice(key)[start:end]
         filled += end - start
     own = rank if rank < old_world else 0
     with _open(path, file_rank(own)) as f:
@@ -123,21 +135,27 @@ def load_partition(path: Path, manifest: dict, rank: int, world_size: int, tp_ra
     return state, rank_state, rng
 
 
-def _load_by_name(path: Path, manifest: dict, rank: int, world_size: int, tp_rank: int,
-                  stage: tuple[FlatLayout, int, int] | None):
+def _load_by_name(
+    path: Path,
+    manifest: dict,
+    rank: int,
+    world_size: int,
+    tp_rank: int,
+    stage: tuple[FlatLayout, int, int] | None,
+):
     if stage is None:
         raise CheckpointError(f"checkpoint {path} is pipeline-parallel: loading it needs this rank's layout")
     layout, pp_rank, pp = stage
     tp, old_pp = _tensor_parallel(manifest), int(manifest.get("pp", 1))
     stages = manifest.get("pp_layouts") or [manifest.get("tp_layouts") or [manifest["layout"]]]
     old_dp = int(manifest["world_size"]) // (tp * old_pp)
-    where = {}       # parameter name -> (old stage, offset in its flat layout, that layout's numel)
+    where = {}  # parameter name -> (old stage, offset in its flat layout, that layout's numel)
     for s, per_tp in enumerate(stages):
         old = FlatLayout.from_dict(per_tp[tp_rank])
         where.update({slot.name: (s, slot.offset, old.numel) for slot in old.slots})
     size = shard_numel(layout.numel, world_size)
     lo, hi = rank * size, min((rank + 1) * size, layout.numel)
-    state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}   # host copies
+    state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}  # host copies
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if a >= b:
@@ -145,13 +163,13 @@ def _load_by_name(path: Path, manifest: dict, rank: int, world_size: int, tp_ran
         if slot.name not in where:
             raise CheckpointError(f"checkpoint {path} has no parameter {slot.name}")
         s, offset, numel = where[slot.name]
-        src = offset + a - slot.offset          # [src, src + b - a) of stage s's flat vector
+        src = offset + a - slot.offset  # [src, src + b - a) of stage s's flat vector
         for old_rank, start, end in _pieces(numel, old_dp, src, src + b - a):
             with _open(path, (s * old_dp + old_rank) * tp + tp_rank) as f:
                 at = a - lo + old_rank * shard_numel(numel, old_dp) + start - src
                 for key in STATE_KEYS:
-                    state[key][at:at + end - start] = f.get_slice(key)[start:end]
-    same = old_pp == pp and rank < old_dp        # the same place existed: its RNG carries over
+                    state[key][at : at + end - start] = f.get_slice(key)[start:end]
+    same = old_pp == pp and rank < old_dp  # the same place existed: its RNG carries over
     own = ((pp_rank * old_dp + rank) * tp + tp_rank) if same else tp_rank
     with _open(path, own) as f:
         rank_state = json.loads(f.metadata()["rank_state"])
@@ -164,8 +182,11 @@ def _load_by_name(path: Path, manifest: dict, rank: int, world_size: int, tp_ran
 def _pieces(numel: int, old_world: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(old_rank, start, end) within old partitions that hold elements [lo, hi) of a flat vector."""
     size = shard_numel(numel, old_world)
-    return [(r, max(lo, r * size) - r * size, min(hi, (r + 1) * size) - r * size)
-            for r in range(old_world) if max(lo, r * size) < min(hi, (r + 1) * size)]
+    return [
+        (r, max(lo, r * size) - r * size, min(hi, (r + 1) * size) - r * size)
+        for r in range(old_world)
+        if max(lo, r * size) < min(hi, (r + 1) * size)
+    ]
 
 
 def _shards(path: Path, manifest: dict) -> list[dict[str, torch.Tensor]]:
@@ -180,7 +201,9 @@ def full_state(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
 
 
 def _by_parameter(flat: torch.Tensor, layout: FlatLayout, prefix: str = "") -> dict[str, torch.Tensor]:
-    return {prefix + s.name: flat[s.offset:s.offset + s.numel].reshape(s.shape).clone() for s in layout.slots}
+    return {
+        prefix + s.name: flat[s.offset : s.offset + s.numel].reshape(s.shape).clone() for s in layout.slots
+    }
 
 
 # -- offline tools (scripts/ckpt.py) --------------------------------------------
@@ -196,12 +219,15 @@ def consolidate(path: Path, out: Path, with_optimizer: bool = False) -> list[Pat
     written = [out / "model.safetensors"]
     safetensors.torch.save_file(_by_parameter(state["master"], layout), str(written[0]), metadata=header)
     if with_optimizer:
-        tensors = {**_by_parameter(state["exp_avg"], layout, "exp_avg."),
-                   **_by_parameter(state["exp_avg_sq"], layout, "exp_avg_sq.")}
+        tensors = {
+            **_by_parameter(state["exp_avg"], layout, "exp_avg."),
+            **_by_parameter(state["exp_avg_sq"], layout, "exp_avg_sq."),
+        }
         optimizer_steps = checkpoint.load_shard(path, 0)[1]["optimizer_steps"]
         written.append(out / "optimizer.safetensors")
-        safetensors.torch.save_file(tensors, str(written[1]),
-                                    metadata={**header, "optimizer_steps": str(optimizer_steps)})
+        safetensors.torch.save_file(
+            tensors, str(written[1]), metadata={**header, "optimizer_steps": str(optimizer_steps)}
+        )
     return written
 
 
@@ -228,8 +254,13 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
             rank_state["rng"] = None
         tensors.update({key: partitions[key][rank] for key in STATE_KEYS})
         files.append(checkpoint.write_shard(partial, rank, tensors, rank_state))
-    new = {**manifest, "world_size": world_size, "dp": world_size,   # tp == 1 (_whole_model_only)
-           "layout": FlatLayout(layout.slots, world_size).to_dict(),
-           "files": files, "resharded_from": {"path": str(path), "world_size": old_world}}
+    new = {
+        **manifest,
+        "world_size": world_size,
+        "dp": world_size,  # tp == 1 (_whole_model_only)
+        "layout": FlatLayout(layout.slots, world_size).to_dict(),
+        "files": files,
+        "resharded_from": {"path": str(path), "world_size": old_world},
+    }
     checkpoint.commit(partial, out, new)
     return out

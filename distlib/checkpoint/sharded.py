@@ -24,18 +24,17 @@ and sha256 and no other file is present (``verify``). Nothing is unpickled:
 shards are safetensors, the manifest JSON. Moving a checkpoint to another world
 size lives in ``distlib.reshard``.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-import numpy as np
 import safetensors
 import safetensors.torch
 import torch
@@ -64,36 +63,6 @@ def step_dir_name(step: int) -> str:
 
 def shard_name(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
-
-
-# -- RNG state of this process -------------------------------------------------
-def capture_rng(device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, json) holding the torch, numpy and python global RNG states, and on a CUDA
-    ``device`` that device's generator as ``rng.cuda`` (absent on the CPU: CPU checkpoints are
-    byte-identical to those written before GPUs were supported)."""
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    tensors = {"rng.torch": torch.get_rng_state(), "rng.numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
-    if torch.device(device).type == "cuda":
-        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-    meta = {"numpy": [np_kind, int(np_pos), int(np_has_gauss), float(np_gauss)],
-            "python": [py_version, list(py_state), py_gauss]}
-    return tensors, meta
-
-
-def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    torch.set_rng_state(tensors["rng.torch"])
-    kind, pos, has_gauss, gauss = meta["numpy"]
-    np.random.set_state((kind, tensors["rng.numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, state, py_gauss = meta["python"]
-    random.setstate((version, tuple(state), py_gauss))
-
-
-def restore_device_rng(tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
-    """The saved CUDA generator into a CUDA ``device``. A checkpoint saved on the CPU has none
-    (the device's generator keeps its seeding); on the CPU a saved one is not needed."""
-    if torch.device(device).type == "cuda" and "rng.cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["rng.cuda"], device)
 
 
 # -- writing -------------------------------------------------------------------
@@ -125,13 +94,21 @@ def begin(final: Path) -> None:
     partial.mkdir()
 
 
-def write_shard(directory: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
-                hook: SaveHook | None = None) -> dict:
+def write_shard(
+    directory: Path,
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    rank_state: dict,
+    hook: SaveHook | None = None,
+) -> dict:
     """Write and fsync one rank's shard; returns its manifest entry (name, rank, bytes, sha256).
     The digest is of the file as read back, i.e. of what a later load will see."""
     path = directory / shard_name(rank)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-                                metadata={"rank_state": json.dumps(rank_state)})
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(path),
+        metadata={"rank_state": json.dumps(rank_state)},
+    )
     (hook or _no_hook)("shard_written", path)
     _fsync(path)
     return {"path": path.name, "rank": rank, "bytes": path.stat().st_size, "sha256": _sha256_file(path)}
@@ -160,8 +137,9 @@ def open_save(root: Path, step: int, comm: Comm) -> Path:
     return final
 
 
-def write_own_shard(final: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
-                    hook: SaveHook | None = None) -> dict:
+def write_own_shard(
+    final: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict, hook: SaveHook | None = None
+) -> dict:
     """This rank's part of a save: write, fsync and hash its shard into ``partial_dir(final)``
     (no collective: an async save runs it in a background thread). Returns the manifest entry;
     raises CheckpointError naming the rank and the file."""
@@ -169,25 +147,34 @@ def write_own_shard(final: Path, rank: int, tensors: dict[str, torch.Tensor], ra
     try:
         return write_shard(partial, rank, tensors, rank_state, hook)
     except Exception as exc:
-        raise CheckpointError(f"rank {rank} writing {partial / shard_name(rank)}: "
-                              f"{exc if isinstance(exc, CheckpointError) else f'{type(exc).__name__}: {exc}'}") from exc
+        raise CheckpointError(
+            f"rank {rank} writing {partial / shard_name(rank)}: "
+            f"{exc if isinstance(exc, CheckpointError) else f'{type(exc).__name__}: {exc}'}"
+        ) from exc
 
 
-def complete_save(final: Path, step: int, meta: dict, written: Callable[[], dict], comm: Comm,
-                  hook: SaveHook | None = None) -> Path:
+def complete_save(
+    final: Path, step: int, meta: dict, written: Callable[[], dict], comm: Comm, hook: SaveHook | None = None
+) -> Path:
     """Last part of a save (collective): every rank's file entry (``written()``: this rank's, or
     its error) is gathered, and only if every rank wrote its shard rank 0 commits the manifest.
     Raises CheckpointError on every rank if any failed; the partial directory is removed then."""
     hook = hook or _no_hook
     partial = partial_dir(final)
     try:
-        reports = agree.agreed_all(written, comm, CheckpointError)    # every rank's file entry, or the error
+        reports = agree.agreed_all(written, comm, CheckpointError)  # every rank's file entry, or the error
     except CheckpointError as exc:
         if comm.rank == 0:  # free the space a full disk needs back; nothing here was committed
             shutil.rmtree(partial, ignore_errors=True)
         raise CheckpointError(f"checkpoint save of step {step} failed, nothing committed: {exc}") from exc
     hook("shards_written", partial)
-    manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": comm.size, **meta, "files": reports}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": comm.size,
+        **meta,
+        "files": reports,
+    }
     agree.agreed(lambda: commit(partial, final, manifest, hook), comm, CheckpointError, rank0_only=True)
     hook("committed", final)
     return final
@@ -199,19 +186,27 @@ def abandon_save(final: Path, written: Callable[[], object], comm: Comm) -> None
     try:
         agree.agreed_all(lambda: (written(), None)[1], comm, CheckpointError)
     except CheckpointError:
-        pass                     # a failed write is as abandoned as a finished one
+        pass  # a failed write is as abandoned as a finished one
     if comm.rank == 0:
         shutil.rmtree(partial_dir(final), ignore_errors=True)
 
 
-def save(root: Path, step: int, tensors: dict[str, torch.Tensor], rank_state: dict,
-         meta: dict, comm: Comm, hook: SaveHook | None = None) -> Path:
+def save(
+    root: Path,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    rank_state: dict,
+    meta: dict,
+    comm: Comm,
+    hook: SaveHook | None = None,
+) -> Path:
     """Collectively write this rank's shard; rank 0 commits the manifest. Returns the final path.
     Raises CheckpointError on every rank if any rank failed; the previous checkpoints stay as they were.
     (An async save runs the same three parts, ``write_own_shard`` in a background thread.)"""
     final = open_save(root, step, comm)
-    return complete_save(final, step, meta, lambda: write_own_shard(final, comm.rank, tensors, rank_state, hook),
-                         comm, hook)
+    return complete_save(
+        final, step, meta, lambda: write_own_shard(final, comm.rank, tensors, rank_state, hook), comm, hook
+    )
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
@@ -239,11 +234,14 @@ def read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads(manifest_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{manifest_path} does not parse as a checkpoint manifest "
-                              f"({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"{manifest_path} does not parse as a checkpoint manifest ({type(exc).__name__}: {exc})"
+        ) from exc
     if isinstance(manifest, dict) and manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{manifest_path}: format_version {manifest.get('format_version')!r}, "
-                              f"this program reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{manifest_path}: format_version {manifest.get('format_version')!r}, "
+            f"this program reads {FORMAT_VERSION}"
+        )
     try:
         manifest_rules.check(manifest, shard_name)
     except manifest_rules.ManifestProblem as exc:
@@ -269,21 +267,29 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
     extra = sorted(p.name for p in path.iterdir() if p.name != MANIFEST and p.name not in listed)
     if extra:
         raise CheckpointError(f"checkpoint {path}: unexpected file(s) not listed in the manifest: {extra}")
-    expected = {e["path"]: f"expected {e['bytes']} bytes with sha256 {e['sha256']}" for e in manifest["files"]}
+    expected = {
+        e["path"]: f"expected {e['bytes']} bytes with sha256 {e['sha256']}" for e in manifest["files"]
+    }
     for entry in manifest["files"]:
         file = path / entry["path"]
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {entry['path']} is missing ({expected[entry['path']]})")
+            raise CheckpointError(
+                f"checkpoint {path}: file {entry['path']} is missing ({expected[entry['path']]})"
+            )
         size = file.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has {size} bytes, "
-                                  f"{expected[entry['path']]} (truncated or overwritten)")
+            raise CheckpointError(
+                f"checkpoint {path}: file {entry['path']} has {size} bytes, "
+                f"{expected[entry['path']]} (truncated or overwritten)"
+            )
     index, count = share
     for entry in manifest["files"][index::count]:
         actual = _sha256_file(path / entry["path"])
         if actual != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: file {entry['path']} has sha256 {actual}, "
-                                  f"{expected[entry['path']]} (its contents changed)")
+            raise CheckpointError(
+                f"checkpoint {path}: file {entry['path']} has sha256 {actual}, "
+                f"{expected[entry['path']]} (its contents changed)"
+            )
     return manifest
 
 
@@ -300,7 +306,8 @@ def load_shard(path: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             rank_state = json.loads(f.metadata()["rank_state"])
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(f"checkpoint {path}: cannot read {file.name}: {_error_text(exc)}") from exc
+        error = f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"checkpoint {path}: cannot read {file.name}: {error}") from exc
     return tensors, rank_state
 
 
@@ -310,7 +317,7 @@ def list_committed(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len("step_"):]))
+    return sorted(found, key=lambda p: int(p.name[len("step_") :]))
 
 
 def quarantine(path: Path) -> Path:

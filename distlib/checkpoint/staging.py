@@ -15,9 +15,10 @@ the background write that reads the buffers, and ``stage`` refuses to overwrite 
 keeps them, e.g. as the snapshot a resume check compares with); the next save allocates anew,
 or reuses what ``take_back`` returned.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -27,9 +28,9 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._reader: Callable[[], bool] | None = None     # done() of the write reading the buffers
-        self._copied: torch.cuda.Event | None = None        # recorded after CUDA copies
-        self._keys: set[str] = set()                         # every key staged so far
+        self._reader: Callable[[], bool] | None = None  # done() of the write reading the buffers
+        self._copied: torch.cuda.Event | None = None  # recorded after CUDA copies
+        self._keys: set[str] = set()  # every key staged so far
 
     def stage(self, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy every source into its host buffer (allocated on first use, or when its shape or
@@ -42,8 +43,12 @@ class StagingBuffers:
         for key, source in sources.items():
             cuda = source.device.type == "cuda"
             buffer = self._buffers.get(key)
-            if (buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype
-                    or (cuda and not buffer.is_pinned())):
+            if (
+                buffer is None
+                or buffer.shape != source.shape
+                or buffer.dtype != source.dtype
+                or (cuda and not buffer.is_pinned())
+            ):
                 buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=cuda)
                 self._buffers[key] = buffer
             buffer.copy_(source, non_blocking=cuda)
@@ -72,6 +77,10 @@ class StagingBuffers:
         """Host tensors no one reads any more (a replaced snapshot) become the buffers of their keys
         (keys ``stage`` has seen), where there is none. Only contiguous CPU tensors are taken."""
         for key, tensor in tensors.items():
-            if (key in self._keys and key not in self._buffers and tensor.device.type == "cpu"
-                    and tensor.is_contiguous()):
+            if (
+                key in self._keys
+                and key not in self._buffers
+                and tensor.device.type == "cpu"
+                and tensor.is_contiguous()
+            ):
                 self._buffers[key] = tensor

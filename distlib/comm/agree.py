@@ -6,10 +6,12 @@ every rank must take identically, or the ranks diverge and deadlock).
 They are host values (Python numbers in, Python numbers out), so their tensors are on the CPU
 whatever device the model is on; over NCCL ``p2p.P2P`` stages them.
 """
+
 from __future__ import annotations
 
 import json
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -42,11 +44,21 @@ def gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
     return collectives.all_gather_bytes(payload, comm)
 
 
+def gather_parts(parts: list[list[float]], comm: Comm) -> list[list[list[float]]]:
+    """Several components' per-rank vectors in one ``gather``: each part's rows (one per rank)
+    back, in the order given. The widths must be the same on every rank (each is fixed by its
+    component), so every rank splits the same gathered rows the same way."""
+    widths = [len(p) for p in parts]
+    rows = gather([x for p in parts for x in p], comm)
+    ends = [sum(widths[: i + 1]) for i in range(len(widths))]
+    return [[row[end - w : end] for row in rows] for w, end in zip(widths, ends)]
+
+
 T = TypeVar("T")
 
 
 def agreed(fn: Callable[[], T], comm: Comm, error: type[Exception], *, rank0_only: bool = False) -> T | None:
-    """"Decide, and every rank hears": run ``fn`` on every rank (or on rank 0 only, whose result --
+    """ "Decide, and every rank hears": run ``fn`` on every rank (or on rank 0 only, whose result --
     JSON-serialisable then -- every rank receives), in one collective. If it raised anywhere, every
     rank raises the same ``error`` naming the failed ranks, so none goes on alone or waits forever."""
     runs = comm.rank == 0 or not rank0_only
@@ -60,8 +72,9 @@ def agreed_all(fn: Callable[[], T], comm: Comm, error: type[Exception]) -> list[
     return _run_and_share(fn, comm, error, runs=True, share=True)[1]
 
 
-def _run_and_share(fn: Callable[[], T], comm: Comm, error: type[Exception], *, runs: bool,
-                   share: bool) -> tuple[T | None, list]:
+def _run_and_share(
+    fn: Callable[[], T], comm: Comm, error: type[Exception], *, runs: bool, share: bool
+) -> tuple[T | None, list]:
     value, problem = None, ""
     if runs:
         try:

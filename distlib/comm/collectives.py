@@ -36,21 +36,24 @@ died) into ``CollectiveError`` naming the collective, this rank and the peer; ev
 call runs in ``header.collective``, which counts it (``comm.stats``) and, with ``comm.check``,
 raises the same ``CollectiveMismatchError`` on every rank when ranks called different ones.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from distlib.comm import cost_model
-from distlib.comm.algorithms import all_gather as AG, broadcast as BC, reduce_scatter as RS
-from distlib.comm.algorithms.base import fold
+from distlib.comm.algorithms import all_gather as AG
+from distlib.comm.algorithms import broadcast as BC
+from distlib.comm.algorithms import reduce_scatter as RS
 from distlib.comm.algorithms.base import empty as _empty
+from distlib.comm.algorithms.base import fold
 from distlib.comm.group import Comm
 from distlib.comm.header import check_op, collective
 from distlib.comm.p2p import P2P
 
-SEGMENT_BYTES = 1 << 20              # pipeline granularity of ring / chain
-MODEL = cost_model.MEASURED          # what choose_algorithm prices the candidates with
+SEGMENT_BYTES = 1 << 20  # pipeline granularity of ring / chain
+MODEL = cost_model.MEASURED  # what choose_algorithm prices the candidates with
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -81,23 +84,37 @@ def _flat(t: Tensor) -> Tensor:
     return t.view(-1)
 
 
-def _check_bounds(bounds: list[tuple[int, int]] | None, numel: int, comm: Comm, name: str) -> list[tuple[int, int]]:
+def _check_bounds(
+    bounds: list[tuple[int, int]] | None, numel: int, comm: Comm, name: str
+) -> list[tuple[int, int]]:
     """``bounds`` (one (start, end) per rank, contiguous, covering the tensor, possibly empty or
     uneven) or, when None, the even split of chunk_bounds."""
     if bounds is None:
         return chunk_bounds(numel, comm.size)
     bounds = [(int(a), int(b)) for a, b in bounds]
     ends = [0] + [b for _, b in bounds]
-    if len(bounds) != comm.size or any(a != e or b < a for (a, b), e in zip(bounds, ends)) or ends[-1] != numel:
-        raise ValueError(f"{name}: bounds {bounds} must be {comm.size} contiguous (start, end) pairs "
-                         f"covering [0, {numel})")
+    if (
+        len(bounds) != comm.size
+        or any(a != e or b < a for (a, b), e in zip(bounds, ends))
+        or ends[-1] != numel
+    ):
+        raise ValueError(
+            f"{name}: bounds {bounds} must be {comm.size} contiguous (start, end) pairs covering [0, {numel})"
+        )
     return bounds
 
 
 # --------------------------------------------------------------------------- reduce_scatter
 
-def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None,
-                   bounds: list[tuple[int, int]] | None = None) -> Tensor:
+
+def reduce_scatter(
+    tensor: Tensor,
+    comm: Comm,
+    op: str = "sum",
+    *,
+    algo: str | None = None,
+    bounds: list[tuple[int, int]] | None = None,
+) -> Tensor:
     """This rank's chunk (``bounds[rank]``, default chunk_bounds(numel, N)[rank]) of the elementwise
     reduction, as a new 1-D tensor. ``tensor`` is read only. algo: None (by cost), "direct",
     "ring" or "halving". Uneven ``bounds`` let ZeRO reduce a bucket straight into each rank's
@@ -109,27 +126,42 @@ def reduce_scatter(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | N
     lo, hi = bounds[comm.rank]
     out = _empty(hi - lo, flat)
     name, _ = _pick("reduce_scatter", algo, flat, comm, RS.ALGORITHMS)
-    with collective(comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name,
-                    bounds=bounds if custom else None):
+    with collective(
+        comm,
+        "reduce_scatter",
+        numel=flat.numel(),
+        dtype=flat.dtype,
+        op=op,
+        algo=name,
+        bounds=bounds if custom else None,
+    ):
         return _reduce_scatter(flat, comm, op, name, out, bounds)
 
 
-def _reduce_scatter(flat: Tensor, comm: Comm, op: str, algo: str, out: Tensor,
-                    bounds: list[tuple[int, int]]) -> Tensor:
+def _reduce_scatter(
+    flat: Tensor, comm: Comm, op: str, algo: str, out: Tensor, bounds: list[tuple[int, int]]
+) -> Tensor:
     """Reduce this rank's chunk into ``out``, which may be that chunk of ``flat`` itself."""
     lo, hi = bounds[comm.rank]
     if comm.size == 1:
         return out.copy_(flat[lo:hi])
     RS.ALGORITHMS[algo](flat, comm, op, out, bounds, SEGMENT_BYTES)
     if op == "avg":
-        out.div_(comm.size)     # once, on the owner, so every rank later gets the same bytes
+        out.div_(comm.size)  # once, on the owner, so every rank later gets the same bytes
     return out
 
 
 # --------------------------------------------------------------------------- all_gather
 
-def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = None,
-               bounds: list[tuple[int, int]] | None = None) -> Tensor:
+
+def all_gather(
+    output: Tensor,
+    chunk: Tensor,
+    comm: Comm,
+    *,
+    algo: str | None = None,
+    bounds: list[tuple[int, int]] | None = None,
+) -> Tensor:
     """Fill ``output`` (flat) on every rank from each rank's ``chunk``, which lands at
     ``bounds[rank]`` (default: the even split). ``chunk`` may be the view of ``output`` at this
     rank's position. algo: None (by cost), "direct", "ring" or "bruck"."""
@@ -138,20 +170,29 @@ def all_gather(output: Tensor, chunk: Tensor, comm: Comm, *, algo: str | None = 
     bounds = _check_bounds(bounds, flat.numel(), comm, "all_gather")
     lo, hi = bounds[comm.rank]
     if chunk.numel() != hi - lo:
-        raise ValueError(f"all_gather: rank {comm.rank} chunk has {chunk.numel()} elements, "
-                         f"expected {hi - lo} of {flat.numel()}")
+        raise ValueError(
+            f"all_gather: rank {comm.rank} chunk has {chunk.numel()} elements, "
+            f"expected {hi - lo} of {flat.numel()}"
+        )
     name, run = _pick("all_gather", algo, flat, comm, AG.ALGORITHMS)
     mine = flat[lo:hi]
     if chunk.data_ptr() != mine.data_ptr() or chunk.dtype != mine.dtype:
-        mine.copy_(chunk.reshape(-1))       # (casts to output's dtype if they differ)
+        mine.copy_(chunk.reshape(-1))  # (casts to output's dtype if they differ)
     if comm.size > 1:
-        with collective(comm, "all_gather", numel=flat.numel(), dtype=flat.dtype, algo=name,
-                        bounds=bounds if custom else None):
+        with collective(
+            comm,
+            "all_gather",
+            numel=flat.numel(),
+            dtype=flat.dtype,
+            algo=name,
+            bounds=bounds if custom else None,
+        ):
             run(flat, comm, bounds, SEGMENT_BYTES)
     return output
 
 
 # --------------------------------------------------------------------------- all_reduce
+
 
 def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
     """Everyone sends the whole tensor to everyone; each rank reduces in rank order 0..N-1,
@@ -160,7 +201,7 @@ def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
     parts = [flat if j == me else torch.empty_like(flat) for j in range(comm.size)]
     handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
     handles += [p2p.send(flat, j) for j in range(comm.size) if j != me]
-    p2p.wait(*handles)                      # all sends done: now `flat` may be overwritten
+    p2p.wait(*handles)  # all sends done: now `flat` may be overwritten
     fold(parts, me, op, flat)
     if op == "avg":
         flat.div_(comm.size)
@@ -168,15 +209,21 @@ def _ar_exchange(flat: Tensor, comm: Comm, op: str) -> None:
 
 def _ar_via(rs: str, ag):
     """reduce_scatter into our own chunk of the tensor, then all_gather it in place."""
+
     def run(flat: Tensor, comm: Comm, op: str) -> None:
         bounds = chunk_bounds(flat.numel(), comm.size)
         _reduce_scatter(flat, comm, op, rs, flat[slice(*bounds[comm.rank])], bounds)
         ag(flat, comm, bounds, SEGMENT_BYTES)
+
     return run
 
 
-_AR = {"exchange": _ar_exchange, "direct": _ar_via("direct", AG.direct), "ring": _ar_via("ring", AG.ring),
-       "rabenseifner": _ar_via("halving", AG.doubling)}
+_AR = {
+    "exchange": _ar_exchange,
+    "direct": _ar_via("direct", AG.direct),
+    "ring": _ar_via("ring", AG.ring),
+    "rabenseifner": _ar_via("halving", AG.doubling),
+}
 
 
 def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None = None) -> Tensor:
@@ -194,6 +241,7 @@ def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", *, algo: str | None 
 
 # --------------------------------------------------------------------------- broadcast
 
+
 def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) -> Tensor:
     """In place on every rank from group rank ``src``. algo: None (by cost), "flat", "tree",
     "chain" or "scatter" (scatter + all_gather, van de Geijn)."""
@@ -203,7 +251,7 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
     name, run = _pick("broadcast", algo, flat, comm, BC.ALGORITHMS)
     if comm.size > 1:
         extra = {}
-        if name == "scatter":       # its all_gather: the one the model picks for the whole tensor
+        if name == "scatter":  # its all_gather: the one the model picks for the whole tensor
             ag = choose_algorithm("all_gather", flat.numel() * flat.element_size(), comm.size)
             extra = {"chunks": chunk_bounds(flat.numel(), comm.size), "all_gather": AG.ALGORITHMS[ag]}
         with collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
@@ -213,6 +261,7 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
 
 # --------------------------------------------------------------------------- bytes
 
+
 def all_gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
     """Every rank's ``payload`` (any length), indexed by group rank, on every rank."""
     n = comm.size
@@ -221,9 +270,9 @@ def all_gather_bytes(payload: bytes, comm: Comm) -> list[bytes]:
         all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64, device="cpu"), comm)
         width = int(lengths.max())
         buf = torch.zeros(n * width, dtype=torch.uint8, device="cpu")
-        mine = buf[comm.rank * width: comm.rank * width + len(payload)]
+        mine = buf[comm.rank * width : comm.rank * width + len(payload)]
         if payload:
             mine.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        all_gather(buf, buf[comm.rank * width:(comm.rank + 1) * width], comm)
+        all_gather(buf, buf[comm.rank * width : (comm.rank + 1) * width], comm)
     raw = buf.numpy().tobytes()
-    return [raw[j * width: j * width + int(lengths[j])] for j in range(n)]
+    return [raw[j * width : j * width + int(lengths[j])] for j in range(n)]

@@ -45,6 +45,7 @@ are ``benchmarks/cost_model_tables.txt``; ``benchmarks/fit_cost_model.py`` repea
 A ``CostModel`` passed to ``choose_algorithm`` (tests do, to reach the large-tensor paths with
 small tensors) overrides them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,19 +62,34 @@ CANDIDATES = {
 
 @dataclass(frozen=True)
 class CostModel:
-    alpha: float = 1.5e-3    # one level of waiting: a wake-up (ranks outnumber cores here)
-    mu: float = 100e-6       # one gloo message posted and completed, on the busiest rank
-    beta: float = 0.3e-9     # one byte sent by the busiest rank (~3 GB/s per rank over loopback)
-    gamma: float = 2.0e-9    # one byte reduced and not hidden behind a pipeline (torch.add)
-    theta: float = 0.15e-9   # one byte sent by any rank: all ranks share the cores and memory
-    nu: float = 30e-6        # one message sent by any rank: likewise (a wake-up on a shared core)
-    kappa: float = 1.0e-9    # one byte in flight at once on a rank (memory traffic)
-    segment: int = 1 << 20      # pipeline granularity of ring / chain, bytes
+    alpha: float = 1.5e-3  # one level of waiting: a wake-up (ranks outnumber cores here)
+    mu: float = 100e-6  # one gloo message posted and completed, on the busiest rank
+    beta: float = 0.3e-9  # one byte sent by the busiest rank (~3 GB/s per rank over loopback)
+    gamma: float = 2.0e-9  # one byte reduced and not hidden behind a pipeline (torch.add)
+    theta: float = 0.15e-9  # one byte sent by any rank: all ranks share the cores and memory
+    nu: float = 30e-6  # one message sent by any rank: likewise (a wake-up on a shared core)
+    kappa: float = 1.0e-9  # one byte in flight at once on a rank (memory traffic)
+    segment: int = 1 << 20  # pipeline granularity of ring / chain, bytes
 
-    def cost(self, levels: float, messages: float, sent: float, reduced: float, inflight: float,
-             total: float, total_messages: float) -> float:
-        return (self.alpha * levels + self.mu * messages + self.beta * sent + self.gamma * reduced
-                + self.kappa * inflight + self.theta * total + self.nu * total_messages)
+    def cost(
+        self,
+        levels: float,
+        messages: float,
+        sent: float,
+        reduced: float,
+        inflight: float,
+        total: float,
+        total_messages: float,
+    ) -> float:
+        return (
+            self.alpha * levels
+            + self.mu * messages
+            + self.beta * sent
+            + self.gamma * reduced
+            + self.kappa * inflight
+            + self.theta * total
+            + self.nu * total_messages
+        )
 
 
 MEASURED = CostModel()
@@ -88,32 +104,60 @@ def _shape(collective: str, algo: str, b: float, n: int, m: CostModel) -> tuple[
     segs = max(1, math.ceil(chunk / m.segment))
     seg = min(m.segment, chunk)
     if collective == "all_reduce":
-        shape = {"exchange": (1, 2 * (n - 1), (n - 1) * b, (n - 1) * b, 2 * (n - 1) * b),
-                 "direct": (2, 4 * (n - 1), 2 * (n - 1) * chunk, (n - 1) * chunk, 2 * (n - 1) * chunk),
-                 "ring": (2 * (n - 1), 4 * (n - 1) * segs, 2 * (n - 1) * chunk, (n - 1) * seg, 4 * seg),
-                 "rabenseifner": (2 * log_p + 2 * r, 4 * log_p + 4 * r, 2 * (p - 1) / p * b + r * b,
-                                  (p - 1) / p * b + r * b, b + 2 * r * b)}[algo]
+        shape = {
+            "exchange": (1, 2 * (n - 1), (n - 1) * b, (n - 1) * b, 2 * (n - 1) * b),
+            "direct": (2, 4 * (n - 1), 2 * (n - 1) * chunk, (n - 1) * chunk, 2 * (n - 1) * chunk),
+            "ring": (2 * (n - 1), 4 * (n - 1) * segs, 2 * (n - 1) * chunk, (n - 1) * seg, 4 * seg),
+            "rabenseifner": (
+                2 * log_p + 2 * r,
+                4 * log_p + 4 * r,
+                2 * (p - 1) / p * b + r * b,
+                (p - 1) / p * b + r * b,
+                b + 2 * r * b,
+            ),
+        }[algo]
     elif collective == "reduce_scatter":
-        shape = {"direct": (1, 2 * (n - 1), (n - 1) * chunk, (n - 1) * chunk, 2 * (n - 1) * chunk),
-                 "ring": (n - 1, 2 * (n - 1) * segs, (n - 1) * chunk, (n - 1) * seg, 2 * seg),
-                 "halving": (log_p + 2 * r, 2 * log_p + 2 * r, (p - 1) / p * b + r * b,
-                             (p - 1) / p * b + r * b, b + 2 * r * b)}[algo]
+        shape = {
+            "direct": (1, 2 * (n - 1), (n - 1) * chunk, (n - 1) * chunk, 2 * (n - 1) * chunk),
+            "ring": (n - 1, 2 * (n - 1) * segs, (n - 1) * chunk, (n - 1) * seg, 2 * seg),
+            "halving": (
+                log_p + 2 * r,
+                2 * log_p + 2 * r,
+                (p - 1) / p * b + r * b,
+                (p - 1) / p * b + r * b,
+                b + 2 * r * b,
+            ),
+        }[algo]
     elif collective == "all_gather":
-        shape = {"direct": (1, 2 * (n - 1), (n - 1) * chunk, 0, 2 * (n - 1) * chunk),
-                 "ring": (n - 1, 2 * (n - 1) * segs, (n - 1) * chunk, 0, 2 * seg),
-                 "bruck": (log_n, 2 * log_n, (n - 1) * chunk, 0, b)}[algo]
-    elif collective == "broadcast":                     # only the root's sends, not N of them
+        shape = {
+            "direct": (1, 2 * (n - 1), (n - 1) * chunk, 0, 2 * (n - 1) * chunk),
+            "ring": (n - 1, 2 * (n - 1) * segs, (n - 1) * chunk, 0, 2 * seg),
+            "bruck": (log_n, 2 * log_n, (n - 1) * chunk, 0, b),
+        }[algo]
+    elif collective == "broadcast":  # only the root's sends, not N of them
         if algo == "scatter":
-            lv, msgs, sent, _, peak, total, count = _shape("all_gather", choose_algorithm("all_gather", int(b), n, m), b, n, m)
-            return 1 + lv, n - 1 + msgs, (n - 1) * chunk + sent, 0, peak, (n - 1) * chunk + total, n - 1 + count
+            lv, msgs, sent, _, peak, total, count = _shape(
+                "all_gather", choose_algorithm("all_gather", int(b), n, m), b, n, m
+            )
+            return (
+                1 + lv,
+                n - 1 + msgs,
+                (n - 1) * chunk + sent,
+                0,
+                peak,
+                (n - 1) * chunk + total,
+                n - 1 + count,
+            )
         full = max(1, math.ceil(b / m.segment))
         seg = min(m.segment, b)
-        return {"flat": (1, n - 1, (n - 1) * b, 0, (n - 1) * b, (n - 1) * b, n - 1),
-                "tree": (log_n, log_n, log_n * b, 0, log_n * b, (n - 1) * b, n - 1),
-                "chain": (n - 1, 2 * full, b + (n - 2) * seg, 0, 2 * seg, (n - 1) * b, (n - 1) * full)}[algo]
+        return {
+            "flat": (1, n - 1, (n - 1) * b, 0, (n - 1) * b, (n - 1) * b, n - 1),
+            "tree": (log_n, log_n, log_n * b, 0, log_n * b, (n - 1) * b, n - 1),
+            "chain": (n - 1, 2 * full, b + (n - 2) * seg, 0, 2 * seg, (n - 1) * b, (n - 1) * full),
+        }[algo]
     else:
         raise ValueError(f"unknown collective {collective!r}; expected one of {sorted(CANDIDATES)}")
-    return (*shape, n * shape[2], n * shape[1] / 2)       # half of the messages are sends
+    return (*shape, n * shape[2], n * shape[1] / 2)  # half of the messages are sends
 
 
 def estimate(collective: str, algo: str, nbytes: int, world: int, model: CostModel = MEASURED) -> float:

@@ -16,6 +16,7 @@ instead of a hang, an abort inside gloo or silently truncated data.
 elsewhere is staged through a buffer there (``p2p.P2P``): CUDA tensors over gloo go through
 pinned host memory, which is how several ranks share one GPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,8 @@ class CommStats:
         self.calls = dict.fromkeys(KINDS, 0)
         self.bytes_sent = dict.fromkeys(KINDS, 0)
         self.seconds = dict.fromkeys(KINDS, 0.0)
-        self.depth = 0              # > 0 while inside a collective
-        self.current = "other"      # kind of the outermost collective in progress
+        self.depth = 0  # > 0 while inside a collective
+        self.current = "other"  # kind of the outermost collective in progress
 
     @property
     def total_calls(self) -> int:
@@ -49,12 +50,12 @@ class CommStats:
 
 @dataclass(frozen=True)
 class Comm:
-    ranks: tuple[int, ...]          # global ranks of the members, in group order
-    rank: int                       # this process's index in ``ranks``
-    group: object | None = None     # torch ProcessGroup; None means the default (world) group
+    ranks: tuple[int, ...]  # global ranks of the members, in group order
+    rank: int  # this process's index in ``ranks``
+    group: object | None = None  # torch ProcessGroup; None means the default (world) group
     stats: CommStats | None = dataclasses.field(default=None, compare=False)
-    check: bool = False             # exchange a header before each collective (see module doc)
-    device: str = "cpu"             # where messages travel: "cpu" (gloo) or "cuda:<k>" (NCCL)
+    check: bool = False  # exchange a header before each collective (see module doc)
+    device: str = "cpu"  # where messages travel: "cpu" (gloo) or "cuda:<k>" (NCCL)
 
     @property
     def size(self) -> int:
@@ -64,7 +65,7 @@ class Comm:
         """Global rank of the member at ``group_rank`` (point-to-point ops address global ranks)."""
         return self.ranks[group_rank % self.size]
 
-    def instrumented(self, check: bool) -> "Comm":
+    def instrumented(self, check: bool) -> Comm:
         """This group with a fresh CommStats and the given header-check setting."""
         return dataclasses.replace(self, stats=CommStats(), check=check)
 
@@ -75,13 +76,13 @@ class Comm:
         return self.device != "cpu"
 
     @staticmethod
-    def world(device: str = "cpu") -> "Comm":
+    def world(device: str = "cpu") -> Comm:
         if not dist.is_initialized():
             return Comm(ranks=(0,), rank=0, device=device)
         return Comm(ranks=tuple(range(dist.get_world_size())), rank=dist.get_rank(), device=device)
 
     @staticmethod
-    def subgroup(ranks: list[int] | tuple[int, ...], group: object, device: str = "cpu") -> "Comm":
+    def subgroup(ranks: list[int] | tuple[int, ...], group: object, device: str = "cpu") -> Comm:
         """Comm for an existing subgroup (created on every rank with ``dist.new_group``)."""
         me = dist.get_rank()
         if me not in ranks:

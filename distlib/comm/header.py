@@ -27,6 +27,7 @@ used, and leaves nothing posted: the group stays usable. The headers go to every
 only to the algorithm's peers, so a mismatch of patterns (a broadcast against an all_reduce)
 is caught instead of deadlocking. Batched groups (NCCL) keep the header in a round of its own.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,18 @@ OPS = ("sum", "avg", "max", "min")
 ALGOS = ("direct", "ring", "exchange", "tree", "chain", "rabenseifner", "halving", "bruck", "flat", "scatter")
 # The header's codes by index; a value outside a table is coded by a checksum (>= 1000), which
 # still mismatches correctly and is printed as the raw code.
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 
 
 def check_op(op: str, dtype: torch.dtype) -> None:
@@ -56,15 +67,24 @@ def check_op(op: str, dtype: torch.dtype) -> None:
 
 
 def _code(value, table) -> int:
-    return -1 if value is None else table.index(value) if value in table else 1000 + zlib.crc32(str(value).encode()) % 10**6
+    return (
+        -1
+        if value is None
+        else table.index(value)
+        if value in table
+        else 1000 + zlib.crc32(str(value).encode()) % 10**6
+    )
 
 
 def _describe(header: list[int]) -> str:
     """One rank's call in words; ``header`` is the list ``collective`` builds, in this order."""
     call, kind, numel, dtype, op, src, algo, layout = header
     parts = [f"numel={numel}"] if numel >= 0 else []
-    parts += [f"dtype={str(_DTYPES[dtype]).replace('torch.', '') if 0 <= dtype < len(_DTYPES) else dtype}"
-              ] if dtype >= 0 else []
+    parts += (
+        [f"dtype={str(_DTYPES[dtype]).replace('torch.', '') if 0 <= dtype < len(_DTYPES) else dtype}"]
+        if dtype >= 0
+        else []
+    )
     parts += [f"op={OPS[op] if op < len(OPS) else op}"] if op >= 0 else []
     parts += [f"src={src}"] if src >= 0 else []
     parts += [f"algo={ALGOS[algo] if algo < len(ALGOS) else algo}"] if algo >= 0 else []
@@ -76,8 +96,12 @@ def _describe(header: list[int]) -> str:
 def _mismatch(comm: Comm, kind: str, headers: list[list[int]]) -> None:
     """Raise the same CollectiveMismatchError on every rank if any member's header differs."""
     if any(h != headers[0] for h in headers):
-        calls = "; ".join(f"rank {j} (global {comm.peer(j)}) called {_describe(h)}" for j, h in enumerate(headers))
-        raise CollectiveMismatchError(f"{kind}: mismatched collective in group {list(comm.ranks)}: {calls}", kind)
+        calls = "; ".join(
+            f"rank {j} (global {comm.peer(j)}) called {_describe(h)}" for j, h in enumerate(headers)
+        )
+        raise CollectiveMismatchError(
+            f"{kind}: mismatched collective in group {list(comm.ranks)}: {calls}", kind
+        )
 
 
 def check_header(comm: Comm, kind: str, header: list[int]) -> None:
@@ -105,18 +129,20 @@ class Gate:
     def __init__(self, comm: Comm, kind: str, header: list[int]):
         self.comm, self.kind, self.header = comm, kind, header
         self.p2p = P2P(f"{kind} (header check)", comm)
-        self.sent: dict[int, object] = {}       # peer -> our header message to it
-        self.got: dict[int, Tensor] = {}        # peer -> its header message's buffer
-        self.arriving: dict[int, object] = {}   # peer -> the receive of that message
-        self.first: dict[int, object] = {}      # peer -> our first receive from it (maybe inlined)
-        self.stash: dict[int, Tensor] = {}      # peer -> inlined bytes no receive has asked for yet
-        self.deferred: list = []                # messages posted before the check, in order
+        self.sent: dict[int, object] = {}  # peer -> our header message to it
+        self.got: dict[int, Tensor] = {}  # peer -> its header message's buffer
+        self.arriving: dict[int, object] = {}  # peer -> the receive of that message
+        self.first: dict[int, object] = {}  # peer -> our first receive from it (maybe inlined)
+        self.stash: dict[int, Tensor] = {}  # peer -> inlined bytes no receive has asked for yet
+        self.deferred: list = []  # messages posted before the check, in order
         self.settled = False
 
     def _header_to(self, peer: int, payload: Tensor | None) -> None:
         inline = 0 if payload is None else payload.numel() * payload.element_size()
         wire = torch.empty(HEADER_BYTES + inline, dtype=torch.uint8, device="cpu")
-        wire[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(self.header + [inline], dtype=torch.int64, device=wire.device))
+        wire[:HEADER_BYTES].view(torch.int64).copy_(
+            torch.tensor(self.header + [inline], dtype=torch.int64, device=wire.device)
+        )
         if inline:
             wire[HEADER_BYTES:].copy_(_bytes(payload))
         stats = self.comm.stats
@@ -127,13 +153,14 @@ class Gate:
     def _header_from(self, peer: int) -> None:
         self.got[peer] = torch.empty(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8, device="cpu")
         self.arriving[peer] = self.p2p.start(
-            _raw(torch.distributed.irecv, self.got[peer], peer, "waiting on"))
+            _raw(torch.distributed.irecv, self.got[peer], peer, "waiting on")
+        )
 
     def post(self, p2p: P2P, message) -> None:
         """A message the algorithm posts (P2P hands over every one while this gate is open)."""
         peer, sending = message.peer, message.fn is torch.distributed.isend
         if self.settled:
-            if not sending and peer in self.stash:      # its bytes came with the header
+            if not sending and peer in self.stash:  # its bytes came with the header
                 _serve(message, self.stash.pop(peer))
             else:
                 p2p.start(message)
@@ -165,11 +192,11 @@ class Gate:
         try:
             _mismatch(self.comm, self.kind, [self.header if j == me else words[j][:-1] for j in range(n)])
         except CollectiveMismatchError:
-            self.p2p.wait(*self.sent.values())      # every member receives its headers, then raises
+            self.p2p.wait(*self.sent.values())  # every member receives its headers, then raises
             raise
         for j, w in words.items():
             if w[-1]:
-                self.stash[j] = self.got[j][HEADER_BYTES:HEADER_BYTES + w[-1]]
+                self.stash[j] = self.got[j][HEADER_BYTES : HEADER_BYTES + w[-1]]
         for p2p, message in self.deferred:
             if message is self.first.get(message.peer) and message.peer in self.stash:
                 _serve(message, self.stash.pop(message.peer))
@@ -185,12 +212,15 @@ class Gate:
         # the header left (measured: 2 waits per collective instead of 1). Kept alive until done.
         _IN_FLIGHT[:] = [m for m in _IN_FLIGHT if not m.work.is_completed()] + list(self.sent.values())
         if self.stash:
-            raise CollectiveMismatchError(f"{self.kind}: peers {sorted(self.stash)} sent a payload with the header "
-                                          f"that this rank never received", self.kind)
+            raise CollectiveMismatchError(
+                f"{self.kind}: peers {sorted(self.stash)} sent a payload with the header "
+                f"that this rank never received",
+                self.kind,
+            )
 
 
-_IN_FLIGHT: list = []            # header sends of finished collectives not yet known to be complete
-HEADER_WORDS = 9                 # call, kind, numel, dtype, op, src, algo, bounds, inlined bytes
+_IN_FLIGHT: list = []  # header sends of finished collectives not yet known to be complete
+HEADER_WORDS = 9  # call, kind, numel, dtype, op, src, algo, bounds, inlined bytes
 HEADER_BYTES = 8 * HEADER_WORDS
 # A first message whose payload is at most this many bytes carries it after the header; a receiver
 # posts every header receive with this capacity (a shorter message fills part of it; a longer one
@@ -210,16 +240,27 @@ def _serve(message, data: Tensor) -> None:
     """Complete a receive from bytes that came with the header; sizes agree as the headers did."""
     target = _bytes(message.tensor)
     if target.numel() != data.numel():
-        raise CollectiveMismatchError(f"first message from group rank {message.peer}: {data.numel()} bytes came "
-                                      f"with the header, {target.numel()} expected", "header")
+        raise CollectiveMismatchError(
+            f"first message from group rank {message.peer}: {data.numel()} bytes came "
+            f"with the header, {target.numel()} expected",
+            "header",
+        )
     target.copy_(data)
     message.wire, message.work = message.tensor, Done()
 
 
 @contextlib.contextmanager
-def collective(comm: Comm, kind: str, *, numel: int = -1, dtype: torch.dtype | None = None,
-               op: str | None = None, src: int = -1, algo: str | None = None,
-               bounds: list[tuple[int, int]] | None = None):
+def collective(
+    comm: Comm,
+    kind: str,
+    *,
+    numel: int = -1,
+    dtype: torch.dtype | None = None,
+    op: str | None = None,
+    src: int = -1,
+    algo: str | None = None,
+    bounds: list[tuple[int, int]] | None = None,
+):
     """Count (comm.stats) and check (comm.check) the outermost collective; nested ones pass through.
     Explicit uneven ``bounds`` are part of the call (a checksum of them), so ranks that split a
     buffer differently fail here instead of truncating a message or waiting forever."""
@@ -240,15 +281,26 @@ def collective(comm: Comm, kind: str, *, numel: int = -1, dtype: torch.dtype | N
         stats.depth, stats.current = 1, kind
     # Under torch.profiler each outermost collective is a named range (train.profile_steps); the
     # check when none collects is one C call (~0.1 us).
-    named = (torch.profiler.record_function(range_name(kind, algo, numel, dtype))
-             if torch.autograd._profiler_enabled() else contextlib.nullcontext())
+    named = (
+        torch.profiler.record_function(range_name(kind, algo, numel, dtype))
+        if torch.autograd._profiler_enabled()
+        else contextlib.nullcontext()
+    )
     token = gate = None
     try:
         with named:
             if comm.check and comm.size > 1:
                 call = stats.total_calls if stats is not None else -1
-                header = [call, KINDS.index(kind), numel, _code(dtype, _DTYPES), _code(op, OPS), src,
-                          _code(algo, ALGOS), -1 if bounds is None else zlib.crc32(repr(bounds).encode())]
+                header = [
+                    call,
+                    KINDS.index(kind),
+                    numel,
+                    _code(dtype, _DTYPES),
+                    _code(op, OPS),
+                    src,
+                    _code(algo, ALGOS),
+                    -1 if bounds is None else zlib.crc32(repr(bounds).encode()),
+                ]
                 if comm.batched:
                     check_header(comm, kind, header)
                 else:

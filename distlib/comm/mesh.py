@@ -25,6 +25,7 @@ every stage, in stage order (activations and their gradients travel between neig
 compares). The dp and tp groups then lie inside one stage. With pp = 1, ``stage`` is the world
 and ``pp`` a group of one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,9 +44,9 @@ class MeshError(ValueError):
 @dataclass(frozen=True)
 class Mesh:
     world: Comm
-    dp: Comm    # same tensor-parallel rank, every data-parallel position: ZeRO and data split here
-    tp: Comm    # one data-parallel position, every tensor-parallel rank: attention/MLP shards
-    pp: Comm | None = None     # one (dp, tp) position, every pipeline stage, in stage order
+    dp: Comm  # same tensor-parallel rank, every data-parallel position: ZeRO and data split here
+    tp: Comm  # one data-parallel position, every tensor-parallel rank: attention/MLP shards
+    pp: Comm | None = None  # one (dp, tp) position, every pipeline stage, in stage order
     stage: Comm | None = None  # every dp x tp rank of this rank's stage
 
     @property
@@ -92,12 +93,17 @@ def build_mesh(world: Comm, tp: int, pp: int = 1, timeout_s: float | None = None
         return _build_3d(world, tp, pp, timeout_s)
 
     def riders() -> dict:
-        return dict(stats=CommStats() if world.stats is not None else None, check=world.check,
-                    device=world.device)
+        return dict(
+            stats=CommStats() if world.stats is not None else None, check=world.check, device=world.device
+        )
 
     if tp == 1:
-        return Mesh(world=world, dp=dataclasses.replace(world, **riders()),
-                    tp=Comm(ranks=(world.peer(world.rank),), rank=0, **riders()), stage=world)
+        return Mesh(
+            world=world,
+            dp=dataclasses.replace(world, **riders()),
+            tp=Comm(ranks=(world.peer(world.rank),), rank=0, **riders()),
+            stage=world,
+        )
     dp_size = world.size // tp
     tp_groups = [[world.peer(d * tp + t) for t in range(tp)] for d in range(dp_size)]
     dp_groups = [[world.peer(d * tp + t) for d in range(dp_size)] for t in range(tp)]
@@ -108,18 +114,22 @@ def build_mesh(world: Comm, tp: int, pp: int = 1, timeout_s: float | None = None
             # gloo needs a real group even of size 1 only for collectives; skip those.
             group = _new_group(ranks, timeout_s) if len(ranks) > 1 else None
             if me in ranks:
-                mine[kind] = dataclasses.replace(Comm.subgroup(ranks, group) if group is not None
-                                                 else Comm(ranks=tuple(ranks), rank=0), **riders())
+                mine[kind] = dataclasses.replace(
+                    Comm.subgroup(ranks, group) if group is not None else Comm(ranks=tuple(ranks), rank=0),
+                    **riders(),
+                )
     return Mesh(world=world, dp=mine["dp"], tp=mine["tp"], stage=world)
 
 
 def _build_3d(world: Comm, tp: int, pp: int, timeout_s: float | None) -> Mesh:
     dp = world.size // (tp * pp)
-    g = lambda s, d, t: world.peer((s * dp + d) * tp + t)   # noqa: E731 - the rank order, once
-    groups = {"tp": [[g(s, d, t) for t in range(tp)] for s in range(pp) for d in range(dp)],
-              "dp": [[g(s, d, t) for d in range(dp)] for s in range(pp) for t in range(tp)],
-              "pp": [[g(s, d, t) for s in range(pp)] for d in range(dp) for t in range(tp)],
-              "stage": [[g(s, d, t) for d in range(dp) for t in range(tp)] for s in range(pp)]}
+    g = lambda s, d, t: world.peer((s * dp + d) * tp + t)  # noqa: E731 - the rank order, once
+    groups = {
+        "tp": [[g(s, d, t) for t in range(tp)] for s in range(pp) for d in range(dp)],
+        "dp": [[g(s, d, t) for d in range(dp)] for s in range(pp) for t in range(tp)],
+        "pp": [[g(s, d, t) for s in range(pp)] for d in range(dp) for t in range(tp)],
+        "stage": [[g(s, d, t) for d in range(dp) for t in range(tp)] for s in range(pp)],
+    }
     me = world.peer(world.rank)
     mine: dict[str, Comm] = {}
     for kind, lists in groups.items():

@@ -7,6 +7,7 @@ died -- raises ``CollectiveError`` naming the collective, this rank and the peer
 global rank), so a stall is never a bare gloo message. Bytes sent are counted here, the one place
 every message passes, into the kind of the outermost collective in progress (``comm.stats``).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -67,9 +68,12 @@ class P2P:
 
     def _fail(self, peer: int, what: str, err: Exception) -> CollectiveError:
         c = self.comm
-        return CollectiveError(f"{self.name}: rank {c.rank} (global {c.peer(c.rank)}) failed {what} "
-                               f"peer {peer} (global {c.peer(peer)}) in group {list(c.ranks)}: {err}",
-                               self.name, c.peer(peer))
+        return CollectiveError(
+            f"{self.name}: rank {c.rank} (global {c.peer(c.rank)}) failed {what} "
+            f"peer {peer} (global {c.peer(peer)}) in group {list(c.ranks)}: {err}",
+            self.name,
+            c.peer(peer),
+        )
 
     def send(self, t: Tensor, peer: int):
         return self._post(dist.isend, "sending to", t, peer)
@@ -82,12 +86,12 @@ class P2P:
         return t.device.type != torch.device(self.comm.device).type
 
     def _wire(self, t: Tensor) -> Tensor:
-        if self.comm.device == "cpu":   # pinned: the copies are DMA, and do not go through pageable memory
+        if self.comm.device == "cpu":  # pinned: the copies are DMA, and do not go through pageable memory
             return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
         return torch.empty(t.shape, dtype=t.dtype, device=self.comm.device)
 
     def _post(self, fn, what, t, peer):
-        if t.numel() == 0:      # both sides know the sizes, so empty messages are skipped on both
+        if t.numel() == 0:  # both sides know the sizes, so empty messages are skipped on both
             return None
         peer %= self.comm.size
         stats = self.comm.stats
@@ -97,11 +101,11 @@ class P2P:
         if self.staged(t):
             wire = self._wire(t)
             if fn is dist.isend:
-                wire.copy_(t)   # synchronous: the bytes are in the buffer before it is posted
+                wire.copy_(t)  # synchronous: the bytes are in the buffer before it is posted
         message = Message(fn, t, wire, peer, what)
         gate = GATE.get()
         if gate is not None and gate.comm is self.comm:
-            gate.post(self, message)        # the header rides in it, or it waits for the check
+            gate.post(self, message)  # the header rides in it, or it waits for the check
             return message
         if self.comm.batched:
             self._pending.append(message)
@@ -130,7 +134,7 @@ class P2P:
     def wait(self, *handles) -> None:
         gate = GATE.get()
         if gate is not None and gate.comm is self.comm:
-            gate.settle()                   # every header first: a mismatch raises before any payload
+            gate.settle()  # every header first: a mismatch raises before any payload
         messages = [h for h in handles if h is not None]
         if any(m.work is None for m in messages):
             self._flush()

@@ -31,6 +31,7 @@ Rules that keep it correct (every rank must post its messages to a peer in the s
 The header check and the per-kind counters (``header.collective``, ``comm.stats``) see each
 collective as usual: one outermost collective at a time, on whichever thread.
 """
+
 from __future__ import annotations
 
 import collections
@@ -76,15 +77,16 @@ class Progress:
 
     def submit(self, fn: Callable, *args) -> Ticket:
         ticket = Ticket()
-        if self.comm.size == 1:                  # nothing to wait on: run inline
+        if self.comm.size == 1:  # nothing to wait on: run inline
             self._run(ticket, fn, args)
             return ticket
         with self._cond:
             self._jobs.append((ticket, fn, args))
             self._last = ticket
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"distlib-comm-{self.comm.rank}",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"distlib-comm-{self.comm.rank}", daemon=True
+                )
                 self._thread.start()
             self._cond.notify()
         return ticket
@@ -98,13 +100,13 @@ class Progress:
             with self._cond:
                 self._stop = True
                 self._cond.notify()
-            thread.join()               # it leaves once the queue is empty
+            thread.join()  # it leaves once the queue is empty
             self._stop = False
         if self._failed is not None:
             raise self._failed
 
     def _run(self, ticket: Ticket, fn: Callable, args) -> None:
-        if self._failed is not None:             # a failed collective leaves the group out of step
+        if self._failed is not None:  # a failed collective leaves the group out of step
             ticket._finish(self._failed)
             return
         try:
@@ -119,7 +121,7 @@ class Progress:
         while True:
             with self._cond:
                 while not self._jobs and not self._stop:
-                    self._cond.wait()      # idle between jobs of a step: no thread start per job
+                    self._cond.wait()  # idle between jobs of a step: no thread start per job
                 if not self._jobs:
                     self._thread = None
                     return

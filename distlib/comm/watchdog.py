@@ -7,6 +7,7 @@ the process group's key-value store (torch's TCPStore) and waits a little for th
 others' reports: a rank that sent none never reached a collective that could fail,
 i.e. it stalled (or died) before arriving. All names are global ranks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,8 @@ import time
 
 import torch.distributed as dist
 
-from distlib.comm.p2p import CollectiveError, CollectiveMismatchError
 from distlib.comm.group import Comm
+from distlib.comm.p2p import CollectiveError, CollectiveMismatchError
 
 
 class StallError(RuntimeError):
@@ -36,7 +37,7 @@ def grace_seconds(timeout_s: float) -> float:
 
 
 def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -> RuntimeError:
-    if isinstance(error, CollectiveMismatchError):   # every rank raised it, with every rank's call
+    if isinstance(error, CollectiveMismatchError):  # every rank raised it, with every rank's call
         return CollectiveMismatchError(f"{where}: {error}", error.collective)
     me = comm.peer(comm.rank)
     store, grace = _store(), grace_seconds(timeout_s)
@@ -44,8 +45,10 @@ def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -
     if store is not None:
         prefix = "distlib/stall/" + "_".join(map(str, comm.ranks)) + "/"
         try:
-            store.set(prefix + str(me), json.dumps({"where": where, "collective": error.collective,
-                                                     "peer": error.peer}))
+            store.set(
+                prefix + str(me),
+                json.dumps({"where": where, "collective": error.collective, "peer": error.peer}),
+            )
             deadline = time.monotonic() + grace
             while True:
                 for r in comm.ranks:
@@ -57,19 +60,27 @@ def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -
         except Exception as exc:  # noqa: BLE001 - the store may be gone with the launcher
             store = None
             reports.setdefault(-1, {"where": f"(store unavailable: {exc})"})
-    head = (f"{where}: {error.collective} did not complete on rank {me} within dist.timeout_s={timeout_s:g}s "
-            f"(it was waiting on rank {error.peer})")
+    head = (
+        f"{where}: {error.collective} did not complete on rank {me} within dist.timeout_s={timeout_s:g}s "
+        f"(it was waiting on rank {error.peer})"
+    )
     if store is None:
         return StallError(f"{head}; could not ask the other ranks which did not arrive. Cause: {error}")
     missing = [r for r in comm.ranks if r != me and r not in reports]
-    others = ", ".join(f"rank {r} at {rep['where']} in {rep['collective']} (waiting on rank {rep['peer']})"
-                       for r, rep in sorted(reports.items()))
+    others = ", ".join(
+        f"rank {r} at {rep['where']} in {rep['collective']} (waiting on rank {rep['peer']})"
+        for r, rep in sorted(reports.items())
+    )
     if missing:
-        verdict = (f"rank(s) {missing} did not arrive: no report from them within {grace:g}s after the "
-                   f"timeout (stalled or dead)")
+        verdict = (
+            f"rank(s) {missing} did not arrive: no report from them within {grace:g}s after the "
+            f"timeout (stalled or dead)"
+        )
     else:
         verdict = "every rank reported a failure, none is missing (a lost connection?)"
-    return StallError(f"{head}; {verdict}" + (f"; also failed: {others}" if others else "") + f". Cause: {error}")
+    return StallError(
+        f"{head}; {verdict}" + (f"; also failed: {others}" if others else "") + f". Cause: {error}"
+    )
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ choice changes (``zero=stage2`` sets ``stage: 2``; ``data=text`` sets the file, 
 the held-out share). The stored tree is plain (untyped): Hydra merges the command line into it
 as given, and ``RunConfig.from_dict`` checks every key (one ``config error: <key> ...`` line).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,8 +40,9 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
 
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides or []),
-                             return_hydra_config=return_hydra_config)
+        return hydra_compose(
+            config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config
+        )
 
 
 def compose_tree(overrides: list[str] | None = None) -> dict:

@@ -12,10 +12,11 @@ first host of SLURM_JOB_NODELIST, and the port is a function of the job id, so
 every task computes the same address without talking to the others. Values
 already in the environment (e.g. an explicit MASTER_PORT) win.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 PORT_BASE, PORT_SPAN = 20000, 20000
 
@@ -62,11 +63,18 @@ def torch_env(env: Mapping[str, str]) -> dict[str, str]:
     if nodelist is None and "MASTER_ADDR" not in env:
         missing.append("SLURM_JOB_NODELIST")
     if missing:
-        raise SlurmEnvError(f"this SLURM task lacks {missing}; run it through srun (the submitit launcher does)")
+        raise SlurmEnvError(
+            f"this SLURM task lacks {missing}; run it through srun (the submitit launcher does)"
+        )
     port = env.get("MASTER_PORT") or str(PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN)
     world = env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]
-    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env["SLURM_LOCALID"],
-            "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodelist), "MASTER_PORT": port}
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": env["SLURM_LOCALID"],
+        "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodelist),
+        "MASTER_PORT": port,
+    }
 
 
 def hydra_args(env: Mapping[str, str], argv: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ bytes sent per step and the median step time. It also writes ``comparison.json``
 into the sweep directory. The verdict line covers fp32 jobs: with a fixed global
 batch their losses must agree within ``INVARIANCE_RTOL`` per step.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,19 +36,28 @@ def read_job(job_dir: Path) -> dict | None:
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
         if row.get("type", "step") == "step" and "loss" in row:
-            steps[row["step"]] = row       # a resumed or rolled-back run rewrites later steps; keep the last
+            steps[row["step"]] = row  # a resumed or rolled-back run rewrites later steps; keep the last
     if not steps:
         return None
     world, tp = int(cfg.dist.world_size), int(cfg.dist.get("tp", 1))
     t = cfg.train
-    global_batch = t.global_batch if t.global_batch is not None else t.batch_size * (world // tp) * t.grad_accum
+    global_batch = (
+        t.global_batch if t.global_batch is not None else t.batch_size * (world // tp) * t.grad_accum
+    )
     ordered = [steps[k] for k in sorted(steps)]
-    return {"job": job_dir.name, "world_size": world, "tp": tp, "stage": int(cfg.zero.stage),
-            "dtype": str(t.get("dtype", "fp32")), "global_batch": int(global_batch),
-            "losses": [float(r["loss"]) for r in ordered], "final_loss": float(ordered[-1]["loss"]),
-            "optimizer_bytes": _max_optimizer_bytes(ordered[-1]),
-            "dp_comm_bytes": (ordered[-1].get("comm_bytes") or {}).get("dp"),
-            "step_ms": 1000 * statistics.median(r["step_time_s"] for r in ordered)}
+    return {
+        "job": job_dir.name,
+        "world_size": world,
+        "tp": tp,
+        "stage": int(cfg.zero.stage),
+        "dtype": str(t.get("dtype", "fp32")),
+        "global_batch": int(global_batch),
+        "losses": [float(r["loss"]) for r in ordered],
+        "final_loss": float(ordered[-1]["loss"]),
+        "optimizer_bytes": _max_optimizer_bytes(ordered[-1]),
+        "dp_comm_bytes": (ordered[-1].get("comm_bytes") or {}).get("dp"),
+        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in ordered),
+    }
 
 
 def _max_optimizer_bytes(record: dict) -> int | None:
@@ -57,8 +67,11 @@ def _max_optimizer_bytes(record: dict) -> int | None:
 
 
 def _reference(job: dict, jobs: list[dict]) -> dict | None:
-    candidates = [j for j in jobs if j["world_size"] == 1 and j["global_batch"] == job["global_batch"]
-                  and j["dtype"] == job["dtype"]]
+    candidates = [
+        j
+        for j in jobs
+        if j["world_size"] == 1 and j["global_batch"] == job["global_batch"] and j["dtype"] == job["dtype"]
+    ]
     same_stage = [j for j in candidates if j["stage"] == job["stage"]]
     return (same_stage or candidates or [None])[0]
 
@@ -79,22 +92,33 @@ def compare(jobs: list[dict]) -> list[dict]:
 def table(jobs: list[dict]) -> str:
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
-    lines = [f"{'job':<22} {'ws':>3} {'tp':>3} {'stage':>5} {'dtype':>5} {'final loss':>11} "
-             f"{'max|dloss| vs ws1':>17} {'max rel':>9} {'optim B/rank':>12} {'DP B/step':>10} {'step ms':>8}"]
+
+    lines = [
+        f"{'job':<22} {'ws':>3} {'tp':>3} {'stage':>5} {'dtype':>5} {'final loss':>11} "
+        f"{'max|dloss| vs ws1':>17} {'max rel':>9} {'optim B/rank':>12} {'DP B/step':>10} {'step ms':>8}"
+    ]
     for j in jobs:
-        lines.append(f"{j['job']:<22} {j['world_size']:>3} {j['tp']:>3} {j['stage']:>5} {j['dtype']:>5} "
-                     f"{j['final_loss']:>11.6f} {fmt(j['max_abs_diff'], '>17.3e')} {fmt(j['max_rel_diff'], '>9.2e')} "
-                     f"{fmt(j['optimizer_bytes'], '>12')} {fmt(j['dp_comm_bytes'], '>10')} {j['step_ms']:>8.1f}")
-    checked = [j for j in jobs if j["dtype"] == "fp32" and j["max_rel_diff"] is not None and j["world_size"] > 1]
+        lines.append(
+            f"{j['job']:<22} {j['world_size']:>3} {j['tp']:>3} {j['stage']:>5} {j['dtype']:>5} "
+            f"{j['final_loss']:>11.6f} {fmt(j['max_abs_diff'], '>17.3e')} {fmt(j['max_rel_diff'], '>9.2e')} "
+            f"{fmt(j['optimizer_bytes'], '>12')} {fmt(j['dp_comm_bytes'], '>10')} {j['step_ms']:>8.1f}"
+        )
+    checked = [
+        j for j in jobs if j["dtype"] == "fp32" and j["max_rel_diff"] is not None and j["world_size"] > 1
+    ]
     if checked:
         worst = max(checked, key=lambda j: j["max_rel_diff"])
         ok = worst["max_rel_diff"] <= INVARIANCE_RTOL
-        lines.append(f"world-size invariance ({len(checked)} fp32 job(s) vs world size 1): max relative loss "
-                     f"difference {worst['max_rel_diff']:.2e} ({worst['job']}) "
-                     f"{'<=' if ok else '>'} {INVARIANCE_RTOL:g}: {'OK' if ok else 'EXCEEDED'}")
+        lines.append(
+            f"world-size invariance ({len(checked)} fp32 job(s) vs world size 1): max relative loss "
+            f"difference {worst['max_rel_diff']:.2e} ({worst['job']}) "
+            f"{'<=' if ok else '>'} {INVARIANCE_RTOL:g}: {'OK' if ok else 'EXCEEDED'}"
+        )
     else:
-        lines.append("world-size invariance: not checked (no fp32 job with a world-size-1 job of the same "
-                     "global batch; set train.global_batch and include dist.world_size=1)")
+        lines.append(
+            "world-size invariance: not checked (no fp32 job with a world-size-1 job of the same "
+            "global batch; set train.global_batch and include dist.world_size=1)"
+        )
     return "\n".join(lines)
 
 
@@ -105,9 +129,11 @@ class SweepTable(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
+
         def job_number(d: Path):
             head = d.name.split("_")[0]
             return (int(head) if head.isdigit() else float("inf"), d.name)
+
         jobs = [j for d in sorted(sweep_dir.iterdir(), key=job_number) if d.is_dir() and (j := read_job(d))]
         if not jobs:
             print(f"sweep: no job in {sweep_dir} wrote metrics.jsonl")

@@ -5,6 +5,7 @@ The helpers here use it for three things every rank must agree on before trainin
 run directory, the composed config (rank 0 runs Hydra, the others read it), and a key prefix
 per restart attempt for the process group itself.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -18,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
-CONFIG_WAIT_S = 300.0   # how long the other ranks wait for rank 0's config (torchrun ends them sooner if it fails)
-START_ENV = "DISTLIB_START"       # set by join_job_start(): this start's key prefix
-ATTEMPT_ENV = "DISTLIB_ATTEMPT"   # and its number, read by the application (distlib/app/launcher_env.py)
+CONFIG_WAIT_S = (
+    300.0  # how long the other ranks wait for rank 0's config (torchrun ends them sooner if it fails)
+)
+START_ENV = "DISTLIB_START"  # set by join_job_start(): this start's key prefix
+ATTEMPT_ENV = "DISTLIB_ATTEMPT"  # and its number, read by the application (distlib/app/launcher_env.py)
 
 
 def use_deterministic_kernels() -> None:
@@ -44,8 +47,12 @@ def use_cuda_device(device: str) -> None:
 
 
 def _agent_store(timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 class StartError(RuntimeError):
@@ -71,15 +78,20 @@ def join_job_start(timeout_s: float = CONFIG_WAIT_S) -> tuple[str, int]:
     in its leader's list. The start number is rank 0's count of starts in that store (at least
     its agent's restart count, should the store be new)."""
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":   # no store before the group: torchrun's count
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):  # no store before the group: torchrun's count
         return str(count), count
-    token, attempt = agree_start(_agent_store(timeout_s), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                                 count, timeout_s)
+    token, attempt = agree_start(
+        _agent_store(timeout_s), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), count, timeout_s
+    )
     os.environ[START_ENV], os.environ[ATTEMPT_ENV] = token, str(attempt)
     return token, attempt
 
 
-def agree_start(store: dist.Store, rank: int, world: int, restart_count: int, timeout_s: float) -> tuple[str, int]:
+def agree_start(
+    store: dist.Store, rank: int, world: int, restart_count: int, timeout_s: float
+) -> tuple[str, int]:
     """join_job_start's handshake on a given store (see there)."""
     mine, deadline = uuid.uuid4().hex, time.monotonic() + timeout_s
     if rank == 0:
@@ -91,7 +103,9 @@ def agree_start(store: dist.Store, rank: int, world: int, restart_count: int, ti
                 store.wait(acks, datetime.timedelta(seconds=timeout_s))
         except Exception as exc:  # noqa: BLE001 - the store raises several kinds for a timeout
             missing = [r for r, key in enumerate(acks, 1) if not store.check([key])]
-            raise StartError(f"rank(s) {missing} of this start did not arrive within {timeout_s:g} s") from exc
+            raise StartError(
+                f"rank(s) {missing} of this start did not arrive within {timeout_s:g} s"
+            ) from exc
         members = [token.decode() for token in store.multi_get(acks)] if acks else []
         store.set(f"distlib/go/{mine}", json.dumps({"attempt": attempt, "members": members}))
         return mine, attempt
@@ -131,8 +145,14 @@ def init_process_group(backend: str, timeout: datetime.timedelta, device: str = 
         dist.init_process_group(backend, timeout=timeout, **bound)
         return
     store = dist.PrefixStore(f"distlib/attempt_{_start_key()}", _agent_store(timeout.total_seconds()))
-    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, **bound)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+        **bound,
+    )
 
 
 def children_of(pid: int) -> list[int]:
@@ -166,8 +186,11 @@ def rank0_composes(argv: list[str]) -> bool:
     torchrun's store: importing Hydra and composing cost ~0.3 CPU-s per rank, which four ranks on
     two cores pay in the start-up (benchmarks/startup.py). Hydra's own flags (--help, --cfg, ...),
     which print instead of running, and a job without that store keep Hydra on every rank."""
-    return (UNDER_TORCHRUN and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
-            and not any(arg.startswith("-") for arg in argv[1:]))
+    return (
+        UNDER_TORCHRUN
+        and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+        and not any(arg.startswith("-") for arg in argv[1:])
+    )
 
 
 def _config_key() -> str:
@@ -185,8 +208,10 @@ def config_from_rank0() -> tuple[dict, str]:
     try:
         shared = json.loads(_agent_store(CONFIG_WAIT_S).get(_config_key()))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
-        sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: rank 0 did not share the composed config "
-                 f"within {CONFIG_WAIT_S:g} s (see rank 0's output): {exc}")
+        sys.exit(
+            f"error [rank {os.environ.get('RANK', '?')}]: rank 0 did not share the composed config "
+            f"within {CONFIG_WAIT_S:g} s (see rank 0's output): {exc}"
+        )
     return shared["tree"], shared["run_dir"]
 
 
@@ -197,8 +222,10 @@ def shared_run_dir(proposed: str) -> str:
     this works across hosts as it does on one."""
     if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
         # Then no store listens on MASTER_PORT until rank 0's init_process_group: waiting would hang.
-        sys.exit("error: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun starts no store before the process "
-                 "group, so the ranks cannot agree on a run directory; pass hydra.run.dir=<a directory every "
-                 "node sees>")
+        sys.exit(
+            "error: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun starts no store before the process "
+            "group, so the ranks cannot agree on a run directory; pass hydra.run.dir=<a directory every "
+            "node sees>"
+        )
     key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
     return _agent_store(60).compare_set(key, "", proposed).decode()

@@ -5,6 +5,7 @@ training, as one flat message per dtype. Gradient synchronisation is not here: i
 optimizer step (``distlib.parallel.zero``), which for stage 0 all-reduces the gradients and for
 stages 1-3 reduce-scatters them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,5 +28,5 @@ def broadcast_module_(module: nn.Module, comm: Comm, src: int = 0) -> None:
         collectives.broadcast(flat, src, comm)
         offset = 0
         for t in group:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()

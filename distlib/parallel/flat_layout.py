@@ -5,6 +5,7 @@ order); the buffer is padded to a multiple of N (fewer than N extra zeros) and r
 owns partition r, ``ceil(P/N)`` elements. ZeRO's optimizer state, its gradient
 reduction and the checkpoint format are all expressed in these coordinates.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,11 +28,12 @@ class ParamSlot:
 @dataclass(frozen=True)
 class FlatLayout:
     """Where each parameter sits in the flat buffer, and how the buffer is partitioned."""
+
     slots: tuple[ParamSlot, ...]
     world_size: int
 
     @staticmethod
-    def of(module: nn.Module, world_size: int) -> "FlatLayout":
+    def of(module: nn.Module, world_size: int) -> FlatLayout:
         slots, offset = [], 0
         for name, p in module.named_parameters():
             slots.append(ParamSlot(name, tuple(p.shape), offset))
@@ -65,12 +67,21 @@ class FlatLayout:
         return out
 
     def to_dict(self) -> dict:
-        return {"numel": self.numel, "padded_numel": self.padded_numel, "padding": self.padded_numel - self.numel,
-                "world_size": self.world_size, "shard_numel": self.shard_numel, "dtype": "float32",
-                "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
-                           for s in self.slots]}
+        return {
+            "numel": self.numel,
+            "padded_numel": self.padded_numel,
+            "padding": self.padded_numel - self.numel,
+            "world_size": self.world_size,
+            "shard_numel": self.shard_numel,
+            "dtype": "float32",
+            "params": [
+                {"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
+                for s in self.slots
+            ],
+        }
 
     @staticmethod
-    def from_dict(d: dict) -> "FlatLayout":
-        return FlatLayout(tuple(ParamSlot(p["name"], tuple(p["shape"]), p["offset"]) for p in d["params"]),
-                          d["world_size"])
+    def from_dict(d: dict) -> FlatLayout:
+        return FlatLayout(
+            tuple(ParamSlot(p["name"], tuple(p["shape"]), p["offset"]) for p in d["params"]), d["world_size"]
+        )

@@ -25,6 +25,7 @@ checks it).
 Parameter names are the unsharded model's; only the shapes shrink. ``Split`` records how a local
 parameter maps to the full one, which the checkpoint manifest stores and ``shard_of`` applies.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -43,6 +44,7 @@ from distlib.comm.group import Comm
 class Split:
     """Local = the ``index``-th of ``parts`` equal pieces of each of ``groups`` equal groups of
     the full tensor along ``dim``, concatenated (``groups`` is 3 for the fused q|k|v rows)."""
+
     dim: int
     parts: int
     index: int
@@ -56,7 +58,9 @@ def shard_of(full: torch.Tensor, split: Split | None) -> torch.Tensor:
     """The piece of ``full`` a rank with ``split`` holds (a copy; the whole tensor if None)."""
     if split is None:
         return full.clone()
-    pieces = [g.chunk(split.parts, dim=split.dim)[split.index] for g in full.chunk(split.groups, dim=split.dim)]
+    pieces = [
+        g.chunk(split.parts, dim=split.dim)[split.index] for g in full.chunk(split.groups, dim=split.dim)
+    ]
     return torch.cat(pieces, dim=split.dim).contiguous()
 
 
@@ -123,6 +127,7 @@ class RowParallelLinear(nn.Module):
 @dataclass(frozen=True)
 class Column:
     """Split the output features; ``groups`` > 1 for fused projections (q|k|v: 3)."""
+
     groups: int = 1
 
 
@@ -131,7 +136,7 @@ class Row:
     """Split the input features; the outputs are summed over the group."""
 
 
-Plan = Mapping[str, "Column | Row"]   # submodule path pattern (fnmatch, per dotted part) -> style
+Plan = Mapping[str, "Column | Row"]  # submodule path pattern (fnmatch, per dotted part) -> style
 
 
 def _matches(path: str, pattern: str) -> bool:
@@ -151,8 +156,10 @@ def parallelize_linears_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, S
         if len(matched) > 1:
             raise ValueError(f"{path} matches several tensor-parallel plan patterns: {matched}")
         if matched and not isinstance(sub, nn.Linear):
-            raise TypeError(f"tensor-parallel plan {matched[0]!r} matches {path}, a {type(sub).__name__}, "
-                            f"not an nn.Linear")
+            raise TypeError(
+                f"tensor-parallel plan {matched[0]!r} matches {path}, a {type(sub).__name__}, "
+                f"not an nn.Linear"
+            )
         for pattern in matched:
             found[pattern].append(path)
     unused = [pattern for pattern, paths in found.items() if not paths]
@@ -167,14 +174,22 @@ def parallelize_linears_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, S
             parent, _, name = path.rpartition(".")
             owner = module.get_submodule(parent)
             full = owner.get_submodule(name)
-            features, parts = ((full.out_features, tp.size * style.groups) if isinstance(style, Column)
-                               else (full.in_features, tp.size))
+            features, parts = (
+                (full.out_features, tp.size * style.groups)
+                if isinstance(style, Column)
+                else (full.in_features, tp.size)
+            )
             if features % parts:
-                raise ValueError(f"{path}: {features} {'output' if isinstance(style, Column) else 'input'} "
-                                 f"features do not split into {parts} equal tensor-parallel parts")
-            layer = (ColumnParallelLinear(full, tp, style.groups) if isinstance(style, Column)
-                     else RowParallelLinear(full, tp))
-            setattr(owner, name, layer)     # replacing an existing child keeps its place: same parameter order
+                raise ValueError(
+                    f"{path}: {features} {'output' if isinstance(style, Column) else 'input'} "
+                    f"features do not split into {parts} equal tensor-parallel parts"
+                )
+            layer = (
+                ColumnParallelLinear(full, tp, style.groups)
+                if isinstance(style, Column)
+                else RowParallelLinear(full, tp)
+            )
+            setattr(owner, name, layer)  # replacing an existing child keeps its place: same parameter order
             splits.update({f"{path}.{p}": s for p, s in layer.splits.items()})
     return splits
 
@@ -196,7 +211,12 @@ def manifest_layouts(layout_dict: dict, splits: dict[str, Split]) -> list[dict]:
         params = []
         for p in layout_dict["params"]:
             split = splits.get(p["name"])
-            params.append({**p, "full_shape": list(full_shape(tuple(p["shape"]), split)),
-                           "split": Split(split.dim, split.parts, t, split.groups).to_dict() if split else None})
+            params.append(
+                {
+                    **p,
+                    "full_shape": list(full_shape(tuple(p["shape"]), split)),
+                    "split": Split(split.dim, split.parts, t, split.groups).to_dict() if split else None,
+                }
+            )
         out.append({**layout_dict, "params": params})
     return out

@@ -9,6 +9,7 @@ one save is in flight, so its staging buffers are free again when the next one s
 ``blocking_s`` is what the loop waited for, summed over those parts; ``total_s`` runs from the
 copy to the commit.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,13 +28,14 @@ from distlib.comm.group import Comm
 @dataclass(frozen=True)
 class Saved:
     """One committed save: where, its manifest, and how long it took."""
+
     path: Path
     manifest: dict
-    seconds: float                 # from the start of the save to its commit (= total_s)
+    seconds: float  # from the start of the save to its commit (= total_s)
     step: int = 0
     reason: str = ""
-    blocking_s: float = 0.0        # what the training loop waited for (a sync save: all of it)
-    write_s: float | None = None   # an async save: its background write, fsync and sha256
+    blocking_s: float = 0.0  # what the training loop waited for (a sync save: all of it)
+    write_s: float | None = None  # an async save: its background write, fsync and sha256
 
     @property
     def bytes(self) -> int:
@@ -43,15 +45,16 @@ class Saved:
 @dataclass
 class PendingSave:
     """An async save whose shards are being written: what its commit and the run need later."""
+
     step: int
     reason: str
     final: Path
     meta: dict
     hook: SaveHook | None
     writer: BackgroundWrite
-    tensors: dict[str, torch.Tensor]      # the staging buffers' copies (the resume check compares them)
+    tensors: dict[str, torch.Tensor]  # the staging buffers' copies (the resume check compares them)
     rank_state: dict
-    params: torch.Tensor | None           # parameter bytes at the save, when the resume check needs them
+    params: torch.Tensor | None  # parameter bytes at the save, when the resume check needs them
     began: float
     blocking_s: float
 
@@ -67,15 +70,24 @@ class AsyncSaveFailed(checkpoint.CheckpointError):
 class AsyncSaver:
     def __init__(self, comm: Comm):
         self.comm = comm
-        self.staging = StagingBuffers()        # host copies, reused from save to save
+        self.staging = StagingBuffers()  # host copies, reused from save to save
         self.in_flight: PendingSave | None = None
 
     def writing(self) -> bool:
         """Whether this rank's background write is still running."""
         return self.in_flight is not None and not self.in_flight.writer.done()
 
-    def start(self, root: Path, step: int, reason: str, state: tuple[dict, dict], meta: dict,
-              hook: SaveHook | None, params: torch.Tensor | None, began: float) -> None:
+    def start(
+        self,
+        root: Path,
+        step: int,
+        reason: str,
+        state: tuple[dict, dict],
+        meta: dict,
+        hook: SaveHook | None,
+        params: torch.Tensor | None,
+        began: float,
+    ) -> None:
         """Open the partial directory (collective) and start writing ``state`` (staged in
         ``self.staging`` by the caller) in the background; the commit comes later (``commit``)."""
         assert self.in_flight is None, "at most one save in flight"
@@ -84,12 +96,24 @@ class AsyncSaver:
         staging, rank = self.staging, self.comm.rank
 
         def write() -> dict:
-            staging.wait_copied()    # a CUDA source's copies (the loop did not wait for them)
+            staging.wait_copied()  # a CUDA source's copies (the loop did not wait for them)
             return checkpoint.write_own_shard(final, rank, tensors, rank_state, hook)
+
         writer = BackgroundWrite(write)
         staging.lend(writer.done)
-        self.in_flight = PendingSave(step, reason, final, meta, hook, writer, tensors, rank_state, params,
-                                     began, time.perf_counter() - began)
+        self.in_flight = PendingSave(
+            step,
+            reason,
+            final,
+            meta,
+            hook,
+            writer,
+            tensors,
+            rank_state,
+            params,
+            began,
+            time.perf_counter() - began,
+        )
 
     def commit(self) -> tuple[PendingSave, Saved] | None:
         """Wait for the save in flight (if any) and commit it (collective): the pending save and
@@ -99,13 +123,21 @@ class AsyncSaver:
             return None
         waited = time.perf_counter()
         try:
-            path = checkpoint.complete_save(pending.final, pending.step, pending.meta, pending.writer.result,
-                                            self.comm, pending.hook)
+            path = checkpoint.complete_save(
+                pending.final, pending.step, pending.meta, pending.writer.result, self.comm, pending.hook
+            )
         except checkpoint.CheckpointError as exc:
             raise AsyncSaveFailed(exc, pending) from exc
         now = time.perf_counter()
-        return pending, Saved(path, {}, now - pending.began, pending.step, pending.reason,
-                              pending.blocking_s + now - waited, pending.writer.seconds)
+        return pending, Saved(
+            path,
+            {},
+            now - pending.began,
+            pending.step,
+            pending.reason,
+            pending.blocking_s + now - waited,
+            pending.writer.seconds,
+        )
 
     def drop(self) -> PendingSave | None:
         """Wait for the writes of the save in flight and commit nothing (rank 0 removes its partial
@@ -118,20 +150,38 @@ class AsyncSaver:
 
 def report_saved(log, saved: Saved, boundary: int) -> None:
     """The checkpoint_saved event (every rank calls it; rank 0 writes and prints one line)."""
-    fields = dict(path=str(saved.path), reason=saved.reason, bytes=saved.bytes, seconds=saved.seconds,
-                  blocking_s=saved.blocking_s, total_s=saved.seconds)
+    fields = dict(
+        path=str(saved.path),
+        reason=saved.reason,
+        bytes=saved.bytes,
+        seconds=saved.seconds,
+        blocking_s=saved.blocking_s,
+        total_s=saved.seconds,
+    )
     if saved.write_s is None:
         how = f"{saved.seconds:.2f} s"
     else:
-        how = (f"async: the loop waited {saved.blocking_s:.3f} s of {saved.seconds:.2f} s, "
-               f"committed after step {boundary}")
+        how = (
+            f"async: the loop waited {saved.blocking_s:.3f} s of {saved.seconds:.2f} s, "
+            f"committed after step {boundary}"
+        )
         fields.update(write_s=saved.write_s, committed_step=boundary, async_save=True)
-    log.event("checkpoint_saved", saved.step, say=f"{saved.path} ({saved.bytes} bytes, {how}, {saved.reason})",
-              **fields)
+    log.event(
+        "checkpoint_saved",
+        saved.step,
+        say=f"{saved.path} ({saved.bytes} bytes, {how}, {saved.reason})",
+        **fields,
+    )
 
 
 def report_failed(log, pending: PendingSave, boundary: int, error: Exception, fatal: bool) -> None:
     """A background save failed: one line and a checkpoint_failed event; nothing was committed."""
     then = "the run stops" if fatal else "training goes on"
-    log.event("checkpoint_failed", boundary, say=f"{error}; the previous checkpoint stays the one resume and "
-              f"rollback use; {then}", checkpoint_step=pending.step, reason=pending.reason, message=str(error))
+    log.event(
+        "checkpoint_failed",
+        boundary,
+        say=f"{error}; the previous checkpoint stays the one resume and rollback use; {then}",
+        checkpoint_step=pending.step,
+        reason=pending.reason,
+        message=str(error),
+    )

@@ -15,16 +15,23 @@ holds), ``Loader`` (finding and loading one), ``AsyncSaver`` (the save in flight
 ``RollbackTargets``, which are kept here because retention must never delete the newest trusted
 one. The file format and its commit protocol are ``distlib.checkpoint``'s.
 """
+
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from distlib.app.checkpointing.async_saver import AsyncSaveFailed, AsyncSaver, Saved, report_failed, report_saved
+from distlib.app.checkpointing.async_saver import (
+    AsyncSaveFailed,
+    AsyncSaver,
+    Saved,
+    report_failed,
+    report_saved,
+)
 from distlib.app.checkpointing.contents import Contents
 from distlib.app.checkpointing.loader import Loader
 from distlib.app.checkpointing.memory_snapshots import MemorySnapshots, fingerprint
@@ -34,6 +41,7 @@ from distlib.app.data.batches import GlobalBatches
 from distlib.app.hooks import StepHooks
 from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
 from distlib.app.unattended.stopping import CheckpointClock, Decision
+from distlib.checkpoint import rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
@@ -43,22 +51,45 @@ from distlib.parallel.zero import ZeroOptimizer
 
 
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, comm: Comm, mesh: Mesh, run_dir: Path, data: GlobalBatches,
-                 model: torch.nn.Module, optimizer: ZeroOptimizer, tp_splits: dict[str, Split], hooks: StepHooks,
-                 clock: Callable[[], float]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        comm: Comm,
+        mesh: Mesh,
+        run_dir: Path,
+        data: GlobalBatches,
+        model: torch.nn.Module,
+        optimizer: ZeroOptimizer,
+        tp_splits: dict[str, Split],
+        hooks: StepHooks,
+        clock: Callable[[], float],
+    ):
         c = cfg.checkpoint
         self.cfg, self.comm, self.data, self.hooks = cfg, comm, data, hooks
-        self.model, self.optimizer = model, optimizer      # the run's; the resume check loads into fresh ones
+        self.model, self.optimizer = model, optimizer  # the run's; the resume check loads into fresh ones
         self.root = Path(run_dir) / c.dir
-        self.clock = CheckpointClock(c.every_minutes, clock)   # rank 0's decides every_minutes
+        self.clock = CheckpointClock(c.every_minutes, clock)  # rank 0's decides every_minutes
         self.contents = Contents(cfg, mesh, data, optimizer, tp_splits)
         self.loader = Loader(cfg, comm, mesh, data, self.root, self.say)
-        self.verifier = ResumeVerifier(c.verify_resume, bool(c.keep_last), cfg.seed, mesh.dp.rank, comm, self.root,
-                                       self.loader, self.contents)
+        self.verifier = ResumeVerifier(
+            c.verify_resume,
+            bool(c.keep_last),
+            cfg.seed,
+            mesh.dp.rank,
+            comm,
+            self.root,
+            self.loader,
+            self.contents,
+        )
         self.async_saver = AsyncSaver(comm) if c.async_save else None
-        self.memory = MemorySnapshots(c.memory_every_steps, comm, run_dir,
-                                      lambda: fingerprint(self.contents.meta(0), comm.size), self.say)
-        self.targets = RollbackTargets(None)    # replaced by resume(): the run's starting state
+        self.memory = MemorySnapshots(
+            c.memory_every_steps,
+            comm,
+            run_dir,
+            lambda: fingerprint(self.contents.meta(0), comm.size),
+            self.say,
+        )
+        self.targets = RollbackTargets(None)  # replaced by resume(): the run's starting state
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -68,7 +99,7 @@ class Checkpointer:
     def resume(self) -> tuple[int, Path | None]:
         """Load what checkpoint.resume names (if anything); (the step to continue after, its path).
         With the guard on, that state is the first rollback target."""
-        snapped = self.memory.resume(self.cfg.checkpoint.resume == "latest", self.root)   # a RollbackPoint
+        snapped = self.memory.resume(self.cfg.checkpoint.resume == "latest", self.root)  # a RollbackPoint
         path, verified = (None, False) if snapped else self.loader.resolve()
         start = snapped.step if snapped else 0
         if snapped:
@@ -77,8 +108,11 @@ class Checkpointer:
             start = self.loader.load(path, self.model, self.optimizer, verified)
             self.say(f"resumed from {path} at step {start}")
         if self.cfg.guard.enabled:
-            self.targets = RollbackTargets(RollbackPoint(start, path) if path
-                                           else RollbackPoint(start, None, self.contents.state(start, self.optimizer)))
+            self.targets = RollbackTargets(
+                RollbackPoint(start, path)
+                if path
+                else RollbackPoint(start, None, self.contents.state(start, self.optimizer))
+            )
         return start, self.memory.dir if snapped else path
 
     # -- a step boundary ----------------------------------------------------------
@@ -108,7 +142,9 @@ class Checkpointer:
         """Commit this run's state after ``step`` now (collective)."""
         began = time.perf_counter()
         state = self.contents.state(step, self.optimizer)
-        path = checkpoint.save(self.root, step, *state, self.contents.meta(step), self.comm, self.hooks.save_hook(step))
+        path = checkpoint.save(
+            self.root, step, *state, self.contents.meta(step), self.comm, self.hooks.save_hook(step)
+        )
         self.clock.saved()
         params = self.optimizer.params_snapshot() if self.verifier.wants() else None
         seconds = time.perf_counter() - began
@@ -120,10 +156,18 @@ class Checkpointer:
         saver = self.async_saver
         state = self.contents.state(step, self.optimizer, staging=saver.staging)
         params = self.optimizer.params_snapshot() if self.verifier.wants() else None
-        if params is not None:       # these host copies become the resume check's at the commit
+        if params is not None:  # these host copies become the resume check's at the commit
             saver.staging.hand_over()
-        saver.start(self.root, step, reason, state, self.contents.meta(step), self.hooks.save_hook(step), params,
-                    began)
+        saver.start(
+            self.root,
+            step,
+            reason,
+            state,
+            self.contents.meta(step),
+            self.hooks.save_hook(step),
+            params,
+            began,
+        )
         self.clock.saved()
 
     def settle(self, boundary: int, log, fatal: bool) -> list[Saved]:
@@ -143,8 +187,9 @@ class Checkpointer:
             return []
         pending, saved = committed
         # Committed after a later step passed the guard: trusted at once (a stop commits at its own step).
-        saved = self._committed(saved, (pending.tensors, pending.rank_state), pending.params,
-                                trusted=boundary > pending.step)
+        saved = self._committed(
+            saved, (pending.tensors, pending.rank_state), pending.params, trusted=boundary > pending.step
+        )
         report_saved(log, saved, boundary)
         return [saved]
 
@@ -159,19 +204,29 @@ class Checkpointer:
             self.settle(trip, log, fatal=False)
         else:
             self.async_saver.drop()
-            self.say(f"checkpoint: dropped the async save of step {pending.step} (step {trip} tripped the guard)")
+            self.say(
+                f"checkpoint: dropped the async save of step {pending.step} (step {trip} tripped the guard)"
+            )
 
-    def _committed(self, saved: Saved, state: tuple[dict, dict], params: torch.Tensor | None,
-                   trusted: bool) -> Saved:
+    def _committed(
+        self, saved: Saved, state: tuple[dict, dict], params: torch.Tensor | None, trusted: bool
+    ) -> Saved:
         """Bookkeeping of a committed save: the resume check's copy, rollback targets, retention."""
         if params is not None:
             replaced = self.verifier.keep(Kept(saved.step, *state, params))
-            if replaced is not None and self.async_saver is not None:   # its tensors: the next save's buffers
+            if replaced is not None and self.async_saver is not None:  # its tensors: the next save's buffers
                 self.async_saver.staging.take_back(replaced.tensors)
         if self.targets.saved_checkpoint(saved.step, saved.path, trusted) or not self.cfg.guard.enabled:
             self.prune()
-        return Saved(saved.path, checkpoint.read_manifest(saved.path), saved.seconds, saved.step, saved.reason,
-                     saved.blocking_s, saved.write_s)
+        return Saved(
+            saved.path,
+            checkpoint.read_manifest(saved.path),
+            saved.seconds,
+            saved.step,
+            saved.reason,
+            saved.blocking_s,
+            saved.write_s,
+        )
 
     def step_passed(self) -> None:
         """The guard accepted a step: a checkpoint saved after the previous one is trusted now."""
@@ -202,7 +257,10 @@ class Checkpointer:
                 for old in removed:
                     print(f"checkpoint: removed {old} (checkpoint.keep_last={keep})")
             except OSError as exc:  # training can go on; the operator must hear about it
-                print(f"warning: checkpoint.keep_last could not remove an old checkpoint: {exc}", file=sys.stderr)
+                print(
+                    f"warning: checkpoint.keep_last could not remove an old checkpoint: {exc}",
+                    file=sys.stderr,
+                )
             return removed
 
         self.targets.forget(agree.agreed(remove, self.comm, checkpoint.CheckpointError, rank0_only=True))
@@ -215,8 +273,8 @@ class Checkpointer:
             return
         tensors, rank_state = point.state
         self.optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
-        checkpoint.restore_rng(tensors, rank_state["rng"])
-        checkpoint.restore_device_rng(tensors, self.optimizer.device)
+        rng_state.restore_rng(tensors, rank_state["rng"])
+        rng_state.restore_device_rng(tensors, self.optimizer.device)
         self.data.skipped = rank_state.get("skipped_batches", 0)
 
     def rolled_back_to(self, target: RollbackPoint, trip: int) -> list[str]:

@@ -6,6 +6,7 @@ optimizer step count and data position. ``meta`` is what rank 0 writes into the 
 the files: ZeRO stage, seed, model and data config, data position, the flat layout, and the mesh
 (with tensor or pipeline parallelism, every rank's layout, so the shards can be reassembled).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import dataclasses
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.app.model.pipeline import stage_layouts
-from distlib.checkpoint import sharded as checkpoint
+from distlib.checkpoint import rng_state
 from distlib.checkpoint.staging import StagingBuffers
 from distlib.comm.mesh import Mesh
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
@@ -21,31 +22,51 @@ from distlib.parallel.zero import ZeroOptimizer
 
 
 class Contents:
-    def __init__(self, cfg: RunConfig, mesh: Mesh, data: GlobalBatches, optimizer: ZeroOptimizer,
-                 tp_splits: dict[str, Split]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        mesh: Mesh,
+        data: GlobalBatches,
+        optimizer: ZeroOptimizer,
+        tp_splits: dict[str, Split],
+    ):
         self.cfg, self.mesh, self.data, self.optimizer, self.tp_splits = cfg, mesh, data, optimizer, tp_splits
-        self.pp_meta = stage_layouts(mesh, optimizer.layout, tp_splits)   # (collective; {} at dist.pp=1)
+        self.pp_meta = stage_layouts(mesh, optimizer.layout, tp_splits)  # (collective; {} at dist.pp=1)
 
-    def state(self, step: int, optimizer: ZeroOptimizer, skipped: int | None = None,
-              staging: StagingBuffers | None = None) -> tuple[dict, dict]:
+    def state(
+        self,
+        step: int,
+        optimizer: ZeroOptimizer,
+        skipped: int | None = None,
+        staging: StagingBuffers | None = None,
+    ) -> tuple[dict, dict]:
         """(tensors, rank_state) of this rank: ``optimizer``'s partition (fresh host copies, or copied
         into ``staging``'s reused buffers), RNG, step and data position."""
         skipped = self.data.skipped if skipped is None else skipped
-        rng_tensors, rng_meta = checkpoint.capture_rng(optimizer.device)
+        rng_tensors, rng_meta = rng_state.capture_rng(optimizer.device)
         shard = optimizer.state_shard() if staging is None else staging.stage(optimizer.state_views())
-        rank_state = {"step": step, "optimizer_steps": optimizer.step_count,
-                      "data": self.data.position(step, skipped), "rng": rng_meta}
+        rank_state = {
+            "step": step,
+            "optimizer_steps": optimizer.step_count,
+            "data": self.data.position(step, skipped),
+            "rng": rng_meta,
+        }
         if skipped:
             rank_state["skipped_batches"] = skipped
         return {**shard, **rng_tensors}, rank_state
 
     def meta(self, step: int) -> dict:
         """The manifest's run-wide part for a save after ``step``."""
-        meta = {"zero_stage": self.cfg.zero.stage, "seed": self.cfg.seed,
-                "model": dataclasses.asdict(self.cfg.model), "data": self.data.position(step),
-                "data_config": dataclasses.asdict(self.cfg.data), "layout": self.optimizer.layout.to_dict(),
-                **self._parallel_meta()}
-        if self.data.skipped:     # guard.skip_batches: part of the data position (docs/unattended.md)
+        meta = {
+            "zero_stage": self.cfg.zero.stage,
+            "seed": self.cfg.seed,
+            "model": dataclasses.asdict(self.cfg.model),
+            "data": self.data.position(step),
+            "data_config": dataclasses.asdict(self.cfg.data),
+            "layout": self.optimizer.layout.to_dict(),
+            **self._parallel_meta(),
+        }
+        if self.data.skipped:  # guard.skip_batches: part of the data position (docs/unattended.md)
             meta["skipped_batches"] = self.data.skipped
         return meta
 
@@ -53,8 +74,12 @@ class Contents:
         """The mesh, and with tensor parallelism each TP rank's flat layout with how every local
         parameter maps to the full one (split dim, groups, index), so the shards can be reassembled."""
         tp = self.mesh.tp.size
-        meta = {"tp": tp, "dp": self.mesh.dp.size, "rank_order": "global rank = dp_rank * tp + tp_rank",
-                "param_dtype": self.cfg.train.dtype}
+        meta = {
+            "tp": tp,
+            "dp": self.mesh.dp.size,
+            "rank_order": "global rank = dp_rank * tp + tp_rank",
+            "param_dtype": self.cfg.train.dtype,
+        }
         if tp > 1:
             meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.tp_splits)
         return {**meta, **self.pp_meta} if self.pp_meta else meta

@@ -3,17 +3,18 @@
 Parameters must have the same names, shapes and flat-layout order (a different model config is
 named key by key; at another pipeline degree, every parameter of this rank's stage must be in
 the checkpoint with its shape), the tensor-parallel degree must match (resharding covers
-data-parallel world sizes and pipeline degrees), and the data stream must continue exactly: same corpus, seed, global batch and
-training windows.
+data-parallel world sizes and pipeline degrees), and the data stream must continue exactly: same
+corpus, seed, global batch and training windows.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from distlib.checkpoint import sharded as checkpoint
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
+from distlib.checkpoint import sharded as checkpoint
 from distlib.parallel.flat_layout import FlatLayout
 
 
@@ -21,8 +22,15 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "absent" if shape is None else "x".join(map(str, shape)) or "scalar"
 
 
-def check_fits(path: Path, manifest: dict, layout: FlatLayout, cfg: RunConfig, tp_size: int, tp_rank: int,
-               data: GlobalBatches) -> None:
+def check_fits(
+    path: Path,
+    manifest: dict,
+    layout: FlatLayout,
+    cfg: RunConfig,
+    tp_size: int,
+    tp_rank: int,
+    data: GlobalBatches,
+) -> None:
     """Refuse, listing every difference, a checkpoint whose parameters or data stream differ from
     this run's (``layout``: the flat layout of this rank's tensor-parallel shard)."""
     problems = []
@@ -30,11 +38,12 @@ def check_fits(path: Path, manifest: dict, layout: FlatLayout, cfg: RunConfig, t
         raise checkpoint.CheckpointError(
             f"checkpoint {path} does not fit this run, nothing was loaded: saved with dist.tp="
             f"{manifest.get('tp', 1)}, this run has dist.tp={tp_size} (resharding across "
-            f"tensor-parallel degrees is not supported)")
+            f"tensor-parallel degrees is not supported)"
+        )
     saved = FlatLayout.from_dict(manifest.get("tp_layouts", [manifest["layout"]])[tp_rank])
     theirs = {s.name: s.shape for s in saved.slots}
     ours = {s.name: s.shape for s in layout.slots}
-    by_name = cfg.dist.pp > 1 or "pp_layouts" in manifest    # pipeline stages: parameters found by name
+    by_name = cfg.dist.pp > 1 or "pp_layouts" in manifest  # pipeline stages: parameters found by name
     if by_name:
         stages = manifest.get("pp_layouts") or [manifest.get("tp_layouts", [manifest["layout"]])]
         theirs = {s.name: s.shape for per_tp in stages for s in FlatLayout.from_dict(per_tp[tp_rank]).slots}
@@ -43,17 +52,23 @@ def check_fits(path: Path, manifest: dict, layout: FlatLayout, cfg: RunConfig, t
         for key, value in manifest.get("model", {}).items():
             if model.get(key) != value:
                 problems.append(f"model.{key}: checkpoint {value}, this run {model.get(key)}")
-        names = list(ours) if by_name else [s.name for s in saved.slots] + [n for n in ours if n not in theirs]
-        shapes = [f"parameter {name}: checkpoint {_shape(theirs.get(name))}, model {_shape(ours.get(name))}"
-                  for name in names if ours.get(name) != theirs.get(name)]
+        names = (
+            list(ours) if by_name else [s.name for s in saved.slots] + [n for n in ours if n not in theirs]
+        )
+        shapes = [
+            f"parameter {name}: checkpoint {_shape(theirs.get(name))}, model {_shape(ours.get(name))}"
+            for name in names
+            if ours.get(name) != theirs.get(name)
+        ]
         problems += shapes or ["same parameters and shapes, but a different order in the flat layout"]
     data_config = dataclasses.asdict(cfg.data)
     for key, value in manifest.get("data_config", {}).items():
         # A text file is identified by its sha256 (the position's "source"), not by where it
         # or its token file lives, so a moved file still resumes and a changed one does not.
         if key not in ("path", "cache_dir") and data_config.get(key) != value:
-            problems.append(f"data.{key}: checkpoint {value}, this run {data_config.get(key)} "
-                            f"(a different corpus)")
+            problems.append(
+                f"data.{key}: checkpoint {value}, this run {data_config.get(key)} (a different corpus)"
+            )
     skipped = int(manifest.get("skipped_batches", 0))
     saved_position, position = manifest.get("data"), data.position(int(manifest["step"]), skipped)
     if saved_position and saved_position != position:
@@ -61,15 +76,23 @@ def check_fits(path: Path, manifest: dict, layout: FlatLayout, cfg: RunConfig, t
             problems.append(
                 f"global batch: checkpoint {saved_position['global_batch']} sequences per step, this run "
                 f"{position['global_batch']}; the data order cannot continue exactly. Set "
-                f"train.global_batch={saved_position['global_batch']} (any world size that divides it)")
+                f"train.global_batch={saved_position['global_batch']} (any world size that divides it)"
+            )
         if saved_position["seed"] != position["seed"]:
-            problems.append(f"seed (data order): checkpoint {saved_position['seed']}, this run {position['seed']}")
+            problems.append(
+                f"seed (data order): checkpoint {saved_position['seed']}, this run {position['seed']}"
+            )
         if saved_position.get("source") != position.get("source"):
-            problems.append(f"data source: checkpoint {saved_position.get('source')}, this run "
-                            f"{position.get('source')} (the text file's content changed)")
+            problems.append(
+                f"data source: checkpoint {saved_position.get('source')}, this run "
+                f"{position.get('source')} (the text file's content changed)"
+            )
         if saved_position["num_windows"] != position["num_windows"]:
-            problems.append(f"training windows in the corpus: checkpoint {saved_position['num_windows']}, "
-                            f"this run {position['num_windows']}")
+            problems.append(
+                f"training windows in the corpus: checkpoint {saved_position['num_windows']}, "
+                f"this run {position['num_windows']}"
+            )
     if problems:
-        raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this run, nothing was loaded:\n  "
-                                         + "\n  ".join(problems))
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} does not fit this run, nothing was loaded:\n  " + "\n  ".join(problems)
+        )

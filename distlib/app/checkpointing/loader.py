@@ -7,18 +7,19 @@ them and share the verdict), checks its run configuration and that it fits this 
 every difference listed), and only then restores this rank's optimizer partition (resharded when
 the checkpoint's world size differs), parameters, RNG and data position.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from distlib.app.checkpointing.fit_check import check_fits
 from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
-from distlib.checkpoint import reshard
+from distlib.checkpoint import reshard, rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
@@ -29,8 +30,15 @@ NO_RESUME = (None, "", "none", "null")
 
 
 class Loader:
-    def __init__(self, cfg: RunConfig, comm: Comm, mesh: Mesh, data: GlobalBatches, root: Path,
-                 say: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        comm: Comm,
+        mesh: Mesh,
+        data: GlobalBatches,
+        root: Path,
+        say: Callable[[str], None],
+    ):
         self.cfg, self.comm, self.mesh, self.data, self.root, self.say = cfg, comm, mesh, data, root, say
 
     def resolve(self) -> tuple[Path | None, bool]:
@@ -39,8 +47,12 @@ class Loader:
         resume = self.cfg.checkpoint.resume
         if resume not in NO_RESUME and resume != "latest":
             return Path(resume), False
-        listing = agree.agreed(lambda: [str(p) for p in checkpoint.list_committed(self.root)], self.comm,
-                               checkpoint.CheckpointError, rank0_only=True)
+        listing = agree.agreed(
+            lambda: [str(p) for p in checkpoint.list_committed(self.root)],
+            self.comm,
+            checkpoint.CheckpointError,
+            rank0_only=True,
+        )
         candidates = [Path(p) for p in listing]
         if resume != "latest":
             if candidates:
@@ -51,14 +63,19 @@ class Loader:
             if damaged:
                 raise checkpoint.CheckpointError(
                     f"checkpoint.resume=latest: none of the {len(damaged)} checkpoint(s) in {self.root} "
-                    f"verifies; the newest: {damaged[0][1]}")
+                    f"verifies; the newest: {damaged[0][1]}"
+                )
             self.say(f"resume: no checkpoint in {self.root}; starting fresh")
             return None, False
         if self.comm.rank == 0:
             for bad, problem in damaged:
                 # Moved aside, not deleted: kept for inspection, and the rerun can save that step again.
-                print(f"resume: skipping a damaged checkpoint (moved to {checkpoint.quarantine(bad)}): {problem}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"resume: skipping a damaged checkpoint (moved to {checkpoint.quarantine(bad)}): "
+                    f"{problem}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.say(f"resume: latest valid checkpoint is {found}")
         return found, True
 
@@ -74,8 +91,9 @@ class Loader:
             return path, damaged
         return None, damaged
 
-    def load(self, path: Path, model, optimizer: ZeroOptimizer, verified: bool = False,
-             restores_data: bool = True) -> int:
+    def load(
+        self, path: Path, model, optimizer: ZeroOptimizer, verified: bool = False, restores_data: bool = True
+    ) -> int:
         """Load ``path`` into ``optimizer`` (which updates ``model``): nothing is loaded unless all of it
         fits. ``restores_data``: also set the run's data position (not for a second, checking
         optimizer). Returns the checkpoint's step."""
@@ -87,13 +105,16 @@ class Loader:
         check_fits(path, manifest, optimizer.layout, self.cfg, mesh.tp.size, mesh.tp.rank, self.data)
         stage = (mesh.pp.rank, mesh.pp.size) if mesh.pp else (0, 1)
         state, rank_state, rng = agree.agreed(
-            lambda: reshard.load_partition(path, manifest, mesh.dp.rank, mesh.dp.size, mesh.tp.rank,
-                                           (optimizer.layout, *stage)),
-            self.comm, checkpoint.CheckpointError)
+            lambda: reshard.load_partition(
+                path, manifest, mesh.dp.rank, mesh.dp.size, mesh.tp.rank, (optimizer.layout, *stage)
+            ),
+            self.comm,
+            checkpoint.CheckpointError,
+        )
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:
-            checkpoint.restore_rng(rng, rank_state["rng"])
-            checkpoint.restore_device_rng(rng, optimizer.device)
+            rng_state.restore_rng(rng, rank_state["rng"])
+            rng_state.restore_device_rng(rng, optimizer.device)
         else:
             seed_process_rngs(self.cfg.seed, mesh.dp.rank)
         if restores_data:
@@ -105,12 +126,16 @@ class Loader:
         """Resharding and re-seeding are told (one line each; the RNG question is collective)."""
         reseeded = [r for r, (had,) in enumerate(agree.gather([float(had_rng)], self.comm)) if not had]
         if manifest["world_size"] != self.comm.size:
-            self.say(f"resharded checkpoint {path}: saved by {manifest['world_size']} rank(s) at ZeRO stage "
-                     f"{manifest.get('zero_stage')}, loaded into {self.comm.size} at stage {self.cfg.zero.stage}; "
-                     f"the data position carries over (same global batch, {self.cfg.global_batch})")
+            self.say(
+                f"resharded checkpoint {path}: saved by {manifest['world_size']} rank(s) at ZeRO stage "
+                f"{manifest.get('zero_stage')}, loaded into {self.comm.size} at stage {self.cfg.zero.stage}; "
+                f"the data position carries over (same global batch, {self.cfg.global_batch})"
+            )
         if reseeded:
-            self.say(f"rank(s) {reseeded} have no saved RNG state in {path} (it was saved by fewer ranks): "
-                     f"re-seeded from seed + rank; dropout draws differ from the original run")
+            self.say(
+                f"rank(s) {reseeded} have no saved RNG state in {path} (it was saved by fewer ranks): "
+                f"re-seeded from seed + rank; dropout draws differ from the original run"
+            )
 
 
 def _read_checked(path: Path) -> dict:
@@ -124,7 +149,8 @@ def fresh_run_collision(root: Path, newest: Path) -> checkpoint.CheckpointError:
     """A fresh run into ``root`` would collide with (and never overwrite) its checkpoints."""
     return checkpoint.CheckpointError(
         f"{root} already holds checkpoint(s) up to {newest.name}; pass checkpoint.resume=latest to "
-        f"continue that run, or choose a new hydra.run.dir")
+        f"continue that run, or choose a new hydra.run.dir"
+    )
 
 
 def refuse_fresh_run_over_checkpoints(root: Path, resume: str | None) -> None:

@@ -5,6 +5,7 @@ Resuming, sampling and ``scripts/ckpt.py verify`` rebuild them with the config d
 hand-edited or foreign manifest (``"model": {"dim": -1}``) is refused with the key named, as the
 same value on the command line would be. Keys an older version did not write take their defaults.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +19,8 @@ def manifest_config(manifest: dict, path: Path | str) -> tuple[ModelConfig, Data
     try:
         model = ModelConfig.from_dict(manifest.get("model"))
         data = DataConfig.from_dict(manifest["data_config"]) if "data_config" in manifest else None
-    except (TypeError, ValueError) as exc:   # a ConfigError, or a value that is not an object
-        raise CheckpointError(f"checkpoint {path}: the run configuration in its manifest is invalid: {exc}") from exc
+    except (TypeError, ValueError) as exc:  # a ConfigError, or a value that is not an object
+        raise CheckpointError(
+            f"checkpoint {path}: the run configuration in its manifest is invalid: {exc}"
+        ) from exc
     return model, data

@@ -19,22 +19,23 @@ Cleanup: the end of the run removes the job's directory (node-local rank 0, afte
 got there); under a launcher (torchrun, or train.py's own) a reaper process started by the first
 attempt's local rank 0 removes it when the launcher exits, so a failed job leaves nothing either.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from distlib.app import launcher_env
+from distlib.app.unattended.rollback import RollbackPoint
 from distlib.checkpoint import memory_snapshot as shm
 from distlib.checkpoint import replica
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
-from distlib.app import launcher_env
-from distlib.app.unattended.rollback import RollbackPoint
 
 
 def fingerprint(meta: dict, world_size: int) -> str:
@@ -63,18 +64,28 @@ def choose(reports: list[dict], world_size: int, fingerprint: str) -> tuple[int,
 
 
 class MemorySnapshots:
-    def __init__(self, every: int, comm: Comm, run_dir: Path, fingerprint: Callable[[], str],
-                 say: Callable[[str], None]):
+    def __init__(
+        self,
+        every: int,
+        comm: Comm,
+        run_dir: Path,
+        fingerprint: Callable[[], str],
+        say: Callable[[str], None],
+    ):
         self.every, self.comm, self.say, self._fingerprint = every, comm, say, fingerprint
         # DISTLIB_SHM_DIR: another tmpfs than /dev/shm (the tests give each simulated node its own)
         self.dir = shm.job_dir(run_dir, Path(os.environ.get("DISTLIB_SHM_DIR", shm.SHM)))
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", comm.size))     # ranks per node
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", comm.size))  # ranks per node
         self.local_rank = int(os.environ.get("LOCAL_RANK", comm.rank % self.local_world))
         self.offset = replica.peer_offset(self.local_world, comm.size)
         self.newest: int | None = None
-        if every and self.local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ \
-                and launcher_env.attempt() == 0:
-            shm.start_reaper(os.getppid(), self.dir)     # the launcher's exit removes the directory
+        if (
+            every
+            and self.local_rank == 0
+            and "TORCHELASTIC_RUN_ID" in os.environ
+            and launcher_env.attempt() == 0
+        ):
+            shm.start_reaper(os.getppid(), self.dir)  # the launcher's exit removes the directory
 
     @property
     def fingerprint(self) -> str:
@@ -92,15 +103,19 @@ class MemorySnapshots:
             theirs = replica.exchange(data, self.comm, self.offset)
             ok = self._write(step, (me - self.offset) % self.comm.size, theirs, fingerprint) and ok
         if not agree.all_true(ok, self.comm):
-            self.say(f"memory snapshot of step {step}: not every rank could write it; the previous one "
-                     f"(step {self.newest}) stays")
+            self.say(
+                f"memory snapshot of step {step}: not every rank could write it; the previous one "
+                f"(step {self.newest}) stays"
+            )
             return
         # every rank holds the new round: the older ones go (node-local rank 0 also removes strays)
         shm.remove_steps(self.dir, lambda s: s == step, holder=None if self.local_rank == 0 else me)
         if self.newest is None:
             copies = "its own and a peer's replica" if self.offset else "its own"
-            self.say(f"memory snapshot: {len(data)} bytes per rank (rank 0's) in {self.dir}, each rank "
-                     f"holding {copies}; every {self.every} step(s), only the newest kept")
+            self.say(
+                f"memory snapshot: {len(data)} bytes per rank (rank 0's) in {self.dir}, each rank "
+                f"holding {copies}; every {self.every} step(s), only the newest kept"
+            )
         self.newest = step
 
     def _write(self, step: int, owner: int, data: bytes, fingerprint: str) -> bool:
@@ -108,14 +123,19 @@ class MemorySnapshots:
             shm.write(self.dir, step, owner, self.comm.rank, data, fingerprint)
             return True
         except OSError as exc:
-            print(f"warning: rank {self.comm.rank}: memory snapshot of step {step} not written: {exc}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: rank {self.comm.rank}: memory snapshot of step {step} not written: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
 
     def rolled_back(self, to_step: int) -> None:
         """A rollback: snapshots newer than the state rolled back to are of a rejected update."""
         if self.every:
-            shm.remove_steps(self.dir, lambda s: s <= to_step, holder=None if self.local_rank == 0 else self.comm.rank)
+            shm.remove_steps(
+                self.dir, lambda s: s <= to_step, holder=None if self.local_rank == 0 else self.comm.rank
+            )
             self.newest = None
 
     def finish(self) -> None:
@@ -139,40 +159,58 @@ class MemorySnapshots:
         def report() -> dict:
             intact, problems = shm.scan(self.dir, share=(self.local_rank, self.local_world))
             for problem in problems:
-                print(f"resume: refusing a damaged memory snapshot (removed): {problem}", file=sys.stderr, flush=True)
+                print(
+                    f"resume: refusing a damaged memory snapshot (removed): {problem}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             found.extend(intact)
             disk = checkpoint.list_committed(disk_root) if rank == 0 else []
-            return {"have": [s.describe() for s in intact],
-                    "disk": int(disk[-1].name[len("step_"):]) if disk else None}
+            return {
+                "have": [s.describe() for s in intact],
+                "disk": int(disk[-1].name[len("step_") :]) if disk else None,
+            }
 
         reports = agree.agreed_all(report, comm, checkpoint.CheckpointError)
         plan = choose(reports, comm.size, self.fingerprint)
         if plan is None:
-            self.say(f"resume: no memory snapshot round newer than the disk checkpoints in {self.dir}; from disk")
+            self.say(
+                f"resume: no memory snapshot round newer than the disk checkpoints in {self.dir}; from disk"
+            )
             return None
         step, providers = plan
         mine = {s.owner: s for s in found if s.step == step}
         try:
-            outgoing = agree.agreed(lambda: {o: shm.verify(mine[o]) for o, p in providers.items() if p == rank},
-                                    comm, checkpoint.CheckpointError)
+            outgoing = agree.agreed(
+                lambda: {o: shm.verify(mine[o]) for o, p in providers.items() if p == rank},
+                comm,
+                checkpoint.CheckpointError,
+            )
             sends = [(owner, data) for owner, data in outgoing.items() if owner != rank]
             source = providers[rank]
             held = next(s for s in reports[source]["have"] if s["step"] == step and s["owner"] == rank)
             received = replica.deliver(sends, None if source == rank else (source, held["bytes"]), comm)
-            state = agree.agreed(lambda: self._decode(outgoing.get(rank, received), held["sha256"]), comm,
-                                 checkpoint.CheckpointError)
+            state = agree.agreed(
+                lambda: self._decode(outgoing.get(rank, received), held["sha256"]),
+                comm,
+                checkpoint.CheckpointError,
+            )
         except checkpoint.CheckpointError as exc:
             self.say(f"resume: the memory snapshot of step {step} could not be restored ({exc}); from disk")
             return None
         moved = sorted(o for o, p in providers.items() if p != o)
-        self.say(f"resume: from the memory snapshot of step {step} in {self.dir}"
-                 + (f" (rank(s) {moved} from peer replicas)" if moved else ""))
+        self.say(
+            f"resume: from the memory snapshot of step {step} in {self.dir}"
+            + (f" (rank(s) {moved} from peer replicas)" if moved else "")
+        )
         self.newest = step
         return RollbackPoint(step, None, state)
 
     @staticmethod
     def _decode(data: bytes | None, expected: str) -> tuple[dict, dict]:
         if data is None or shm.sha256(data) != expected:
-            raise checkpoint.CheckpointError(f"memory snapshot bytes arrived with sha256 "
-                                             f"{None if data is None else shm.sha256(data)}, expected {expected}")
+            raise checkpoint.CheckpointError(
+                f"memory snapshot bytes arrived with sha256 "
+                f"{None if data is None else shm.sha256(data)}, expected {expected}"
+            )
         return shm.decode(data)

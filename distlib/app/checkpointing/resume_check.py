@@ -7,12 +7,13 @@ rank state written, and the parameter bytes at the save) -- the run's first chec
 (``verify``) loads that checkpoint through the run's own ``Loader`` into a model and optimizer
 built from a different seed, with the process RNGs re-seeded differently.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ from distlib.parallel.zero import ZeroOptimizer
 @dataclass
 class ResumeCheck:
     step: int
-    mismatches: list[str]        # "rank R: what differed"; empty means byte-identical
+    mismatches: list[str]  # "rank R: what differed"; empty means byte-identical
 
     @property
     def ok(self) -> bool:
@@ -42,6 +43,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 @dataclass
 class Kept:
     """What a save wrote on this rank, and the parameter bytes at the save."""
+
     step: int
     tensors: dict[str, torch.Tensor]
     rank_state: dict
@@ -49,8 +51,17 @@ class Kept:
 
 
 class ResumeVerifier:
-    def __init__(self, enabled: bool, every_save: bool, seed: int, dp_rank: int, comm: Comm, root: Path,
-                 loader: Loader, contents: Contents):
+    def __init__(
+        self,
+        enabled: bool,
+        every_save: bool,
+        seed: int,
+        dp_rank: int,
+        comm: Comm,
+        root: Path,
+        loader: Loader,
+        contents: Contents,
+    ):
         self.enabled, self.every_save, self.seed, self.dp_rank = enabled, every_save, seed, dp_rank
         self.comm, self.root, self.loader, self.contents = comm, root, loader, contents
         self.kept: Kept | None = None
@@ -82,15 +93,23 @@ class ResumeVerifier:
         seed_process_rngs(self.seed + 1, self.dp_rank)
         path = self.root / checkpoint.step_dir_name(kept.step)
         loaded_step = self.loader.load(path, model, optimizer, restores_data=False)
-        restored, restored_state = self.contents.state(loaded_step, optimizer, kept.rank_state.get("skipped_batches", 0))
-        mismatches = [f"{key} differs" for key in sorted(kept.tensors)
-                      if _bytes(kept.tensors[key]) != _bytes(restored[key])]
+        restored, restored_state = self.contents.state(
+            loaded_step, optimizer, kept.rank_state.get("skipped_batches", 0)
+        )
+        mismatches = [
+            f"{key} differs"
+            for key in sorted(kept.tensors)
+            if _bytes(kept.tensors[key]) != _bytes(restored[key])
+        ]
         if _bytes(kept.params) != _bytes(optimizer.params_snapshot()):
             mismatches.append("model parameters differ")
         if kept.rank_state != json.loads(json.dumps(restored_state)):
             mismatches.append("step, data position or python/numpy RNG differ")
         expected, drawn = saved_rng_draws(kept.tensors, kept.rank_state["rng"]), process_rng_draws()
-        mismatches += [f"{name} RNG draws differ after the restore" for name in expected
-                       if expected[name] != drawn[name]]
+        mismatches += [
+            f"{name} RNG draws differ after the restore" for name in expected if expected[name] != drawn[name]
+        ]
         reports = agree.gather_bytes(json.dumps(mismatches).encode(), self.comm)
-        return ResumeCheck(kept.step, [f"rank {r}: {m}" for r, rep in enumerate(reports) for m in json.loads(rep)])
+        return ResumeCheck(
+            kept.step, [f"rank {r}: {m}" for r, rep in enumerate(reports) for m in json.loads(rep)]
+        )

@@ -1,5 +1,6 @@
 """What the generators a checkpoint saved draw, against what the process's draw: the RNG half of
 ``Checkpointer.verify_resume``."""
+
 from __future__ import annotations
 
 import random
@@ -7,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-_DRAWS = 4   # numbers drawn from each generator by the resume check
+_DRAWS = 4  # numbers drawn from each generator by the resume check
 
 
 def seed_process_rngs(seed: int, rank: int) -> None:
@@ -19,7 +20,7 @@ def seed_process_rngs(seed: int, rank: int) -> None:
 
 
 def saved_rng_draws(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, list[float]]:
-    """What torch, numpy and python generators in the states ``checkpoint.capture_rng`` saved draw
+    """What torch, numpy and python generators in the states ``rng_state.capture_rng`` saved draw
     first (private generators: the process's own are not touched)."""
     torch_gen = torch.Generator()
     torch_gen.set_state(tensors["rng.torch"])
@@ -29,8 +30,11 @@ def saved_rng_draws(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, l
     version, state, py_gauss = meta["python"]
     python_gen = random.Random()
     python_gen.setstate((version, tuple(state), py_gauss))
-    return {"torch": torch.rand(_DRAWS, generator=torch_gen, dtype=torch.float64, device="cpu").tolist(),
-            "numpy": numpy_gen.random_sample(_DRAWS).tolist(), "python": [python_gen.random() for _ in range(_DRAWS)]}
+    return {
+        "torch": torch.rand(_DRAWS, generator=torch_gen, dtype=torch.float64, device="cpu").tolist(),
+        "numpy": numpy_gen.random_sample(_DRAWS).tolist(),
+        "python": [python_gen.random() for _ in range(_DRAWS)],
+    }
 
 
 def process_rng_draws() -> dict[str, list[float]]:
@@ -38,8 +42,11 @@ def process_rng_draws() -> dict[str, list[float]]:
     put back afterwards."""
     numpy_state, python_state = np.random.get_state(), random.getstate()
     with torch.random.fork_rng(devices=[]):
-        drawn = {"torch": torch.rand(_DRAWS, dtype=torch.float64, device="cpu").tolist(),
-                 "numpy": np.random.random_sample(_DRAWS).tolist(), "python": [random.random() for _ in range(_DRAWS)]}
+        drawn = {
+            "torch": torch.rand(_DRAWS, dtype=torch.float64, device="cpu").tolist(),
+            "numpy": np.random.random_sample(_DRAWS).tolist(),
+            "python": [random.random() for _ in range(_DRAWS)],
+        }
     np.random.set_state(numpy_state)
     random.setstate(python_state)
     return drawn

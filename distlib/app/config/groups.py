@@ -3,6 +3,7 @@
 Each key is declared once, here (``schema.key``): default, meaning, allowed values. Rules between
 the keys of one group are the group's ``check``; rules across groups are in ``run.py``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,10 +11,10 @@ from dataclasses import dataclass
 from distlib.app.config.schema import ConfigError, Group, key
 from distlib.parallel.adamw import AdamWConfig
 
-DTYPES = ("fp32", "bf16")            # train.dtype; distlib.app.config.run maps them to torch dtypes
+DTYPES = ("fp32", "bf16")  # train.dtype; distlib.app.config.run maps them to torch dtypes
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine", "wsd")
-BYTE_VOCAB = 256                     # data.kind=text's byte-level tokenizer (distlib.app.data.tokens)
+BYTE_VOCAB = 256  # data.kind=text's byte-level tokenizer (distlib.app.data.tokens)
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,15 @@ class ModelConfig(Group):
     n_heads: int = key(4, "attention heads per block", ge=1)
     n_layers: int = key(2, "transformer blocks", ge=1)
     mlp_ratio: int = key(4, "MLP hidden width = mlp_ratio x dim", ge=1)
-    dropout: float = key(0.0, "dropout probability (draws from the torch RNG, which checkpoints save)", ge=0, lt=1)
+    dropout: float = key(
+        0.0, "dropout probability (draws from the torch RNG, which checkpoints save)", ge=0, lt=1
+    )
     activation_checkpointing: str = key(
-        "none", "blocks: keep only each block's input in forward and recompute the block in backward (same "
+        "none",
+        "blocks: keep only each block's input in forward and recompute the block in backward (same "
         "losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes` line)",
-        choices=("none", "blocks"))
+        choices=("none", "blocks"),
+    )
 
     def check(self) -> None:
         if self.dim % self.n_heads:
@@ -45,50 +50,80 @@ class OptimizerConfig(Group):
     eps: float = key(1e-8, "added to AdamW's denominator", gt=0)
     weight_decay: float = key(0.01, "decoupled weight decay, applied as p *= 1 - lr x weight_decay", ge=0)
     grad_clip: float = key(0.0, "clip the global gradient norm to this value; 0 disables", ge=0)
-    schedule: str = key("constant", "the learning rate per step, a function of the step alone (a resume "
-                        "continues it bit for bit): constant, cosine (to min_lr_ratio x lr at train.steps) or "
-                        "wsd (warmup, stable, then a linear decay over the last decay_steps)", choices=SCHEDULES)
+    schedule: str = key(
+        "constant",
+        "the learning rate per step, a function of the step alone (a resume "
+        "continues it bit for bit): constant, cosine (to min_lr_ratio x lr at train.steps) or "
+        "wsd (warmup, stable, then a linear decay over the last decay_steps)",
+        choices=SCHEDULES,
+    )
     warmup_steps: int = key(0, "linear warmup: step t <= W runs at lr x t / W (any schedule)", ge=0)
     decay_steps: int = key(0, "wsd only: the final decay phase, in steps (>= 1 for wsd)", ge=0)
-    min_lr_ratio: float = key(0.0, "cosine / wsd: the rate at the end of the decay, as a fraction of lr", ge=0, le=1)
+    min_lr_ratio: float = key(
+        0.0, "cosine / wsd: the rate at the end of the decay, as a fraction of lr", ge=0, le=1
+    )
 
     def check(self) -> None:
         if self.schedule == "wsd" and self.decay_steps < 1:
-            raise ConfigError("optimizer.schedule=wsd needs optimizer.decay_steps >= 1 (its final decay phase)")
+            raise ConfigError(
+                "optimizer.schedule=wsd needs optimizer.decay_steps >= 1 (its final decay phase)"
+            )
         if self.schedule != "wsd" and self.decay_steps:
-            raise ConfigError(f"optimizer.decay_steps is used by schedule=wsd only (schedule={self.schedule}; "
-                              f"cosine decays from the end of warmup to train.steps)")
+            raise ConfigError(
+                f"optimizer.decay_steps is used by schedule=wsd only (schedule={self.schedule}; "
+                f"cosine decays from the end of warmup to train.steps)"
+            )
 
     @property
     def adamw(self) -> AdamWConfig:
-        return AdamWConfig(lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                           weight_decay=self.weight_decay)
+        return AdamWConfig(
+            lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay
+        )
 
 
 @dataclass(frozen=True)
 class ZeroConfig(Group):
     GROUP = "zero"
-    stage: int = key(1, "0: plain data parallelism (all-reduce, full AdamW state everywhere); 1: optimizer state "
-                     "sharded (12P/N); 2: gradients sharded too; 3: parameters sharded too", choices=(0, 1, 2, 3))
-    bucket_numel: int = key(8192, "gradient bucket size in elements at stage 2 (and stages 0/1 with overlap); "
-                            "whole modules per bucket", ge=1)
-    overlap: bool = key(False, "start the gradient sync from backward hooks on a communication thread (stage 3: "
-                        "also prefetch the next block's parameters); not bitwise equal to false at stages 0/1")
+    stage: int = key(
+        1,
+        "0: plain data parallelism (all-reduce, full AdamW state everywhere); 1: optimizer state "
+        "sharded (12P/N); 2: gradients sharded too; 3: parameters sharded too",
+        choices=(0, 1, 2, 3),
+    )
+    bucket_numel: int = key(
+        8192,
+        "gradient bucket size in elements at stage 2 (and stages 0/1 with overlap); whole modules per bucket",
+        ge=1,
+    )
+    overlap: bool = key(
+        False,
+        "start the gradient sync from backward hooks on a communication thread (stage 3: "
+        "also prefetch the next block's parameters); not bitwise equal to false at stages 0/1",
+    )
 
 
 @dataclass(frozen=True)
 class DataConfig(Group):
     GROUP = "data"
-    kind: str = key("synthetic", "synthetic (make_corpus: a Markov chain with a favourite successor per token) "
-                    "or text (a UTF-8 file, byte-level tokens)", choices=("synthetic", "text"))
+    kind: str = key(
+        "synthetic",
+        "synthetic (make_corpus: a Markov chain with a favourite successor per token) "
+        "or text (a UTF-8 file, byte-level tokens)",
+        choices=("synthetic", "text"),
+    )
     seed: int = key(0, "synthetic: the corpus seed (the batch order uses the top-level seed)", ge=0)
     total_tokens: int = key(65536, "synthetic: corpus length in tokens", ge=2)
-    follow_prob: float = key(0.9, "synthetic: probability that a token is followed by its favourite successor",
-                             ge=0, le=1)
+    follow_prob: float = key(
+        0.9, "synthetic: probability that a token is followed by its favourite successor", ge=0, le=1
+    )
     path: str | None = key(None, "text: the UTF-8 file (relative paths start at the launch directory)")
     cache_dir: str | None = key(None, "text: directory for the token file; null = next to the source")
-    val_fraction: float = key(0.0, "held-out tail of the tokens for validation (train.eval_every), never trained "
-                              "on; 0 = none", ge=0, lt=1)
+    val_fraction: float = key(
+        0.0,
+        "held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none",
+        ge=0,
+        lt=1,
+    )
 
     def check(self) -> None:
         if self.kind == "text" and not self.path:
@@ -99,32 +134,57 @@ class DataConfig(Group):
 class TrainConfig(Group):
     GROUP = "train"
     steps: int = key(20, "optimizer steps; the run ends by itself after the last one", ge=1)
-    global_batch: int | None = key(16, "sequences per optimizer step over all data-parallel ranks; fixed, so "
-                                   "every world size sees the same data and the same losses", ge=1)
-    batch_size: int | None = key(None, "sequences per data-parallel rank per micro-batch; null = derived from "
-                                 "global_batch (to size per rank, set global_batch=null and batch_size=K)", ge=1)
+    global_batch: int | None = key(
+        16,
+        "sequences per optimizer step over all data-parallel ranks; fixed, so "
+        "every world size sees the same data and the same losses",
+        ge=1,
+    )
+    batch_size: int | None = key(
+        None,
+        "sequences per data-parallel rank per micro-batch; null = derived from "
+        "global_batch (to size per rank, set global_batch=null and batch_size=K)",
+        ge=1,
+    )
     grad_accum: int = key(1, "micro-batches per rank per optimizer step", ge=1)
     loss_tolerance: float = key(1e-6, "invariant 1: loss[t+1] <= loss[t] x (1 + loss_tolerance)", ge=0)
-    monotone_until_step: int = key(20, "invariant 1 covers steps up to this one (near convergence the per-step "
-                                   "loss is noisy); 0 disables it", ge=0)
-    eval_every: int = key(0, "validation loss on the held-out split every K steps (needs data.val_fraction > 0); "
-                          "0 = off", ge=0)
-    eval_windows: int = key(128, "held-out windows scored per evaluation (the first ones; the same every time)",
-                            ge=1)
+    monotone_until_step: int = key(
+        20,
+        "invariant 1 covers steps up to this one (near convergence the per-step "
+        "loss is noisy); 0 disables it",
+        ge=0,
+    )
+    eval_every: int = key(
+        0, "validation loss on the held-out split every K steps (needs data.val_fraction > 0); 0 = off", ge=0
+    )
+    eval_windows: int = key(
+        128, "held-out windows scored per evaluation (the first ones; the same every time)", ge=1
+    )
     profile_steps: tuple[int, int] | None = key(
-        None, "[a, b]: a torch.profiler Chrome trace of steps a..b per rank in <run dir>/traces/rank<R>.json, "
-        "every collective a named range; scripts/report.py splits each rank's time with it")
-    dtype: str = key("fp32", "bf16: bf16 parameters and activations, fp32 gradients, master weights and Adam state",
-                     choices=DTYPES)
-    device: str = key("auto", "cpu, cuda (rank r on GPU LOCAL_RANK % GPUs; with gloo several ranks share a GPU), "
-                      "or auto (cuda with nccl, else cpu); docs/gpu.md", choices=DEVICES)
+        None,
+        "[a, b]: a torch.profiler Chrome trace of steps a..b per rank in <run dir>/traces/rank<R>.json, "
+        "every collective a named range; scripts/report.py splits each rank's time with it",
+    )
+    dtype: str = key(
+        "fp32",
+        "bf16: bf16 parameters and activations, fp32 gradients, master weights and Adam state",
+        choices=DTYPES,
+    )
+    device: str = key(
+        "auto",
+        "cpu, cuda (rank r on GPU LOCAL_RANK % GPUs; with gloo several ranks share a GPU), "
+        "or auto (cuda with nccl, else cpu); docs/gpu.md",
+        choices=DEVICES,
+    )
 
     def check(self) -> None:
         if self.profile_steps is not None:
             a, b = self.profile_steps
             if not 1 <= a <= b <= self.steps:
-                raise ConfigError(f"train.profile_steps must be [a, b] with 1 <= a <= b <= train.steps={self.steps}, "
-                                  f"got {list(self.profile_steps)}")
+                raise ConfigError(
+                    f"train.profile_steps must be [a, b] with 1 <= a <= b <= train.steps={self.steps}, "
+                    f"got {list(self.profile_steps)}"
+                )
         if self.batch_size is None and self.global_batch is None:
             raise ConfigError("set train.global_batch or train.batch_size (both are null)")
 
@@ -138,4 +198,6 @@ class MetricsConfig(Group):
 
     def check(self) -> None:
         if not self.file or "/" in self.file:
-            raise ConfigError(f"metrics.file must be a plain file name in the run directory, got {self.file!r}")
+            raise ConfigError(
+                f"metrics.file must be a plain file name in the run directory, got {self.file!r}"
+            )

@@ -5,6 +5,7 @@ own keys as it is built (``schema``), then ``_check_across`` the rules that span
 composes the tree (train.py); ``distlib.launch.hydra_config`` registers these dataclasses'
 defaults with Hydra, so conf/ holds only what a choice changes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,8 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from distlib.app import devices
-from distlib.app.config.groups import (DataConfig, MetricsConfig, ModelConfig, OptimizerConfig, TrainConfig,
-                                       ZeroConfig)
+from distlib.app.config.groups import (
+    DataConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+    ZeroConfig,
+)
 from distlib.app.config.operation import CheckpointConfig, DistConfig, GuardConfig
 from distlib.app.config.schema import ConfigError, Group, key
 from distlib.app.faults import FaultConfig
@@ -21,14 +28,23 @@ from distlib.comm.mesh import MeshError, check_layout
 
 __all__ = ["ConfigError", "RunConfig", "GROUPS"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # train.dtype -> parameter/compute dtype
-BYTE_VOCAB = 256          # data.kind=text's byte-level tokenizer (distlib.app.data.tokens)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> parameter/compute dtype
+BYTE_VOCAB = 256  # data.kind=text's byte-level tokenizer (distlib.app.data.tokens)
 MAX_SYNTHETIC_VOCAB = 65535
 
 # group name -> its dataclass, in the order of conf/config.yaml
-GROUPS = {"model": ModelConfig, "optimizer": OptimizerConfig, "zero": ZeroConfig, "checkpoint": CheckpointConfig,
-          "train": TrainConfig, "dist": DistConfig, "guard": GuardConfig, "fault": FaultConfig,
-          "metrics": MetricsConfig, "data": DataConfig}
+GROUPS = {
+    "model": ModelConfig,
+    "optimizer": OptimizerConfig,
+    "zero": ZeroConfig,
+    "checkpoint": CheckpointConfig,
+    "train": TrainConfig,
+    "dist": DistConfig,
+    "guard": GuardConfig,
+    "fault": FaultConfig,
+    "metrics": MetricsConfig,
+    "data": DataConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +59,11 @@ class RunConfig(Group):
     fault: FaultConfig = field(default_factory=FaultConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    seed: int = key(1234, "seed of the model initialisation and of the data order (the corpus has its own, "
-                    "data.seed)", ge=0)
+    seed: int = key(
+        1234,
+        "seed of the model initialisation and of the data order (the corpus has its own, data.seed)",
+        ge=0,
+    )
 
     @property
     def dp_size(self) -> int:
@@ -66,7 +85,7 @@ class RunConfig(Group):
         return devices.rank_device(self.train.device, self.dist.backend, local_rank)
 
     @staticmethod
-    def from_dict(tree: dict) -> "RunConfig":
+    def from_dict(tree: dict) -> RunConfig:
         """The checked configuration of a composed tree (Hydra's own ``hydra`` node is ignored)."""
         tree = {k: v for k, v in tree.items() if k != "hydra"}
         unknown = sorted(set(tree) - set(GROUPS) - {"seed"})
@@ -86,8 +105,10 @@ def _check_across(cfg: RunConfig) -> None:
     except MeshError as exc:
         raise ConfigError(f"invalid parallel layout: {exc}") from exc
     if m.n_heads % d.tp:
-        raise ConfigError(f"invalid parallel layout: dist.tp={d.tp} must divide model.n_heads={m.n_heads} (heads "
-                          f"are split across tensor-parallel ranks)")
+        raise ConfigError(
+            f"invalid parallel layout: dist.tp={d.tp} must divide model.n_heads={m.n_heads} (heads "
+            f"are split across tensor-parallel ranks)"
+        )
     _check_batch(cfg)
     _check_pipeline(cfg)
     _check_devices(cfg)
@@ -100,19 +121,25 @@ def _check_across(cfg: RunConfig) -> None:
 
 def _check_batch(cfg: RunConfig) -> None:
     t, ranks, d = cfg.train, cfg.dp_size, cfg.dist
-    where = (f"dist.world_size={ranks}" if d.tp == d.pp == 1 else
-             f"dist.world_size/dist.tp={d.world_size}/{d.tp}={ranks} data-parallel" if d.pp == 1 else
-             f"dist.world_size/(dist.tp x dist.pp)={d.world_size}/({d.tp} x {d.pp})={ranks} data-parallel")
+    where = (
+        f"dist.world_size={ranks}"
+        if d.tp == d.pp == 1
+        else f"dist.world_size/dist.tp={d.world_size}/{d.tp}={ranks} data-parallel"
+        if d.pp == 1
+        else f"dist.world_size/(dist.tp x dist.pp)={d.world_size}/({d.tp} x {d.pp})={ranks} data-parallel"
+    )
     if cfg.global_batch % (ranks * t.grad_accum):
         raise ConfigError(
             f"train.global_batch={cfg.global_batch} does not divide into {where} rank(s) x "
-            f"train.grad_accum={t.grad_accum} micro-batch(es); use a multiple of {ranks * t.grad_accum}")
+            f"train.grad_accum={t.grad_accum} micro-batch(es); use a multiple of {ranks * t.grad_accum}"
+        )
     derived = cfg.global_batch // (ranks * t.grad_accum)
     if t.batch_size is not None and t.batch_size != derived:
         raise ConfigError(
             f"train.batch_size={t.batch_size} contradicts train.global_batch={cfg.global_batch} / "
             f"({where} x train.grad_accum={t.grad_accum}) = {derived}; set only one of them "
-            f"(train.global_batch=null to size the batch per rank)")
+            f"(train.global_batch=null to size the batch per rank)"
+        )
 
 
 def _check_pipeline(cfg: RunConfig) -> None:
@@ -121,26 +148,36 @@ def _check_pipeline(cfg: RunConfig) -> None:
         return
     chunks = d.pp * d.pp_virtual
     if cfg.model.n_layers % chunks:
-        raise ConfigError(f"model.n_layers={cfg.model.n_layers} does not split into dist.pp x dist.pp_virtual = "
-                          f"{d.pp} x {d.pp_virtual} = {chunks} equal pipeline chunks")
+        raise ConfigError(
+            f"model.n_layers={cfg.model.n_layers} does not split into dist.pp x dist.pp_virtual = "
+            f"{d.pp} x {d.pp_virtual} = {chunks} equal pipeline chunks"
+        )
     if d.pp_schedule == "interleaved" and cfg.train.grad_accum % d.pp:
-        raise ConfigError(f"dist.pp_schedule=interleaved needs train.grad_accum (micro-batches, "
-                          f"{cfg.train.grad_accum}) to be a multiple of dist.pp={d.pp}")
+        raise ConfigError(
+            f"dist.pp_schedule=interleaved needs train.grad_accum (micro-batches, "
+            f"{cfg.train.grad_accum}) to be a multiple of dist.pp={d.pp}"
+        )
     if cfg.train.eval_every:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} is not supported with dist.pp={d.pp} "
-                          f"(the held-out loss runs the whole model on one rank); set train.eval_every=0")
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} is not supported with dist.pp={d.pp} "
+            f"(the held-out loss runs the whole model on one rank); set train.eval_every=0"
+        )
 
 
 def _check_devices(cfg: RunConfig) -> None:
     backend, device = cfg.dist.backend, cfg.train.device
     if backend == "nccl" and not devices.cuda_devices():
         # Without this check the run would die later, as a rendezvous "timeout".
-        raise ConfigError(f"dist.backend=nccl needs CUDA GPUs but {devices.no_cuda_reason()}; use dist.backend=gloo")
+        raise ConfigError(
+            f"dist.backend=nccl needs CUDA GPUs but {devices.no_cuda_reason()}; use dist.backend=gloo"
+        )
     if device == "cuda" and not devices.cuda_devices():
         raise ConfigError(f"train.device=cuda but {devices.no_cuda_reason()}; use train.device=cpu")
     if backend == "nccl" and device == "cpu":
-        raise ConfigError("dist.backend=nccl moves CUDA tensors only, but train.device=cpu; use "
-                          "train.device=cuda (or auto), or dist.backend=gloo")
+        raise ConfigError(
+            "dist.backend=nccl moves CUDA tensors only, but train.device=cpu; use "
+            "train.device=cuda (or auto), or dist.backend=gloo"
+        )
 
 
 def _check_data(cfg: RunConfig) -> None:
@@ -149,12 +186,18 @@ def _check_data(cfg: RunConfig) -> None:
         if d.total_tokens < m.seq_len + 1:
             raise ConfigError(f"data.total_tokens ({d.total_tokens}) must exceed model.seq_len ({m.seq_len})")
         if m.vocab_size > MAX_SYNTHETIC_VOCAB:
-            raise ConfigError(f"model.vocab_size={m.vocab_size}: the synthetic corpus has at most "
-                              f"{MAX_SYNTHETIC_VOCAB} tokens")
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size}: the synthetic corpus has at most "
+                f"{MAX_SYNTHETIC_VOCAB} tokens"
+            )
     elif m.vocab_size != BYTE_VOCAB:
-        raise ConfigError(f"data.kind=text uses the byte-level tokenizer ({BYTE_VOCAB} tokens) but "
-                          f"model.vocab_size={m.vocab_size}; drop the override (data=text sets "
-                          f"{BYTE_VOCAB}) or pass model.vocab_size={BYTE_VOCAB}")
+        raise ConfigError(
+            f"data.kind=text uses the byte-level tokenizer ({BYTE_VOCAB} tokens) but "
+            f"model.vocab_size={m.vocab_size}; drop the override (data=text sets "
+            f"{BYTE_VOCAB}) or pass model.vocab_size={BYTE_VOCAB}"
+        )
     if cfg.train.eval_every and d.val_fraction <= 0:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
-                          f"data.val_fraction > 0 (e.g. 0.1)")
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
+            f"data.val_fraction > 0 (e.g. 0.1)"
+        )

@@ -10,6 +10,7 @@ docs/config.md and every error message come from these declarations; nothing rep
 Types: ``int`` (not a bool), ``float`` (an int is accepted and stored as a float; non-finite values
 are refused), ``bool``, ``str``, ``tuple[int, ...]`` (given as a list), each optionally ``| None``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +44,7 @@ def key(default: Any, help: str, *, ge=None, gt=None, le=None, lt=None, choices=
 @dataclass(frozen=True)
 class Spec:
     """One key as the checks and the reference see it."""
+
     name: str
     type: Any
     default: Any
@@ -71,8 +73,11 @@ def _base(tp):
 def specs(cls) -> list[Spec]:
     """The keys of a group, in declaration order."""
     hints = typing.get_type_hints(cls)
-    return [Spec(f.name, hints[f.name], f.default, f.metadata["rule"])
-            for f in dataclasses.fields(cls) if "rule" in f.metadata]
+    return [
+        Spec(f.name, hints[f.name], f.default, f.metadata["rule"])
+        for f in dataclasses.fields(cls)
+        if "rule" in f.metadata
+    ]
 
 
 def describe(spec: Spec) -> str:
@@ -83,8 +88,11 @@ def describe(spec: Spec) -> str:
     elif base is bool:
         what = "true or false"
     elif base is int or base is float:
-        bounds = [f"{op} {_num(v)}" for op, v in ((">=", rule.ge), (">", rule.gt), ("<=", rule.le), ("<", rule.lt))
-                  if v is not None]
+        bounds = [
+            f"{op} {_num(v)}"
+            for op, v in ((">=", rule.ge), (">", rule.gt), ("<=", rule.le), ("<", rule.lt))
+            if v is not None
+        ]
         what = ("an integer" if base is int else "a number") + (" " + " and ".join(bounds) if bounds else "")
     elif base is str:
         what = "a string"
@@ -106,16 +114,23 @@ def _type_ok(value, base) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if base is str:
         return isinstance(value, str)
-    args = typing.get_args(base)        # tuple[int, int]
-    return (isinstance(value, (list, tuple)) and len(value) == len(args)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+    args = typing.get_args(base)  # tuple[int, int]
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == len(args)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
 
 
 def _in_range(value, rule: Rule) -> bool:
     if rule.choices is not None:
         return value in rule.choices and type(value) in {type(c) for c in rule.choices}
-    return ((rule.ge is None or value >= rule.ge) and (rule.gt is None or value > rule.gt)
-            and (rule.le is None or value <= rule.le) and (rule.lt is None or value < rule.lt))
+    return (
+        (rule.ge is None or value >= rule.ge)
+        and (rule.gt is None or value > rule.gt)
+        and (rule.le is None or value <= rule.le)
+        and (rule.lt is None or value < rule.lt)
+    )
 
 
 def check_value(group: str, spec: Spec, value):
@@ -125,7 +140,11 @@ def check_value(group: str, spec: Spec, value):
     if value is None and spec.optional:
         return None
     base = spec.base
-    if value is None or not _type_ok(value, base) or (base in (int, float, str) and not _in_range(value, spec.rule)):
+    if (
+        value is None
+        or not _type_ok(value, base)
+        or (base in (int, float, str) and not _in_range(value, spec.rule))
+    ):
         raise ConfigError(f"{name} must be {describe(spec)}, got {value!r}")
     if base is float:
         return float(value)
@@ -136,6 +155,7 @@ def check_value(group: str, spec: Spec, value):
 
 class Group:
     """A config group's dataclass base: builds from a dict, checks every key on construction."""
+
     GROUP: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
@@ -160,7 +180,9 @@ class Group:
 
     def to_dict(self) -> dict:
         """Every key with its value (tuples as lists: what JSON and Hydra hold)."""
-        return {s.name: list(v) if isinstance(v := getattr(self, s.name), tuple) else v for s in specs(type(self))}
+        return {
+            s.name: list(v) if isinstance(v := getattr(self, s.name), tuple) else v for s in specs(type(self))
+        }
 
 
 def defaults(cls) -> dict:

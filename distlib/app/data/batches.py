@@ -16,6 +16,7 @@ The token array is either the synthetic corpus or a real text file's bytes
 optional held-out tail of it (``data.val_fraction``) never appears in a
 training window and is evaluated in fixed windows (``HeldOut``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,15 +26,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distlib.comm.group import Comm
 from distlib.app.data.tokens import DataError, load_text_tokens
+from distlib.comm.group import Comm
 
 if TYPE_CHECKING:
     from distlib.app.config.run import RunConfig
 
 
-def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64,
-                follow_prob: float = 0.9) -> np.ndarray:
+def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64, follow_prob: float = 0.9) -> np.ndarray:
     """``total_tokens`` tokens: each token is followed by its favourite successor with
     probability ``follow_prob``, otherwise by a uniformly random token."""
     if total_tokens < 2:
@@ -80,16 +80,18 @@ def _cycles(perm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 @dataclass(frozen=True)
 class BatchPlan:
     """How one optimizer step's global batch is split: ranks x micro-batches x sequences."""
-    global_batch: int   # sequences per optimizer step, all ranks together
-    world_size: int     # data-parallel ranks
-    grad_accum: int     # micro-batches per rank per step
+
+    global_batch: int  # sequences per optimizer step, all ranks together
+    world_size: int  # data-parallel ranks
+    grad_accum: int  # micro-batches per rank per step
 
     def __post_init__(self) -> None:
         if self.global_batch % (self.world_size * self.grad_accum):
             raise ValueError(
                 f"global batch {self.global_batch} does not divide into {self.world_size} data-parallel "
                 f"rank(s) x {self.grad_accum} micro-batch(es); choose train.global_batch as a multiple "
-                f"of {self.world_size * self.grad_accum}")
+                f"of {self.world_size * self.grad_accum}"
+            )
 
     @property
     def micro_batch(self) -> int:
@@ -99,7 +101,9 @@ class BatchPlan:
 class GlobalBatches:
     """Fixed-length windows of a token array, served as per-rank micro-batches."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, plan: BatchPlan, seed: int, source: dict | None = None):
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, plan: BatchPlan, seed: int, source: dict | None = None
+    ):
         if len(tokens) < seq_len + 1:
             raise ValueError(f"corpus has {len(tokens)} tokens; need at least seq_len+1 = {seq_len + 1}")
         self.tokens = tokens  # any integer numpy array, a read-only memmap included; windows are copied out
@@ -108,7 +112,7 @@ class GlobalBatches:
         self.plan = plan
         self.seed = seed
         self.num_windows = (len(tokens) - 1) // seq_len
-        self.skipped = 0      # batches skipped after rollbacks (guard.skip_batches); saved in checkpoints
+        self.skipped = 0  # batches skipped after rollbacks (guard.skip_batches); saved in checkpoints
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
     def _window(self, sample: int) -> int:
@@ -126,8 +130,9 @@ class GlobalBatches:
         for micro in range(plan.grad_accum):
             start = first + micro * plan.micro_batch
             rows = [self._window(k) * self.seq_len for k in range(start, start + plan.micro_batch)]
-            windows = torch.from_numpy(np.stack([np.asarray(self.tokens[r:r + self.seq_len + 1], dtype=np.int64)
-                                                 for r in rows]))
+            windows = torch.from_numpy(
+                np.stack([np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64) for r in rows])
+            )
             batches.append((windows[:, :-1], windows[:, 1:]))
         return batches
 
@@ -147,8 +152,12 @@ class GlobalBatches:
         """The data position after ``step`` steps (and ``skipped`` batches, default: this run's), as
         saved in a checkpoint."""
         skipped = self.skipped if skipped is None else skipped
-        position = {"next_sample": (step + skipped) * self.plan.global_batch, "global_batch": self.plan.global_batch,
-                    "seed": self.seed, "num_windows": self.num_windows}
+        position = {
+            "next_sample": (step + skipped) * self.plan.global_batch,
+            "global_batch": self.plan.global_batch,
+            "seed": self.seed,
+            "num_windows": self.num_windows,
+        }
         if self.source is not None:
             position["source"] = self.source
         return position
@@ -158,7 +167,7 @@ def split_heldout(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, 
     """(train, held-out): the last ``val_fraction`` of the tokens are held out, as one contiguous
     tail, so no training window ever overlaps a validation window."""
     held = int(len(tokens) * val_fraction)
-    return tokens[:len(tokens) - held], tokens[len(tokens) - held:]
+    return tokens[: len(tokens) - held], tokens[len(tokens) - held :]
 
 
 class HeldOut:
@@ -175,27 +184,32 @@ class HeldOut:
         out = []
         for start in range(first, last, batch_size):
             rows = [w * self.seq_len for w in range(start, min(start + batch_size, last))]
-            windows = torch.from_numpy(np.stack([np.asarray(self.tokens[r:r + self.seq_len + 1], dtype=np.int64)
-                                                 for r in rows]))
+            windows = torch.from_numpy(
+                np.stack([np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64) for r in rows])
+            )
             out.append((windows[:, :-1], windows[:, 1:]))
         return out
 
 
-def _check_lengths(total: int, cfg: "RunConfig", where: str) -> None:
+def _check_lengths(total: int, cfg: RunConfig, where: str) -> None:
     d, seq = cfg.data, cfg.model.seq_len
     train = total - int(total * d.val_fraction)
     held = total - train
     if train < seq + 1:
         split = f" (its training split is {train} after data.val_fraction={d.val_fraction})" if held else ""
-        raise DataError(f"{where} has {total} tokens{split}; a training sequence needs model.seq_len + 1 = "
-                        f"{seq + 1}: use more data or a shorter model.seq_len")
+        raise DataError(
+            f"{where} has {total} tokens{split}; a training sequence needs model.seq_len + 1 = "
+            f"{seq + 1}: use more data or a shorter model.seq_len"
+        )
     if d.val_fraction > 0 and held < seq + 1:
-        raise DataError(f"{where} has {total} tokens, so data.val_fraction={d.val_fraction} holds out {held}: "
-                        f"fewer than one validation sequence of model.seq_len + 1 = {seq + 1} tokens; raise "
-                        f"data.val_fraction or use more data")
+        raise DataError(
+            f"{where} has {total} tokens, so data.val_fraction={d.val_fraction} holds out {held}: "
+            f"fewer than one validation sequence of model.seq_len + 1 = {seq + 1} tokens; raise "
+            f"data.val_fraction or use more data"
+        )
 
 
-def check_source(cfg: "RunConfig") -> None:
+def check_source(cfg: RunConfig) -> None:
     """Cheap checks before any process starts: the text file exists, is not empty and is long
     enough for the sequence length and the held-out split. Raises DataError."""
     d = cfg.data
@@ -204,8 +218,9 @@ def check_source(cfg: "RunConfig") -> None:
         return
     path = Path(d.path).expanduser()
     if not path.exists():
-        raise DataError(f"data.path {path} does not exist (relative paths start at the launch directory "
-                        f"{Path.cwd()})")
+        raise DataError(
+            f"data.path {path} does not exist (relative paths start at the launch directory {Path.cwd()})"
+        )
     if not path.is_file():
         raise DataError(f"data.path {path} is not a regular file")
     size = path.stat().st_size
@@ -214,7 +229,7 @@ def check_source(cfg: "RunConfig") -> None:
     _check_lengths(size, cfg, f"data.path {path}")
 
 
-def build(cfg: "RunConfig", comm: Comm, plan: BatchPlan) -> tuple[GlobalBatches, HeldOut | None]:
+def build(cfg: RunConfig, comm: Comm, plan: BatchPlan) -> tuple[GlobalBatches, HeldOut | None]:
     """This run's training batches and (when data.val_fraction > 0) its held-out windows."""
     d, seq = cfg.data, cfg.model.seq_len
     if d.kind == "text":

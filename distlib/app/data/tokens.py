@@ -20,6 +20,7 @@ header and rebuilt (atomically: temp file, then rename) when it does not.
 Rank 0 alone builds it; the others wait for its verdict, then check the header
 carries the same source hash (a node that cannot see the file says so).
 """
+
 from __future__ import annotations
 
 import codecs
@@ -49,6 +50,7 @@ class DataError(ValueError):
 
 class ByteTokenizer:
     """Token i is byte value i of the UTF-8 encoding."""
+
     vocab_size = BYTE_VOCAB
 
     @staticmethod
@@ -88,8 +90,15 @@ def write_token_file(path: Path, tokens: np.ndarray, vocab_size: int, source_sha
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-    header = HEADER.pack(MAGIC, FORMAT_VERSION, vocab_size, dtype.itemsize, HEADER_BYTES, tokens.size,
-                         bytes.fromhex(source_sha256))
+    header = HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        vocab_size,
+        dtype.itemsize,
+        HEADER_BYTES,
+        tokens.size,
+        bytes.fromhex(source_sha256),
+    )
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -114,12 +123,13 @@ def read_header(path: Path) -> TokenFileHeader:
         raise DataError(f"token file {path}: {exc.strerror or exc}") from exc
     if len(raw) < HEADER.size:
         raise DataError(f"token file {path} is too short for a header ({len(raw)} bytes)")
-    magic, version, vocab, itemsize, offset, count, sha = HEADER.unpack(raw[:HEADER.size])
+    magic, version, vocab, itemsize, offset, count, sha = HEADER.unpack(raw[: HEADER.size])
     if magic != MAGIC or version != FORMAT_VERSION or offset != HEADER_BYTES or itemsize not in (1, 2):
         raise DataError(f"{path} is not a version-{FORMAT_VERSION} token file")
     if size != HEADER_BYTES + count * itemsize:
-        raise DataError(f"token file {path} has {size} bytes; its header promises "
-                        f"{HEADER_BYTES + count * itemsize}")
+        raise DataError(
+            f"token file {path} has {size} bytes; its header promises {HEADER_BYTES + count * itemsize}"
+        )
     return TokenFileHeader(vocab, itemsize, count, sha.hex())
 
 
@@ -139,8 +149,9 @@ def hash_utf8_file(path: Path) -> tuple[str, int]:
             try:
                 decoder.decode(block)
             except UnicodeDecodeError as exc:
-                raise DataError(f"data.path {path} is not UTF-8 text: {exc.reason} at byte "
-                                f"{count + exc.start}") from exc
+                raise DataError(
+                    f"data.path {path} is not UTF-8 text: {exc.reason} at byte {count + exc.start}"
+                ) from exc
             digest.update(block)
             count += len(block)
     try:
@@ -160,8 +171,9 @@ def ensure_token_file(source: Path, cache_dir: str | None = None) -> tuple[Path,
     Returns (token file, source sha256, whether it was (re)built)."""
     source = Path(source)
     if not source.exists():
-        raise DataError(f"data.path {source} does not exist (relative paths start at the launch "
-                        f"directory {Path.cwd()})")
+        raise DataError(
+            f"data.path {source} does not exist (relative paths start at the launch directory {Path.cwd()})"
+        )
     if not source.is_file():
         raise DataError(f"data.path {source} is not a regular file")
     sha, count = hash_utf8_file(source)
@@ -193,8 +205,10 @@ def load_text_tokens(source: str, cache_dir: str | None, comm: Comm) -> tuple[np
         except DataError:
             raise
         except Exception as exc:  # noqa: BLE001 - every rank must hear it, or they wait forever
-            raise DataError(f"tokenizing data.path {path} into {token_file_path(path, cache_dir)} failed: "
-                            f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)") from exc
+            raise DataError(
+                f"tokenizing data.path {path} into {token_file_path(path, cache_dir)} failed: "
+                f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)"
+            ) from exc
 
     sha = agree.agreed(build, comm, DataError, rank0_only=True)
     target = token_file_path(path, cache_dir)
@@ -203,10 +217,14 @@ def load_text_tokens(source: str, cache_dir: str | None, comm: Comm) -> tuple[np
         try:
             tokens, header = open_tokens(target)
         except DataError as exc:
-            raise DataError(f"{exc} (every node must see the data directory rank 0 wrote: a shared filesystem)") from exc
+            raise DataError(
+                f"{exc} (every node must see the data directory rank 0 wrote: a shared filesystem)"
+            ) from exc
         if header.source_sha256 != sha:
-            raise DataError(f"token file {target} holds source sha256 {header.source_sha256}, rank 0 built "
-                            f"{sha}; every node must see the same data directory (a shared filesystem)")
+            raise DataError(
+                f"token file {target} holds source sha256 {header.source_sha256}, rank 0 built "
+                f"{sha}; every node must see the same data directory (a shared filesystem)"
+            )
         return tokens, header
 
     tokens, _ = agree.agreed(open_built, comm, DataError)

@@ -10,17 +10,19 @@ Tensor parallelism (``shard_model_``) swaps the attention and MLP Linear layers 
 column/row-parallel shards (``TENSOR_PARALLEL_PLAN``); the forward below is the same code at every
 tensor-parallel degree: attention derives its local head count from the width of the qkv output.
 """
+
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from distlib.app.config.groups import ModelConfig
-from distlib.comm.group import Comm
 from distlib.app.observe import activations
+from distlib.comm.group import Comm
 from distlib.parallel.tensor_parallel import Column, Row, Split, parallelize_linears_
 
 
@@ -31,7 +33,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
-        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool, device="cpu").tril()   # moved with the model
+        mask = torch.ones(
+            cfg.seq_len, cfg.seq_len, dtype=torch.bool, device="cpu"
+        ).tril()  # moved with the model
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,6 +152,8 @@ def shard_model_(model: MiniGPT, tp: Comm) -> dict[str, Split]:
     shard of them (in place, keeping parameter names and order); returns each split parameter's
     Split (none with a tensor-parallel group of one)."""
     if model.cfg.n_heads % tp.size:
-        raise ValueError(f"dist.tp={tp.size} must divide model.n_heads={model.cfg.n_heads} (heads are split across "
-                         f"tensor-parallel ranks)")
+        raise ValueError(
+            f"dist.tp={tp.size} must divide model.n_heads={model.cfg.n_heads} (heads are split across "
+            f"tensor-parallel ranks)"
+        )
     return parallelize_linears_(model, tp, TENSOR_PARALLEL_PLAN)

@@ -13,6 +13,7 @@ checkpoint maps every parameter to its place at any other pipeline degree by nam
 Tied weights: MiniGPT's LM head is its own Linear, not tied to ``tok_emb`` (model.py), so the
 first and last stages share no parameter and no gradient needs to cross between them.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlib.app.model.minigpt import MiniGPT
 from distlib.comm import agree
 from distlib.comm.mesh import Mesh
-from distlib.app.model.minigpt import MiniGPT
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
 
@@ -84,5 +85,8 @@ def stage_layouts(mesh: Mesh, layout: FlatLayout, tp_splits: dict[str, Split]) -
     mine = manifest_layouts(layout.to_dict(), tp_splits)[mesh.tp.rank] if tp_splits else layout.to_dict()
     every = [json.loads(blob) for blob in agree.gather_bytes(json.dumps(mine).encode(), mesh.world)]
     tp, per_stage = mesh.tp.size, mesh.world.size // mesh.pp.size
-    return {"pp": mesh.pp.size, "rank_order": "global rank = (pp_rank * dp + dp_rank) * tp + tp_rank",
-            "pp_layouts": [[every[s * per_stage + t] for t in range(tp)] for s in range(mesh.pp.size)]}
+    return {
+        "pp": mesh.pp.size,
+        "rank_order": "global rank = (pp_rank * dp + dp_rank) * tp + tp_rank",
+        "pp_layouts": [[every[s * per_stage + t] for t in range(tp)] for s in range(mesh.pp.size)],
+    }

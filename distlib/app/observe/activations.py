@@ -12,6 +12,7 @@ inside each block and saves nothing there; what the checkpoint keeps is the bloc
 then recomputes one block at a time; those recomputed activations live only while that block's
 backward runs and are not in this figure.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-_active: list["ActivationMeter"] = []     # the meter measuring the forward now running, if any
+_active: list[ActivationMeter] = []  # the meter measuring the forward now running, if any
 
 
 def keep(tensor: torch.Tensor) -> None:
@@ -30,21 +31,21 @@ def keep(tensor: torch.Tensor) -> None:
 
 class ActivationMeter:
     def __init__(self) -> None:
-        self.peak = 0          # the largest forward seen (bytes kept for its backward)
+        self.peak = 0  # the largest forward seen (bytes kept for its backward)
         self._state: set[int] = set()
         self._seen: set[int] = set()
         self._bytes = 0
 
     def _count(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        key = storage._cdata      # the storage itself: identical for every view of it, stable across resize_
+        key = storage._cdata  # the storage itself: identical for every view of it, stable across resize_
         if key not in self._seen and key not in self._state:
             self._seen.add(key)
             self._bytes += storage.nbytes()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._count(tensor)
-        return tensor.detach()    # same storage; a saved output kept with its grad_fn would form a cycle
+        return tensor.detach()  # same storage; a saved output kept with its grad_fn would form a cycle
 
     @contextlib.contextmanager
     def measure(self, model: nn.Module):

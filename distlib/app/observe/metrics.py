@@ -3,8 +3,9 @@
 Rank 0 writes ``<run dir>/<metrics.file>``: one ``"type": "step"`` record per step
 (collective traffic counted from the step's start to its record, the stretch
 step_time_s measures: per kind over all of a rank's groups, and as ``comm_bytes``
-the bytes rank 0 really sent on each named sub-group, e.g. data- and tensor-parallel) and ``"type": "event"`` records (run start/restart, checkpoint saved, rollback,
-pre-emption, desync, errors, run end). Values that live on every rank (memory,
+the bytes rank 0 really sent on each named sub-group, e.g. data- and tensor-parallel) and
+``"type": "event"`` records (run start/restart, checkpoint saved, rollback, pre-emption, desync,
+errors, run end). Values that live on every rank (memory,
 collective traffic, step time) reach rank 0 through one gather per step (the trainer's,
 which carries the step's other per-rank values too: ``row`` is this rank's part) and are
 logged as max and mean over ranks. With ``metrics.per_rank`` every rank also writes
@@ -15,6 +16,7 @@ one gets a ``straggler`` event), and the model FLOPs utilisation against the pea
 The file is only ever appended to: after a rollback the re-run steps are logged
 again, so a step's final record is the last one with its step number.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,21 +27,26 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from distlib.comm import agree
-from distlib.comm.group import KINDS, Comm
 from distlib.app.config.groups import MetricsConfig
 from distlib.app.config.operation import GuardConfig
-from distlib.app.observe.throughput import mfu
 from distlib.app.observe.stragglers import StragglerWatch, slowest
+from distlib.app.observe.throughput import mfu
+from distlib.comm import agree
+from distlib.comm.group import KINDS, Comm
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes", "activation_bytes")
-SECONDS = len(MEMORY_KEYS)        # index of step_time_s in a rank's gathered row; its comm figures follow
+SECONDS = len(MEMORY_KEYS)  # index of step_time_s in a rank's gathered row; its comm figures follow
 ROW_WIDTH = SECONDS + 1 + 3 * len(KINDS)
 
 
 def _memory_row(memory: dict[str, int]) -> list[float]:
-    return [float(memory["params"]), float(memory["grads"]), float(memory["optimizer"]),
-            float(peak_rss_bytes()), float(memory.get("activations", 0))]
+    return [
+        float(memory["params"]),
+        float(memory["grads"]),
+        float(memory["optimizer"]),
+        float(peak_rss_bytes()),
+        float(memory.get("activations", 0)),
+    ]
 
 
 def peak_rss_bytes() -> int:
@@ -58,9 +65,18 @@ def _stats(values: list[float]) -> dict:
 
 
 class MetricsLog:
-    def __init__(self, cfg: MetricsConfig, run_dir: Path, comm: Comm, tokens_per_step: int, total_steps: int,
-                 groups: Mapping[str, Comm] | None = None, guard: GuardConfig | None = None,
-                 model_flops: float = 0.0, peak_flops: float = 0.0):
+    def __init__(
+        self,
+        cfg: MetricsConfig,
+        run_dir: Path,
+        comm: Comm,
+        tokens_per_step: int,
+        total_steps: int,
+        groups: Mapping[str, Comm] | None = None,
+        guard: GuardConfig | None = None,
+        model_flops: float = 0.0,
+        peak_flops: float = 0.0,
+    ):
         """``groups``: the sub-groups of ``comm`` whose traffic ``comm_bytes`` reports by name
         ({"dp": mesh.dp, "tp": mesh.tp}); with a CommStats of their own (comm.mesh gives them
         one), the per-kind figures add theirs to the world's, each counted once. ``model_flops``:
@@ -79,7 +95,7 @@ class MetricsLog:
         guard = guard or GuardConfig()
         self.stragglers = StragglerWatch(guard.straggler_factor, guard.straggler_window)
 
-    def __enter__(self) -> "MetricsLog":
+    def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -96,7 +112,9 @@ class MetricsLog:
         """Record an event (rank 0 writes; call it on every rank with the same arguments) and, if
         ``say`` is given, print it as a rank-0 line."""
         if self.shared:
-            self._write(self.shared, {"type": "event", "event": name, "step": step, "time": time.time(), **fields})
+            self._write(
+                self.shared, {"type": "event", "event": name, "step": step, "time": time.time(), **fields}
+            )
             if say:
                 print(f"[{name}] step {step}: {say}", flush=True)
 
@@ -110,8 +128,10 @@ class MetricsLog:
         return total
 
     def _group_bytes_now(self) -> dict[str, int]:
-        return {name: sum(c.stats.bytes_sent.values()) if c.stats is not None else 0
-                for name, c in self.groups.items()}
+        return {
+            name: sum(c.stats.bytes_sent.values()) if c.stats is not None else 0
+            for name, c in self.groups.items()
+        }
 
     def begin_step(self) -> None:
         """Start the step's collective accounting window (it ends when ``step`` is called), so a
@@ -125,9 +145,20 @@ class MetricsLog:
         comm_delta = [now - seen for now, seen in zip(self._comm_now(), self._comm_seen)]
         return _memory_row(memory) + [seconds] + comm_delta
 
-    def step(self, step: int, *, loss: float, local_loss: float, grad_norm: float, param_norm: float,
-             lr: float, seconds: float, memory: dict[str, int], val_loss: float | None = None,
-             rows: list[list[float]] | None = None) -> None:
+    def step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        local_loss: float,
+        grad_norm: float,
+        param_norm: float,
+        lr: float,
+        seconds: float,
+        memory: dict[str, int],
+        val_loss: float | None = None,
+        rows: list[list[float]] | None = None,
+    ) -> None:
         """One step's record from every rank's ``row`` (``rows``, gathered by the caller with the
         step's other values), or, without them, through a gather of its own. Every rank calls it."""
         # Bytes this rank really sent on each group since begin_step (rank 0's go in the record).
@@ -135,26 +166,53 @@ class MetricsLog:
         rows = rows if rows is not None else agree.gather(self.row(seconds, memory), self.comm)
         mine = rows[self.comm.rank]
         if self.own:
-            self._write(self.own, {"type": "step", "step": step, "rank": self.comm.rank,
-                                   "local_loss": json_number(local_loss), "grad_norm": json_number(grad_norm),
-                                   "step_time_s": seconds, **dict(zip(MEMORY_KEYS, map(int, mine[:SECONDS]))),
-                                   "comm": self._comm_fields([mine])})
+            self._write(
+                self.own,
+                {
+                    "type": "step",
+                    "step": step,
+                    "rank": self.comm.rank,
+                    "local_loss": json_number(local_loss),
+                    "grad_norm": json_number(grad_norm),
+                    "step_time_s": seconds,
+                    **dict(zip(MEMORY_KEYS, map(int, mine[:SECONDS]))),
+                    "comm": self._comm_fields([mine]),
+                },
+            )
         # busy: outside collectives (the seconds of every kind, waiting included, come off)
         slow = slowest([r[SECONDS] - sum(r[SECONDS + 3 + 3 * k] for k in range(len(KINDS))) for r in rows])
         if self.stragglers.update(slow):
-            self.event("straggler", step, say=f"rank {slow.rank} busy {slow.ratio:.2f} x the median rank for "
-                       f"{self.stragglers.window} steps", **slow.fields(), steps=self.stragglers.window)
+            self.event(
+                "straggler",
+                step,
+                say=f"rank {slow.rank} busy {slow.ratio:.2f} x the median rank for "
+                f"{self.stragglers.window} steps",
+                **slow.fields(),
+                steps=self.stragglers.window,
+            )
         if not self.shared:
             return
         tokens_per_s = self.tokens_per_step / seconds if seconds > 0 else None
         util = mfu(self.model_flops, seconds, self.peak_flops)
-        record = {"type": "step", "step": step, "time": time.time(), "loss": json_number(loss), "loss_hex": loss.hex(),
-                  "grad_norm": json_number(grad_norm), "param_norm": json_number(param_norm), "lr": lr,
-                  "step_time_s": seconds, "step_time_s_max": max(r[SECONDS] for r in rows),
-                  "tokens": self.tokens_per_step, "tokens_per_s": tokens_per_s,
-                  "mfu": util, "peak_flops": self.peak_flops, "slowest": slow.fields(),
-                  "comm": self._comm_fields(rows),
-                  "memory": {k: _stats([r[i] for r in rows]) for i, k in enumerate(MEMORY_KEYS)}}
+        record = {
+            "type": "step",
+            "step": step,
+            "time": time.time(),
+            "loss": json_number(loss),
+            "loss_hex": loss.hex(),
+            "grad_norm": json_number(grad_norm),
+            "param_norm": json_number(param_norm),
+            "lr": lr,
+            "step_time_s": seconds,
+            "step_time_s_max": max(r[SECONDS] for r in rows),
+            "tokens": self.tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "mfu": util,
+            "peak_flops": self.peak_flops,
+            "slowest": slow.fields(),
+            "comm": self._comm_fields(rows),
+            "memory": {k: _stats([r[i] for r in rows]) for i, k in enumerate(MEMORY_KEYS)},
+        }
         if comm_bytes:
             record["comm_bytes"] = comm_bytes
         if val_loss is not None:
@@ -165,10 +223,13 @@ class MetricsLog:
         every = self.cfg.progress_every
         if every and (step % every == 0 or step == self.total_steps):
             comm_ms = 1000 * sum(v["seconds"]["mean"] for v in record["comm"].values())
-            print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:.6f}  "
-                  f"grad norm {grad_norm:.4f}  lr {lr:.3g}  {1000 * seconds:.1f} ms  "
-                  f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  mfu {100 * (util or 0):.2f}%  comm {comm_ms:.1f} ms"
-                  + (f"  val loss {val_loss:.6f}" if val_loss is not None else ""), flush=True)
+            print(
+                f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:.6f}  "
+                f"grad norm {grad_norm:.4f}  lr {lr:.3g}  {1000 * seconds:.1f} ms  "
+                f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  mfu {100 * (util or 0):.2f}%  "
+                f"comm {comm_ms:.1f} ms" + (f"  val loss {val_loss:.6f}" if val_loss is not None else ""),
+                flush=True,
+            )
 
     @staticmethod
     def _comm_fields(rows: list[list[float]]) -> dict:
@@ -182,7 +243,9 @@ class MetricsLog:
     def _memory_event(self, step: int, rows: list[list[float]]) -> None:
         """A "memory" event with every rank's bytes (for the per-rank chart); rank 0 only."""
         self._memory_logged = True
-        per_rank = [{"rank": r, **dict(zip(MEMORY_KEYS, map(int, row[:SECONDS])))} for r, row in enumerate(rows)]
+        per_rank = [
+            {"rank": r, **dict(zip(MEMORY_KEYS, map(int, row[:SECONDS])))} for r, row in enumerate(rows)
+        ]
         self.event("memory", step, per_rank=per_rank)
 
     def final_memory(self, step: int, memory: dict[str, int]) -> None:

@@ -7,6 +7,7 @@ profiled step is a range named ``step <n>``, and every hand-written collective a
 is what ``scripts/report.py`` splits each rank's time with. A window cut short (a rollback to
 before it, an early stop, an error) is written as far as it got when the run ends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ class StepProfiler:
         """Called as ``step`` starts."""
         if self.window is None or self.written is not None or not self.window[0] <= step <= self.window[1]:
             return
-        self._end_range()        # a step that rolled back never reached end()
+        self._end_range()  # a step that rolled back never reached end()
         if self._profile is None:
             self._profile = profile(activities=[ProfilerActivity.CPU])
             self._profile.__enter__()

@@ -10,6 +10,7 @@ is a straggler: one ``straggler`` event names it (again only after its streak br
 Every rank holds the same gathered per-rank times, so every rank reaches the same decision; rank
 0 writes it. The decision changes no control flow.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -31,8 +32,13 @@ class Slowest:
         return self.busy_s / self.median_busy_s if self.median_busy_s > 0 else float("inf")
 
     def fields(self) -> dict:
-        return {"rank": self.rank, "busy_s": self.busy_s, "median_busy_s": self.median_busy_s,
-                "lag_s": self.lag_s, "ratio": self.ratio if self.median_busy_s > 0 else None}
+        return {
+            "rank": self.rank,
+            "busy_s": self.busy_s,
+            "median_busy_s": self.median_busy_s,
+            "lag_s": self.lag_s,
+            "ratio": self.ratio if self.median_busy_s > 0 else None,
+        }
 
 
 def slowest(busy_s: list[float]) -> Slowest:
@@ -44,7 +50,7 @@ def slowest(busy_s: list[float]) -> Slowest:
 class StragglerWatch:
     def __init__(self, factor: float, window: int):
         self.factor, self.window = factor, window
-        self.rank: int | None = None     # the rank on a streak
+        self.rank: int | None = None  # the rank on a streak
         self.streak = 0
 
     def update(self, s: Slowest) -> bool:

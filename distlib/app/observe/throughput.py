@@ -2,14 +2,15 @@
 
 Per step the model needs about 6 x P x tokens floating-point operations (2 per parameter and token
 forward, 4 backward; attention's score arithmetic is left out, as in the usual MFU), with P the
-whole model's parameter count (all tensor-parallel shards together, ``model.param_count``). The peak is measured once at
-start, on every rank at the same time (so ranks sharing cores see the share they get): the best of
-a few 256x256 fp32 matrix multiplies (2 x 256^3 operations each), summed over ranks::
+whole model's parameter count (all tensor-parallel shards together, ``param_count``). The peak
+is measured once at start, on every rank at the same time (so ranks sharing cores see the share
+they get): the best of a few 256x256 fp32 matrix multiplies (2 x 256^3 operations each), summed over ranks::
 
     mfu = 6 * P * tokens_per_step / step_time_s / sum over ranks of peak_flops
 
 The probe takes a few milliseconds and touches no RNG (the inputs are constants).
 """
+
 from __future__ import annotations
 
 import time
@@ -42,7 +43,7 @@ def probe_flops(device: torch.device, n: int = PROBE_N, repeats: int = PROBE_REP
         torch.mm(a, b)
         wait()
         best = min(best, time.perf_counter() - began)
-    return 2 * n ** 3 / max(best, 1e-9)
+    return 2 * n**3 / max(best, 1e-9)
 
 
 def peak_flops(comm: Comm, device: torch.device) -> float:

@@ -5,6 +5,7 @@ score it together); the (sum, count) pairs are combined in rank order, so every 
 value. With ZeRO-3 or tensor parallelism every forward is collective, so all ranks run as many as
 the busiest one (the extra ones score nothing). The model is put back in training mode after.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,10 +15,9 @@ from distlib.comm.group import Comm
 
 
 class Validation:
-    def __init__(self, every: int, heldout, model: torch.nn.Module, dp: Comm, micro_batch: int, seq_len: int,
-                 device: torch.device):
+    def __init__(self, every: int, heldout, model: torch.nn.Module, dp: Comm, micro_batch: int, device):
         self.every, self.heldout, self.model, self.dp = every, heldout, model, dp
-        self.micro_batch, self.seq_len, self.device = micro_batch, seq_len, device
+        self.micro_batch, self.device = micro_batch, device
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -27,7 +27,7 @@ class Validation:
         """Mean per-token loss over the held-out windows, the same on every rank (collective)."""
         batches = self.heldout.batches(self.dp.rank, self.dp.size, self.micro_batch)
         forwards = int(max(row[0] for row in agree.gather([float(len(batches))], self.dp)))
-        idle = torch.zeros(1, self.seq_len, dtype=torch.int64, device="cpu")
+        idle = torch.zeros(1, self.heldout.seq_len, dtype=torch.int64, device="cpu")
         self.model.eval()
         total, count = 0.0, 0
         try:

@@ -13,6 +13,7 @@ gathered and compared among the ranks that must hold the same bytes (with tensor
 parallelism: a split parameter within its data-parallel group, a replicated one
 across all ranks); a rank whose bytes differ is named with the parameter.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from distlib.app.config.operation import GuardConfig
 from distlib.comm import agree
 from distlib.comm.group import Comm
-from distlib.app.config.operation import GuardConfig
 
 
 class GuardError(RuntimeError):
@@ -37,22 +38,28 @@ class DesyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class Verdict:
-    loss: float              # the global mean loss (what the log shows)
-    trip: str | None         # why this step must not be applied; None: apply it
+    loss: float  # the global mean loss (what the log shows)
+    trip: str | None  # why this step must not be applied; None: apply it
 
     @property
     def ok(self) -> bool:
         return self.trip is None
 
 
-def check_step(local_loss: float, grad_norm: float, history: list[float], cfg: GuardConfig,
-               comm: Comm, loss_ranks: tuple[int, ...] | None = None) -> Verdict:
+def check_step(
+    local_loss: float,
+    grad_norm: float,
+    history: list[float],
+    cfg: GuardConfig,
+    comm: Comm,
+    loss_ranks: tuple[int, ...] | None = None,
+) -> Verdict:
     """The global loss and the verdict on it; ``history`` holds the accepted losses so far.
     ``loss_ranks``: the global ranks whose mean is the loss (default: all of ``comm``)."""
     rows = agree.gather([local_loss, grad_norm], comm)
     members = [comm.ranks.index(r) for r in loss_ranks] if loss_ranks is not None else range(comm.size)
     total = 0.0
-    for i in members:          # in rank order, one add at a time: agree.mean's bits
+    for i in members:  # in rank order, one add at a time: agree.mean's bits
         total += rows[i][0]
     loss = total / len(members)
     if not cfg.enabled:
@@ -64,10 +71,14 @@ def check_step(local_loss: float, grad_norm: float, history: list[float], cfg: G
     if bad_norms:
         return Verdict(loss, f"non-finite gradient norm {bad_norms[0]}")
     if history:
-        recent = history[-cfg.spike_window:]
+        recent = history[-cfg.spike_window :]
         reference = sum(recent) / len(recent)
         if loss > cfg.spike_factor * reference:
-            what = "previous step's loss" if len(recent) == 1 else f"mean of the last {len(recent)} accepted losses"
+            what = (
+                "previous step's loss"
+                if len(recent) == 1
+                else f"mean of the last {len(recent)} accepted losses"
+            )
             return Verdict(loss, f"loss spike: {loss:.6g} > {cfg.spike_factor:g} x {reference:.6g} ({what})")
     return Verdict(loss, None)
 
@@ -76,7 +87,10 @@ def parameter_digests(flat: torch.Tensor, slots) -> list[str]:
     """sha256 of each parameter's bytes in the flat buffer (slots: name, offset, numel)."""
     raw = flat.detach().contiguous().view(torch.uint8).cpu().numpy()
     size = flat.element_size()
-    return [hashlib.sha256(raw[s.offset * size:(s.offset + s.numel) * size].tobytes()).hexdigest() for s in slots]
+    return [
+        hashlib.sha256(raw[s.offset * size : (s.offset + s.numel) * size].tobytes()).hexdigest()
+        for s in slots
+    ]
 
 
 def replica_groups(size: int, tp: int, is_split: bool) -> list[list[int]]:
@@ -88,8 +102,9 @@ def replica_groups(size: int, tp: int, is_split: bool) -> list[list[int]]:
     return [list(range(t, size, tp)) for t in range(tp)]
 
 
-def check_replicas(flat: torch.Tensor, slots, step: int, comm: Comm, tp: int = 1,
-                   split: set[str] | frozenset = frozenset()) -> None:
+def check_replicas(
+    flat: torch.Tensor, slots, step: int, comm: Comm, tp: int = 1, split: set[str] | frozenset = frozenset()
+) -> None:
     """Raise DesyncError on every rank if any parameter's bytes differ between ranks that must
     agree on them (``replica_groups``; ``split``: the names of tensor-parallel split parameters).
     Per parameter and group, the largest set of agreeing ranks (ties: the one with the group's
@@ -110,8 +125,10 @@ def check_replicas(flat: torch.Tensor, slots, step: int, comm: Comm, tp: int = 1
         for rank, names in sorted(divergent.items()):
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             parts.append(f"rank {rank} differs in {len(names)} of {len(slots)} parameter(s): {shown}")
-        raise DesyncError(f"desync at step {step}: replicated parameters are not byte-identical across "
-                          f"{comm.size} ranks: " + "; ".join(parts))
+        raise DesyncError(
+            f"desync at step {step}: replicated parameters are not byte-identical across "
+            f"{comm.size} ranks: " + "; ".join(parts)
+        )
 
 
 class ReplicaCheck:
@@ -132,5 +149,6 @@ class ReplicaCheck:
     def check(self, step: int) -> None:
         """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ."""
         opt = self.optimizer
-        check_replicas(opt.full_params(), opt.layout.slots, step, self.mesh.stage, tp=self.mesh.tp.size,
-                       split=self.split)
+        check_replicas(
+            opt.full_params(), opt.layout.slots, step, self.mesh.stage, tp=self.mesh.tp.size, split=self.split
+        )

@@ -12,18 +12,19 @@ so the re-run steps can save again.
 ``Rollback`` is the trip itself; the targets are kept by the run's ``Checkpointer``
 (``distlib.app.checkpointing.checkpointer``), whose retention must never delete the newest trusted one.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from distlib.checkpoint.sharded import CheckpointError
-from distlib.comm import agree
-from distlib.comm.group import Comm
 from distlib.app.config.operation import GuardConfig
 from distlib.app.observe.metrics import json_number
 from distlib.app.unattended.guard import GuardError, Verdict
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm import agree
+from distlib.comm.group import Comm
 
 
 class RollbackError(GuardError):
@@ -33,6 +34,7 @@ class RollbackError(GuardError):
 @dataclass
 class RollbackPoint:
     """A committed checkpoint, or (path None) a state in memory: (tensors, rank_state)."""
+
     step: int
     path: Path | None
     state: tuple[dict, dict] | None = None
@@ -43,16 +45,16 @@ class RollbackPoint:
 
 class RollbackTargets:
     def __init__(self, start: RollbackPoint | None):
-        self.trusted: list[RollbackPoint] = [start] if start else []   # oldest first
-        self.pending: RollbackPoint | None = None   # saved; waits for the next step's verdict
-        self.saved: list[RollbackPoint] = []        # committed by this run and still in place
+        self.trusted: list[RollbackPoint] = [start] if start else []  # oldest first
+        self.pending: RollbackPoint | None = None  # saved; waits for the next step's verdict
+        self.saved: list[RollbackPoint] = []  # committed by this run and still in place
 
     def saved_checkpoint(self, step: int, path: Path, trusted: bool = False) -> bool:
         """A checkpoint was committed. ``trusted``: the step after it has passed the guard already
         (an async save commits at a later boundary); else it is pending. True if it is trusted now."""
         point = RollbackPoint(step, path)
         self.saved.append(point)
-        if not self.trusted:     # the guard is off
+        if not self.trusted:  # the guard is off
             return False
         if trusted:
             self._trust(point)
@@ -119,30 +121,47 @@ class Rollback:
         self.trips += 1
         detail = dict(reason=verdict.trip, loss=json_number(verdict.loss), grad_norm=json_number(grad_norm))
         if self.trips > cfg.max_rollbacks:
-            message = (f"guard tripped at step {step} ({verdict.trip}); that is trip {self.trips}, more than "
-                       f"guard.max_rollbacks={cfg.max_rollbacks}: stopping instead of rolling back again")
+            message = (
+                f"guard tripped at step {step} ({verdict.trip}); that is trip {self.trips}, more than "
+                f"guard.max_rollbacks={cfg.max_rollbacks}: stopping instead of rolling back again"
+            )
             log.event("guard_stop", step, say=message, **detail)
             raise GuardError(message)
-        self.checkpointer.settle_for_rollback(step, log)   # an async save in flight: committed or dropped
+        self.checkpointer.settle_for_rollback(step, log)  # an async save in flight: committed or dropped
         targets = self.checkpointer.targets
         distrusted, errors = targets.pending, []
         for target in targets.candidates():
             try:
                 self.checkpointer.restore(target)
                 break
-            except CheckpointError as exc:     # same verdict on every rank (load agrees on it)
+            except CheckpointError as exc:  # same verdict on every rank (load agrees on it)
                 errors.append(str(exc))
         else:
-            raise GuardError(f"guard tripped at step {step} ({verdict.trip}) but no state to roll back to: "
-                             + ("; ".join(errors) or "the guard keeps no rollback target"))
+            raise GuardError(
+                f"guard tripped at step {step} ({verdict.trip}) but no state to roll back to: "
+                + ("; ".join(errors) or "the guard keeps no rollback target")
+            )
         set_aside = self.checkpointer.rolled_back_to(target, self.trips)
         self.data.skip(cfg.skip_batches)
         source = target.describe()
-        event = dict(step=step, to_step=target.step, source=source, set_aside=set_aside,
-                     distrusted=str(distrusted.path) if distrusted else None, skipped_batches=self.data.skipped,
-                     rollback=self.trips, max_rollbacks=cfg.max_rollbacks, failed_targets=errors, **detail)
-        log.event("rollback", step, say=f"{verdict.trip}; no update applied, rolled back to step "
-                  f"{target.step} ({source}), rollback {self.trips} of at most {cfg.max_rollbacks}"
-                  + (f", skipping {cfg.skip_batches} batch(es)" if cfg.skip_batches else ""),
-                  **{k: v for k, v in event.items() if k != "step"})
+        event = dict(
+            step=step,
+            to_step=target.step,
+            source=source,
+            set_aside=set_aside,
+            distrusted=str(distrusted.path) if distrusted else None,
+            skipped_batches=self.data.skipped,
+            rollback=self.trips,
+            max_rollbacks=cfg.max_rollbacks,
+            failed_targets=errors,
+            **detail,
+        )
+        log.event(
+            "rollback",
+            step,
+            say=f"{verdict.trip}; no update applied, rolled back to step "
+            f"{target.step} ({source}), rollback {self.trips} of at most {cfg.max_rollbacks}"
+            + (f", skipping {cfg.skip_batches} batch(es)" if cfg.skip_batches else ""),
+            **{k: v for k, v in event.items() if k != "step"},
+        )
         return event

@@ -10,6 +10,7 @@ step and leaves the loop. With ``checkpoint.async_save`` the same collective car
 fact: whether any rank's background checkpoint write is still running (when none is, the
 ranks commit that save at this boundary); with it off the collective is unchanged.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from distlib.comm import agree
 from distlib.comm.group import Comm
 
 # SIGUSR2: what conf/hydra/launcher/submitit_slurm.yaml asks SLURM to send before the time limit
@@ -40,7 +40,7 @@ class StopSignals:
     """
 
     def __init__(self, deadline_s: float = 60.0) -> None:
-        self.received: int = 0              # signal number, 0 = none
+        self.received: int = 0  # signal number, 0 = none
         self.deadline_s = deadline_s
         self._acknowledged = threading.Event()
         self._previous: dict[int, object] = {}
@@ -56,15 +56,19 @@ class StopSignals:
 
     def _expire(self, signum: int) -> None:
         if not self._acknowledged.is_set():
-            print(f"{signal.Signals(signum).name} received, but this process did not reach a step boundary "
-                  f"within {self.deadline_s:.0f}s (stalled?); exiting without saving", file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(signum).name} received, but this process did not reach a step boundary "
+                f"within {self.deadline_s:.0f}s (stalled?); exiting without saving",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
 
     def acknowledge(self) -> None:
         """The loop has seen the stop decision and is saving: no deadline any more."""
         self._acknowledged.set()
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -92,12 +96,14 @@ class CheckpointClock:
 
 @dataclass(frozen=True)
 class Decision:
-    save: str | None         # why to save after this step: "every_steps", "every_minutes", "signal"
-    stop: str | None         # the signal that stops the run after this step (e.g. "SIGTERM")
+    save: str | None  # why to save after this step: "every_steps", "every_minutes", "signal"
+    stop: str | None  # the signal that stops the run after this step (e.g. "SIGTERM")
     writes_done: bool = False  # async saves: no rank's background write is still running
 
 
-def vote(clock: CheckpointClock, signals: StopSignals, comm: Comm, writing: bool | None = False) -> list[float]:
+def vote(
+    clock: CheckpointClock, signals: StopSignals, comm: Comm, writing: bool | None = False
+) -> list[float]:
     """This rank's part of the decision (``VOTE_WIDTH`` floats): rank 0's clock verdict (the
     others' clocks never count), the stop signal this rank received (0: none) and whether its
     background checkpoint write (checkpoint.async_save) is still running."""

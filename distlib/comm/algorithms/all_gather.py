@@ -1,6 +1,7 @@
 """all_gather algorithms, in place: on entry each rank's own ``bounds`` chunk of ``flat`` holds its
 contribution; on return every chunk does, on every rank. Copies only: every rank ends bitwise
 identical whichever algorithm ran."""
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -28,19 +29,19 @@ def ring(flat: Tensor, comm: Comm, bounds: Bounds, seg: int) -> None:
 
     def segs(chunk):
         lo, hi = bounds[chunk % n]
-        return [flat[lo + a: lo + b] for a, b in segments(hi - lo, flat.element_size(), seg)]
+        return [flat[lo + a : lo + b] for a, b in segments(hi - lo, flat.element_size(), seg)]
 
-    incoming = [segs(me - s - 1) for s in range(n - 1)]         # chunk received at step s
+    incoming = [segs(me - s - 1) for s in range(n - 1)]  # chunk received at step s
     # Batched (NCCL: a round's messages go out together) step s's receives are posted at step s,
     # with the forwards of step s - 1; otherwise all up front.
-    recvs = [[p2p.recv(t, me - 1) for t in step] for step in incoming[:1 if comm.batched else n - 1]]
+    recvs = [[p2p.recv(t, me - 1) for t in step] for step in incoming[: 1 if comm.batched else n - 1]]
     sends = [p2p.send(t, me + 1) for t in segs(me)]
     for s in range(n - 1):
         if s >= len(recvs):
             recvs.append([p2p.recv(t, me - 1) for t in incoming[s]])
         for t, h in zip(incoming[s], recvs[s]):
             p2p.wait(h)
-            if s < n - 2:                                       # the last chunk stops here
+            if s < n - 2:  # the last chunk stops here
                 sends.append(p2p.send(t, me + 1))
     p2p.wait(*sends)
 
@@ -55,7 +56,7 @@ def bruck(flat: Tensor, comm: Comm, bounds: Bounds, seg: int) -> None:
         """Chunks first .. first+count-1 (mod N) as at most two contiguous views of `flat`."""
         first %= n
         spans = [(first, min(first + count, n))] + ([(0, first + count - n)] if first + count > n else [])
-        return [flat[bounds[i][0]: bounds[j - 1][1]] for i, j in spans]
+        return [flat[bounds[i][0] : bounds[j - 1][1]] for i, j in spans]
 
     have = 1
     while have < n:
@@ -79,7 +80,7 @@ def doubling(flat: Tensor, comm: Comm, bounds: Bounds, seg: int) -> None:
         p2p.wait(p2p.recv(flat[slice(*bounds[me - 1])], me - 1))
     v, d = vr.v, 1
     while d < vr.p:
-        v0 = v & ~(2 * d - 1)                           # our range after this round: v0 .. v0 + 2d
+        v0 = v & ~(2 * d - 1)  # our range after this round: v0 .. v0 + 2d
         mine, theirs = (v0, v0 + d), (v0 + d, v0 + 2 * d)
         if v & d:
             mine, theirs = theirs, mine

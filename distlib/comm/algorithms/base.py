@@ -1,5 +1,6 @@
 """What the algorithms share: combining two operands, the rank-order fold, pipeline segments,
 and the virtual ranks of the recursive-halving / doubling algorithms."""
+
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,7 @@ class Virtual:
         self.p = 1 << (n.bit_length() - 1)
         self.rem = n - self.p
         self.bounds, self.me = bounds, comm.rank
-        self.idle = self.me < 2 * self.rem and self.me % 2 == 0        # folded into me + 1
+        self.idle = self.me < 2 * self.rem and self.me % 2 == 0  # folded into me + 1
         self.v = self.me // 2 if self.me < 2 * self.rem else self.me - self.rem
 
     def real(self, v: int) -> int:

@@ -35,10 +35,11 @@ its action needs it (with any earlier messages from the same peer, in the peer's
 the semantics ``schedule.check`` proves deadlock-free. Two stages on the same rank (interleaved,
 P = 1) hand the tensor over without a message.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -61,8 +62,8 @@ class _Mailbox:
                 if key is not None and schedule.destination(key, P) == me:
                     self.order.setdefault(peer, []).append(key)
         self.next = dict.fromkeys(self.order, 0)
-        self.posted: dict = {}          # key -> (buffer, handle)
-        self.local: dict = {}           # key -> tensor handed over on the same rank
+        self.posted: dict = {}  # key -> (buffer, handle)
+        self.local: dict = {}  # key -> tensor handed over on the same rank
 
     def put_local(self, key, tensor: Tensor) -> None:
         self.local[key] = tensor
@@ -92,7 +93,7 @@ def confirmations(plan: list[list[Action]], me: int, P: int, v: int) -> dict:
             continue
         acts = plan[to]
         used = next(i for i, b in enumerate(acts) if schedule.messages_in(b, to, P, v) == key)
-        for b in acts[used + 1:]:
+        for b in acts[used + 1 :]:
             reply = schedule.message_out(b, to, P, v)
             if reply is not None and schedule.destination(reply, P) == me:
                 out[key] = reply
@@ -100,9 +101,18 @@ def confirmations(plan: list[list[Action]], me: int, P: int, v: int) -> dict:
     return out
 
 
-def run(plan: list[list[Action]], chunks: list[nn.Module], comm: Comm, *, feed: Callable[[int], Tensor],
-        loss_fn: Callable[[int, Tensor], Tensor], act_shape, act_dtype: torch.dtype, device,
-        recorder=None) -> Tensor:
+def run(
+    plan: list[list[Action]],
+    chunks: list[nn.Module],
+    comm: Comm,
+    *,
+    feed: Callable[[int], Tensor],
+    loss_fn: Callable[[int, Tensor], Tensor],
+    act_shape,
+    act_dtype: torch.dtype,
+    device,
+    recorder=None,
+) -> Tensor:
     """Run ``plan[comm.rank]`` (see the module docstring); returns this rank's summed loss / m."""
     P, me, v = comm.size, comm.rank, len(chunks)
     actions = plan[me]
@@ -110,8 +120,8 @@ def run(plan: list[list[Action]], chunks: list[nn.Module], comm: Comm, *, feed: 
     last = P * v - 1
     p2p = P2P("pipeline", comm)
     mail = _Mailbox(plan, me, P, v, p2p, act_shape, act_dtype, device)
-    sends: dict = {}                # key -> (handle, tensor): the tensor is kept alive until the wait
-    release: dict = {}              # reply key -> the sends it confirms
+    sends: dict = {}  # key -> (handle, tensor): the tensor is kept alive until the wait
+    release: dict = {}  # reply key -> the sends it confirms
     for key, reply in confirmations(plan, me, P, v).items():
         release.setdefault(reply, []).append(key)
     kept: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
@@ -137,7 +147,11 @@ def run(plan: list[list[Action]], chunks: list[nn.Module], comm: Comm, *, feed: 
         if a.kind == "F":
             x = feed(a.micro) if s == 0 else received.requires_grad_(x_needs_grad(received))
             held: list = []
-            ctx = recorder.forward(a.micro, a.chunk, chunks[a.chunk], held) if recorder else contextlib.nullcontext()
+            ctx = (
+                recorder.forward(a.micro, a.chunk, chunks[a.chunk], held)
+                if recorder
+                else contextlib.nullcontext()
+            )
             with ctx:
                 y = chunks[a.chunk](x)
                 if s == last:

@@ -11,6 +11,7 @@ held from the forward to its backward.
 ``bubble`` turns the events of all ranks of one step into each rank's idle fraction, to be set
 against ``theory``: (P-1)/(m+P-1) for GPipe and 1F1B, (P-1)/(v*m+P-1) interleaved.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,13 +27,14 @@ class Recorder:
         self.events: list[dict] = []
         self.live_bytes = self.peak_bytes = 0
         self.in_flight = self.peak_in_flight = 0
-        self.peak_sends = 0         # most sent tensors held at once, waiting for their wait
+        self.peak_sends = 0  # most sent tensors held at once, waiting for their wait
         self._held: dict[tuple[int, int], int] = {}
         self.clock = time.perf_counter
 
     def event(self, kind: str, micro: int, chunk: int, t_start: float, t_end: float) -> None:
-        self.events.append(dict(rank=self.rank, kind=kind, micro=micro, chunk=chunk,
-                                t_start=t_start, t_end=t_end))
+        self.events.append(
+            dict(rank=self.rank, kind=kind, micro=micro, chunk=chunk, t_start=t_start, t_end=t_end)
+        )
 
     @contextlib.contextmanager
     def forward(self, micro: int, chunk: int, module: nn.Module, held: list):
@@ -41,7 +43,7 @@ class Recorder:
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
         seen: dict[int, int] = {}
 
-        def count(t: torch.Tensor) -> None:   # a view counts its own bytes, not its whole storage
+        def count(t: torch.Tensor) -> None:  # a view counts its own bytes, not its whole storage
             if t.untyped_storage().data_ptr() not in params:
                 seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
 
@@ -68,8 +70,9 @@ class Recorder:
         self.in_flight -= 1
 
     def summary(self) -> dict:
-        return dict(rank=self.rank, peak_bytes=self.peak_bytes, peak_in_flight=self.peak_in_flight,
-                    events=self.events)
+        return dict(
+            rank=self.rank, peak_bytes=self.peak_bytes, peak_in_flight=self.peak_in_flight, events=self.events
+        )
 
 
 def theory(name: str, P: int, m: int, v: int = 1) -> float:

@@ -25,6 +25,7 @@ waits only for the messages it needs, and a rank receives from each peer in the 
 sent -- and proves every send has its receive and the plan cannot deadlock. It returns each
 rank's peak number of in-flight activations (F done, its B not yet).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,9 +35,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 @dataclass(frozen=True)
 class Action:
-    kind: str       # "F" (forward) or "B" (backward)
-    micro: int      # micro-batch index, 0..m-1
-    chunk: int      # this rank's chunk, 0..v-1 (global stage chunk * P + rank)
+    kind: str  # "F" (forward) or "B" (backward)
+    micro: int  # micro-batch index, 0..m-1
+    chunk: int  # this rank's chunk, 0..v-1 (global stage chunk * P + rank)
 
     def __str__(self) -> str:
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
@@ -57,16 +58,24 @@ def validate(name: str, P: int, m: int, v: int = 1) -> None:
     if name not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
     if P < 1 or m < 1 or v < 1:
-        raise ValueError(f"pipeline needs pp >= 1, micro-batches >= 1 and virtual chunks >= 1, "
-                         f"got pp={P}, micro-batches={m}, virtual={v}")
+        raise ValueError(
+            f"pipeline needs pp >= 1, micro-batches >= 1 and virtual chunks >= 1, "
+            f"got pp={P}, micro-batches={m}, virtual={v}"
+        )
     if name != "interleaved" and v != 1:
-        raise ValueError(f"pipeline schedule {name} runs one chunk per rank: virtual chunks must be 1, got {v} "
-                         f"(more than one needs the interleaved schedule)")
+        raise ValueError(
+            f"pipeline schedule {name} runs one chunk per rank: virtual chunks must be 1, got {v} "
+            f"(more than one needs the interleaved schedule)"
+        )
     if name == "interleaved" and v < 2:
-        raise ValueError(f"the interleaved pipeline schedule needs at least 2 virtual chunks per rank, got {v}")
+        raise ValueError(
+            f"the interleaved pipeline schedule needs at least 2 virtual chunks per rank, got {v}"
+        )
     if name == "interleaved" and m % P:
-        raise ValueError(f"the interleaved pipeline schedule needs the micro-batches (grad_accum={m}) "
-                         f"to be a multiple of the pipeline degree (pp={P})")
+        raise ValueError(
+            f"the interleaved pipeline schedule needs the micro-batches (grad_accum={m}) "
+            f"to be a multiple of the pipeline degree (pp={P})"
+        )
 
 
 def _gpipe(r: int, P: int, m: int) -> list[Action]:
@@ -141,12 +150,16 @@ def check(plan: list[list[Action]], P: int, m: int, v: int = 1) -> list[int]:
     for r, actions in enumerate(plan):
         got = sorted((a.kind, a.micro, a.chunk) for a in actions)
         if got != want:
-            raise ValueError(f"rank {r}: the plan must run F and B of every (micro-batch, chunk) exactly once")
+            raise ValueError(
+                f"rank {r}: the plan must run F and B of every (micro-batch, chunk) exactly once"
+            )
     sends = [k for r, actions in enumerate(plan) for a in actions if (k := message_out(a, r, P, v))]
     recvs = [k for r, actions in enumerate(plan) for a in actions if (k := messages_in(a, r, P, v))]
     if sorted(sends) != sorted(recvs):
-        raise ValueError(f"unmatched messages: sent and never received {sorted(set(sends) - set(recvs))}, "
-                         f"received and never sent {sorted(set(recvs) - set(sends))}")
+        raise ValueError(
+            f"unmatched messages: sent and never received {sorted(set(sends) - set(recvs))}, "
+            f"received and never sent {sorted(set(recvs) - set(sends))}"
+        )
     sent: set = set()
     done: list[set] = [set() for _ in range(P)]
     pos, live, peak = [0] * P, [0] * P, [0] * P
@@ -156,7 +169,9 @@ def check(plan: list[list[Action]], P: int, m: int, v: int = 1) -> list[int]:
             while pos[r] < len(plan[r]):
                 a = plan[r][pos[r]]
                 need = messages_in(a, r, P, v)
-                if (need is not None and need not in sent) or (a.kind == "B" and ("F", a.micro, a.chunk) not in done[r]):
+                if (need is not None and need not in sent) or (
+                    a.kind == "B" and ("F", a.micro, a.chunk) not in done[r]
+                ):
                     break
                 done[r].add((a.kind, a.micro, a.chunk))
                 if (out := message_out(a, r, P, v)) is not None:
@@ -166,8 +181,11 @@ def check(plan: list[list[Action]], P: int, m: int, v: int = 1) -> list[int]:
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            stuck = "; ".join(f"rank {r} at {plan[r][pos[r]]} waits for {messages_in(plan[r][pos[r]], r, P, v)}"
-                              for r in range(P) if pos[r] < len(plan[r]))
+            stuck = "; ".join(
+                f"rank {r} at {plan[r][pos[r]]} waits for {messages_in(plan[r][pos[r]], r, P, v)}"
+                for r in range(P)
+                if pos[r] < len(plan[r])
+            )
             raise ValueError(f"pipeline plan deadlocks: {stuck}")
     return peak
 

@@ -12,6 +12,7 @@ seeing the norm and the loss. Checkpoints hold partition r of the same three fp3
 Rule: the stages share the base and its components (``norms``, ``memory``, ``flat_grads``,
 ``buckets``); no stage builds on another stage, and only this module knows them all.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -32,10 +33,21 @@ STAGES = {0: Stage0Optimizer, 1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3O
 __all__ = ["STAGES", "ZeroOptimizer", "make_optimizer"]
 
 
-def make_optimizer(module: nn.Module, comm: Comm, stage: int, cfg: AdamWConfig, grad_clip: float = 0.0, *,
-                   tp: Comm | None = None, tp_split: Collection[str] = (),
-                   param_dtype: torch.dtype = torch.float32, bucket_numel: int = 8192, overlap: bool = False,
-                   grad_accum: int = 1, pp: Comm | None = None) -> ZeroOptimizer:
+def make_optimizer(
+    module: nn.Module,
+    comm: Comm,
+    stage: int,
+    cfg: AdamWConfig,
+    grad_clip: float = 0.0,
+    *,
+    tp: Comm | None = None,
+    tp_split: Collection[str] = (),
+    param_dtype: torch.dtype = torch.float32,
+    bucket_numel: int = 8192,
+    overlap: bool = False,
+    grad_accum: int = 1,
+    pp: Comm | None = None,
+) -> ZeroOptimizer:
     """The ZeRO ``stage`` optimizer of ``module`` over the data-parallel group ``comm``. ``tp``:
     the tensor-parallel group, ``tp_split``: names of the parameters split over it (both only for
     the global norms); ``pp``: the pipeline group (the norms span every stage). ``bucket_numel``
@@ -46,5 +58,16 @@ def make_optimizer(module: nn.Module, comm: Comm, stage: int, cfg: AdamWConfig, 
     if stage not in STAGES:
         raise ValueError(f"zero.stage must be one of {tuple(STAGES)}, got {stage}")
     cls = STAGES[stage]
-    return cls(module, comm, cfg, grad_clip, tp=tp, tp_split=tp_split, param_dtype=param_dtype,
-               bucket_numel=bucket_numel, overlap=overlap, grad_accum=grad_accum, pp=pp)
+    return cls(
+        module,
+        comm,
+        cfg,
+        grad_clip,
+        tp=tp,
+        tp_split=tp_split,
+        param_dtype=param_dtype,
+        bucket_numel=bucket_numel,
+        overlap=overlap,
+        grad_accum=grad_accum,
+        pp=pp,
+    )

@@ -27,6 +27,7 @@ Device: every buffer (flat parameters, gradients, master weights, Adam state, bu
 allocated on the device of the module's parameters (``self.device``); ``state_shard`` and
 ``params_snapshot`` return host copies, which is what a checkpoint writes and compares.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -51,12 +52,25 @@ class ZeroOptimizer:
     ``tp``/``tp_split``: the tensor-parallel group and the names of the parameters split over it,
     so the global norms count each split parameter on its rank and replicated ones once; ``pp``: the
     pipeline group (this rank's position at every stage), over which the norms add the stages'."""
-    stage: int
-    overlapped: OverlappedSync | None = None    # stages 0/1 with overlap: the sync started in backward
 
-    def __init__(self, module: nn.Module, comm: Comm, cfg: AdamWConfig, grad_clip: float = 0.0, *,
-                 tp: Comm | None = None, tp_split: Collection[str] = (), param_dtype: torch.dtype = torch.float32,
-                 bucket_numel: int = 8192, overlap: bool = False, grad_accum: int = 1, pp: Comm | None = None):
+    stage: int
+    overlapped: OverlappedSync | None = None  # stages 0/1 with overlap: the sync started in backward
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Comm,
+        cfg: AdamWConfig,
+        grad_clip: float = 0.0,
+        *,
+        tp: Comm | None = None,
+        tp_split: Collection[str] = (),
+        param_dtype: torch.dtype = torch.float32,
+        bucket_numel: int = 8192,
+        overlap: bool = False,
+        grad_accum: int = 1,
+        pp: Comm | None = None,
+    ):
         if grad_clip < 0:
             raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables), got {grad_clip}")
         if param_dtype not in (torch.float32, torch.bfloat16):
@@ -64,19 +78,19 @@ class ZeroOptimizer:
         self.module, self.comm, self.cfg, self.grad_clip = module, comm, cfg, grad_clip
         self.param_dtype = param_dtype
         self.bucket_numel, self.grad_accum = bucket_numel, grad_accum
-        self.progress = Progress(comm) if overlap else None   # the communication thread's queue
+        self.progress = Progress(comm) if overlap else None  # the communication thread's queue
         self.params = list(module.parameters())
         self.device = self.params[0].device
         self.layout = FlatLayout.of(module, comm.size)
         self.step_count = 0
-        self._synced: tuple[torch.Tensor, float] | None = None   # set by sync_grads, used by apply_update
+        self._synced: tuple[torch.Tensor, float] | None = None  # set by sync_grads, used by apply_update
         self.my_range = slice(*self.layout.shard_range(comm.rank))
         self.norms = NormTerms(self.layout, comm, tp, tp_split, pp)
         self._memory = PeakMemory()
         fp32_flat = torch.zeros(self.layout.padded_numel, device=self.device)
         with torch.no_grad():
             for slot, p in zip(self.layout.slots, self.params):
-                fp32_flat[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
+                fp32_flat[slot.offset : slot.offset + slot.numel].copy_(p.reshape(-1))
         self._init_storage(fp32_flat)
         del fp32_flat
         self._sample_memory()
@@ -91,7 +105,7 @@ class ZeroOptimizer:
         ``flat_params``, in the compute dtype."""
         self.flat_params = fp32_flat.to(self.param_dtype) if self.low_precision else fp32_flat
         for slot, p in zip(self.layout.slots, self.params):
-            p.data = self.flat_params[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            p.data = self.flat_params[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def _replicated_grads(self, scatter: bool) -> None:
         """Every parameter's gradient in one flat buffer (stages 0/1: the gradients' home); with
@@ -100,9 +114,16 @@ class ZeroOptimizer:
         self.flat_grads = flat_grad_buffer(self.layout, self.params, self.low_precision, self._sample_memory)
         self.grad_home = self.flat_grads
         if self.progress is not None:
-            self.overlapped = OverlappedSync(self.layout, self.params, self.flat_grads, self.comm,
-                                             buckets_by_size(self.module, self.layout, self.bucket_numel),
-                                             self.progress, scatter=scatter, accum=self.grad_accum)
+            self.overlapped = OverlappedSync(
+                self.layout,
+                self.params,
+                self.flat_grads,
+                self.comm,
+                buckets_by_size(self.module, self.layout, self.bucket_numel),
+                self.progress,
+                scatter=scatter,
+                accum=self.grad_accum,
+            )
 
     def _partitioned_state(self, fp32_flat: torch.Tensor) -> None:
         """fp32 master weights and Adam moments of this rank's partition only (stages 1-3)."""
@@ -130,7 +151,9 @@ class ZeroOptimizer:
     def apply_update(self, lr: float | None = None) -> None:
         """Second half of ``step``: clip by the global norm, AdamW on the master, publish the params."""
         if self._synced is None:
-            raise RuntimeError(f"{type(self).__name__}.apply_update() needs sync_grads() first (once per update)")
+            raise RuntimeError(
+                f"{type(self).__name__}.apply_update() needs sync_grads() first (once per update)"
+            )
         (grads, grad_norm), self._synced = self._synced, None
         if self.grad_clip > 0:
             coef = min(self.grad_clip / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s
@@ -198,8 +221,10 @@ class ZeroOptimizer:
     def load_state_shard(self, shard: dict[str, torch.Tensor], step_count: int) -> None:
         for key in STATE_KEYS:
             if shard[key].shape != (self.layout.shard_numel,) or shard[key].dtype != torch.float32:
-                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(shard[key].shape)} "
-                                 f"{shard[key].dtype}; expected ({self.layout.shard_numel},) float32")
+                raise ValueError(
+                    f"checkpoint tensor {key!r} has shape {tuple(shard[key].shape)} "
+                    f"{shard[key].dtype}; expected ({self.layout.shard_numel},) float32"
+                )
         for key in STATE_KEYS:
             self._load_state(key, shard[key])
         self._publish_params()
@@ -210,9 +235,13 @@ class ZeroOptimizer:
 
     # -- memory -----------------------------------------------------------------------
     def _sample_memory(self) -> None:
-        self._memory.sample({"params": self._param_storage(),
-                             "grads": self._grad_storage() + [p.grad for p in self.params if p.grad is not None],
-                             "optimizer": [self.master, self.exp_avg, self.exp_avg_sq]})
+        self._memory.sample(
+            {
+                "params": self._param_storage(),
+                "grads": self._grad_storage() + [p.grad for p in self.params if p.grad is not None],
+                "optimizer": [self.master, self.exp_avg, self.exp_avg_sq],
+            }
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         """Peak bytes, per category, of the tensors alive on this rank (measured, not the formula)."""

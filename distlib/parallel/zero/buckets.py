@@ -19,6 +19,7 @@ oldest), so backward cannot outrun the thread by more than that: the gradient me
 Stage 2 packs modules into buckets by size (``buckets_by_size``); stage 3 uses one bucket per
 unit (its gathered block), and is told when a bucket is reduced so it can free the unit.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,15 +34,15 @@ from distlib.comm.group import Comm
 from distlib.comm.progress import Progress
 from distlib.parallel.flat_layout import FlatLayout, ParamSlot
 
-MAX_QUEUED = 1      # (overlap) buckets whose reduce-scatter may be queued or running at once: one
+MAX_QUEUED = 1  # (overlap) buckets whose reduce-scatter may be queued or running at once: one
 # runs while backward fills the next; more would only let backward run further ahead of a busy thread
 
 
 @dataclass(frozen=True)
 class Bucket:
-    lo: int                     # flat range [lo, hi) of its parameters
+    lo: int  # flat range [lo, hi) of its parameters
     hi: int
-    params: tuple[int, ...]     # indices into layout.slots
+    params: tuple[int, ...]  # indices into layout.slots
 
     @property
     def numel(self) -> int:
@@ -90,20 +91,27 @@ class GradBuckets:
     ``sample`` runs in every hook (while the parameter's gradient and the bucket are alive);
     ``reduced(b)`` runs after bucket ``b``'s reduce-scatter was run (or, with ``progress``, queued)."""
 
-    def __init__(self, layout: FlatLayout, params: Sequence[torch.Tensor], comm: Comm, buckets: list[Bucket],
-                 sample: Callable[[], None], reduced: Callable[[int], None] = lambda b: None,
-                 progress: Progress | None = None):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: Sequence[torch.Tensor],
+        comm: Comm,
+        buckets: list[Bucket],
+        sample: Callable[[], None],
+        reduced: Callable[[int], None] = lambda b: None,
+        progress: Progress | None = None,
+    ):
         self.layout, self.params, self.comm, self.buckets = layout, list(params), comm, buckets
         self._sample, self._reduced = sample, reduced
         self.my_start = layout.shard_range(comm.rank)[0]
         self.partition = torch.zeros(layout.shard_numel, device=self.params[0].device)
         self._bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.params}
         self._buffers: list[torch.Tensor | None] = [None] * len(buckets)
-        self._arrived: list[set[int]] = [set() for _ in buckets]   # params whose gradient is in
-        self._reductions = [0] * len(buckets)   # per bucket, this step (= micro-batches)
+        self._arrived: list[set[int]] = [set() for _ in buckets]  # params whose gradient is in
+        self._reductions = [0] * len(buckets)  # per bucket, this step (= micro-batches)
         self.progress = progress
-        self._sending: dict[int, torch.Tensor] = {}   # (overlap) id -> bucket whose reduce-scatter is queued
-        self._queued: collections.deque = collections.deque()   # (overlap) their tickets, oldest first
+        self._sending: dict[int, torch.Tensor] = {}  # (overlap) id -> bucket whose reduce-scatter is queued
+        self._queued: collections.deque = collections.deque()  # (overlap) their tickets, oldest first
         for i, p in enumerate(self.params):
             p.grad = None
             p.register_post_accumulate_grad_hook(self._grad_ready_hook(i))
@@ -126,12 +134,13 @@ class GradBuckets:
             if self._buffers[b] is None:
                 self._buffers[b] = torch.empty(bucket.numel, device=self.partition.device)
             start = slot.offset - bucket.lo
-            self._buffers[b][start:start + slot.numel].copy_(p.grad.reshape(-1))
+            self._buffers[b][start : start + slot.numel].copy_(p.grad.reshape(-1))
             self._arrived[b].add(index)
             self._sample()
             p.grad = None
             if len(self._arrived[b]) == len(bucket.params):
                 self._reduce(b)
+
         return hook
 
     def _reduce(self, b: int) -> None:
@@ -156,7 +165,7 @@ class GradBuckets:
         a, z = bounds[self.comm.rank]
         if z > a:
             start = bucket.lo + a - self.my_start
-            self.partition[start:start + (z - a)].add_(mine)
+            self.partition[start : start + (z - a)].add_(mine)
         self._sending.pop(id(buffer), None)
 
     def collect(self, stage: int) -> torch.Tensor:
@@ -166,12 +175,18 @@ class GradBuckets:
             self.progress.drain()
             self._queued.clear()
         most = max(self._reductions)
-        missing = [i for b, bucket in enumerate(self.buckets) for i in bucket.params
-                   if self._reductions[b] < most or (self._arrived[b] and i not in self._arrived[b])]
+        missing = [
+            i
+            for b, bucket in enumerate(self.buckets)
+            for i in bucket.params
+            if self._reductions[b] < most or (self._arrived[b] and i not in self._arrived[b])
+        ]
         if missing:
             names = [self.layout.slots[i].name for i in sorted(missing)]
-            raise RuntimeError(f"ZeRO-{stage}: incomplete gradient buckets (reductions per bucket "
-                               f"{self._reductions}): {len(names)} parameter(s) did not receive a gradient in "
-                               f"every backward since the last step, e.g. {names[:4]}")
+            raise RuntimeError(
+                f"ZeRO-{stage}: incomplete gradient buckets (reductions per bucket "
+                f"{self._reductions}): {len(names)} parameter(s) did not receive a gradient in "
+                f"every backward since the last step, e.g. {names[:4]}"
+            )
         self._reductions = [0] * len(self.buckets)
         return self.partition

@@ -7,6 +7,7 @@ The stages sample where their tensors peak: in the gradient hooks, around each g
 after the update. ``Sizes`` holds the numbers the per-stage formulas (``memory_formula`` of each
 stage, docs/parallelism.md) are written in.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class PeakMemory:
 class Sizes:
     """P parameters, N data-parallel ranks, b bytes per parameter in the compute dtype (4 fp32,
     2 bf16), the padding (< N elements) and the largest single parameter."""
+
     p: int
     n: int
     b: int
@@ -49,9 +51,14 @@ class Sizes:
     largest_param: int
 
     @staticmethod
-    def of(layout: FlatLayout, param_dtype: torch.dtype) -> "Sizes":
-        return Sizes(p=layout.numel, n=layout.world_size, b=param_dtype.itemsize,
-                     pad=layout.padded_numel - layout.numel, largest_param=max(s.numel for s in layout.slots))
+    def of(layout: FlatLayout, param_dtype: torch.dtype) -> Sizes:
+        return Sizes(
+            p=layout.numel,
+            n=layout.world_size,
+            b=param_dtype.itemsize,
+            pad=layout.padded_numel - layout.numel,
+            largest_param=max(s.numel for s in layout.slots),
+        )
 
     @property
     def bf16_grad(self) -> int:

@@ -8,6 +8,7 @@ rank order, so every rank computes the same float. With pipeline parallelism (``
 of this rank's position at every stage, each stage holding other parameters) the stages' totals
 are added in stage order last.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -23,8 +24,14 @@ class NormTerms:
     """``dp``: the group the partitions are spread over; ``tp``: the tensor-parallel group (None or
     size 1 without tensor parallelism); ``tp_split``: names of the parameters split over it."""
 
-    def __init__(self, layout: FlatLayout, dp: Comm, tp: Comm | None = None, tp_split: Collection[str] = (),
-                 pp: Comm | None = None):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        dp: Comm,
+        tp: Comm | None = None,
+        tp_split: Collection[str] = (),
+        pp: Comm | None = None,
+    ):
         split = set(tp_split)
         unknown = split - {s.name for s in layout.slots}
         if unknown:
@@ -73,5 +80,6 @@ class NormTerms:
     def of_full(self, flat: torch.Tensor) -> float:
         """The global norm from a rank's copy of every partition (collective over tp only)."""
         n = flat.numel() // self.dp.size
-        return self.from_terms(torch.stack([self.square_terms(flat[r * n:(r + 1) * n], r)
-                                            for r in range(self.dp.size)]))
+        return self.from_terms(
+            torch.stack([self.square_terms(flat[r * n : (r + 1) * n], r) for r in range(self.dp.size)])
+        )

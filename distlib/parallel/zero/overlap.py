@@ -18,6 +18,7 @@ which the N contributions are added) is chosen by the size of what it reduces, a
 smaller than the buffer. Each element is still reduced once, by one algorithm, identically on
 every rank, so the replicas stay bitwise equal to each other.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,18 +35,28 @@ from distlib.parallel.zero.buckets import Bucket
 class OverlappedSync:
     """Buckets of ``flat_grads`` synchronised from backward hooks on ``progress``'s thread."""
 
-    def __init__(self, layout: FlatLayout, params: Sequence[torch.Tensor], flat_grads: torch.Tensor, comm: Comm,
-                 buckets: list[Bucket], progress: Progress, *, scatter: bool, accum: int = 1):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: Sequence[torch.Tensor],
+        flat_grads: torch.Tensor,
+        comm: Comm,
+        buckets: list[Bucket],
+        progress: Progress,
+        *,
+        scatter: bool,
+        accum: int = 1,
+    ):
         if accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {accum}")
         self.layout, self.flat, self.comm, self.buckets = layout, flat_grads, comm, buckets
         self.progress, self.scatter, self.accum = progress, scatter, accum
         self._bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.params}
         self._arrived: list[set[int]] = [set() for _ in buckets]
-        self._completed = [0] * len(buckets)             # backwards that filled the bucket, this step
+        self._completed = [0] * len(buckets)  # backwards that filled the bucket, this step
         self._tickets: list[Ticket | None] = [None] * len(buckets)
         self._partition: torch.Tensor | None = None
-        self.launch_log: list[int] = []                  # buckets in launch order (tests read it)
+        self.launch_log: list[int] = []  # buckets in launch order (tests read it)
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(self._hook(i))
 
@@ -53,14 +64,17 @@ class OverlappedSync:
         def hook(p: torch.Tensor) -> None:
             b = self._bucket_of[index]
             if self._tickets[b] is not None:
-                raise RuntimeError(f"gradient of {self.layout.slots[index].name} arrived after its bucket's sync "
-                                   f"started: more backward passes than grad_accum={self.accum} before the step")
+                raise RuntimeError(
+                    f"gradient of {self.layout.slots[index].name} arrived after its bucket's sync "
+                    f"started: more backward passes than grad_accum={self.accum} before the step"
+                )
             self._arrived[b].add(index)
             if len(self._arrived[b]) == len(self.buckets[b].params):
                 self._arrived[b] = set()
                 self._completed[b] += 1
                 if self._completed[b] == self.accum:
                     self._launch(b)
+
         return hook
 
     def _launch(self, b: int) -> None:
@@ -70,8 +84,8 @@ class OverlappedSync:
         self._tickets[b] = self.progress.submit(self._reduce, self.buckets[b])
 
     @torch.no_grad()
-    def _reduce(self, bucket: Bucket) -> None:     # on the communication thread
-        view = self.flat[bucket.lo:bucket.hi]
+    def _reduce(self, bucket: Bucket) -> None:  # on the communication thread
+        view = self.flat[bucket.lo : bucket.hi]
         if not self.scatter:
             collectives.all_reduce(view, self.comm, op="avg")
             return
@@ -80,7 +94,7 @@ class OverlappedSync:
         a, z = bounds[self.comm.rank]
         if z > a:
             start = bucket.lo + a - self.layout.shard_range(self.comm.rank)[0]
-            self._partition[start:start + (z - a)].copy_(mine)
+            self._partition[start : start + (z - a)].copy_(mine)
 
     @property
     def in_flight(self) -> bool:

@@ -10,6 +10,7 @@ their own master weights; bf16 ones get an fp32 master copy.
 Checkpoints still hold partition r of (master, exp_avg, exp_avg_sq) on rank r (the format of
 every stage); loading copies the partition in and all-gathers the rest.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ class Stage0Optimizer(ZeroOptimizer):
     @torch.no_grad()
     def _reduce_grads(self) -> torch.Tensor:
         self._sample_memory()
-        if self.overlapped is not None:         # started in backward: wait for it
+        if self.overlapped is not None:  # started in backward: wait for it
             return self.overlapped.finish()
         return collectives.all_reduce(self.flat_grads, self.comm, op="avg")
 
@@ -52,6 +53,8 @@ class Stage0Optimizer(ZeroOptimizer):
         are the master) or 12P in bf16; allowances: the padded tail (< N elements)."""
         s = self._sizes()
         opt = 8 if s.b == 4 else 12
-        return {"params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
-                "grads": (4 * s.p, 4 * s.pad + s.bf16_grad, "4P"),
-                "optimizer": (opt * s.p, opt * s.pad, f"{opt}P")}
+        return {
+            "params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
+            "grads": (4 * s.p, 4 * s.pad + s.bf16_grad, "4P"),
+            "optimizer": (opt * s.p, opt * s.pad, f"{opt}P"),
+        }

@@ -8,6 +8,7 @@ each rank receives the averaged gradient of its partition; ``apply_update`` runs
 master partition, writes it into the parameters (compute dtype) and all-gathers the parameters,
 after which every rank again holds identical bytes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ class Stage1Optimizer(ZeroOptimizer):
     @torch.no_grad()
     def _reduce_grads(self) -> torch.Tensor:
         self._sample_memory()
-        if self.overlapped is not None:         # started in backward: wait for it
+        if self.overlapped is not None:  # started in backward: wait for it
             return self.overlapped.finish()
         return collectives.reduce_scatter(self.flat_grads, self.comm, op="avg")
 
@@ -39,6 +40,8 @@ class Stage1Optimizer(ZeroOptimizer):
         """params bP, grads 4P (+ one bf16 gradient in a hook), Adam 12P/N; allowances: the padded
         tail (< N elements)."""
         s = self._sizes()
-        return {"params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
-                "grads": (4 * s.p, 4 * s.pad + s.bf16_grad, "4P"),
-                "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N")}
+        return {
+            "params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
+            "grads": (4 * s.p, 4 * s.pad + s.bf16_grad, "4P"),
+            "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N"),
+        }

@@ -14,6 +14,7 @@ returns, so backward goes on computing while it runs; ``sync_grads`` waits for t
 With K micro-batches each backward reduce-scatters again and accumulates into the partition, so
 gradient memory stays 4P/N at the price of K reduce-scatters per step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,9 +30,14 @@ class Stage2Optimizer(ZeroOptimizer):
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self._replicated_params(fp32_flat)
         self._partitioned_state(fp32_flat)
-        self.grads = GradBuckets(self.layout, self.params, self.comm,
-                                 buckets_by_size(self.module, self.layout, self.bucket_numel), self._sample_memory,
-                                 progress=self.progress)
+        self.grads = GradBuckets(
+            self.layout,
+            self.params,
+            self.comm,
+            buckets_by_size(self.module, self.layout, self.bucket_numel),
+            self._sample_memory,
+            progress=self.progress,
+        )
         self.grad_home = self.grads.partition
 
     def _grad_storage(self) -> list[torch.Tensor]:
@@ -52,7 +58,8 @@ class Stage2Optimizer(ZeroOptimizer):
         more buckets are queued or being reduced on the communication thread."""
         s = self._sizes()
         live = 4 * self.grads.largest * (1 + (MAX_QUEUED if self.progress is not None else 0))
-        return {"params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
-                "grads": (4 * s.p / s.n, 4 * s.pad / s.n + live + s.b * s.largest_param,
-                          "4P/N + bucket"),
-                "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N")}
+        return {
+            "params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
+            "grads": (4 * s.p / s.n, 4 * s.pad / s.n + live + s.b * s.largest_param, "4P/N + bucket"),
+            "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N"),
+        }

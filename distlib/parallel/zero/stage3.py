@@ -29,6 +29,7 @@ results are bitwise those without prefetch. ``sync_grads`` waits for the queue a
 any unit still gathered (a prefetch that no forward or backward used), so no stale parameters
 survive the update.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,12 +43,13 @@ from distlib.parallel.zero.buckets import Bucket, GradBuckets, contiguous_bucket
 def unit_modules(model: nn.Module) -> list[nn.Module]:
     """The model's top-level children that hold parameters (ModuleLists and ModuleDicts expanded)."""
     if any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(f"ZeRO-3 needs every parameter inside a child module; {type(model).__name__} "
-                         f"holds some directly")
+        raise ValueError(
+            f"ZeRO-3 needs every parameter inside a child module; {type(model).__name__} holds some directly"
+        )
     units = []
     for child in model.children():
         members = child.values() if isinstance(child, nn.ModuleDict) else child
-        for m in (members if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else [child]):
+        for m in members if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else [child]:
             if any(True for _ in m.parameters()):
                 units.append(m)
     return units
@@ -62,21 +64,29 @@ class Stage3Optimizer(ZeroOptimizer):
         units = unit_modules(self.module)
         index = {id(p): i for i, p in enumerate(self.params)}
         # One bucket per unit: its gradients are reduced, and its storage freed, together.
-        self.units: list[Bucket] = [contiguous_bucket([tuple(index[id(p)] for p in u.parameters())],
-                                                      self.layout.slots) for u in units]
-        self.grads = GradBuckets(self.layout, self.params, self.comm, self.units, self._sample_memory,
-                                 reduced=self._release, progress=self.progress)
+        self.units: list[Bucket] = [
+            contiguous_bucket([tuple(index[id(p)] for p in u.parameters())], self.layout.slots) for u in units
+        ]
+        self.grads = GradBuckets(
+            self.layout,
+            self.params,
+            self.comm,
+            self.units,
+            self._sample_memory,
+            reduced=self._release,
+            progress=self.progress,
+        )
         self.grad_home = self.grads.partition
-        self._gathered = [False] * len(self.units)     # gathered, or (overlap) its gather is queued
-        self._gathering: list = [None] * len(self.units)   # (overlap) the queued gather's Ticket
-        self._backward_seen: set[int] = set()          # units whose backward began since their forward
+        self._gathered = [False] * len(self.units)  # gathered, or (overlap) its gather is queued
+        self._gathering: list = [None] * len(self.units)  # (overlap) the queued gather's Ticket
+        self._backward_seen: set[int] = set()  # units whose backward began since their forward
         self._unit_buffers = []
         for b, (unit, module) in enumerate(zip(self.units, units)):
             full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
             for i in unit.params:
                 slot = self.layout.slots[i]
                 start = slot.offset - unit.lo
-                self.params[i].data = full[start:start + slot.numel].view(slot.shape)
+                self.params[i].data = full[start : start + slot.numel].view(slot.shape)
             full.untyped_storage().resize_(0)
             self._unit_buffers.append(full)
             module.register_forward_pre_hook(lambda m, args, b=b: self._before_forward(b))
@@ -97,7 +107,7 @@ class Stage3Optimizer(ZeroOptimizer):
         bounds = self.layout.bounds_within(unit.lo, unit.hi)
         a, z = bounds[self.comm.rank]
         start = unit.lo + a - self.my_range.start
-        collectives.all_gather(full, self.param_shard[start:start + (z - a)], self.comm, bounds=bounds)
+        collectives.all_gather(full, self.param_shard[start : start + (z - a)], self.comm, bounds=bounds)
 
     def _free(self, b: int) -> None:
         self._unit_buffers[b].untyped_storage().resize_(0)
@@ -115,7 +125,7 @@ class Stage3Optimizer(ZeroOptimizer):
             self._fill(b)
         else:
             self.progress.submit(self._fill, b).wait()
-        self._sample_memory()     # here, never on the thread: it reads .grad, which backward rewrites
+        self._sample_memory()  # here, never on the thread: it reads .grad, which backward rewrites
 
     def _prefetch(self, b: int) -> None:
         if 0 <= b < len(self.units) and not self._gathered[b]:
@@ -127,7 +137,7 @@ class Stage3Optimizer(ZeroOptimizer):
         if self.progress is None:
             self._free(b)
         else:
-            self.progress.submit(self._free, b)     # behind what still reads the unit
+            self.progress.submit(self._free, b)  # behind what still reads the unit
 
     def _before_forward(self, b: int) -> None:
         self._backward_seen.discard(b)
@@ -144,14 +154,14 @@ class Stage3Optimizer(ZeroOptimizer):
     def _after_forward(self, b: int, out) -> None:
         grads = isinstance(out, torch.Tensor) and out.requires_grad
         if not (grads and self.progress is not None and b == len(self.units) - 1):
-            self._release(b)        # (overlap: the last unit stays, its backward comes first)
+            self._release(b)  # (overlap: the last unit stays, its backward comes first)
         if grads:
             out.register_hook(lambda grad: self._before_backward(b))
 
     # -- the step -------------------------------------------------------------------
     def _reduce_grads(self) -> torch.Tensor:
         partition = self.grads.collect(self.stage)
-        if self.progress is not None:       # the queue is empty now: drop unused prefetches
+        if self.progress is not None:  # the queue is empty now: drop unused prefetches
             for b, gathered in enumerate(self._gathered):
                 if gathered:
                     self._gathered[b], self._gathering[b] = False, None
@@ -189,6 +199,12 @@ class Stage3Optimizer(ZeroOptimizer):
         s = self._sizes()
         unit = self.grads.largest
         live = 2 if self.progress is not None else 1
-        return {"params": (s.b * s.p / s.n, s.b * s.pad / s.n + live * s.b * unit, f"{s.b}P/N + unit"),
-                "grads": (4 * s.p / s.n, 4 * s.pad / s.n + live * 4 * unit + s.b * s.largest_param, "4P/N + unit"),
-                "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N")}
+        return {
+            "params": (s.b * s.p / s.n, s.b * s.pad / s.n + live * s.b * unit, f"{s.b}P/N + unit"),
+            "grads": (
+                4 * s.p / s.n,
+                4 * s.pad / s.n + live * 4 * unit + s.b * s.largest_param,
+                "4P/N + unit",
+            ),
+            "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N"),
+        }
