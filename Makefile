@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format resume bench venv clean text-demo multinode gpu-wheels
+.PHONY: demo test test-fast lint format config-doc resume bench venv clean text-demo multinode gpu-wheels
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ test: lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# docs/config.md from the config code (tests/test_config_reference.py fails when it is stale).
+config-doc: $(STAMP)
+	$(PY) -m distlib.launch.config_reference
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -192,9 +192,7 @@ class Trainer:
             result.memory = memory_report(self.memory_bytes(), self.optimizer.memory_formula(), self.comm)
             self.log.final_memory(last, self.memory_bytes())
             if not result.stopped_by:
-                result.resume_check = self.checkpointer.verify_resume(
-                    lambda: self.build(seed=self.cfg.seed + 1)
-                )
+                result.resume_check = self.checkpointer.verify_resume(self._fresh_model)
         self.log.event(
             "run_end",
             last,
