@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distlib.app import summary as report
+from distlib.app import summary
 from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import batches as data
@@ -100,14 +100,14 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
                 f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)"
             )
         result = Trainer(cfg, comm, Path(run_dir), hooks=hooks, device=device).run()
-        failures = report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
+        failures = summary.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
         if comm.rank == 0:
-            report.write_json(result, failures, Path(run_dir) / "report.json")
+            summary.write_json(result, failures, Path(run_dir) / "report.json")
             print(f"run directory: {run_dir}")
-            print(report.loss_table(result))
-            print(report.memory_table(result, cfg.zero.stage))
+            print(summary.loss_table(result))
+            print(summary.memory_table(result, cfg.zero.stage))
             for manifest in result.manifests[:1]:
-                print(report.manifest_text(manifest))
+                print(summary.manifest_text(manifest))
             if result.stopped_by:
                 print(
                     f"stopped by {result.stopped_by} after step "

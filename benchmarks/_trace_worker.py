@@ -77,8 +77,7 @@ def main() -> None:
     import torch.distributed as dist
 
     marks.mark("import torch")
-    from distlib.app import summary as report
-    from distlib.app import trainer
+    from distlib.app import summary, trainer
     from distlib.app.checkpointing import checkpointer
     from distlib.checkpoint import sharded as checkpoint
 
@@ -90,7 +89,7 @@ def main() -> None:
     _wrap(checkpoint, "save", marks, "checkpoint save starts", "checkpoint saved")
     _wrap(trainer, "memory_report", marks, "training loop done", None)
     _wrap(checkpointer.Checkpointer, "verify_resume", marks, None, "resume verified")
-    _wrap(report, "check_invariants", marks, "run returned", None)
+    _wrap(summary, "check_invariants", marks, "run returned", None)
     _wrap(dist, "destroy_process_group", marks, "report printed", "process group destroyed")
 
     import runpy

@@ -274,22 +274,18 @@ def main() -> None:
     )
     out = Path(ROOT) / "benchmarks" / "results" / "checkpoint.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "params": numel,
-                "state_bytes": state_bytes,
-                "world_size": args.world_size,
-                "repeats": args.repeats,
-                "torch": torch.__version__,
-                "rows": rows,
-                "async_blocking_vs_dcp_async": blocking_ratio,
-                "async_blocking_vs_dcp_async_kept_stager": kept_ratio,
-                "wall_s": wall,
-            },
-            indent=2,
-        )
-    )
+    payload = {
+        "params": numel,
+        "state_bytes": state_bytes,
+        "world_size": args.world_size,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "rows": rows,
+        "async_blocking_vs_dcp_async": blocking_ratio,
+        "async_blocking_vs_dcp_async_kept_stager": kept_ratio,
+        "wall_s": wall,
+    }
+    out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out}")
 
 

@@ -98,14 +98,7 @@ def torch_ddp(cfg, dtype, device, data):
 
     model = build_model(cfg, seed=1234).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(
-        ddp.parameters(),
-        lr=ADAMW.lr,
-        betas=(ADAMW.beta1, ADAMW.beta2),
-        eps=ADAMW.eps,
-        weight_decay=ADAMW.weight_decay,
-        fused=True,
-    )
+    opt = torch.optim.AdamW(ddp.parameters(), **ADAMW.torch_kwargs(), fused=True)
 
     def step(x, y):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):

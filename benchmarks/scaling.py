@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step as S  # benchmarks/step.py: models, variants, data
@@ -117,22 +118,18 @@ def main() -> None:
         f"efficiency = tokens/s(2) / (2 tokens/s(1)) = t1/t2; goal >= {GOAL}: "
         f"{'met' if ours['efficiency'] >= GOAL else 'NOT met'} for {ours['variant']}"
     )
+    payload = {
+        "quick": args.quick,
+        "steps": steps,
+        "model": MODEL,
+        "batch_per_rank": batch,
+        "seq_len": cfg.seq_len,
+        "cores": os.cpu_count(),
+        "goal": GOAL,
+        "results": rows,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "quick": args.quick,
-                "steps": steps,
-                "model": MODEL,
-                "batch_per_rank": batch,
-                "seq_len": cfg.seq_len,
-                "cores": os.cpu_count(),
-                "goal": GOAL,
-                "results": rows,
-            },
-            f,
-            indent=1,
-        )
+    Path(args.out).write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -121,9 +121,7 @@ def _torch_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _torch_adamw(params):
-    return torch.optim.AdamW(
-        params, lr=ADAMW.lr, betas=(ADAMW.beta1, ADAMW.beta2), eps=ADAMW.eps, weight_decay=ADAMW.weight_decay
-    )
+    return torch.optim.AdamW(params, **ADAMW.torch_kwargs())
 
 
 def _torch_step(model, optimizer):

@@ -17,14 +17,26 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 
+def _run_once(cmd: list[str], timeout: float, **env: str):
+    """``cmd`` from the repository root, output captured, unbuffered, with ``env`` added."""
+    import subprocess
+
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+    )
+
+
 @pytest.fixture(scope="session")
 def capstone_run(tmp_path_factory):
     """The capstone exactly as README.md's first command runs it (`torchrun --nproc_per_node 4
     train.py`, only the run directory given), once per session: tests/test_capstone.py checks its
     output and invariants, tests/test_readme_commands.py that the command runs and that the README
     commands reading outputs/<run> work on it. Returns (the CompletedProcess, the run directory)."""
-    import subprocess
-
     from e2e import free_port
 
     run_dir = tmp_path_factory.mktemp("capstone") / "run"
@@ -39,15 +51,7 @@ def capstone_run(tmp_path_factory):
     ]
     # PET_MASTER_PORT is torchrun's own environment default for --master-port: the command stays
     # README's, the port is a free one (29500 could be taken by another run on the machine)
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "PET_MASTER_PORT": str(free_port())},
-    )
-    return proc, run_dir
+    return _run_once(cmd, 240, PET_MASTER_PORT=str(free_port())), run_dir
 
 
 @pytest.fixture(scope="session")
@@ -55,18 +59,8 @@ def resume_script_run(tmp_path_factory):
     """README.md's `bash scripts/resume.sh`, run as written (RESUME_DIR keeps its two runs), once
     per session: tests/test_resume.py checks what it proves, tests/test_readme_commands.py that the
     README command runs. Returns (the CompletedProcess, RESUME_DIR)."""
-    import subprocess
-
     out = tmp_path_factory.mktemp("resume_script")
-    proc = subprocess.run(
-        ["bash", "scripts/resume.sh"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "RESUME_DIR": str(out)},
-    )
-    return proc, out
+    return _run_once(["bash", "scripts/resume.sh"], 300, RESUME_DIR=str(out)), out
 
 
 # README.md's sweep line as tests/test_readme_commands.py runs it (fewer steps, a checkpoint, the
@@ -82,19 +76,9 @@ def world_size_sweep(tmp_path_factory):
     """README.md's `train.py -m dist.world_size=1,2,4` (as SWEEP_CMD), once per session:
     tests/test_cli.py checks its jobs, tests/test_readme_commands.py that the README line runs.
     Returns (the CompletedProcess, the sweep directory)."""
-    import subprocess
-
     sweep = tmp_path_factory.mktemp("sweep")
     cmd = SWEEP_CMD.format(dir=sweep).replace(".venv/bin/python", sys.executable, 1).split()
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    return proc, sweep
+    return _run_once(cmd, 300), sweep
 
 
 def _threads() -> int:

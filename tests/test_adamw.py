@@ -11,14 +11,7 @@ def test_flat_adamw_is_bitwise_torch_adamw():
     cfg = AdamWConfig(lr=3e-3, beta1=0.85, beta2=0.97, eps=1e-7, weight_decay=0.05)
 
     reference = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = torch.optim.AdamW(
-        reference,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        foreach=False,
-    )
+    opt = torch.optim.AdamW(reference, **cfg.torch_kwargs(), foreach=False)
 
     flat = torch.cat([p.flatten() for p in params])
     exp_avg, exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)

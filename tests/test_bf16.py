@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from multiproc import run_ranks
 
-from distlib.app import summary as report
+from distlib.app import summary
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 from distlib.comm import agree
@@ -29,7 +29,7 @@ def _capstone_bf16(comm, run_dir: str, stage: int):
     result = trainer.run()
     return {
         "losses": [s.loss for s in result.steps],
-        "failures": report.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step),
+        "failures": summary.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step),
         "memory": result.memory,
         "numel": result.numel,
         "dtypes": dtypes,

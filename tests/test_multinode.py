@@ -53,9 +53,9 @@ def _remove(prefix: str) -> None:
         shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
-def _run_script(name: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MULTINODE_NAME": name, "MULTINODE_TIMEOUT": str(int(timeout) - 30)}
-    proc = subprocess.Popen(
+def _start_script(args: list[str], env: dict) -> subprocess.Popen:
+    """scripts/multinode.sh in a session of its own (a timeout signals its whole group)."""
+    return subprocess.Popen(
         ["bash", str(SCRIPT), *args],
         env=env,
         stdout=subprocess.PIPE,
@@ -63,6 +63,11 @@ def _run_script(name: str, args: list[str], timeout: float) -> subprocess.Comple
         text=True,
         start_new_session=True,
     )
+
+
+def _run_script(name: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MULTINODE_NAME": name, "MULTINODE_TIMEOUT": str(int(timeout) - 30)}
+    proc = _start_script(args, env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -187,14 +192,7 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
         "MULTINODE_OWN_SHM": "1",
         "PYTHON": os.environ.get("PYTHON", sys.executable),
     }
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _start_script(args, env)
     try:
         deadline, seen = time.monotonic() + 300, 0
         while seen < 6 and time.monotonic() < deadline and proc.poll() is None:

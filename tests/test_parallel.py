@@ -56,14 +56,7 @@ def torch_reference(clip: float) -> dict:
     """Single process, plain torch: the numbers every layout must reproduce."""
     model = build_model(CFG, SEED)
     params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(
-        params.values(),
-        lr=ADAMW.lr,
-        betas=(ADAMW.beta1, ADAMW.beta2),
-        eps=ADAMW.eps,
-        weight_decay=ADAMW.weight_decay,
-        foreach=False,
-    )
+    opt = torch.optim.AdamW(params.values(), **ADAMW.torch_kwargs(), foreach=False)
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         batch = DATA[step]

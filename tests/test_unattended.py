@@ -2,7 +2,6 @@
 showing its documented outcome: rollback with bitwise recovery, the rollback limit, a
 pre-emption that reaches one rank, rank 0's checkpoint clock, desync detection, metrics."""
 
-import copy
 import hashlib
 import json
 import os
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import run_ranks
+from trainrun import small_tree
 
 from distlib.app.config.run import RunConfig
 from distlib.app.faults import step_hooks
@@ -19,19 +19,9 @@ from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.unattended.stopping import StopSignals
 from distlib.checkpoint import sharded as checkpoint
 
-BASE = {
-    "train": {"steps": 12},
-    "dist": {"world_size": 2},
-    "checkpoint": {"every_steps": 5},
-    "metrics": {"progress_every": 0},
-}
-
 
 def config(**groups) -> dict:
-    tree = copy.deepcopy(BASE)
-    for group, values in groups.items():
-        tree.setdefault(group, {}).update(values)
-    return tree
+    return small_tree(12, 5, **groups)
 
 
 class StepClock:

@@ -2,13 +2,13 @@
 under the parallel layouts: ZeRO-2/3, where gradients and parameters are partitions, and tensor
 parallelism, where ranks of one data-parallel group hold different shards of the model."""
 
-import copy
 import hashlib
 from pathlib import Path
 
 import pytest
 import torch
 from multiproc import run_ranks
+from trainrun import small_tree
 
 from distlib.app.config.operation import GuardConfig
 from distlib.app.config.run import RunConfig
@@ -21,19 +21,9 @@ from distlib.comm.mesh import build_mesh
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.parallel.flat_layout import ParamSlot
 
-BASE = {
-    "train": {"steps": 8},
-    "dist": {"world_size": 2},
-    "checkpoint": {"every_steps": 3},
-    "metrics": {"progress_every": 0},
-}
-
 
 def config(**groups) -> dict:
-    tree = copy.deepcopy(BASE)
-    for group, values in groups.items():
-        tree.setdefault(group, {}).update(values)
-    return tree
+    return small_tree(8, 3, **groups)
 
 
 def _train(comm, tree, run_dir):

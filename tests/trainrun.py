@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -27,3 +28,17 @@ def train(comm, tree: dict, run_dir: str) -> dict:
         .copy(),  # numpy: a tensor would travel by shared memory
         "resume_ok": None if result.resume_check is None else result.resume_check.ok,
     }
+
+
+def tree_with(base: dict, **groups) -> dict:
+    """A copy of the config tree ``base`` with each named group's values updated."""
+    tree = copy.deepcopy(base)
+    for group, values in groups.items():
+        tree.setdefault(group, {}).update(values)
+    return tree
+
+
+def small_tree(steps: int, every_steps: int, **groups) -> dict:
+    """Two ranks, ``steps`` steps, a checkpoint every ``every_steps``, no progress lines, and ``groups``."""
+    base = {"train": {"steps": steps}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": every_steps}}
+    return tree_with({**base, "metrics": {"progress_every": 0}}, **groups)

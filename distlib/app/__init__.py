@@ -1,12 +1,14 @@
-"""app: the MiniGPT training application built on the library.
+"""app: the training application built on the library, in sub-packages by concern.
 
-The validated run configuration (``config``), the model (``model``), data and tokens (``data``,
-``tokens``), the trainer that composes the library's narrow APIs (``trainer``), the checkpointing
-component (``checkpointer``), metrics, the capstone's printed summary and invariants (``summary``),
-sampling from a checkpoint (``sampling``) and what lets a run be left alone (``unattended``: the
-divergence guard, rollback targets, stop/save decisions, fault injection).
+``config`` (every key: default, type, range, meaning; checked in one place), ``model`` (the model,
+its tensor-parallel plan and pipeline stages), ``data`` (corpus, text tokens, batches),
+``checkpointing`` (what a checkpoint of this run holds, when it is saved and loaded, the resume
+check), ``observe`` (metrics, throughput, traces, stragglers, validation loss) and ``unattended``
+(the divergence guard, rollback, save/stop decisions). At the top: the trainer that composes them
+(``trainer``), the seams outside code attaches to (``hooks``) and the drill plugin that does
+(``faults``), the capstone's printed summary and invariants (``summary``) and sampling.
 
 Rule: may import ``distlib.comm``, ``distlib.parallel``, ``distlib.checkpoint`` and
 ``distlib.app``; never ``distlib.launch``, Hydra or OmegaConf (``config`` builds typed
-dataclasses from a plain dict).
+dataclasses from a plain dict). Each sub-package's own rule is in its ``__init__.py``.
 """

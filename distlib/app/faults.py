@@ -44,50 +44,50 @@ _CRASH_POINTS = {
 
 @dataclass(frozen=True)
 class FaultConfig(Group):
-    """Faults injected on purpose (every key null: none)."""
+    """Faults injected on purpose (every key null: none).
+
+    kill_rank: this rank SIGKILLs itself ...
+    kill_at_step: ... right after this step (under torchrun on the job's first start only)
+    crash_in_save: every rank reaching this point of a save SIGKILLs itself: mid_shard (half its shard
+        written), before_manifest (all shards fsynced), before_commit (manifest written, directory not
+        renamed), after_commit
+    disk_full_rank: this rank's shard write fails half-way with ENOSPC
+    save_fault_step: the save (its step) that crash_in_save / disk_full_rank hit; null: the first save
+    lr_spike_step: multiply the learning rate of this step's update ...
+    lr_spike_factor: ... by this factor (the loss spike shows at the next step)
+    nan_grad_rank: this rank's local gradients become NaN ...
+    nan_grad_step: ... at this step (after backward, before the gradient sync)
+    hang_rank: this rank sleeps forever ...
+    hang_step: ... at the start of this step (0: before joining the process group)
+    perturb_rank: this rank adds one ulp to one element of a parameter ...
+    perturb_step: ... after this step's update (the desync check must catch it)
+    perturb_param: the parameter to perturb; null: the last one
+    sigterm_rank: this rank sends itself SIGTERM (a pre-emption that reaches one rank) ...
+    sigterm_step: ... during this step
+    slow_rank: this rank sleeps slow_seconds after every backward (a straggler on purpose, every step from
+        the first) ...
+    slow_seconds: ... this long
+    """
 
     GROUP = "fault"
-    kill_rank: int | None = key(None, "this rank SIGKILLs itself ...", ge=0)
-    kill_at_step: int | None = key(
-        None, "... right after this step (under torchrun on the job's first start only)", ge=1
-    )
-    crash_in_save: str | None = key(
-        None,
-        "every rank reaching this point of a save SIGKILLs itself: mid_shard (half "
-        "its shard written), before_manifest (all shards fsynced), before_commit "
-        "(manifest written, directory not renamed), after_commit",
-        choices=SAVE_CRASH_POINTS,
-    )
-    disk_full_rank: int | None = key(None, "this rank's shard write fails half-way with ENOSPC", ge=0)
-    save_fault_step: int | None = key(
-        None, "the save (its step) that crash_in_save / disk_full_rank hit; null: the first save", ge=1
-    )
-    lr_spike_step: int | None = key(None, "multiply the learning rate of this step's update ...", ge=1)
-    lr_spike_factor: float | None = key(
-        None, "... by this factor (the loss spike shows at the next step)", gt=0
-    )
-    nan_grad_rank: int | None = key(None, "this rank's local gradients become NaN ...", ge=0)
-    nan_grad_step: int | None = key(None, "... at this step (after backward, before the gradient sync)", ge=1)
-    hang_rank: int | None = key(None, "this rank sleeps forever ...", ge=0)
-    hang_step: int | None = key(
-        None, "... at the start of this step (0: before joining the process group)", ge=0
-    )
-    perturb_rank: int | None = key(None, "this rank adds one ulp to one element of a parameter ...", ge=0)
-    perturb_step: int | None = key(
-        None, "... after this step's update (the desync check must catch it)", ge=1
-    )
-    perturb_param: str | None = key(None, "the parameter to perturb; null: the last one")
-    sigterm_rank: int | None = key(
-        None, "this rank sends itself SIGTERM (a pre-emption that reaches one rank) ...", ge=0
-    )
-    sigterm_step: int | None = key(None, "... during this step", ge=1)
-    slow_rank: int | None = key(
-        None,
-        "this rank sleeps slow_seconds after every backward (a straggler on purpose, "
-        "every step from the first) ...",
-        ge=0,
-    )
-    slow_seconds: float | None = key(None, "... this long", gt=0)
+    kill_rank: int | None = key(None, ge=0)
+    kill_at_step: int | None = key(None, ge=1)
+    crash_in_save: str | None = key(None, choices=SAVE_CRASH_POINTS)
+    disk_full_rank: int | None = key(None, ge=0)
+    save_fault_step: int | None = key(None, ge=1)
+    lr_spike_step: int | None = key(None, ge=1)
+    lr_spike_factor: float | None = key(None, gt=0)
+    nan_grad_rank: int | None = key(None, ge=0)
+    nan_grad_step: int | None = key(None, ge=1)
+    hang_rank: int | None = key(None, ge=0)
+    hang_step: int | None = key(None, ge=0)
+    perturb_rank: int | None = key(None, ge=0)
+    perturb_step: int | None = key(None, ge=1)
+    perturb_param: str | None = key(None)
+    sigterm_rank: int | None = key(None, ge=0)
+    sigterm_step: int | None = key(None, ge=1)
+    slow_rank: int | None = key(None, ge=0)
+    slow_seconds: float | None = key(None, gt=0)
 
     # (rank key, step key): faults that target one rank at one step
     RANKED = (

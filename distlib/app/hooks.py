@@ -1,8 +1,9 @@
 """The fixed points of a training step where something from outside may act.
 
 The loop calls one ``StepHooks`` object at these points and nothing else, so fault injection
-(``unattended.faults.Faults``) attaches from outside the loop instead of living in it; the
-default does nothing. In the order a step calls them::
+(``distlib.app.faults.Faults``) attaches from outside the loop instead of living in it; the
+default does nothing. ``joining()`` runs once, before the rank joins the process group; then, in
+the order a step calls them::
 
     before_step(step)                       before anything of the step runs
     after_backward(step, grad_buffer)       local gradients ready, before they are synchronised

@@ -1,6 +1,6 @@
 """The forward/backward of one training step at ``dist.pp`` > 1: this rank's part of a schedule.
 
-``split_model_`` keeps this pipeline rank's chunks of the model (``pipeline_model``);
+``split_model_`` keeps this pipeline rank's chunks of the model (``distlib.app.model.pipeline``);
 ``PipelineStep.run`` runs this rank's action list of the schedule (``dist.pp_schedule``,
 ``distlib.parallel.pipeline.schedule``) over this step's micro-batches and returns its summed
 loss the way ``Trainer._forward_backward`` does at pp = 1: each micro-batch's loss divided by

@@ -22,7 +22,7 @@ the save on every rank and removes the partial directory.
 Loading is refused unless every file the manifest lists has the recorded size
 and sha256 and no other file is present (``verify``). Nothing is unpickled:
 shards are safetensors, the manifest JSON. Moving a checkpoint to another world
-size lives in ``distlib.reshard``.
+size lives in ``distlib.checkpoint.reshard``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
-# A save calls hook(point, path) at these points (fault injection in tests; see distlib.fault):
+# A save calls hook(point, path) at these points (fault injection: distlib/app/faults.py):
 # shard_written (this rank's file, before its fsync), shards_written (every rank's shard is durable),
 # manifest_written (rank 0, before the directory rename), committed.
 SaveHook = Callable[[str, Path], None]

@@ -126,14 +126,9 @@ def reduce_scatter(
     lo, hi = bounds[comm.rank]
     out = _empty(hi - lo, flat)
     name, _ = _pick("reduce_scatter", algo, flat, comm, RS.ALGORITHMS)
+    shown = bounds if custom else None  # the header carries uneven bounds only
     with collective(
-        comm,
-        "reduce_scatter",
-        numel=flat.numel(),
-        dtype=flat.dtype,
-        op=op,
-        algo=name,
-        bounds=bounds if custom else None,
+        comm, "reduce_scatter", numel=flat.numel(), dtype=flat.dtype, op=op, algo=name, bounds=shown
     ):
         return _reduce_scatter(flat, comm, op, name, out, bounds)
 
@@ -179,14 +174,8 @@ def all_gather(
     if chunk.data_ptr() != mine.data_ptr() or chunk.dtype != mine.dtype:
         mine.copy_(chunk.reshape(-1))  # (casts to output's dtype if they differ)
     if comm.size > 1:
-        with collective(
-            comm,
-            "all_gather",
-            numel=flat.numel(),
-            dtype=flat.dtype,
-            algo=name,
-            bounds=bounds if custom else None,
-        ):
+        shown = bounds if custom else None  # the header carries uneven bounds only
+        with collective(comm, "all_gather", numel=flat.numel(), dtype=flat.dtype, algo=name, bounds=shown):
             run(flat, comm, bounds, SEGMENT_BYTES)
     return output
 

@@ -10,6 +10,7 @@ tests/test_config_reference.py fails when the committed file differs from what t
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import yaml
@@ -89,9 +90,8 @@ def render() -> str:
         parts += [f"## `{group}`", ""]
         if (CONF_DIR / group).is_dir():
             parts += ["Options (`" + group + "=<option>`, conf/" + group + "/):", "", *_options(group), ""]
-        doc = (cls.__doc__ or "").strip()
-        if doc and not doc.startswith(cls.__name__ + "("):
-            parts += [doc, ""]
+        summary = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0]
+        parts += [summary, ""]
         parts += [*_table(group, cls), ""]
     return "\n".join(parts).rstrip() + "\n"
 

@@ -30,6 +30,16 @@ class AdamWConfig:
     eps: float
     weight_decay: float
 
+    def torch_kwargs(self) -> dict:
+        """The same hyperparameters as ``torch.optim.AdamW``'s keyword arguments (the reference that
+        tests and benchmarks compare with)."""
+        return {
+            "lr": self.lr,
+            "betas": (self.beta1, self.beta2),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"AdamW lr must be > 0, got {self.lr}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from distlib.app.config.schema import ConfigError, Group, key
 from distlib.parallel.adamw import AdamWConfig
+from distlib.parallel.zero.buckets import BUCKET_NUMEL
 
 DTYPES = ("fp32", "bf16")  # train.dtype; distlib.app.config.run maps them to torch dtypes
 DEVICES = ("auto", "cpu", "cuda")
@@ -19,22 +20,29 @@ BYTE_VOCAB = 256  # data.kind=text's byte-level tokenizer (distlib.app.data.toke
 
 @dataclass(frozen=True)
 class ModelConfig(Group):
+    """The model's shape (conf/model/).
+
+    vocab_size: tokens in the vocabulary (the synthetic corpus uses the same)
+    seq_len: context length: tokens per training sequence
+    dim: embedding / residual width; must be divisible by n_heads
+    n_heads: attention heads per block
+    n_layers: transformer blocks
+    mlp_ratio: MLP hidden width = mlp_ratio x dim
+    dropout: dropout probability (draws from the torch RNG, which checkpoints save)
+    activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
+        backward (same losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes`
+        line)
+    """
+
     GROUP = "model"
-    vocab_size: int = key(64, "tokens in the vocabulary (the synthetic corpus uses the same)", ge=2)
-    seq_len: int = key(16, "context length: tokens per training sequence", ge=1)
-    dim: int = key(32, "embedding / residual width; must be divisible by n_heads", ge=1)
-    n_heads: int = key(4, "attention heads per block", ge=1)
-    n_layers: int = key(2, "transformer blocks", ge=1)
-    mlp_ratio: int = key(4, "MLP hidden width = mlp_ratio x dim", ge=1)
-    dropout: float = key(
-        0.0, "dropout probability (draws from the torch RNG, which checkpoints save)", ge=0, lt=1
-    )
-    activation_checkpointing: str = key(
-        "none",
-        "blocks: keep only each block's input in forward and recompute the block in backward (same "
-        "losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes` line)",
-        choices=("none", "blocks"),
-    )
+    vocab_size: int = key(64, ge=2)
+    seq_len: int = key(16, ge=1)
+    dim: int = key(32, ge=1)
+    n_heads: int = key(4, ge=1)
+    n_layers: int = key(2, ge=1)
+    mlp_ratio: int = key(4, ge=1)
+    dropout: float = key(0.0, ge=0, lt=1)
+    activation_checkpointing: str = key("none", choices=("none", "blocks"))
 
     def check(self) -> None:
         if self.dim % self.n_heads:
@@ -43,25 +51,33 @@ class ModelConfig(Group):
 
 @dataclass(frozen=True)
 class OptimizerConfig(Group):
+    """AdamW (bitwise torch.optim.AdamW's update), gradient clipping and the learning rate schedule.
+
+    lr: peak learning rate (constant by default; see schedule)
+    beta1: AdamW's first-moment decay
+    beta2: AdamW's second-moment decay
+    eps: added to AdamW's denominator
+    weight_decay: decoupled weight decay, applied as p *= 1 - lr x weight_decay
+    grad_clip: clip the global gradient norm to this value; 0 disables
+    schedule: the learning rate per step, a function of the step alone (a resume continues it bit for bit):
+        constant, cosine (to min_lr_ratio x lr at train.steps) or wsd (warmup, stable, then a linear decay
+        over the last decay_steps)
+    warmup_steps: linear warmup: step t <= W runs at lr x t / W (any schedule)
+    decay_steps: wsd only: the final decay phase, in steps (>= 1 for wsd)
+    min_lr_ratio: cosine / wsd: the rate at the end of the decay, as a fraction of lr
+    """
+
     GROUP = "optimizer"
-    lr: float = key(0.01, "peak learning rate (constant by default; see schedule)", gt=0)
-    beta1: float = key(0.9, "AdamW's first-moment decay", ge=0, lt=1)
-    beta2: float = key(0.999, "AdamW's second-moment decay", ge=0, lt=1)
-    eps: float = key(1e-8, "added to AdamW's denominator", gt=0)
-    weight_decay: float = key(0.01, "decoupled weight decay, applied as p *= 1 - lr x weight_decay", ge=0)
-    grad_clip: float = key(0.0, "clip the global gradient norm to this value; 0 disables", ge=0)
-    schedule: str = key(
-        "constant",
-        "the learning rate per step, a function of the step alone (a resume "
-        "continues it bit for bit): constant, cosine (to min_lr_ratio x lr at train.steps) or "
-        "wsd (warmup, stable, then a linear decay over the last decay_steps)",
-        choices=SCHEDULES,
-    )
-    warmup_steps: int = key(0, "linear warmup: step t <= W runs at lr x t / W (any schedule)", ge=0)
-    decay_steps: int = key(0, "wsd only: the final decay phase, in steps (>= 1 for wsd)", ge=0)
-    min_lr_ratio: float = key(
-        0.0, "cosine / wsd: the rate at the end of the decay, as a fraction of lr", ge=0, le=1
-    )
+    lr: float = key(0.01, gt=0)
+    beta1: float = key(0.9, ge=0, lt=1)
+    beta2: float = key(0.999, ge=0, lt=1)
+    eps: float = key(1e-8, gt=0)
+    weight_decay: float = key(0.01, ge=0)
+    grad_clip: float = key(0.0, ge=0)
+    schedule: str = key("constant", choices=SCHEDULES)
+    warmup_steps: int = key(0, ge=0)
+    decay_steps: int = key(0, ge=0)
+    min_lr_ratio: float = key(0.0, ge=0, le=1)
 
     def check(self) -> None:
         if self.schedule == "wsd" and self.decay_steps < 1:
@@ -83,47 +99,44 @@ class OptimizerConfig(Group):
 
 @dataclass(frozen=True)
 class ZeroConfig(Group):
+    """How the optimizer state, gradients and parameters are sharded over the data-parallel ranks.
+
+    stage: 0: plain data parallelism (all-reduce, full AdamW state everywhere); 1: optimizer state sharded
+        (12P/N); 2: gradients sharded too; 3: parameters sharded too
+    bucket_numel: gradient bucket size in elements at stage 2 (and stages 0/1 with overlap); whole modules
+        per bucket
+    overlap: start the gradient sync from backward hooks on a communication thread (stage 3: also prefetch
+        the next block's parameters); not bitwise equal to false at stages 0/1
+    """
+
     GROUP = "zero"
-    stage: int = key(
-        1,
-        "0: plain data parallelism (all-reduce, full AdamW state everywhere); 1: optimizer state "
-        "sharded (12P/N); 2: gradients sharded too; 3: parameters sharded too",
-        choices=(0, 1, 2, 3),
-    )
-    bucket_numel: int = key(
-        8192,
-        "gradient bucket size in elements at stage 2 (and stages 0/1 with overlap); whole modules per bucket",
-        ge=1,
-    )
-    overlap: bool = key(
-        False,
-        "start the gradient sync from backward hooks on a communication thread (stage 3: "
-        "also prefetch the next block's parameters); not bitwise equal to false at stages 0/1",
-    )
+    stage: int = key(1, choices=(0, 1, 2, 3))
+    bucket_numel: int = key(BUCKET_NUMEL, ge=1)
+    overlap: bool = key(False)
 
 
 @dataclass(frozen=True)
 class DataConfig(Group):
+    """The corpus: synthetic, or a text file as byte-level tokens, and its held-out share.
+
+    kind: synthetic (make_corpus: a Markov chain with a favourite successor per token) or text (a UTF-8
+        file, byte-level tokens)
+    seed: synthetic: the corpus seed (the batch order uses the top-level seed)
+    total_tokens: synthetic: corpus length in tokens
+    follow_prob: synthetic: probability that a token is followed by its favourite successor
+    path: text: the UTF-8 file (relative paths start at the launch directory)
+    cache_dir: text: directory for the token file; null = next to the source
+    val_fraction: held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none
+    """
+
     GROUP = "data"
-    kind: str = key(
-        "synthetic",
-        "synthetic (make_corpus: a Markov chain with a favourite successor per token) "
-        "or text (a UTF-8 file, byte-level tokens)",
-        choices=("synthetic", "text"),
-    )
-    seed: int = key(0, "synthetic: the corpus seed (the batch order uses the top-level seed)", ge=0)
-    total_tokens: int = key(65536, "synthetic: corpus length in tokens", ge=2)
-    follow_prob: float = key(
-        0.9, "synthetic: probability that a token is followed by its favourite successor", ge=0, le=1
-    )
-    path: str | None = key(None, "text: the UTF-8 file (relative paths start at the launch directory)")
-    cache_dir: str | None = key(None, "text: directory for the token file; null = next to the source")
-    val_fraction: float = key(
-        0.0,
-        "held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none",
-        ge=0,
-        lt=1,
-    )
+    kind: str = key("synthetic", choices=("synthetic", "text"))
+    seed: int = key(0, ge=0)
+    total_tokens: int = key(65536, ge=2)
+    follow_prob: float = key(0.9, ge=0, le=1)
+    path: str | None = key(None)
+    cache_dir: str | None = key(None)
+    val_fraction: float = key(0.0, ge=0, lt=1)
 
     def check(self) -> None:
         if self.kind == "text" and not self.path:
@@ -132,50 +145,39 @@ class DataConfig(Group):
 
 @dataclass(frozen=True)
 class TrainConfig(Group):
+    """The loop: steps, batch, accumulation, the invariants' reach, evaluation, precision, device.
+
+    steps: optimizer steps; the run ends by itself after the last one
+    global_batch: sequences per optimizer step over all data-parallel ranks; fixed, so every world size sees
+        the same data and the same losses
+    batch_size: sequences per data-parallel rank per micro-batch; null = derived from global_batch (to size
+        per rank, set global_batch=null and batch_size=K)
+    grad_accum: micro-batches per rank per optimizer step
+    loss_tolerance: invariant 1: loss[t+1] <= loss[t] x (1 + loss_tolerance)
+    monotone_until_step: invariant 1 covers steps up to this one (near convergence the per-step loss is
+        noisy); 0 disables it
+    eval_every: validation loss on the held-out split every K steps (needs data.val_fraction > 0); 0 = off
+    eval_windows: held-out windows scored per evaluation (the first ones; the same every time)
+    profile_steps: [a, b]: a torch.profiler Chrome trace of steps a..b per rank in <run
+        dir>/traces/rank<R>.json, every collective a named range; scripts/report.py splits each rank's time
+        with it
+    dtype: bf16: bf16 parameters and activations, fp32 gradients, master weights and Adam state
+    device: cpu, cuda (rank r on GPU LOCAL_RANK % GPUs; with gloo several ranks share a GPU), or auto (cuda
+        with nccl, else cpu); docs/gpu.md
+    """
+
     GROUP = "train"
-    steps: int = key(20, "optimizer steps; the run ends by itself after the last one", ge=1)
-    global_batch: int | None = key(
-        16,
-        "sequences per optimizer step over all data-parallel ranks; fixed, so "
-        "every world size sees the same data and the same losses",
-        ge=1,
-    )
-    batch_size: int | None = key(
-        None,
-        "sequences per data-parallel rank per micro-batch; null = derived from "
-        "global_batch (to size per rank, set global_batch=null and batch_size=K)",
-        ge=1,
-    )
-    grad_accum: int = key(1, "micro-batches per rank per optimizer step", ge=1)
-    loss_tolerance: float = key(1e-6, "invariant 1: loss[t+1] <= loss[t] x (1 + loss_tolerance)", ge=0)
-    monotone_until_step: int = key(
-        20,
-        "invariant 1 covers steps up to this one (near convergence the per-step "
-        "loss is noisy); 0 disables it",
-        ge=0,
-    )
-    eval_every: int = key(
-        0, "validation loss on the held-out split every K steps (needs data.val_fraction > 0); 0 = off", ge=0
-    )
-    eval_windows: int = key(
-        128, "held-out windows scored per evaluation (the first ones; the same every time)", ge=1
-    )
-    profile_steps: tuple[int, int] | None = key(
-        None,
-        "[a, b]: a torch.profiler Chrome trace of steps a..b per rank in <run dir>/traces/rank<R>.json, "
-        "every collective a named range; scripts/report.py splits each rank's time with it",
-    )
-    dtype: str = key(
-        "fp32",
-        "bf16: bf16 parameters and activations, fp32 gradients, master weights and Adam state",
-        choices=DTYPES,
-    )
-    device: str = key(
-        "auto",
-        "cpu, cuda (rank r on GPU LOCAL_RANK % GPUs; with gloo several ranks share a GPU), "
-        "or auto (cuda with nccl, else cpu); docs/gpu.md",
-        choices=DEVICES,
-    )
+    steps: int = key(20, ge=1)
+    global_batch: int | None = key(16, ge=1)
+    batch_size: int | None = key(None, ge=1)
+    grad_accum: int = key(1, ge=1)
+    loss_tolerance: float = key(1e-6, ge=0)
+    monotone_until_step: int = key(20, ge=0)
+    eval_every: int = key(0, ge=0)
+    eval_windows: int = key(128, ge=1)
+    profile_steps: tuple[int, int] | None = key(None)
+    dtype: str = key("fp32", choices=DTYPES)
+    device: str = key("auto", choices=DEVICES)
 
     def check(self) -> None:
         if self.profile_steps is not None:
@@ -191,10 +193,17 @@ class TrainConfig(Group):
 
 @dataclass(frozen=True)
 class MetricsConfig(Group):
+    """What rank 0 logs (metrics.jsonl, schema in docs/unattended.md) and prints.
+
+    file: rank 0's JSONL log in the run directory: a record per step plus events
+    per_rank: also write metrics.rank<R>.jsonl with each rank's own values
+    progress_every: rank 0 prints a one-line progress report every K steps; 0 disables
+    """
+
     GROUP = "metrics"
-    file: str = key("metrics.jsonl", "rank 0's JSONL log in the run directory: a record per step plus events")
-    per_rank: bool = key(False, "also write metrics.rank<R>.jsonl with each rank's own values")
-    progress_every: int = key(1, "rank 0 prints a one-line progress report every K steps; 0 disables", ge=0)
+    file: str = key("metrics.jsonl")
+    per_rank: bool = key(False)
+    progress_every: int = key(1, ge=0)
 
     def check(self) -> None:
         if not self.file or "/" in self.file:

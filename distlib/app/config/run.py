@@ -49,6 +49,11 @@ GROUPS = {
 
 @dataclass(frozen=True)
 class RunConfig(Group):
+    """The whole run's configuration: the groups, and the top-level keys.
+
+    seed: seed of the model initialisation and of the data order (the corpus has its own, data.seed)
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
@@ -59,11 +64,7 @@ class RunConfig(Group):
     fault: FaultConfig = field(default_factory=FaultConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    seed: int = key(
-        1234,
-        "seed of the model initialisation and of the data order (the corpus has its own, data.seed)",
-        ge=0,
-    )
+    seed: int = key(1234, ge=0)
 
     @property
     def dp_size(self) -> int:

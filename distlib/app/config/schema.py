@@ -1,11 +1,12 @@
 """How a configuration key is declared, and the one check every key goes through.
 
-A config group is a frozen dataclass deriving from ``Group``; each field is declared once with
-``key(default, help, ...)``: its default, what it means, and its allowed values (``ge``/``gt``/
-``le``/``lt`` bounds, ``choices``). The field's annotation is its type. ``Group.__post_init__``
-checks every field against both, so a group cannot be built from a bad value, however it is built
-(from Hydra's tree, from a checkpoint manifest, in a test). Hydra's defaults, the reference in
-docs/config.md and every error message come from these declarations; nothing repeats them.
+A config group is a frozen dataclass deriving from ``Group``. Each key is declared once: its type
+(the field's annotation), its default and allowed values (``key(default, ge=/gt=/le=/lt=,
+choices=)``), and its meaning, a ``name: text`` line of the class docstring (continuation lines
+indented). ``Group.__post_init__`` checks every field against its type and rule, so a group cannot
+be built from a bad value, however it is built (from Hydra's tree, from a checkpoint manifest, in
+a test). Hydra's defaults, the reference in docs/config.md and every error message come from these
+declarations; nothing repeats them.
 
 Types: ``int`` (not a bool), ``float`` (an int is accepted and stored as a float; non-finite values
 are refused), ``bool``, ``str``, ``tuple[int, ...]`` (given as a list), each optionally ``| None``.
@@ -14,7 +15,9 @@ are refused), ``bool``, ``str``, ``tuple[int, ...]`` (given as a list), each opt
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,9 +38,9 @@ class Rule:
     choices: tuple | None = None
 
 
-def key(default: Any, help: str, *, ge=None, gt=None, le=None, lt=None, choices=None) -> Any:
-    """A config field: its default, its meaning, and the values it may take."""
-    rule = Rule(help, ge, gt, le, lt, tuple(choices) if choices is not None else None)
+def key(default: Any, *, ge=None, gt=None, le=None, lt=None, choices=None) -> Any:
+    """A config field: its default and the values it may take (its meaning: the class docstring)."""
+    rule = Rule("", ge, gt, le, lt, tuple(choices) if choices is not None else None)
     return field(default=default, metadata={"rule": rule})
 
 
@@ -70,14 +73,39 @@ def _base(tp):
     return tp
 
 
+def helps(cls) -> dict[str, str]:
+    """Each key's meaning from the group's docstring: ``name: text`` lines, continuations indented."""
+    found: dict[str, str] = {}
+    name = None
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        entry = re.match(r"(\w+): (.*)", line)
+        if entry:
+            name, found[entry[1]] = entry[1], entry[2].strip()
+        elif line.startswith(" ") and name:
+            found[name] += " " + line.strip()
+        else:
+            name = None
+    return found
+
+
 def specs(cls) -> list[Spec]:
-    """The keys of a group, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    return [
-        Spec(f.name, hints[f.name], f.default, f.metadata["rule"])
-        for f in dataclasses.fields(cls)
-        if "rule" in f.metadata
-    ]
+    """The keys of a group, in declaration order; a key its docstring does not explain is an error."""
+    hints, meaning = typing.get_type_hints(cls), helps(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if "rule" not in f.metadata:
+            continue
+        if f.name not in meaning:
+            raise TypeError(f"{cls.__name__}.{f.name}: add a '{f.name}: <meaning>' line to its docstring")
+        out.append(
+            Spec(
+                f.name,
+                hints[f.name],
+                f.default,
+                dataclasses.replace(f.metadata["rule"], help=meaning[f.name]),
+            )
+        )
+    return out
 
 
 def describe(spec: Spec) -> str:

@@ -12,7 +12,7 @@ Batches skipped after a guard rollback (``guard.skip_batches``) shift every late
 step by that many batches; the count is part of the position (``GlobalBatches.skipped``).
 
 The token array is either the synthetic corpus or a real text file's bytes
-(``distlib.tokens``, memory-mapped; only the windows a rank uses are read). An
+(``distlib.app.data.tokens``, memory-mapped; only the windows a rank uses are read). An
 optional held-out tail of it (``data.val_fraction``) never appears in a
 training window and is evaluated in fixed windows (``HeldOut``).
 """

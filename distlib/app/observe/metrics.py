@@ -10,7 +10,7 @@ collective traffic, step time) reach rank 0 through one gather per step (the tra
 which carries the step's other per-rank values too: ``row`` is this rank's part) and are
 logged as max and mean over ranks. With ``metrics.per_rank`` every rank also writes
 its own values to ``metrics.rank<R>.jsonl``. Each step record also names the slowest rank (the
-busiest outside collectives) and its lag over the median (``unattended.stragglers``; a persistent
+busiest outside collectives) and its lag over the median (``stragglers``; a persistent
 one gets a ``straggler`` event), and the model FLOPs utilisation against the peak measured at start
 (``throughput``). The schema is in docs/unattended.md.
 The file is only ever appended to: after a rollback the re-run steps are logged

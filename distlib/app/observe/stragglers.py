@@ -13,6 +13,7 @@ Every rank holds the same gathered per-rank times, so every rank reaches the sam
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -32,13 +33,8 @@ class Slowest:
         return self.busy_s / self.median_busy_s if self.median_busy_s > 0 else float("inf")
 
     def fields(self) -> dict:
-        return {
-            "rank": self.rank,
-            "busy_s": self.busy_s,
-            "median_busy_s": self.median_busy_s,
-            "lag_s": self.lag_s,
-            "ratio": self.ratio if self.median_busy_s > 0 else None,
-        }
+        ratio = self.ratio if self.median_busy_s > 0 else None
+        return {**dataclasses.asdict(self), "lag_s": self.lag_s, "ratio": ratio}
 
 
 def slowest(busy_s: list[float]) -> Slowest:

@@ -15,9 +15,6 @@ Rule: the stages share the base and its components (``norms``, ``memory``, ``fla
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
-import torch
 import torch.nn as nn
 
 from distlib.comm.group import Comm
@@ -34,40 +31,15 @@ __all__ = ["STAGES", "ZeroOptimizer", "make_optimizer"]
 
 
 def make_optimizer(
-    module: nn.Module,
-    comm: Comm,
-    stage: int,
-    cfg: AdamWConfig,
-    grad_clip: float = 0.0,
-    *,
-    tp: Comm | None = None,
-    tp_split: Collection[str] = (),
-    param_dtype: torch.dtype = torch.float32,
-    bucket_numel: int = 8192,
-    overlap: bool = False,
-    grad_accum: int = 1,
-    pp: Comm | None = None,
+    module: nn.Module, comm: Comm, stage: int, cfg: AdamWConfig, grad_clip: float = 0.0, **options
 ) -> ZeroOptimizer:
-    """The ZeRO ``stage`` optimizer of ``module`` over the data-parallel group ``comm``. ``tp``:
-    the tensor-parallel group, ``tp_split``: names of the parameters split over it (both only for
-    the global norms); ``pp``: the pipeline group (the norms span every stage). ``bucket_numel``
-    sizes stage 2's gradient buckets (and, with ``overlap``, stage 0/1's). ``overlap``: start the
-    gradient sync from backward hooks on a communication thread (stage 3: and prefetch the next
-    unit); ``grad_accum``: the backward passes per step (with overlap, stages 0/1 sync from the
-    last one's hooks)."""
+    """The ZeRO ``stage`` optimizer of ``module`` over the data-parallel group ``comm``; ``options`` are
+    ``ZeroOptimizer``'s keywords: ``tp``: the tensor-parallel group, ``tp_split``: names of the
+    parameters split over it (both only for the global norms); ``pp``: the pipeline group (the norms
+    span every stage). ``bucket_numel`` sizes stage 2's gradient buckets (and, with ``overlap``, stage
+    0/1's). ``overlap``: start the gradient sync from backward hooks on a communication thread (stage 3:
+    and prefetch the next unit); ``grad_accum``: the backward passes per step (with overlap, stages 0/1
+    sync from the last one's hooks)."""
     if stage not in STAGES:
         raise ValueError(f"zero.stage must be one of {tuple(STAGES)}, got {stage}")
-    cls = STAGES[stage]
-    return cls(
-        module,
-        comm,
-        cfg,
-        grad_clip,
-        tp=tp,
-        tp_split=tp_split,
-        param_dtype=param_dtype,
-        bucket_numel=bucket_numel,
-        overlap=overlap,
-        grad_accum=grad_accum,
-        pp=pp,
-    )
+    return STAGES[stage](module, comm, cfg, grad_clip, **options)

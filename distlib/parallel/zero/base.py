@@ -39,7 +39,7 @@ from distlib.comm.group import Comm
 from distlib.comm.progress import Progress
 from distlib.parallel.adamw import STATE_KEYS, AdamWConfig, adamw_step_
 from distlib.parallel.flat_layout import FlatLayout
-from distlib.parallel.zero.buckets import buckets_by_size
+from distlib.parallel.zero.buckets import BUCKET_NUMEL, buckets_by_size
 from distlib.parallel.zero.flat_grads import flat_grad_buffer
 from distlib.parallel.zero.memory import PeakMemory, Sizes
 from distlib.parallel.zero.norms import NormTerms
@@ -66,7 +66,7 @@ class ZeroOptimizer:
         tp: Comm | None = None,
         tp_split: Collection[str] = (),
         param_dtype: torch.dtype = torch.float32,
-        bucket_numel: int = 8192,
+        bucket_numel: int = BUCKET_NUMEL,
         overlap: bool = False,
         grad_accum: int = 1,
         pp: Comm | None = None,

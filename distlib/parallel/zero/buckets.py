@@ -34,6 +34,10 @@ from distlib.comm.group import Comm
 from distlib.comm.progress import Progress
 from distlib.parallel.flat_layout import FlatLayout, ParamSlot
 
+# Elements per gradient bucket (32 KiB of fp32; zero.bucket_numel's default): the capstone's
+# blocks fit a few buckets each, so a bucket's reduce-scatter can start while backward goes on.
+BUCKET_NUMEL = 8192
+
 MAX_QUEUED = 1  # (overlap) buckets whose reduce-scatter may be queued or running at once: one
 # runs while backward fills the next; more would only let backward run further ahead of a busy thread
 
