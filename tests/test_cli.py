@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from e2e import run, train
+from e2e import ROOT, run, train
 
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.launch.hydra_config import compose_tree
@@ -68,17 +68,21 @@ def test_nccl_without_cuda_is_one_config_error(tmp_path):
 
 
 def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
-    """Under `python train.py` the launcher used to print only "training failed: rank 1 (exit 1)"."""
-    code = (
-        "import runpy, sys\n"
+    """An unexpected exception in a worker is a bug: `python train.py` names the failed rank and
+    prints that rank's traceback (torch's agent records it), not only "training failed"."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    # the workers are interpreters of their own: each imports this first (PYTHONPATH is inherited)
+    (inject / "sitecustomize.py").write_text(
         "from distlib.app import trainer\n"
         "def broken(self):\n"
         "    raise RuntimeError(f'injected bug on rank {self.comm.rank}')\n"
-        "trainer.Trainer.run = broken   # the workers are forked, so they inherit it\n"
-        f"sys.argv = ['train.py', 'dist.world_size=2', 'hydra.run.dir={tmp_path}']\n"
-        "runpy.run_path('train.py', run_name='__main__')\n"
+        "trainer.Trainer.run = broken\n"
     )
-    proc = run([sys.executable, "-c", code], timeout=120)
+    env = {"PYTHONPATH": f"{inject}:{ROOT}"}
+    proc = run(
+        [sys.executable, "train.py", "dist.world_size=2", f"hydra.run.dir={tmp_path / 'run'}"], 120, env
+    )
     assert proc.returncode == 1
     failed = re.search(r"error: training failed: rank (\d) \(exit 1\)", proc.stderr)
     assert failed, proc.stderr[-2000:]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-import train
 from distlib.app.config.run import RunConfig
 from distlib.app.hooks import StepHooks
 from distlib.comm.watchdog import StallError
+from distlib.launch import worker
 
 CFG = RunConfig.from_dict({"dist": {"world_size": 2, "timeout_s": 5}})
 
@@ -18,7 +18,7 @@ def _failing_join(monkeypatch, exc: Exception) -> None:
     def init_process_group(backend, timeout, device="cpu"):
         raise exc
 
-    monkeypatch.setattr(train, "init_process_group", init_process_group)
+    monkeypatch.setattr(worker, "init_process_group", init_process_group)
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def _failing_join(monkeypatch, exc: Exception) -> None:
 def test_other_errors_pass_through_with_their_own_message(monkeypatch, exc):
     _failing_join(monkeypatch, exc)
     with pytest.raises(type(exc)) as err:
-        train._join(CFG, StepHooks())
+        worker._join(CFG, StepHooks())
     assert err.value is exc and not isinstance(err.value, StallError)
 
 
@@ -70,7 +70,7 @@ def test_other_errors_pass_through_with_their_own_message(monkeypatch, exc):
 def test_a_timeout_names_the_ranks_that_did_not_arrive(monkeypatch, exc, who):
     _failing_join(monkeypatch, exc)
     with pytest.raises(StallError) as err:
-        train._join(CFG, StepHooks())
+        worker._join(CFG, StepHooks())
     assert str(err.value).startswith(
         f"rendezvous: the process group of 2 ranks did not form within dist.timeout_s=5s: {who} ("
     )

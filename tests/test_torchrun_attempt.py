@@ -174,32 +174,3 @@ def test_a_rank_that_never_comes_is_named():
     assert results[0] == "StartError: rank(s) [2] of this start did not arrive within 1 s", results
     assert results[1] == "StartError: rank 0 of this start did not admit rank 1 within 1 s", results
 
-
-def _three_workers_forked_slowly() -> tuple[float, list[float]]:
-    """A launcher forking 3 workers 0.2 s apart; each worker waits for its siblings, then notes
-    when it went on. Returns (when the last fork returned, the workers' times)."""
-    import tempfile
-
-    from distlib.launch.torchrun import wait_for_siblings
-
-    with tempfile.TemporaryDirectory() as tmp:
-        pids = []
-        for i in range(3):
-            pid = os.fork()
-            if pid == 0:
-                wait_for_siblings(3, timeout_s=10)
-                Path(tmp, str(i)).write_text(repr(time.monotonic()))
-                os._exit(0)
-            pids.append(pid)
-            last_fork = time.monotonic()
-            time.sleep(0.2)
-        for pid in pids:
-            os.waitpid(pid, 0)
-        return last_fork, [float(Path(tmp, str(i)).read_text()) for i in range(3)]
-
-
-def test_self_launched_workers_wait_until_every_sibling_is_forked():
-    """train.py's own launcher forks its workers while its store thread runs: a worker that
-    talked to the store during a sibling's fork could leave that sibling a held libc lock."""
-    last_fork, went_on = call_in_fork(_three_workers_forked_slowly)
-    assert all(t >= last_fork - 0.05 for t in went_on), (last_fork, went_on)

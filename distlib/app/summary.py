@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from distlib.app.results import RunResult
@@ -130,3 +131,27 @@ def write_json(result: RunResult, failures: list[str], path: Path) -> None:
     payload = dataclasses.asdict(result)
     payload["invariant_failures"] = failures
     path.write_text(json.dumps(payload, indent=1))
+
+
+def print_run(result: RunResult, failures: list[str], zero_stage: int, run_dir: str, world_size: int) -> None:
+    """What rank 0 prints at the end of a run: the tables, the first manifest, the resume verdict
+    (``RESUME VERIFIED`` only after a real byte comparison), and any broken invariant (stderr)."""
+    print(f"run directory: {run_dir}")
+    print(loss_table(result))
+    print(memory_table(result, zero_stage))
+    for manifest in result.manifests[:1]:
+        print(manifest_text(manifest))
+    if result.stopped_by:
+        last = result.steps[-1].step if result.steps else 0
+        print(
+            f"stopped by {result.stopped_by} after step {last}: checkpoint saved; continue with "
+            f"checkpoint.resume=latest"
+        )
+    elif result.resume_check is None:
+        print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
+    elif result.resume_check.ok:
+        print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all {world_size} ranks")
+        print("RESUME VERIFIED")
+    for failure in failures:
+        print(f"INVARIANT FAILED: {failure}", file=sys.stderr)
+    sys.stdout.flush()

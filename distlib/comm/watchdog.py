@@ -5,13 +5,18 @@ wait fails, the rank only knows which peer it was waiting on, and in a ring that
 may itself be waiting on someone else. So each failing rank posts a short report to
 the process group's key-value store (torch's TCPStore) and waits a little for the
 others' reports: a rank that sent none never reached a collective that could fail,
-i.e. it stalled (or died) before arriving. All names are global ranks.
+i.e. it stalled (or died) before arriving. The roll call ends as soon as every peer has
+reported or is known dead: each rank announces its host and pid when it joins
+(``announce``), so a dead peer on this host is seen at once (a SIGKILLed worker's survivors
+name it within milliseconds, instead of waiting out the grace period). All names are global ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import time
 
 import torch.distributed as dist
@@ -31,6 +36,43 @@ def _store():
         return None
 
 
+_PROC = "distlib/proc/"
+
+
+def announce() -> None:
+    """Publish this rank's host and pid in the process group's store (call once after joining)."""
+    store = _store()
+    if store is not None:
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        store.set(_PROC + str(dist.get_rank()), json.dumps(me))
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (dead, not yet reaped by its launcher)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+def _local_pids(store, ranks) -> dict[int, int]:
+    """rank -> pid of the given ranks that announced a process on this host."""
+    host, pids = socket.gethostname(), {}
+    for r in ranks:
+        if store.check([_PROC + str(r)]):
+            proc = json.loads(store.get(_PROC + str(r)))
+            if proc["host"] == host:
+                pids[r] = int(proc["pid"])
+    return pids
+
+
 def grace_seconds(timeout_s: float) -> float:
     """How long a failing rank waits for the others' reports (they time out at about the same time)."""
     return min(timeout_s / 2, 5.0)
@@ -42,6 +84,7 @@ def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -
     me = comm.peer(comm.rank)
     store, grace = _store(), grace_seconds(timeout_s)
     reports: dict[int, dict] = {}
+    dead: set[int] = set()
     if store is not None:
         prefix = "distlib/stall/" + "_".join(map(str, comm.ranks)) + "/"
         try:
@@ -49,14 +92,16 @@ def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -
                 prefix + str(me),
                 json.dumps({"where": where, "collective": error.collective, "peer": error.peer}),
             )
-            deadline = time.monotonic() + grace
+            deadline, local = time.monotonic() + grace, _local_pids(store, comm.ranks)
             while True:
                 for r in comm.ranks:
                     if r != me and r not in reports and store.check([prefix + str(r)]):
                         reports[r] = json.loads(store.get(prefix + str(r)))
-                if len(reports) == comm.size - 1 or time.monotonic() >= deadline:
+                    elif r != me and r not in reports and r in local and _exited(local[r]):
+                        dead.add(r)
+                if len(reports) + len(dead) == comm.size - 1 or time.monotonic() >= deadline:
                     break
-                time.sleep(0.05)
+                time.sleep(0.01)
         except Exception as exc:  # noqa: BLE001 - the store may be gone with the launcher
             store = None
             reports.setdefault(-1, {"where": f"(store unavailable: {exc})"})
@@ -71,7 +116,9 @@ def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -
         f"rank {r} at {rep['where']} in {rep['collective']} (waiting on rank {rep['peer']})"
         for r, rep in sorted(reports.items())
     )
-    if missing:
+    if missing and set(missing) <= dead:
+        verdict = f"rank(s) {missing} did not arrive: their process(es) on this host exited"
+    elif missing:
         verdict = (
             f"rank(s) {missing} did not arrive: no report from them within {grace:g}s after the "
             f"timeout (stalled or dead)"

@@ -50,3 +50,38 @@ def compose_tree(overrides: list[str] | None = None) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(compose(overrides), resolve=True)
+
+
+# A refused run must leave its directory as it found it, but Hydra writes .hydra/ (config.yaml,
+# hydra.yaml, overrides.yaml) before calling the task. So a plain run asks Hydra for none
+# (hydra.output_subdir=null, appended by train.py) and writes them itself once the config is
+# valid and the run may start: the same three files, with output_subdir recorded as ".hydra".
+SUBDIR = ".hydra"
+NO_SUBDIR = "hydra.output_subdir=null"
+
+
+def defers_files(argv: list[str], rank: str) -> bool:
+    """Whether this process writes Hydra's files itself: a plain run (no -m or other Hydra flag),
+    on rank 0, without an explicit hydra.output_subdir."""
+    args = argv[1:]
+    return not any(a.startswith("-") or a.startswith("hydra.output_subdir=") for a in args) and rank == "0"
+
+
+def save_files(cfg, run_dir: Path) -> None:
+    """Hydra's three files, as Hydra would have written them, into ``run_dir``/.hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, flag_override
+
+    hydra_cfg = OmegaConf.create(OmegaConf.to_container(HydraConfig.get()))  # a writable copy
+    with flag_override(hydra_cfg, "readonly", False):
+        hydra_cfg.output_subdir = SUBDIR
+        hydra_cfg.overrides.hydra = [o for o in hydra_cfg.overrides.hydra if o != NO_SUBDIR]
+    out = run_dir / SUBDIR
+    out.mkdir(parents=True, exist_ok=True)
+    nodes = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
+        "overrides.yaml": hydra_cfg.overrides.task,
+    }
+    for name, node in nodes.items():
+        (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")

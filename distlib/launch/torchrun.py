@@ -155,32 +155,6 @@ def init_process_group(backend: str, timeout: datetime.timedelta, device: str = 
     )
 
 
-def children_of(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (every thread's, from /proc); [] where /proc lacks them."""
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-    return found
-
-
-def wait_for_siblings(count: int, timeout_s: float = 30.0) -> None:
-    """In a worker forked by `python train.py`'s own launcher: return once the launcher has forked
-    all ``count`` workers (or after ``timeout_s``). The launcher forks them one after another
-    while its store server thread runs; a worker that connects early makes that thread resolve
-    its address (getnameinfo, under a libc lock), and a sibling forked at that moment inherits
-    the lock held forever: it never reaches the rendezvous ("rank(s) [2] did not arrive" after
-    60 s, seen in the test suite). Waiting until every sibling exists keeps the store quiet
-    during the forks."""
-    deadline = time.monotonic() + timeout_s
-    parent = os.getppid()
-    while len(children_of(parent)) < count and time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
 def rank0_composes(argv: list[str]) -> bool:
     """Under torchrun only rank 0 runs Hydra and hands the composed config to the others through
     torchrun's store: importing Hydra and composing cost ~0.3 CPU-s per rank, which four ranks on
@@ -229,3 +203,26 @@ def shared_run_dir(proposed: str) -> str:
         )
     key = f"distlib/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
     return _agent_store(60).compare_set(key, "", proposed).decode()
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """A torchrun worker's command line for Hydra: the start agreed with the other ranks
+    (``join_job_start``), the run directory shared with them (unless given), ``dist.world_size``
+    from torchrun (unless given), and Hydra's files and job log left to rank 0."""
+    if any(arg in ("-m", "--multirun") for arg in argv[1:]):
+        sys.exit(
+            "error: a Hydra sweep (-m) starts its own workers; run it with plain `python train.py -m ...`"
+        )
+    try:
+        join_job_start()  # one key prefix and start number on every node (torchrun counts per node)
+    except StartError as exc:
+        sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: {exc}")
+    argv = list(argv)
+    if not any(arg.startswith("hydra.run.dir=") for arg in argv[1:]):
+        stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+        argv.append(f"hydra.run.dir={shared_run_dir(stamp)}")
+    if not any(arg.startswith("dist.world_size=") for arg in argv[1:]):
+        argv.append(f"dist.world_size={os.environ['WORLD_SIZE']}")  # torchrun decides
+    if os.environ.get("RANK", "0") != "0":
+        argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    return argv

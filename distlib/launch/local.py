@@ -1,0 +1,79 @@
+"""``python train.py``'s own launcher: torch's elastic agent, with the workers as new interpreters.
+
+The agent runs in this process, as torchrun's does in its own (``elastic_launch``: the same
+rendezvous, store and monitoring), and starts each worker as ``python train.py <the run's
+overrides>`` with torch's environment (RANK, WORLD_SIZE, ...): the workers take the torchrun path
+of train.py. They are started with fork + exec (subprocess), never as forks of this process's
+Python state: this process runs the agent's store server thread, and a fork of a process with
+threads can inherit a lock held forever (a worker that never reached the rendezvous, seen before).
+
+On SIGTERM/SIGINT the agent forwards the signal; the workers finish their step, save and stop,
+and this process exits 0 if the run's log says they did (1 otherwise). A failed worker's one-line
+error is its own; this process adds one line naming the ranks and exit codes (and the traceback
+of an unexpected exception, which is a bug).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from distlib.app.observe.metrics import last_event
+
+
+def launch(script: str, args: list[str], world_size: int, run_dir: str, metrics_file: str) -> None:
+    """Run ``world_size`` workers of ``script args`` to the end; exits this process on failure."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    # The workers print their own one-line errors; the agent's tracebacks would bury them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    started = time.time()
+    try:
+        elastic_launch(config, sys.executable)(script, *args)
+    except SignalException as exc:
+        _stopped(signal.Signals(exc.sigval).name, Path(run_dir), metrics_file, started)
+    except ChildFailedError as exc:
+        _failed(exc)
+
+
+def _stopped(name: str, run_dir: Path, metrics_file: str, since: float) -> None:
+    end = last_event(run_dir / metrics_file, "run_end", since=since)
+    if end and end["status"] == f"stopped by {name}":
+        print(
+            f"{name}: the workers saved a checkpoint at step {end['step']} and stopped; "
+            f"continue with checkpoint.resume=latest hydra.run.dir={run_dir}",
+            file=sys.stderr,
+        )
+        sys.exit(0)
+    print(
+        f"error: {name} received and the workers did not report a clean stop (see {run_dir})", file=sys.stderr
+    )
+    sys.exit(1)
+
+
+def _failed(exc) -> None:
+    failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
+    print(f"error: training failed: {failed}", file=sys.stderr)
+    for r, failure in sorted(exc.failures.items()):
+        # an unexpected exception is recorded in torchelastic's error file (@record); it is a bug,
+        # so its traceback is printed too, as torchrun's workers do
+        if isinstance(failure.message, dict) and "message" in failure.message:
+            stack = failure.message.get("extraInfo", {}).get("py_callstack", "")
+            print(f"rank {r}: {stack or failure.message['message']}".rstrip(), file=sys.stderr)
+    sys.exit(1)

@@ -1,0 +1,140 @@
+"""One rank of a run: join the process group, train, report, and leave with the right status.
+
+Every rank is its own interpreter, started by torch's elastic agent (``torchrun``, or the one
+``python train.py`` runs in its own process: ``distlib.launch.local``) or by ``srun``. The rank
+dies with the process that started it (``die_with_parent``), so a launcher killed even by SIGKILL
+leaves no orphans training on. Known failures print one line and exit 1: errors every rank agreed
+on are printed once, by rank 0; a stalled or lost peer is named by each rank that waited on it,
+which then leaves at once (``os._exit``): a dead peer's group cannot be torn down cleanly, and the
+launcher is about to restart or stop the job. Anything else keeps its traceback (``@record``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from distlib.app import summary
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.data.tokens import DataError
+from distlib.app.faults import step_hooks
+from distlib.app.hooks import StepHooks
+from distlib.app.trainer import Trainer
+from distlib.app.unattended.guard import DesyncError, GuardError
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm import watchdog
+from distlib.comm.group import Comm
+from distlib.comm.p2p import CollectiveMismatchError
+from distlib.comm.watchdog import StallError
+from distlib.launch.torchrun import init_process_group, use_cuda_device, use_deterministic_kernels
+
+AGREED_ERRORS = (CheckpointError, ConfigError, DataError, GuardError, DesyncError, CollectiveMismatchError)
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the process that started it exits (Linux
+    prctl PR_SET_PDEATHSIG; elsewhere nothing). If that parent is already gone, leave now."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
+def leave(code: int) -> None:
+    """Exit now, without the interpreter's teardown (stdio flushed first)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@record
+def run(tree: dict, run_dir: str) -> None:
+    """This rank's whole run; exits non-zero when the run failed."""
+    try:
+        failures = _train(RunConfig.from_dict(tree), run_dir)
+    except (ConfigError, CheckpointError, DataError) as exc:
+        print(f"error [rank {os.environ.get('RANK', '?')}]: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except StallError as exc:  # the rendezvous did not form
+        _stalled(exc)
+    if failures:
+        sys.exit(1)
+
+
+def _stalled(exc: StallError) -> None:
+    """A peer stalled or died: name what this rank waited for, now, and leave without tearing the
+    group down (a dead peer's group cannot be, and the first rank to exit makes the launcher
+    signal the others: one still tearing down would lose its line)."""
+    print(f"error [rank {os.environ.get('RANK', '?')}]: {exc}", file=sys.stderr, flush=True)
+    leave(1)
+
+
+def _train(cfg: RunConfig, run_dir: str) -> list[str]:
+    """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
+    torch.set_num_threads(1)
+    use_deterministic_kernels()
+    device = cfg.device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device != "cpu":
+        use_cuda_device(device)
+    # Fault injection (distlib/app/faults.py) attaches from outside the loop; none configured: no-op hooks.
+    hooks = step_hooks(cfg.fault, int(os.environ.get("RANK", "0")))
+    _join(cfg, hooks, device)
+    try:
+        # NCCL moves messages between GPUs; gloo between hosts (CUDA tensors are staged through them).
+        comm = Comm.world(device=device if cfg.dist.backend == "nccl" else "cpu")
+        if comm.size != cfg.dist.world_size:
+            raise ConfigError(
+                f"dist.world_size={cfg.dist.world_size} but {comm.size} processes were started; "
+                f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)"
+            )
+        result = Trainer(cfg, comm, Path(run_dir), hooks=hooks, device=device).run()
+        failures = summary.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
+        if comm.rank == 0:
+            summary.write_json(result, failures, Path(run_dir) / "report.json")
+            summary.print_run(result, failures, cfg.zero.stage, run_dir, comm.size)
+        return failures
+    except AGREED_ERRORS as exc:
+        # Raised on every rank alike (they agree on it first): one line, not one per rank.
+        if dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return [str(exc)]
+    except StallError as exc:
+        _stalled(exc)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join(cfg: RunConfig, hooks: StepHooks, device: str = "cpu") -> None:
+    """The rendezvous, under dist.timeout_s; a rank that never arrives is named. Any other failure
+    (a bad address, a port in use) keeps its own message: it is not a rank that did not arrive."""
+    hooks.joining()
+    try:
+        init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s), device)
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
+        # torch tells a timeout only in the text: DistStoreError "wait timeout after ...", "Timed out
+        # initializing ...", a client socket that "has timed out"
+        timed_out = re.search(r"\btime(d)?[ -]?out\b", str(exc), re.IGNORECASE)
+        if not (isinstance(exc, TimeoutError) or isinstance(exc, RuntimeError) and timed_out):
+            raise
+        # torch names the store keys it waited for; each ends in the rank that never wrote it
+        missing = sorted({int(k) for k in re.findall(r"/(\d+)(?=,|\s|$)", str(exc).partition("keys:")[2])})
+        who = f"rank(s) {missing} did not arrive" if missing else "a rank did not arrive"
+        raise StallError(
+            f"rendezvous: the process group of {cfg.dist.world_size} ranks did not form within "
+            f"dist.timeout_s={cfg.dist.timeout_s:g}s: {who} ({exc})"
+        ) from exc
+    watchdog.announce()  # this rank's host and pid, so a peer can tell it is dead without waiting
