@@ -173,4 +173,3 @@ def test_a_rank_that_never_comes_is_named():
     results = call_in_fork(_rank_2_absent)
     assert results[0] == "StartError: rank(s) [2] of this start did not arrive within 1 s", results
     assert results[1] == "StartError: rank 0 of this start did not admit rank 1 within 1 s", results
-

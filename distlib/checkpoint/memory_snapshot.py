@@ -211,7 +211,8 @@ def clean(directory: Path) -> None:
 
 
 # The reaper: a tiny process outside the worker's process group (a new session) that waits for the
-# launcher to exit (polling every 0.1 s), then removes the job's directory. It imports nothing of torch (starts in ~20 ms).
+# launcher to exit (polling every 0.1 s), then removes the job's directory. It imports nothing of
+# torch (starts in ~20 ms).
 _REAPER = """
 import os, shutil, sys, time
 pid, directory = int(sys.argv[1]), sys.argv[2]
