@@ -1,88 +1,126 @@
-"""Recovery from a SIGKILLed worker under torchrun: in-memory snapshots vs disk checkpoints only.
+"""Recovery from a killed worker under torchrun: where the seconds go, from the kill to the next step.
 
     .venv/bin/python benchmarks/recovery.py [--world-size 4] [--steps 24] [--kill-at 19] [--every 10]
-                                            [--repeats 2]
-                                            [--keep DIR]
+                                            [--repeats 2] [--external 5] [--seed 0] [--keep DIR]
 
-Runs the capstone (`torchrun --nproc_per_node N --max-restarts 1 train.py`, resume=latest, disk
-checkpoints every ``--every`` steps) and SIGKILLs rank 1 after step ``--kill-at`` (fault.kill_rank),
-once with ``checkpoint.memory_every_steps=1`` ("snapshots") and once without ("disk only"), the two
-interleaved ``--repeats`` times. From the run's metrics.jsonl (rank 0's wall clock):
+Three ways a worker dies, the capstone on ``--world-size`` ranks under
+``torchrun --max-restarts``, ``checkpoint.resume=latest``, disk checkpoints every ``--every`` steps:
 
-  steps lost    the kill step minus the step the restart resumed after
-  resumed s     from the kill to the restarted job's "restart" event (workers up, state restored)
-  first step s  from the kill (the killed step's record) to the first step completed after restart
-  caught up s   from the kill to the completion of step kill+1 (the first step not done before)
+  external       SIGKILL of a random rank (rank 0 included) at a random moment of a step, sent
+                 from outside (what a real crash looks like), ``--external`` times in one job
+                 (snapshots every step: ``checkpoint.memory_every_steps=1``)
+  fault, snap    ``fault.kill_rank=1 fault.kill_at_step=--kill-at``: rank 1 kills itself after that
+                 step (snapshots every step), ``--repeats`` jobs
+  fault, disk    the same without snapshots (disk checkpoints only), ``--repeats`` jobs
 
-There is no torch counterpart to compare with: torch has no in-memory checkpoint (DCP writes
-storage), so the comparison is the same job with and without snapshots, as ratios.
-JSON: benchmarks/results/recovery.json. ``--keep DIR`` keeps each run's directory
-(DIR/snapshots<i>, DIR/disk_only<i>, with torchrun's output in torchrun.stdout/.stderr there);
-tests/test_memory_snapshot_e2e.py checks the snapshot run's checkpoint and messages.
+For every kill, seconds from the kill to: noticed (a survivor saw the failed collective or the
+launcher's signal), survivors gone (every other worker exited), workers started, imports done,
+group formed, state restored, first step (benchmarks/_torchrun_job.py: worker marks plus a watch
+on torchrun's children); and steps lost (the last step completed before the kill minus the step
+the restart resumed after). Medians per row. torch has no in-memory checkpoint to compare with
+(DCP writes storage), so the snapshot rows compare with the disk row as ratios.
+JSON: benchmarks/results/recovery.json. ``--keep DIR`` keeps each job's directory
+(DIR/snapshots<i>, DIR/disk_only<i>, DIR/external) with torchrun's output in torchrun.stdout/.stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
+import random
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-KEYS = ("steps_lost", "resumed_s", "first_step_s", "caught_up_s")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _torchrun_job import PHASES, ROOT, Job  # noqa: E402
+
+KEYS = ("steps_lost", *PHASES)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_once(run_dir: Path, args, memory: int) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={args.world_size}",
-        "--max-restarts=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=localhost:{_port()}",
-        "train.py",
-        f"hydra.run.dir={run_dir}",
+def _base(args, memory: int) -> list[str]:
+    return [
         f"dist.world_size={args.world_size}",
         f"train.steps={args.steps}",
         f"checkpoint.every_steps={args.every}",
         "checkpoint.resume=latest",
         "checkpoint.verify_resume=false",
         f"checkpoint.memory_every_steps={memory}",
-        "fault.kill_rank=1",
-        f"fault.kill_at_step={args.kill_at}",
+        "metrics.progress_every=0",
     ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "torchrun.stdout").write_text(proc.stdout)
-    (run_dir / "torchrun.stderr").write_text(proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    restart = next(i for i, r in enumerate(records) if r.get("event") == "restart")
-    killed = next(r for r in records[:restart] if r["type"] == "step" and r["step"] == args.kill_at)
-    after = [r for r in records[restart:] if r["type"] == "step"]
-    resumed = records[restart]["step"]
-    caught = next(r for r in after if r["step"] == args.kill_at + 1)
+
+
+def _keep_output(job: Job) -> None:
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    stdout, stderr = job.output()
+    (job.run_dir / "torchrun.stdout").write_text(stdout)
+    (job.run_dir / "torchrun.stderr").write_text(stderr)
+
+
+def _restart_after(job: Job, t_kill: float) -> dict:
+    return next(r for r in job.records() if r.get("event") == "restart" and r["time"] > t_kill)
+
+
+def _lost(job: Job, t_kill: float) -> int:
+    done = max(r["step"] for r in job.records() if r["type"] == "step" and r["time"] < t_kill)
+    return done - _restart_after(job, t_kill)["step"]
+
+
+def fault_run(run_dir: Path, args, memory: int) -> dict:
+    """One job whose rank 1 kills itself after --kill-at: its steps lost and phases."""
+    job = Job(
+        run_dir,
+        [*_base(args, memory), "fault.kill_rank=1", f"fault.kill_at_step={args.kill_at}"],
+        args.world_size,
+        max_restarts=1,
+    ).start()
+    code = job.finish()
+    _keep_output(job)
+    if code != 0:
+        raise SystemExit(f"run failed ({code}): {job.tail()}")
+    killed = next(r for r in job.records() if r["type"] == "step" and r["step"] == args.kill_at)
+    # the kill: rank 1's own mark just before its SIGKILL, else rank 0's record of that step
+    t_kill = killed["time"]
+    from _trace_worker import read
+
+    for name, wall, _ in read(str(job.trace_dir)).get((1, 0), []):
+        if name == "killing itself":
+            t_kill = wall
+    return {"steps_lost": args.kill_at - _restart_after(job, t_kill)["step"], **job.phases(t_kill, None, 0)}
+
+
+def external_run(run_dir: Path, args, rng: random.Random) -> list[dict]:
+    """One job, --external SIGKILLs of random ranks at random moments: a row per kill."""
+    steps = max(args.steps, 6 * (args.external + 1))
+    job = Job(
+        run_dir, [*_base(args, 1), f"train.steps={steps}"], args.world_size, max_restarts=args.external
+    ).start()
+    kills = []
+    for attempt in range(args.external):
+        begun = job.last_step()
+        job.wait_for(lambda b=begun: job.last_step() >= b + 3, what="3 steps of this start")
+        time.sleep(rng.random() * 0.05)  # somewhere inside a step (steps take ~20-60 ms here)
+        victim = rng.choice(job.workers())
+        t_kill = job.kill(victim)
+        job.wait_for(
+            lambda t=t_kill: any(r.get("event") == "restart" and r["time"] > t for r in job.records()),
+            what="the restart",
+        )
+        kills.append((t_kill, victim, attempt))
+    code = job.finish()
+    _keep_output(job)
+    if code != 0:
+        raise SystemExit(f"run failed ({code}): {job.tail()}")
+    return [{"steps_lost": _lost(job, t), **job.phases(t, v, a)} for t, v, a in kills]
+
+
+def _median(rows: list[dict]) -> dict:
     return {
-        "steps_lost": args.kill_at - resumed,
-        "resumed_after": resumed,
-        "resumed_s": records[restart]["time"] - killed["time"],
-        "first_step_s": after[0]["time"] - killed["time"],
-        "caught_up_s": caught["time"] - killed["time"],
+        k: statistics.median(r[k] for r in rows if r.get(k) is not None)
+        for k in KEYS
+        if any(r.get(k) is not None for r in rows)
     }
 
 
@@ -93,35 +131,36 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=19)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--external", type=int, default=5, help="external kills (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recovery.json"))
     parser.add_argument("--keep", default=None, help="keep the run directories under this directory")
     args = parser.parse_args()
-    runs: dict[str, list[dict]] = {"snapshots": [], "disk only": []}
+    runs: dict[str, list[dict]] = {"external": [], "snapshots": [], "disk only": []}
     with tempfile.TemporaryDirectory() as scratch:
-        tmp = args.keep or scratch
+        tmp = Path(args.keep or scratch)
         for i in range(args.repeats):
-            order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+            order = ["snapshots", "disk only"] if i % 2 == 0 else ["disk only", "snapshots"]
             for name in order:
                 runs[name].append(
-                    run_once(Path(tmp) / f"{name.replace(' ', '_')}{i}", args, int(name == "snapshots"))
+                    fault_run(tmp / f"{name.replace(' ', '_')}{i}", args, int(name == "snapshots"))
                 )
-    rows = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS} for name, rs in runs.items()}
+        if args.external:
+            runs["external"] = external_run(tmp / "external", args, random.Random(args.seed))
+    rows = {name: _median(rs) for name, rs in runs.items() if rs}
+    print(f"{args.world_size} ranks; seconds from the kill (median of each row's kills)")
     print(
-        f"SIGKILL of rank 1 after step {args.kill_at} of {args.steps}, {args.world_size} ranks, "
-        f"disk checkpoints "
-        f"every {args.every} steps; median of {args.repeats}"
-    )
-    print(f"{'variant':<12} {'steps lost':>10} {'resumed s':>10} {'first step s':>13} {'caught up s':>12}")
-    for name, row in rows.items():
-        print(
-            f"{name:<12} {row['steps_lost']:>10.0f} {row['resumed_s']:>10.2f} {row['first_step_s']:>13.2f} "
-            f"{row['caught_up_s']:>12.2f}"
+        f"{'variant':<11} {'kills':>5} {'lost':>5}"
+        + "".join(
+            f" {p:>9}" for p in ("noticed", "gone", "started", "imported", "group", "restored", "1st step")
         )
-    snap, disk = rows["snapshots"], rows["disk only"]
-    print(
-        f"caught up: snapshots / disk only = {snap['caught_up_s'] / disk['caught_up_s']:.2f}; "
-        f"first step: {snap['first_step_s'] / disk['first_step_s']:.2f}"
     )
+    for name, row in rows.items():
+        cells = "".join(f" {row.get(p, float('nan')):>9.2f}" for p in PHASES)
+        print(f"{name:<11} {len(runs[name]):>5} {row['steps_lost']:>5.0f}{cells}")
+    if "snapshots" in rows and "disk only" in rows:
+        snap, disk = rows["snapshots"], rows["disk only"]
+        print(f"first step: snapshots / disk only = {snap['first step'] / disk['first step']:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "median": rows, "runs": runs}, indent=2))

@@ -31,6 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # _trace_worker
 NPROC = 4
 GOAL = 1.3
 
@@ -86,12 +87,12 @@ def torchrun(script: str, args: list[str], env: dict, timeout: float) -> tuple[f
 
 def read_marks(trace_dir: str, launched_at: float) -> dict[int, dict[str, tuple[float, float]]]:
     """Per rank: phase -> (seconds since torchrun was launched, CPU seconds this process had used)."""
-    out = {}
-    for name in sorted(os.listdir(trace_dir)):
-        with open(os.path.join(trace_dir, name)) as f:
-            data = json.load(f)
-        out[data["rank"]] = {phase: (wall - launched_at, cpu) for phase, wall, cpu in data["marks"]}
-    return out
+    from _trace_worker import read
+
+    return {
+        rank: {phase: (wall - launched_at, cpu) for phase, wall, cpu in marks}
+        for (rank, _attempt), marks in read(trace_dir).items()
+    }
 
 
 def traced(script_args: list, trace_dir: str, env: dict, timeout: float) -> tuple[float, dict]:

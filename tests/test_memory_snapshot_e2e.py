@@ -44,6 +44,8 @@ BENCH = [
     "4",
     "--repeats",
     "1",
+    "--external",
+    "0",
 ]
 
 

@@ -114,7 +114,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             cfg, comm, mesh, self.run_dir, self.data, model, optimizer, splits, hooks, clock
         )
-        self.rollback = Rollback(cfg.guard, self.checkpointer, self.data)
+        self.rollback = Rollback(cfg.guard, self.checkpointer, self.data, cfg.optimizer.lr)
         self.replicas = guard.ReplicaCheck(
             cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer
         )

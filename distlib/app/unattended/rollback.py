@@ -107,61 +107,113 @@ class RollbackTargets:
 
 class Rollback:
     """What a guard trip does: no update; the newest trusted state is restored (through the
-    checkpointer, which keeps the targets), the abandoned checkpoints are moved aside, and
-    guard.skip_batches batches are skipped; past guard.max_rollbacks trips the run stops."""
+    checkpointer, which keeps the targets), the abandoned checkpoints are moved aside, and the
+    replay must differ from the run that tripped. The first rollback to a target skips
+    ``guard.skip_batches`` batches (0: it replays the same data, which heals a one-off fault); each
+    further trip rolled back to the same target skips, on top, every batch the failed attempt read
+    since the target (PaLM skips the batches around a spike), so a retry can never repeat the one
+    before it. A trip that repeats an earlier one bit for bit (same step, same loss) is named as
+    such. Past ``guard.max_rollbacks`` trips the run stops, saying what was tried. The skips are part
+    of the checkpointed data position, so a resume continues exactly."""
 
-    def __init__(self, cfg: GuardConfig, checkpointer, data):
-        self.cfg, self.checkpointer, self.data = cfg, checkpointer, data
-        self.trips = 0
+    def __init__(self, cfg: GuardConfig, checkpointer, data, lr: float):
+        self.cfg, self.checkpointer, self.data, self.lr = cfg, checkpointer, data, lr
+        self.tried: list[dict] = []  # one per trip: step, loss_hex, to_step, skipped (batches skipped)
+        self.offset: dict[int, int] = {}  # target step -> batches skipped past it so far
+
+    @property
+    def trips(self) -> int:
+        return len(self.tried)
 
     def roll_back(self, step: int, verdict: Verdict, grad_norm: float, log) -> dict:
         """The guard tripped at ``step``: restore, log; returns the rollback event (``to_step``: the
         step restored; the run continues after it). Raises GuardError when it must stop instead."""
-        cfg = self.cfg
-        self.trips += 1
         detail = dict(reason=verdict.trip, loss=json_number(verdict.loss), grad_norm=json_number(grad_norm))
-        if self.trips > cfg.max_rollbacks:
-            message = (
-                f"guard tripped at step {step} ({verdict.trip}); that is trip {self.trips}, more than "
-                f"guard.max_rollbacks={cfg.max_rollbacks}: stopping instead of rolling back again"
-            )
-            log.event("guard_stop", step, say=message, **detail)
-            raise GuardError(message)
+        repeat = next(
+            (
+                i + 1
+                for i, t in enumerate(self.tried)
+                if t["step"] == step and t["loss_hex"] == verdict.loss.hex()
+            ),
+            None,
+        )
+        trip = {"step": step, "loss_hex": verdict.loss.hex(), "to_step": None, "skipped": None}
+        self.tried.append(trip)
+        if self.trips > self.cfg.max_rollbacks:
+            self._stop(step, verdict, repeat, detail, log)
         self.checkpointer.settle_for_rollback(step, log)  # an async save in flight: committed or dropped
-        targets = self.checkpointer.targets
-        distrusted, errors = targets.pending, []
-        for target in targets.candidates():
-            try:
-                self.checkpointer.restore(target)
-                break
-            except CheckpointError as exc:  # same verdict on every rank (load agrees on it)
-                errors.append(str(exc))
-        else:
-            raise GuardError(
-                f"guard tripped at step {step} ({verdict.trip}) but no state to roll back to: "
-                + ("; ".join(errors) or "the guard keeps no rollback target")
-            )
+        target, errors, distrusted = self._restore(step, verdict)
         set_aside = self.checkpointer.rolled_back_to(target, self.trips)
-        self.data.skip(cfg.skip_batches)
+        skip = self._skip(target.step, step)
+        self.data.skip(skip)
+        trip.update(to_step=target.step, skipped=skip)
         source = target.describe()
         event = dict(
-            step=step,
             to_step=target.step,
             source=source,
             set_aside=set_aside,
             distrusted=str(distrusted.path) if distrusted else None,
             skipped_batches=self.data.skipped,
+            skip=skip,
+            repeat_of=repeat,
             rollback=self.trips,
-            max_rollbacks=cfg.max_rollbacks,
+            max_rollbacks=self.cfg.max_rollbacks,
             failed_targets=errors,
             **detail,
         )
-        log.event(
-            "rollback",
-            step,
-            say=f"{verdict.trip}; no update applied, rolled back to step "
-            f"{target.step} ({source}), rollback {self.trips} of at most {cfg.max_rollbacks}"
-            + (f", skipping {cfg.skip_batches} batch(es)" if cfg.skip_batches else ""),
-            **{k: v for k, v in event.items() if k != "step"},
+        said = (
+            f"{verdict.trip}; no update applied, rolled back to step {target.step} ({source}), rollback "
+            f"{self.trips} of at most {self.cfg.max_rollbacks}"
         )
-        return event
+        if repeat:
+            said += (
+                f"; the same trip as rollback {repeat}, bit for bit (step {step}, loss {verdict.loss:.6g}): "
+                f"replaying the same data from the same state repeats it"
+            )
+        if skip:
+            said += f", skipping {skip} batch(es)"
+        log.event("rollback", step, say=said, **event)
+        return {"step": step, **event}
+
+    def _skip(self, target_step: int, trip_step: int) -> int:
+        """Batches to skip past the restored position: ``guard.skip_batches`` the first time this
+        target is rolled back to; after that, also every batch the failed attempt read."""
+        if target_step not in self.offset:
+            self.offset[target_step] = self.cfg.skip_batches
+        else:
+            self.offset[target_step] += trip_step - target_step
+        return self.offset[target_step]
+
+    def _restore(self, step: int, verdict: Verdict):
+        """(the restored target, the targets that failed to load, the distrusted pending one)."""
+        targets = self.checkpointer.targets
+        distrusted, errors = targets.pending, []
+        for target in targets.candidates():
+            try:
+                self.checkpointer.restore(target)
+                return target, errors, distrusted
+            except CheckpointError as exc:  # same verdict on every rank (load agrees on it)
+                errors.append(str(exc))
+        raise GuardError(
+            f"guard tripped at step {step} ({verdict.trip}) but no state to roll back to: "
+            + ("; ".join(errors) or "the guard keeps no rollback target")
+        )
+
+    def _stop(self, step: int, verdict: Verdict, repeat: int | None, detail: dict, log) -> None:
+        """Past guard.max_rollbacks: one line saying the run diverges and what was tried."""
+        tried = "; ".join(
+            f"rollback {i} to step {t['to_step']} skipping {t['skipped']} batch(es) tripped again "
+            f"at step {self.tried[i]['step']}"
+            for i, t in enumerate(self.tried[:-1], 1)
+        )
+        message = (
+            f"guard tripped at step {step} ({verdict.trip}); that is trip {self.trips}, more than "
+            f"guard.max_rollbacks={self.cfg.max_rollbacks}: stopping instead of rolling back again. "
+            + (f"It repeats rollback {repeat}'s trip bit for bit. " if repeat else "")
+            + (f"Tried: {tried}. " if tried else "")
+            + f"The run keeps tripping at optimizer.lr={self.lr:g} (it diverges, or its loss is too noisy "
+            f"for guard.spike_factor={self.cfg.spike_factor:g}): lower optimizer.lr, or raise "
+            f"guard.spike_factor, guard.spike_window or guard.max_rollbacks"
+        )
+        log.event("guard_stop", step, say=message, tried=self.tried, **detail)
+        raise GuardError(message)

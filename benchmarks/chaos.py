@@ -1,0 +1,160 @@
+"""A kill loop (torchft's punisher, in small): K SIGKILLs of random ranks at random moments of one job.
+
+    .venv/bin/python benchmarks/chaos.py [--kills 20] [--world-size 4] [--seed 0] [--keep DIR]
+
+The capstone under ``torchrun --max-restarts K`` with snapshots every step and disk checkpoints
+every few steps (``checkpoint.resume=latest``). Each kill picks, from a seeded generator, a rank
+(every rank in turn of a shuffled order, so rank 0 is hit too) and a moment: inside a step, inside
+a disk save (its ``.partial`` directory exists), or inside a snapshot round (the job's /dev/shm
+directory holds two steps' files); the job is given 3 steps between kills. At the end: every kill
+survived (the job finished), steps lost per kill (<= 1 expected: snapshots every step), the final
+checkpoint byte-identical to an uninterrupted run's (every file's sha256), /dev/shm clean, and the
+recovery time from each kill to the next step (median and max). tests/test_chaos.py runs it small.
+JSON: benchmarks/results/chaos.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _torchrun_job import ROOT, Job  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from distlib.checkpoint import memory_snapshot as shm  # noqa: E402
+from distlib.checkpoint import sharded as checkpoint  # noqa: E402
+
+MOMENTS = ("step", "save", "snapshot")
+
+
+def overrides(world_size: int, steps: int, every: int) -> list[str]:
+    return [
+        f"dist.world_size={world_size}",
+        f"train.steps={steps}",
+        f"checkpoint.every_steps={every}",
+        "checkpoint.resume=latest",
+        "checkpoint.memory_every_steps=1",
+        "checkpoint.verify_resume=false",
+        "metrics.progress_every=0",
+    ]
+
+
+def _rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
+
+
+def _in_save(job: Job) -> bool:
+    return any(p.name.endswith(".partial") for p in (job.run_dir / "checkpoints").glob(".step_*"))
+
+
+def _in_snapshot(job: Job) -> bool:
+    steps = {p.name[:12] for p in shm.job_dir(job.run_dir).glob("step*.safetensors*")}
+    return len(steps) > 1
+
+
+def _wait_moment(job: Job, moment: str, rng: random.Random, patience_s: float = 10.0) -> str:
+    """Return at the chosen moment (or, if a save or snapshot round was not caught within
+    ``patience_s``, inside a step); the moment it was."""
+    if moment != "step":
+        caught = _in_save if moment == "save" else _in_snapshot
+        deadline = time.monotonic() + patience_s
+        while time.monotonic() < deadline and job.proc.poll() is None:
+            if caught(job):
+                return moment
+            time.sleep(0.0005)
+    time.sleep(rng.random() * 0.03)
+    return "step"
+
+
+def final_files(run_dir: Path, steps: int) -> dict[str, str]:
+    manifest = checkpoint.verify(run_dir / "checkpoints" / checkpoint.step_dir_name(steps))
+    return {f["path"]: f["sha256"] for f in manifest["files"]}
+
+
+def run(base: Path, kills: int, world_size: int, seed: int, every: int = 5) -> dict:
+    """The reference job, then the chaos job with ``kills`` kills; everything to judge it by."""
+    steps = every * (2 + (3 * (kills + 1)) // every)
+    args = overrides(world_size, steps, every)
+    reference = Job(base / "reference", args, world_size).start()
+    if reference.finish() != 0:
+        raise SystemExit(f"the uninterrupted run failed: {reference.tail()}")
+    rng = random.Random(seed)
+    order = []
+    job = Job(base / "chaos", args, world_size, max_restarts=kills).start()
+    rows = []
+    for attempt in range(kills):
+        if not order:
+            order = rng.sample(range(world_size), world_size)
+        begun = job.last_step()
+        job.wait_for(lambda b=begun: job.last_step() >= b + 3, what="3 steps of this start")
+        moment = _wait_moment(job, MOMENTS[attempt % len(MOMENTS)], rng)
+        victims = {_rank_of(pid): pid for pid in job.workers()}
+        rank = order.pop()
+        t_kill = job.kill(victims[rank])
+        job.wait_for(
+            lambda t=t_kill: any(r.get("event") == "restart" and r["time"] > t for r in job.records()),
+            what="the restart",
+        )
+        rows.append({"rank": rank, "moment": moment, "t": t_kill, "pid": victims[rank], "attempt": attempt})
+    code = job.finish()
+    records = job.records()
+    for row in rows:
+        done = max(r["step"] for r in records if r["type"] == "step" and r["time"] < row["t"])
+        restart = next(r for r in records if r.get("event") == "restart" and r["time"] > row["t"])
+        row["steps_lost"] = done - restart["step"]
+        row["first_step_s"] = job.phases(row["t"], row["pid"], row["attempt"])["first step"]
+    same = code == 0 and final_files(job.run_dir, steps) == final_files(reference.run_dir, steps)
+    return {
+        "exit_code": code,
+        "kills": rows,
+        "byte_identical": same,
+        "steps": steps,
+        "shm_clean": not shm.job_dir(job.run_dir).exists() and not shm.job_dir(reference.run_dir).exists(),
+        "stderr_tail": job.tail() if code else "",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
+    parser.add_argument("--keep", default=None, help="keep the two jobs' directories under this directory")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        result = run(Path(args.keep or scratch), args.kills, args.world_size, args.seed)
+    kills = result["kills"]
+    times = [k["first_step_s"] for k in kills if k["first_step_s"] is not None]
+    moments = {m: sum(k["moment"] == m for k in kills) for m in MOMENTS}
+    print(f"{args.kills} SIGKILLs, {args.world_size} ranks, seed {args.seed}, {result['steps']} steps")
+    print(
+        f"faults survived: {len(kills) if result['exit_code'] == 0 else 0} of {args.kills} "
+        f"(moments: {moments}; ranks hit: {sorted({k['rank'] for k in kills})})"
+    )
+    lost = [k["steps_lost"] for k in kills]
+    print(f"steps lost: total {sum(lost)}, at most {max(lost)} per kill")
+    print(f"kill -> next step: median {statistics.median(times):.2f} s, max {max(times):.2f} s")
+    print(
+        f"final checkpoint byte-identical to an uninterrupted run: {result['byte_identical']}; "
+        f"/dev/shm clean: {result['shm_clean']}"
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(args), **result}, indent=2))
+    print(f"wrote {out}")
+    if result["exit_code"] != 0 or not result["byte_identical"] or not result["shm_clean"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
