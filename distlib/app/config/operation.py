@@ -92,8 +92,10 @@ class GuardConfig(Group):
         applied and the run rolls back to the newest trusted checkpoint
     spike_factor: trip when the loss > spike_factor x the reference
     spike_window: reference = the mean of the last K accepted losses (1: the previous step's)
-    skip_batches: after a rollback, skip this many batches (PaLM-style); 0 replays the same data
-    max_rollbacks: rollbacks allowed per run; the next trip stops the run with an error (exit 1)
+    skip_batches: batches the first rollback to a trusted state skips (0 replays the same data); each
+        further trip back to the same state also skips every batch the failed attempt read
+    max_rollbacks: rollbacks allowed per run; the next trip stops the run with one line saying what was tried
+        (exit 1)
     check_sync_every: every K steps compare a sha256 per parameter across the ranks that must hold the same
         bytes; 0 disables
     straggler_factor: a rank busier (outside collectives) than factor x the median rank ...
