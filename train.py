@@ -27,6 +27,7 @@ from distlib.launch.torchrun import (
     UNDER_TORCHRUN,
     config_from_rank0,
     rank0_composes,
+    restart_config,
     share_config,
     worker_argv,
 )
@@ -50,6 +51,15 @@ def checked_config(tree: dict) -> RunConfig:
     return run_cfg
 
 
+def _claim(run_cfg: RunConfig, run_dir: Path) -> None:
+    """This job's lock on its run (and checkpoint) directory, or one line naming the holder."""
+    try:
+        run_lock.hold(run_dir, run_dir / run_cfg.checkpoint.dir)
+    except run_lock.BusyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
 def run_config(cfg: DictConfig) -> None:
     """Hydra's task: check, claim the run directory, then train (this rank) or start the workers."""
     from hydra.core.hydra_config import HydraConfig
@@ -60,11 +70,11 @@ def run_config(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         refuse_fresh_run_over_checkpoints(run_dir / run_cfg.checkpoint.dir, run_cfg.checkpoint.resume)
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-            run_lock.hold(run_dir, run_dir / run_cfg.checkpoint.dir)
-    except (CheckpointError, run_lock.BusyError) as exc:
+    except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        _claim(run_cfg, run_dir)
     if _DEFERS_FILES:
         hydra_config.save_files(cfg, run_dir)
     if UNDER_TORCHRUN:
@@ -122,7 +132,12 @@ if __name__ == "__main__":
     if hydra_config.defers_files(sys.argv, os.environ.get("RANK", "0")):
         _DEFERS_FILES = True
         sys.argv.append(hydra_config.NO_SUBDIR)
-    if rank0_composes(sys.argv) and os.environ.get("RANK", "0") != "0":
+    restart = restart_config() if rank0_composes(sys.argv) else None
+    if restart:  # a restart: the first start's config, no Hydra; rank 0 claims the run directory again
+        if os.environ["RANK"] == "0":
+            _claim(RunConfig.from_dict(restart[0]), Path(restart[1]))
+        worker.run(*restart)
+    elif rank0_composes(sys.argv) and os.environ.get("RANK", "0") != "0":
         worker.run(*config_from_rank0())
     else:
         main()
