@@ -6,6 +6,7 @@ the keys of one group are the group's ``check``; rules across groups are in ``ru
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from distlib.app.config.schema import ConfigError, Group, key
@@ -220,15 +221,25 @@ class MetricsConfig(Group):
     file: rank 0's JSONL log in the run directory: a record per step plus events
     per_rank: also write metrics.rank<R>.jsonl with each rank's own values
     progress_every: rank 0 prints a one-line progress report every K steps; 0 disables
+    tensorboard: also write rank 0's step records as TensorBoard event files in <run dir>/tensorboard/
+        (loss, grad norm, lr, step time, tokens/s, MFU, memory, validation loss); needs the optional
+        `tensorboard` extra
     """
 
     GROUP = "metrics"
     file: str = key("metrics.jsonl")
     per_rank: bool = key(False)
     progress_every: int = key(1, ge=0)
+    tensorboard: bool = key(False)
 
     def check(self) -> None:
         if not self.file or "/" in self.file:
             raise ConfigError(
                 f"metrics.file must be a plain file name in the run directory, got {self.file!r}"
+            )
+        # Looked up, not imported: the writer is imported by the run that uses it (observe.tensorboard).
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                "metrics.tensorboard=true needs the optional `tensorboard` extra "
+                "(pip install tensorboard==2.21.0), which is not installed"
             )
