@@ -41,8 +41,6 @@ def inspect(args: argparse.Namespace) -> None:
     if "resharded_from" in manifest:
         source = manifest["resharded_from"]
         print(f"  resharded from {source['world_size']} rank(s): {source['path']}")
-    for entry in extra_files.listed(manifest):
-        print(f"  extra file: {entry['path']} ({entry['bytes']} bytes, sha256 {entry['sha256'][:16]}...)")
     files = files + extra_files.listed(manifest)
     on_disk = sum(f["bytes"] for f in files)
     print(

@@ -182,7 +182,9 @@ def test_sample_speaks_text_through_the_checkpoint_copy_of_the_tokenizer(full, t
 def test_reshard_and_consolidate_carry_the_tokenizer(full, tmp_path):
     ckpt = full[0] / STEP6
     proc = run_script("scripts/ckpt.py", "inspect", str(ckpt))
-    assert proc.returncode == 0 and "extra file: tokenizer/tokenizer.json" in proc.stdout, proc.stderr
+    listed = {e["path"]: e for e in _manifest(ckpt)["extra_files"]}["tokenizer/tokenizer.json"]
+    row = f"  tokenizer/tokenizer.json  {listed['bytes']:>8}  {listed['sha256']}"
+    assert proc.returncode == 0 and row in proc.stdout.splitlines(), proc.stdout
     one = tmp_path / "ws1"
     proc = run_script("scripts/ckpt.py", "reshard", str(ckpt), str(one), "--world-size", "1")
     assert proc.returncode == 0, proc.stderr
