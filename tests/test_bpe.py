@@ -75,8 +75,9 @@ def _build_in_fresh_processes(source: Path, caches: list[Path], envs: list[dict]
     return shas
 
 
-def test_training_is_deterministic_in_fresh_processes_whatever_the_thread_settings(tmp_path):
-    # Each process seeds Rust's HashMaps afresh; the thread settings differ on purpose.
+def test_training_is_deterministic_in_fresh_processes(tmp_path):
+    # Each process seeds Rust's HashMaps afresh. Their environments' thread settings differ too, and
+    # must not matter: bpe._serial keeps the work on the calling thread whatever they say.
     one, two = _build_in_fresh_processes(
         SAMPLE,
         [tmp_path / "a", tmp_path / "b"],

@@ -7,13 +7,13 @@ learned until the vocabulary has N entries: ``SPECIAL_TOKENS`` first (``<|endoft
 then the 256 byte characters, then the merges in the order learned. A small text can run out of
 pairs before N; the tokenizer is then smaller than N and the model's extra rows are never used.
 
-Determinism: ``tokenizers`` keeps its counts in Rust HashMaps seeded afresh in every process, and
-training can run on a rayon thread pool. Its merge order is nevertheless a function of the counts
-alone (ties go to the smaller pair of ids), and the counts are sums, so the result depends on
-neither (tests/test_bpe.py trains in two fresh processes with different thread settings and
-compares the bytes). We still train and encode with parallelism off (``_serial``), for another
-reason: a used rayon pool leaves its threads alive, and this program forks (the launcher, the
-test ranks) -- a thread alive at a fork can leave a lock held in the child.
+Determinism: ``tokenizers`` keeps its counts in Rust HashMaps seeded afresh in every process.
+Its merge order is nevertheless a function of the counts alone (ties go to the smaller pair of
+ids), so the hash seed does not matter: tests/test_bpe.py trains in two fresh processes and
+compares the bytes. Training and encoding run with the library's parallelism off (``_serial``,
+whatever the caller's TOKENIZERS_PARALLELISM): a used rayon pool leaves its threads alive, and
+this program forks (the launcher, the test ranks) -- a thread alive at a fork can leave a lock
+held in the child.
 
 Plain arguments in, plain values out. ``tokenizers`` is imported only when used, so the
 byte-level default needs nothing beyond the base install.
