@@ -75,4 +75,4 @@ gpu-wheels: $(STAMP)
 		safetensors==0.8.0 PyYAML numpy
 
 clean:
-	rm -rf outputs multirun .pytest_cache data/*.u8.tokens
+	rm -rf outputs multirun .pytest_cache data/*.u8.tokens data/*.bpe*.tokens data/*.bpe*.tokenizer.json

@@ -6,8 +6,8 @@
     python scripts/ckpt.py reshard  CKPT OUT --world-size M  # a new checkpoint for M ranks
 
 CKPT is a checkpoint directory such as outputs/.../checkpoints/step_00000010. OUT must be a new
-path outside every checkpoint directory: nothing is ever overwritten.
-See docs/checkpoints.md.
+path outside every checkpoint directory: nothing is ever overwritten. consolidate and reshard
+carry the checkpoint's extra files along (a BPE run's tokenizer/). See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this repo's distlib
 
-from distlib.checkpoint import reshard
+from distlib.checkpoint import extra_files, reshard
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
 
@@ -41,6 +41,7 @@ def inspect(args: argparse.Namespace) -> None:
     if "resharded_from" in manifest:
         source = manifest["resharded_from"]
         print(f"  resharded from {source['world_size']} rank(s): {source['path']}")
+    files = files + extra_files.listed(manifest)
     on_disk = sum(f["bytes"] for f in files)
     print(
         f"  total: {layout['numel']} parameters, "
@@ -54,9 +55,10 @@ def verify(args: argparse.Namespace) -> None:
 
     manifest = checkpoint.verify(args.path)
     manifest_config(manifest, args.path)  # its model and data config, checked like a run's
-    total = sum(f["bytes"] for f in manifest["files"])
+    files = manifest["files"] + extra_files.listed(manifest)
+    total = sum(f["bytes"] for f in files)
     print(
-        f"OK: {args.path}: step {manifest['step']}, {len(manifest['files'])} file(s), {total} bytes, "
+        f"OK: {args.path}: step {manifest['step']}, {len(files)} file(s), {total} bytes, "
         f"every size and sha256 matches the manifest"
     )
 

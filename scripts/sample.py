@@ -4,9 +4,12 @@
     python scripts/sample.py model.safetensors --prompt "The ring" --temperature 0.8 --top-k 20 --seed 1
 
 CHECKPOINT is a sharded checkpoint directory (verified against its manifest,
-then reassembled) or a consolidated .safetensors file. A byte-level model
-(vocabulary 256, data=text) takes and prints text; any other vocabulary (the
-synthetic corpus) takes and prints space-separated token ids.
+then reassembled) or a consolidated .safetensors file. A model trained with
+data.tokenizer=bpe takes and prints text through the checkpoint's own copy of
+its tokenizer (CHECKPOINT/tokenizer/, listed and hashed in the manifest; for a
+.safetensors file, the tokenizer/ that `ckpt.py consolidate` wrote beside it);
+a byte-level model (vocabulary 256, data=text) takes and prints text; any other
+vocabulary (the synthetic corpus) takes and prints space-separated token ids.
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from distlib.app.data.tokens import BYTE_VOCAB, ByteTokenizer
+from distlib.app.data.bpe import tokenizer_for_checkpoint
+from distlib.app.data.tokens import BYTE_VOCAB, ByteTokenizer, DataError
 from distlib.app.sampling import SampleError, generate, load_model
-from distlib.checkpoint.sharded import CheckpointError
+from distlib.checkpoint.sharded import CheckpointError, read_manifest
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,10 +53,18 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     try:
-        model = load_model(args.checkpoint, args.n_heads)
-        byte_level = model.cfg.vocab_size == BYTE_VOCAB
-        if byte_level:
-            prompt = ByteTokenizer.encode(args.prompt)
+        model = load_model(args.checkpoint, args.n_heads)  # a checkpoint directory: verified
+        path = Path(args.checkpoint)
+        text_tok = tokenizer_for_checkpoint(path, read_manifest(path) if path.is_dir() else None)
+        if text_tok is None and model.cfg.vocab_size == BYTE_VOCAB:
+            text_tok = ByteTokenizer
+        elif text_tok is not None and text_tok.vocab_size > model.cfg.vocab_size:
+            raise SampleError(
+                f"{path}: its tokenizer has {text_tok.vocab_size} tokens, more than the model's "
+                f"{model.cfg.vocab_size}"
+            )
+        if text_tok is not None:
+            prompt = text_tok.encode(args.prompt)
         else:
             try:
                 prompt = [int(t) for t in args.prompt.split()]
@@ -62,11 +75,11 @@ def main(argv: list[str]) -> int:
                 )
         generator = torch.Generator().manual_seed(args.seed)
         tokens = generate(model, prompt, args.tokens, args.temperature, args.top_k, generator)
-    except (SampleError, CheckpointError) as exc:
+    except (SampleError, CheckpointError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if byte_level:
-        sys.stdout.write(ByteTokenizer.decode(tokens) + "\n")
+    if text_tok is not None:
+        sys.stdout.write(text_tok.decode(tokens) + "\n")
     else:
         print(" ".join(map(str, tokens)))
     return 0

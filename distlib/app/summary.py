@@ -121,7 +121,7 @@ def manifest_text(manifest: dict) -> str:
             f"  {p['offset']:>8}  {p['numel']:>6}  {'x'.join(map(str, p['shape'])):<10}  {p['name']}"
         )
     lines.append(f"  {'file':<22}  {'bytes':>8}  sha256")
-    for f in manifest["files"]:
+    for f in manifest["files"] + manifest.get("extra_files", []):  # the shards, then run-level files
         lines.append(f"  {f['path']:<22}  {f['bytes']:>8}  {f['sha256']}")
     return "\n".join(lines)
 

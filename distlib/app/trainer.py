@@ -105,7 +105,7 @@ class Trainer:
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
         seed_process_rngs(cfg.seed, mesh.dp.rank)
         plan = data.BatchPlan(cfg.global_batch, mesh.dp.size, cfg.train.grad_accum)
-        self.data, heldout = data.build(cfg, comm, plan)
+        self.data, heldout = data.build(cfg, comm, plan, self.run_dir)  # run_dir: a BPE run's tokenizer
         self.model, self.optimizer, chunks, splits = build(cfg, comm, mesh, self.device, cfg.seed)
         model, optimizer = self.model, self.optimizer
         self.pipeline = chunks and PipelineStep(cfg, mesh, model, chunks, self.device)

@@ -7,8 +7,9 @@ its cause as a KeyError, a ZeroDivisionError or a wrong-sized tensor. ``check`` 
 field that is wrong, by its path (``layout.params[3] lacks "shape"``, ``world_size must be >= 1,
 got 0``), and ``sharded.read_manifest`` turns that into one CheckpointError line.
 
-The rules are the ones the writers follow: ``sharded.save`` (one shard per rank, in rank order),
-``FlatLayout.to_dict`` (contiguous parameters, derived sizes) and the tensor-parallel
+The rules are the ones the writers follow: ``sharded.save`` (one shard per rank, in rank order,
+and the run-level ``extra_files`` at plain relative paths that are neither a shard nor the
+manifest), ``FlatLayout.to_dict`` (contiguous parameters, derived sizes) and the tensor-parallel
 ``manifest_layouts`` (one layout per tensor rank, each split naming that rank).
 """
 
@@ -17,10 +18,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from pathlib import PurePosixPath
 
 # train.dtype's values (distlib.app.config.run.DTYPES; this layer may not import the application).
 PARAM_DTYPES = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
+MANIFEST_NAME = "manifest.json"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -130,6 +133,51 @@ def _check_split(p: dict, at: str, shape: tuple[int, ...], tp: int, tp_rank: int
         raise ManifestProblem(f"{at}.full_shape is {list(full)}, expected {list(expected)} for split {split}")
 
 
+def extra_dirs(names: list[str]) -> set[str]:
+    """Every directory (a relative POSIX path) that holds one of the extra files ``names``."""
+    return {str(p) for name in names for p in PurePosixPath(name).parents if str(p) != "."}
+
+
+def check_extra_names(names: list[str], reserved: set[str]) -> None:
+    """Extra files' paths: relative, inside the checkpoint (no "..", no hidden or empty part), none
+    of ``reserved`` (the shards' and the manifest's names) at the top, each once, none both a file
+    and the directory of another."""
+    for i, name in enumerate(names):
+        parts = name.split("/")
+        if "\\" in name or any(not part or part.startswith(".") for part in parts):
+            raise ManifestProblem(
+                f"extra_files[{i}].path must be a relative path inside the checkpoint (no leading '/', "
+                f"no '..', no hidden or empty part), got {_show(name)}"
+            )
+        if parts[0] in reserved:
+            raise ManifestProblem(
+                f"extra_files[{i}].path is {_show(name)}, a name the checkpoint uses for its shards "
+                f"or its manifest"
+            )
+    if len(set(names)) != len(names):
+        raise ManifestProblem("extra_files names a file twice")
+    both = sorted(set(names) & extra_dirs(names))
+    if both:
+        raise ManifestProblem(f"extra_files lists {both[0]!r} as a file and as the directory of another")
+
+
+def _check_extra_files(manifest: dict, reserved: set[str]) -> None:
+    extras = _field(manifest, "extra_files", "", list, optional=True)
+    if extras is None:
+        return  # a checkpoint without run-level files, or one written before they existed
+    for i, entry in enumerate(extras):
+        at = f"extra_files[{i}]"
+        if not isinstance(entry, dict):
+            raise ManifestProblem(f"{at} must be an object, got {_show(entry)}")
+        _field(entry, "path", at, str)
+        _count(entry, "bytes", at, 0)
+        if not _SHA256.fullmatch(_field(entry, "sha256", at, str)):
+            raise ManifestProblem(
+                f"{at}.sha256 must be 64 lowercase hex digits, got {_show(entry['sha256'])}"
+            )
+    check_extra_names([e["path"] for e in extras], reserved)
+
+
 def check(manifest, shard_name: Callable[[int], str]) -> None:
     """Raise ManifestProblem for the first malformed field of a parsed ``manifest``; files must be
     ``shard_name(r)`` for every rank r, in rank order. (format_version is the caller's.)"""
@@ -193,3 +241,4 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
             raise ManifestProblem(
                 f"{at}.sha256 must be 64 lowercase hex digits, got {_show(entry['sha256'])}"
             )
+    _check_extra_files(manifest, {shard_name(r) for r in range(world)} | {MANIFEST_NAME})

@@ -34,6 +34,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from distlib.checkpoint import extra_files
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.parallel.adamw import STATE_KEYS
@@ -208,10 +209,15 @@ def _by_parameter(flat: torch.Tensor, layout: FlatLayout, prefix: str = "") -> d
 
 # -- offline tools (scripts/ckpt.py) --------------------------------------------
 def consolidate(path: Path, out: Path, with_optimizer: bool = False) -> list[Path]:
-    """Write ``out/model.safetensors`` (full fp32 weights named as in ``MiniGPT.state_dict()``) and,
-    if asked, ``out/optimizer.safetensors`` (exp_avg.NAME / exp_avg_sq.NAME). Verifies first."""
+    """Write ``out/model.safetensors`` (full fp32 weights named as in ``MiniGPT.state_dict()``), if
+    asked ``out/optimizer.safetensors`` (exp_avg.NAME / exp_avg_sq.NAME), and the checkpoint's extra
+    files at their own paths (``out/tokenizer/...``: what the weights need to be used). Verifies first."""
     path, out = Path(path), Path(out)
     manifest = checkpoint.verify(path)
+    names = {"model.safetensors", "optimizer.safetensors"}
+    clash = sorted(e["path"] for e in extra_files.listed(manifest) if e["path"].split("/")[0] in names)
+    if clash:
+        raise CheckpointError(f"consolidating {path}: its extra file {clash[0]} would overwrite the weights")
     layout = FlatLayout.from_dict(manifest["layout"])
     state = full_state(path, manifest)
     header = {"step": str(manifest["step"]), "model": json.dumps(manifest["model"]), "source": str(path)}
@@ -228,12 +234,20 @@ def consolidate(path: Path, out: Path, with_optimizer: bool = False) -> list[Pat
         safetensors.torch.save_file(
             tensors, str(written[1]), metadata={**header, "optimizer_steps": str(optimizer_steps)}
         )
-    return written
+    return written + _copy_extras(path, manifest, out)
+
+
+def _copy_extras(path: Path, manifest: dict, out: Path) -> list[Path]:
+    try:
+        return extra_files.copy_listed(path, manifest, out)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: copying its extra files: {exc}") from exc
 
 
 def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
-    """Write a new committed checkpoint at ``out`` for ``world_size`` ranks (verifies ``path`` first).
-    Ranks beyond the old world size carry no RNG state; the trainer re-seeds them on load."""
+    """Write a new committed checkpoint at ``out`` for ``world_size`` ranks (verifies ``path`` first),
+    with the same extra files. Ranks beyond the old world size carry no RNG state; the trainer
+    re-seeds them on load."""
     path, out = Path(path), Path(out)
     if world_size < 1:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
@@ -254,6 +268,7 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
             rank_state["rng"] = None
         tensors.update({key: partitions[key][rank] for key in STATE_KEYS})
         files.append(checkpoint.write_shard(partial, rank, tensors, rank_state))
+    _copy_extras(path, manifest, partial)  # the same bytes: the entries carry over as they are
     new = {
         **manifest,
         "world_size": world_size,

@@ -5,19 +5,20 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step_00000010/``)::
     rank00000.safetensors   rank 0's partition of master / exp_avg / exp_avg_sq,
     rank00001.safetensors   its torch RNG state as a uint8 tensor, and (metadata)
     ...                     a JSON "rank_state": step, data position, python/numpy RNG
+    tokenizer/...           run-level extra files, when the run has any (a BPE run's tokenizer)
     manifest.json           written last: world size, step, ZeRO stage, model config,
                             data position, the flat layout (names, shapes, offsets,
                             padding) and, for every file, its name, byte size and sha256
 
 Commit protocol: rank 0 creates ``.step_XXXXXXXX.partial/`` (``open_save``); every rank writes
-and fsyncs its shard (``write_own_shard``: inline, or in a background thread for an async
-save) and reports (size, sha256) through an all-gather (``complete_save``); rank 0
-writes ``manifest.json`` (temp name, fsync, rename) and then renames the
-directory to its final name. A crash at any point leaves either no
-``step_XXXXXXXX`` directory or a complete one; a directory without a committed
-manifest is never loaded, the next save removes a stale ``.partial``, and an
-existing checkpoint is never overwritten. A failed write (a full disk) fails
-the save on every rank and removes the partial directory.
+and fsyncs its shard (``write_own_shard``: inline, or in a background thread for an async save)
+and reports (size, sha256) through an all-gather (``complete_save``); rank 0 copies in the
+run-level extra files (``extra_files``), writes ``manifest.json`` (temp name, fsync, rename) and
+then renames the directory to its final name. A crash at any point leaves either no
+``step_XXXXXXXX`` directory or a complete one; a directory without a committed manifest is never
+loaded, the next save removes a stale ``.partial``, and an existing checkpoint is never
+overwritten. A failed write (a full disk) fails the save on every rank and removes the partial
+directory.
 
 Loading is refused unless every file the manifest lists has the recorded size
 and sha256 and no other file is present (``verify``). Nothing is unpickled:
@@ -27,6 +28,7 @@ size lives in ``distlib.checkpoint.reshard``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,12 +41,13 @@ import safetensors
 import safetensors.torch
 import torch
 
+from distlib.checkpoint import extra_files
 from distlib.checkpoint import manifest as manifest_rules
 from distlib.comm import agree
 from distlib.comm.group import Comm
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = manifest_rules.MANIFEST_NAME
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
 # A save calls hook(point, path) at these points (fault injection: distlib/app/faults.py):
@@ -154,11 +157,18 @@ def write_own_shard(
 
 
 def complete_save(
-    final: Path, step: int, meta: dict, written: Callable[[], dict], comm: Comm, hook: SaveHook | None = None
+    final: Path,
+    step: int,
+    meta: dict,
+    written: Callable[[], dict],
+    comm: Comm,
+    hook: SaveHook | None = None,
+    extras: dict[str, Path] | None = None,
 ) -> Path:
     """Last part of a save (collective): every rank's file entry (``written()``: this rank's, or
-    its error) is gathered, and only if every rank wrote its shard rank 0 commits the manifest.
-    Raises CheckpointError on every rank if any failed; the partial directory is removed then."""
+    its error) is gathered, and only if every rank wrote its shard rank 0 copies in ``extras``
+    (path inside the checkpoint -> rank 0's file) and commits the manifest. Raises
+    CheckpointError on every rank if any failed; the partial directory is removed then."""
     hook = hook or _no_hook
     partial = partial_dir(final)
     try:
@@ -175,7 +185,15 @@ def complete_save(
         **meta,
         "files": reports,
     }
-    agree.agreed(lambda: commit(partial, final, manifest, hook), comm, CheckpointError, rank0_only=True)
+
+    def publish() -> None:
+        if extras:  # copied in and listed before the manifest: they are part of what commits
+            manifest[extra_files.KEY] = extra_files.write(
+                partial, extras, {MANIFEST, *(e["path"] for e in reports)}
+            )
+        commit(partial, final, manifest, hook)
+
+    agree.agreed(publish, comm, CheckpointError, rank0_only=True)
     hook("committed", final)
     return final
 
@@ -199,14 +217,15 @@ def save(
     meta: dict,
     comm: Comm,
     hook: SaveHook | None = None,
+    extras: dict[str, Path] | None = None,
 ) -> Path:
-    """Collectively write this rank's shard; rank 0 commits the manifest. Returns the final path.
-    Raises CheckpointError on every rank if any rank failed; the previous checkpoints stay as they were.
-    (An async save runs the same three parts, ``write_own_shard`` in a background thread.)"""
+    """Collectively write this rank's shard; rank 0 copies in ``extras`` and commits the manifest.
+    Returns the final path. Raises CheckpointError on every rank if any rank failed; the previous
+    checkpoints stay as they were. (An async save runs the same three parts, ``write_own_shard``
+    in a background thread.)"""
     final = open_save(root, step, comm)
-    return complete_save(
-        final, step, meta, lambda: write_own_shard(final, comm.rank, tensors, rank_state, hook), comm, hook
-    )
+    written = functools.partial(write_own_shard, final, comm.rank, tensors, rank_state, hook)
+    return complete_save(final, step, meta, written, comm, hook, extras)
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
@@ -258,19 +277,18 @@ def _sha256_file(path: Path) -> str:
 
 
 def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
-    """Check that the manifest parses, nothing unlisted is there, every listed file has its size
-    and (for the files of this ``share`` = (index, count): every count-th from index) its sha256.
-    Returns the manifest; raises CheckpointError naming the checkpoint, the file, expected and actual."""
+    """Check that the manifest parses, nothing unlisted is there, every listed file (the shards, then
+    the extra files) has its size and (for the files of this ``share`` = (index, count): every
+    count-th from index) its sha256. Returns the manifest; raises CheckpointError naming the
+    checkpoint, the file, expected and actual."""
     path = Path(path)
     manifest = read_manifest(path)
-    listed = {entry["path"] for entry in manifest["files"]}
-    extra = sorted(p.name for p in path.iterdir() if p.name != MANIFEST and p.name not in listed)
+    entries = manifest["files"] + extra_files.listed(manifest)
+    extra = extra_files.unlisted(path, {MANIFEST, *(entry["path"] for entry in entries)})
     if extra:
         raise CheckpointError(f"checkpoint {path}: unexpected file(s) not listed in the manifest: {extra}")
-    expected = {
-        e["path"]: f"expected {e['bytes']} bytes with sha256 {e['sha256']}" for e in manifest["files"]
-    }
-    for entry in manifest["files"]:
+    expected = {e["path"]: f"expected {e['bytes']} bytes with sha256 {e['sha256']}" for e in entries}
+    for entry in entries:
         file = path / entry["path"]
         if not file.is_file():
             raise CheckpointError(
@@ -283,7 +301,7 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
                 f"{expected[entry['path']]} (truncated or overwritten)"
             )
     index, count = share
-    for entry in manifest["files"][index::count]:
+    for entry in entries[index::count]:
         actual = _sha256_file(path / entry["path"])
         if actual != entry["sha256"]:
             raise CheckpointError(

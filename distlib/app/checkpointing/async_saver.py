@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from distlib.checkpoint import extra_files
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.background import BackgroundWrite
 from distlib.checkpoint.sharded import SaveHook
@@ -39,7 +40,7 @@ class Saved:
 
     @property
     def bytes(self) -> int:
-        return sum(f["bytes"] for f in self.manifest["files"])
+        return sum(f["bytes"] for f in self.manifest["files"] + extra_files.listed(self.manifest))
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PendingSave:
     params: torch.Tensor | None  # parameter bytes at the save, when the resume check needs them
     began: float
     blocking_s: float
+    extras: dict[str, Path] | None = None  # run-level files rank 0 copies in at the commit
 
 
 class AsyncSaveFailed(checkpoint.CheckpointError):
@@ -87,6 +89,7 @@ class AsyncSaver:
         hook: SaveHook | None,
         params: torch.Tensor | None,
         began: float,
+        extras: dict[str, Path] | None = None,
     ) -> None:
         """Open the partial directory (collective) and start writing ``state`` (staged in
         ``self.staging`` by the caller) in the background; the commit comes later (``commit``)."""
@@ -113,6 +116,7 @@ class AsyncSaver:
             params,
             began,
             time.perf_counter() - began,
+            extras,
         )
 
     def commit(self) -> tuple[PendingSave, Saved] | None:
@@ -124,7 +128,13 @@ class AsyncSaver:
         waited = time.perf_counter()
         try:
             path = checkpoint.complete_save(
-                pending.final, pending.step, pending.meta, pending.writer.result, self.comm, pending.hook
+                pending.final,
+                pending.step,
+                pending.meta,
+                pending.writer.result,
+                self.comm,
+                pending.hook,
+                pending.extras,
             )
         except checkpoint.CheckpointError as exc:
             raise AsyncSaveFailed(exc, pending) from exc

@@ -69,7 +69,7 @@ class Checkpointer:
         self.model, self.optimizer = model, optimizer  # the run's; the resume check loads into fresh ones
         self.root = Path(run_dir) / c.dir
         self.clock = CheckpointClock(c.every_minutes, clock)  # rank 0's decides every_minutes
-        self.contents = Contents(cfg, mesh, data, optimizer, tp_splits)
+        self.contents = Contents(cfg, mesh, data, optimizer, tp_splits, run_dir)
         self.loader = Loader(cfg, comm, mesh, data, self.root, self.say)
         self.verifier = ResumeVerifier(
             c.verify_resume,
@@ -142,9 +142,8 @@ class Checkpointer:
         """Commit this run's state after ``step`` now (collective)."""
         began = time.perf_counter()
         state = self.contents.state(step, self.optimizer)
-        path = checkpoint.save(
-            self.root, step, *state, self.contents.meta(step), self.comm, self.hooks.save_hook(step)
-        )
+        meta, hook = self.contents.meta(step), self.hooks.save_hook(step)
+        path = checkpoint.save(self.root, step, *state, meta, self.comm, hook, self.contents.extras())
         self.clock.saved()
         params = self.optimizer.params_snapshot() if self.verifier.wants() else None
         seconds = time.perf_counter() - began
@@ -167,6 +166,7 @@ class Checkpointer:
             self.hooks.save_hook(step),
             params,
             began,
+            self.contents.extras(),
         )
         self.clock.saved()
 

@@ -5,14 +5,19 @@ states (torch and numpy as tensors; python and numpy's position in ``rank_state`
 optimizer step count and data position. ``meta`` is what rank 0 writes into the manifest next to
 the files: ZeRO stage, seed, model and data config, data position, the flat layout, and the mesh
 (with tensor or pipeline parallelism, every rank's layout, so the shards can be reassembled).
+``extras`` are the run-level files every checkpoint carries, listed and hashed in its manifest:
+a BPE run's tokenizer, so the weights never travel without the ids' meaning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+from distlib.app.config.groups import DataConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
+from distlib.app.data.bpe import TOKENIZER_FILES
 from distlib.app.model.pipeline import stage_layouts
 from distlib.checkpoint import rng_state
 from distlib.checkpoint.staging import StagingBuffers
@@ -29,8 +34,10 @@ class Contents:
         data: GlobalBatches,
         optimizer: ZeroOptimizer,
         tp_splits: dict[str, Split],
+        run_dir: Path | None = None,
     ):
         self.cfg, self.mesh, self.data, self.optimizer, self.tp_splits = cfg, mesh, data, optimizer, tp_splits
+        self.run_dir = run_dir
         self.pp_meta = stage_layouts(mesh, optimizer.layout, tp_splits)  # (collective; {} at dist.pp=1)
 
     def state(
@@ -62,13 +69,20 @@ class Contents:
             "seed": self.cfg.seed,
             "model": dataclasses.asdict(self.cfg.model),
             "data": self.data.position(step),
-            "data_config": dataclasses.asdict(self.cfg.data),
+            "data_config": data_config(self.cfg.data),
             "layout": self.optimizer.layout.to_dict(),
             **self._parallel_meta(),
         }
         if self.data.skipped:  # guard.skip_batches: part of the data position (docs/unattended.md)
             meta["skipped_batches"] = self.data.skipped
         return meta
+
+    def extras(self) -> dict[str, Path]:
+        """Path inside a checkpoint -> the file rank 0 copies there: a BPE run's tokenizer, which
+        rank 0 saved as <run dir>/tokenizer/ at start (``data.build``)."""
+        if self.cfg.data.kind != "text" or self.cfg.data.tokenizer != "bpe" or self.run_dir is None:
+            return {}
+        return {f"tokenizer/{name}": Path(self.run_dir) / "tokenizer" / name for name in TOKENIZER_FILES}
 
     def _parallel_meta(self) -> dict:
         """The mesh, and with tensor parallelism each TP rank's flat layout with how every local
@@ -83,3 +97,14 @@ class Contents:
         if tp > 1:
             meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.tp_splits)
         return {**meta, **self.pp_meta} if self.pp_meta else meta
+
+
+def data_config(data: DataConfig) -> dict:
+    """The manifest's copy of the data config. A byte-level run leaves out the tokenizer keys, which
+    hold their defaults then: its manifest stays byte for byte what it was before they existed (a
+    missing key reads as its default, ``manifest_config``)."""
+    record = dataclasses.asdict(data)
+    if data.tokenizer == "bytes":
+        record.pop("tokenizer")
+        record.pop("vocab_size")
+    return record

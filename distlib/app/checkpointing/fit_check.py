@@ -22,6 +22,23 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "absent" if shape is None else "x".join(map(str, shape)) or "scalar"
 
 
+def _tokenizer(source: dict) -> str:
+    if source.get("tokenizer", "bytes") == "bytes":
+        return "bytes"
+    return f"{source['tokenizer']} with tokenizer.json sha256 {source.get('tokenizer_sha256')}"
+
+
+def _source_change(saved: dict | None, ours: dict | None) -> str:
+    """What differs between two data sources: the text, the tokenizer, or both."""
+    saved, ours = saved or {}, ours or {}
+    changes = []
+    if (saved.get("kind"), saved.get("sha256")) != (ours.get("kind"), ours.get("sha256")):
+        changes.append("the text file's content changed")
+    if _tokenizer(saved) != _tokenizer(ours):
+        changes.append(f"the tokenizer differs: checkpoint {_tokenizer(saved)}, this run {_tokenizer(ours)}")
+    return "; ".join(changes) or "another corpus"
+
+
 def check_fits(
     path: Path,
     manifest: dict,
@@ -82,10 +99,11 @@ def check_fits(
             problems.append(
                 f"seed (data order): checkpoint {saved_position['seed']}, this run {position['seed']}"
             )
-        if saved_position.get("source") != position.get("source"):
+        theirs_source, our_source = saved_position.get("source"), position.get("source")
+        if theirs_source != our_source:
             problems.append(
-                f"data source: checkpoint {saved_position.get('source')}, this run "
-                f"{position.get('source')} (the text file's content changed)"
+                f"data source: checkpoint {theirs_source}, this run {our_source} "
+                f"({_source_change(theirs_source, our_source)})"
             )
         if saved_position["num_windows"] != position["num_windows"]:
             problems.append(

@@ -6,6 +6,7 @@ the keys of one group are the group's ``check``; rules across groups are in ``ru
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from distlib.app.config.schema import ConfigError, Group, key
@@ -16,6 +17,9 @@ DTYPES = ("fp32", "bf16")  # train.dtype; distlib.app.config.run maps them to to
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine", "wsd")
 BYTE_VOCAB = 256  # data.kind=text's byte-level tokenizer (distlib.app.data.tokens)
+TOKENIZERS = ("bytes", "bpe")  # data.tokenizer; bpe: distlib.app.data.bpe
+BPE_MIN_VOCAB = BYTE_VOCAB + 1  # a BPE vocabulary holds the 256 byte tokens and <|endoftext|>
+BPE_MAX_VOCAB = 1 << 32  # its token file stores ids as uint32
 
 
 @dataclass(frozen=True)
@@ -117,16 +121,21 @@ class ZeroConfig(Group):
 
 @dataclass(frozen=True)
 class DataConfig(Group):
-    """The corpus: synthetic, or a text file as byte-level tokens, and its held-out share.
+    """The corpus: synthetic, or a text as byte-level or BPE tokens, and its held-out share.
 
     kind: synthetic (make_corpus: a Markov chain with a favourite successor per token) or text (a UTF-8
-        file, byte-level tokens)
+        file, byte-level tokens, or BPE tokens with data.tokenizer=bpe)
     seed: synthetic: the corpus seed (the batch order uses the top-level seed)
     total_tokens: synthetic: corpus length in tokens
     follow_prob: synthetic: probability that a token is followed by its favourite successor
-    path: text: the UTF-8 file (relative paths start at the launch directory)
-    cache_dir: text: directory for the token file; null = next to the source
+    path: text: the UTF-8 file (relative paths start at the launch directory); with data.tokenizer=bpe
+        also a directory: its *.txt files, sorted by path
+    cache_dir: text: directory for the token file (and bpe's cached tokenizer); null = next to the source
     val_fraction: held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none
+    tokenizer: text: bytes (token i is byte value i, 256 tokens) or bpe (a byte-level BPE of data.vocab_size
+        tokens trained on the training split with Hugging Face tokenizers, the optional `hf` extra; saved in
+        <run dir>/tokenizer and in every checkpoint; docs/beyond.md)
+    vocab_size: bpe: the vocabulary to train (model.vocab_size must be the same); null with bytes
     """
 
     GROUP = "data"
@@ -137,10 +146,24 @@ class DataConfig(Group):
     path: str | None = key(None)
     cache_dir: str | None = key(None)
     val_fraction: float = key(0.0, ge=0, lt=1)
+    tokenizer: str = key("bytes", choices=TOKENIZERS)
+    vocab_size: int | None = key(None, ge=BPE_MIN_VOCAB, le=BPE_MAX_VOCAB)
 
     def check(self) -> None:
         if self.kind == "text" and not self.path:
             raise ConfigError("data.kind=text needs data.path: the UTF-8 text file to train on")
+        if self.tokenizer == "bpe" and self.kind != "text":
+            raise ConfigError("data.tokenizer=bpe trains on a text: use it with data=text (data.kind=text)")
+        if self.tokenizer == "bpe" and self.vocab_size is None:
+            raise ConfigError(
+                f"data.tokenizer=bpe needs data.vocab_size: the vocabulary to train (>= {BPE_MIN_VOCAB}: "
+                f"{BYTE_VOCAB} byte tokens and <|endoftext|>)"
+            )
+        if self.tokenizer == "bytes" and self.vocab_size is not None:
+            raise ConfigError(
+                f"data.vocab_size={self.vocab_size} needs data.tokenizer=bpe; the byte tokenizer has "
+                f"{BYTE_VOCAB} tokens (leave data.vocab_size null)"
+            )
 
 
 @dataclass(frozen=True)
@@ -198,15 +221,25 @@ class MetricsConfig(Group):
     file: rank 0's JSONL log in the run directory: a record per step plus events
     per_rank: also write metrics.rank<R>.jsonl with each rank's own values
     progress_every: rank 0 prints a one-line progress report every K steps; 0 disables
+    tensorboard: also write rank 0's step records as TensorBoard event files in <run dir>/tensorboard/
+        (loss, grad norm, lr, step time, tokens/s, MFU, memory, validation loss); needs the optional
+        `tensorboard` extra
     """
 
     GROUP = "metrics"
     file: str = key("metrics.jsonl")
     per_rank: bool = key(False)
     progress_every: int = key(1, ge=0)
+    tensorboard: bool = key(False)
 
     def check(self) -> None:
         if not self.file or "/" in self.file:
             raise ConfigError(
                 f"metrics.file must be a plain file name in the run directory, got {self.file!r}"
+            )
+        # Looked up, not imported: the writer is imported by the run that uses it (observe.tensorboard).
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                "metrics.tensorboard=true needs the optional `tensorboard` extra "
+                "(pip install tensorboard==2.21.0), which is not installed"
             )

@@ -191,6 +191,12 @@ def _check_data(cfg: RunConfig) -> None:
                 f"model.vocab_size={m.vocab_size}: the synthetic corpus has at most "
                 f"{MAX_SYNTHETIC_VOCAB} tokens"
             )
+    elif d.tokenizer == "bpe":
+        if m.vocab_size != d.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer=bpe trains a {d.vocab_size}-token vocabulary (data.vocab_size) but "
+                f"model.vocab_size={m.vocab_size}; set model.vocab_size={d.vocab_size}"
+            )
     elif m.vocab_size != BYTE_VOCAB:
         raise ConfigError(
             f"data.kind=text uses the byte-level tokenizer ({BYTE_VOCAB} tokens) but "

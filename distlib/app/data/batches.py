@@ -11,10 +11,11 @@ The data position saved in a checkpoint is simply the next global sample.
 Batches skipped after a guard rollback (``guard.skip_batches``) shift every later
 step by that many batches; the count is part of the position (``GlobalBatches.skipped``).
 
-The token array is either the synthetic corpus or a real text file's bytes
-(``distlib.app.data.tokens``, memory-mapped; only the windows a rank uses are read). An
-optional held-out tail of it (``data.val_fraction``) never appears in a
-training window and is evaluated in fixed windows (``HeldOut``).
+The token array is either the synthetic corpus, a real text file's bytes
+(``distlib.app.data.tokens``) or a text's BPE tokens (``distlib.app.data.bpe_tokens``),
+memory-mapped: only the windows a rank uses are read. An optional held-out tail of it
+(``data.val_fraction``) never appears in a training window and is evaluated in fixed windows
+(``HeldOut``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from distlib.app.data import bpe_tokens
 from distlib.app.data.tokens import DataError, load_text_tokens
 from distlib.comm.group import Comm
 
@@ -216,6 +218,9 @@ def check_source(cfg: RunConfig) -> None:
     if d.kind != "text":
         _check_lengths(d.total_tokens, cfg, "the synthetic corpus (data.total_tokens)")
         return
+    if d.tokenizer == "bpe":  # token counts are known after training and encoding: bpe_tokens.load
+        bpe_tokens.precheck(d.path)
+        return
     path = Path(d.path).expanduser()
     if not path.exists():
         raise DataError(
@@ -229,9 +234,16 @@ def check_source(cfg: RunConfig) -> None:
     _check_lengths(size, cfg, f"data.path {path}")
 
 
-def build(cfg: RunConfig, comm: Comm, plan: BatchPlan) -> tuple[GlobalBatches, HeldOut | None]:
-    """This run's training batches and (when data.val_fraction > 0) its held-out windows."""
+def build(
+    cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None = None
+) -> tuple[GlobalBatches, HeldOut | None]:
+    """This run's training batches and (when data.val_fraction > 0) its held-out windows.
+    ``run_dir``: where rank 0 saves a BPE run's tokenizer (``<run_dir>/tokenizer``)."""
     d, seq = cfg.data, cfg.model.seq_len
+    if d.kind == "text" and d.tokenizer == "bpe":  # split at a character, encoded part by part
+        train, held, source = bpe_tokens.load(d, seq, comm, run_dir)
+        heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
+        return GlobalBatches(train, seq, plan, cfg.seed, source), heldout
     if d.kind == "text":
         tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)
         source, where = {"kind": "text", "sha256": sha}, f"data.path {d.path}"

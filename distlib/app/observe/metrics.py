@@ -14,7 +14,9 @@ busiest outside collectives) and its lag over the median (``stragglers``; a pers
 one gets a ``straggler`` event), and the model FLOPs utilisation against the peak measured at start
 (``throughput``). The schema is in docs/unattended.md.
 The file is only ever appended to: after a rollback the re-run steps are logged
-again, so a step's final record is the last one with its step number.
+again, so a step's final record is the last one with its step number. With
+``metrics.tensorboard`` rank 0 also writes each step record's scalars as TensorBoard
+events (``tensorboard``).
 """
 
 from __future__ import annotations
@@ -94,12 +96,17 @@ class MetricsLog:
         self.model_flops, self.peak_flops = model_flops, peak_flops
         guard = guard or GuardConfig()
         self.stragglers = StragglerWatch(guard.straggler_factor, guard.straggler_window)
+        self.tensorboard = None
+        if cfg.tensorboard and comm.rank == 0:  # imported only then: it brings tensorboard and protobuf
+            from distlib.app.observe.tensorboard import TensorBoardLog
+
+            self.tensorboard = TensorBoardLog(self.run_dir)
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc) -> None:
-        for f in (self.shared, self.own):
+        for f in (self.shared, self.own, self.tensorboard):
             if f:
                 f.close()
 
@@ -218,6 +225,8 @@ class MetricsLog:
         if val_loss is not None:
             record.update(val_loss=json_number(val_loss), val_loss_hex=val_loss.hex())
         self._write(self.shared, record)
+        if self.tensorboard:
+            self.tensorboard.write(record)
         if not self._memory_logged:
             self._memory_event(step, rows)
         every = self.cfg.progress_every

@@ -1,0 +1,259 @@
+"""The BPE token cache: a version-2 token file, the cached tokenizer, rank 0 builds, all check.
+
+The version-2 token file extends ``tokens.py``'s version 1 (same first 64 bytes, so the header
+size field says where the tokens start)::
+
+    offset  size  field
+         0     8  magic b"DLTOKENS"
+         8     4  format version (2), little-endian uint32
+        12     4  vocabulary size (data.vocab_size: every id is below it)
+        16     4  bytes per token: 2 (uint16, vocab <= 65536) or 4 (uint32)
+        20     4  header size (128): where the tokens start
+        24     8  token count, uint64
+        32    32  sha256 of the source (``text_source``: a file's bytes, or a directory's listing)
+        64    32  sha256 of the tokenizer.json the tokens were encoded with
+        96     8  validation start: tokens [0, this) encode the training text, the rest the
+                  held-out text (each part encoded on its own: no token spans the split)
+       104     8  split byte: where the held-out text starts in the source's joined text
+       112     4  the training recipe (``bpe.RECIPE``)
+       116    12  zero
+       128     .  the tokens
+
+Next to it (``data.cache_dir``, or the source's directory) the tokenizer it was encoded with is
+cached as ``<name>.bpe<N>.tokenizer.json``. Both are reused while the header matches the source's
+sha256, N, the split byte for data.val_fraction and the recipe, and the cached tokenizer's sha256
+matches the header; otherwise the tokenizer is trained again on the training text only and the
+text encoded again (each file written through a temp file and a rename).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from distlib.app.config.groups import DataConfig
+from distlib.app.data import bpe, text_source
+from distlib.app.data import tokens as v1
+from distlib.app.data.tokens import DataError
+from distlib.comm import agree
+from distlib.comm.group import Comm
+
+FORMAT_VERSION = 2
+HEADER = struct.Struct("<8sIIIIQ32s32sQQI")
+HEADER_BYTES = 128
+
+
+@dataclass(frozen=True)
+class BpeTokenHeader:
+    vocab_size: int
+    itemsize: int
+    count: int
+    source_sha256: str
+    tokenizer_sha256: str | None  # None: a version-1 (byte-level) file
+    val_start: int | None
+    split_byte: int | None
+    recipe: int | None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype({1: np.uint8, 2: "<u2", 4: "<u4"}[self.itemsize])
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """2 bytes a token while the ids fit (vocab <= 65536: half the disk and page cache), else 4."""
+    return np.dtype("<u2" if vocab_size <= 1 << 16 else "<u4")
+
+
+def cache_paths(source: Path, cache_dir: str | None, vocab_size: int) -> tuple[Path, Path]:
+    """(token file, cached tokenizer) of ``source`` (a file or a directory, which gets them next
+    to it rather than inside it)."""
+    source = Path(source).expanduser()
+    directory = Path(cache_dir) if cache_dir else source.resolve().parent
+    base = directory / f"{source.resolve().name}.bpe{vocab_size}"
+    return base.with_name(base.name + ".tokens"), base.with_name(base.name + ".tokenizer.json")
+
+
+def write_token_file(path: Path, ids: np.ndarray, vocab_size: int, header: dict) -> None:
+    """``ids`` behind a version-2 header (``header``: the sha256s, val_start, split_byte)."""
+    dtype = dtype_for(vocab_size)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
+    raw = HEADER.pack(
+        v1.MAGIC,
+        FORMAT_VERSION,
+        vocab_size,
+        dtype.itemsize,
+        HEADER_BYTES,
+        ids.size,
+        bytes.fromhex(header["source_sha256"]),
+        bytes.fromhex(header["tokenizer_sha256"]),
+        header["val_start"],
+        header["split_byte"],
+        bpe.RECIPE,
+    )
+    bpe.write_atomic(Path(path), raw.ljust(HEADER_BYTES, b"\0") + ids.astype(dtype, copy=False).tobytes())
+
+
+def read_header(path: Path) -> BpeTokenHeader:
+    """The header of a version-2 token file, or of a version-1 one (``tokens.read_header``)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise DataError(f"token file {path}: {exc.strerror or exc}") from exc
+    if len(raw) >= 12 and raw[:8] == v1.MAGIC and struct.unpack("<I", raw[8:12])[0] == v1.FORMAT_VERSION:
+        old = v1.read_header(path)  # a byte-level file: no tokenizer, no recorded split
+        return BpeTokenHeader(old.vocab_size, old.itemsize, old.count, old.source_sha256, *[None] * 4)
+    if len(raw) < HEADER.size:
+        raise DataError(f"token file {path} is too short for a header ({len(raw)} bytes)")
+    magic, version, vocab, itemsize, offset, count, src, tok, val, cut, recipe = HEADER.unpack_from(raw)
+    if magic != v1.MAGIC or version != FORMAT_VERSION or offset != HEADER_BYTES or itemsize not in (2, 4):
+        raise DataError(f"{path} is not a version-{FORMAT_VERSION} token file")
+    if size != HEADER_BYTES + count * itemsize or val > count:
+        raise DataError(
+            f"token file {path} has {size} bytes; its header promises "
+            f"{HEADER_BYTES + count * itemsize} (validation from token {val} of {count})"
+        )
+    return BpeTokenHeader(vocab, itemsize, count, src.hex(), tok.hex(), val, cut, recipe)
+
+
+def open_tokens(path: Path) -> tuple[np.ndarray, BpeTokenHeader]:
+    """The tokens as a read-only memory map (either version), and the header."""
+    header = read_header(path)
+    start = HEADER_BYTES if header.tokenizer_sha256 is not None else v1.HEADER_BYTES
+    if header.count == 0:
+        return np.zeros(0, dtype=header.dtype), header
+    return np.memmap(path, dtype=header.dtype, mode="r", offset=start, shape=(header.count,)), header
+
+
+def _reusable(target: Path, tok_path: Path, src_sha: str, vocab: int, cut: int) -> BpeTokenHeader | None:
+    try:
+        h = read_header(target)
+        fresh = (h.source_sha256, h.vocab_size, h.split_byte, h.recipe) == (src_sha, vocab, cut, bpe.RECIPE)
+        if fresh and tok_path.is_file() and bpe.tokenizer_sha256(tok_path) == h.tokenizer_sha256:
+            return h
+    except (DataError, OSError):
+        pass  # missing, foreign or damaged: rebuild
+    return None
+
+
+def ensure(
+    path: str | Path, cache_dir: str | None, vocab_size: int, val_fraction: float
+) -> tuple[Path, Path, BpeTokenHeader, bool]:
+    """Train and encode unless an up-to-date cache exists. Returns (token file, cached tokenizer,
+    header, whether they were (re)built)."""
+    source = text_source.scan(path)
+    cut = text_source.split_byte(source, val_fraction)
+    target, tok_path = cache_paths(source.root, cache_dir, vocab_size)
+    header = _reusable(target, tok_path, source.sha256, vocab_size, cut)
+    if header is not None:
+        return target, tok_path, header, False
+    train_text, val_text = text_source.split_text(text_source.read_text(source), cut)
+    tok = bpe.train_tokenizer([train_text], vocab_size)  # the held-out text never reaches it
+    train_ids, val_ids = (np.asarray(tok.encode(t), dtype=np.int64) for t in (train_text, val_text))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    bpe.write_atomic(tok_path, tok.serialized.encode("utf-8"))
+    write_token_file(
+        target,
+        np.concatenate([train_ids, val_ids]),
+        vocab_size,
+        {
+            "source_sha256": source.sha256,
+            "tokenizer_sha256": tok.sha256,
+            "val_start": len(train_ids),
+            "split_byte": cut,
+        },
+    )
+    return target, tok_path, read_header(target), True
+
+
+# -- every rank's view ------------------------------------------------------------------------
+def precheck(path: str) -> None:
+    """Before any process starts (train.py): the extra is installed and the source is there."""
+    bpe.hf()
+    text_source.list_files(path)
+
+
+def _rank0_build(d: DataConfig, run_dir: Path | None) -> dict:
+    """Rank 0: the cache up to date, and the tokenizer saved as <run dir>/tokenizer/."""
+    target, tok_path, header, built = ensure(d.path, d.cache_dir, d.vocab_size, d.val_fraction)
+    tok = bpe.load_tokenizer(tok_path)
+    if run_dir is not None:
+        bpe.save_tokenizer_dir(tok, Path(run_dir) / "tokenizer")
+    if built:
+        print(
+            f"data.tokenizer=bpe: trained {tok_path} ({tok.vocab_size} tokens for data.vocab_size="
+            f"{d.vocab_size}) and encoded data.path {d.path} into {target} ({header.count} tokens, "
+            f"held-out from token {header.val_start})",
+            flush=True,
+        )
+    return {
+        "target": str(target),
+        "source_sha256": header.source_sha256,
+        "tokenizer_sha256": header.tokenizer_sha256,
+    }
+
+
+def load(
+    d: DataConfig, seq_len: int, comm: Comm, run_dir: Path | None = None
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Every rank's (training tokens, held-out tokens, source identity for the checkpoint). Rank 0
+    builds; the others wait for its verdict, then check the header carries the same sha256s (a
+    node that cannot see the cache says so). Every rank raises the same DataError on failure."""
+
+    def build() -> dict:
+        try:
+            return _rank0_build(d, run_dir)
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every rank must hear it, or they wait forever
+            raise DataError(
+                f"data.tokenizer=bpe: building the token cache of data.path {d.path} failed: "
+                f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory "
+                f"for it)"
+            ) from exc
+
+    built = agree.agreed(build, comm, DataError, rank0_only=True)
+
+    def open_built() -> tuple[np.ndarray, BpeTokenHeader]:
+        target = Path(built["target"])
+        tokens, header = open_tokens(target)
+        shas = (header.source_sha256, header.tokenizer_sha256)
+        if shas != (built["source_sha256"], built["tokenizer_sha256"]):
+            raise DataError(
+                f"token file {target} holds source/tokenizer sha256 {header.source_sha256}/"
+                f"{header.tokenizer_sha256}, rank 0 built {built['source_sha256']}/"
+                f"{built['tokenizer_sha256']}; every node must see the same cache directory"
+            )
+        return tokens, header
+
+    tokens, header = agree.agreed(open_built, comm, DataError)
+    train, held = tokens[: header.val_start], tokens[header.val_start :]
+    _check_lengths(len(train), len(held), d, seq_len)
+    source = {
+        "kind": "text",
+        "sha256": header.source_sha256,
+        "tokenizer": "bpe",
+        "tokenizer_sha256": header.tokenizer_sha256,
+    }
+    return train, held, source
+
+
+def _check_lengths(train: int, held: int, d: DataConfig, seq_len: int) -> None:
+    where = f"data.path {d.path} with data.tokenizer=bpe (data.vocab_size={d.vocab_size})"
+    if train < seq_len + 1:
+        raise DataError(
+            f"{where} gives {train} training tokens; a training sequence needs model.seq_len "
+            f"+ 1 = {seq_len + 1}: use more data or a shorter model.seq_len"
+        )
+    if d.val_fraction > 0 and held < seq_len + 1:
+        raise DataError(
+            f"{where} gives {held} held-out tokens for data.val_fraction={d.val_fraction}: "
+            f"fewer than one validation sequence of model.seq_len + 1 = {seq_len + 1}; raise "
+            f"data.val_fraction or use more data"
+        )
