@@ -1,6 +1,7 @@
 """How a job's processes end and begin: survivors of a dead worker leave at once naming it, a
-killed launcher leaves no orphans and no /dev/shm, and one job holds a run directory at a time
-(a second is refused naming the holder; a restart or a job after a killed one is not blocked)."""
+killed launcher leaves no orphans, no /dev/shm and no stale lock, and one job holds a run
+directory at a time (a second is refused naming the holder). A torchrun restart whose rank 0 was
+killed taking the lock again is tests/test_chaos.py's (rank 0 is among its victims)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ def test_a_launcher_killed_by_sigkill_leaves_no_worker_and_no_snapshot(tmp_path,
     while snapshots.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not snapshots.exists(), "the job's /dev/shm directory outlived its launcher"
+    # nor its lock: the next job in the directory runs (the kernel dropped the killed job's flock)
+    out, err, code = _train(run, "train.steps=2", "checkpoint.every_steps=0", "checkpoint.resume=latest")
+    assert code == 0, err[-2000:]
 
 
 def _train(run: Path, *args: str, wait: bool = True):
@@ -105,13 +109,12 @@ def _train(run: Path, *args: str, wait: bool = True):
 
 def test_a_second_job_in_a_busy_run_directory_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
-    first = _train(
-        run, "train.steps=400", "checkpoint.every_steps=100", "metrics.progress_every=0", wait=False
-    )
+    slow = ["fault.slow_rank=0", "fault.slow_seconds=0.2", "metrics.progress_every=0"]  # ~6 s of steps
+    first = _train(run, "train.steps=30", "checkpoint.every_steps=30", *slow, wait=False)
     deadline = time.monotonic() + 120
     while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    out, err, code = _train(run, "train.steps=400", "checkpoint.resume=latest")
+    out, err, code = _train(run, "train.steps=30", "checkpoint.resume=latest")
     holder = json.loads((run / run_lock.LOCK_NAME).read_text())
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith(
@@ -124,36 +127,4 @@ def test_a_second_job_in_a_busy_run_directory_is_refused_naming_the_holder(tmp_p
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     starts = [r for r in records if r.get("event") in ("run_start", "restart")]
     steps = [r["step"] for r in records if r["type"] == "step"]
-    assert len(starts) == 1 and steps == list(range(1, 401)), "the refused job wrote into the first job's run"
-    # the lock went with the first job: the next job in the directory runs
-    out, err, code = _train(run, "train.steps=402", "checkpoint.every_steps=2", "checkpoint.resume=latest")
-    assert code == 0, err[-2000:]
-
-
-def test_a_job_after_a_killed_one_and_a_restarted_rank_0_are_not_blocked(tmp_path):
-    run = tmp_path / "run"
-    job = Job(
-        run,
-        [
-            "dist.world_size=2",
-            "train.steps=40",
-            "checkpoint.resume=latest",
-            "checkpoint.memory_every_steps=1",
-            "checkpoint.verify_resume=false",
-        ],
-        nproc=2,
-        max_restarts=1,
-    )
-    job.start()
-    job.wait_for(lambda: job.last_step() >= 3, what="3 steps")
-    rank0 = next(p for p in job.workers() if b"RANK=0\0" in Path(f"/proc/{p}/environ").read_bytes())
-    t_kill = job.kill(rank0)  # the lock's holder: its restart must take the lock again
-    job.wait_for(
-        lambda: any(r.get("event") == "restart" and r["time"] > t_kill for r in job.records()),
-        what="the restart",
-    )
-    job.wait_for(lambda: job.last_step() >= 8, what="steps after the restart")
-    os.kill(job.proc.pid, signal.SIGKILL)  # then the whole job dies: agent, and (by their lifeline) workers
-    job.finish()
-    out, err, code = _train(run, "train.steps=40", "checkpoint.every_steps=10", "checkpoint.resume=latest")
-    assert code == 0, err[-2000:]
+    assert len(starts) == 1 and steps == list(range(1, 31)), "the refused job wrote into the first job's run"
