@@ -1,0 +1,54 @@
+"""Small configs and helpers shared by the family and Hugging Face tests."""
+from __future__ import annotations
+
+import torch
+
+import families
+from layers import ModelConfig
+
+# Small, varied shapes: tied and untied heads, grouped-query (and multi-query) attention, an MLP
+# width that is no multiple of dim, a non-default norm eps and RoPE theta.
+GPT2_TIED = ModelConfig(family="gpt2", vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=2,
+                        tie_embeddings=True)
+GPT2_UNTIED = ModelConfig(family="gpt2", vocab_size=70, seq_len=20, dim=48, n_heads=6, n_layers=2,
+                          mlp_hidden=100, norm_eps=1e-6)
+LLAMA_GQA = ModelConfig(family="llama", vocab_size=64, seq_len=16, dim=32, n_heads=4, n_kv_heads=2,
+                        n_layers=2, mlp_hidden=80, norm_eps=1e-6, rope_theta=500.0)
+LLAMA_TIED = ModelConfig(family="llama", vocab_size=50, seq_len=24, dim=64, n_heads=4, n_layers=2,
+                         tie_embeddings=True, mlp_ratio=3, norm_eps=1e-5)
+LLAMA_ODD = ModelConfig(family="llama", vocab_size=77, seq_len=32, dim=48, n_heads=6, n_kv_heads=1,
+                        n_layers=2, mlp_hidden=88, norm_eps=1e-6, rope_theta=10000.0)
+CONFIGS = {"gpt2-tied": GPT2_TIED, "gpt2-untied": GPT2_UNTIED, "llama-gqa": LLAMA_GQA,
+           "llama-tied": LLAMA_TIED, "llama-odd": LLAMA_ODD}
+
+
+def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.05) -> torch.nn.Module:
+    """Add seeded noise to every parameter: the zero biases and unit norm weights of a fresh model
+    would hide a bias or norm mapped to the wrong place."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():      # a tied weight is listed (and perturbed) once
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model
+
+
+def built(cfg, seed: int = 0) -> torch.nn.Module:
+    return perturb_(families.build(cfg, seed), seed + 1000).eval()
+
+
+def tokens(cfg, batch: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Our greedy decoding: argmax of the last position's logits, appended; context cropped to seq_len."""
+    out = list(prompt)
+    for _ in range(new_tokens):
+        context = torch.tensor([out[-model.cfg.seq_len:]])
+        out.append(int(model(context)[0, -1].argmax()))
+    return out
