@@ -1,10 +1,10 @@
-"""Generate text from a trained MiniGPT, on one process, with no distributed setup.
+"""Generate text from a trained model (any model.family), on one process, with no distributed setup.
 
     python scripts/sample.py outputs/.../checkpoints/step_00000300 --prompt "Rank zero" --tokens 200
     python scripts/sample.py model.safetensors --prompt "The ring" --temperature 0.8 --top-k 20 --seed 1
 
-CHECKPOINT is a sharded checkpoint directory (verified against its manifest,
-then reassembled) or a consolidated .safetensors file. A byte-level model
+CHECKPOINT is a sharded checkpoint directory of any layout (verified against its
+manifest, then reassembled) or a consolidated .safetensors file. A byte-level model
 (vocabulary 256, data=text) takes and prints text; any other vocabulary (the
 synthetic corpus) takes and prints space-separated token ids.
 """
