@@ -1,4 +1,5 @@
-"""Train a GPT-style model with data, ZeRO, tensor and pipeline parallelism on torch.distributed.
+"""Train a GPT-style model (MiniGPT, GPT-2 or Llama: model=...) with DDP / ZeRO / tensor and pipeline
+parallelism on torch.distributed.
 
     torchrun --nproc_per_node 4 train.py [overrides]   # one worker per process
     python train.py [overrides]                        # starts dist.world_size workers itself
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distlib.app.checkpointing import init_from
 from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import batches as data
@@ -40,11 +42,12 @@ _DEFERS_FILES = False  # this process writes Hydra's files itself, once the run 
 
 def checked_config(tree: dict) -> RunConfig:
     """The run's configuration from Hydra's composed ``tree``, every key checked (and the data source
-    looked at) before any worker starts; a bad value is one ``config error: <key> ...`` line and
-    exit status 2."""
+    looked at, and on a fresh start ``model.init_from``'s config) before any worker starts; a bad
+    value is one ``config error: <key> ...`` line and exit status 2."""
     try:
         run_cfg = RunConfig.from_dict(tree)
         data.check_source(run_cfg)
+        init_from.check_source(run_cfg)
     except (ConfigError, DataError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -1,10 +1,13 @@
 """Training throughput on one GPU: our ZeRO optimizer vs torch DDP + fused AdamW, same run.
 
-    python3 benchmarks/gpu_throughput.py                       # dim 1024, 8 blocks, seq 512
+    python3 benchmarks/gpu_throughput.py                       # MiniGPT dim 1024, 8 blocks, seq 512
+    python3 benchmarks/gpu_throughput.py --model gpt2_124m     # a conf/model preset: GPT-2 small
     python3 benchmarks/gpu_throughput.py --steps 5 --json out.json
 
 One process, one GPU, a process group of one (NCCL). Every variant trains its own copy of the
-same MiniGPT (same seed) on the same batches: warm-up steps, then ``--steps`` timed steps between
+same model (same seed) on the same batches: a MiniGPT of --dim/--layers/--heads/--seq/--vocab, or
+with --model the conf/model/ preset of that name (any family, composed as train.py composes
+model=<preset>; its own shape). Warm-up steps, then ``--steps`` timed steps between
 two ``torch.cuda.synchronize()``. Variants, in fp32 and in bf16:
 
   ours   distlib's ZeRO-1 optimizer (a world of one: no collective has anything to send), the
@@ -38,7 +41,8 @@ from distlib.app.config.groups import (
     ModelConfig,
     OptimizerConfig,
 )
-from distlib.app.model.minigpt import build_model
+from distlib.app.config.run import RunConfig
+from distlib.app.model.families import build
 from distlib.comm.group import Comm
 from distlib.parallel.zero import make_optimizer
 
@@ -79,7 +83,7 @@ def batches(
 
 
 def ours(cfg, dtype, device, data):
-    model = build_model(cfg, seed=1234).to(device)
+    model = build(cfg, seed=1234).to(device)
     transport = str(device) if device.type == "cuda" else "cpu"  # NCCL on the GPU, gloo on the CPU
     opt = make_optimizer(model, Comm.world(device=transport), 1, ADAMW, param_dtype=dtype)
 
@@ -96,7 +100,7 @@ def ours(cfg, dtype, device, data):
 def torch_ddp(cfg, dtype, device, data):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = build_model(cfg, seed=1234).to(device)
+    model = build(cfg, seed=1234).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), **ADAMW.torch_kwargs(), fused=True)
 
@@ -128,8 +132,20 @@ def measure(make, cfg, dtype, device, data, warmup: int, steps: int) -> dict:
     }
 
 
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The --model preset (conf/model/<name>.yaml over the defaults), or MiniGPT of the shape flags."""
+    if args.model:
+        from distlib.launch.hydra_config import compose_tree
+
+        return RunConfig.from_dict(compose_tree([f"model={args.model}"])).model
+    return ModelConfig(
+        vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_heads=args.heads, n_layers=args.layers
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a conf/model/ preset (e.g. gpt2_124m); its shape wins")
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
@@ -155,12 +171,10 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        cfg = ModelConfig(
-            vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_heads=args.heads, n_layers=args.layers
-        )
+        cfg = model_config(args)
         data = batches(cfg, args.batch, 4, device)
         peak = bf16_peak(device, n=8192 if device.type == "cuda" else 256)
-        tokens = args.batch * args.seq
+        tokens = args.batch * cfg.seq_len
         rows = []
         for name in args.dtypes.split(","):
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
@@ -182,7 +196,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"{name}, torch {torch.__version__}: measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; "
-        f"model {rows[0]['params'] / 1e6:.1f}M params, {tokens} tokens/step, {args.steps} timed steps"
+        f"model {cfg.family} {rows[0]['params'] / 1e6:.1f}M params, {tokens} tokens/step, "
+        f"{args.steps} timed steps"
     )
     print(
         f"{'variant':<26} {'dtype':>5} {'ms/step':>8} {'tokens/s':>10} {'MFU':>6} {'vs torch':>8} "
@@ -204,6 +219,7 @@ def main() -> None:
                 "bf16_peak_flops": peak,
                 "tokens_per_step": tokens,
                 "config": vars(args),
+                "model": cfg.to_dict(),
                 "rows": rows,
             },
             f,

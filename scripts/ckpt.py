@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this repo's distlib
 
@@ -63,28 +62,14 @@ def verify(args: argparse.Namespace) -> None:
     )
 
 
-def _new_output(out: str) -> None:
-    """consolidate and reshard write only somewhere new: never over an existing path, and never
-    inside a checkpoint directory, whose verification refuses every file its manifest does not
-    list -- writing there would turn a sound checkpoint into a damaged one."""
-    if Path(out).exists() or Path(out).is_symlink():
-        raise CheckpointError(f"refusing to overwrite existing {out}: give a path that does not exist yet")
-    for parent in Path(out).resolve().parents:
-        if (parent / checkpoint.MANIFEST).is_file():
-            raise CheckpointError(
-                f"refusing to write {out} inside checkpoint {parent}: a file its manifest "
-                f"does not list would fail its verification; write it elsewhere"
-            )
-
-
 def consolidate(args: argparse.Namespace) -> None:
-    _new_output(args.out)
+    reshard.check_new_output(args.out)
     for path in reshard.consolidate(args.path, args.out, with_optimizer=args.optimizer):
         print(f"wrote {path}")
 
 
 def reshard_cmd(args: argparse.Namespace) -> None:
-    _new_output(args.out)
+    reshard.check_new_output(args.out)
     out = reshard.reshard_checkpoint(args.path, args.out, args.world_size)
     manifest = checkpoint.verify(out)
     print(f"wrote {out}: step {manifest['step']} for {manifest['world_size']} rank(s), verified")

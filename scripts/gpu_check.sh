@@ -10,13 +10,15 @@
 #   e  bf16 on the GPU: RESUME VERIFIED and bitwise resume 10 -> 20
 #   f  ZeRO-3 with 2-way tensor parallelism on the GPU (4 ranks): RESUME VERIFIED
 #   g  tests/test_gpu.py (pytest)
+#   h  the gpt2_124m preset (GPT-2 small) on one GPU: tokens/s and MFU, ours vs torch DDP (gpu_throughput.py)
 # Python: $PYTHON or python3 (the machine's torch; nothing installs torch). hydra-core, omegaconf,
 # antlr4 (and PyYAML, numpy, safetensors, pytest if missing) come from the wheels in .gpu_wheels/
 # and go into a temporary directory on PYTHONPATH. Everything is logged to $OUT (if set, else a
-# temporary directory): gpu_check.log, one directory per step, gpu_throughput.json.
+# temporary directory): gpu_check.log, one directory per step, gpu_throughput.json and
+# gpu_throughput_gpt2_124m.json.
 # GPU_CHECK_STEPS="a c" runs only those steps (e.g. to rerun failed ones).
-# GPU_CHECK_DEVICE=cpu runs the same steps on the CPU (a dry run of the script; b and the GPU
-# tests cannot pass there).
+# GPU_CHECK_DEVICE=cpu runs the same steps on the CPU (a dry run of the script; b, the GPU tests
+# and h, a 124M-parameter model, cannot pass there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,6 +55,8 @@ EOF
     g) $PY -c "import pytest" 2>/dev/null || { echo "pytest is not installed"; exit 1; }
        $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$LOG/g_pytest.log"
        grep -q " passed" "$LOG/g_pytest.log" && ! grep -qE "skipped|failed|error" "$LOG/g_pytest.log" ;;
+    h) $PY benchmarks/gpu_throughput.py --model gpt2_124m --batch 8 --steps 10 --device "$DEV" \
+         --json "$LOG/gpu_throughput_gpt2_124m.json" ;;
   esac
   exit $?
 fi
@@ -101,9 +105,9 @@ export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 
 # step:seconds -- a 4-rank capstone here takes ~10-20 s (CUDA start-up per rank included)
 results=()
-for spec in a:90 b:60 c:90 d:90 e:90 f:60 g:90; do
+for spec in a:90 b:60 c:90 d:90 e:90 f:60 g:90 h:180; do
   step=${spec%%:*} limit=${spec##*:}
-  [[ " ${GPU_CHECK_STEPS:-a b c d e f g} " == *" $step "* ]] || continue
+  [[ " ${GPU_CHECK_STEPS:-a b c d e f g h} " == *" $step "* ]] || continue
   echo
   echo "=== step $step (limit ${limit}s)"
   t0=$(date +%s)

@@ -1,10 +1,10 @@
-"""Generate text from a trained MiniGPT, on one process, with no distributed setup.
+"""Generate text from a trained model (any model.family), on one process, with no distributed setup.
 
     python scripts/sample.py outputs/.../checkpoints/step_00000300 --prompt "Rank zero" --tokens 200
     python scripts/sample.py model.safetensors --prompt "The ring" --temperature 0.8 --top-k 20 --seed 1
 
-CHECKPOINT is a sharded checkpoint directory (verified against its manifest,
-then reassembled) or a consolidated .safetensors file. A model trained with
+CHECKPOINT is a sharded checkpoint directory of any layout (verified against its
+manifest, then reassembled) or a consolidated .safetensors file. A model trained with
 data.tokenizer=bpe takes and prints text through the checkpoint's own copy of
 its tokenizer (CHECKPOINT/tokenizer/, listed and hashed in the manifest; for a
 .safetensors file, the tokenizer/ that `ckpt.py consolidate` wrote beside it);

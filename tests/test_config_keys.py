@@ -33,6 +33,7 @@ FREE_FORM = {
     "checkpoint.resume": "a checkpoint path, checked when it is loaded (one error line naming it)",
     "data.cache_dir": "any directory, checked when the token file is written",
     "fault.perturb_param": "a parameter name, checked when the model is built",
+    "model.init_from": "a Hugging Face model directory, checked before a fresh run starts",
 }
 # Out-of-range values that need a specific value (or another key) to be out of range at all.
 SPECIAL_RANGE = {

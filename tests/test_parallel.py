@@ -24,7 +24,8 @@ from multiproc import run_ranks
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import DTYPES
-from distlib.app.model.minigpt import TENSOR_PARALLEL_PLAN, build_model, shard_model_
+from distlib.app.model.families import shard_model_
+from distlib.app.model.minigpt import TENSOR_PARALLEL_PLAN, build_model
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.mesh import build_mesh

@@ -17,14 +17,14 @@ import torch
 
 from distlib.app.config.operation import DistConfig
 from distlib.app.config.run import RunConfig
-from distlib.app.model.minigpt import MiniGPT
-from distlib.app.model.pipeline import Chunk, keep_stage_, lm_loss
+from distlib.app.model.layers import CausalLM, lm_loss
+from distlib.app.model.pipeline import Chunk, keep_stage_
 from distlib.comm.mesh import Mesh
 from distlib.parallel.pipeline import executor, schedule
 from distlib.parallel.pipeline.recorder import Recorder
 
 
-def split_model_(model: MiniGPT, dist: DistConfig, mesh: Mesh) -> list[Chunk] | None:
+def split_model_(model: CausalLM, dist: DistConfig, mesh: Mesh) -> list[Chunk] | None:
     """Keep only this pipeline rank's chunks of ``model`` (None, and nothing changed, at pp = 1)."""
     if dist.pp == 1:
         return None
@@ -32,7 +32,7 @@ def split_model_(model: MiniGPT, dist: DistConfig, mesh: Mesh) -> list[Chunk] | 
 
 
 class PipelineStep:
-    def __init__(self, cfg: RunConfig, mesh: Mesh, model: MiniGPT, chunks: list[Chunk], device):
+    def __init__(self, cfg: RunConfig, mesh: Mesh, model: CausalLM, chunks: list[Chunk], device):
         dist = cfg.dist
         self.P, self.v, self.m = dist.pp, dist.pp_virtual, cfg.train.grad_accum
         self.mesh, self.model, self.chunks = mesh, model, chunks

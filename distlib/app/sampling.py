@@ -1,14 +1,13 @@
-"""Load a trained MiniGPT on one process (no process group) and generate from it.
+"""Load a trained model (any family) on one process (no process group) and generate from it.
 
-A sharded checkpoint is verified first (every file's size and sha256 against
-the manifest), then the full fp32 parameters are reassembled: rank r's shard
-holds partition r of the flat, padded ``master`` buffer, so concatenating the
-partitions in rank order gives the flat buffer (``reshard.full_state``), and
-the manifest's layout says where each named parameter sits in it. A
-consolidated ``model.safetensors`` (``scripts/ckpt.py consolidate``: MiniGPT
-state_dict keys) is read directly; its model shape comes from the file's
-``model`` metadata (JSON of ModelConfig) or, failing that, from the tensor
-shapes plus an explicit head count.
+A sharded checkpoint is verified first (every file's size and sha256 against the manifest), then
+the whole model's fp32 parameters are reassembled by name (``assemble.full_tensors``: the
+data-parallel partitions concatenated, tensor-parallel pieces joined, pipeline stages put
+together, so a checkpoint of any layout and world size loads), and the manifest's model config
+(``model.family`` and the shape; an old manifest without a family is MiniGPT) builds the model
+they load into. A consolidated ``model.safetensors`` (``scripts/ckpt.py consolidate``) is read
+directly; its model config comes from the file's ``model`` metadata (JSON of ModelConfig) or,
+failing that, for MiniGPT weights, from the tensor shapes plus an explicit head count.
 """
 
 from __future__ import annotations
@@ -21,24 +20,25 @@ import torch
 
 from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.config.groups import ModelConfig
-from distlib.app.model.minigpt import MiniGPT
-from distlib.checkpoint import reshard
+from distlib.app.config.schema import ConfigError
+from distlib.app.model import families
+from distlib.app.model.layers import CausalLM
+from distlib.checkpoint import assemble
 from distlib.checkpoint import sharded as checkpoint
-from distlib.parallel.flat_layout import FlatLayout
 
 
 class SampleError(ValueError):
     """A checkpoint or request that cannot be sampled from, with the reason."""
 
 
-def model_from_sharded(path: Path) -> MiniGPT:
-    manifest = checkpoint.verify(path)
-    flat = reshard.full_state(path, manifest)["master"]
-    model = MiniGPT(manifest_config(manifest, path)[0])
-    state = {}
-    for slot in FlatLayout.from_dict(manifest["layout"]).slots:
-        state[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-    _load_exactly(model, state, path)
+def model_from_sharded(path: Path) -> CausalLM:
+    return model_from_verified(path, checkpoint.verify(path))
+
+
+def model_from_verified(path: Path, manifest: dict) -> CausalLM:
+    """The model a verified checkpoint (``manifest``: what ``sharded.verify`` returned) holds."""
+    model = families.build(manifest_config(manifest, path)[0], 0)
+    _load_exactly(model, assemble.full_tensors(path, manifest), path)
     return model
 
 
@@ -60,22 +60,32 @@ def _infer_config(state: dict[str, torch.Tensor], n_heads: int | None, path: Pat
     )
 
 
-def model_from_safetensors(path: Path, n_heads: int | None = None) -> MiniGPT:
+def model_from_safetensors(path: Path, n_heads: int | None = None) -> CausalLM:
     with safetensors.safe_open(str(path), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
         meta = f.metadata() or {}
     if "model" in meta:
-        cfg = ModelConfig(**json.loads(meta["model"]))
+        try:
+            cfg = ModelConfig.from_dict(json.loads(meta["model"]))
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise SampleError(f"{path}: its 'model' metadata is not a valid model config: {exc}") from exc
     else:
         cfg = _infer_config(state, n_heads, path)
-    model = MiniGPT(cfg)
+    model = families.build(cfg, 0)
     _load_exactly(model, {k: v.float() for k, v in state.items()}, path)
     return model
 
 
-def _load_exactly(model: MiniGPT, state: dict[str, torch.Tensor], path: Path) -> None:
-    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    theirs = {k: tuple(v.shape) for k, v in state.items()}
+def _load_exactly(model: CausalLM, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Load ``state`` (parameters by name: a tied LM head is the embedding, listed once) into
+    ``model``, refusing any missing, extra or differently shaped tensor."""
+    ours = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    theirs = {k: tuple(v.shape) for k, v in state.items() if not (k == "lm_head.weight" and k not in ours)}
+    if model.cfg.tie_embeddings and "lm_head.weight" in state and "tok_emb.weight" in state:
+        if not torch.equal(state["lm_head.weight"], state["tok_emb.weight"]):
+            raise SampleError(
+                f"{path}: model.tie_embeddings is true but lm_head.weight differs from tok_emb.weight"
+            )
     if ours != theirs:
         diff = [
             f"{k}: file {theirs.get(k)}, model {ours.get(k)}"
@@ -83,11 +93,13 @@ def _load_exactly(model: MiniGPT, state: dict[str, torch.Tensor], path: Path) ->
             if ours.get(k) != theirs.get(k)
         ]
         raise SampleError(f"{path} does not match the model it describes: " + "; ".join(diff[:5]))
-    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state[name])
 
 
-def load_model(path: str | Path, n_heads: int | None = None) -> MiniGPT:
-    """A MiniGPT in eval mode from a checkpoint directory (sharded, verified) or a .safetensors file."""
+def load_model(path: str | Path, n_heads: int | None = None) -> CausalLM:
+    """The model in eval mode from a checkpoint directory (sharded, verified) or a .safetensors file."""
     path = Path(path)
     if path.is_dir():
         model = model_from_sharded(path)
@@ -102,7 +114,7 @@ def load_model(path: str | Path, n_heads: int | None = None) -> MiniGPT:
 
 @torch.no_grad()
 def generate(
-    model: MiniGPT,
+    model: CausalLM,
     prompt: list[int],
     new_tokens: int,
     temperature: float = 1.0,

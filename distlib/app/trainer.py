@@ -1,10 +1,12 @@
 """The training loop, read as the composition it is.
 
-Built once (``__init__``): the model, broadcast from rank 0 (``broadcast_module_``) and its
-Linear layers swapped for tensor-parallel ones (``shard_model_``), its ``ZeroOptimizer``, the data
-(``GlobalBatches``: which batch a step reads), the ``Checkpointer`` (every checkpoint decision),
-the guard's ``Rollback`` and ``ReplicaCheck``, and the ``StepHooks`` attached from outside (fault
-injection: distlib/app/faults.py; no-ops by default). Then one step::
+Built once (``__init__``): the model of ``model.family`` (``families.build``), broadcast from rank 0
+(``broadcast_module_``) and its Linear layers swapped for tensor-parallel ones
+(``families.shard_model_``), its ``ZeroOptimizer``, the data (``GlobalBatches``: which batch a
+step reads), the ``Checkpointer`` (every checkpoint decision; a fresh start from
+``model.init_from``'s weights), the guard's ``Rollback`` and ``ReplicaCheck``, and the
+``StepHooks`` attached from outside (fault injection: distlib/app/faults.py; no-ops by default).
+Then one step::
 
     hooks.before_step
     batches -> forward / backward          data.step_batches (past skipped batches)
@@ -43,7 +45,8 @@ from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
 from distlib.app.hooks import StepHooks
 from distlib.app.lr_schedule import lr_at
-from distlib.app.model.minigpt import MiniGPT, build_model, param_count, shard_model_
+from distlib.app.model import families
+from distlib.app.model.layers import CausalLM
 from distlib.app.observe import throughput
 from distlib.app.observe.activations import ActivationMeter
 from distlib.app.observe.memory import memory_report
@@ -65,10 +68,10 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     """(model, optimizer, this pipeline rank's chunks or None, tensor-parallel splits): the model
     initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline stage, its Linear
     layers swapped for this rank's tensor-parallel shards, and its ZeroOptimizer."""
-    model = build_model(cfg.model, seed).to(device)
+    model = families.build(cfg.model, seed).to(device)  # model.family's class
     broadcast_module_(model, comm)
     chunks = split_model_(model, cfg.dist, mesh)  # this pipeline rank's (None at pp=1)
-    tp_splits = shard_model_(model, mesh.tp)  # parameter name -> Split (none at tp=1)
+    tp_splits = families.shard_model_(model, mesh.tp)  # parameter name -> Split (none at tp=1)
     z, opt = cfg.zero, cfg.optimizer
     optimizer = make_optimizer(
         model,
@@ -131,7 +134,7 @@ class Trainer:
             start, resume_path = self.checkpointer.resume()
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
         tokens = cfg.global_batch * cfg.model.seq_len
-        flops = 6 * param_count(cfg.model) * tokens  # per step, for MFU
+        flops = 6 * families.param_count(cfg.model) * tokens  # per step, for MFU
         with (
             stopping.StopSignals(deadline_s=cfg.dist.timeout_s) as signals,
             MetricsLog(
@@ -319,7 +322,7 @@ class Trainer:
         result.manifests = [m for m in result.manifests if m["step"] <= event["to_step"]]
         return event["to_step"] + 1
 
-    def _fresh_model(self) -> tuple[MiniGPT, ZeroOptimizer]:
+    def _fresh_model(self) -> tuple[CausalLM, ZeroOptimizer]:
         """A model and optimizer like the run's, initialised from another seed (for the resume check)."""
         return build(self.cfg, self.comm, self.mesh, self.device, self.cfg.seed + 1)[:2]
 

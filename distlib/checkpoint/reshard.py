@@ -207,7 +207,21 @@ def _by_parameter(flat: torch.Tensor, layout: FlatLayout, prefix: str = "") -> d
     }
 
 
-# -- offline tools (scripts/ckpt.py) --------------------------------------------
+# -- offline tools (scripts/ckpt.py, scripts/export_hf.py) ---------------------------
+def check_new_output(out: Path | str) -> None:
+    """The offline tools write only somewhere new: never over an existing path, and never inside a
+    checkpoint directory, whose verification refuses every file its manifest does not list --
+    writing there would turn a sound checkpoint into a damaged one."""
+    if Path(out).exists() or Path(out).is_symlink():
+        raise CheckpointError(f"refusing to overwrite existing {out}: give a path that does not exist yet")
+    for parent in Path(out).resolve().parents:
+        if (parent / checkpoint.MANIFEST).is_file():
+            raise CheckpointError(
+                f"refusing to write {out} inside checkpoint {parent}: a file its manifest "
+                f"does not list would fail its verification; write it elsewhere"
+            )
+
+
 def consolidate(path: Path, out: Path, with_optimizer: bool = False) -> list[Path]:
     """Write ``out/model.safetensors`` (full fp32 weights named as in ``MiniGPT.state_dict()``), if
     asked ``out/optimizer.safetensors`` (exp_avg.NAME / exp_avg_sq.NAME), and the checkpoint's extra

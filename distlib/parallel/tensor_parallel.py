@@ -64,6 +64,12 @@ def shard_of(full: torch.Tensor, split: Split | None) -> torch.Tensor:
     return torch.cat(pieces, dim=split.dim).contiguous()
 
 
+def unshard(pieces: list[torch.Tensor], dim: int, groups: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's ``shard_of`` piece, in split-index order (its inverse)."""
+    per_group = [piece.chunk(groups, dim=dim) for piece in pieces]
+    return torch.cat([torch.cat([p[g] for p in per_group], dim=dim) for g in range(groups)], dim=dim)
+
+
 def _all_reduce(t: torch.Tensor, tp: Comm) -> torch.Tensor:
     return collectives.all_reduce(t.contiguous().clone(), tp, op="sum")
 

@@ -1,7 +1,8 @@
 """Every checkpoint decision of a run, behind the few calls the Trainer makes.
 
-    resume()           fresh start, an explicit checkpoint, or "latest" (a memory snapshot first, if
-                       newer); loads it; returns the step to continue after
+    resume()           fresh start (from model.init_from's weights, if set), an explicit checkpoint, or
+                       "latest" (a memory snapshot first, if newer); loads it; returns the step to
+                       continue after
     boundary(step, d)  the checkpoint part of a step boundary: commit an async save in flight, take
                        the save the decision ``d`` asks for, keep the memory snapshot
     step_passed()      the guard accepted the step after a save: that checkpoint is trusted (then pruned)
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from distlib.app.checkpointing import init_from
 from distlib.app.checkpointing.async_saver import (
     AsyncSaveFailed,
     AsyncSaver,
@@ -107,6 +109,9 @@ class Checkpointer:
         elif path is not None:
             start = self.loader.load(path, self.model, self.optimizer, verified)
             self.say(f"resumed from {path} at step {start}")
+        elif self.cfg.model.init_from:  # a fresh start only: a resume never reads the directory
+            init_from.start_from(self.cfg.model, self.comm, self.optimizer, self.contents.tp_splits)
+            self.say(f"model.init_from: starting from the weights of {self.cfg.model.init_from}")
         if self.cfg.guard.enabled:
             self.targets = RollbackTargets(
                 RollbackPoint(start, path)

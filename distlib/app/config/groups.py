@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from distlib.app.config.schema import ConfigError, Group, key
+from distlib.app.config.schema import ConfigError, Group, key, specs
 from distlib.parallel.adamw import AdamWConfig
 from distlib.parallel.zero.buckets import BUCKET_NUMEL
 
@@ -22,35 +22,93 @@ BPE_MIN_VOCAB = BYTE_VOCAB + 1  # a BPE vocabulary holds the 256 byte tokens and
 BPE_MAX_VOCAB = 1 << 32  # its token file stores ids as uint32
 
 
+FAMILIES = ("minigpt", "gpt2", "llama")  # model.family; distlib/app/model/families.py builds each
+# The keys a family does not use, each with what it is to stay at (the default); docs/models.md.
+NOT_USED_BY = {
+    "minigpt": ("mlp_hidden", "n_kv_heads", "tie_embeddings", "norm_eps", "rope_theta", "init_from"),
+    "gpt2": ("n_kv_heads", "rope_theta"),
+    "llama": (),
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig(Group):
-    """The model's shape (conf/model/).
+    """The model: its family and shape (conf/model/; docs/models.md).
 
+    family: minigpt (the project's own model), gpt2 (computes what transformers' GPT2LMHeadModel computes)
+        or llama (LlamaForCausalLM's arithmetic); docs/models.md
     vocab_size: tokens in the vocabulary (the synthetic corpus uses the same)
-    seq_len: context length: tokens per training sequence
+    seq_len: context length: tokens per training sequence (gpt2/llama: the largest position)
     dim: embedding / residual width; must be divisible by n_heads
     n_heads: attention heads per block
     n_layers: transformer blocks
-    mlp_ratio: MLP hidden width = mlp_ratio x dim
-    dropout: dropout probability (draws from the torch RNG, which checkpoints save)
+    mlp_ratio: MLP hidden width = mlp_ratio x dim (unless mlp_hidden is set)
+    mlp_hidden: gpt2/llama: the MLP hidden width itself (Llama's intermediate_size); null = mlp_ratio x dim
+    n_kv_heads: llama: key/value heads (grouped-query attention; divides n_heads); null = n_heads
+    tie_embeddings: gpt2/llama: the LM head is the token embedding (one parameter)
+    norm_eps: gpt2/llama: the LayerNorm / RMSNorm epsilon
+    rope_theta: llama: the rotary position embedding's base
+    dropout: dropout probability (draws from the torch RNG, which checkpoints save); llama: on the
+        attention weights only, as transformers' attention_dropout
     activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
         backward (same losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes`
         line)
+    init_from: gpt2/llama: a Hugging Face model directory (config.json, model.safetensors) whose weights a
+        fresh run starts from; its config must match this one; a resume ignores it
     """
 
     GROUP = "model"
+    family: str = key("minigpt", choices=FAMILIES)
     vocab_size: int = key(64, ge=2)
     seq_len: int = key(16, ge=1)
     dim: int = key(32, ge=1)
     n_heads: int = key(4, ge=1)
     n_layers: int = key(2, ge=1)
     mlp_ratio: int = key(4, ge=1)
+    mlp_hidden: int | None = key(None, ge=1)
+    n_kv_heads: int | None = key(None, ge=1)
+    tie_embeddings: bool = key(False)
+    norm_eps: float = key(1e-5, gt=0)
+    rope_theta: float = key(10000.0, gt=0)
     dropout: float = key(0.0, ge=0, lt=1)
     activation_checkpointing: str = key("none", choices=("none", "blocks"))
+    init_from: str | None = key(None)
 
     def check(self) -> None:
         if self.dim % self.n_heads:
             raise ConfigError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        defaults = {s.name: s.default for s in specs(type(self))}
+        for name in NOT_USED_BY[self.family]:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(
+                    f"model.{name}={getattr(self, name)!r} does not apply to model.family={self.family} "
+                    f"(used by {', '.join(f for f in FAMILIES if name not in NOT_USED_BY[f])}); "
+                    f"leave it at {defaults[name]!r}"
+                )
+        if self.mlp_hidden is not None and self.mlp_ratio != defaults["mlp_ratio"]:
+            raise ConfigError(
+                f"model.mlp_hidden={self.mlp_hidden} and model.mlp_ratio={self.mlp_ratio} both set the MLP "
+                f"width; set only one of them"
+            )
+        if self.family == "llama" and self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads} "
+                f"(each key/value head serves n_heads / n_kv_heads query heads)"
+            )
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width (MiniGPT: always mlp_ratio x dim)."""
+        return self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * self.dim
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (all families but llama: one per query head)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
 
 
 @dataclass(frozen=True)

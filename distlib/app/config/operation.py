@@ -21,8 +21,9 @@ class DistConfig(Group):
     backend: gloo (host transport; CUDA tensors are staged through pinned host memory) or nccl (needs CUDA
         and train.device cuda/auto)
     timeout_s: every collective and the rendezvous fail after this many seconds
-    tp: tensor-parallel degree: attention heads and the MLP split over this many ranks (divides world_size
-        and model.n_heads); ZeRO shards over the world_size / tp data-parallel ranks
+    tp: tensor-parallel degree: attention heads and the MLP split over this many ranks (divides world_size,
+        model.n_heads, llama's model.n_kv_heads and the MLP width); ZeRO shards over the world_size / tp
+        data-parallel ranks
     check_collectives: every collective carries a small header, so a size/dtype/kind mismatch between ranks
         is a clear error instead of a hang or silent truncation
     pp: pipeline stages: the blocks split into pp contiguous stages (embeddings with the first, the head and

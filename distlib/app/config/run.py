@@ -105,11 +105,7 @@ def _check_across(cfg: RunConfig) -> None:
         check_layout(d.world_size, d.tp, d.pp)
     except MeshError as exc:
         raise ConfigError(f"invalid parallel layout: {exc}") from exc
-    if m.n_heads % d.tp:
-        raise ConfigError(
-            f"invalid parallel layout: dist.tp={d.tp} must divide model.n_heads={m.n_heads} (heads "
-            f"are split across tensor-parallel ranks)"
-        )
+    check_tensor_parallel(m, d.tp)
     _check_batch(cfg)
     _check_pipeline(cfg)
     _check_devices(cfg)
@@ -118,6 +114,22 @@ def _check_across(cfg: RunConfig) -> None:
         raise ConfigError(f"optimizer.warmup_steps + optimizer.decay_steps exceed train.steps={t.steps}")
     _check_data(cfg)
     cfg.fault.check_run(d.world_size, t.steps, cfg.zero.overlap)
+
+
+def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    """Every dimension tensor parallelism splits divides by ``tp``: the attention heads, (llama) the
+    key/value heads, the MLP's hidden units (``model.families.shard_model_`` checks the same)."""
+    splits = [("model.n_heads", m.n_heads, "attention heads")]
+    if m.family == "llama":
+        splits.append(("model.n_kv_heads", m.kv_heads, "key/value heads"))
+    width = "model.mlp_hidden" if m.mlp_hidden is not None else "the MLP width model.mlp_ratio x model.dim"
+    splits.append((width, m.mlp_width, "MLP hidden units"))
+    for name, value, what in splits:
+        if value % tp:
+            raise ConfigError(
+                f"invalid parallel layout: dist.tp={tp} must divide {name}={value} ({what} are split "
+                f"across tensor-parallel ranks)"
+            )
 
 
 def _check_batch(cfg: RunConfig) -> None:
@@ -157,6 +169,12 @@ def _check_pipeline(cfg: RunConfig) -> None:
         raise ConfigError(
             f"dist.pp_schedule=interleaved needs train.grad_accum (micro-batches, "
             f"{cfg.train.grad_accum}) to be a multiple of dist.pp={d.pp}"
+        )
+    if cfg.model.tie_embeddings:
+        raise ConfigError(
+            f"model.tie_embeddings=true is not supported with dist.pp={d.pp}: the first stage's embedding "
+            f"and the last stage's LM head would be one weight on two ranks; set model.tie_embeddings=false "
+            f"or dist.pp=1"
         )
     if cfg.train.eval_every:
         raise ConfigError(

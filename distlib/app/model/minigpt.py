@@ -6,7 +6,7 @@ head that is a separate Linear (not tied to the embedding). Attention uses the
 explicit masked path (scores, -inf above the diagonal, softmax) so every rank
 and every parallel layout runs the same arithmetic.
 
-Tensor parallelism (``shard_model_``) swaps the attention and MLP Linear layers for this rank's
+Tensor parallelism (``families.shard_model_``) swaps the attention and MLP Linear layers for this rank's
 column/row-parallel shards (``TENSOR_PARALLEL_PLAN``); the forward below is the same code at every
 tensor-parallel degree: attention derives its local head count from the width of the qkv output.
 """
@@ -18,12 +18,10 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from distlib.app.config.groups import ModelConfig
-from distlib.app.observe import activations
-from distlib.comm.group import Comm
-from distlib.parallel.tensor_parallel import Column, Row, Split, parallelize_linears_
+from distlib.app.model.layers import CausalLM, CheckpointedBlock, init_weights, seeded
+from distlib.parallel.tensor_parallel import Column, Row
 
 
 class CausalSelfAttention(nn.Module):
@@ -63,31 +61,22 @@ class MLP(nn.Module):
         return F.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
 
 
-class Block(nn.Module):
+class Block(CheckpointedBlock):
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__(cfg.activation_checkpointing)
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg)
-        self.checkpointing = cfg.activation_checkpointing == "blocks"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpointing and torch.is_grad_enabled() and x.requires_grad:
-            # Keep only the input; backward reruns _forward (torch restores the RNG state first, so
-            # dropout draws the same masks). _forward is called directly, not through the module:
-            # the recomputation must not fire this block's hooks again (ZeRO-3's forward hook frees
-            # the parameters; its hook on the block's output has gathered them before this runs).
-            activations.keep(x)
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
-class MiniGPT(nn.Module):
+class MiniGPT(CausalLM):
+    EMBEDDINGS = ("tok_emb", "pos_emb")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -96,28 +85,11 @@ class MiniGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size)  # untied from tok_emb on purpose
-        self.apply(self._init_weights)
+        self.apply(init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss."""
-        seq = tokens.shape[1]
-        if seq > self.cfg.seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.cfg.seq_len}")
-        positions = torch.arange(seq, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok_emb(tokens) + self.pos_emb(positions)
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -131,10 +103,7 @@ def param_count(cfg: ModelConfig) -> int:
 def build_model(cfg: ModelConfig, seed: int) -> MiniGPT:
     """A MiniGPT whose initial weights depend only on ``seed`` (not on global RNG state), drawn on
     the CPU whatever the default device: every device then starts from the same bytes."""
-    fork = torch.random.fork_rng(devices=[])
-    with fork, torch.device("cpu"):
-        torch.manual_seed(seed)
-        return MiniGPT(cfg)
+    return seeded(MiniGPT, cfg, seed)
 
 
 # Megatron's split of a block: attention by heads (the fused q|k|v rows of a head stay on one
@@ -145,15 +114,3 @@ TENSOR_PARALLEL_PLAN = {
     "blocks.*.mlp.fc": Column(),
     "blocks.*.mlp.proj": Row(),
 }
-
-
-def shard_model_(model: MiniGPT, tp: Comm) -> dict[str, Split]:
-    """Replace every block's attention and MLP Linear layers with this rank's tensor-parallel
-    shard of them (in place, keeping parameter names and order); returns each split parameter's
-    Split (none with a tensor-parallel group of one)."""
-    if model.cfg.n_heads % tp.size:
-        raise ValueError(
-            f"dist.tp={tp.size} must divide model.n_heads={model.cfg.n_heads} (heads are split across "
-            f"tensor-parallel ranks)"
-        )
-    return parallelize_linears_(model, tp, TENSOR_PARALLEL_PLAN)

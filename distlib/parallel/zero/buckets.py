@@ -54,11 +54,14 @@ class Bucket:
 
 
 def module_groups(module: nn.Module) -> list[tuple[int, ...]]:
-    """Parameter indices (flat order) grouped by the module that owns them directly."""
+    """Parameter indices (flat order) grouped by the module that owns them directly. A parameter
+    two modules hold (a tied embedding and LM head) belongs to the first of them: every parameter
+    is in exactly one group, so its one gradient fills exactly one bucket."""
     index = {id(p): i for i, p in enumerate(module.parameters())}
-    groups = []
+    groups, seen = [], set()
     for sub in module.modules():
-        own = tuple(index[id(p)] for p in sub.parameters(recurse=False))
+        own = tuple(index[id(p)] for p in sub.parameters(recurse=False) if id(p) not in seen)
+        seen.update(id(p) for p in sub.parameters(recurse=False))
         if own:
             groups.append(own)
     return sorted(groups)

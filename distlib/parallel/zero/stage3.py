@@ -18,6 +18,13 @@ needs. PyTorch runs a parameter's gradient accumulation as soon as it is produce
 gradients are complete, and its storage freed, before the next unit's backward gathers: one unit
 is live at a time. ``apply_update`` only copies the master partition into ``param_shard``.
 
+Shared units (tied weights): a child whose parameters all belong to an earlier unit (a tied LM
+head holds the token embedding's weight) is no unit of its own but a *user* of that one. The
+shared unit is gathered at its first forward and stays gathered through its users' forwards and
+the whole backward, until its gradient -- autograd sums every use's contribution before the one
+accumulation -- is reduce-scattered; without gradients it is freed after its last user's
+forward. It is live beside the other units (``memory_formula`` allows for it).
+
 Prefetch (``overlap``): every collective of the group runs on the communication thread
 (``comm.progress.Progress``), in the order the hooks submit it. The forward pre-hook of unit k
 waits for k's gather and queues k+1's (units are numbered in forward order: the model's children),
@@ -40,19 +47,43 @@ from distlib.parallel.zero.base import ZeroOptimizer
 from distlib.parallel.zero.buckets import Bucket, GradBuckets, contiguous_bucket
 
 
-def unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's top-level children that hold parameters (ModuleLists and ModuleDicts expanded)."""
+def unit_members(model: nn.Module) -> list[tuple[nn.Module, int | None]]:
+    """The model's top-level children that hold parameters (ModuleLists and ModuleDicts expanded),
+    in order, each with None when it is a unit, or else the index of the earlier unit all of whose
+    parameters it uses (a tied LM head uses the token embedding's unit)."""
     if any(True for _ in model.parameters(recurse=False)):
         raise ValueError(
             f"ZeRO-3 needs every parameter inside a child module; {type(model).__name__} holds some directly"
         )
-    units = []
+    members = []
     for child in model.children():
-        members = child.values() if isinstance(child, nn.ModuleDict) else child
-        for m in members if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else [child]:
-            if any(True for _ in m.parameters()):
-                units.append(m)
-    return units
+        group = child.values() if isinstance(child, nn.ModuleDict) else child
+        members += (
+            list(group) if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else [child]
+        )
+    out, unit_of, count = [], {}, 0
+    for m in members:
+        owners = {unit_of.get(id(p)) for p in m.parameters()}
+        if not owners:
+            continue
+        if owners == {None}:
+            unit_of.update({id(p): count for p in m.parameters()})
+            out.append((m, None))
+            count += 1
+        elif len(owners) == 1:
+            out.append((m, owners.pop()))
+        else:
+            raise ValueError(
+                f"ZeRO-3: a {type(m).__name__} holds parameters of several units (or its own and an earlier "
+                f"unit's); only a whole module's parameters can be shared"
+            )
+    return out
+
+
+def unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The units: the top-level children (ModuleLists and ModuleDicts expanded) holding parameters
+    of their own."""
+    return [m for m, owner in unit_members(model) if owner is None]
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -61,7 +92,13 @@ class Stage3Optimizer(ZeroOptimizer):
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self.param_shard = fp32_flat[self.my_range].to(self.param_dtype, copy=True)
         self._partitioned_state(fp32_flat)
-        units = unit_modules(self.module)
+        members = unit_members(self.module)
+        units = [m for m, owner in members if owner is None]
+        users: dict[int, list[nn.Module]] = {}  # unit -> the later modules that use its parameters
+        for m, owner in members:
+            if owner is not None:
+                users.setdefault(owner, []).append(m)
+        self._shared = set(users)
         index = {id(p): i for i, p in enumerate(self.params)}
         # One bucket per unit: its gradients are reduced, and its storage freed, together.
         self.units: list[Bucket] = [
@@ -91,6 +128,10 @@ class Stage3Optimizer(ZeroOptimizer):
             self._unit_buffers.append(full)
             module.register_forward_pre_hook(lambda m, args, b=b: self._before_forward(b))
             module.register_forward_hook(lambda m, args, out, b=b: self._after_forward(b, out))
+        for b, later in users.items():
+            for m in later:
+                m.register_forward_pre_hook(lambda m, args, b=b: self._gather(b))
+            later[-1].register_forward_hook(lambda m, args, out, b=b: self._after_last_use(b, out))
 
     def _param_storage(self) -> list[torch.Tensor]:
         return [self.param_shard] + self._unit_buffers
@@ -153,19 +194,27 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _after_forward(self, b: int, out) -> None:
         grads = isinstance(out, torch.Tensor) and out.requires_grad
-        if not (grads and self.progress is not None and b == len(self.units) - 1):
-            self._release(b)  # (overlap: the last unit stays, its backward comes first)
+        # (overlap: the last unit stays, its backward comes first; a shared unit stays for its later users)
+        if b not in self._shared and not (grads and self.progress is not None and b == len(self.units) - 1):
+            self._release(b)
         if grads:
             out.register_hook(lambda grad: self._before_backward(b))
+
+    def _after_last_use(self, b: int, out) -> None:
+        """The last module using shared unit ``b`` ran: without gradients the unit is freed now; with
+        them it stays gathered from its first use to its gradient's reduce-scatter (``_release``),
+        which comes after its first user's backward, the last of its uses."""
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            self._release(b)
 
     # -- the step -------------------------------------------------------------------
     def _reduce_grads(self) -> torch.Tensor:
         partition = self.grads.collect(self.stage)
-        if self.progress is not None:  # the queue is empty now: drop unused prefetches
-            for b, gathered in enumerate(self._gathered):
-                if gathered:
-                    self._gathered[b], self._gathering[b] = False, None
-                    self._free(b)
+        # The queue is empty now: drop unused prefetches (and a shared unit of a forward without backward).
+        for b, gathered in enumerate(self._gathered):
+            if gathered:
+                self._gathered[b], self._gathering[b] = False, None
+                self._free(b)
         self._sample_memory()
         return partition
 
@@ -195,12 +244,18 @@ class Stage3Optimizer(ZeroOptimizer):
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
         """params bP/N (+ one gathered unit), grads 4P/N (+ the unit's fp32 gradient bucket + one
         parameter's gradient), Adam 12P/N; allowances include the padded tail (< N elements).
-        With overlap (prefetch) two units and two buckets."""
+        With overlap (prefetch) two units and two buckets; a unit shared by later modules (tied
+        weights) is gathered beside them (+ its size)."""
         s = self._sizes()
         unit = self.grads.largest
         live = 2 if self.progress is not None else 1
+        shared = sum(self.units[b].numel for b in self._shared)  # gathered beside the others (tied weights)
         return {
-            "params": (s.b * s.p / s.n, s.b * s.pad / s.n + live * s.b * unit, f"{s.b}P/N + unit"),
+            "params": (
+                s.b * s.p / s.n,
+                s.b * s.pad / s.n + live * s.b * unit + s.b * shared,
+                f"{s.b}P/N + unit" + (" + shared unit" if shared else ""),
+            ),
             "grads": (
                 4 * s.p / s.n,
                 4 * s.pad / s.n + live * 4 * unit + s.b * s.largest_param,

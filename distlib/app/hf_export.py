@@ -1,0 +1,96 @@
+"""A checkpoint of any layout and world size as a Hugging Face model directory (scripts/export_hf.py).
+
+``export(checkpoint, out)`` verifies the checkpoint, reassembles the whole model's fp32 weights by
+name (``assemble.full_tensors``: data-parallel partitions, tensor-parallel pieces and pipeline
+stages put back together) and writes config.json, model.safetensors and generation_config.json
+(``model.hf_weights.save_hf_dir``), which ``AutoModelForCausalLM.from_pretrained(out)`` loads.
+A run that had a tokenizer (its manifest records ``tokenizer_sha256``, the sha256 of
+``<run dir>/tokenizer/tokenizer.json``) gets its tokenizer files copied too, from
+CHECKPOINT/../../tokenizer, after checking that hash; a missing or different tokenizer is refused.
+
+Everything is written into a temporary directory next to ``out`` and renamed to ``out`` at the end:
+``out`` must not exist (nothing is overwritten) and a failed export leaves nothing behind. MiniGPT
+is refused with the reason (``hf_config.export_refusal``): it has no exact counterpart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from distlib.app.checkpointing.manifest_config import manifest_config
+from distlib.app.model import families
+from distlib.app.model.hf_config import HFError, export_refusal
+from distlib.app.model.hf_weights import save_hf_dir
+from distlib.checkpoint import assemble, reshard
+from distlib.checkpoint import sharded as checkpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass
+class Exported:
+    out: Path
+    family: str
+    params: int
+    step: int
+    files: list[str]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tokenizer_dir(path: Path, manifest: dict) -> Path | None:
+    """The run's tokenizer directory the manifest names (checked against its sha256), or None when
+    the run had none."""
+    want = manifest.get("tokenizer_sha256")
+    if want is None:
+        return None
+    found = Path(path).resolve().parents[1] / "tokenizer"
+    if not (found / "tokenizer.json").is_file():
+        raise HFError(
+            f"checkpoint {path} was trained with a tokenizer (manifest tokenizer_sha256 {want}) but "
+            f"{found / 'tokenizer.json'} does not exist; the export would have no tokenizer"
+        )
+    have = _sha256(found / "tokenizer.json")
+    if have != want:
+        raise HFError(
+            f"{found / 'tokenizer.json'} has sha256 {have}, but checkpoint {path} was trained with "
+            f"tokenizer_sha256 {want}: not the run's tokenizer"
+        )
+    return found
+
+
+def export(path: Path | str, out: Path | str) -> Exported:
+    path, out = Path(path), Path(out)
+    reshard.check_new_output(out)
+    manifest = checkpoint.verify(path)
+    cfg = manifest_config(manifest, path)[0]
+    reason = export_refusal(cfg)
+    if reason:
+        raise HFError(f"checkpoint {path}: {reason}")
+    tokenizer = tokenizer_dir(path, manifest)
+    tensors = assemble.full_tensors(path, manifest)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_hf_dir(cfg, tensors, work)
+        for name in TOKENIZER_FILES if tokenizer else ():
+            if (tokenizer / name).is_file():
+                shutil.copyfile(tokenizer / name, work / name)
+        os.rename(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return Exported(
+        out,
+        cfg.family,
+        families.param_count(cfg),
+        int(manifest["step"]),
+        sorted(p.name for p in out.iterdir()),
+    )

@@ -1,0 +1,68 @@
+"""The model families by name (``model.family``): build, tensor-parallel plan and split, size.
+
+    family    class              computes what
+    minigpt   minigpt.MiniGPT    (the project's own model; the capstone)
+    gpt2      gpt2.GPT2          transformers' GPT2LMHeadModel
+    llama     llama.Llama        transformers' LlamaForCausalLM
+
+Every family follows one contract (``layers.CausalLM``; the trainer, ZeRO-3 and the pipeline
+stages rely on it): ``forward(tokens, targets=None)`` = embed -> blocks -> head; parameters only in
+top-level children, in forward order; a module-level ``TENSOR_PARALLEL_PLAN``; blocks that
+checkpoint themselves (``model.activation_checkpointing``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.config.run import check_tensor_parallel
+from distlib.app.model import gpt2, llama, minigpt
+from distlib.app.model.layers import CausalLM, seeded
+from distlib.comm.group import Comm
+from distlib.parallel.tensor_parallel import Split, parallelize_linears_
+
+CLASSES = {"minigpt": minigpt.MiniGPT, "gpt2": gpt2.GPT2, "llama": llama.Llama}
+PLANS = {
+    "minigpt": minigpt.TENSOR_PARALLEL_PLAN,
+    "gpt2": gpt2.TENSOR_PARALLEL_PLAN,
+    "llama": llama.TENSOR_PARALLEL_PLAN,
+}
+
+
+def build(cfg: ModelConfig, seed: int) -> CausalLM:
+    """The model of ``cfg.family`` with weights depending only on ``seed`` (global RNG untouched),
+    drawn on the CPU whatever the default device."""
+    return seeded(CLASSES[cfg.family], cfg, seed)
+
+
+def tensor_parallel_plan(cfg: ModelConfig) -> dict:
+    return PLANS[cfg.family]
+
+
+def shard_model_(model: CausalLM, tp: Comm) -> dict[str, Split]:
+    """Replace every block's attention and MLP Linear layers with this rank's tensor-parallel shard
+    of them (in place, keeping parameter names and order); returns each split parameter's Split
+    (none with a tensor-parallel group of one). A dimension that does not split is a ConfigError."""
+    check_tensor_parallel(model.cfg, tp.size)
+    return parallelize_linears_(model, tp, tensor_parallel_plan(model.cfg))
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every state_dict entry's shape, in order (a tied lm_head.weight listed too)."""
+    if cfg.family == "minigpt":  # GPT-2's layout at mlp_ratio x dim, plus the LM head's bias
+        return gpt2.param_shapes(cfg) | {"lm_head.bias": (cfg.vocab_size,)}
+    return (gpt2 if cfg.family == "gpt2" else llama).param_shapes(cfg)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """P of the whole (unsplit) model from its shape alone, tied weights counted once: the sum of
+    its parameters' numel, without building one (even on the meta device, nn.init imports
+    torch._dynamo: +1.3 s a process)."""
+    if cfg.family == "minigpt":
+        return minigpt.param_count(cfg)
+    return sum(
+        math.prod(shape)
+        for name, shape in param_shapes(cfg).items()
+        if not (cfg.tie_embeddings and name == "lm_head.weight")
+    )

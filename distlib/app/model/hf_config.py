@@ -1,0 +1,222 @@
+"""Hugging Face model configs both ways: GPT-2 <-> GPT2Config, Llama <-> LlamaConfig.
+
+Export: ``hf_config(cfg)`` is the config.json of a model directory that transformers'
+``AutoModelForCausalLM.from_pretrained`` loads as the same model. Import: ``config_fields(config)``
+reads a config.json through transformers' own config class (so absent keys take the defaults
+transformers would use) and returns our ModelConfig fields, refusing (``HFError``, one line)
+anything our models would not compute exactly as transformers does. MiniGPT has no exact
+counterpart (``export_refusal``).
+
+transformers is an optional dependency (the ``hf`` extra), imported inside the functions that
+need it; without it they raise one line that names the extra.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distlib.app.config.groups import ModelConfig
+
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+MISSING_EXTRA = "this needs the optional `hf` extra (transformers): pip install -e '.[hf]'"
+
+
+class HFError(ValueError):
+    """A config or checkpoint that cannot be converted exactly, with the one-line reason."""
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise HFError(MISSING_EXTRA) from exc
+    return transformers
+
+
+def export_refusal(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be written as a Hugging Face model, or None if it can."""
+    if cfg.family == "minigpt":
+        return (
+            "MiniGPT has no exact Hugging Face equivalent: its LM head has a bias, its MLP uses the exact "
+            "(erf) GELU and its scores are divided by sqrt(head_dim); GPT-2's head has no bias, uses the "
+            "tanh approximation and multiplies by head_dim**-0.5; train model.family=gpt2 to export"
+        )
+    return None
+
+
+def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None):
+    """transformers' GPT2Config / LlamaConfig for ``cfg``. Special tokens default to None: the
+    byte-level tokenizer has none (transformers' defaults, 50256 or 1/2, would be outside a small
+    vocabulary or ordinary bytes that generate() would stop on)."""
+    reason = export_refusal(cfg)
+    if reason:
+        raise HFError(reason)
+    tf = transformers_module()
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        initializer_range=0.02,
+    )
+    if cfg.family == "gpt2":
+        config = tf.GPT2Config(
+            n_positions=cfg.seq_len,
+            n_embd=cfg.dim,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_inner=None if cfg.mlp_width == 4 * cfg.dim else cfg.mlp_width,
+            activation_function="gelu_new",
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=cfg.norm_eps,
+            scale_attn_weights=True,
+            scale_attn_by_inverse_layer_idx=False,
+            reorder_and_upcast_attn=False,
+            **common,
+        )
+    else:
+        config = tf.LlamaConfig(
+            hidden_size=cfg.dim,
+            intermediate_size=cfg.mlp_width,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=cfg.seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+            attention_bias=False,
+            attention_dropout=cfg.dropout,
+            mlp_bias=False,
+            **common,
+        )
+    config.architectures = [ARCHITECTURES[cfg.family]]
+    config.dtype = torch.float32
+    return config
+
+
+def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
+    """The config.json content: what save_pretrained writes, plus the keys transformers 4.x reads
+    (``torch_dtype``; Llama's top-level ``rope_theta``), which transformers 5 accepts and ignores."""
+    config = hf_config_object(cfg, bos_token_id, eos_token_id)
+    legacy = {"torch_dtype": "float32"}
+    if cfg.family == "llama":
+        legacy["rope_theta"] = float(cfg.rope_theta)
+    return config.to_diff_dict() | legacy
+
+
+# -- import --------------------------------------------------------------------------------------
+def _mlp_fields(hidden: int, dim: int) -> dict:
+    """An MLP width as mlp_ratio when it is a multiple of dim, else as mlp_hidden."""
+    if hidden % dim == 0:
+        return {"mlp_ratio": hidden // dim, "mlp_hidden": None}
+    return {"mlp_ratio": 4, "mlp_hidden": hidden}
+
+
+def _refuse_if(condition: bool, reason: str) -> None:
+    if condition:
+        raise HFError(f"cannot convert exactly: {reason}")
+
+
+def _gpt2_fields(c) -> dict:
+    _refuse_if(
+        c.activation_function != "gelu_new",
+        f"activation_function={c.activation_function!r} (only 'gelu_new' is implemented)",
+    )
+    _refuse_if(not c.scale_attn_weights, "scale_attn_weights=false (our scores are scaled by head_dim**-0.5)")
+    _refuse_if(c.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx=true is not implemented")
+    _refuse_if(c.reorder_and_upcast_attn, "reorder_and_upcast_attn=true is not implemented")
+    _refuse_if(c.add_cross_attention, "add_cross_attention=true (our decoder has no cross-attention)")
+    _refuse_if(c.n_embd % c.n_head != 0, f"n_embd={c.n_embd} is not a multiple of n_head={c.n_head}")
+    drops = {"resid_pdrop": c.resid_pdrop, "embd_pdrop": c.embd_pdrop, "attn_pdrop": c.attn_pdrop}
+    _refuse_if(len(set(drops.values())) > 1, f"dropouts differ {drops} (model.dropout is one probability)")
+    hidden = c.n_inner if c.n_inner is not None else 4 * c.n_embd
+    return dict(
+        family="gpt2",
+        vocab_size=c.vocab_size,
+        seq_len=c.n_positions,
+        dim=c.n_embd,
+        n_heads=c.n_head,
+        n_layers=c.n_layer,
+        **_mlp_fields(hidden, c.n_embd),
+        tie_embeddings=bool(c.tie_word_embeddings),
+        norm_eps=float(c.layer_norm_epsilon),
+        dropout=float(c.resid_pdrop),
+    )
+
+
+def _llama_fields(c, raw: dict) -> dict:
+    _refuse_if(
+        c.hidden_act not in ("silu", "swish"), f"hidden_act={c.hidden_act!r} (only 'silu' is implemented)"
+    )
+    _refuse_if(bool(c.attention_bias), "attention_bias=true (our projections have no bias)")
+    _refuse_if(bool(c.mlp_bias), "mlp_bias=true (our MLP has no bias)")
+    heads, dim, kv = c.num_attention_heads, c.hidden_size, c.num_key_value_heads
+    _refuse_if(dim % heads != 0, f"hidden_size={dim} is not a multiple of num_attention_heads={heads}")
+    _refuse_if(c.head_dim != dim // heads, f"head_dim={c.head_dim} is not hidden_size // num_attention_heads")
+    _refuse_if(heads % kv != 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    scaling = raw.get("rope_scaling")
+    _refuse_if(scaling is not None, f"rope_scaling={scaling!r} (only default RoPE, no scaling)")
+    rope = dict(c.rope_parameters or {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)})
+    _refuse_if(
+        rope.get("rope_type", "default") != "default" or bool(set(rope) - {"rope_type", "rope_theta"}),
+        f"rope_parameters={rope!r} (only default RoPE, no scaling)",
+    )
+    return dict(
+        family="llama",
+        vocab_size=c.vocab_size,
+        seq_len=c.max_position_embeddings,
+        dim=dim,
+        n_heads=heads,
+        n_layers=c.num_hidden_layers,
+        **_mlp_fields(c.intermediate_size, dim),
+        n_kv_heads=None if kv == heads else kv,
+        tie_embeddings=bool(c.tie_word_embeddings),
+        norm_eps=float(c.rms_norm_eps),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        dropout=float(c.attention_dropout or 0.0),
+    )
+
+
+def config_fields(config_dict: dict) -> dict:
+    """ModelConfig fields for a Hugging Face config.json (HFError for anything not exact)."""
+    model_type = config_dict.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise HFError(f"model_type {model_type!r} is not supported (only 'gpt2' and 'llama' convert exactly)")
+    tf = transformers_module()
+    cls = tf.GPT2Config if model_type == "gpt2" else tf.LlamaConfig
+    try:
+        config = cls.from_dict(dict(config_dict))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise HFError(f"config.json is not a valid {model_type} config: {str(exc).splitlines()[0]}") from exc
+    return _gpt2_fields(config) if model_type == "gpt2" else _llama_fields(config, config_dict)
+
+
+# What must agree between a run's model config and a directory it starts from (model.init_from):
+# everything that fixes the shapes or the arithmetic. dropout and activation checkpointing are the
+# run's own choice. The MLP width and the key/value heads are compared as what they give.
+_MATCHED = {
+    "model.family": lambda m: m.family,
+    "model.vocab_size": lambda m: m.vocab_size,
+    "model.seq_len": lambda m: m.seq_len,
+    "model.dim": lambda m: m.dim,
+    "model.n_heads": lambda m: m.n_heads,
+    "model.n_layers": lambda m: m.n_layers,
+    "the MLP width (model.mlp_hidden, or model.mlp_ratio x model.dim)": lambda m: m.mlp_width,
+    "model.n_kv_heads": lambda m: m.kv_heads,
+    "model.tie_embeddings": lambda m: m.tie_embeddings,
+    "model.norm_eps": lambda m: m.norm_eps,
+    "model.rope_theta": lambda m: m.rope_theta if m.family == "llama" else None,
+}
+
+
+def differences(run: ModelConfig, theirs: ModelConfig) -> list[str]:
+    """Where ``run`` and an imported config differ, each as '<key>=ours (the directory's: theirs)'."""
+    return [
+        f"{name}={value(run)} (the directory's: {value(theirs)})"
+        for name, value in _MATCHED.items()
+        if value(run) != value(theirs)
+    ]

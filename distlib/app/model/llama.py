@@ -1,0 +1,176 @@
+"""Llama, computing what transformers' ``LlamaForCausalLM`` (eager attention) computes.
+
+Token embedding (no position embedding), pre-RMSNorm blocks: q/k/v/o projections without bias,
+rotary position embeddings on q and k in transformers' layout (halves rotated, cos/sin of
+cat(freqs, freqs)), grouped-query attention (each key/value head serves n_heads / n_kv_heads
+consecutive query heads), softmax in float32, dropout on the attention weights only
+(transformers' attention_dropout); SwiGLU MLP down(silu(gate(x)) * up(x)); final RMSNorm; LM head
+without bias, tied or not. Default RoPE only (no scaling), head_dim = dim // n_heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model.layers import (
+    CausalLM,
+    CheckpointedBlock,
+    attention_scores,
+    causal_mask,
+    merge_heads,
+    split_heads,
+)
+from distlib.parallel.tensor_parallel import Column, Row
+
+# q, k and v by heads (the key/value heads split over the ranks too, so rank t's query heads find
+# their key/value heads locally), o_proj row-parallel; the MLP by hidden units.
+TENSOR_PARALLEL_PLAN = {
+    "blocks.*.attn.q_proj": Column(),
+    "blocks.*.attn.k_proj": Column(),
+    "blocks.*.attn.v_proj": Column(),
+    "blocks.*.attn.o_proj": Row(),
+    "blocks.*.mlp.gate_proj": Column(),
+    "blocks.*.mlp.up_proj": Column(),
+    "blocks.*.mlp.down_proj": Row(),
+}
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalize in float32, cast back to the input dtype, then scale by
+    the weight (in the weight's dtype: a bf16 weight times a bf16 activation stays bf16)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The default RoPE inverse frequencies, 1 / theta^(arange(0, d, 2) / d), float32 on the CPU."""
+    d = cfg.head_dim
+    return 1.0 / (float(cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d))
+
+
+def rope_tables(inv_freq: torch.Tensor, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (seq, head_dim), as LlamaRotaryEmbedding.forward computes them: in float32 from
+    the inv_freq buffer as it is (a module.to(bf16) rounds transformers' buffer too), then cast to
+    ``dtype``."""
+    positions = torch.arange(seq, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, kv heads, seq, d) -> (batch, kv heads * n_rep, seq, d), each head repeated in place."""
+    if n_rep == 1:
+        return t
+    batch, kv, seq, d = t.shape
+    return t[:, :, None].expand(batch, kv, n_rep, seq, d).reshape(batch, kv * n_rep, seq, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        q_width, kv_width = cfg.n_heads * self.head_dim, cfg.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.dim, q_width, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, kv_width, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, kv_width, bias=False)
+        self.o_proj = nn.Linear(q_width, cfg.dim, bias=False)
+        self.dropout = cfg.dropout
+        self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
+        # Not cos/sin tables: transformers recomputes them from inv_freq in every forward, on the
+        # model's device (precomputed fp32 tables did not match it after module.to(bf16)).
+        self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # This rank's heads: the head counts come from the (possibly column-parallel) widths.
+        q = split_heads(self.q_proj(x), self.head_dim)
+        k = split_heads(self.k_proj(x), self.head_dim)
+        v = split_heads(self.v_proj(x), self.head_dim)
+        # transformers casts cos/sin to the activations' dtype (bf16 with bf16 parameters) before rotating.
+        cos, sin = rope_tables(self.inv_freq, x.shape[1], q.dtype)
+        q, k = (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+        n_rep = q.shape[1] // k.shape[1]  # n_heads / n_kv_heads, per rank too (tp divides n_kv_heads)
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        scores = attention_scores(q, k, self.scale, self.causal_mask)
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        weights = F.dropout(weights, self.dropout, self.training)
+        return self.o_proj(merge_heads(weights @ v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.mlp_width, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.mlp_width, bias=False)
+        self.down_proj = nn.Linear(cfg.mlp_width, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(CheckpointedBlock):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.activation_checkpointing)
+        self.ln1 = RMSNorm(cfg.dim, cfg.norm_eps)  # transformers: input_layernorm
+        self.attn = Attention(cfg)
+        self.ln2 = RMSNorm(cfg.dim, cfg.norm_eps)  # transformers: post_attention_layernorm
+        self.mlp = MLP(cfg)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Llama(CausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._init_and_tie()
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(tokens)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every state_dict entry's shape (a tied lm_head.weight included), without building a model."""
+    d, h = cfg.dim, cfg.mlp_width
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    block = {
+        "ln1.weight": (d,),
+        "attn.q_proj.weight": (q, d),
+        "attn.k_proj.weight": (kv, d),
+        "attn.v_proj.weight": (kv, d),
+        "attn.o_proj.weight": (d, q),
+        "ln2.weight": (d,),
+        "mlp.gate_proj.weight": (h, d),
+        "mlp.up_proj.weight": (h, d),
+        "mlp.down_proj.weight": (d, h),
+    }
+    shapes = {"tok_emb.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
+    shapes.update({"ln_f.weight": (d,), "lm_head.weight": (cfg.vocab_size, d)})
+    return shapes
