@@ -9,6 +9,10 @@ if sys.path[0] != ROOT:
     sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
+# Hugging Face tokenizers' rayon pool, once used, leaves threads alive in this process, and the
+# suite forks ranks from it (see _no_thread_left_behind below): keep tokenizers single-threaded.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)

@@ -100,10 +100,3 @@ def quiet_transformers():
     transformers = pytest.importorskip("transformers")
     transformers.utils.logging.disable_progress_bar()
     return transformers
-
-
-def import_what_deterministic_mode_imports() -> None:
-    """torch.use_deterministic_algorithms (which every forked rank calls) imports torch._inductor:
-    1.5 s on a quiet machine, 4 s under load, in every rank of every run_ranks call. Imported once
-    here, in the test process, the forked ranks inherit it."""
-    import torch._inductor  # noqa: F401

@@ -223,3 +223,36 @@ def test_a_byte_level_checkpoint_has_no_extra_file_and_no_new_manifest_key(tmp_p
     ]
     assert list(manifest) == list(old) and list(manifest["data_config"]) == list(old["data_config"])
     assert manifest["data"]["source"] == {"kind": "text", "sha256": _sha(SAMPLE)}
+
+
+def test_an_exported_llama_carries_its_tokenizer_and_transformers_speaks_it(tmp_path):
+    """scripts/export_hf.py of a BPE-trained Llama: the HF directory holds the checkpoint's own
+    tokenizer files, AutoTokenizer encodes like our tokenizer does, and a tampered copy is refused."""
+    import transformers
+
+    from distlib.app import hf_export
+    from distlib.app.model.hf_config import HFError
+
+    args = [a for a in _common(tmp_path) if not a.startswith(("train.steps", "checkpoint.every_steps"))]
+    tree = compose_tree(
+        [*args, "model=llama", "model.n_kv_heads=2", "train.steps=3", "checkpoint.every_steps=3"]
+    )
+    run_ranks(train, 2, tree, str(tmp_path / "run"))
+    ckpt = tmp_path / "run" / STEP3
+    exported = hf_export.export(ckpt, tmp_path / "hf")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(exported.files)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (
+        ckpt / "tokenizer" / "tokenizer.json"
+    ).read_bytes()
+    ours = bpe.load_tokenizer(ckpt / "tokenizer")
+    text = "Rank zero saves the manifest last."
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert theirs(text)["input_ids"] == ours.encode(text)
+    copy = tmp_path / "copy" / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    with pytest.raises(HFError, match="has sha256 .* not the run's tokenizer"):
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["data"]["source"]["tokenizer_sha256"] = "0" * 64  # the run names another tokenizer
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        hf_export.export(copy, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

@@ -84,10 +84,13 @@ def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
         [sys.executable, "train.py", "dist.world_size=2", f"hydra.run.dir={tmp_path / 'run'}"], 120, env
     )
     assert proc.returncode == 1
-    failed = re.search(r"error: training failed: rank (\d) \(exit 1\)", proc.stderr)
-    assert failed, proc.stderr[-2000:]
-    # the launcher stops the others after the first failure; that rank's own message is printed
-    assert f"RuntimeError: injected bug on rank {failed.group(1)}" in proc.stderr, proc.stderr[-2000:]
+    summary = re.search(r"error: training failed: (.*)", proc.stderr)
+    assert summary, proc.stderr[-2000:]
+    failed = {int(r) for r in re.findall(r"rank (\d) \(exit", summary.group(1))}
+    # a failed rank's own traceback follows (the one the agent recorded first; the launcher stops
+    # the others after the first failure, so which rank that is varies)
+    shown = {int(r) for r in re.findall(r"RuntimeError: injected bug on rank (\d)", proc.stderr)}
+    assert shown & failed, proc.stderr[-2000:]
 
 
 def _tree_bytes(root):

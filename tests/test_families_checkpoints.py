@@ -13,7 +13,6 @@ same layout (2), and resumes at world size 1.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -21,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 from family_models import (
-    import_what_deterministic_mode_imports,
     max_diff,
     perturb_,
     quiet_transformers,
@@ -38,11 +36,11 @@ from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus, split_heldout
 from distlib.app.model import gpt2, llama
-from distlib.app.model.hf_config import HFError
 from distlib.app.model.minigpt import MiniGPT
 from distlib.app.trainer import Trainer
 from distlib.checkpoint import assemble, reshard
 from distlib.checkpoint import sharded as checkpoint
+from distlib.launch.torchrun import use_deterministic_kernels
 from distlib.parallel.tensor_parallel import Split, shard_of
 
 pytestmark = pytest.mark.slow
@@ -101,7 +99,7 @@ def _tree(name: str, world: int, run_dir: Path, hf: dict, resume: str | None = N
 
 
 def _train(comm, runs: list[tuple[dict, str]]) -> list[dict]:
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()  # the product's switch: the same ATen flag, without torch._inductor
     out = []
     for tree, run_dir in runs:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -136,7 +134,6 @@ def _losses(run: dict) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The first runs, their resumes, and the paths: {"first": {name: [rank results]}, ...}."""
-    import_what_deterministic_mode_imports()
     root = tmp_path_factory.mktemp("families")
     hf = _hf_dirs(root)
     dirs = {name: root / name for name in FIRST}
@@ -358,48 +355,3 @@ def test_out_dir_appears_complete_or_not_at_all(trained, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         hf_export.export(_ckpt(trained["dirs"]["gpt2"], 3), out)
     assert seen == [False] and list(tmp_path.iterdir()) == []
-
-
-def _tokenizer_dir(path: Path) -> Path:
-    """A hand-made tokenizer of the runs' 64 tokens, saved the way the BPE tokenizer's run is."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path.mkdir(parents=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    (path / "special_tokens_map.json").write_text("{}")
-    return path
-
-
-def test_export_copies_the_runs_tokenizer_after_checking_its_hash(trained, tmp_path):
-    run = tmp_path / "run"
-    ckpt = run / "checkpoints" / "step_00000003"
-    shutil.copytree(_ckpt(trained["dirs"]["gpt2"], 3), ckpt)
-    tokenizer = _tokenizer_dir(run / "tokenizer")
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    export = hf_export.export(ckpt, tmp_path / "no_tokenizer")  # the run had none: none is copied
-    assert "tokenizer.json" not in export.files
-    manifest["tokenizer_sha256"] = hf_export._sha256(tokenizer / "tokenizer.json")
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    export = hf_export.export(ckpt, tmp_path / "with")
-    assert set(hf_export.TOKENIZER_FILES) <= set(export.files)
-    assert (export.out / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
-    assert transformers.AutoTokenizer.from_pretrained(export.out)("t5 t63 t1")["input_ids"] == [5, 63, 1]
-    (tokenizer / "tokenizer.json").write_text(
-        (tokenizer / "tokenizer.json").read_text().replace('"t5"', '"t5x"')
-    )
-    with pytest.raises(
-        HFError, match=r"tokenizer.json has sha256 [0-9a-f]{64}, but checkpoint .* not the run's"
-    ):
-        hf_export.export(ckpt, tmp_path / "changed")
-    shutil.rmtree(tokenizer)
-    with pytest.raises(HFError, match="was trained with a tokenizer .*tokenizer.json does not exist"):
-        hf_export.export(ckpt, tmp_path / "missing")
-    assert not (tmp_path / "changed").exists() and not (tmp_path / "missing").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "no_tokenizer",
-        "run",
-        "with",
-    ]  # no temporaries left

@@ -5,17 +5,16 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import torch
-
 from distlib.app.config.run import RunConfig
 from distlib.app.faults import step_hooks
 from distlib.app.trainer import Trainer
 from distlib.launch.hydra_config import compose_tree  # noqa: F401 - conf/ composed as train.py composes it
+from distlib.launch.torchrun import use_deterministic_kernels
 
 
 def train(comm, tree: dict, run_dir: str) -> dict:
     """One rank of a training run; returns what tests compare (rank 0's view equals every rank's)."""
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()  # the product's switch: the same ATen flag, without torch._inductor
     Path(run_dir).mkdir(parents=True, exist_ok=True)  # Hydra makes it for train.py
     cfg = RunConfig.from_dict(tree)
     trainer = Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank))  # as train.py

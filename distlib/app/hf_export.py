@@ -4,9 +4,9 @@
 name (``assemble.full_tensors``: data-parallel partitions, tensor-parallel pieces and pipeline
 stages put back together) and writes config.json, model.safetensors and generation_config.json
 (``model.hf_weights.save_hf_dir``), which ``AutoModelForCausalLM.from_pretrained(out)`` loads.
-A run that had a tokenizer (its manifest records ``tokenizer_sha256``, the sha256 of
-``<run dir>/tokenizer/tokenizer.json``) gets its tokenizer files copied too, from
-CHECKPOINT/../../tokenizer, after checking that hash; a missing or different tokenizer is refused.
+A run that had a BPE tokenizer gets its tokenizer files copied too, from the checkpoint's own copy
+(CHECKPOINT/tokenizer/, hashed with the checkpoint, its sha256 the one the data source records);
+a missing or different tokenizer is refused.
 
 Everything is written into a temporary directory next to ``out`` and renamed to ``out`` at the end:
 ``out`` must not exist (nothing is overwritten) and a failed export leaves nothing behind. MiniGPT
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distlib.app.checkpointing.manifest_config import manifest_config
+from distlib.app.data import bpe
 from distlib.app.model import families
 from distlib.app.model.hf_config import HFError, export_refusal
 from distlib.app.model.hf_weights import save_hf_dir
@@ -46,24 +47,25 @@ def _sha256(path: Path) -> str:
 
 
 def tokenizer_dir(path: Path, manifest: dict) -> Path | None:
-    """The run's tokenizer directory the manifest names (checked against its sha256), or None when
-    the run had none."""
-    want = manifest.get("tokenizer_sha256")
+    """The checkpoint's own copy of its run's tokenizer, ``CHECKPOINT/tokenizer/`` (files its manifest
+    lists, so ``checkpoint.verify`` hashed them), checked against the sha256 its data source records;
+    None for a run without one (byte-level or synthetic data)."""
+    want = bpe.recorded_sha256(manifest)
     if want is None:
         return None
-    found = Path(path).resolve().parents[1] / "tokenizer"
-    if not (found / "tokenizer.json").is_file():
+    own = Path(path) / "tokenizer"
+    if not (own / "tokenizer.json").is_file():
         raise HFError(
-            f"checkpoint {path} was trained with a tokenizer (manifest tokenizer_sha256 {want}) but "
-            f"{found / 'tokenizer.json'} does not exist; the export would have no tokenizer"
+            f"checkpoint {path} was trained with the tokenizer of sha256 {want} but holds no copy of it "
+            f"({own / 'tokenizer.json'}); the export would have no tokenizer"
         )
-    have = _sha256(found / "tokenizer.json")
+    have = bpe.tokenizer_sha256(own)
     if have != want:
         raise HFError(
-            f"{found / 'tokenizer.json'} has sha256 {have}, but checkpoint {path} was trained with "
-            f"tokenizer_sha256 {want}: not the run's tokenizer"
+            f"{own / 'tokenizer.json'} has sha256 {have}, but checkpoint {path} was trained with the "
+            f"tokenizer of sha256 {want}: not the run's tokenizer"
         )
-    return found
+    return own
 
 
 def export(path: Path | str, out: Path | str) -> Exported:
