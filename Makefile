@@ -50,14 +50,19 @@ bench: $(STAMP)
 	$(PY) benchmarks/recovery.py
 	$(PY) benchmarks/pipeline.py --pp 2 4
 
-# Real text (docs/beyond.md): 400 steps on data/sample.txt, 2 ranks, validation every 25 steps, then samples.
+# A small Llama on real text (docs/models.md, "The text demo"): a BPE tokenizer trained on data/sample.txt,
+# 4 ranks, ZeRO-1, validation every 50 steps; then exported as a Hugging Face directory and continued by
+# transformers' own generate(). TEXT_DEMO and TEXT_STEPS may be overridden.
 TEXT_DEMO := outputs/text-demo
+TEXT_STEPS := 200
 text-demo: $(STAMP)
 	rm -rf $(TEXT_DEMO)
-	$(PY) train.py data=text dist.world_size=2 model.seq_len=64 model.dim=64 optimizer.lr=0.003 \
-		train.steps=400 train.eval_every=25 checkpoint.every_steps=100 hydra.run.dir=$(TEXT_DEMO)
-	$(PY) scripts/sample.py $(TEXT_DEMO)/checkpoints/step_00000400 --prompt "Rank zero" --tokens 300 \
-		--temperature 0.8 --top-k 20
+	$(PY) train.py data=text data.tokenizer=bpe data.vocab_size=1024 model=llama_tiny model.vocab_size=1024 \
+		model.seq_len=64 dist.world_size=4 zero=stage1 optimizer.lr=0.003 train.steps=$(TEXT_STEPS) \
+		train.eval_every=50 checkpoint.every_steps=$(TEXT_STEPS) metrics.progress_every=50 hydra.run.dir=$(TEXT_DEMO)
+	$(PY) scripts/export_hf.py $(TEXT_DEMO)/checkpoints/step_$$(printf %08d $(TEXT_STEPS)) $(TEXT_DEMO)/hf
+	$(PY) scripts/generate_hf.py $(TEXT_DEMO)/hf --prompt "Rank zero" --tokens 40
+	$(PY) scripts/generate_hf.py $(TEXT_DEMO)/hf --prompt "Every rank" --tokens 40 --temperature 0.8 --top-k 20
 
 # Two hosts in two network namespaces (needs root and iproute2; docs/beyond.md).
 multinode: $(STAMP)

@@ -37,11 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    transformers.utils.logging.disable_progress_bar()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
     inputs = tokenizer(args.prompt, return_tensors="pt")
     sampled = args.temperature > 0
-    options = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if sampled else {}
+    options = {"temperature": args.temperature, "top_k": args.top_k} if sampled else {}
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.tokens, do_sample=sampled, **options)
     print(tokenizer.decode(out[0], skip_special_tokens=True))
