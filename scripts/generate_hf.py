@@ -29,11 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import transformers
     except ImportError:
-        print("error: generate_hf.py needs the optional `hf` extra: pip install transformers tokenizers",
-              file=sys.stderr)
+        print(
+            "error: generate_hf.py needs the optional `hf` extra: pip install transformers tokenizers",
+            file=sys.stderr,
+        )
         return 2
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
-        print(f"error: {args.model_dir} is not a Hugging Face model directory (no config.json)", file=sys.stderr)
+        print(
+            f"error: {args.model_dir} is not a Hugging Face model directory (no config.json)", file=sys.stderr
+        )
         return 2
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
