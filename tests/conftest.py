@@ -54,8 +54,11 @@ def capstone_run(tmp_path_factory):
         f"hydra.run.dir={run_dir}",
     ]
     # PET_MASTER_PORT is torchrun's own environment default for --master-port: the command stays
-    # README's, the port is a free one (29500 could be taken by another run on the machine)
-    return _run_once(cmd, 240, PET_MASTER_PORT=str(free_port())), run_dir
+    # README's, the port is a free one (29500 could be taken by another run on the machine).
+    # PYTHONPROFILEIMPORTTIME only logs each process's imports to stderr, for
+    # tests/test_startup.py's check that no process imports the compiler.
+    env = {"PET_MASTER_PORT": str(free_port()), "PYTHONPROFILEIMPORTTIME": "1"}
+    return _run_once(cmd, 240, **env), run_dir
 
 
 @pytest.fixture(scope="session")

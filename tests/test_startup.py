@@ -1,6 +1,5 @@
 """Start-up costs that once were paid on every rank and must not come back."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,24 +67,12 @@ def test_a_config_error_on_rank0_ends_the_torchrun_job_instead_of_leaving_the_ot
 
 
 @pytest.mark.slow
-def test_a_whole_capstone_never_imports_the_compiler_in_any_process(tmp_path):
+def test_a_whole_capstone_never_imports_the_compiler_in_any_process(capstone_run):
     """torch._dynamo (and what it drags in: torch._inductor, sympy) costs ~1.3 s per process and
     was imported by accident before (a parameter count built the model on the meta device, whose
-    nn.init runs through torch's Python references). Every process of the run -- torchrun's agent
-    and the 4 workers -- logs each import it makes (PYTHONPROFILEIMPORTTIME)."""
-    from e2e import free_port
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "4",
-        "train.py",
-        f"hydra.run.dir={tmp_path / 'run'}",
-    ]
-    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "PET_MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    nn.init runs through torch's Python references). Every process of the session's capstone --
+    torchrun's agent and the 4 workers -- logs each import it makes (PYTHONPROFILEIMPORTTIME)."""
+    proc, _ = capstone_run
     assert proc.returncode == 0 and "RESUME VERIFIED" in proc.stdout, proc.stdout[-2000:]
     imports = [
         line.rpartition("|")[2].strip()
