@@ -82,7 +82,8 @@ def final_files(run_dir: Path, steps: int) -> dict[str, str]:
 
 def run(base: Path, kills: int, world_size: int, seed: int, every: int = 5) -> dict:
     """The reference job, then the chaos job with ``kills`` kills; everything to judge it by."""
-    steps = every * (2 + (3 * (kills + 1)) // every)
+    # each kill may use 3 steps of its start, up to a save interval to catch a save, and a step lost
+    steps = every * (2 + ((3 + every + 1) * (kills + 1)) // every)
     args = overrides(world_size, steps, every)
     reference = Job(base / "reference", args, world_size).start()
     if reference.finish() != 0:
@@ -111,7 +112,8 @@ def run(base: Path, kills: int, world_size: int, seed: int, every: int = 5) -> d
         done = max(r["step"] for r in records if r["type"] == "step" and r["time"] < row["t"])
         restart = next(r for r in records if r.get("event") == "restart" and r["time"] > row["t"])
         row["steps_lost"] = done - restart["step"]
-        row["first_step_s"] = job.phases(row["t"], row["pid"], row["attempt"])["first step"]
+        row["phases_s"] = job.phases(row["t"], row["pid"], row["attempt"])
+        row["first_step_s"] = row["phases_s"]["first step"]
     same = code == 0 and final_files(job.run_dir, steps) == final_files(reference.run_dir, steps)
     return {
         "exit_code": code,

@@ -2,7 +2,10 @@
 per-kind accounting and the stall diagnosis, on real gloo ranks."""
 
 import datetime
+import json
 import math
+import socket
+import subprocess
 import time
 
 import pytest
@@ -14,7 +17,7 @@ from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.config.operation import GuardConfig
 from distlib.app.model.minigpt import build_model
 from distlib.app.unattended import guard
-from distlib.comm import collectives
+from distlib.comm import collectives, watchdog
 from distlib.comm.group import Comm
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError, watch
@@ -232,6 +235,38 @@ def _stall(comm, sleeper):
         return "no error"
     except StallError as exc:
         return str(exc), time.monotonic() - began
+
+
+def _dead_and_blocked(comm):
+    """Rank 1's announced process has exited; rank 2 is alive but sends nothing (as a survivor
+    blocked on a peer that is itself in the roll call); rank 0's all_reduce times out."""
+    short = dist.new_group(list(comm.ranks), timeout=datetime.timedelta(seconds=1.5))
+    sub = Comm.subgroup(comm.ranks, short).instrumented(check=False)
+    watchdog.announce()
+    if comm.rank == 1:  # its record now names a process that has exited and been reaped
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        record = {"host": socket.gethostname(), "pid": gone.pid}
+        dist.distributed_c10d._get_default_store().set("distlib/proc/1", json.dumps(record))
+    if comm.rank != 0:
+        time.sleep(6)  # past rank 0's error (2.3 s) by more than the bound below
+        return "away"
+    time.sleep(0.5)  # rank 1's record is written
+    began = time.monotonic()
+    try:
+        with watch("step 7", sub, 20.0):  # the grace of a 20 s timeout: 5 s
+            collectives.all_reduce(torch.ones(4), sub)
+        return "no error"
+    except StallError as exc:
+        return str(exc), time.monotonic() - began
+
+
+def test_a_dead_peer_ends_the_roll_call_without_waiting_out_the_grace():
+    results = run_ranks(_dead_and_blocked, 3, timeout_s=60)
+    msg, seconds = results[0]
+    assert "rank(s) [1] did not arrive: their process(es) on this host exited" in msg, msg
+    assert "(rank(s) [2] had not reported yet)" in msg, msg
+    assert seconds < 1.5 + watchdog.SETTLE_S + 2.0, seconds  # not 1.5 + the 5 s grace
 
 
 def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():

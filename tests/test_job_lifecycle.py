@@ -128,3 +128,40 @@ def test_a_second_job_in_a_busy_run_directory_is_refused_naming_the_holder(tmp_p
     starts = [r for r in records if r.get("event") in ("run_start", "restart")]
     steps = [r["step"] for r in records if r["type"] == "step"]
     assert len(starts) == 1 and steps == list(range(1, 31)), "the refused job wrote into the first job's run"
+
+
+_HOLD = (
+    "import sys; from distlib.launch import run_lock; run_lock.hold(sys.argv[1], sys.argv[2]); "
+    "print('held', flush=True); sys.stdin.read()"
+)
+
+
+def test_a_checkpoint_directory_outside_the_run_is_locked_too(tmp_path):
+    """Two jobs in different run directories sharing one checkpoint.dir: the second is refused,
+    naming the checkpoint directory, its key and the holder; the first job's lock file is intact."""
+    shared = tmp_path / "checkpoints"
+    first = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path / "a"), str(shared)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout.readline() == "held\n"
+        held = (shared / run_lock.LOCK_NAME).read_text()
+        second = subprocess.run(
+            [sys.executable, "-c", _HOLD, str(tmp_path / "b"), str(shared)],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode != 0
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"distlib.launch.run_lock.BusyError: {shared} is in use by another job "), last
+        assert f"pid {first.pid}," in last and last.endswith("choose another checkpoint.dir"), last
+        assert (shared / run_lock.LOCK_NAME).read_text() == held
+    finally:
+        first.communicate(input="", timeout=60)

@@ -51,7 +51,7 @@ def _describe(raw: str) -> str:
         return "a job whose details are not written yet"
 
 
-def _take(directory: Path) -> None:
+def _take(directory: Path, key: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     f = open(directory / LOCK_NAME, "a+")  # never truncated before the lock is ours
     try:
@@ -62,7 +62,7 @@ def _take(directory: Path) -> None:
         f.close()
         raise BusyError(
             f"{directory} is in use by another job ({_describe(raw)}); wait for it to end, or "
-            f"choose another hydra.run.dir"
+            f"choose another {key}"
         ) from None
     f.seek(0)
     f.truncate()
@@ -79,6 +79,6 @@ def hold(run_dir: Path, checkpoint_root: Path) -> None:
     inherited = json.loads(os.environ.get(ENV, "null"))
     if inherited and inherited["pid"] == os.getppid() and inherited["dirs"] == [str(d) for d in dirs]:
         return
-    for d in dirs:
-        _take(d)
+    for d, key in zip(dirs, ("hydra.run.dir", "checkpoint.dir")):
+        _take(d, key)
     os.environ[ENV] = json.dumps({"pid": os.getpid(), "dirs": [str(d) for d in dirs]})
