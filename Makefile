@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/checkpoint.py --params 10e6 --world-size 4
 	$(PY) benchmarks/recovery.py
+	$(PY) benchmarks/chaos.py
 	$(PY) benchmarks/pipeline.py --pp 2 4
 
 # A small Llama on real text (docs/models.md, "The text demo"): a BPE tokenizer trained on data/sample.txt,
