@@ -17,8 +17,12 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 demo: $(STAMP)
 	$(PY) -m torch.distributed.run --nproc_per_node 4 train.py
 
+# The suite on PYTEST_WORKERS pytest-xdist workers, then the tests that assert a wall-clock bound
+# alone (marker `serial`; tests/conftest.py says why). `pytest` by itself runs everything in one process.
+PYTEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=25
+	$(PY) -m pytest -q -m serial
 
 # ruff (pyproject.toml [tool.ruff]): the whole tree lints clean and is formatted; `make format` fixes both.
 lint: $(STAMP)

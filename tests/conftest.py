@@ -111,3 +111,63 @@ def _no_thread_left_behind():
             f"({before} before, {_threads()} after); later forks could hang",
             pytrace=False,
         )
+
+
+# `make test` runs the suite on two pytest-xdist workers (Makefile), then the few tests marked
+# serial alone: their wall-clock bound has little slack (a rank must arrive within the 1 s given
+# to an absent one; the roll call ends within ~2 s of a death) and another worker's 4-rank job on
+# the same 2 cores could stretch it. The other bounds in the suite leave 5-15x what they measure
+# (survivors gone in 0.1 s of 1.5 s allowed). An xdist worker process has one thread besides the
+# main one (execnet's reader, blocked on its pipe between messages); the ranks and scripts forked
+# from it touch nothing of it and leave with os._exit, so the fork hazard above does not apply.
+SESSION_RUNS = {"capstone_run", "resume_script_run", "world_size_sweep"}
+# The files with a test that uses one of them: one worker takes them all, so each run happens once.
+SESSION_FILES = {
+    f"tests/{name}.py"
+    for name in (
+        "test_capstone",
+        "test_cli",
+        "test_readme_commands",
+        "test_resume",
+        "test_startup",
+        "test_unattended_e2e",
+    )
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called only when it runs
+def pytest_xdist_make_scheduler(config, log):
+    """A file at a time to a worker (its module fixtures run once), SESSION_FILES as one unit, in
+    the order the workers collected them (Makefile: --no-loadscope-reorder). pytest 9.2 ignores
+    the node ids xdist's own `loadgroup` rewrites, so the grouping is done here."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "session_runs" if path in SESSION_FILES else path
+
+    return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every user of a session run is in SESSION_FILES (else a second worker would repeat the run).
+    Under xdist the units go out longest first: the session files, then the files with end-to-end
+    tests, then the rest, whose many short tests fill the gaps at the end instead of one long run
+    started last keeping one worker busy while the other idles."""
+    strays = {i.nodeid for i in items if SESSION_RUNS & set(i.fixturenames)} - {
+        i.nodeid for i in items if i.nodeid.split("::", 1)[0] in SESSION_FILES
+    }
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add the files of {sorted(strays)} to SESSION_FILES")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain `pytest` keeps the files' order
+        slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+        place = {id(item): i for i, item in enumerate(items)}
+
+        def rank(item) -> tuple[int, int]:
+            unit = (
+                0 if item.nodeid.split("::", 1)[0] in SESSION_FILES else 1 if item.path in slow_files else 2
+            )
+            return unit, place[id(item)]
+
+        items.sort(key=rank)

@@ -139,3 +139,30 @@ def test_torchrun_world_size_contradicting_the_config_is_refused(tmp_path):
     proc = torchrun(tmp_path, "dist.world_size=4", nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "dist.world_size=4 but 2 processes were started" in proc.stderr
+
+
+def test_a_rank_error_line_reaches_the_os_in_one_write(monkeypatch):
+    """With stderr unbuffered (PYTHONUNBUFFERED, as under most launchers) print() writes a line's
+    text and its newline apart, so two ranks failing at once could share a line (seen: rank 0's
+    error appended to rank 2's, rank 0's name lost). rank_error hands the whole line over at once."""
+    import io
+
+    from distlib.launch.torchrun import rank_error
+
+    class Raw(io.RawIOBase):
+        def __init__(self):
+            self.writes = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b))
+            return len(b)
+
+    raw = Raw()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, write_through=True))  # what -u sets up
+    monkeypatch.setenv("RANK", "3")
+    rank_error("step 3: rank 1 did not arrive")
+    print("the old way", file=sys.stderr, flush=True)
+    assert raw.writes == [b"error [rank 3]: step 3: rank 1 did not arrive\n", b"the old way", b"\n"]

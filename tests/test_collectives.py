@@ -252,6 +252,7 @@ def _timeout_rank(comm: Comm) -> list[str]:
     return messages
 
 
+@pytest.mark.serial
 def test_hang_becomes_error_naming_collective_rank_and_peer():
     messages = run_ranks(_timeout_rank, 2)[0]
     for name, msg in zip(("broadcast", "reduce_scatter", "all_gather", "all_reduce"), messages):

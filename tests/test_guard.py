@@ -261,6 +261,7 @@ def _dead_and_blocked(comm):
         return str(exc), time.monotonic() - began
 
 
+@pytest.mark.serial
 def test_a_dead_peer_ends_the_roll_call_without_waiting_out_the_grace():
     results = run_ranks(_dead_and_blocked, 3, timeout_s=60)
     msg, seconds = results[0]
@@ -269,6 +270,7 @@ def test_a_dead_peer_ends_the_roll_call_without_waiting_out_the_grace():
     assert seconds < 1.5 + watchdog.SETTLE_S + 2.0, seconds  # not 1.5 + the 5 s grace
 
 
+@pytest.mark.serial
 def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
     results = run_ranks(_stall, 3, 1, timeout_s=60)
     assert results[1] == "slept"

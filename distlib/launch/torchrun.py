@@ -26,6 +26,14 @@ START_ENV = "DISTLIB_START"  # set by join_job_start(): this start's key prefix
 ATTEMPT_ENV = "DISTLIB_ATTEMPT"  # and its number, read by the application (distlib/app/launcher_env.py)
 
 
+def rank_error(message: str) -> None:
+    """``error [rank R]: message`` on stderr in one write. print() writes the text and its newline
+    apart when stderr is unbuffered (PYTHONUNBUFFERED, common under launchers): two ranks failing
+    at the same moment then shared one line, and the second rank's name was lost in it."""
+    sys.stderr.write(f"error [rank {os.environ.get('RANK', '?')}]: {message}\n")
+    sys.stderr.flush()
+
+
 def use_deterministic_kernels() -> None:
     """torch.use_deterministic_algorithms(True) without its side trip: the public function also sets
     an inductor flag, which imports torch._inductor and torch._dynamo (~4 s per rank on this
@@ -202,10 +210,11 @@ def config_from_rank0() -> tuple[dict, str]:
     try:
         shared = json.loads(_agent_store(CONFIG_WAIT_S).get(_config_key()))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; all mean the same here
-        sys.exit(
-            f"error [rank {os.environ.get('RANK', '?')}]: rank 0 did not share the composed config "
-            f"within {CONFIG_WAIT_S:g} s (see rank 0's output): {exc}"
+        rank_error(
+            f"rank 0 did not share the composed config within {CONFIG_WAIT_S:g} s "
+            f"(see rank 0's output): {exc}"
         )
+        sys.exit(1)
     return shared["tree"], shared["run_dir"]
 
 
@@ -236,7 +245,8 @@ def worker_argv(argv: list[str]) -> list[str]:
     try:
         join_job_start()  # one key prefix and start number on every node (torchrun counts per node)
     except StartError as exc:
-        sys.exit(f"error [rank {os.environ.get('RANK', '?')}]: {exc}")
+        rank_error(str(exc))
+        sys.exit(1)
     argv = list(argv)
     if not any(arg.startswith("hydra.run.dir=") for arg in argv[1:]):
         stamp = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")

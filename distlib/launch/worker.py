@@ -35,7 +35,7 @@ from distlib.comm import watchdog
 from distlib.comm.group import Comm
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError
-from distlib.launch.torchrun import init_process_group, use_cuda_device, use_deterministic_kernels
+from distlib.launch.torchrun import init_process_group, rank_error, use_cuda_device, use_deterministic_kernels
 
 AGREED_ERRORS = (CheckpointError, ConfigError, DataError, GuardError, DesyncError, CollectiveMismatchError)
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -66,7 +66,7 @@ def run(tree: dict, run_dir: str) -> None:
     try:
         failures = _train(RunConfig.from_dict(tree), run_dir)
     except (ConfigError, CheckpointError, DataError) as exc:
-        print(f"error [rank {os.environ.get('RANK', '?')}]: {exc}", file=sys.stderr, flush=True)
+        rank_error(str(exc))
         sys.exit(1)
     except StallError as exc:  # the rendezvous did not form
         _stalled(exc)
@@ -78,7 +78,7 @@ def _stalled(exc: StallError) -> None:
     """A peer stalled or died: name what this rank waited for, now, and leave without tearing the
     group down (a dead peer's group cannot be, and the first rank to exit makes the launcher
     signal the others: one still tearing down would lose its line)."""
-    print(f"error [rank {os.environ.get('RANK', '?')}]: {exc}", file=sys.stderr, flush=True)
+    rank_error(str(exc))
     leave(1)
 
 
