@@ -100,12 +100,7 @@ def write_token_file(path: Path, ids: np.ndarray, vocab_size: int, header: dict)
 def read_header(path: Path) -> BpeTokenHeader:
     """The header of a version-2 token file, or of a version-1 one (``tokens.read_header``)."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-        size = path.stat().st_size
-    except OSError as exc:
-        raise DataError(f"token file {path}: {exc.strerror or exc}") from exc
+    raw, size = v1.read_start(path, HEADER_BYTES)
     if len(raw) >= 12 and raw[:8] == v1.MAGIC and struct.unpack("<I", raw[8:12])[0] == v1.FORMAT_VERSION:
         old = v1.read_header(path)  # a byte-level file: no tokenizer, no recorded split
         return BpeTokenHeader(old.vocab_size, old.itemsize, old.count, old.source_sha256, *[None] * 4)

@@ -112,15 +112,20 @@ def write_token_file(path: Path, tokens: np.ndarray, vocab_size: int, source_sha
         raise
 
 
+def read_start(path: Path, n: int) -> tuple[bytes, int]:
+    """The first ``n`` bytes of a token file and its size; DataError naming it if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(n)
+        return raw, path.stat().st_size
+    except OSError as exc:
+        raise DataError(f"token file {path}: {exc.strerror or exc}") from exc
+
+
 def read_header(path: Path) -> TokenFileHeader:
     """The header of a token file; DataError if it is not one or is truncated."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-        size = path.stat().st_size
-    except OSError as exc:
-        raise DataError(f"token file {path}: {exc.strerror or exc}") from exc
+    raw, size = read_start(path, HEADER_BYTES)
     if len(raw) < HEADER.size:
         raise DataError(f"token file {path} is too short for a header ({len(raw)} bytes)")
     magic, version, vocab, itemsize, offset, count, sha = HEADER.unpack(raw[: HEADER.size])
