@@ -17,8 +17,8 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 demo: $(STAMP)
 	$(PY) -m torch.distributed.run --nproc_per_node 4 train.py
 
-# The suite on PYTEST_WORKERS pytest-xdist workers, then the tests that assert a wall-clock bound
-# alone (marker `serial`; tests/conftest.py says why). `pytest` by itself runs everything in one process.
+# The suite on PYTEST_WORKERS pytest-xdist workers, then alone the tests whose wall-clock bound has
+# little slack (marker `serial`; tests/conftest.py says why). `pytest` by itself runs everything in one process.
 PYTEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=25

@@ -146,8 +146,8 @@ FIRST_CKPT="$(ls -d "$RUN"/checkpoints/step_* 2>/dev/null | head -n 1)"
 [[ -n "$FIRST_CKPT" ]] || die "--verify needs a checkpoint in $RUN/checkpoints"
 cd "$WORK" || exit 1
 # The reference runs leave out fault.* drills: they are there to disturb the 2x2 job (a slowed
-# rank gives a test time to kill a node) and change no loss; without them the two runs take
-# ~9 s less (fault.slow_seconds=0.3 over 30 steps).
+# rank gives a test time to kill a node) and change no loss (the test's fault.slow_seconds=0.3
+# would add 0.3 s to each of the reference runs' 30 steps).
 REFERENCE=()
 for o in "${OVERRIDES[@]}"; do [[ "$o" == fault.* ]] || REFERENCE+=("$o"); done
 "$PYTHON" "$REPO/train.py" dist.world_size=$((2 * NPROC)) "${REFERENCE[@]}" hydra.run.dir="$WORK/single" \

@@ -135,6 +135,10 @@ SESSION_FILES = {
 }
 
 
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called only when it runs
 def pytest_xdist_make_scheduler(config, log):
     """A file at a time to a worker (its module fixtures run once), SESSION_FILES as one unit, in
@@ -144,8 +148,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "session_runs" if path in SESSION_FILES else path
+            return "session_runs" if _file(nodeid) in SESSION_FILES else _file(nodeid)
 
     return ByFile(config, log)
 
@@ -155,19 +158,12 @@ def pytest_collection_modifyitems(config, items):
     Under xdist the units go out longest first: the session files, then the files with end-to-end
     tests, then the rest, whose many short tests fill the gaps at the end instead of one long run
     started last keeping one worker busy while the other idles."""
-    strays = {i.nodeid for i in items if SESSION_RUNS & set(i.fixturenames)} - {
-        i.nodeid for i in items if i.nodeid.split("::", 1)[0] in SESSION_FILES
-    }
+    strays = [
+        i.nodeid for i in items if SESSION_RUNS & set(i.fixturenames) and _file(i.nodeid) not in SESSION_FILES
+    ]
     if strays:
-        raise pytest.UsageError(f"tests/conftest.py: add the files of {sorted(strays)} to SESSION_FILES")
+        raise pytest.UsageError(f"tests/conftest.py: add the files of {strays} to SESSION_FILES")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain `pytest` keeps the files' order
         slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-        place = {id(item): i for i, item in enumerate(items)}
-
-        def rank(item) -> tuple[int, int]:
-            unit = (
-                0 if item.nodeid.split("::", 1)[0] in SESSION_FILES else 1 if item.path in slow_files else 2
-            )
-            return unit, place[id(item)]
-
-        items.sort(key=rank)
+        # a stable sort: each file's tests stay together and in order
+        items.sort(key=lambda i: 0 if _file(i.nodeid) in SESSION_FILES else 1 if i.path in slow_files else 2)
