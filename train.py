@@ -63,6 +63,15 @@ def _claim(run_cfg: RunConfig, run_dir: Path) -> None:
         sys.exit(1)
 
 
+def _other_job(run_cfg: RunConfig, run_dir: Path) -> str | None:
+    """The refusal naming the job that holds this run's directories, if one does (nothing written)."""
+    try:
+        run_lock.refuse_if_held(run_dir, run_dir / run_cfg.checkpoint.dir)
+    except run_lock.BusyError as exc:
+        return str(exc)
+    return None
+
+
 def run_config(cfg: DictConfig) -> None:
     """Hydra's task: check, claim the run directory, then train (this rank) or start the workers."""
     from hydra.core.hydra_config import HydraConfig
@@ -74,7 +83,8 @@ def run_config(cfg: DictConfig) -> None:
     try:
         refuse_fresh_run_over_checkpoints(run_dir / run_cfg.checkpoint.dir, run_cfg.checkpoint.resume)
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # a busy directory's checkpoints are another job's: then the reason given is that job
+        print(f"error: {_other_job(run_cfg, run_dir) or exc}", file=sys.stderr)
         sys.exit(1)
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         _claim(run_cfg, run_dir)

@@ -109,13 +109,19 @@ def _train(run: Path, *args: str, wait: bool = True):
 
 def test_a_second_job_in_a_busy_run_directory_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
-    slow = ["fault.slow_rank=0", "fault.slow_seconds=0.2", "metrics.progress_every=0"]  # ~6 s of steps
-    first = _train(run, "train.steps=30", "checkpoint.every_steps=30", *slow, wait=False)
+    slow = ["fault.slow_rank=0", "fault.slow_seconds=0.3", "metrics.progress_every=0"]  # ~9 s of steps
+    first = _train(run, "train.steps=30", "checkpoint.every_steps=10", *slow, wait=False)
     deadline = time.monotonic() + 120
-    while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+    committed = run / "checkpoints" / "step_00000010" / "manifest.json"
+    while not committed.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    # a resume, and a fresh run over the first job's committed checkpoint: both name the holder
+    # (the lock is taken before the checkpoints are looked at)
+    fresh = _train(run, "train.steps=30", wait=False)
     out, err, code = _train(run, "train.steps=30", "checkpoint.resume=latest")
+    fresh_err = fresh.communicate(timeout=240)[1]
     holder = json.loads((run / run_lock.LOCK_NAME).read_text())
+    assert fresh.returncode == 1 and fresh_err.startswith(f"error: {run} is in use by another job"), fresh_err
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith(
         f"error: {run} is in use by another job (host {holder['host']}, pid {holder['pid']}, "

@@ -51,9 +51,8 @@ def _describe(raw: str) -> str:
         return "a job whose details are not written yet"
 
 
-def _take(directory: Path, key: str) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    f = open(directory / LOCK_NAME, "a+")  # never truncated before the lock is ours
+def _try_lock(f, directory: Path, key: str) -> None:
+    """flock ``f`` (the lock file of ``directory``), or close it and raise BusyError naming the holder."""
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -64,6 +63,12 @@ def _take(directory: Path, key: str) -> None:
             f"{directory} is in use by another job ({_describe(raw)}); wait for it to end, or "
             f"choose another {key}"
         ) from None
+
+
+def _take(directory: Path, key: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    f = open(directory / LOCK_NAME, "a+")  # never truncated before the lock is ours
+    _try_lock(f, directory, key)
     f.seek(0)
     f.truncate()
     f.write(json.dumps(_holder()))
@@ -71,11 +76,27 @@ def _take(directory: Path, key: str) -> None:
     _held.append(f)
 
 
+def _dirs(run_dir: Path, checkpoint_root: Path) -> list[Path]:
+    run_dir, checkpoint_root = Path(run_dir).resolve(), Path(checkpoint_root).resolve()
+    return [run_dir] if checkpoint_root.is_relative_to(run_dir) else [run_dir, checkpoint_root]
+
+
+def refuse_if_held(run_dir: Path, checkpoint_root: Path) -> None:
+    """BusyError naming the holder if another job holds a lock of these directories; writes and
+    creates nothing (for a job that is refused anyway: the reason it gives is the other job)."""
+    for d, key in zip(_dirs(run_dir, checkpoint_root), ("hydra.run.dir", "checkpoint.dir")):
+        try:
+            f = open(d / LOCK_NAME)
+        except FileNotFoundError:
+            continue
+        _try_lock(f, d, key)
+        f.close()  # the lock was free: released with the file
+
+
 def hold(run_dir: Path, checkpoint_root: Path) -> None:
     """Take the job's locks, or raise BusyError naming the holder. Inherited (ENV) when this
     process's parent holds them for the same directories."""
-    run_dir, checkpoint_root = Path(run_dir).resolve(), Path(checkpoint_root).resolve()
-    dirs = [run_dir] if checkpoint_root.is_relative_to(run_dir) else [run_dir, checkpoint_root]
+    dirs = _dirs(run_dir, checkpoint_root)
     inherited = json.loads(os.environ.get(ENV, "null"))
     if inherited and inherited["pid"] == os.getppid() and inherited["dirs"] == [str(d) for d in dirs]:
         return
