@@ -1,11 +1,14 @@
 """The golden runs: per-step losses (float hex) of every existing layout, a contract.
 
-``tests/golden/losses.json`` was written by this module and is committed; ``tests/test_golden.py``
-reruns every layout and compares bitwise.
+``tests/golden/losses-<capability>.json`` were written by this module and are committed, one per
+CPU instruction set met (``torch.backends.cpu.get_cpu_capability()``: AVX2 and AVX-512 kernels
+round differently); ``tests/test_golden.py`` reruns every layout and compares bitwise with the
+file of the machine it runs on.
 A refactor, a new device path or a new feature at its default must not change a single bit.
-Regenerate only for a deliberate, documented change of arithmetic:
+Record a new capability's file from a known-good commit (never from the change under test), and
+regenerate only for a deliberate, documented change of arithmetic:
 
-    .venv/bin/python tests/golden_runs.py --write
+    .venv/bin/python tests/golden_runs.py --write     # this machine's capability
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-GOLDEN = Path(__file__).with_name("golden") / "losses.json"
+GOLDEN_DIR = Path(__file__).with_name("golden")
+
+
+def golden_file(capability: str) -> Path:
+    """Where the golden runs of a CPU capability (``torch.backends.cpu.get_cpu_capability()``) are."""
+    return GOLDEN_DIR / f"losses-{capability}.json"
+
 
 # name -> (world size, Hydra overrides). Every layout the project had when the file was written.
 LAYOUTS = {
@@ -80,13 +89,15 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
 
-    table = {"_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    capability = torch.backends.cpu.get_cpu_capability()
+    table = {"_cpu_capability": capability}
     table |= {
         name: {"world_size": LAYOUTS[name][0], "overrides": LAYOUTS[name][1], **run_layout(name)}
         for name in LAYOUTS
     }
-    GOLDEN.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"wrote {GOLDEN} ({len(LAYOUTS)} layouts)")
+    path = golden_file(capability)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {path} ({len(LAYOUTS)} layouts)")
     return 0
 
 

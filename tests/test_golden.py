@@ -1,35 +1,40 @@
 """Golden losses: every existing layout's per-step losses and final parameters, bit for bit.
 
-The expected values were recorded by ``tests/golden_runs.py`` before the layered-layout refactor
-and are committed in ``tests/golden/losses.json``. CPU kernels differ by instruction set (an AVX2
-and an AVX-512 machine round differently), so the file names the capability it was recorded on.
+The expected values were recorded by ``tests/golden_runs.py`` from known-good commits (the AVX-512
+file before the layered-layout refactor) and are committed in ``tests/golden/``, one file per CPU
+capability: kernels differ by instruction set (an AVX2 and an AVX-512 machine round differently),
+so each machine is compared with the file of its own.
 """
 
 import json
 
 import pytest
 import torch
-from golden_runs import GOLDEN, LAYOUTS, run_layout
+from golden_runs import GOLDEN_DIR, LAYOUTS, golden_file, run_layout
 
 pytestmark = pytest.mark.slow
 
-EXPECTED = json.loads(GOLDEN.read_text())
+HERE = torch.backends.cpu.get_cpu_capability()
+RECORDED = {json.loads(p.read_text())["_cpu_capability"]: p for p in sorted(GOLDEN_DIR.glob("losses-*.json"))}
 
 
-def test_every_layout_is_in_the_golden_file():
-    assert sorted(LAYOUTS) == sorted(k for k in EXPECTED if not k.startswith("_"))
+def test_every_file_holds_every_layout_under_its_own_capability():
+    assert RECORDED, f"no golden files in {GOLDEN_DIR}"
+    for capability, path in RECORDED.items():
+        assert path == golden_file(capability), f"{path} holds the runs of {capability}"
+        table = json.loads(path.read_text())
+        assert sorted(LAYOUTS) == sorted(k for k in table if not k.startswith("_")), path
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_losses_and_parameters_bitwise_equal_to_golden(name):
-    recorded_on, here = EXPECTED["_cpu_capability"], torch.backends.cpu.get_cpu_capability()
-    if recorded_on != here:
+    if HERE not in RECORDED:
         pytest.skip(
-            f"golden losses were recorded with CPU capability {recorded_on}; this machine has {here} "
-            f"(different kernels round differently); regenerate with tests/golden_runs.py --write on "
-            f"a {here} machine from a known-good commit"
+            f"no golden losses for this machine's CPU capability {HERE} (recorded: "
+            f"{', '.join(RECORDED)}; different kernels round differently); record them with "
+            f"tests/golden_runs.py --write from a known-good commit"
         )
-    got, want = run_layout(name), EXPECTED[name]
+    got, want = run_layout(name), json.loads(RECORDED[HERE].read_text())[name]
     first = next((i for i, (a, b) in enumerate(zip(got["losses"], want["losses"])) if a != b), None)
     assert first is None and len(got["losses"]) == len(want["losses"]), (
         f"{name}: losses differ from golden first at step {None if first is None else first + 1}: "
