@@ -13,17 +13,16 @@ from trainrun import compose_tree, train
 
 FIXTURE = Path(__file__).with_name("fixtures") / "ckpt_v1_ws2_stage1_step10"
 EXPECTED = json.loads(FIXTURE.with_name(FIXTURE.name + ".expected.json").read_text())
-RECORDED_ON = "AVX512"  # the CPU capability the fixture's run had (kernels round differently elsewhere)
 
 
 def test_old_checkpoint_resumes_bitwise(tmp_path):
-    if torch.backends.cpu.get_cpu_capability() != RECORDED_ON:
+    here = torch.backends.cpu.get_cpu_capability()  # kernels round differently on each
+    if here not in EXPECTED["losses"]:
         pytest.skip(
-            f"the fixture's losses were recorded on a {RECORDED_ON} CPU; this one is "
-            f"{torch.backends.cpu.get_cpu_capability()}"
+            f"the fixture's losses were recorded on {', '.join(EXPECTED['losses'])} CPUs; this one is {here}"
         )
     ckpt = tmp_path / "old" / FIXTURE.name
     shutil.copytree(FIXTURE, ckpt)  # loading never writes, but a test must not risk the fixture
     tree = compose_tree(["dist.world_size=2", f"checkpoint.resume={ckpt}"])
     out = run_ranks(train, 2, tree, str(tmp_path / "run"))[0]
-    assert {str(k): v for k, v in out["losses"].items()} == EXPECTED["losses"]
+    assert {str(k): v for k, v in out["losses"].items()} == EXPECTED["losses"][here]
