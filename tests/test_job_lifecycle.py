@@ -109,10 +109,12 @@ def _train(run: Path, *args: str, wait: bool = True):
 
 def test_a_second_job_in_a_busy_run_directory_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
-    slow = ["fault.slow_rank=0", "fault.slow_seconds=0.3", "metrics.progress_every=0"]  # ~9 s of steps
-    first = _train(run, "train.steps=30", "checkpoint.every_steps=10", *slow, wait=False)
+    # ~12 s of steps, ~11 of them after the first commit: the two refused jobs must get to their
+    # lock while the first still holds it (each needs a start-up, ~3-6 s with the suite around it)
+    slow = ["fault.slow_rank=0", "fault.slow_seconds=0.3", "metrics.progress_every=0"]
+    first = _train(run, "train.steps=40", "checkpoint.every_steps=2", *slow, wait=False)
     deadline = time.monotonic() + 120
-    committed = run / "checkpoints" / "step_00000010" / "manifest.json"
+    committed = run / "checkpoints" / "step_00000002" / "manifest.json"
     while not committed.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     # a resume, and a fresh run over the first job's committed checkpoint: both name the holder
@@ -133,7 +135,7 @@ def test_a_second_job_in_a_busy_run_directory_is_refused_naming_the_holder(tmp_p
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     starts = [r for r in records if r.get("event") in ("run_start", "restart")]
     steps = [r["step"] for r in records if r["type"] == "step"]
-    assert len(starts) == 1 and steps == list(range(1, 31)), "the refused job wrote into the first job's run"
+    assert len(starts) == 1 and steps == list(range(1, 41)), "the refused job wrote into the first job's run"
 
 
 _HOLD = (
