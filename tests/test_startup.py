@@ -9,6 +9,26 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter at the repository root; its assertions must hold."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_train_module_pauses_the_collector_for_its_imports_only():
+    # train.py's imports run with the collector off (their objects, frozen after, are never
+    # scanned again); the run itself must get a working collector back.
+    code = (
+        "import gc, sys, torch\n"
+        "assert gc.get_freeze_count() == 0 and gc.isenabled()\n"
+        "import train\n"
+        "assert gc.isenabled(), 'the collector was left off'\n"
+        "frozen = gc.get_freeze_count()\n"
+        "assert frozen > 100_000, f'{frozen} objects frozen: the imports were not'\n"
+    )
+    _python(code)
+
+
 @pytest.mark.slow
 def test_deterministic_kernels_are_on_without_importing_the_compiler():
     # torch.use_deterministic_algorithms imports torch._dynamo (~4 s per rank); train.py's
@@ -21,8 +41,7 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
         "heavy = [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules]\n"
         "assert not heavy, f'imported {heavy}'\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    _python(code)
 
 
 def test_under_torchrun_only_rank0_composes_unless_hydra_prints(monkeypatch):
@@ -42,19 +61,10 @@ def test_under_torchrun_only_rank0_composes_unless_hydra_prints(monkeypatch):
 
 def test_train_module_does_not_import_hydra():
     # ranks other than 0 import train.py and never compose; Hydra is imported inside main()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys, train; assert 'hydra' not in sys.modules, 'hydra'; "
-            "assert 'omegaconf' not in sys.modules, 'omegaconf'",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    _python(
+        "import sys, train; assert 'hydra' not in sys.modules, 'hydra'; "
+        "assert 'omegaconf' not in sys.modules, 'omegaconf'"
     )
-    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.slow
