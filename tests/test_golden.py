@@ -15,15 +15,15 @@ from golden_runs import GOLDEN_DIR, LAYOUTS, golden_file, run_layout
 pytestmark = pytest.mark.slow
 
 HERE = torch.backends.cpu.get_cpu_capability()
-RECORDED = {json.loads(p.read_text())["_cpu_capability"]: p for p in sorted(GOLDEN_DIR.glob("losses-*.json"))}
+TABLES = {path: json.loads(path.read_text()) for path in sorted(GOLDEN_DIR.glob("losses-*.json"))}
+RECORDED = {table["_cpu_capability"]: path for path, table in TABLES.items()}  # capability -> its file
 
 
 def test_every_file_holds_every_layout_under_its_own_capability():
     assert RECORDED, f"no golden files in {GOLDEN_DIR}"
     for capability, path in RECORDED.items():
         assert path == golden_file(capability), f"{path} holds the runs of {capability}"
-        table = json.loads(path.read_text())
-        assert sorted(LAYOUTS) == sorted(k for k in table if not k.startswith("_")), path
+        assert sorted(LAYOUTS) == sorted(k for k in TABLES[path] if not k.startswith("_")), path
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -34,7 +34,7 @@ def test_losses_and_parameters_bitwise_equal_to_golden(name):
             f"{', '.join(RECORDED)}; different kernels round differently); record them with "
             f"tests/golden_runs.py --write from a known-good commit"
         )
-    got, want = run_layout(name), json.loads(RECORDED[HERE].read_text())[name]
+    got, want = run_layout(name), TABLES[RECORDED[HERE]][name]
     first = next((i for i, (a, b) in enumerate(zip(got["losses"], want["losses"])) if a != b), None)
     assert first is None and len(got["losses"]) == len(want["losses"]), (
         f"{name}: losses differ from golden first at step {None if first is None else first + 1}: "
