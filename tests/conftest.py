@@ -2,6 +2,7 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 
 # The package `distlib` shadows PyPI's `distlib`; make sure ours (repo root) wins.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +34,31 @@ def _run_once(cmd: list[str], timeout: float, **env: str):
         timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
     )
+
+
+@pytest.fixture(scope="session")
+def pinned_reference(request, tmp_path_factory):
+    """A function returning the pinned known-good commit's bits on this machine (golden layouts
+    and the old-checkpoint fixture's resume; tests/pinned_reference.py), built at its first call
+    only, cached in pytest's cache directory for later sessions; it skips the calling test, saying
+    why, where the commit cannot be run here."""
+    from pinned_reference import Unavailable, build
+
+    cache = getattr(request.config, "cache", None)
+    where = cache.mkdir("pinned-reference") if cache else tmp_path_factory.mktemp("pinned-reference")
+    memo = {}
+
+    def get() -> dict:
+        if not memo:
+            try:
+                memo["ref"] = build(Path(where))
+            except Unavailable as why:
+                memo["ref"] = why
+        if isinstance(memo["ref"], Unavailable):
+            pytest.skip(f"no bitwise reference for this machine: {memo['ref']}")
+        return memo["ref"]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,24 @@
 """The golden runs: per-step losses (float hex) of every existing layout, a contract.
 
-``tests/golden/losses-<capability>.json`` were written by this module and are committed, one per
-CPU instruction set met (``torch.backends.cpu.get_cpu_capability()``: AVX2 and AVX-512 kernels
-round differently); ``tests/test_golden.py`` reruns every layout and compares bitwise with the
-file of the machine it runs on.
-A refactor, a new device path or a new feature at its default must not change a single bit.
-Record a new capability's file from a known-good commit (never from the change under test), and
-regenerate only for a deliberate, documented change of arithmetic:
+``tests/golden/losses-<key>.json`` are committed, one per machine kind met. The key is what
+decides how the kernels round: torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``:
+ATen's own AVX2 and AVX-512 kernels) plus ``-amx`` where the CPU has AMX tiles (oneDNN and MKL then
+dispatch to other matmul kernels: on a Sapphire Rapids every layout differs from another AVX-512
+machine's within two steps). The same rule keys the capstone's losses in the before-stop check
+and the old-checkpoint fixture's resumed losses (tests/fixtures/*.expected.json).
+A key cannot see everything (cache sizes, another vendor's AVX-512): where a machine has no file,
+or its file's bits are not what the pinned known-good commit computes on it, tests/test_golden.py
+compares with that commit run on the machine itself (tests/pinned_reference.py), never skips.
 
-    .venv/bin/python tests/golden_runs.py --write     # this machine's capability
+A refactor, a new device path or a new feature at its default must not change a single bit.
+Record a new machine's file from the pinned commit (never from the change under test) and commit
+it with the fixture's entry; the pinned run takes ~45 s:
+
+    .venv/bin/python tests/golden_runs.py --record    # this machine's key, from the pinned commit
+
+and rewrite the files only for a deliberate, documented change of arithmetic, from the working tree:
+
+    .venv/bin/python tests/golden_runs.py --write     # this machine's key, from this tree's code
 """
 
 from __future__ import annotations
@@ -22,9 +32,21 @@ from pathlib import Path
 GOLDEN_DIR = Path(__file__).with_name("golden")
 
 
-def golden_file(capability: str) -> Path:
-    """Where the golden runs of a CPU capability (``torch.backends.cpu.get_cpu_capability()``) are."""
-    return GOLDEN_DIR / f"losses-{capability}.json"
+def machine_key() -> str:
+    """This machine's kind as the golden files are keyed (the module's docstring says why)."""
+    import torch
+
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n")[0].split()
+    except (OSError, IndexError):
+        flags = []
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability + ("-amx" if "amx_tile" in flags else "")
+
+
+def golden_file(key: str) -> Path:
+    """Where the golden runs of a machine key (``machine_key()``) are."""
+    return GOLDEN_DIR / f"losses-{key}.json"
 
 
 # name -> (world size, Hydra overrides). Every layout the project had when the file was written.
@@ -83,21 +105,41 @@ def run_layout(name: str) -> dict:
     return results[0]
 
 
-def main(argv: list[str]) -> int:
-    if argv != ["--write"]:
-        print(__doc__)
-        return 2
+def _write(key: str, layouts: dict, source: str) -> None:
     import torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    table = {"_cpu_capability": capability}
+    table = {"_cpu_capability": torch.backends.cpu.get_cpu_capability(), "_source": source}
     table |= {
-        name: {"world_size": LAYOUTS[name][0], "overrides": LAYOUTS[name][1], **run_layout(name)}
+        name: {"world_size": LAYOUTS[name][0], "overrides": LAYOUTS[name][1], **layouts[name]}
         for name in LAYOUTS
     }
-    path = golden_file(capability)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"wrote {path} ({len(LAYOUTS)} layouts)")
+    golden_file(key).write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {golden_file(key)} ({len(LAYOUTS)} layouts)")
+
+
+def _record(key: str) -> None:
+    """The pinned commit run here: this key's golden file and the fixture's resumed losses."""
+    from pinned_reference import FIXTURE, PINNED, build
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = build(Path(tmp))
+    _write(key, ref["layouts"], f"pinned commit {PINNED[:7]} on this machine kind")
+    expected_path = FIXTURE.with_name(FIXTURE.name + ".expected.json")
+    expected = json.loads(expected_path.read_text())
+    expected["losses"][key] = ref["fixture"]
+    expected_path.write_text(json.dumps(expected, indent=1) + "\n")
+    print(f"added {key} to {expected_path}")
+
+
+def main(argv: list[str]) -> int:
+    if argv not in (["--write"], ["--record"]):
+        print(__doc__)
+        return 2
+    key = machine_key()
+    if argv == ["--record"]:
+        _record(key)
+    else:
+        _write(key, {name: run_layout(name) for name in LAYOUTS}, "this tree's code")
     return 0
 
 
