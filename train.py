@@ -31,7 +31,7 @@ from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import batches as data
 from distlib.app.data.tokens import DataError
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.launch import hydra_config, local, run_lock, slurm, worker
+from distlib.launch import continuation, hydra_config, local, run_lock, slurm, worker
 from distlib.launch.torchrun import (
     UNDER_TORCHRUN,
     config_from_rank0,
@@ -82,23 +82,39 @@ def _other_job(run_cfg: RunConfig, run_dir: Path) -> str | None:
     return None
 
 
+def _refuse_nothing_to_train(tree: dict, run_cfg: RunConfig, run_dir: Path) -> None:
+    """A resume at or past ``train.steps`` would train nothing: one line, exit 0, nothing written."""
+    done = continuation.finished(tree, run_dir)
+    if done:
+        busy = _other_job(run_cfg, run_dir)  # a job still training there: its steps are not done
+        print(f"error: {busy}" if busy else done, file=sys.stderr)
+        sys.exit(1 if busy else 0)
+
+
 def run_config(cfg: DictConfig) -> None:
     """Hydra's task: check, claim the run directory, then train (this rank) or start the workers."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(cfg, resolve=True)
-    run_cfg = checked_config(tree)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    # a resume into a run that recorded its config continues with that config (continuation.py)
+    resumed = continuation.continued(tree, run_dir, list(HydraConfig.get().overrides.task))
+    tree = resumed[0] if resumed else tree
+    run_cfg = checked_config(tree)
     try:
         refuse_fresh_run_over_checkpoints(run_dir / run_cfg.checkpoint.dir, run_cfg.checkpoint.resume)
     except CheckpointError as exc:
         # a busy directory's checkpoints are another job's: then the reason given is that job
         print(f"error: {_other_job(run_cfg, run_dir) or exc}", file=sys.stderr)
         sys.exit(1)
+    _refuse_nothing_to_train(tree, run_cfg, run_dir)
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         _claim(run_cfg, run_dir)
-    if _DEFERS_FILES:
+    if _DEFERS_FILES and resumed:
+        if resumed[1]:  # what this continuation changed, beside the run's own record
+            continuation.save_record(run_dir, tree, resumed[1])
+    elif _DEFERS_FILES:
         hydra_config.save_files(cfg, run_dir)
     if UNDER_TORCHRUN:
         if rank0_composes(sys.argv):

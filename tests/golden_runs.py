@@ -19,6 +19,10 @@ it with the fixture's entry; the pinned run takes ~45 s:
 and rewrite the files only for a deliberate, documented change of arithmetic, from the working tree:
 
     .venv/bin/python tests/golden_runs.py --write     # this machine's key, from this tree's code
+
+and to see where this machine's runs part from another kind's file (docs/bits.md):
+
+    .venv/bin/python tests/golden_runs.py --compare tests/golden/losses-AVX2.json [LAYOUT ...]
 """
 
 from __future__ import annotations
@@ -131,7 +135,21 @@ def _record(key: str) -> None:
     print(f"added {key} to {expected_path}")
 
 
+def _compare(path: str, names: list[str]) -> None:
+    """Each layout run here against a golden file: the first step whose loss differs (docs/bits.md)."""
+    table = json.loads(Path(path).read_text())
+    for name in names or LAYOUTS:
+        got, want = run_layout(name)["losses"], table[name]["losses"]
+        first = next((i + 1 for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        print(
+            f"{name}: " + ("bitwise equal" if first is None else f"first differs at step {first}"), flush=True
+        )
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--compare"] and len(argv) >= 2:
+        _compare(argv[1], argv[2:])
+        return 0
     if argv not in (["--write"], ["--record"]):
         print(__doc__)
         return 2

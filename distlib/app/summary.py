@@ -145,7 +145,7 @@ def print_run(result: RunResult, failures: list[str], zero_stage: int, run_dir: 
         last = result.steps[-1].step if result.steps else 0
         print(
             f"stopped by {result.stopped_by} after step {last}: checkpoint saved; continue with "
-            f"checkpoint.resume=latest"
+            f"checkpoint.resume=latest hydra.run.dir={run_dir}"
         )
     elif result.resume_check is None:
         print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")

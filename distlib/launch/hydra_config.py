@@ -37,8 +37,13 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
     """conf/ composed with ``overrides`` as train.py composes it (tests and tools)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
     register()
+    if GlobalHydra.instance().is_initialized():  # inside train.py's Hydra app: its own search path
+        return hydra_compose(
+            config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config
+        )
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(
             config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config

@@ -1,0 +1,99 @@
+"""A stopped run continues from its own record: ``checkpoint.resume=latest hydra.run.dir=<run>``.
+
+The line every stop prints names only the run. Its settings are the ones the run started with,
+as recorded in ``<run>/.hydra/config.yaml`` (the composed config) and ``overrides.yaml``, not
+conf/'s defaults: so a continuation starts from that record, and what its own command line sets on
+purpose is applied on top. Such a change is recorded beside the original, in
+``<run>/.hydra/continue-<k>/`` (the same three files), never over it; the newest record is the one
+the next continuation starts from. What an override changes is computed by Hydra itself: conf/
+composed with the run's overrides, then with this command's added, and every key whose value
+differs is set on the recorded tree (a group choice such as ``zero=stage3`` is its keys).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distlib.app.checkpointing.loader import NO_RESUME
+from distlib.checkpoint import sharded as checkpoint
+
+SUBDIR = ".hydra"
+_RESUME = "checkpoint.resume"
+
+
+def records(run_dir: Path) -> list[Path]:
+    """The run's config records, oldest first: ``.hydra`` then ``.hydra/continue-1``, ... ."""
+    base = run_dir / SUBDIR
+    if not (base / "config.yaml").is_file():
+        return []
+    later = [p for p in base.glob("continue-*") if p.name.split("-", 1)[1].isdigit()]
+    return [base, *sorted(later, key=lambda p: int(p.name.split("-", 1)[1]))]
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def _changes(before, after, path=()) -> list[tuple[tuple[str, ...], object]]:
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [c for k in after for c in _changes(before.get(k), after[k], (*path, k))]
+    return [] if before == after else [(path, after)]
+
+
+def continued(tree: dict, run_dir: Path, overrides: list[str]) -> tuple[dict, list[str]] | None:
+    """For a resume into a run that recorded its config: (the tree to run, the overrides that
+    changed something, ``[]`` when none did). None for anything else (a fresh run, or no record)."""
+    from omegaconf import OmegaConf
+
+    from distlib.launch.hydra_config import compose_tree
+
+    found = records(run_dir)
+    if tree["checkpoint"]["resume"] in NO_RESUME or not found:
+        return None
+    recorded = OmegaConf.to_container(OmegaConf.load(found[-1] / "config.yaml"), resolve=True)
+    new = [o for o in overrides if _key(o) != _RESUME]
+    original = [o for o in OmegaConf.load(found[-1] / "overrides.yaml") if _key(o) != _RESUME]
+    base = [o for o in original if _key(o) not in {_key(n) for n in new}]
+    changes = _changes(compose_tree(original), compose_tree(base + new))
+    for path, value in changes:
+        node = recorded
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    recorded["checkpoint"]["resume"] = tree["checkpoint"]["resume"]
+    return recorded, (base + new if changes else [])
+
+
+def save_record(run_dir: Path, tree: dict, overrides: list[str]) -> Path:
+    """The continuation's config and overrides beside the original (written whole, then renamed)."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    k = len(records(run_dir))
+    final = run_dir / SUBDIR / f"continue-{k}"
+    staging = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    staging.mkdir(parents=True)
+    (staging / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(tree)), encoding="utf-8")
+    (staging / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)), encoding="utf-8")
+    os.replace(staging, final)
+    return final
+
+
+def finished(tree: dict, run_dir: Path) -> str | None:
+    """The line for a resume at or past ``train.steps``: nothing would be trained. None otherwise."""
+    resume, steps = tree["checkpoint"]["resume"], tree["train"]["steps"]
+    if resume == "latest":
+        committed = checkpoint.list_committed(run_dir / tree["checkpoint"]["dir"])
+        newest = committed[-1] if committed else None
+    else:
+        newest = None if resume in NO_RESUME else Path(resume)
+    if newest is None or not newest.name.startswith("step_") or not newest.name[5:].isdigit():
+        return None
+    step = int(newest.name[5:])
+    if step < steps:
+        return None
+    return (
+        f"nothing to train: {newest} is at step {step} and train.steps={steps}; "
+        f"pass train.steps=N with N > {step} to train further (the run is left as it is)"
+    )
