@@ -36,6 +36,7 @@ from distlib.launch.torchrun import (
     UNDER_TORCHRUN,
     config_from_rank0,
     rank0_composes,
+    record_error,
     restart_config,
     share_config,
     worker_argv,
@@ -48,6 +49,17 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 _DEFERS_FILES = False  # this process writes Hydra's files itself, once the run may start (hydra_config)
+_RUN_DIR_GIVEN: tuple[str, bool] | None = None  # hydra.run.dir as given, and whether it existed then
+
+
+def _refuse(line: str, code: int) -> None:
+    """A start refused before the run began: its one line (for torchrun also its root cause), the
+    directory Hydra made for it removed again when empty, and exit ``code``."""
+    if code:
+        record_error(line)
+    hydra_config.drop_empty_run_dir(_RUN_DIR_GIVEN)
+    print(line, file=sys.stderr)
+    sys.exit(code)
 
 
 def checked_config(tree: dict) -> RunConfig:
@@ -59,8 +71,7 @@ def checked_config(tree: dict) -> RunConfig:
         data.check_source(run_cfg)
         init_from.check_source(run_cfg)
     except (ConfigError, DataError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(f"config error: {exc}", 2)
     return run_cfg
 
 
@@ -69,8 +80,7 @@ def _claim(run_cfg: RunConfig, run_dir: Path) -> None:
     try:
         run_lock.hold(run_dir, run_dir / run_cfg.checkpoint.dir)
     except run_lock.BusyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        _refuse(f"error: {exc}", 1)
 
 
 def _other_job(run_cfg: RunConfig, run_dir: Path) -> str | None:
@@ -87,8 +97,7 @@ def _refuse_nothing_to_train(tree: dict, run_cfg: RunConfig, run_dir: Path) -> N
     done = continuation.finished(tree, run_dir)
     if done:
         busy = _other_job(run_cfg, run_dir)  # a job still training there: its steps are not done
-        print(f"error: {busy}" if busy else done, file=sys.stderr)
-        sys.exit(1 if busy else 0)
+        _refuse(f"error: {busy}", 1) if busy else _refuse(done, 0)
 
 
 def run_config(cfg: DictConfig) -> None:
@@ -102,12 +111,14 @@ def run_config(cfg: DictConfig) -> None:
     resumed = continuation.continued(tree, run_dir, list(HydraConfig.get().overrides.task))
     tree = resumed[0] if resumed else tree
     run_cfg = checked_config(tree)
+    problem = continuation.resume_path_problem(tree)
+    if problem:
+        _refuse(f"config error: {problem}", 2)
     try:
         refuse_fresh_run_over_checkpoints(run_dir / run_cfg.checkpoint.dir, run_cfg.checkpoint.resume)
     except CheckpointError as exc:
         # a busy directory's checkpoints are another job's: then the reason given is that job
-        print(f"error: {_other_job(run_cfg, run_dir) or exc}", file=sys.stderr)
-        sys.exit(1)
+        _refuse(f"error: {_other_job(run_cfg, run_dir) or exc}", 1)
     _refuse_nothing_to_train(tree, run_cfg, run_dir)
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         _claim(run_cfg, run_dir)
@@ -156,6 +167,8 @@ def main() -> None:
         )
     import hydra
 
+    global _RUN_DIR_GIVEN
+    _RUN_DIR_GIVEN = hydra_config.given_run_dir(sys.argv[1:])
     hydra_config.register()  # every key's default, from the config dataclasses
     hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
 

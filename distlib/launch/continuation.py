@@ -97,3 +97,26 @@ def finished(tree: dict, run_dir: Path) -> str | None:
         f"nothing to train: {newest} is at step {step} and train.steps={steps}; "
         f"pass train.steps=N with N > {step} to train further (the run is left as it is)"
     )
+
+
+def resume_path_problem(tree: dict) -> str | None:
+    """What is wrong with an explicit ``checkpoint.resume`` path, found before any worker starts
+    (a run directory given for a checkpoint names its checkpoints and the line to use); None if
+    it is a committed checkpoint, or not a path."""
+    resume = tree["checkpoint"]["resume"]
+    if resume in NO_RESUME or resume == "latest":
+        return None
+    path = Path(resume)
+    if (path / checkpoint.MANIFEST).is_file():
+        return None
+    if not path.exists():
+        return f"checkpoint.resume={resume} does not exist"
+    held = checkpoint.list_committed(path / tree["checkpoint"]["dir"])
+    if held:
+        names = held[0].name + (f" ... {held[-1].name}" if len(held) > 1 else "")
+        return (
+            f"checkpoint.resume={resume} is a run directory, not a checkpoint (it holds {len(held)} "
+            f"checkpoint(s): {names}); continue that run with checkpoint.resume=latest "
+            f"hydra.run.dir={resume}, or name one: checkpoint.resume={held[-1]}"
+        )
+    return f"checkpoint.resume={resume} is not a committed checkpoint: it has no {checkpoint.MANIFEST}"

@@ -90,3 +90,28 @@ def save_files(cfg, run_dir: Path) -> None:
     }
     for name, node in nodes.items():
         (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+
+
+def given_run_dir(args: list[str]) -> tuple[str, bool] | None:
+    """``hydra.run.dir`` as given on the command line, and whether it existed before this start."""
+    for arg in args:
+        if arg.startswith("hydra.run.dir="):
+            value = arg.split("=", 1)[1]
+            return value, Path(value).exists()
+    return None
+
+
+def drop_empty_run_dir(given: tuple[str, bool] | None) -> None:
+    """A refused start leaves nothing behind: the run directory Hydra made for it is removed again
+    if empty (a given one only if it did not exist before; the default outputs/<date>/<time> with
+    its date directory and outputs/ when this start leaves them empty)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or (given and given[1]):
+        return
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    for directory in [run_dir, *run_dir.parents][: 1 if given else 3]:
+        try:
+            directory.rmdir()  # an empty directory only
+        except OSError:
+            return

@@ -30,8 +30,20 @@ def rank_error(message: str) -> None:
     """``error [rank R]: message`` on stderr in one write. print() writes the text and its newline
     apart when stderr is unbuffered (PYTHONUNBUFFERED, common under launchers): two ranks failing
     at the same moment then shared one line, and the second rank's name was lost in it."""
-    sys.stderr.write(f"error [rank {os.environ.get('RANK', '?')}]: {message}\n")
+    line = f"error [rank {os.environ.get('RANK', '?')}]: {message}"
+    record_error(line)
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def record_error(line: str) -> None:
+    """The user's one-line error as this worker's torchelastic error file: torchrun then reports it
+    as the root cause (instead of "To enable traceback see ..." under its own traceback). The first
+    error a process records stands; outside torchrun's workers there is no such file."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
 def use_deterministic_kernels() -> None:

@@ -29,6 +29,8 @@ NOT_USED_BY = {
     "gpt2": ("n_kv_heads", "rope_theta"),
     "llama": (),
 }
+# Data keys that one corpus kind never reads: set with the other kind, they would change nothing.
+DATA_NOT_USED_BY = {"synthetic": ("path", "cache_dir"), "text": ("seed", "total_tokens", "follow_prob")}
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,14 @@ class DataConfig(Group):
     def check(self) -> None:
         if self.kind == "text" and not self.path:
             raise ConfigError("data.kind=text needs data.path: the UTF-8 text file to train on")
+        defaults = {s.name: s.default for s in specs(type(self))}
+        for name in DATA_NOT_USED_BY[self.kind]:
+            if getattr(self, name) != defaults[name]:
+                other = "data=text" if self.kind == "synthetic" else "the synthetic corpus (data=synthetic)"
+                raise ConfigError(
+                    f"data.{name}={getattr(self, name)!r} has no effect with data.kind={self.kind}: it is "
+                    f"used by {other}; " + ("add data=text" if self.kind == "synthetic" else "leave it out")
+                )
         if self.tokenizer == "bpe" and self.kind != "text":
             raise ConfigError("data.tokenizer=bpe trains on a text: use it with data=text (data.kind=text)")
         if self.tokenizer == "bpe" and self.vocab_size is None:
