@@ -13,17 +13,43 @@ from pathlib import Path
 
 from distlib.app.results import RunResult
 
+TABLE_ROWS = 20  # the end-of-run table's steps at most (about); metrics.jsonl keeps every step
+
+
+def shown_steps(steps: list) -> tuple[list, int]:
+    """The rows of the table: every step of a short run; of a longer one the first, every K-th and
+    the last (K the smallest stride that keeps them near TABLE_ROWS), and the evaluated steps when
+    they are as few. Returns (rows, K)."""
+    every = -(-len(steps) // TABLE_ROWS)
+    if every <= 1:
+        return list(steps), 1
+    evaluated = [s for s in steps if s.val_loss is not None]
+    show_val = len(evaluated) <= TABLE_ROWS
+    last = len(steps) - 1
+    rows = [
+        s
+        for i, s in enumerate(steps)
+        if i in (0, last) or s.step % every == 0 or (show_val and s.val_loss is not None)
+    ]
+    return rows, every
+
 
 def loss_table(result: RunResult) -> str:
-    """One row per step; a validation-loss column only when the run evaluated (train.eval_every)."""
+    """A row per shown step (``shown_steps``); a validation-loss column only when the run evaluated
+    (train.eval_every)."""
     with_val = any(s.val_loss is not None for s in result.steps)
     val_head = f"  {'val loss':>10}" if with_val else ""
     lines = [f"{'step':>4}  {'loss':>10}{val_head}  {'grad norm':>10}  {'param norm':>12}  {'ms':>7}"]
-    for s in result.steps:
+    rows, every = shown_steps(result.steps)
+    for s in rows:
         val = (f"  {s.val_loss:>10.6f}" if s.val_loss is not None else f"  {'':>10}") if with_val else ""
         lines.append(
             f"{s.step:>4}  {s.loss:>10.6f}{val}  {s.grad_norm:>10.6f}  {s.param_norms[0]:>12.6f}  "
             f"{1000 * s.seconds:>7.1f}"
+        )
+    if every > 1:
+        lines.append(
+            f"({len(rows)} of {len(result.steps)} steps shown, every {every}th; all in the metrics file)"
         )
     return "\n".join(lines)
 
