@@ -5,9 +5,11 @@
 RUN_DIR is a run directory (it holds metrics.jsonl) or a Hydra multirun directory
 (its job subdirectories hold them). Writes ``report.txt`` (also printed) and, when
 matplotlib is installed (an optional extra: ``pip install matplotlib``), ``loss.png``
-(the loss curve, rollbacks marked, abandoned steps shown in grey) and ``memory.png``
+(the loss curve and the validation loss, rollbacks marked, abandoned steps shown in grey, a log
+axis labelled as such) and ``memory.png``
 (per-rank parameter / gradient / optimizer bytes and peak RSS); for a sweep, one
-``loss.png`` with every job's curve and a side-by-side table. A run traced with
+``loss.png`` with every job's curve, each in its own line style (a curve lying on another's is
+named so in the legend), and a side-by-side table. A run traced with
 ``train.profile_steps`` (``traces/rank<R>.json``) also gets each rank's time split into
 compute, communication and waiting (text, and ``time_split.png``). Needs no torch.
 """
@@ -90,6 +92,18 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _validation(steps: list[dict]) -> list[str]:
+    """The held-out loss (train.eval_every), the signal to watch on real text; none if never evaluated."""
+    evaluated = [(s["step"], _num(s["val_loss"])) for s in steps if "val_loss" in s]
+    if not evaluated:
+        return []
+    best = min(evaluated, key=lambda sv: sv[1])
+    return [
+        f"validation loss: first {evaluated[0][1]:.6f} (step {evaluated[0][0]}), last {evaluated[-1][1]:.6f} "
+        f"(step {evaluated[-1][0]}), min {best[1]:.6f} (step {best[0]}); {len(evaluated)} evaluations"
+    ]
+
+
 def summary(run: Run) -> str:
     steps = run.steps
     lines = [f"run: {run.path}", f"status: {run.status()}"]
@@ -101,6 +115,7 @@ def summary(run: Run) -> str:
         f"steps logged: {len(steps)} (steps {steps[0]['step']}..{steps[-1]['step']}), world size "
         f"{run.world_size()}",
         f"loss: first {losses[0]:.6f}, last {losses[-1]:.6f}, min {min(losses):.6f}",
+        *_validation(steps),
         f"step time: median {1000 * statistics.median(times):.1f} ms, "
         f"mean {1000 * statistics.mean(times):.1f} ms; "
         f"tokens/s median {statistics.median(s['tokens_per_s'] or 0 for s in steps):.0f}",
@@ -256,16 +271,46 @@ def _pyplot():
         return None
 
 
-def loss_png(runs: list[Run], out: Path, plt) -> Path:
+STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "x")]  # a job's line and marker, in turn
+
+
+def _same_as(runs: list[Run], i: int) -> str | None:
+    """The earlier job whose loss curve job ``i``'s lies on (equal to 1e-6), if one does."""
+    mine = [_num(s["loss"]) for s in runs[i].steps]
+    for other in runs[:i]:
+        theirs = [_num(s["loss"]) for s in other.steps]
+        if len(theirs) == len(mine) and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(mine, theirs)):
+            return other.path.name
+    return None
+
+
+def loss_figure(runs: list[Run], plt):
+    """The loss curves (each job its own line style and marker, and a legend note where one lies on
+    another's), the validation losses where a run evaluated, rollbacks marked; the y axis turns
+    logarithmic, and says so, when a spike would flatten the curve."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for run in runs:
-        steps = run.steps
+    for i, run in enumerate(runs):
+        steps, (line, marker) = run.steps, STYLES[i % len(STYLES)]
+        name = run.path.name if len(runs) > 1 else "loss"
+        same = _same_as(runs, i)
         ax.plot(
             [s["step"] for s in steps],
             [_num(s["loss"]) for s in steps],
-            marker=".",
-            label=run.path.name if len(runs) > 1 else "loss",
+            linestyle=line,
+            marker=marker,
+            markersize=max(2.0, 5.0 - i),
+            linewidth=max(0.8, 2.0 - 0.4 * i),
+            label=f"{name} (on {same}'s curve)" if same else name,
         )
+        evaluated = [s for s in steps if "val_loss" in s]
+        if evaluated:
+            ax.plot(
+                [s["step"] for s in evaluated],
+                [_num(s["val_loss"]) for s in evaluated],
+                linestyle=line,
+                marker="D",
+                label=f"{name}: validation" if len(runs) > 1 else "validation loss",
+            )
         if run.abandoned:
             ax.scatter(
                 [s["step"] for s in run.abandoned],
@@ -285,6 +330,7 @@ def loss_png(runs: list[Run], out: Path, plt) -> Path:
     shown = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y) and y > 0]
     if shown and max(shown) > 4 * min(shown):  # a spike would flatten the curve on a linear axis
         ax.set_yscale("log")
+        ax.set_ylabel("loss (log scale)")
         for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
             axis(plt.matplotlib.ticker.FormatStrFormatter("%g"))
     ax.xaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
@@ -292,6 +338,11 @@ def loss_png(runs: list[Run], out: Path, plt) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def loss_png(runs: list[Run], out: Path, plt) -> Path:
+    fig = loss_figure(runs, plt)
     path = out / "loss.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -26,4 +26,7 @@ echo "== job 2: resume from step 10 -> $OUT/resumed"
   checkpoint.resume="$OUT/full/checkpoints/step_00000010" "$@" > "$OUT/resumed.log" 2>&1 \
   || { tail -n 20 "$OUT/resumed.log" >&2; echo "error: job 2 failed (log: $OUT/resumed.log)" >&2; exit 1; }
 
-"$PY" scripts/compare_runs.py "$OUT/full" "$OUT/resumed" --from-step 11 --checkpoint-step 20
+status=0
+"$PY" scripts/compare_runs.py "$OUT/full" "$OUT/resumed" --from-step 11 --checkpoint-step 20 || status=$?
+echo "the two runs are kept in $OUT (full/, resumed/ and their logs); remove them with: rm -r $OUT"
+exit "$status"

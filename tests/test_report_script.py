@@ -3,6 +3,7 @@ PNGs need the optional matplotlib; without it the text report says they were ski
 
 import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,16 @@ def _train(comm, tree, run_dir):
     Trainer(cfg, comm, Path(run_dir), hooks=step_hooks(cfg.fault, comm.rank)).run()
 
 
-def make_run(run_dir: Path, world: int, **faults) -> Path:
+def make_run(
+    run_dir: Path, world: int, train: dict | None = None, data: dict | None = None, **faults
+) -> Path:
     tree = {
         "dist": {"world_size": world},
-        "train": {"steps": 8},
+        "train": {"steps": 8, **(train or {})},
         "checkpoint": {"every_steps": 4},
         "metrics": {"progress_every": 0},
         "fault": faults,
+        "data": data or {},
     }
     run_ranks(_train, world, tree, str(run_dir))
     return run_dir
@@ -94,3 +98,63 @@ def test_a_directory_without_metrics_is_refused_clearly(tmp_path):
     assert proc.returncode == 2 and "no metrics.jsonl in" in proc.stderr
     proc = report(tmp_path / "missing")
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+def _report_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report_script", ROOT / "scripts" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    run = tmp_path_factory.mktemp("evaluated") / "run"
+    return make_run(run, 1, train={"eval_every": 2, "eval_windows": 8}, data={"val_fraction": 0.1})
+
+
+def _val_losses(run_dir: Path) -> dict[int, float]:
+    import json
+
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["val_loss"] for r in records if r.get("type") == "step" and "val_loss" in r}
+
+
+def test_the_validation_loss_is_reported_and_plotted(evaluated, tmp_path):
+    val = _val_losses(evaluated)
+    assert sorted(val) == [2, 4, 6, 8]
+    text = report(evaluated, "--out", tmp_path, "--no-png").stdout
+    best = min(val, key=val.get)
+    assert (
+        f"validation loss: first {val[2]:.6f} (step 2), last {val[8]:.6f} (step 8), "
+        f"min {val[best]:.6f} (step {best}); 4 evaluations"
+    ) in text
+    if HAVE_MATPLOTLIB:
+        report_py = _report_module()
+        plt = report_py._pyplot()
+        fig = report_py.loss_figure([report_py.Run.read(evaluated)], plt)
+        lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+        assert list(lines["validation loss"].get_xdata()) == [2, 4, 6, 8]
+        assert list(lines["validation loss"].get_ydata()) == [val[s] for s in (2, 4, 6, 8)]
+        plt.close(fig)
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is an optional extra (pip install matplotlib)")
+def test_a_log_axis_says_so_and_curves_on_top_of_each_other_stay_distinguishable(runs, tmp_path):
+    sweep, ws1, spiked = runs
+    twin = make_run(tmp_path / "2_ws2", 2)  # the same global batch as ws1: the same curve
+    report_py = _report_module()
+    plt = report_py._pyplot()
+    fig = report_py.loss_figure([report_py.Run.read(spiked)], plt)
+    assert fig.axes[0].get_yscale() == "log" and "log" in fig.axes[0].get_ylabel()
+    plt.close(fig)
+    fig = report_py.loss_figure([report_py.Run.read(ws1), report_py.Run.read(twin)], plt)
+    first, second = fig.axes[0].get_lines()[:2]
+    assert list(first.get_ydata()) == pytest.approx(list(second.get_ydata()), rel=1e-6)
+    assert (first.get_linestyle(), first.get_marker()) != (second.get_linestyle(), second.get_marker())
+    assert fig.axes[0].get_yscale() == "linear" and fig.axes[0].get_ylabel() == "loss"
+    assert second.get_label() == "2_ws2 (on 0_ws1's curve)" and first.get_label() == "0_ws1"
+    plt.close(fig)
