@@ -63,14 +63,17 @@ bench: bytecode
 
 # A small Llama on real text (docs/models.md, "The text demo"): a BPE tokenizer trained on data/sample.txt,
 # 4 ranks, ZeRO-1, validation every 50 steps; then exported as a Hugging Face directory and continued by
-# transformers' own generate(). TEXT_DEMO and TEXT_STEPS may be overridden.
+# transformers' own generate(). TEXT_DEMO and TEXT_STEPS may be overridden, and TEXT_ARGS adds
+# training overrides (e.g. data.cache_dir=DIR, where the token cache goes instead of beside the text).
 TEXT_DEMO := outputs/text-demo
 TEXT_STEPS := 200
+TEXT_ARGS :=
 text-demo: bytecode
 	rm -rf $(TEXT_DEMO)
 	$(PY) train.py data=text data.tokenizer=bpe data.vocab_size=1024 model=llama_tiny model.vocab_size=1024 \
 		model.seq_len=64 dist.world_size=4 zero=stage1 optimizer.lr=0.003 train.steps=$(TEXT_STEPS) \
-		train.eval_every=50 checkpoint.every_steps=$(TEXT_STEPS) metrics.progress_every=50 hydra.run.dir=$(TEXT_DEMO)
+		train.eval_every=50 checkpoint.every_steps=$(TEXT_STEPS) metrics.progress_every=50 hydra.run.dir=$(TEXT_DEMO) \
+		$(TEXT_ARGS)
 	$(PY) scripts/export_hf.py $(TEXT_DEMO)/checkpoints/step_$$(printf %08d $(TEXT_STEPS)) $(TEXT_DEMO)/hf
 	$(PY) scripts/generate_hf.py $(TEXT_DEMO)/hf --prompt "Rank zero" --tokens 40
 	$(PY) scripts/generate_hf.py $(TEXT_DEMO)/hf --prompt "Every rank" --tokens 40 --temperature 0.8 --top-k 20

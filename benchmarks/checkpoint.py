@@ -24,7 +24,7 @@ A timing is the slowest rank's (ranks line up on a barrier first); the best of -
 (the first round also pays for first-touch page allocation).
 Before each load the files are dropped from the page cache (posix_fadvise DONTNEED), so loads
 read the disk (on a VM whose disk the host caches, "disk" speeds can exceed the hardware's).
-MB/s = 12P bytes / seconds. JSON: benchmarks/results/checkpoint.json.
+MB/s = 12P bytes / seconds. JSON: benchmarks/results/checkpoint.json (--out).
 Temporary files live under --dir (default: the system temp dir) and are removed as we go.
 """
 
@@ -213,6 +213,7 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="where the temporary checkpoints go (default: system temp)"
     )
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "checkpoint.json"))
     args = parser.parse_args()
     numel = int(args.params)
     state_bytes = 12 * numel
@@ -272,7 +273,7 @@ def main() -> None:
         f"(goal: below 1); total: {seconds['distlib async total'] / seconds['torch DCP async total']:.2f}; "
         f"blocking vs DCP with a kept stager: {kept_ratio:.2f}"
     )
-    out = Path(ROOT) / "benchmarks" / "results" / "checkpoint.json"
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "params": numel,

@@ -7,7 +7,7 @@
 
 Each (op, size) is warmed up, then timed for several iterations; an iteration's time is
 the slowest rank's (ranks line up on a barrier first), and the table reports the median.
-ratio = torch ms / ours ms, so > 1 means ours is faster. JSON: benchmarks/results/collectives.json.
+ratio = torch ms / ours ms, so > 1 means ours is faster. JSON: benchmarks/results/collectives.json (--out).
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument(
         "--sizes", type=int, nargs="+", help="bytes (multiples of 16) instead of the default list"
     )
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "collectives.json"))
     args = ap.parse_args()
     sizes = args.sizes or (
         [1 << 10, 64 << 10, 4 << 20, 16 << 20] if args.quick else [1 << (10 + 2 * i) for i in range(9)]
@@ -145,8 +146,8 @@ def main() -> None:
             f"{line}{r['ratio']:>8.2f}{C.choose_algorithm(r['op'], b, r['world']):>14}"
             + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra)
         )
-    path = os.path.join(ROOT, "benchmarks", "results", "collectives.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = args.out
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(
             {

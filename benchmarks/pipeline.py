@@ -19,7 +19,7 @@ on the same chunks. Per schedule:
     over ranks, median over steps -- against theory (P-1)/(m+P-1), (P-1)/(v*m+P-1) interleaved;
   * peak activation MiB per rank (stage): the recorder's bytes saved for backward, and the peak
     number of in-flight micro-batch chunks.
-JSON: benchmarks/results/pipeline.json, with the last step's events per schedule
+JSON: benchmarks/results/pipeline.json (--out), with the last step's events per schedule
 (``scripts/pipeline_timeline.py`` draws them).
 """
 
@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d", type=int, default=128, help="hidden size (4 heads, feed-forward 4d)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "pipeline.json"))
     args = ap.parse_args()
     shape = dict(d=args.d, heads=4, layers=args.layers, micro=4, tokens=args.tokens)
     if args.quick:
@@ -196,12 +197,10 @@ def main() -> None:
                 f"{','.join(f'{x:.1f}' for x in row['peak_act_mib']):>20} "
                 f"{row['grad_rel_vs_torch']:>13.1e}"
             )
-    out = Path(ROOT) / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps(results, indent=1))
-    print(
-        f"wrote {out / 'pipeline.json'} (draw: python scripts/pipeline_timeline.py {out / 'pipeline.json'})"
-    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out} (draw: python scripts/pipeline_timeline.py {out})")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,23 @@
 """The benchmarks still run (they import the library directly, so a refactor can break them
-without any other test noticing). Tiny settings: this checks that they work, not their numbers;
+without any other test noticing) and write the JSON benchmarks/README.md and their docstrings
+document. Tiny settings: the checks are on what the numbers must satisfy whatever the machine's
+speed (the configurations requested, positive finite times, the documented ratios and formulas,
+the schedules' in-flight counts, ours agreeing with torch), never on the speeds themselves;
 startup.py and scaling.py are left to `make bench` (minutes each); recovery.py (two torchrun jobs)
 runs in tests/test_memory_snapshot_e2e.py, which also checks its snapshot run's checkpoint."""
 
 import json
+import math
+import os
 import subprocess
 import sys
 
 import pytest
 from e2e import ROOT
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.config.run import RunConfig
+from distlib.app.model import families
 
 pytestmark = pytest.mark.slow
 
@@ -47,20 +56,134 @@ RUNS = {
         "ddp",
     ],
 }
+LOSS_RTOL = 1e-4  # README: every variant within 1e-4 of DDP's loss (they differ by reduction order)
+
+
+def _times(*values) -> bool:
+    return all(0 < v < math.inf for v in values)
+
+
+def _params(model: dict) -> int:
+    """The parameters of the model a JSON describes, counted from the model itself."""
+    return sum(p.numel() for p in families.build(RunConfig.from_dict({"model": model}).model, 0).parameters())
+
+
+def _check_checkpoint(d, tmp_path):
+    assert (d["params"], d["state_bytes"], d["world_size"], d["repeats"]) == (10**5, 12 * 10**5, 2, 1)
+    seconds = {r["what"]: r["seconds"] for r in d["rows"]}
+    assert {"raw write", "distlib save", "torch DCP save", "distlib load", "torch DCP load"} <= set(seconds)
+    assert {"distlib async blocking", "distlib async total", "torch DCP async blocking"} <= set(seconds)
+    assert _times(*seconds.values())
+    assert seconds["distlib load"] == pytest.approx(seconds["distlib verify"] + seconds["distlib read"])
+    for r in d["rows"]:  # MB/s = 12P bytes / seconds; the ratio is raw write's time over the row's
+        assert r["mb_per_s"] == pytest.approx(12 * 10**5 / r["seconds"] / 1e6)
+        assert r["raw_write_ratio"] == pytest.approx(seconds["raw write"] / r["seconds"])
+    assert list(tmp_path.iterdir()) == [tmp_path / "checkpoint.json"], "its temporary files were removed"
+
+
+def _check_collectives(d, tmp_path):
+    ops = ["broadcast", "reduce_scatter", "all_gather", "all_reduce"]
+    rows = d["results"]
+    assert sorted((r["op"], r["world"], r["bytes"]) for r in rows) == sorted(
+        (op, world, 1024)
+        for op in ops
+        for world in (2, 4)  # --sizes 1024, the default worlds 2 and 4
+    )
+    for r in rows:
+        assert _times(r["ours_ms"], r["torch_ms"])
+        assert r["ratio"] == pytest.approx(r["torch_ms"] / r["ours_ms"])  # > 1: ours faster
+
+
+def _check_pipeline(d, tmp_path):
+    P, m, v = 2, d["m"], 2  # --quick: pp 2, the default 8 micro-batches; interleaved: 2 chunks a rank
+    assert m == 8 and [(r["pp"], r["schedule"], r["v"]) for r in d["runs"]] == [
+        (P, "gpipe", 1),
+        (P, "1f1b", 1),
+        (P, "interleaved", v),
+    ]
+    in_flight = {  # docs/parallelism.md's table (interleaved: its bound, reached once m v > the warm-up)
+        "gpipe": [m] * P,
+        "1f1b": [min(P - r, m) for r in range(P)],
+        "interleaved": [2 * (P - r - 1) + (v - 1) * P + 1 for r in range(P)],
+    }
+    for r in d["runs"]:
+        assert r["theory"] == pytest.approx((P - 1) / (r["v"] * m + P - 1))
+        assert 0 <= r["bubble"] < 1 and _times(r["ours_ms"], r["torch_ms"])
+        assert r["ratio"] == pytest.approx(r["ours_ms"] / r["torch_ms"])
+        assert r["peak_in_flight"] == in_flight[r["schedule"]]
+        assert r["grad_rel_vs_torch"] < 1e-6, "ours and torch's schedule, same chunks: the same gradients"
+
+
+def _check_gpu_throughput(d, tmp_path):
+    assert d["model"]["family"] == "gpt2"  # the preset it was given, not its default MiniGPT
+    tokens, params = 2 * d["model"]["seq_len"], _params(d["model"])
+    assert d["tokens_per_step"] == tokens and _times(d["bf16_peak_flops"])
+    rows = {(r["variant"], r["dtype"]): r for r in d["rows"]}
+    assert sorted(rows) == sorted(
+        (v, t) for v in ("ours ZeRO-1", "torch DDP + AdamW(fused)") for t in ("fp32", "bf16")
+    )
+    for (_, dtype), r in rows.items():
+        torch_row = rows["torch DDP + AdamW(fused)", dtype]
+        assert r["params"] == params and _times(r["step_s"])
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"])
+        assert r["mfu"] == pytest.approx(6 * params * tokens / r["step_s"] / d["bf16_peak_flops"])
+        assert r["vs_torch"] == pytest.approx(r["tokens_per_s"] / torch_row["tokens_per_s"])
+    fp32 = [rows[v, "fp32"]["last_loss"] for v in ("ours ZeRO-1", "torch DDP + AdamW(fused)")]
+    assert fp32[0] == pytest.approx(fp32[1], rel=LOSS_RTOL), "same model, batches and AdamW"
+
+
+def _check_step(d, tmp_path):
+    ours = [f"ours stage {s}{o}" for s in (1, 3) for o in ("", " overlap")]
+    variants = ours + ["torch DDP"]
+    rows = {r["variant"]: r for r in d["results"]}
+    assert sorted(rows) == sorted(variants + [f"{v} (no comm)" for v in variants])  # each with its twin
+    params = sum(p.numel() for p in families.build(ModelConfig(), 0).parameters())  # tiny: the capstone's
+    ddp = rows["torch DDP"]
+    for name, r in rows.items():
+        assert (r["model"], r["world"], r["params"], len(r["losses"])) == ("tiny", 2, params, 1 + 2)
+        assert _times(r["ms"]) and r["ms_min"] <= r["ms"] <= r["ms_max"]
+        assert r["ratio_vs_ddp"] == pytest.approx(ddp["ms"] / r["ms"])
+        if name in ours:  # ZeRO-1 and -3: 12P/N optimizer bytes per rank
+            assert r["optimizer_bytes"] == [12 * params // 2] * 2
+    for name in ours:  # the twins skip communication, so their ranks' losses drift apart
+        assert rows[name]["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL), name
+
+
+CHECKS = {
+    "checkpoint": _check_checkpoint,
+    "collectives": _check_collectives,
+    "pipeline": _check_pipeline,
+    "gpu_throughput": _check_gpu_throughput,
+    "step": _check_step,
+}
+
+
+def _files(folder) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder``: (size, mtime) by path."""
+    return {
+        os.path.join(d, f): (os.stat(os.path.join(d, f)).st_size, os.stat(os.path.join(d, f)).st_mtime_ns)
+        for d, _, files in os.walk(folder)
+        for f in files
+    }
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_benchmark_runs_and_writes_its_json(name, tmp_path):
-    # step.py takes --out, gpu_throughput.py --json; the others write benchmarks/results/<name>.json
-    flag = {"step": "--out", "gpu_throughput": "--json"}.get(name)
-    out = tmp_path / f"{name}.json" if flag else ROOT / "benchmarks" / "results" / f"{name}.json"
-    before = out.stat().st_mtime_ns if out.exists() else None
-    args = RUNS[name] + ([flag, str(out)] if flag else [])
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_benchmark_runs_and_writes_the_documented_json_outside_the_repository(name, tmp_path):
+    out = tmp_path / f"{name}.json"
+    args = RUNS[name] + ["--json" if name == "gpu_throughput" else "--out", str(out)]
+    args += ["--dir", str(tmp_path)] if name == "checkpoint" else []  # its temporary checkpoints
+    before = _files(ROOT / "benchmarks")
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},  # no __pycache__ beside the scripts either
+    )
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-2500:]
-    assert out.stat().st_mtime_ns != before and json.loads(out.read_text()), f"{name} wrote no result"
-    if name == "gpu_throughput":  # it benchmarked the preset it was given, not its default MiniGPT
-        assert json.loads(out.read_text())["model"]["family"] == "gpt2"
+    assert _files(ROOT / "benchmarks") == before, "the benchmark wrote into the repository"
+    CHECKS[name](json.loads(out.read_text()), tmp_path)
 
 
 def test_committed_cost_model_is_the_best_fit_to_the_committed_tables():

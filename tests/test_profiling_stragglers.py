@@ -2,17 +2,22 @@
 the straggler record and event (fault.slow_rank slows one rank on purpose), and MFU."""
 
 import importlib.util
+import itertools
 import json
+import math
 import re
+import types
 from pathlib import Path
 
 import pytest
+import torch
 from forkrun import run_script
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.faults import step_hooks
-from distlib.app.model.minigpt import param_count
+from distlib.app.model.minigpt import build_model
+from distlib.app.observe import throughput
 from distlib.app.observe.stragglers import Slowest, StragglerWatch, slowest
 from distlib.app.trainer import Trainer
 
@@ -53,12 +58,32 @@ def test_a_slowed_rank_is_named_slowest_every_step_and_a_straggler_once(slow_run
     assert [(e["step"], e["rank"], e["steps"]) for e in events] == [(3, 1, 3)]
 
 
-def test_mfu_is_model_flops_over_step_time_and_the_measured_peak(slow_run):
+def test_mfu_is_6_p_tokens_over_step_time_and_the_peak_measured_once(slow_run):
     _, records = slow_run
-    flops = 6 * param_count(RunConfig().model) * 12 * 16
-    for r in (r for r in records if r["type"] == "step"):
-        assert r["peak_flops"] > 1e8  # a few 256x256 matmuls, summed over 3 ranks
-        assert r["mfu"] == pytest.approx(flops / r["step_time_s"] / r["peak_flops"])
+    cfg = RunConfig().model  # the run's model: slow_run leaves the model group at its defaults
+    params = sum(p.numel() for p in build_model(cfg, seed=0).parameters())  # counted, not the formula
+    tokens = 12 * cfg.seq_len  # train.global_batch sequences of seq_len tokens
+    steps = [r for r in records if r["type"] == "step"]
+    peaks = {r["peak_flops"] for r in steps}
+    assert len(peaks) == 1 and 0 < peaks.pop() < math.inf, "one peak, measured at start"
+    for r in steps:
+        assert r["tokens"] == tokens
+        achieved = 6 * params * tokens / r["step_time_s"]  # attention's score arithmetic left out
+        assert r["mfu"] == pytest.approx(achieved / r["peak_flops"], rel=1e-12)
+        assert r["mfu"] < 1  # SLEEP alone keeps a step far from the machine's peak
+
+
+def _probe_on_a_fake_clock(comm):
+    """peak_flops on a clock that advances 2^-(10 + rank) s per reading: each timed matmul takes
+    exactly that long (the powers of two keep the differences exact)."""
+    readings = itertools.count(0.0, 2.0 ** -(10 + comm.rank))
+    throughput.time = types.SimpleNamespace(perf_counter=lambda: next(readings))  # this fork's module
+    return throughput.peak_flops(comm, torch.device("cpu"))
+
+
+def test_the_peak_is_every_ranks_256_cubed_matmul_rate_summed():
+    expected = sum(2 * 256**3 / 2.0 ** -(10 + rank) for rank in range(3))
+    assert run_ranks(_probe_on_a_fake_clock, 3) == [expected] * 3
 
 
 def test_profiled_steps_leave_one_trace_per_rank_with_named_collectives(slow_run):
