@@ -73,9 +73,10 @@ def test_every_preset_composes_and_sets_only_what_it_changes():
                 f"conf/model/{name}.yaml repeats a {group} default"
             )
             assert {k: getattr(getattr(cfg, group), k) for k in keys} == keys, name
-    # invariant 1 (the loss never rises) is the capstone's: measured, model=llama's step-14 loss is
-    # 2.4% above step 13's at optimizer.lr=0.01; each GPT-2 / Llama preset turns it off
-    assert RunConfig.from_dict(compose_tree(["model=llama"])).train.monotone_until_step == 0
+        # invariant 1 (the loss never rises) is the capstone's own (RunConfig.departures): no preset
+        # switches a check off; a family other than the capstone's makes a rising loss a warning
+        assert set(values) <= {"model"}, f"conf/model/{name}.yaml sets keys outside model: {sorted(values)}"
+        assert name == "minigpt" or "model.family" in cfg.departures(), name
 
 
 @pytest.mark.parametrize("cfg", FAMILY_CONFIGS, ids=IDS)

@@ -135,6 +135,9 @@ class Trainer:
         result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
         tokens = cfg.global_batch * cfg.model.seq_len
         flops = 6 * families.param_count(cfg.model) * tokens  # per step, for MFU
+        peak, self.peak_source = throughput.job_peak(
+            comm, self.device, cfg.train.dtype, cfg.metrics.peak_flops
+        )
         with (
             stopping.StopSignals(deadline_s=cfg.dist.timeout_s) as signals,
             MetricsLog(
@@ -146,7 +149,7 @@ class Trainer:
                 groups=self.mesh.groups(),
                 guard=cfg.guard,
                 model_flops=flops,
-                peak_flops=throughput.peak_flops(comm, self.device),
+                peak_flops=peak,
             ) as log,
         ):
             self.log = log
@@ -182,6 +185,7 @@ class Trainer:
             )
         else:
             self.log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
+        self.log.peak_event(start, self.peak_source)
         if cfg.guard.check_sync_every and not self.replicas.possible:
             self.checkpointer.say(
                 "guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by "

@@ -101,10 +101,14 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
                 f"pass dist.world_size={comm.size} (or start {cfg.dist.world_size} processes)"
             )
         result = Trainer(cfg, comm, Path(run_dir), hooks=hooks, device=device).run()
-        failures = summary.check_invariants(result, cfg.train.loss_tolerance, cfg.train.monotone_until_step)
+        t, departures = cfg.train, cfg.departures()
+        failures = summary.check_invariants(result, t.loss_tolerance, t.monotone_until_step, departures)
         if comm.rank == 0:
             summary.write_json(result, failures, Path(run_dir) / "report.json")
             summary.print_run(result, failures, cfg.zero.stage, run_dir, comm.size)
+            warning = summary.loss_warning(result, t.loss_tolerance, t.monotone_until_step, departures)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         return failures
     except AGREED_ERRORS as exc:
         # Raised on every rank alike (they agree on it first): one line, not one per rank.

@@ -292,6 +292,9 @@ class MetricsConfig(Group):
     tensorboard: also write rank 0's step records as TensorBoard event files in <run dir>/tensorboard/
         (loss, grad norm, lr, step time, tokens/s, MFU, memory, validation loss); needs the optional
         `tensorboard` extra
+    peak_flops: MFU's peak per rank in FLOP/s; null = the GPU's data-sheet figure for train.dtype
+        (A100, H100, H200) or, on any other device, measured (a few 256x256 fp32 matmuls); the run prints
+        which
     """
 
     GROUP = "metrics"
@@ -299,6 +302,7 @@ class MetricsConfig(Group):
     per_rank: bool = key(False)
     progress_every: int = key(1, ge=0)
     tensorboard: bool = key(False)
+    peak_flops: float | None = key(None, gt=0)
 
     def check(self) -> None:
         if not self.file or "/" in self.file:

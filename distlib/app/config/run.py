@@ -22,7 +22,7 @@ from distlib.app.config.groups import (
     ZeroConfig,
 )
 from distlib.app.config.operation import CheckpointConfig, DistConfig, GuardConfig
-from distlib.app.config.schema import ConfigError, Group, key
+from distlib.app.config.schema import ConfigError, Group, key, specs
 from distlib.app.faults import FaultConfig
 from distlib.comm.mesh import MeshError, check_layout
 
@@ -85,6 +85,18 @@ class RunConfig(Group):
         """Where this rank's tensors live (``devices.rank_device``)."""
         return devices.rank_device(self.train.device, self.dist.backend, local_rank)
 
+    def departures(self) -> list[str]:
+        """The keys deciding the capstone's loss curve (its model, data, optimizer, seed, batch and
+        dtype: ``CAPSTONE_KEYS``) that this run sets away from their defaults. Layout keys (dist,
+        zero, accumulation, checkpoints, metrics, guard, faults) change no step's data or update."""
+        plain = RunConfig()
+        return [
+            f"{group}.{name}" if group else name
+            for group, names in CAPSTONE_KEYS.items()
+            for name in names or [s.name for s in specs(type(getattr(self, group)))]
+            if _value(self, group, name) != _value(plain, group, name)
+        ]
+
     @staticmethod
     def from_dict(tree: dict) -> RunConfig:
         """The checked configuration of a composed tree (Hydra's own ``hydra`` node is ignored)."""
@@ -96,6 +108,20 @@ class RunConfig(Group):
         cfg = RunConfig(**groups, **({"seed": tree["seed"]} if "seed" in tree else {}))
         _check_across(cfg)
         return cfg
+
+
+# group -> the keys of it that decide the capstone's loss curve (None: all of them); "" the top level
+CAPSTONE_KEYS = {
+    "model": None,
+    "data": None,
+    "optimizer": None,
+    "train": ("global_batch", "batch_size", "dtype"),
+    "": ("seed",),
+}
+
+
+def _value(cfg: RunConfig, group: str, name: str):
+    return getattr(getattr(cfg, group) if group else cfg, name)
 
 
 def _check_across(cfg: RunConfig) -> None:

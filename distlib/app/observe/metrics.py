@@ -115,6 +115,11 @@ class MetricsLog:
         f.write(json.dumps(record) + "\n")
         f.flush()
 
+    def peak_event(self, step: int, source: str) -> None:
+        """Which peak MFU is measured against, and where it came from (throughput.job_peak)."""
+        say = f"MFU's peak {self.peak_flops:.3g} FLOP/s for the job ({source})"
+        self.event("mfu_peak", step, say=say, peak_flops=self.peak_flops, source=source)
+
     def event(self, name: str, step: int, say: str | None = None, **fields) -> None:
         """Record an event (rank 0 writes; call it on every rank with the same arguments) and, if
         ``say`` is given, print it as a rank-0 line."""

@@ -8,7 +8,10 @@ they get): the best of a few 256x256 fp32 matrix multiplies (2 x 256^3 operation
 
     mfu = 6 * P * tokens_per_step / step_time_s / sum over ranks of peak_flops
 
-The probe takes a few milliseconds and touches no RNG (the inputs are constants).
+The probe takes a few milliseconds and touches no RNG (the inputs are constants). On a GPU such a
+small product measures launch latency, not the tensor cores: there the peak is the data sheet's
+dense figure for the run's dtype (``KNOWN_PEAKS``), or ``metrics.peak_flops`` when given. The run
+prints which it used.
 """
 
 from __future__ import annotations
@@ -44,6 +47,39 @@ def probe_flops(device: torch.device, n: int = PROBE_N, repeats: int = PROBE_REP
         wait()
         best = min(best, time.perf_counter() - began)
     return 2 * n**3 / max(best, 1e-9)
+
+
+# Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's data sheets, bf16 and fp32 (fp32 without
+# TF32, torch's default for matmuls); matched against torch.cuda.get_device_name(), first hit wins.
+KNOWN_PEAKS = (
+    ("H200", {"bf16": 989e12, "fp32": 67e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp32": 51e12}),
+    ("H100", {"bf16": 989e12, "fp32": 67e12}),
+    ("A100", {"bf16": 312e12, "fp32": 19.5e12}),
+)
+
+
+def known_peak(device: torch.device, dtype: str) -> tuple[float, str] | None:
+    """This GPU's data-sheet peak for ``dtype`` (bf16 or fp32) and where it came from, if listed."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peaks in KNOWN_PEAKS:
+        if fragment in name:
+            return peaks[dtype], f"{name}: data sheet, dense {dtype}"
+    return None
+
+
+def job_peak(comm: Comm, device: torch.device, dtype: str, per_rank: float | None) -> tuple[float, str]:
+    """The job's peak FLOP/s for MFU and its source: ``per_rank`` (metrics.peak_flops) if given, else
+    the device's data-sheet figure, else measured (``peak_flops``, collective). Every rank must take
+    the same branch: the same config and the same kind of device."""
+    if per_rank:
+        return per_rank * comm.size, f"metrics.peak_flops={per_rank:g} per rank"
+    known = known_peak(torch.device(device), dtype)
+    if known is not None:
+        return known[0] * comm.size, known[1]
+    return peak_flops(comm, device), f"measured: the best of {PROBE_REPEATS} {PROBE_N}x{PROBE_N} fp32 matmuls"
 
 
 def peak_flops(comm: Comm, device: torch.device) -> float:
