@@ -10,7 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt_util import train, train_rank, tree
+from ckpt_util import (
+    OPTIMIZER_STATE,
+    assert_files_match_manifest,
+    assert_same_state,
+    saved_state,
+    train,
+    train_rank,
+    tree,
+)
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
@@ -60,7 +68,8 @@ def test_config_rejects_a_non_boolean_async_save():
 def test_async_save_writes_the_sync_bytes_and_resumes_bitwise(tmp_path, clean):
     run = tmp_path / "run"
     first = train(tree(2, steps=8, checkpoint={**ASYNC, "verify_resume": True}), run)
-    assert first[0]["error"] is None and all(r["resume_ok"] for r in first)
+    # its reload, checked below from the files: the sync save's bytes, and resumes that are bitwise
+    assert all(r["error"] is None for r in first)
     assert first[0]["losses"] == clean["losses"]
     # Every shard and manifest byte-identical to the sync save of the same run.
     hashes = _file_hashes(run)
@@ -90,10 +99,14 @@ def test_async_save_writes_the_sync_bytes_and_resumes_bitwise(tmp_path, clean):
 def test_keep_last_prunes_only_committed_async_saves(tmp_path):
     run = tmp_path / "run"
     results = train(
-        tree(2, steps=8, every=2, checkpoint={**ASYNC, "keep_last": 1, "verify_resume": True}), run
+        tree(2, steps=8, every=2, checkpoint={**ASYNC, "keep_last": 1, "verify_resume": True}), run, True
     )
-    assert all(r["resume_ok"] for r in results)  # the reloaded checkpoint was committed and kept
     assert _committed(run) == ["step_00000008"] and _partials(run) == []  # the end waited for step 8's
+    # the one kept (the resume check's) is whole: its files hash to its manifest and hold the final state
+    ckpt = run / "checkpoints" / "step_00000008"
+    assert_files_match_manifest(ckpt)
+    for rank, result in enumerate(results):
+        assert_same_state(saved_state(ckpt, rank), result["state"], f"rank {rank}, step 8")
 
 
 def _rank_with_rollbacks(comm, config: dict, run_dir: str) -> dict:
@@ -234,19 +247,27 @@ def test_guard_trip_with_an_async_save_in_flight(tmp_path, capfd, trip, to_step)
 
 
 def _staging_rank(comm, config: dict, run_dir: str) -> dict:
-    """A run that records where every async save's staged optimizer tensors live."""
+    """A run that records where every async save's staged optimizer tensors live, and what the
+    snapshot the resume check compares with holds when the check begins (step, optimizer state)."""
+    from distlib.app.checkpointing.resume_check import ResumeVerifier
     from distlib.checkpoint.staging import StagingBuffers
 
-    staged, stage = [], StagingBuffers.stage
+    staged, stage, kept, verify = [], StagingBuffers.stage, {}, ResumeVerifier.verify
 
     def recording(self, sources):
         out = stage(self, sources)
         staged.append({k: t.data_ptr() for k, t in out.items()})
         return out
 
-    StagingBuffers.stage = recording  # (in this forked rank only)
+    def keeping(self, build):
+        if self.kept is not None:
+            state = {k: self.kept.tensors[k].numpy().copy() for k in OPTIMIZER_STATE}
+            kept.update(step=self.kept.step, state=state)
+        return verify(self, build)
+
+    StagingBuffers.stage, ResumeVerifier.verify = recording, keeping  # (in this forked rank only)
     result = train_rank(comm, config, run_dir)
-    return {**result, "staged": staged}
+    return {**result, "staged": staged, "kept": kept}
 
 
 @pytest.mark.parametrize(
@@ -271,7 +292,11 @@ def test_staging_buffers_are_reused_and_every_save_writes_its_own_state(
     pairs = {(i, j) for i in range(len(ptrs)) for j in range(i + 1, len(ptrs)) if ptrs[i] == ptrs[j]}
     assert pairs == set(same)
     assert results[0]["losses"] == clean["losses"]
-    if verify_resume:
-        assert all(r["resume_ok"] for r in results)  # the snapshot's copy was never written over
+    if verify_resume:  # the snapshot's copy was never written over: it still holds its step's files
+        for rank, result in enumerate(results):
+            step = result["kept"]["step"]
+            assert step == (8 if keep_last else 2), "the first save, or with keep_last the newest"
+            ckpt = run / "checkpoints" / checkpoint.step_dir_name(step)
+            assert_same_state(result["kept"]["state"], saved_state(ckpt, rank), f"rank {rank}, step {step}")
     else:  # the second save (into the first one's buffers) wrote step 6's state: the sync bytes
         assert _file_hashes(run) == _file_hashes(clean["run"])

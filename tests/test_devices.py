@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import test_collectives as battery
 import torch
+from ckpt_util import assert_same_files, assert_same_state, saved_state, state_of
 from multiproc import run_ranks
 
 from distlib.app import devices
@@ -56,7 +57,7 @@ def _cfg(stage: int, tp: int = 1, resume: str | None = None, dtype: str = "fp32"
     )
 
 
-def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None):
+def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None, reload: bool = False):
     if comm.rank == 0:
         run_dir.mkdir(parents=True)
     use_deterministic_kernels()  # the product's switch: the same ATen flag, without torch._inductor
@@ -71,6 +72,7 @@ def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None):
     try:
         trainer = Trainer(cfg, comm, run_dir)
         result = trainer.run()
+        reloaded = _reload(trainer, run_dir / "checkpoints" / "step_00000002") if reload else None
     finally:
         torch.set_default_device(None)
         reshard.load_partition = read
@@ -87,9 +89,19 @@ def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None):
     return {
         "losses": [s.loss.hex() for s in result.steps],
         "val": [s.val_loss for s in result.steps],
-        "resume_ok": result.resume_check and result.resume_check.ok,
+        "state": state_of(opt),
+        "reloaded": reloaded,
         "devices": {k: str(t.device) for k, t in buffers.items()},
     }
+
+
+def _reload(trainer: Trainer, ckpt: Path) -> dict:
+    """``ckpt`` loaded as a resume (and the resume check) loads it, through the run's loader, into a
+    model and optimizer built from another seed, under the run's default device; this rank's
+    optimizer partition then."""
+    model, optimizer = trainer._fresh_model()
+    trainer.checkpointer.loader.load(ckpt, model, optimizer, restores_data=False)
+    return state_of(optimizer)
 
 
 FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint")
@@ -125,8 +137,8 @@ def _default_meta(comm, root: str, layouts):
     out = []
     for stage, tp, dtype in layouts:
         cfg = _cfg(stage, tp, dtype=dtype)
-        plain = _run(comm, cfg, Path(root) / f"plain{stage}{tp}{dtype}", None)
-        meta = _run(comm, cfg, Path(root) / f"meta{stage}{tp}{dtype}", "meta")
+        plain = _run(comm, cfg, Path(root) / f"plain{stage}{tp}{dtype}", None, reload=True)
+        meta = _run(comm, cfg, Path(root) / f"meta{stage}{tp}{dtype}", "meta", reload=True)
         out.append((stage, tp, dtype, plain, meta))
     return out
 
@@ -134,12 +146,26 @@ def _default_meta(comm, root: str, layouts):
 @pytest.mark.slow
 def test_no_tensor_of_a_training_run_is_created_on_the_default_device(tmp_path):
     layouts = [(0, 1, "fp32"), (1, 1, "bf16"), (2, 1, "fp32"), (3, 1, "fp32"), (1, 2, "fp32")]
-    for stage, tp, dtype, plain, meta in run_ranks(_default_meta, 2, str(tmp_path), layouts)[0]:
-        where = f"stage {stage}, tp {tp}, {dtype}"
-        assert plain["resume_ok"] and meta["resume_ok"], where
-        assert meta["losses"] == plain["losses"] and meta["val"] == plain["val"], where
-        assert set(meta["devices"].values()) == {"cpu"}, (where, meta["devices"])
-        assert len(meta["devices"]) > 10, where
+    for rank, runs in enumerate(run_ranks(_default_meta, 2, str(tmp_path), layouts)):
+        for stage, tp, dtype, plain, meta in runs:
+            _assert_same_run(tmp_path, rank, f"{stage}{tp}{dtype}", plain, meta)
+
+
+def _assert_same_run(root: Path, rank: int, name: str, plain: dict, meta: dict) -> None:
+    """The meta-default run is the plain one: losses, final state and step-2 checkpoint, byte for
+    byte; the checkpoint reloads (under each run's default device) to exactly what its shard holds;
+    and every buffer is on the CPU."""
+    where = f"{name}, rank {rank}"
+    ckpts = [root / f"{kind}{name}" / "checkpoints" / "step_00000002" for kind in ("plain", "meta")]
+    assert_same_files(*ckpts)
+    for run, ckpt in zip((plain, meta), ckpts):
+        assert_same_state(
+            run["reloaded"], saved_state(ckpt, rank), f"{where}: reload of {ckpt.parent.parent.name}"
+        )
+    assert_same_state(meta["state"], plain["state"], where)
+    assert meta["losses"] == plain["losses"] and meta["val"] == plain["val"], where
+    assert set(meta["devices"].values()) == {"cpu"}, (where, meta["devices"])
+    assert len(meta["devices"]) > 10, where
 
 
 def _transport_battery(comm, mode: str):
@@ -240,4 +266,5 @@ def _gpu_written_checkpoint(comm, root: str):
 def test_a_checkpoint_with_cuda_rng_state_resumes_on_the_cpu(tmp_path):
     first, resumed, keys = run_ranks(_gpu_written_checkpoint, 2, str(tmp_path))[0]
     assert "rng.cuda" in keys
-    assert first["resume_ok"] and resumed["losses"] == first["losses"][2:] and len(resumed["losses"]) == 1
+    assert resumed["losses"] == first["losses"][2:] and len(resumed["losses"]) == 1
+    assert_same_state(resumed["state"], first["state"], "step 3 after the resume vs without")

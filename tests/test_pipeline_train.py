@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from ckpt_util import assert_same_files, assert_saved_final_state, state_of
 from e2e import torchrun
 from multiproc import run_ranks
 
@@ -129,7 +130,7 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
                 "losses": {s.step: s.loss.hex() for s in result.steps},
                 "stopped_by": result.stopped_by,
                 "norms": [s.param_norms for s in result.steps],
-                "resume_ok": result.resume_check and result.resume_check.ok,
+                "state": state_of(trainer.optimizer),  # this rank's partition at the end
             }
         )
     return out
@@ -206,23 +207,29 @@ def _resumable(world: int, **dist) -> dict:
 
 def _run_then_resume(tmp_path, first: tuple[int, dict], second: tuple[int, dict]):
     """Train 6 steps (checkpoints 3 and 6) with ``first``; set step 6 aside; resume from step 3 with
-    ``second``. Returns (uninterrupted run, resumed run, step-3 manifest) as rank 0 saw them."""
+    ``second``. Returns (uninterrupted run, resumed run, step-3 manifest), the runs by rank."""
     (w1, d1), (w2, d2) = first, second
-    full = run_ranks(_train, w1, [_resumable(w1, **d1)], str(tmp_path), timeout_s=600)[0][0]
+    full = [r[0] for r in run_ranks(_train, w1, [_resumable(w1, **d1)], str(tmp_path), timeout_s=600)]
     root = tmp_path / "0" / "checkpoints"
     os.rename(root / "step_00000006", tmp_path / "step_00000006.aside")
     resumed_tree = _resumable(w2, **d2)
     resumed_tree["checkpoint"]["resume"] = "latest"
-    resumed = run_ranks(_train, w2, [resumed_tree], str(tmp_path), timeout_s=600)[0][0]
+    resumed = [r[0] for r in run_ranks(_train, w2, [resumed_tree], str(tmp_path), timeout_s=600)]
     return full, resumed, checkpoint.read_manifest(root / "step_00000003")
 
 
 @pytest.mark.slow
 def test_a_pipeline_run_resumes_bitwise_and_its_manifest_records_the_stages(tmp_path):
-    full, resumed, manifest = _run_then_resume(tmp_path, (2, {"pp": 2}), (2, {"pp": 2}))
+    full_ranks, resumed_ranks, manifest = _run_then_resume(tmp_path, (2, {"pp": 2}), (2, {"pp": 2}))
+    full, resumed = full_ranks[0], resumed_ranks[0]
     assert sorted(resumed["losses"]) == [4, 5, 6]
     assert resumed["losses"] == {k: full["losses"][k] for k in (4, 5, 6)}  # bit for bit
-    assert full["resume_ok"] is True and resumed["resume_ok"] is True
+    # the step-3 reload restored everything: the resumed run saves step 6 byte for byte as the
+    # uninterrupted run did, and each shard holds its rank's state at the end
+    again, aside = tmp_path / "0" / "checkpoints" / "step_00000006", tmp_path / "step_00000006.aside"
+    assert_same_files(again, aside)
+    assert_saved_final_state(aside, full_ranks)
+    assert_saved_final_state(again, resumed_ranks)
     assert (manifest["pp"], manifest["dp"], manifest["tp"], manifest["world_size"]) == (2, 1, 1, 2)
     stages = [[p["name"] for p in per_tp[0]["params"]] for per_tp in manifest["pp_layouts"]]
     assert stages[0][:2] == ["tok_emb.weight", "pos_emb.weight"] and stages[1][-1] == "lm_head.bias"
@@ -244,12 +251,13 @@ def test_a_pipeline_run_resumes_bitwise_and_its_manifest_records_the_stages(tmp_
     ids=["pp2-pp1", "pp1-pp2", "pp2dp2-pp1dp1", "pp2-pp2dp2"],
 )
 def test_a_checkpoint_resumes_across_pipeline_degrees(tmp_path, first, second):
-    full, resumed, _ = _run_then_resume(tmp_path, first, second)
+    full_ranks, resumed_ranks, _ = _run_then_resume(tmp_path, first, second)
+    full, resumed = full_ranks[0], resumed_ranks[0]
     assert sorted(resumed["losses"]) == [4, 5, 6]
     for k in (4, 5, 6):
         want, got = float.fromhex(full["losses"][k]), float.fromhex(resumed["losses"][k])
         assert abs(got - want) <= REL * abs(want), f"step {k}: {got} after the resume, {want} without"
-    assert resumed["resume_ok"] is True
+    assert_saved_final_state(tmp_path / "0" / "checkpoints" / "step_00000006", resumed_ranks)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+from ckpt_util import assert_same_files
 from forkrun import run_script
 
 pytestmark = pytest.mark.slow
@@ -14,7 +15,14 @@ def test_resume_script_proves_bitwise_resume(resume_script_run, tmp_path):
     proc, out = resume_script_run
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "RESUME EXACT: steps 11-20 bitwise equal" in proc.stdout
-    assert "step-20 checkpoints are byte-identical" in proc.stdout
+    assert "step-20 checkpoints are byte-identical" in proc.stdout  # what it says; the bytes:
+    assert proc.stdout.splitlines()[-1] == (
+        f"the two runs are kept in {out} (full/, resumed/ and their logs); remove them with: rm -r {out}"
+    )
+    full20, resumed20 = (out / run / "checkpoints/step_00000020" for run in ("full", "resumed"))
+    shards = [f"rank{r:05d}.safetensors" for r in range(4)]
+    assert sorted(p.name for p in full20.iterdir()) == ["manifest.json", *shards]
+    assert_same_files(full20, resumed20)
     full = [json.loads(x) for x in (out / "full/metrics.jsonl").read_text().splitlines()]
     resumed = [json.loads(x) for x in (out / "resumed/metrics.jsonl").read_text().splitlines()]
     full, resumed = ([r for r in records if r["type"] == "step"] for records in (full, resumed))  # not events
