@@ -10,6 +10,7 @@ data. A failure names the file, the line and the import.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,3 +201,74 @@ def test_the_checker_catches_a_bad_import(tmp_path, monkeypatch):
     finally:
         bad.unlink()
     assert any("distlib/comm/_layering_probe.py:2" in v and "distlib.app" in v for v in found), found
+
+
+# --------------------------------------------------------------------------- the one rank order
+
+LAYOUT_OWNER = "distlib/comm/layout.py"
+_SIZE = re.compile(r"^(\w+\.)*(old_)?(tp|dp|pp|cp|ep)(_size|\.size)?$|^per_stage$")
+_WORLD = re.compile(r"world")
+# file -> why its arithmetic on a size is not a rank (reviewed; a new entry needs a reason)
+NOT_RANKS = {
+    "distlib/app/model/pipeline.py": "c * pp + rank numbers an interleaved schedule's virtual stages",
+}
+
+
+def _is_size(node: ast.AST) -> bool:
+    """An expression naming a layout dimension's size: tp, old_dp, mesh.pp.size, cfg.dist.tp, ..."""
+    return bool(_SIZE.match(ast.unparse(node)))
+
+
+def _rank_arithmetic(tree: ast.AST) -> list[tuple[int, str]]:
+    """Expressions computing a rank from sizes, ``a * tp + b``, or a dimension from the world,
+    ``world // (tp * pp)``: the layout's business alone."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.BinOp):
+            continue
+        mult = node.left if isinstance(node.op, ast.Add) else None
+        if (
+            isinstance(mult, ast.BinOp)
+            and isinstance(mult.op, ast.Mult)
+            and any(_is_size(x) for x in (mult.left, mult.right))
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+        right = node.right
+        sizes = isinstance(right, ast.BinOp) and isinstance(right.op, ast.Mult) and _is_size(right.left)
+        if (
+            isinstance(node.op, ast.FloorDiv)
+            and _WORLD.search(ast.unparse(node.left))
+            and (sizes or _is_size(right))
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def rank_arithmetic_outside_the_layout(files) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{line}: {text}"
+        for path in files
+        if str(path.relative_to(ROOT)) not in (LAYOUT_OWNER, *NOT_RANKS)
+        for line, text in _rank_arithmetic(ast.parse(path.read_text()))
+    ]
+
+
+def test_no_module_but_the_layout_computes_a_rank_from_the_sizes():
+    assert rank_arithmetic_outside_the_layout(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def test_the_rank_check_catches_the_arithmetic_the_layout_replaced(tmp_path):
+    old = tmp_path / "old.py"
+    old.write_text(
+        "files = [(s * dp + d) * tp + t for d in range(dp)]\n"
+        "own = (pp_rank * old_dp + rank) * tp + tp_rank\n"
+        "dp = int(manifest['world_size']) // (tp * pp)\n"
+        "shift = (mesh.pp.size - 1 - mesh.pp.rank) * (mesh.world.size // mesh.pp.size)\n"
+    )
+    found = {text for _, text in _rank_arithmetic(ast.parse(old.read_text()))}
+    assert {
+        "(s * dp + d) * tp + t",
+        "(pp_rank * old_dp + rank) * tp + tp_rank",
+        "int(manifest['world_size']) // (tp * pp)",
+        "mesh.world.size // mesh.pp.size",
+    } <= found, found

@@ -78,6 +78,12 @@ CASES = [
     ("tp_not_dividing", _set("tp", value=3), "world_size 2 is not a multiple of tp 3"),
     ("dp_inconsistent", _set("dp", value=3), "dp 3 x tp 1 != world_size 2"),
     ("tp_without_layouts", lambda m: m.update(tp=2, dp=1), 'manifest lacks "tp_layouts"'),
+    ("parallel_disagrees", _set("parallel", "dp", value=4), "disagrees with world_size 2, tp 1, pp 1"),
+    (
+        "parallel_other_order",
+        _set("parallel", "order", value=["dp", "pp", "cp", "tp"]),
+        "parallel: rank order",
+    ),
     ("no_layout", _del("layout"), 'manifest lacks "layout"'),
     ("layout_not_object", _set("layout", value=[]), "layout must be an object, got []"),
     ("param_lacks_shape", _del("layout", "params", 3, "shape"), 'layout.params[3] lacks "shape"'),

@@ -146,6 +146,11 @@ def check_invariants(
     return failures
 
 
+def _order(manifest: dict) -> list[str]:
+    """The dimensions of a checkpoint's rank order, slowest first (older manifests: pp, dp, tp)."""
+    return manifest.get("parallel", {}).get("order", ["pp", "dp", "tp"])
+
+
 def manifest_text(manifest: dict) -> str:
     """The manifest, readably: header, the flat layout one parameter a line, the files."""
     layout = manifest["layout"]
@@ -157,7 +162,8 @@ def manifest_text(manifest: dict) -> str:
     if manifest.get("tp", 1) > 1:
         lines.append(
             f"  mesh: {manifest['dp']} data-parallel x {manifest['tp']} tensor-parallel "
-            f"({manifest['rank_order']}); tensor rank 0's layout below, every rank's in tp_layouts"
+            f"(rank order {' > '.join(_order(manifest))}); tensor rank 0's layout below, every rank's in "
+            f"tp_layouts"
         )
     lines += [
         f"  flat layout: {layout['numel']} parameters + {layout['padding']} padding = "

@@ -2,8 +2,8 @@
 
 A checkpoint holds, per pipeline stage and tensor-parallel rank, one flat layout (manifest
 ``layout``; ``tp_layouts`` per tensor rank; ``pp_layouts[stage][tp_rank]`` per stage), each
-partitioned over the data-parallel ranks, whose files are in the rank order (pp_rank * dp +
-dp_rank) * tp + tp_rank. ``full_tensors`` concatenates each layout's data-parallel partitions (the
+partitioned over the data-parallel ranks, whose files are in the layout's rank order
+(distlib/comm/layout.py). ``full_tensors`` concatenates each layout's data-parallel partitions (the
 padding dropped), cuts the flat vector into its named parameters, joins the tensor-parallel pieces
 of each split parameter (``tensor_parallel.unshard``, the inverse of ``shard_of``) and takes a
 replicated one from tensor rank 0 (every tensor rank holds the same bytes of it). The stages hold
@@ -20,6 +20,7 @@ import torch
 
 from distlib.checkpoint import sharded
 from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm.layout import Layout
 from distlib.parallel.adamw import STATE_KEYS
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.tensor_parallel import unshard
@@ -36,13 +37,12 @@ def full_tensors(path: Path, manifest: dict, key: str = "master") -> dict[str, t
     if key not in STATE_KEYS:
         raise ValueError(f"key must be one of {STATE_KEYS}, got {key!r}")
     path = Path(path)
-    tp, pp = int(manifest.get("tp", 1)), int(manifest.get("pp", 1))
-    dp = int(manifest["world_size"]) // (tp * pp)
+    grid = Layout.of_manifest(manifest)
     pieces: dict[str, list[tuple[dict | None, torch.Tensor]]] = {}
     for s, per_tp in enumerate(stage_layouts(manifest)):
         for t, layout_dict in enumerate(per_tp):
             layout = FlatLayout.from_dict(layout_dict)
-            files = [(s * dp + d) * tp + t for d in range(dp)]
+            files = grid.group(grid.rank(pp=s, tp=t), ("dp",))
             flat = torch.cat([sharded.load_shard(path, r)[0][key] for r in files])[: layout.numel]
             for p, slot in zip(layout_dict["params"], layout.slots):
                 local = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)

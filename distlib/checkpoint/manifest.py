@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable
 from pathlib import PurePosixPath
 
+from distlib.comm.layout import Layout, LayoutError
+
 # train.dtype's values (distlib.app.config.run.DTYPES; this layer may not import the application).
 PARAM_DTYPES = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -68,6 +70,22 @@ def _shape(value, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(_is_int(n) and n >= 0 for n in value):
         raise ManifestProblem(f"{name} must be a list of sizes >= 0, got {_show(value)}")
     return tuple(value)
+
+
+def _parallel(manifest: dict, world: int, tp: int, pp: int) -> Layout:
+    """The layout the manifest's sizes give; its ``parallel`` record, when present, must be it."""
+    layout = Layout.of(world, tp=tp, pp=pp)
+    record = _field(manifest, "parallel", "", dict, optional=True)
+    if record is not None:
+        try:
+            recorded = Layout.from_dict(record)
+        except (LayoutError, TypeError, ValueError) as exc:
+            raise ManifestProblem(f"parallel: {exc}") from None
+        if recorded != layout:
+            raise ManifestProblem(
+                f"parallel {_show(record)} disagrees with world_size {world}, tp {tp}, pp {pp}"
+            )
+    return layout
 
 
 def check_layout(layout, where: str, world_size: int, tp: int | None = None, tp_rank: int = 0) -> None:
@@ -209,9 +227,10 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1)
     if layouts is not None and len(layouts) != tp:
         raise ManifestProblem(f"tp_layouts has {len(layouts)} layout(s), expected one per tensor rank ({tp})")
-    check_layout(_field(manifest, "layout", "", dict), "layout", world // (tp * pp))
+    per_layout = _parallel(manifest, world, tp, pp).dp  # ranks holding one flat layout's partitions
+    check_layout(_field(manifest, "layout", "", dict), "layout", per_layout)
     for t, layout in enumerate(layouts or []):
-        check_layout(layout, f"tp_layouts[{t}]", world // (tp * pp), tp, t)
+        check_layout(layout, f"tp_layouts[{t}]", per_layout, tp, t)
     stages = _field(manifest, "pp_layouts", "", list, optional=pp == 1)
     if stages is not None and len(stages) != pp:
         raise ManifestProblem(
@@ -221,7 +240,7 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
         if not isinstance(per_tp, list) or len(per_tp) != tp:
             raise ManifestProblem(f"pp_layouts[{s}] must list one layout per tensor rank ({tp})")
         for t, layout in enumerate(per_tp):
-            check_layout(layout, f"pp_layouts[{s}][{t}]", world // (tp * pp), tp if tp > 1 else None, t)
+            check_layout(layout, f"pp_layouts[{s}][{t}]", per_layout, tp if tp > 1 else None, t)
     files = _field(manifest, "files", "", list)
     if len(files) != world:
         raise ManifestProblem(f"files lists {len(files)} file(s), expected one shard per rank ({world})")

@@ -14,7 +14,7 @@ ranks with these same functions (same ``tp``); consolidating one or changing its
 ``tp`` is not supported.
 
 A pipeline-parallel checkpoint (manifest ``pp`` = P) holds one flat layout per stage and tensor
-rank (``pp_layouts``), its files in the rank order (pp_rank * dp + dp_rank) * tp + tp_rank.
+rank (``pp_layouts``), its files in the layout's rank order (distlib/comm/layout.py).
 Loading it at another pipeline degree, or a pp = 1 one into stages, goes by parameter name
 (``_load_by_name``): each element of the new partition is found in the stage that held its
 parameter and read from that stage's data-parallel shards -- the same index arithmetic, per
@@ -37,6 +37,7 @@ import torch
 from distlib.checkpoint import extra_files
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm.layout import Layout
 from distlib.parallel.adamw import STATE_KEYS
 from distlib.parallel.flat_layout import FlatLayout
 
@@ -109,16 +110,16 @@ def load_partition(
     world size: state is partition ``rank`` of each of STATE_KEYS; rng is the saved RNG tensors
     (None when the checkpoint has no rank ``rank`` or that rank kept none). For a tensor-parallel
     checkpoint (manifest ``tp`` = T), ``rank``/``world_size`` are data-parallel and the state
-    comes from tensor rank ``tp_rank``'s shards (global rank = dp_rank * T + tp_rank). ``stage``:
+    comes from tensor rank ``tp_rank``'s shards (the checkpoint's layout gives their files). ``stage``:
     (this rank's flat layout, its pipeline rank, the pipeline degree) when the run is
     pipeline-parallel; then, or when the checkpoint is, parameters are found by name."""
     path = Path(path)
     if int(manifest.get("pp", 1)) > 1 or (stage is not None and stage[2] > 1):
         return _load_by_name(path, manifest, rank, world_size, tp_rank, stage)
-    tp = _tensor_parallel(manifest)
+    tp, grid = _tensor_parallel(manifest), Layout.of_manifest(manifest)
     layout = manifest["tp_layouts"][tp_rank] if tp > 1 else manifest["layout"]
-    numel, old_world = int(layout["numel"]), int(manifest["world_size"]) // tp
-    file_rank = (lambda d: d * tp + tp_rank) if tp > 1 else (lambda d: d)
+    numel, old_world = int(layout["numel"]), grid.dp
+    file_rank = lambda d: grid.rank(dp=d, tp=tp_rank)  # noqa: E731
     size = shard_numel(numel, world_size)
     state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}  # host copies
     filled = 0
@@ -147,9 +148,9 @@ def _load_by_name(
     if stage is None:
         raise CheckpointError(f"checkpoint {path} is pipeline-parallel: loading it needs this rank's layout")
     layout, pp_rank, pp = stage
-    tp, old_pp = _tensor_parallel(manifest), int(manifest.get("pp", 1))
+    grid = Layout.of_manifest(manifest)
+    old_pp, old_dp = grid.pp, grid.dp
     stages = manifest.get("pp_layouts") or [manifest.get("tp_layouts") or [manifest["layout"]]]
-    old_dp = int(manifest["world_size"]) // (tp * old_pp)
     where = {}  # parameter name -> (old stage, offset in its flat layout, that layout's numel)
     for s, per_tp in enumerate(stages):
         old = FlatLayout.from_dict(per_tp[tp_rank])
@@ -166,12 +167,12 @@ def _load_by_name(
         s, offset, numel = where[slot.name]
         src = offset + a - slot.offset  # [src, src + b - a) of stage s's flat vector
         for old_rank, start, end in _pieces(numel, old_dp, src, src + b - a):
-            with _open(path, (s * old_dp + old_rank) * tp + tp_rank) as f:
+            with _open(path, grid.rank(pp=s, dp=old_rank, tp=tp_rank)) as f:
                 at = a - lo + old_rank * shard_numel(numel, old_dp) + start - src
                 for key in STATE_KEYS:
                     state[key][at : at + end - start] = f.get_slice(key)[start:end]
     same = old_pp == pp and rank < old_dp  # the same place existed: its RNG carries over
-    own = ((pp_rank * old_dp + rank) * tp + tp_rank) if same else tp_rank
+    own = grid.rank(pp=pp_rank, dp=rank, tp=tp_rank) if same else grid.rank(tp=tp_rank)
     with _open(path, own) as f:
         rank_state = json.loads(f.metadata()["rank_state"])
         rng = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng.")}
@@ -287,6 +288,7 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
         **manifest,
         "world_size": world_size,
         "dp": world_size,  # tp == 1 (_whole_model_only)
+        "parallel": Layout.of(world_size).to_dict(),
         "layout": FlatLayout(layout.slots, world_size).to_dict(),
         "files": files,
         "resharded_from": {"path": str(path), "world_size": old_world},

@@ -1,12 +1,9 @@
-"""The 3-D device mesh: data-parallel x tensor-parallel x pipeline groups of one world.
+"""The device mesh: the process groups of one world, built from its layout (distlib/comm/layout.py).
 
-Global rank ``g = (pp_rank * dp + dp_rank) * tp + tp_rank``: tensor-parallel fastest, then
-data-parallel, then pipeline stage (with ``pp`` = 1 this is the 2-D ``dp_rank * tp + tp_rank``).
-The ranks of one tensor-parallel
-group are neighbours (on real hardware, the GPUs of one node, where the
-per-layer all-reduces are cheapest), and the ranks holding the same tensor
-shard at different data-parallel positions form a data-parallel group, over
-which ZeRO shards the optimizer state.
+The layout owns the rank order; this module only asks it for each kind of group. The ranks of
+one tensor-parallel group are neighbours (on real hardware, the GPUs of one node, where the
+per-layer all-reduces are cheapest), and the ranks holding the same tensor shard at different
+data-parallel positions form a data-parallel group, over which ZeRO shards the optimizer state.
 
 ``dist.new_group`` is itself collective: every rank must create every group, in
 the same order, even the groups it does not belong to. That is why the whole
@@ -35,10 +32,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from distlib.comm.group import Comm, CommStats
+from distlib.comm.layout import Layout, LayoutError
 
-
-class MeshError(ValueError):
-    """A parallel layout that cannot be built from this world."""
+MeshError = LayoutError  # a parallel layout that cannot be built from this world
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,7 @@ class Mesh:
     tp: Comm  # one data-parallel position, every tensor-parallel rank: attention/MLP shards
     pp: Comm | None = None  # one (dp, tp) position, every pipeline stage, in stage order
     stage: Comm | None = None  # every dp x tp rank of this rank's stage
+    layout: Layout | None = None  # the grid the groups come from
 
     @property
     def first_stage(self) -> bool:
@@ -63,8 +60,8 @@ class Mesh:
         last stage (where the loss is computed)."""
         if self.pp is None:
             return self.dp.ranks
-        shift = (self.pp.size - 1 - self.pp.rank) * (self.world.size // self.pp.size)
-        return tuple(r + shift for r in self.dp.ranks)
+        at_last = self.layout.coords(self.world.rank) | {"pp": self.layout.pp - 1}
+        return tuple(self.world.peer(r) for r in self.layout.group(self.layout.rank(**at_last), ("dp",)))
 
     def groups(self) -> dict[str, Comm]:
         """The sub-groups by name (whose traffic the metrics report apart)."""
@@ -72,9 +69,7 @@ class Mesh:
 
 
 def check_layout(world_size: int, tp: int, pp: int = 1) -> None:
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        what = f"dist.tp={tp}" if pp == 1 else f"dist.tp x dist.pp = {tp} x {pp}"
-        raise MeshError(f"{what} must be >= 1 and divide dist.world_size={world_size}")
+    Layout.of(world_size, tp=tp, pp=pp)
 
 
 def _new_group(ranks: list[int], timeout_s: float | None):
@@ -85,58 +80,35 @@ def _new_group(ranks: list[int], timeout_s: float | None):
     return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+# the groups a mesh builds, by kind: the layout dimensions each spans (pp > 1 adds pp and stage)
+KINDS = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",), "stage": ("dp", "cp", "tp")}
+
+
 def build_mesh(world: Comm, tp: int, pp: int = 1, timeout_s: float | None = None) -> Mesh:
     """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank),
     and with ``pp`` > 1 the pipeline and stage groups; each waits at most ``timeout_s``."""
-    check_layout(world.size, tp, pp)
-    if pp > 1:
-        return _build_3d(world, tp, pp, timeout_s)
+    layout = Layout.of(world.size, tp=tp, pp=pp)
 
     def riders() -> dict:
         return dict(
             stats=CommStats() if world.stats is not None else None, check=world.check, device=world.device
         )
 
-    if tp == 1:
-        return Mesh(
-            world=world,
-            dp=dataclasses.replace(world, **riders()),
-            tp=Comm(ranks=(world.peer(world.rank),), rank=0, **riders()),
-            stage=world,
-        )
-    dp_size = world.size // tp
-    tp_groups = [[world.peer(d * tp + t) for t in range(tp)] for d in range(dp_size)]
-    dp_groups = [[world.peer(d * tp + t) for d in range(dp_size)] for t in range(tp)]
-    me = world.peer(world.rank)
+    me = world.rank
     mine: dict[str, Comm] = {}
-    for kind, groups in (("tp", tp_groups), ("dp", dp_groups)):
-        for ranks in groups:
+    for kind, dims in KINDS.items():
+        if pp == 1 and kind in ("pp", "stage"):
+            continue
+        for group_ranks in layout.groups(dims):
+            ranks = [world.peer(r) for r in group_ranks]
+            if pp == 1 and tp == 1 and kind == "dp":  # the whole world: its own process group
+                mine[kind] = dataclasses.replace(world, **riders())
+                continue
             # gloo needs a real group even of size 1 only for collectives; skip those.
             group = _new_group(ranks, timeout_s) if len(ranks) > 1 else None
-            if me in ranks:
-                mine[kind] = dataclasses.replace(
-                    Comm.subgroup(ranks, group) if group is not None else Comm(ranks=tuple(ranks), rank=0),
-                    **riders(),
-                )
-    return Mesh(world=world, dp=mine["dp"], tp=mine["tp"], stage=world)
-
-
-def _build_3d(world: Comm, tp: int, pp: int, timeout_s: float | None) -> Mesh:
-    dp = world.size // (tp * pp)
-    g = lambda s, d, t: world.peer((s * dp + d) * tp + t)  # noqa: E731 - the rank order, once
-    groups = {
-        "tp": [[g(s, d, t) for t in range(tp)] for s in range(pp) for d in range(dp)],
-        "dp": [[g(s, d, t) for d in range(dp)] for s in range(pp) for t in range(tp)],
-        "pp": [[g(s, d, t) for s in range(pp)] for d in range(dp) for t in range(tp)],
-        "stage": [[g(s, d, t) for d in range(dp) for t in range(tp)] for s in range(pp)],
-    }
-    me = world.peer(world.rank)
-    mine: dict[str, Comm] = {}
-    for kind, lists in groups.items():
-        for ranks in lists:
-            group = _new_group(ranks, timeout_s) if len(ranks) > 1 else None
-            if me in ranks:
-                stats = CommStats() if world.stats is not None else None
+            if me in group_ranks:
                 base = Comm.subgroup(ranks, group) if group is not None else Comm(ranks=tuple(ranks), rank=0)
-                mine[kind] = dataclasses.replace(base, stats=stats, check=world.check, device=world.device)
-    return Mesh(world=world, **mine)
+                mine[kind] = dataclasses.replace(base, **riders())
+    if pp == 1:
+        mine["stage"] = world
+    return Mesh(world=world, layout=layout, **mine)

@@ -21,6 +21,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from distlib.comm.layout import Layout
+
 INVARIANCE_RTOL = 1e-5
 
 
@@ -39,11 +41,9 @@ def read_job(job_dir: Path) -> dict | None:
             steps[row["step"]] = row  # a resumed or rolled-back run rewrites later steps; keep the last
     if not steps:
         return None
-    world, tp = int(cfg.dist.world_size), int(cfg.dist.get("tp", 1))
-    t = cfg.train
-    global_batch = (
-        t.global_batch if t.global_batch is not None else t.batch_size * (world // tp) * t.grad_accum
-    )
+    world, tp, t = int(cfg.dist.world_size), int(cfg.dist.get("tp", 1)), cfg.train
+    dp = Layout.of(world, tp=tp, pp=int(cfg.dist.get("pp", 1))).dp
+    global_batch = t.global_batch if t.global_batch is not None else t.batch_size * dp * t.grad_accum
     ordered = [steps[k] for k in sorted(steps)]
     return {
         "job": job_dir.name,

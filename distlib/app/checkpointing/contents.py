@@ -91,7 +91,7 @@ class Contents:
         meta = {
             "tp": tp,
             "dp": self.mesh.dp.size,
-            "rank_order": "global rank = dp_rank * tp + tp_rank",
+            "parallel": self.mesh.layout.to_dict(),  # the dimensions by name, in the rank order
             "param_dtype": self.cfg.train.dtype,
         }
         if tp > 1:

@@ -24,7 +24,7 @@ from distlib.app.config.groups import (
 from distlib.app.config.operation import CheckpointConfig, DistConfig, GuardConfig
 from distlib.app.config.schema import ConfigError, Group, key, specs
 from distlib.app.faults import FaultConfig
-from distlib.comm.mesh import MeshError, check_layout
+from distlib.comm.layout import Layout, LayoutError
 
 __all__ = ["ConfigError", "RunConfig", "GROUPS"]
 
@@ -67,10 +67,14 @@ class RunConfig(Group):
     seed: int = key(1234, ge=0)
 
     @property
+    def layout(self) -> Layout:
+        """The parallel layout of dist.world_size ranks (distlib/comm/layout.py: the rank order)."""
+        return Layout.of(self.dist.world_size, tp=self.dist.tp, pp=self.dist.pp)
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the world divided into tensor-parallel groups of dist.tp and
-        pipeline stages of dist.pp."""
-        return self.dist.world_size // (self.dist.tp * self.dist.pp)
+        """Data-parallel ranks: what the layout leaves of the world after dist.tp and dist.pp."""
+        return self.layout.dp
 
     @property
     def global_batch(self) -> int:
@@ -128,8 +132,8 @@ def _check_across(cfg: RunConfig) -> None:
     """The rules that span groups, each naming the keys involved."""
     d, m, t = cfg.dist, cfg.model, cfg.train
     try:
-        check_layout(d.world_size, d.tp, d.pp)
-    except MeshError as exc:
+        cfg.layout  # noqa: B018 - built to be checked
+    except LayoutError as exc:
         raise ConfigError(f"invalid parallel layout: {exc}") from exc
     check_tensor_parallel(m, d.tp)
     _check_batch(cfg)

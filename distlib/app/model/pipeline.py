@@ -73,16 +73,15 @@ def keep_stage_(model: CausalLM, pp: int, virtual: int, rank: int) -> list[Chunk
 
 def stage_layouts(mesh: Mesh, layout: FlatLayout, tp_splits: dict[str, Split]) -> dict:
     """The manifest's pipeline fields (collective over the world; {} without pipeline parallelism):
-    ``pp``, the rank order, and ``pp_layouts[stage][tp_rank]``, each stage's flat layout (with the
+    ``pp``, and ``pp_layouts[stage][tp_rank]``, each stage's flat layout (with the
     tensor-parallel splits, as ``tp_layouts``), which is how a checkpoint finds every parameter
     by name when it is loaded at another pipeline degree."""
     if mesh.pp is None:
         return {}
     mine = manifest_layouts(layout.to_dict(), tp_splits)[mesh.tp.rank] if tp_splits else layout.to_dict()
     every = [json.loads(blob) for blob in agree.gather_bytes(json.dumps(mine).encode(), mesh.world)]
-    tp, per_stage = mesh.tp.size, mesh.world.size // mesh.pp.size
+    grid = mesh.layout
     return {
-        "pp": mesh.pp.size,
-        "rank_order": "global rank = (pp_rank * dp + dp_rank) * tp + tp_rank",
-        "pp_layouts": [[every[s * per_stage + t] for t in range(tp)] for s in range(mesh.pp.size)],
+        "pp": grid.pp,
+        "pp_layouts": [[every[grid.rank(pp=s, tp=t)] for t in range(grid.tp)] for s in range(grid.pp)],
     }

@@ -26,6 +26,7 @@ import torch
 from distlib.app.config.operation import GuardConfig
 from distlib.comm import agree
 from distlib.comm.group import Comm
+from distlib.comm.layout import Layout
 
 
 class GuardError(RuntimeError):
@@ -93,13 +94,12 @@ def parameter_digests(flat: torch.Tensor, slots) -> list[str]:
     ]
 
 
-def replica_groups(size: int, tp: int, is_split: bool) -> list[list[int]]:
-    """The groups of ranks (group ranks of a world laid out as ``dp_rank * tp + tp_rank``) that
-    must hold identical bytes of a parameter: a tensor-parallel split one within each
-    data-parallel group (same tensor rank), a replicated one across every rank."""
-    if not is_split or tp == 1:
-        return [list(range(size))]
-    return [list(range(t, size, tp)) for t in range(tp)]
+def replica_groups(size: int, tp: int, is_split: bool) -> list[tuple[int, ...]]:
+    """The groups of ranks (group ranks of one pipeline stage, in the layout's order) that must hold
+    identical bytes of a parameter: a tensor-parallel split one within each group of the batch
+    dimensions (same tensor rank), a replicated one across every rank."""
+    stage = Layout.of(size, tp=tp)
+    return stage.groups(("dp", "cp")) if is_split else stage.groups(("dp", "cp", "tp"))
 
 
 def check_replicas(

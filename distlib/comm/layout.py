@@ -1,0 +1,120 @@
+"""The parallel layout: named dimensions over the world's ranks, and the one rank order.
+
+A world of ``pp x dp x cp x tp`` ranks is a grid (picotron's ``arange(world).view(...)``) whose
+dimensions, slowest-varying first, are ``ORDER``::
+
+    global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+Tensor-parallel ranks are neighbours (on real hardware the GPUs of one node, where the per-layer
+all-reduces are cheapest); a pipeline stage is a contiguous block of ranks. ``cp`` (context
+parallelism) and ``ep`` (expert parallelism, which splits the experts over ranks of the batch
+dimensions dp x cp and adds no ranks of its own) are 1 until they are built. Everything that
+needs a rank from coordinates or the ranks of a group asks this object: nothing else in the
+package computes a rank from the sizes (``tests/test_layering.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+ORDER = ("pp", "dp", "cp", "tp")  # the grid's dimensions, slowest-varying first
+
+
+class LayoutError(ValueError):
+    """A parallel layout that this world size cannot hold."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @staticmethod
+    def of(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Layout:
+        """The layout of ``world_size`` ranks with these degrees (dp is what is left), checked: one
+        line naming the keys for each way it cannot be built."""
+        for key, size in {"dist.tp": tp, "dist.pp": pp, "dist.cp": cp, "dist.ep": ep}.items():
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"{key} must be an integer >= 1, got {size!r}")
+        if world_size < 1 or world_size % (tp * pp * cp):
+            split = {
+                "dist.tp": tp,
+                **({"dist.pp": pp} if pp > 1 else {}),
+                **({"dist.cp": cp} if cp > 1 else {}),
+            }
+            what = (
+                f"dist.tp={tp}"
+                if len(split) == 1
+                else f"{' x '.join(split)} = {' x '.join(map(str, split.values()))}"
+            )
+            raise LayoutError(f"{what} must be >= 1 and divide dist.world_size={world_size}")
+        product = tp * pp * cp
+        layout = Layout(pp=pp, dp=world_size // product, cp=cp, tp=tp, ep=ep)
+        if (layout.dp * cp) % ep:
+            raise LayoutError(f"dist.ep={ep} must divide the batch ranks dp x cp = {layout.dp * cp}")
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def sizes(self) -> dict[str, int]:
+        return {dim: getattr(self, dim) for dim in ORDER}
+
+    def rank(self, **coords: int) -> int:
+        """The global rank at these coordinates (a dimension not named is at 0)."""
+        unknown = set(coords) - set(ORDER)
+        if unknown:
+            raise ValueError(f"unknown layout dimension(s) {sorted(unknown)}")
+        rank = 0
+        for dim in ORDER:
+            at, size = coords.get(dim, 0), getattr(self, dim)
+            if not 0 <= at < size:
+                raise ValueError(f"{dim} coordinate {at} outside 0..{size - 1}")
+            rank = rank * size + at
+        return rank
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinates of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        out = {}
+        for dim in reversed(ORDER):
+            rank, out[dim] = divmod(rank, getattr(self, dim))
+        return {dim: out[dim] for dim in ORDER}
+
+    def group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
+        """The ranks that share ``rank``'s coordinates outside ``dims``, in rank order (a group over
+        several dimensions, e.g. ("dp", "cp") for the batch, is their flattening)."""
+        fixed = {d: c for d, c in self.coords(rank).items() if d not in dims}
+        free = [d for d in ORDER if d in dims]
+        spans = [range(getattr(self, d)) for d in free]
+        return tuple(sorted(self.rank(**fixed, **dict(zip(free, at))) for at in itertools.product(*spans)))
+
+    def groups(self, dims: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Every group over ``dims``, partitioning the world, ordered by their first rank."""
+        return sorted({self.group(r, dims) for r in range(self.world_size)})
+
+    def to_dict(self) -> dict:
+        """For manifests: the degrees by name and the order (``from_dict`` reads it back)."""
+        return {"order": list(ORDER), **self.sizes(), "ep": self.ep}
+
+    @staticmethod
+    def from_dict(record: dict) -> Layout:
+        if list(record.get("order", ORDER)) != list(ORDER):
+            raise LayoutError(f"rank order {record['order']} is not this code's {list(ORDER)}")
+        return Layout(**{d: int(record.get(d, 1)) for d in (*ORDER, "ep")})
+
+    @staticmethod
+    def of_manifest(manifest: dict) -> Layout:
+        """A checkpoint's layout: its ``parallel`` record, or (manifests written before it) the
+        world size, ``tp`` and ``pp`` it always had, in the same order."""
+        if "parallel" in manifest:
+            return Layout.from_dict(manifest["parallel"])
+        return Layout.of(
+            int(manifest["world_size"]), tp=int(manifest.get("tp", 1)), pp=int(manifest.get("pp", 1))
+        )

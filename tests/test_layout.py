@@ -1,0 +1,66 @@
+"""The parallel layout (distlib/comm/layout.py): named dimensions, the one rank order, every group
+from it, one line per impossible layout, and old manifests read in the same order."""
+
+import itertools
+import math
+
+import pytest
+
+from distlib.comm.layout import ORDER, Layout, LayoutError
+
+
+def test_the_rank_order_is_pp_dp_cp_tp_with_tensor_ranks_neighbours():
+    grid = Layout.of(16, tp=2, pp=2, cp=2)
+    assert (grid.pp, grid.dp, grid.cp, grid.tp) == (2, 2, 2, 2) and ORDER == ("pp", "dp", "cp", "tp")
+    expect = 0
+    for s, d, c, t in itertools.product(range(2), repeat=4):  # slowest first
+        assert grid.rank(pp=s, dp=d, cp=c, tp=t) == expect
+        assert grid.coords(expect) == {"pp": s, "dp": d, "cp": c, "tp": t}
+        expect += 1
+
+
+@pytest.mark.parametrize("world, tp, pp, cp", [(8, 2, 2, 1), (12, 3, 1, 2), (8, 1, 4, 1), (6, 1, 1, 1)])
+def test_groups_partition_the_world_and_vary_only_their_dimensions(world, tp, pp, cp):
+    grid = Layout.of(world, tp=tp, pp=pp, cp=cp)
+    for dims in [("tp",), ("dp",), ("pp",), ("cp",), ("dp", "cp"), ("dp", "cp", "tp")]:
+        groups = grid.groups(dims)
+        assert sorted(r for g in groups for r in g) == list(range(world)), dims
+        for g in groups:
+            assert len(g) == math.prod(getattr(grid, d) for d in dims)
+            fixed = [{d: c for d, c in grid.coords(r).items() if d not in dims} for r in g]
+            assert all(f == fixed[0] for f in fixed), (dims, g)
+
+
+def test_the_old_3d_formula_and_a_manifest_without_the_record_agree():
+    grid = Layout.of_manifest({"world_size": 8, "tp": 2, "pp": 2})
+    assert all(
+        grid.rank(pp=s, dp=d, tp=t) == (s * 2 + d) * 2 + t
+        for s in range(2)
+        for d in range(2)
+        for t in range(2)
+    )
+    assert Layout.of_manifest({"world_size": 4, "parallel": grid.to_dict() | {"dp": 1}}) == Layout(
+        pp=2, dp=1, tp=2
+    )
+    assert Layout.from_dict(grid.to_dict()) == grid
+
+
+@pytest.mark.parametrize(
+    "world, sizes, line",
+    [
+        (6, {"tp": 4}, "dist.tp=4 must be >= 1 and divide dist.world_size=6"),
+        (8, {"tp": 3, "pp": 2}, "dist.tp x dist.pp = 3 x 2 must be >= 1 and divide dist.world_size=8"),
+        (8, {"tp": 2, "cp": 3}, "dist.tp x dist.cp = 2 x 3 must be >= 1 and divide dist.world_size=8"),
+        (8, {"tp": 0}, "dist.tp must be an integer >= 1, got 0"),
+        (8, {"tp": 2, "ep": 3}, "dist.ep=3 must divide the batch ranks dp x cp = 4"),
+    ],
+)
+def test_an_impossible_layout_is_one_line_naming_the_keys(world, sizes, line):
+    with pytest.raises(LayoutError) as err:
+        Layout.of(world, **sizes)
+    assert str(err.value) == line
+
+
+def test_a_record_in_another_rank_order_is_refused():
+    with pytest.raises(LayoutError, match="rank order"):
+        Layout.from_dict({"order": ["dp", "pp", "cp", "tp"], "pp": 1, "dp": 2, "cp": 1, "tp": 1})
