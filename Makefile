@@ -72,7 +72,8 @@ text-demo: bytecode
 	rm -rf $(TEXT_DEMO)
 	$(PY) train.py data=text data.tokenizer=bpe data.vocab_size=1024 model=llama_tiny model.vocab_size=1024 \
 		model.seq_len=64 dist.world_size=4 zero=stage1 optimizer.lr=0.003 train.steps=$(TEXT_STEPS) \
-		train.eval_every=50 checkpoint.every_steps=$(TEXT_STEPS) metrics.progress_every=50 hydra.run.dir=$(TEXT_DEMO) \
+		train.eval_every=50 checkpoint.every_steps=$(TEXT_STEPS) checkpoint.verify_resume=true metrics.progress_every=50 \
+		hydra.run.dir=$(TEXT_DEMO) \
 		$(TEXT_ARGS)
 	$(PY) scripts/export_hf.py $(TEXT_DEMO)/checkpoints/step_$$(printf %08d $(TEXT_STEPS)) $(TEXT_DEMO)/hf
 	$(PY) scripts/generate_hf.py $(TEXT_DEMO)/hf --prompt "Rank zero" --tokens 40

@@ -91,3 +91,26 @@ def test_mfu_peak_comes_from_the_key_the_table_or_a_measurement(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     assert throughput.known_peak(torch.device("cuda:0"), "bf16")[0] == 756e12
     assert throughput.known_peak(torch.device("cpu"), "bf16") is None
+
+
+@pytest.mark.parametrize(
+    "overrides, on",
+    [
+        ([], True),
+        (["dist.world_size=2", "zero=stage3"], True),
+        (["model=llama"], False),
+        (["model=llama", "checkpoint.verify_resume=true"], True),
+        (["checkpoint.verify_resume=false"], False),
+    ],
+)
+def test_the_resume_check_is_the_capstones_and_opt_in_elsewhere(overrides, on):
+    assert RunConfig.from_dict(compose_tree(overrides)).verifies_resume is on
+
+
+def test_a_run_that_changed_the_capstone_skips_the_resume_check_and_says_how_to_have_it(tmp_path):
+    proc = train_script(
+        tmp_path, "dist.world_size=2", "model=llama", "train.steps=4", "checkpoint.every_steps=2", timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RESUME VERIFIED" not in proc.stdout
+    assert "resume check: not run (no checkpoint saved, or off: checkpoint.verify_resume=true" in proc.stdout

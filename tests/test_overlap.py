@@ -213,7 +213,7 @@ def _resume(comm, root: str, stage: int):
         "data": {"total_tokens": 4096},
         "train": {"steps": 4, "global_batch": 8, "grad_accum": 2},
         "dist": {"world_size": 2},
-        "checkpoint": {"every_steps": 2},
+        "checkpoint": {"every_steps": 2, "verify_resume": True},  # not the capstone's model: opt in
     }
     first = _run(comm, tree, Path(root) / "first")
     ckpt = Path(root) / "first" / "checkpoints" / "step_00000002"

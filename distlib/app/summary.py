@@ -202,7 +202,10 @@ def print_run(result: RunResult, failures: list[str], zero_stage: int, run_dir: 
             f"checkpoint.resume=latest hydra.run.dir={run_dir}"
         )
     elif result.resume_check is None:
-        print("resume check: not run (no checkpoint saved in this run, or checkpoint.verify_resume=false)")
+        print(
+            "resume check: not run (no checkpoint saved, or off: checkpoint.verify_resume=true turns it on "
+            "for a run that changed the capstone's model, data or learning)"
+        )
     elif result.resume_check.ok:
         print(f"step-{result.resume_check.step} checkpoint reloaded byte-identical on all {world_size} ranks")
         print("RESUME VERIFIED")

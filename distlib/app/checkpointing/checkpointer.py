@@ -74,7 +74,7 @@ class Checkpointer:
         self.contents = Contents(cfg, mesh, data, optimizer, tp_splits, run_dir)
         self.loader = Loader(cfg, comm, mesh, data, self.root, self.say)
         self.verifier = ResumeVerifier(
-            c.verify_resume,
+            cfg.verifies_resume,
             bool(c.keep_last),
             cfg.seed,
             mesh.dp.rank,

@@ -63,7 +63,9 @@ class CheckpointConfig(Group):
         reported and moved aside; none at all: start fresh); or a checkpoint path, loaded exactly or the run
         fails. Another world size or ZeRO stage is resharded on load
     verify_resume: at the end, reload the first checkpoint (with keep_last: the newest) into a fresh model
-        and optimizer and compare every byte (invariant 4)
+        and optimizer and compare every byte (invariant 4); null = on for a run with the capstone's model,
+        data and learning (the demo's proof), off for others (it keeps a host copy of a shard and builds
+        a second model and optimizer at the end)
     keep_last: after each committed save keep only the newest K checkpoints (with the guard on: once the
         next step passed it); 0 keeps all
     async_save: copy each rank's shard into reused host buffers and write, fsync, hash and commit it in a
@@ -79,7 +81,7 @@ class CheckpointConfig(Group):
     every_steps: int = key(10, ge=0)
     every_minutes: float = key(30.0, ge=0)
     resume: str | None = key(None)
-    verify_resume: bool = key(True)
+    verify_resume: bool | None = key(None)
     keep_last: int = key(0, ge=0)
     async_save: bool = key(False)
     memory_every_steps: int = key(0, ge=0)

@@ -101,6 +101,12 @@ class RunConfig(Group):
             if _value(self, group, name) != _value(plain, group, name)
         ]
 
+    @property
+    def verifies_resume(self) -> bool:
+        """checkpoint.verify_resume, or when null (the default) whether this run is the capstone's."""
+        chosen = self.checkpoint.verify_resume
+        return chosen if chosen is not None else not self.departures()
+
     @staticmethod
     def from_dict(tree: dict) -> RunConfig:
         """The checked configuration of a composed tree (Hydra's own ``hydra`` node is ignored)."""
