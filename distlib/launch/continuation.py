@@ -5,7 +5,8 @@ as recorded in ``<run>/.hydra/config.yaml`` (the composed config) and ``override
 conf/'s defaults: so a continuation starts from that record, and what its own command line sets on
 purpose is applied on top. Such a change is recorded beside the original, in
 ``<run>/.hydra/continue-<k>/`` (the same three files), never over it; the newest record is the one
-the next continuation starts from. What an override changes is computed by Hydra itself: conf/
+the next continuation starts from (fault.* drills excepted: they are what each start's own command
+line says). What an override changes is computed by Hydra itself: conf/
 composed with the run's overrides, then with this command's added, and every key whose value
 differs is set on the recorded tree (a group choice such as ``zero=stage3`` is its keys).
 """
@@ -61,6 +62,7 @@ def continued(tree: dict, run_dir: Path, overrides: list[str]) -> tuple[dict, li
             node = node.setdefault(part, {})
         node[path[-1]] = value
     recorded["checkpoint"]["resume"] = tree["checkpoint"]["resume"]
+    recorded["fault"] = tree["fault"]  # a drill is what this start is told, not the run's setting
     return recorded, (base + new if changes else [])
 
 
@@ -92,6 +94,10 @@ def finished(tree: dict, run_dir: Path) -> str | None:
         return None
     step = int(newest.name[5:])
     if step < steps:
+        return None
+    try:  # a damaged one is not the end: the workers report it (and with latest fall back)
+        checkpoint.verify(newest)
+    except checkpoint.CheckpointError:
         return None
     return (
         f"nothing to train: {newest} is at step {step} and train.steps={steps}; "
