@@ -359,7 +359,7 @@ def test_activation_checkpointing_is_bitwise_neutral(name, monkeypatch):
     block_cls = type(families.build(cfg, 0).blocks[0])
     calls = []
     original = block_cls._forward
-    monkeypatch.setattr(block_cls, "_forward", lambda self, x: calls.append(1) or original(self, x))
+    monkeypatch.setattr(block_cls, "_forward", lambda self, *a: calls.append(1) or original(self, *a))
     loss, grads = _step(replace(cfg, activation_checkpointing="none"), 11)
     plain_calls, calls[:] = len(calls), []
     ckpt_loss, ckpt_grads = _step(replace(cfg, activation_checkpointing="blocks"), 11)

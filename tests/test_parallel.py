@@ -38,7 +38,7 @@ from distlib.parallel.tensor_parallel import (
     Row,
     RowParallelLinear,
     Split,
-    parallelize_linears_,
+    parallelize_,
     shard_of,
 )
 from distlib.parallel.zero import make_optimizer
@@ -441,7 +441,7 @@ def test_the_linear_swap_follows_the_plan_and_refuses_what_it_cannot_split():
     model = build_model(CFG, SEED)
     names = [n for n, _ in model.named_parameters()]
     full_qkv = model.blocks[1].attn.qkv.weight.detach().clone()
-    splits = parallelize_linears_(model, Comm(ranks=(0, 1), rank=1), TENSOR_PARALLEL_PLAN)
+    splits = parallelize_(model, Comm(ranks=(0, 1), rank=1), TENSOR_PARALLEL_PLAN)
     assert [n for n, _ in model.named_parameters()] == names
     assert isinstance(model.blocks[1].attn.qkv, ColumnParallelLinear)
     assert isinstance(model.blocks[1].mlp.proj, RowParallelLinear)
@@ -458,8 +458,8 @@ def test_the_linear_swap_follows_the_plan_and_refuses_what_it_cannot_split():
     )
     one = Comm(ranks=(0,), rank=0)
     with pytest.raises(TypeError, match="blocks.0.attn, a CausalSelfAttention"):
-        parallelize_linears_(build_model(CFG, SEED), one, {"blocks.*.attn": Row()})
+        parallelize_(build_model(CFG, SEED), one, {"blocks.*.attn": Row()})
     with pytest.raises(ValueError, match="match no submodule"):
-        parallelize_linears_(build_model(CFG, SEED), one, {"blocks.*.mlp.nope": Column()})
+        parallelize_(build_model(CFG, SEED), one, {"blocks.*.mlp.nope": Column()})
     with pytest.raises(ValueError, match="do not split into 3"):
-        parallelize_linears_(build_model(CFG, SEED), Comm(ranks=(0, 1, 2), rank=0), {"lm_head": Row()})
+        parallelize_(build_model(CFG, SEED), Comm(ranks=(0, 1, 2), rank=0), {"lm_head": Row()})

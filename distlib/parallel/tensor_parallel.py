@@ -1,8 +1,10 @@
-"""Megatron-style tensor parallelism by swapping a module's ``nn.Linear`` layers.
+"""Megatron-style tensor parallelism by swapping a module's layers for this rank's shards.
 
-``parallelize_linears_(module, tp, plan)`` replaces, in place, each ``nn.Linear`` whose path
-matches a pattern of ``plan`` with this rank's shard of it (the way picotron does it): the model
-keeps its own forward arithmetic and only sees narrower layers. With T tensor-parallel ranks,
+``parallelize_(module, tp, plan)`` replaces, in place, each submodule whose path matches a pattern
+of ``plan`` with this rank's shard of it (the way picotron does it): the model keeps its own
+forward arithmetic and only sees narrower layers. A module that declares how it splits
+(``DeclaresSplit``: a fused layer, a layer of experts) makes its own shard; an ``nn.Linear`` is
+split by the plan's style. With T tensor-parallel ranks,
 
   ``Column()``          ColumnParallelLinear: rank t holds output features [t*F/T, (t+1)*F/T)
                         (rows of the weight, and of the bias); its output is split too;
@@ -31,6 +33,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -142,7 +145,20 @@ class Row:
     """Split the input features; the outputs are summed over the group."""
 
 
-Plan = Mapping[str, "Column | Row"]  # submodule path pattern (fnmatch, per dotted part) -> style
+# submodule path pattern (fnmatch, per dotted part) -> style: Column/Row for an nn.Linear, any
+# value a DeclaresSplit module understands
+Plan = Mapping[str, object]
+
+
+@runtime_checkable
+class DeclaresSplit(Protocol):
+    """A module that says itself how it splits over the tensor-parallel ranks (a fused layer, a
+    layer of experts): ``tp_shard(tp, style)`` gets the plan's style as it is (Column/Row or a
+    style of its own) and returns this rank's module -- itself narrowed in place, or a replacement
+    -- with ``splits``: {its parameter's name, relative to it: Split}; its forward does its own
+    communication on ``tp``. An nn.Linear needs no declaration (Column/Row, below)."""
+
+    def tp_shard(self, tp: Comm, style: object) -> nn.Module: ...
 
 
 def _matches(path: str, pattern: str) -> bool:
@@ -150,51 +166,58 @@ def _matches(path: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats))
 
 
-def parallelize_linears_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, Split]:
-    """Replace every ``nn.Linear`` of ``module`` whose path matches a pattern of ``plan`` with
-    this rank's column- or row-parallel shard of it (in place: names and order of the
-    parameters are kept). Returns {parameter name: Split} of the parameters now split.
-    A tensor-parallel group of one changes nothing (the layers stay plain ``nn.Linear``: a
-    row-parallel layer adds its bias after the matmul, which rounds differently)."""
+def _planned(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
+    """{pattern: the paths of the submodules it matches}; each must match one at least, each
+    submodule at most one pattern, and be an nn.Linear or declare its split."""
     found: dict[str, list[str]] = {pattern: [] for pattern in plan}
     for path, sub in module.named_modules():
         matched = [pattern for pattern in plan if _matches(path, pattern)]
         if len(matched) > 1:
             raise ValueError(f"{path} matches several tensor-parallel plan patterns: {matched}")
-        if matched and not isinstance(sub, nn.Linear):
+        if matched and not isinstance(sub, (nn.Linear, DeclaresSplit)):
             raise TypeError(
                 f"tensor-parallel plan {matched[0]!r} matches {path}, a {type(sub).__name__}, "
-                f"not an nn.Linear"
+                f"neither an nn.Linear nor a module that declares its split (tp_shard)"
             )
         for pattern in matched:
             found[pattern].append(path)
     unused = [pattern for pattern, paths in found.items() if not paths]
     if unused:
         raise ValueError(f"tensor-parallel plan patterns match no submodule: {unused}")
+    return found
+
+
+def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str) -> nn.Module:
+    column = isinstance(style, Column)
+    features, parts = (full.out_features, tp.size * style.groups) if column else (full.in_features, tp.size)
+    if features % parts:
+        raise ValueError(
+            f"{path}: {features} {'output' if column else 'input'} "
+            f"features do not split into {parts} equal tensor-parallel parts"
+        )
+    return ColumnParallelLinear(full, tp, style.groups) if column else RowParallelLinear(full, tp)
+
+
+def parallelize_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, Split]:
+    """Replace every submodule of ``module`` whose path matches a pattern of ``plan`` with this
+    rank's shard of it (in place: names and order of the parameters are kept): an nn.Linear with
+    its column- or row-parallel shard, a ``DeclaresSplit`` module with what its ``tp_shard``
+    returns (a declaration wins over being an nn.Linear). Returns {parameter name: Split} of the
+    parameters now split. A tensor-parallel group of one changes nothing (the layers stay plain
+    ``nn.Linear``: a row-parallel layer adds its bias after the matmul, which rounds differently)."""
+    found = _planned(module, plan)
     if tp.size == 1:
         return {}
     splits = {}
     for pattern, paths in found.items():
-        style = plan[pattern]
         for path in paths:
             parent, _, name = path.rpartition(".")
             owner = module.get_submodule(parent)
             full = owner.get_submodule(name)
-            features, parts = (
-                (full.out_features, tp.size * style.groups)
-                if isinstance(style, Column)
-                else (full.in_features, tp.size)
-            )
-            if features % parts:
-                raise ValueError(
-                    f"{path}: {features} {'output' if isinstance(style, Column) else 'input'} "
-                    f"features do not split into {parts} equal tensor-parallel parts"
-                )
-            layer = (
-                ColumnParallelLinear(full, tp, style.groups)
-                if isinstance(style, Column)
-                else RowParallelLinear(full, tp)
-            )
+            if isinstance(full, DeclaresSplit):
+                layer = full.tp_shard(tp, plan[pattern])
+            else:
+                layer = _shard_linear(full, tp, plan[pattern], path)
             setattr(owner, name, layer)  # replacing an existing child keeps its place: same parameter order
             splits.update({f"{path}.{p}": s for p, s in layer.splits.items()})
     return splits

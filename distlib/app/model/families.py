@@ -6,9 +6,10 @@
     llama     llama.Llama        transformers' LlamaForCausalLM
 
 Every family follows one contract (``layers.CausalLM``; the trainer, ZeRO-3 and the pipeline
-stages rely on it): ``forward(tokens, targets=None)`` = embed -> blocks -> head; parameters only in
-top-level children, in forward order; a module-level ``TENSOR_PARALLEL_PLAN``; blocks that
-checkpoint themselves (``model.activation_checkpointing``).
+stages rely on it): ``forward(tokens, targets=None, positions=None)`` = embed -> blocks -> head,
+the positions handed to the embedding and every block; parameters only in top-level children, in
+forward order; a module-level ``TENSOR_PARALLEL_PLAN``; blocks that checkpoint themselves
+(``model.activation_checkpointing``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from distlib.app.config.run import check_tensor_parallel
 from distlib.app.model import gpt2, llama, minigpt
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.comm.group import Comm
-from distlib.parallel.tensor_parallel import Split, parallelize_linears_
+from distlib.parallel.tensor_parallel import Split, parallelize_
 
 CLASSES = {"minigpt": minigpt.MiniGPT, "gpt2": gpt2.GPT2, "llama": llama.Llama}
 PLANS = {
@@ -45,7 +46,7 @@ def shard_model_(model: CausalLM, tp: Comm) -> dict[str, Split]:
     of them (in place, keeping parameter names and order); returns each split parameter's Split
     (none with a tensor-parallel group of one). A dimension that does not split is a ConfigError."""
     check_tensor_parallel(model.cfg, tp.size)
-    return parallelize_linears_(model, tp, tensor_parallel_plan(model.cfg))
+    return parallelize_(model, tp, tensor_parallel_plan(model.cfg))
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -5,26 +5,23 @@ projection with bias, scores scaled by head_dim**-0.5, softmax in the activation
 on the attention weights and on both residual branches, MLP fc -> GELU (tanh approximation,
 transformers' "gelu_new" formula term by term) -> proj; final LayerNorm; LM head without bias, tied
 to the token embedding when ``model.tie_embeddings``. Linear layers are ``nn.Linear``
-(transformers' Conv1D holds the transposed weight; ``hf_weights`` transposes).
+(transformers' Conv1D holds the transposed weight; ``hf_weights`` transposes). MiniGPT is this
+class with its own arithmetic in four class attributes (``minigpt.py``).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from distlib.app.config.groups import ModelConfig
-from distlib.app.model.layers import (
-    CausalLM,
-    CheckpointedBlock,
-    attention_scores,
-    causal_mask,
-    merge_heads,
-    split_heads,
-)
+from distlib.app.model import attention
+from distlib.app.model.attention import causal_mask, split_heads
+from distlib.app.model.layers import CausalLM, PreNormBlock
 from distlib.parallel.tensor_parallel import Column, Row
 
 # Megatron's split: attention by heads (a head's q, k and v rows stay on one rank), the MLP by
@@ -45,67 +42,80 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(_GELU_C * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+class CausalSelfAttention(nn.Module):
+    """Fused q|k|v (with bias) -> causal attention -> proj; dropout on the attention weights and on
+    the output (the residual branch). ``divide``: MiniGPT's scores / sqrt(head_dim) instead of
+    transformers' * head_dim**-0.5."""
+
+    def __init__(self, cfg: ModelConfig, divide: bool = False):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.scale = self.head_dim**-0.5  # transformers: scaling = head_dim**-0.5, multiplied
+        self.divide = divide
+        self.scale = math.sqrt(self.head_dim) if divide else self.head_dim**-0.5
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # Learned positions entered with the embedding and the mask is relative: ``positions`` unused.
         # q|k|v of this rank's heads (all of them, or H/T with a column-parallel qkv): transformers' split.
         q, k, v = (split_heads(t, self.head_dim) for t in self.qkv(x).chunk(3, dim=2))
-        scores = attention_scores(q, k, self.scale, self.causal_mask)
-        weights = F.softmax(scores, dim=-1).type(v.dtype)
-        weights = F.dropout(weights, self.dropout, self.training)
-        return F.dropout(self.proj(merge_heads(weights @ v)), self.dropout, self.training)
+        out = attention.causal_attention(
+            q,
+            k,
+            v,
+            self.causal_mask,
+            scale=self.scale,
+            divide=self.divide,
+            dropout=self.dropout,
+            training=self.training,
+        )
+        return F.dropout(self.proj(out), self.dropout, self.training)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, activation=gelu_new):
         super().__init__()
         self.fc = nn.Linear(cfg.dim, cfg.mlp_width)
         self.proj = nn.Linear(cfg.mlp_width, cfg.dim)
         self.dropout = cfg.dropout
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.proj(gelu_new(self.fc(x))), self.dropout, self.training)
-
-
-class Block(CheckpointedBlock):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.activation_checkpointing)
-        self.ln1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers adds the branch to the residual as attn_output + residual: the same sum.
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return F.dropout(self.proj(self.activation(self.fc(x))), self.dropout, self.training)
 
 
 class GPT2(CausalLM):
+    """The GPT skeleton; the class attributes are where MiniGPT's arithmetic departs from it."""
+
     EMBEDDINGS = ("tok_emb", "pos_emb")
+    ACTIVATION = staticmethod(gelu_new)
+    DIVIDE_SCORES = False
+    HEAD_BIAS = False
+    EMBEDDING_DROPOUT = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        attention = partial(CausalSelfAttention, divide=self.DIVIDE_SCORES)
+        mlp = partial(MLP, activation=self.ACTIVATION)
+        self.blocks = nn.ModuleList(
+            PreNormBlock(cfg, layer_norm, attention, mlp) for _ in range(cfg.n_layers)
+        )
+        self.ln_f = layer_norm(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=self.HEAD_BIAS)
         self._init_and_tie()
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens) + self.pos_emb(positions)
-        return F.dropout(x, self.cfg.dropout, self.training)
+        return F.dropout(x, self.cfg.dropout, self.training) if self.EMBEDDING_DROPOUT else x
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,9 +1,6 @@
-"""What the model families share: causal attention arithmetic, the checkpointed block, the
-embed -> blocks -> head contract and seeded construction.
-
-Every attention here is the explicit path (scores, masked_fill, softmax, weights @ v), never
-``scaled_dot_product_attention``: each tensor-parallel layout and each device then runs the same
-arithmetic, and for GPT-2 and Llama it is the arithmetic of transformers' "eager" attention.
+"""What the model families share: the pre-norm residual block (checkpointed or not), the
+embed -> blocks -> head contract with positions handed in, and seeded construction. Their one
+attention function is ``attention.causal_attention``.
 """
 
 from __future__ import annotations
@@ -16,81 +13,76 @@ from torch.utils.checkpoint import checkpoint
 from distlib.app.observe import activations
 
 
-def causal_mask(seq_len: int) -> torch.Tensor:
-    """True where a query may attend (key position <= query position). Made on the CPU whatever the
-    default device, so every device starts from the same buffer; it moves with the model."""
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device="cpu").tril()
+def positions_or_default(positions: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor:
+    """The positions of a (seq,)-long slice of the sequences: ``positions`` as given (a rank holding
+    tokens [a, b) passes a..b-1; every sequence of the batch shares them), else 0..seq-1."""
+    if positions is None:
+        return torch.arange(seq, device=device)
+    if positions.shape != (seq,):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}; expected ({seq},), one per token")
+    return positions
 
 
-def split_heads(t: torch.Tensor, head_size: int) -> torch.Tensor:
-    """(batch, seq, local heads * head_size) -> (batch, local heads, seq, head_size). The head count
-    comes from the width, so a column-parallel shard (fewer heads) runs the same code."""
-    batch, seq, _ = t.shape
-    return t.view(batch, seq, -1, head_size).transpose(1, 2)
+class PreNormBlock(nn.Module):
+    """x + attn(ln1(x), positions), then + mlp(ln2(x)): every family's residual block; they differ
+    only in the factories they pass, each called with the config (built in this order, so
+    construction draws from the RNG as each family's own block did; attention takes the positions).
+    With ``model.activation_checkpointing=blocks`` ``_forward`` is recomputed in backward."""
 
-
-def merge_heads(t: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, seq, head_size) -> (batch, seq, heads * head_size), as transformers' reshape."""
-    batch, _, seq, _ = t.shape
-    return t.transpose(1, 2).reshape(batch, seq, -1).contiguous()
-
-
-def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor) -> torch.Tensor:
-    """q @ k^T * scale with the future masked out. transformers adds the dtype's minimum instead of
-    writing -inf; after the softmax both give exactly 0 there (exp underflows), and a causal row
-    always keeps its diagonal, so the probabilities are the same."""
-    seq = q.shape[-2]
-    scores = (q @ k.transpose(-2, -1)) * scale
-    return scores.masked_fill(~mask[:seq, :seq], float("-inf"))
-
-
-class CheckpointedBlock(nn.Module):
-    """A residual block whose ``_forward`` is recomputed in backward when checkpointing is on."""
-
-    def __init__(self, checkpointing: str):
+    def __init__(self, cfg, norm, attention, mlp):
         super().__init__()
-        self.checkpointing = checkpointing == "blocks"
+        self.checkpointing = cfg.activation_checkpointing == "blocks"
+        self.ln1 = norm(cfg)
+        self.attn = attention(cfg)
+        self.ln2 = norm(cfg)
+        self.mlp = mlp(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpointing and torch.is_grad_enabled() and x.requires_grad:
             # Keep only the input; backward reruns _forward (torch restores the RNG state first, so
             # dropout draws the same masks). _forward is called directly, not through the module:
             # the recomputation must not fire this block's hooks again (ZeRO-3's forward hook frees
             # the parameters; its hook on the block's output has gathered them before this runs).
             activations.keep(x)
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, positions, use_reentrant=False)
+        return self._forward(x, positions)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        # transformers adds the branch to the residual as attn_output + residual: the same sum.
+        x = x + self.attn(self.ln1(x), positions)
+        return x + self.mlp(self.ln2(x))
 
 
 class CausalLM(nn.Module):
     """forward = embed -> blocks -> head, the contract the pipeline stages rely on. Subclasses hold
     their parameters only in top-level children, in forward order: the modules ``EMBEDDINGS`` names
     (the first pipeline stage keeps them), ``blocks``, then those ``HEAD`` names (the last stage's);
-    they define ``_embed``."""
+    they define ``_embed``, which receives the positions (learned embeddings read them; Llama's
+    rotary angles are taken from them in each attention, so the blocks receive them too)."""
 
     EMBEDDINGS: tuple[str, ...] = ("tok_emb",)
     HEAD: tuple[str, ...] = ("ln_f", "lm_head")
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.cfg.seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.cfg.seq_len}")
-        return self._embed(tokens)
+        return self._embed(tokens, positions_or_default(positions, seq, tokens.device))
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(hidden))
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss."""
-        x = self.embed(tokens)
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ):
+        """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss.
+        ``positions`` (seq,): where these tokens sit in their sequences (``positions_or_default``)."""
+        x = self.embed(tokens, positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions)
         logits = self.head(x)
         if targets is None:
             return logits

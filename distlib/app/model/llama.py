@@ -15,14 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlib.app.config.groups import ModelConfig
-from distlib.app.model.layers import (
-    CausalLM,
-    CheckpointedBlock,
-    attention_scores,
-    causal_mask,
-    merge_heads,
-    split_heads,
-)
+from distlib.app.model import attention
+from distlib.app.model.attention import causal_mask, split_heads
+from distlib.app.model.layers import CausalLM, PreNormBlock, positions_or_default
 from distlib.parallel.tensor_parallel import Column, Row
 
 # q, k and v by heads (the key/value heads split over the ranks too, so rank t's query heads find
@@ -61,12 +56,13 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return 1.0 / (float(cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d))
 
 
-def rope_tables(inv_freq: torch.Tensor, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, (seq, head_dim), as LlamaRotaryEmbedding.forward computes them: in float32 from
-    the inv_freq buffer as it is (a module.to(bf16) rounds transformers' buffer too), then cast to
-    ``dtype``."""
-    positions = torch.arange(seq, device=inv_freq.device).float()
-    freqs = positions[:, None] * inv_freq.float()[None, :]
+def rope_tables(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (seq, head_dim), at ``positions`` (seq,), as LlamaRotaryEmbedding.forward computes
+    them: in float32 from the inv_freq buffer as it is (a module.to(bf16) rounds transformers' buffer
+    too), then cast to ``dtype``."""
+    freqs = positions.to(inv_freq.device).float()[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -100,20 +96,28 @@ class Attention(nn.Module):
         # model's device (precomputed fp32 tables did not match it after module.to(bf16)).
         self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # This rank's heads: the head counts come from the (possibly column-parallel) widths.
         q = split_heads(self.q_proj(x), self.head_dim)
         k = split_heads(self.k_proj(x), self.head_dim)
         v = split_heads(self.v_proj(x), self.head_dim)
         # transformers casts cos/sin to the activations' dtype (bf16 with bf16 parameters) before rotating.
-        cos, sin = rope_tables(self.inv_freq, x.shape[1], q.dtype)
+        positions = positions_or_default(positions, x.shape[1], x.device)
+        cos, sin = rope_tables(self.inv_freq, positions, q.dtype)
         q, k = (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
         n_rep = q.shape[1] // k.shape[1]  # n_heads / n_kv_heads, per rank too (tp divides n_kv_heads)
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        scores = attention_scores(q, k, self.scale, self.causal_mask)
-        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        weights = F.dropout(weights, self.dropout, self.training)
-        return self.o_proj(merge_heads(weights @ v))
+        out = attention.causal_attention(
+            q,
+            k,
+            v,
+            self.causal_mask,
+            scale=self.scale,
+            softmax_dtype=torch.float32,
+            dropout=self.dropout,
+            training=self.training,
+        )
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -127,17 +131,8 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(CheckpointedBlock):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.activation_checkpointing)
-        self.ln1 = RMSNorm(cfg.dim, cfg.norm_eps)  # transformers: input_layernorm
-        self.attn = Attention(cfg)
-        self.ln2 = RMSNorm(cfg.dim, cfg.norm_eps)  # transformers: post_attention_layernorm
-        self.mlp = MLP(cfg)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+def rms_norm(cfg: ModelConfig) -> RMSNorm:
+    return RMSNorm(cfg.dim, cfg.norm_eps)  # ln1/ln2: transformers' input_/post_attention_layernorm
 
 
 class Llama(CausalLM):
@@ -145,13 +140,13 @@ class Llama(CausalLM):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.blocks = nn.ModuleList(PreNormBlock(cfg, rms_norm, Attention, MLP) for _ in range(cfg.n_layers))
+        self.ln_f = rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._init_and_tie()
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_emb(tokens)
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

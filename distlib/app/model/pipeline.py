@@ -51,11 +51,11 @@ class Chunk(nn.Module):
         self._embed, self._head = model.embed, model.head  # bound methods: no module registered twice
         self.first, self.last = first, last
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
-            x = self._embed(x)
+            x = self._embed(x, positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions)
         return self._head(x) if self.last else x
 
 
