@@ -1,0 +1,229 @@
+"""Every command in docs/*.md runs as written and prints what the document shows (issue 31).
+
+tests/doc_commands.py says how a document's commands, its markers and the output it shows are read.
+Here:
+
+- ``test_documents_follow_the_rules``: every marker names one of the allowed reasons, every block of
+  commands is labelled, the programs of .venv are called by their ``.venv/bin/`` path, every shown
+  output belongs to a command the suite runs (no process starts).
+- The commands that run do so as written, in document order (docs/*.md by name), one after another
+  in one fresh copy of the repository: the files git tracks or would track, as in this working
+  tree, with .venv linked in. What one command writes (``outputs/text-demo``, ``runs/job1``) is
+  there for the next, as on a fresh clone, and nothing is written into the repository. ``$HOME`` is
+  a temporary directory holding the files the documents call the reader's own (``notes.txt`` and
+  ``corpus/``: data/sample.txt's text). torchrun gets a free port through ``PET_MASTER_PORT``, its
+  own environment default for ``--master-port``, so the command stays as written. A command that
+  the documents repeat word for word runs once.
+- ``test_doc_command``, one per command that runs: exit status 0, and every output the document
+  shows for it (a ``console`` block, or a block marked ``output of``) is in what it printed.
+- ``test_losses_tables``: each table marked ``losses of RUN_DIR`` against that run's metrics.jsonl.
+- ``test_overrides_tables``: each row of a table with an ``overrides`` column composes and passes
+  the configuration check (``RunConfig.from_dict``), as train.py would before starting workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import doc_commands
+import pytest
+from e2e import ROOT, free_port
+
+DOCS = {path: doc_commands.parse(path) for path in doc_commands.documents()}
+COMMANDS = [c for doc in DOCS.values() for c in doc.commands]
+RUNNABLE = [c for c in COMMANDS if c.skip is None]
+TIMEOUT = 600  # seconds for one command (the longest, the sweep and the text demo, take ~30 s alone)
+
+
+@dataclass
+class Ran:
+    returncode: int
+    output: str  # stdout and stderr, as a terminal would show them
+    seconds: float
+
+
+def _copy_tree(dest: Path) -> None:
+    """The files git tracks or would track, as they are in this working tree (mtimes kept, so make
+    finds .venv's stamp as new as here), and .venv linked in."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name, follow_symlinks=False)
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+
+
+def _home(home: Path) -> None:
+    """The reader's own files the documents name: a text file and a directory of text files."""
+    text = (ROOT / "data" / "sample.txt").read_text(encoding="utf-8")
+    cut = text.index("\n", len(text) // 2) + 1
+    (home / "corpus" / "more").mkdir(parents=True)
+    (home / "notes.txt").write_text(text, encoding="utf-8")
+    (home / "corpus" / "part1.txt").write_text(text[:cut], encoding="utf-8")
+    (home / "corpus" / "more" / "part2.txt").write_text(text[cut:], encoding="utf-8")
+
+
+def _run(cmd: doc_commands.Command, cwd: Path, home: Path) -> Ran:
+    env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", "PET_MASTER_PORT": str(free_port())}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        ["bash", "-c", cmd.text],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: a timeout or a stop ends all it started
+    )
+    try:
+        if cmd.until is None:
+            output = proc.communicate(timeout=TIMEOUT)[0]
+            return Ran(proc.returncode, output.decode(errors="replace"), time.monotonic() - start)
+        # a server: read until it prints the text, then stop it (it has run as written)
+        output, deadline = b"", start + TIMEOUT
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while cmd.until.encode() not in output and time.monotonic() < deadline:
+                if sel.select(timeout=1):
+                    chunk = os.read(proc.stdout.fileno(), 65536)
+                    if not chunk:
+                        break
+                    output += chunk
+        served = cmd.until.encode() in output
+        _signal_group(proc, signal.SIGTERM)
+        proc.wait(timeout=30)
+        code = 0 if served else (proc.returncode or 1)
+        return Ran(code, output.decode(errors="replace"), time.monotonic() - start)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        output = proc.communicate()[0]
+        return Ran(124, output.decode(errors="replace") + f"\n[timed out after {TIMEOUT} s]", TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to everything the command started (its process group), if any of it is left."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("doc_commands")
+    (base / "repo").mkdir()
+    (base / "home").mkdir()
+    _copy_tree(base / "repo")
+    _home(base / "home")
+    return base / "repo", base / "home"
+
+
+@pytest.fixture(scope="module")
+def runs(workspace) -> dict[str, Ran]:
+    """Every command that runs, in document order, in the one copy: id -> what happened."""
+    repo, home = workspace
+    done: dict[str, Ran] = {}
+    by_text: dict[str, Ran] = {}
+    stale_venv = None
+    for cmd in RUNNABLE:
+        if cmd.same in by_text:  # the same command again: the first run stands for it
+            done[cmd.id] = by_text[cmd.same]
+            continue
+        if cmd.key.startswith("make ") and stale_venv is None:
+            # make would reinstall a .venv older than the requirements (into the shared one): refuse
+            q = subprocess.run(["make", "-q", ".venv/.installed"], cwd=repo, capture_output=True)
+            stale_venv = q.returncode != 0
+        if cmd.key.startswith("make ") and stale_venv:
+            done[cmd.id] = Ran(1, ".venv is older than the requirements: run `make venv` first", 0.0)
+            continue
+        done[cmd.id] = by_text[cmd.same] = _run(cmd, repo, home)
+    return done
+
+
+def test_documents_follow_the_rules():
+    problems = [p for doc in DOCS.values() for p in doc.problems]
+    assert not problems, "\n".join(problems)
+    assert RUNNABLE, "no command of docs/ runs in the suite"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", RUNNABLE, ids=[c.id for c in RUNNABLE])
+def test_doc_command(cmd, runs):
+    ran = runs[cmd.id]
+    assert ran.returncode == 0, (
+        f"{cmd.id}: exit status {ran.returncode} after {ran.seconds:.1f} s\n"
+        f"$ {cmd.text}\n{ran.output[-4000:]}"
+    )
+    for shown in cmd.outputs:
+        missing = doc_commands.output_mismatches(shown, ran.output)
+        assert not missing, (
+            f"{cmd.id}: the document shows lines this run did not print:\n"
+            + "\n".join(missing)
+            + f"\n--- what it printed (the end) ---\n{ran.output[-4000:]}"
+        )
+
+
+TABLES = [(path, line, run_dir, rows) for path, doc in DOCS.items() for line, run_dir, rows in doc.tables]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,line,run_dir,rows", TABLES, ids=[f"{p}:{n}" for p, n, _, _ in TABLES])
+def test_losses_tables(path, line, run_dir, rows, runs, workspace):
+    metrics = workspace[0] / run_dir / "metrics.jsonl"
+    assert metrics.is_file(), (
+        f"{path}:{line}: no {run_dir}/metrics.jsonl: no command of the documents made it"
+    )
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    problems = doc_commands.table_mismatches(rows, records)
+    assert not problems, f"{path}:{line}: " + "\n".join(problems)
+
+
+def _overrides_rows() -> list[tuple[str, int, list[str]]]:
+    """(document, line, overrides) of every row of a Markdown table with an ``overrides`` column."""
+    import re
+
+    rows = []
+    for path, doc in DOCS.items():
+        column = None
+        for n, line in enumerate(doc.text.splitlines(), 1):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+            if cells is None:
+                column = None
+            elif column is None and "overrides" in cells:
+                column = cells.index("overrides")
+            elif column is not None and not set(line) <= set("|-: "):
+                spans = re.findall(r"`([^`]+)`", cells[column])
+                rows.append((path, n, [o for span in spans for o in span.split()]))
+    return rows
+
+
+@pytest.mark.parametrize(
+    "path,line,overrides", _overrides_rows(), ids=[f"{p}:{n}" for p, n, _ in _overrides_rows()]
+)
+def test_overrides_tables(path, line, overrides):
+    from distlib.app.config.run import ConfigError, RunConfig
+    from distlib.launch.hydra_config import compose_tree
+
+    try:
+        RunConfig.from_dict(compose_tree(overrides))
+    except ConfigError as exc:
+        pytest.fail(f"{path}:{line}: {' '.join(overrides)}: config error: {exc}")
