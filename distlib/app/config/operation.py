@@ -16,8 +16,8 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 class DistConfig(Group):
     """Processes, transport and the parallel layout (world = data x tensor x pipeline ranks).
 
-    world_size: processes: `python train.py` starts this many; under torchrun it defaults to torchrun's
-        world size, and an explicit value must match it
+    world_size: processes: `.venv/bin/python train.py` starts this many; under torchrun it defaults to
+        torchrun's world size, and an explicit value must match it
     backend: gloo (host transport; CUDA tensors are staged through pinned host memory) or nccl (needs CUDA
         and train.device cuda/auto)
     timeout_s: every collective and the rendezvous fail after this many seconds
