@@ -88,7 +88,14 @@ def test_readme_follows_the_rules():
 def test_readme_command_runs(cmd, capstone, capstone_run, request, tmp_path):
     key = cmd.key
     if key == "make demo":  # its recipe is the capstone's command, which capstone_run ran
-        proc = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        # --no-print-directory: under `make test` (MAKELEVEL 1) make -n adds "Entering directory" lines
+        proc = subprocess.run(
+            ["make", "--no-print-directory", "-n", "demo"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         recipe = proc.stdout.strip().splitlines()[-1]
         assert recipe == CAPSTONE.replace(

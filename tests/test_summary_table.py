@@ -27,7 +27,7 @@ def test_a_short_run_shows_every_step_and_no_note():
 def test_a_long_run_shows_the_first_every_kth_and_the_last():
     table = loss_table(_result(400))
     assert _shown(table) == [1, *range(20, 401, 20)]
-    assert table.splitlines()[-1] == "(21 of 400 steps shown, every 20th; all in the metrics file)"
+    assert table.splitlines()[-1] == "(21 of 400 steps shown, one in 20; all in the metrics file)"
     odd = loss_table(_result(397))
     assert _shown(odd) == [1, *range(20, 397, 20), 397]
 

@@ -49,7 +49,7 @@ def loss_table(result: RunResult) -> str:
         )
     if every > 1:
         lines.append(
-            f"({len(rows)} of {len(result.steps)} steps shown, every {every}th; all in the metrics file)"
+            f"({len(rows)} of {len(result.steps)} steps shown, one in {every}; all in the metrics file)"
         )
     return "\n".join(lines)
 
