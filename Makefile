@@ -70,7 +70,7 @@ TEXT_STEPS := 200
 TEXT_ARGS :=
 text-demo: bytecode
 	rm -rf $(TEXT_DEMO)
-	$(PY) train.py data=text data.tokenizer=bpe data.vocab_size=1024 model=llama_tiny model.vocab_size=1024 \
+	$(PY) train.py data=text data.tokenizer=bpe data.vocab_size=1024 model=llama_tiny \
 		model.seq_len=64 dist.world_size=4 zero=stage1 optimizer.lr=0.003 train.steps=$(TEXT_STEPS) \
 		train.eval_every=50 checkpoint.every_steps=$(TEXT_STEPS) checkpoint.verify_resume=true metrics.progress_every=50 \
 		hydra.run.dir=$(TEXT_DEMO) \

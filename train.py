@@ -75,6 +75,16 @@ def checked_config(tree: dict) -> RunConfig:
     return run_cfg
 
 
+def completed(tree: dict, overrides: list[str], run_dir: Path) -> dict:
+    """``tree`` with what the run knows filled in where ``overrides`` leave it (model.init_from's
+    architecture on a fresh start, the tokenizer's vocabulary: ``hydra_config.complete``); a
+    model.init_from that is no model directory is one ``config error`` line and exit status 2."""
+    try:
+        return hydra_config.complete(tree, overrides, continuation.starts_fresh(tree, run_dir))
+    except ConfigError as exc:
+        _refuse(f"config error: {exc}", 2)
+
+
 def _claim(run_cfg: RunConfig, run_dir: Path) -> None:
     """This job's lock on its run (and checkpoint) directory, or one line naming the holder."""
     try:
@@ -108,8 +118,11 @@ def run_config(cfg: DictConfig) -> None:
     tree = OmegaConf.to_container(cfg, resolve=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     # a resume into a run that recorded its config continues with that config (continuation.py)
-    resumed = continuation.continued(tree, run_dir, list(HydraConfig.get().overrides.task))
+    overrides = list(HydraConfig.get().overrides.task)
+    resumed = continuation.continued(tree, run_dir, overrides)
     tree = resumed[0] if resumed else tree
+    # a continuation's tree was also set by its record's overrides
+    tree = completed(tree, overrides + (continuation.recorded_overrides(run_dir) if resumed else []), run_dir)
     run_cfg = checked_config(tree)
     problem = continuation.resume_path_problem(tree)
     if problem:
@@ -126,7 +139,7 @@ def run_config(cfg: DictConfig) -> None:
         if resumed[1]:  # what this continuation changed, beside the run's own record
             continuation.save_record(run_dir, tree, resumed[1])
     elif _DEFERS_FILES:
-        hydra_config.save_files(cfg, run_dir)
+        hydra_config.save_files(cfg, run_dir, tree)
     if UNDER_TORCHRUN:
         if rank0_composes(sys.argv):
             share_config(tree, str(run_dir))

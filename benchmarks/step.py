@@ -21,6 +21,11 @@ DDP's, and any relative difference above LOSS_RTOL is flagged.
 communication skipped (our collectives replaced by local no-ops, ``_no_comm.py``; DDP's twin is
 the bare model), run interleaved with the rest; torch's ZeRO and FSDP2 have no such switch.
 
+``vs torch coll``: each of our variants also runs on torch's own collectives (its twin "(torch
+coll)": the same stage and optimizer on a Comm with ``collectives="torch"``, what
+``dist.collectives=torch`` runs), and the ratio is that twin's ms / ours (> 1: our collectives are
+faster); ``--collectives ours`` skips the twins.
+
 Variants: ours stage 0..3 without and with ``overlap`` (sync from backward hooks, ZeRO-3
 prefetch; stages 0-2 then use OVERLAP_BUCKET_NUMEL buckets; stages the optimizer refuses are
 skipped with a note), torch DDP + torch.optim.AdamW, DDP + ZeroRedundancyOptimizer(AdamW), FSDP2
@@ -74,6 +79,7 @@ LOSS_RTOL = 1e-4
 PEER = {0: "torch DDP", 1: "torch DDP", 2: "FSDP2 reshard=False", 3: "FSDP2 reshard=True"}
 OVERLAP_BUCKET_NUMEL = 1 << 18  # overlapped stages 0-2: 1 MiB fp32 buckets (DDP: 1 MiB, then 25 MiB)
 NO_COMM = " (no comm)"
+TORCH_COLL = " (torch coll)"  # the same variant on torch's own collectives (Comm.collectives="torch")
 
 
 def our_stages() -> tuple[list[int], dict[int, str]]:
@@ -101,6 +107,7 @@ class Variant:
     optimizer_bytes: Callable[[], int]
     stage: int | None = None  # ours: the ZeRO stage
     local: bool = False  # a twin timed with communication skipped
+    collectives: str | None = None  # ours: whose collectives it runs ("ours" or "torch")
 
 
 def _storage_bytes(tensors) -> int:
@@ -136,8 +143,14 @@ def _torch_step(model, optimizer):
 
 
 def build_ours(
-    cfg: ModelConfig, comm: Comm, stage: int, overlap: bool = False, local: bool = False
+    cfg: ModelConfig,
+    comm: Comm,
+    stage: int,
+    overlap: bool = False,
+    local: bool = False,
+    collectives: str = "ours",
 ) -> Variant:
+    comm = dataclasses.replace(comm, collectives=collectives)
     model = build_model(cfg, MODEL_SEED)
     broadcast_module_(model, comm)
     opt = make_optimizer(
@@ -157,7 +170,8 @@ def build_ours(
         return float(loss.detach())
 
     name = f"ours stage {stage}" + (" overlap" if overlap else "") + (NO_COMM if local else "")
-    return Variant(name, step, lambda: int(opt.memory_bytes()["optimizer"]), stage, local)
+    name += TORCH_COLL if collectives == "torch" else ""
+    return Variant(name, step, lambda: int(opt.memory_bytes()["optimizer"]), stage, local, collectives)
 
 
 def build_ddp(cfg: ModelConfig, comm: Comm, local: bool = False) -> Variant:
@@ -217,8 +231,10 @@ def build_variants(
     torch_variants: list[str],
     overlaps: list[bool],
     exposed: bool,
+    torch_collectives: bool = True,
 ) -> list[Variant]:
-    ours = [build_ours(cfg, comm, s, o) for s in stages for o in overlaps]
+    kinds = ["ours", "torch"] if torch_collectives else ["ours"]
+    ours = [build_ours(cfg, comm, s, o, collectives=c) for s in stages for o in overlaps for c in kinds]
     twins = [build_ours(cfg, comm, s, o, local=True) for s in stages for o in overlaps] + [
         build_ddp(cfg, comm, True)
     ]
@@ -254,7 +270,9 @@ def time_interleaved(variants: list[Variant], batches, warmup: int) -> dict[str,
                 out[v.name]["seconds"].append(elapsed)
                 out[v.name]["cpu_seconds"].append(cpu)
     for v in variants:
-        out[v.name].update(optimizer_bytes=v.optimizer_bytes(), stage=v.stage, local=v.local)
+        out[v.name].update(
+            optimizer_bytes=v.optimizer_bytes(), stage=v.stage, local=v.local, collectives=v.collectives
+        )
     return out
 
 
@@ -267,9 +285,10 @@ def _rank_main(
     warmup: int,
     overlaps: list[bool],
     exposed: bool,
+    torch_collectives: bool,
 ) -> dict:
     cfg, batch = MODELS[model_name]
-    variants = build_variants(cfg, comm, stages, torch_variants, overlaps, exposed)
+    variants = build_variants(cfg, comm, stages, torch_variants, overlaps, exposed, torch_collectives)
     return time_interleaved(variants, batches_for(cfg, batch, comm, warmup + steps), warmup)
 
 
@@ -292,6 +311,7 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
                 "variant": name,
                 "stage": per_rank[0][name]["stage"],
                 "no_comm": per_rank[0][name]["local"],
+                "collectives": per_rank[0][name]["collectives"],
                 "params": sum(p.numel() for p in build_model(cfg, 0).parameters()),
                 "batch_per_rank": batch,
                 "seq_len": cfg.seq_len,
@@ -308,7 +328,10 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
     ddp = by_name["torch DDP"]
     for r in rows:
         r["ratio_vs_ddp"] = ddp["ms"] / r["ms"]
-        twin = by_name.get(r["variant"] + NO_COMM)
+        on_torch = by_name.get(r["variant"] + TORCH_COLL)
+        if on_torch is not None:
+            r["ratio_vs_torch_collectives"] = on_torch["ms"] / r["ms"]
+        twin = by_name.get(r["variant"].removesuffix(TORCH_COLL) + NO_COMM)  # the same without comm
         if twin is not None:
             r["exposed_ms"] = r["ms"] - twin["ms"]
             r["exposed_frac"] = r["exposed_ms"] / r["ms"]
@@ -327,29 +350,31 @@ def summarise(per_rank: list[dict], model_name: str, world: int) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'model':<7}{'ranks':>6}  {'variant':<32}{'ms/step':>9}{'(min-max)':>14}{'vs DDP':>8}"
-        f"{'vs peer':>9}{'exposed':>15}{'CPU ms':>8}{'opt bytes/rank':>16}{'final loss':>12}"
-        f"{'max rel dloss':>15}"
+        f"{'model':<7}{'ranks':>6}  {'variant':<34}{'ms/step':>9}{'(min-max)':>14}{'vs DDP':>8}"
+        f"{'vs peer':>9}{'vs torch coll':>14}{'exposed':>15}{'CPU ms':>8}{'opt bytes/rank':>16}"
+        f"{'final loss':>12}{'max rel dloss':>15}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         spread = f"{r['ms_min']:.0f}-{r['ms_max']:.0f}"
         peer = f"{r['ratio_vs_peer']:.2f}" if "ratio_vs_peer" in r else "-"
+        coll = f"{r['ratio_vs_torch_collectives']:.2f}" if "ratio_vs_torch_collectives" in r else "-"
         exposed = f"{r['exposed_ms']:.1f} ({100 * r['exposed_frac']:.0f}%)" if "exposed_ms" in r else "-"
         flag = "" if r["loss_agrees"] else "  DISAGREES"
         dloss = "-" if r["max_loss_rel_diff_vs_ddp"] is None else f"{r['max_loss_rel_diff_vs_ddp']:.1e}"
         loss = "-" if r["no_comm"] else f"{r['final_loss']:.6f}"
         print(
-            f"{r['model']:<7}{r['world']:>6}  {r['variant']:<32}{r['ms']:>9.1f}{spread:>14}"
-            f"{r['ratio_vs_ddp']:>8.2f}{peer:>9}{exposed:>15}{r['cpu_ms']:>8.0f}{max(r['optimizer_bytes']):>16,}"
+            f"{r['model']:<7}{r['world']:>6}  {r['variant']:<34}{r['ms']:>9.1f}{spread:>14}"
+            f"{r['ratio_vs_ddp']:>8.2f}{peer:>9}{coll:>14}{exposed:>15}{r['cpu_ms']:>8.0f}{max(r['optimizer_bytes']):>16,}"
             f"{loss:>12}{dloss:>15}{flag}"
         )
 
 
 def print_goals(rows: list[dict]) -> None:
     """Issue #15's goals per overlapped stage: >= 1.1x its peer; exposed <= 10% of the step at 4 ranks."""
-    for r in (r for r in rows if "overlap" in r["variant"] and not r["no_comm"] and "ratio_vs_peer" in r):
+    ours = [r for r in rows if r["collectives"] == "ours" and not r["no_comm"]]
+    for r in (r for r in ours if "overlap" in r["variant"] and "ratio_vs_peer" in r):
         line = (
             f"  {r['model']} {r['world']} ranks, {r['variant']}: {r['ratio_vs_peer']:.2f}x {r['peer']} "
             + ("(met)" if r["ratio_vs_peer"] >= 1.1 else "(NOT met: < 1.1x)")
@@ -389,6 +414,12 @@ def main() -> None:
         help="our stages with zero overlap off, on, or both (default)",
     )
     ap.add_argument("--no-exposed", action="store_true", help="skip the no-comm twins (no exposed column)")
+    ap.add_argument(
+        "--collectives",
+        choices=["both", "ours"],
+        default="both",
+        help="our stages on our collectives and on torch's (default), or on ours only",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "step.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -418,6 +449,7 @@ def main() -> None:
                 args.warmup,
                 overlaps,
                 not args.no_exposed,
+                args.collectives == "both",
                 timeout_s=1800,
             )
             rows += summarise(per_rank, model_name, world)
@@ -448,6 +480,7 @@ def main() -> None:
                 "warmup": args.warmup,
                 "unit": "ms per step: median over timed iterations of the slowest rank",
                 "overlap_bucket_numel": OVERLAP_BUCKET_NUMEL,
+                "collectives": args.collectives,
                 "results": rows,
             },
             f,

@@ -134,18 +134,24 @@ def _check_gpu_throughput(d, tmp_path):
 
 def _check_step(d, tmp_path):
     ours = [f"ours stage {s}{o}" for s in (1, 3) for o in ("", " overlap")]
+    on_torch = [f"{v} (torch coll)" for v in ours]  # the same on torch's own collectives
     variants = ours + ["torch DDP"]
     rows = {r["variant"]: r for r in d["results"]}
-    assert sorted(rows) == sorted(variants + [f"{v} (no comm)" for v in variants])  # each with its twin
+    assert sorted(rows) == sorted(variants + on_torch + [f"{v} (no comm)" for v in variants])  # twins
     params = sum(p.numel() for p in families.build(ModelConfig(), 0).parameters())  # tiny: the capstone's
     ddp = rows["torch DDP"]
     for name, r in rows.items():
         assert (r["model"], r["world"], r["params"], len(r["losses"])) == ("tiny", 2, params, 1 + 2)
         assert _times(r["ms"]) and r["ms_min"] <= r["ms"] <= r["ms_max"]
         assert r["ratio_vs_ddp"] == pytest.approx(ddp["ms"] / r["ms"])
-        if name in ours:  # ZeRO-1 and -3: 12P/N optimizer bytes per rank
+        if name in ours + on_torch:  # ZeRO-1 and -3: 12P/N optimizer bytes per rank
             assert r["optimizer_bytes"] == [12 * params // 2] * 2
-    for name in ours:  # the twins skip communication, so their ranks' losses drift apart
+    for name in ours:
+        assert rows[name]["ratio_vs_torch_collectives"] == pytest.approx(
+            rows[f"{name} (torch coll)"]["ms"] / rows[name]["ms"]
+        )
+        assert (rows[name]["collectives"], rows[f"{name} (torch coll)"]["collectives"]) == ("ours", "torch")
+    for name in ours + on_torch:  # the no-comm twins skip communication: their ranks' losses drift apart
         assert rows[name]["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL), name
 
 

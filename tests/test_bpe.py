@@ -289,7 +289,10 @@ def _cfg(overrides: list[str]) -> RunConfig:
             r"data.tokenizer=bpe needs data.vocab_size: the vocabulary to train \(>= 257",
         ),
         (["data.tokenizer=bpe", "data.vocab_size=256"], "data.vocab_size must be null or an integer >= 257"),
-        (["data.tokenizer=bpe", "data.vocab_size=512"], "model.vocab_size=256; set model.vocab_size=512"),
+        (
+            ["data.tokenizer=bpe", "data.vocab_size=512", "model.vocab_size=256"],
+            "^data.tokenizer=bpe has 512 tokens but model.vocab_size=256; leave model.vocab_size out",
+        ),
         (["data.vocab_size=512"], "data.vocab_size=512 needs data.tokenizer=bpe"),
         (["data.tokenizer=words"], r"data.tokenizer must be one of \['bytes', 'bpe'\], got 'words'"),
         (["data=synthetic", "data.tokenizer=bpe", "data.vocab_size=512"], "use it with data=text"),

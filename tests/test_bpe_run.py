@@ -42,8 +42,7 @@ def _common(root: Path) -> list[str]:
         f"data.path={SAMPLE}",
         f"data.cache_dir={root / 'cache'}",
         "data.tokenizer=bpe",
-        "data.vocab_size=512",
-        "model.vocab_size=512",
+        "data.vocab_size=512",  # the model's vocabulary follows it
         "model.seq_len=32",
         "model.dim=32",
         "train.steps=6",

@@ -52,7 +52,10 @@ RULES = {
             "distlib.app.config",
             "distlib.app.model",
             "distlib.app.data",
-            "distlib.app.unattended",
+            # the rollback's API (RollbackSource, which the Checkpointer implements) and the
+            # save/stop decision; unattended never imports checkpointing, so there is no cycle
+            "distlib.app.unattended.rollback",
+            "distlib.app.unattended.stopping",
             "distlib.app.hooks",
             "distlib.app.launcher_env",
             "distlib.app.checkpointing",

@@ -64,3 +64,47 @@ def test_an_impossible_layout_is_one_line_naming_the_keys(world, sizes, line):
 def test_a_record_in_another_rank_order_is_refused():
     with pytest.raises(LayoutError, match="rank order"):
         Layout.from_dict({"order": ["dp", "pp", "cp", "tp"], "pp": 1, "dp": 2, "cp": 1, "tp": 1})
+
+
+@pytest.mark.parametrize("world, tp, cp, ep", [(8, 2, 1, 2), (8, 1, 2, 4), (12, 1, 2, 3), (4, 1, 1, 1)])
+def test_expert_groups_split_the_batch_group(world, tp, cp, ep):
+    grid = Layout.of(world, tp=tp, cp=cp, ep=ep)
+    for r in range(world):
+        batch, experts, replicas = (
+            grid.group(r, ("dp", "cp")),
+            grid.group(r, ("ep",)),
+            grid.group(r, ("edp",)),
+        )
+        assert len(experts) == ep and len(replicas) == len(batch) // ep
+        assert set(experts) | set(replicas) <= set(batch) and set(experts) & set(replicas) == {r}
+        b = batch.index(r)  # neighbours in the batch group hold the other experts
+        assert experts == batch[b - b % ep : b - b % ep + ep] and replicas == batch[b % ep :: ep]
+    for kind in ("ep", "edp"):
+        assert sorted(x for g in grid.groups((kind,)) for x in g) == list(range(world))
+    with pytest.raises(ValueError, match="unknown layout dimension"):
+        grid.group(0, ("sp",))
+
+
+def _mesh_groups(comm, cp, ep):
+    import torch
+
+    from distlib.comm import collectives
+    from distlib.comm.mesh import build_mesh
+
+    mesh = build_mesh(comm, tp=1, cp=cp, ep=ep)
+    total = collectives.all_reduce(torch.tensor([float(comm.rank)]), mesh.batch, op="sum")
+    return {k: c.ranks for k, c in mesh.groups().items()}, mesh.batch.ranks, mesh.loss_ranks, float(total)
+
+
+def test_the_mesh_builds_the_batch_and_expert_groups_the_layout_names():
+    from multiproc import run_ranks
+
+    for cp, ep in [(2, 1), (1, 2), (2, 2)]:
+        grid = Layout.of(4, cp=cp, ep=ep)
+        for r, (groups, batch, loss_ranks, total) in enumerate(run_ranks(_mesh_groups, 4, cp, ep)):
+            assert batch == loss_ranks == grid.group(r, ("dp", "cp"))
+            assert total == sum(batch), "a collective over the batch group spans dp x cp"
+            assert groups["dp"] == grid.group(r, ("dp",))
+            assert groups.get("cp", (r,)) == grid.group(r, ("cp",))
+            assert groups.get("ep", (r,)) == grid.group(r, ("ep",))
+            assert groups.get("edp", batch) == grid.group(r, ("edp",))

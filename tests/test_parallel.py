@@ -382,7 +382,8 @@ def test_stage_0_and_1_sync_once_per_step_stage_2_and_3_per_micro_batch(results)
     sent = {key: run["comm"][-1]["dp"] for key, run in runs.items()}
     layout = runs[(1, 2)]["layout"]
     p, padded, mine = layout["numel"], layout["padded_numel"], layout["shard_numel"]
-    theirs, norm = p - mine, 2 * 4  # rank 1's real elements (its partition ends in padding)
+    theirs = p - mine  # rank 1's real elements (its partition ends in padding)
+    norm = 4  # the grad norm's all-gather: one fp32 sum of squares (at tp=1 no parameter is split)
     assert p < padded, "the model was chosen so that the partitions need padding"
     assert sent[(0, 2)] == 4 * padded + norm, "stage 0: one all-reduce (exchange: B to the peer)"
     assert sent[(1, 2)] == sent[(1, 4)] == 2 * (4 * padded // 2) + norm, "stage 1 must sync once per step"

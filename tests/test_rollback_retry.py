@@ -21,30 +21,26 @@ from distlib.app.config.operation import GuardConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 from distlib.app.unattended.guard import GuardError, Verdict
-from distlib.app.unattended.rollback import Rollback, RollbackPoint
+from distlib.app.unattended.rollback import Rollback, RollbackPoint, RollbackSource
 
 
-class _Targets:
-    def __init__(self, step: int):
-        self.pending, self.point = None, RollbackPoint(step, Path(f"/ckpt/step_{step}"))
-
-    def candidates(self):
-        return [self.point]
+def _point(step: int) -> RollbackPoint:
+    return RollbackPoint(step, Path(f"/ckpt/step_{step}"))
 
 
-class _Checkpointer:
-    """The few calls a rollback makes, recorded; the trusted state is at step ``target``."""
+class _Checkpoints(RollbackSource):
+    """The three calls a rollback makes, recorded; the trusted state is at step ``target``."""
 
     def __init__(self, target: int):
-        self.targets, self.restored = _Targets(target), []
+        self.point, self.restored = _point(target), []
 
-    def settle_for_rollback(self, step, log):
-        pass
+    def trusted_targets(self, trip, log):
+        return [self.point], None
 
-    def restore(self, target):
-        self.restored.append(target.step)
+    def restore(self, point):
+        self.restored.append(point.step)
 
-    def rolled_back_to(self, target, trip):
+    def rolled_back_to(self, point, rollback):
         return []
 
 
@@ -71,7 +67,7 @@ def _trip(rollback: Rollback, data: _Data, step: int, loss: float, log: _Log) ->
 
 def test_each_retry_to_the_same_state_skips_further_and_a_repeat_is_named():
     data, log = _Data(), _Log()
-    rollback = Rollback(GuardConfig(skip_batches=1, max_rollbacks=5), _Checkpointer(target=10), data, lr=0.01)
+    rollback = Rollback(GuardConfig(skip_batches=1, max_rollbacks=5), _Checkpoints(target=10), data, lr=0.01)
     first = _trip(rollback, data, 14, 0.9, log)
     second = _trip(rollback, data, 14, 0.9, log)  # the same trip again, bit for bit
     third = _trip(rollback, data, 17, 0.8, log)
@@ -83,16 +79,16 @@ def test_each_retry_to_the_same_state_skips_further_and_a_repeat_is_named():
 
 def test_a_new_trusted_state_starts_from_the_configured_skip_again():
     data, log = _Data(), _Log()
-    ckpt = _Checkpointer(target=10)
+    ckpt = _Checkpoints(target=10)
     rollback = Rollback(GuardConfig(skip_batches=0, max_rollbacks=5), ckpt, data, lr=0.01)
     assert _trip(rollback, data, 12, 0.9, log)["skip"] == 0  # a replay: heals a one-off fault
-    ckpt.targets = _Targets(20)
+    ckpt.point = _point(20)
     assert _trip(rollback, data, 23, 0.9, log)["skip"] == 0
 
 
 def test_past_max_rollbacks_one_line_says_what_was_tried():
     data, log = _Data(), _Log()
-    rollback = Rollback(GuardConfig(max_rollbacks=2), _Checkpointer(target=10), data, lr=0.02)
+    rollback = Rollback(GuardConfig(max_rollbacks=2), _Checkpoints(target=10), data, lr=0.02)
     _trip(rollback, data, 13, 0.9, log)
     _trip(rollback, data, 13, 0.9, log)
     with pytest.raises(GuardError) as err:

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from distlib.app import launcher_env
-from distlib.app.checkpointing.checkpointer import Checkpointer
+from distlib.app.checkpointing.checkpointer import Checkpointer, RunState
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
@@ -100,8 +100,9 @@ class Trainer:
         hooks: StepHooks | None = None,
         device: str = "cpu",
     ):
-        # Count traffic per collective kind and (dist.check_collectives) check every call's header.
-        comm = comm.instrumented(check=cfg.dist.check_collectives)
+        # Count traffic per collective kind, (dist.check_collectives) check every call's header, and
+        # run dist.collectives' implementation (the mesh's groups inherit the last two).
+        comm = comm.instrumented(check=cfg.dist.check_collectives, collectives=cfg.dist.collectives)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
         self.mesh = mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s)  # dp/tp(/pp)
         self.hooks = hooks = hooks if hooks is not None else StepHooks()
@@ -113,10 +114,10 @@ class Trainer:
         model, optimizer = self.model, self.optimizer
         self.pipeline = chunks and PipelineStep(cfg, mesh, model, chunks, self.device)
         hooks.check_model(optimizer.layout.slots)
-        clock = clock or time.monotonic  # rank 0's clock decides checkpoint.every_minutes
-        self.checkpointer = Checkpointer(
-            cfg, comm, mesh, self.run_dir, self.data, model, optimizer, splits, hooks, clock
-        )
+        # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
+        self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)
+        state = RunState(model, optimizer, self.data, splits)
+        self.checkpointer = Checkpointer(cfg, mesh, self.run_dir, state, hooks, self.save_clock)
         self.rollback = Rollback(cfg.guard, self.checkpointer, self.data, cfg.optimizer.lr)
         self.replicas = guard.ReplicaCheck(
             cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer
@@ -289,7 +290,7 @@ class Trainer:
         self, seconds: float, memory: dict[str, int], signals: stopping.StopSignals
     ) -> tuple[list[float], list[list[float]], list[list[float]]]:
         """Every rank's parameter norm, metrics row and save/stop vote in one gather: (norms, rows, votes)."""
-        vote = stopping.vote(self.checkpointer.clock, signals, self.comm, self.checkpointer.writing())
+        vote = stopping.vote(self.save_clock, signals, self.comm, self.checkpointer.writing())
         norms, rows, votes = agree.gather_parts(
             [[self.optimizer.param_norm()], self.log.row(seconds, memory), vote], self.comm
         )

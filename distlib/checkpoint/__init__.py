@@ -1,7 +1,7 @@
 """checkpoint: the sharded on-disk format, and moving it between world sizes.
 
 Saving (every rank writes its shard, rank 0 commits a manifest with every file's sha256 by an
-atomic rename), verifying, loading, listing and pruning (``sharded``), capturing and restoring the
+atomic rename), verifying, loading, listing and deleting (``sharded``), capturing and restoring the
 random generators (``rng``), resharding or consolidating a checkpoint (``reshard``), and reading
 the whole model's tensors out of a checkpoint of any layout (``assemble``).
 

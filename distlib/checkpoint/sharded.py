@@ -228,16 +228,12 @@ def save(
     return complete_save(final, step, meta, written, comm, hook, extras)
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` committed checkpoints (0 keeps all). Rank 0 only,
-    and only after a save committed, so a crash here never leaves fewer than ``keep_last``."""
-    found = list_committed(root)
-    doomed = found[:-keep_last] if keep_last > 0 else []
-    for path in doomed:
-        # Un-commit first (remove the manifest), so a crash mid-delete leaves an ignored directory.
-        (path / MANIFEST).unlink()
-        shutil.rmtree(path)
-    return doomed
+def delete(path: Path) -> None:
+    """Delete committed checkpoint ``path`` (rank 0). Which ones and when is the application's
+    retention rule (``distlib.app.checkpointing.retention``), its only caller."""
+    # Un-commit first (remove the manifest), so a crash mid-delete leaves an ignored directory.
+    (path / MANIFEST).unlink()
+    shutil.rmtree(path)
 
 
 # -- reading -------------------------------------------------------------------

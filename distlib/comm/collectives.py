@@ -1,8 +1,10 @@
 """Hand-written collectives on torch.distributed point-to-point (isend/irecv).
 
 Every function takes a ``Comm`` and talks only to its members, addressing them by global
-rank (``comm.peer(i)``) on ``comm.group``. torch's own collectives are never called here;
-they are the reference in the tests and the benchmark.
+rank (``comm.peer(i)``) on ``comm.group``. Our algorithms never call torch's own collectives;
+those are the reference in the tests and the benchmark, and what a Comm with
+``collectives="torch"`` runs instead of our algorithms (``native``: the same calls, argument
+checks and header check; ``algo=`` then does not apply).
 
 The algorithms live in ``distlib.comm.algorithms`` (one module per collective); the default for
 tensor bytes B on N ranks is the cheapest in ``cost_model`` (its docstring has the table of
@@ -16,6 +18,7 @@ at every size:
 | reduce_scatter | direct, ring, halving                       |
 | all_gather     | direct, ring, bruck                         |
 | broadcast      | flat, tree, chain, scatter (van de Geijn)   |
+| all_to_all     | direct, pairwise                            |
 
 Bitwise agreement: after all_reduce, broadcast and all_gather every rank holds identical
 bytes. Direct, ring and halving reduce-scatter reduce each element on exactly one rank (its
@@ -42,8 +45,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from distlib.comm import cost_model
+from distlib.comm import cost_model, native
 from distlib.comm.algorithms import all_gather as AG
+from distlib.comm.algorithms import all_to_all as A2A
 from distlib.comm.algorithms import broadcast as BC
 from distlib.comm.algorithms import reduce_scatter as RS
 from distlib.comm.algorithms.base import empty as _empty
@@ -72,6 +76,8 @@ def choose_algorithm(collective: str, nbytes: int, world: int) -> str:
 
 
 def _pick(collective: str, algo: str | None, flat: Tensor, comm: Comm, table: dict):
+    if comm.collectives == "torch":  # torch's own collective in place of our algorithms
+        return "torch", native.RUNS[collective]
     name = algo or choose_algorithm(collective, flat.numel() * flat.element_size(), comm.size)
     if name not in table:
         raise ValueError(f"unknown {collective} algorithm {name!r}; expected one of {sorted(table)}")
@@ -140,7 +146,8 @@ def _reduce_scatter(
     lo, hi = bounds[comm.rank]
     if comm.size == 1:
         return out.copy_(flat[lo:hi])
-    RS.ALGORITHMS[algo](flat, comm, op, out, bounds, SEGMENT_BYTES)
+    run = native.reduce_scatter if algo == "torch" else RS.ALGORITHMS[algo]
+    run(flat, comm, op, out, bounds, SEGMENT_BYTES)
     if op == "avg":
         out.div_(comm.size)  # once, on the owner, so every rank later gets the same bytes
     return out
@@ -246,6 +253,57 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
         with collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
             run(flat, src, comm, SEGMENT_BYTES, **extra)
     return tensor
+
+
+# --------------------------------------------------------------------------- all_to_all
+
+
+def _rows(splits: list[int], width: int) -> list[tuple[int, int]]:
+    """Consecutive pieces of ``splits[j]`` rows of ``width`` elements, as flat (start, end)."""
+    ends = [0]
+    for rows in splits:
+        ends.append(ends[-1] + rows * width)
+    return list(zip(ends[:-1], ends[1:]))
+
+
+def all_to_all(
+    tensor: Tensor,
+    comm: Comm,
+    send_splits: list[int],
+    recv_splits: list[int] | None = None,
+    *,
+    algo: str | None = None,
+) -> Tensor:
+    """Rows (dim 0) of ``tensor`` cut into N consecutive pieces of ``send_splits[j]`` rows, piece j
+    sent to group rank j; returns the pieces this rank received, rank 0's first, as a new tensor
+    of ``sum(recv_splits)`` rows (torch's ``all_to_all_single``). ``recv_splits``: the rows each
+    rank sends here, or None to exchange the counts first (one more all-to-all, of N integers), so
+    uneven splits (tokens routed to experts) always agree with what is sent. Copies only: the
+    bytes are those of any other algorithm. algo: "direct" (the default: one round) or "pairwise"."""
+    n, flat = comm.size, _flat(tensor)
+    if len(send_splits) != n or any(r < 0 for r in send_splits) or sum(send_splits) != tensor.shape[0]:
+        rows = tensor.shape[0]
+        raise ValueError(
+            f"all_to_all: send_splits {list(send_splits)} must be {n} counts >= 0 adding to {rows}"
+        )
+    if recv_splits is not None and len(recv_splits) != n:
+        raise ValueError(f"all_to_all: recv_splits {list(recv_splits)} must be {n} counts")
+    name = "torch" if comm.collectives == "torch" else algo or "direct"
+    if name != "torch" and name not in A2A.ALGORITHMS:
+        raise ValueError(f"unknown all_to_all algorithm {name!r}; expected one of {sorted(A2A.ALGORITHMS)}")
+    if n == 1:
+        return tensor.clone()
+    run = native.all_to_all if name == "torch" else A2A.ALGORITHMS[name]
+    width = flat.numel() // max(tensor.shape[0], 1)
+    with collective(comm, "all_to_all", dtype=flat.dtype, algo=name):
+        if recv_splits is None:
+            counts = torch.tensor(send_splits, dtype=torch.int64, device=tensor.device)
+            got = torch.empty(n, dtype=torch.int64, device=tensor.device)
+            run(counts, got, comm, _rows([1] * n, 1), _rows([1] * n, 1))
+            recv_splits = got.tolist()
+        out = torch.empty((sum(recv_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        run(flat, out.view(-1), comm, _rows(send_splits, width), _rows(recv_splits, width))
+    return out
 
 
 # --------------------------------------------------------------------------- bytes

@@ -15,6 +15,10 @@ instead of a hang, an abort inside gloo or silently truncated data.
 ``device`` is where the group's messages travel: "cpu" for gloo, "cuda:<k>" for NCCL. A tensor
 elsewhere is staged through a buffer there (``p2p.P2P``): CUDA tensors over gloo go through
 pinned host memory, which is how several ranks share one GPU.
+
+``collectives`` says whose collectives the group's calls run: "ours" (``distlib.comm.algorithms``,
+on point-to-point messages) or "torch" (torch.distributed's own on ``group``, e.g. NCCL's kernels:
+``native``). Callers never branch on it; subgroups built by ``mesh.build_mesh`` inherit it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 # The collective kinds counted separately; anything else is counted as "other".
-KINDS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce", "all_gather_bytes", "other")
+KINDS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce", "all_gather_bytes", "other", "all_to_all")
+# Whose collectives a Comm runs (the first is the default).
+COLLECTIVES = ("ours", "torch")
 
 
 class CommStats:
@@ -56,6 +62,11 @@ class Comm:
     stats: CommStats | None = dataclasses.field(default=None, compare=False)
     check: bool = False  # exchange a header before each collective (see module doc)
     device: str = "cpu"  # where messages travel: "cpu" (gloo) or "cuda:<k>" (NCCL)
+    collectives: str = COLLECTIVES[0]  # whose collectives run (see module doc)
+
+    def __post_init__(self) -> None:
+        if self.collectives not in COLLECTIVES:
+            raise ValueError(f"collectives must be one of {list(COLLECTIVES)}, got {self.collectives!r}")
 
     @property
     def size(self) -> int:
@@ -65,9 +76,11 @@ class Comm:
         """Global rank of the member at ``group_rank`` (point-to-point ops address global ranks)."""
         return self.ranks[group_rank % self.size]
 
-    def instrumented(self, check: bool) -> Comm:
-        """This group with a fresh CommStats and the given header-check setting."""
-        return dataclasses.replace(self, stats=CommStats(), check=check)
+    def instrumented(self, check: bool, collectives: str | None = None) -> Comm:
+        """This group with a fresh CommStats, the given header-check setting and, if given, whose
+        collectives it runs."""
+        chosen = collectives if collectives is not None else self.collectives
+        return dataclasses.replace(self, stats=CommStats(), check=check, collectives=chosen)
 
     @property
     def batched(self) -> bool:

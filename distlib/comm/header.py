@@ -25,7 +25,8 @@ matched (at the collective's first wait); larger payloads travel after the check
 round of their own on the sender's side. A mismatch therefore raises before any payload is
 used, and leaves nothing posted: the group stays usable. The headers go to every member, not
 only to the algorithm's peers, so a mismatch of patterns (a broadcast against an all_reduce)
-is caught instead of deadlocking. Batched groups (NCCL) keep the header in a round of its own.
+is caught instead of deadlocking. Batched groups (NCCL) keep the header in a round of its own, and
+so do torch's own collectives (``native``): they post no message of ours to ride in.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from distlib.comm.p2p import GATE, P2P, CollectiveMismatchError, Done, Message
 
 OPS = ("sum", "avg", "max", "min")
 ALGOS = ("direct", "ring", "exchange", "tree", "chain", "rabenseifner", "halving", "bruck", "flat", "scatter")
+ALGOS += ("torch",)  # torch's own collective (native): added last, so the codes above keep theirs
 # The header's codes by index; a value outside a table is coded by a checksum (>= 1000), which
 # still mismatches correctly and is printed as the raw code.
 _DTYPES = (
@@ -301,7 +303,7 @@ def collective(
                     _code(algo, ALGOS),
                     -1 if bounds is None else zlib.crc32(repr(bounds).encode()),
                 ]
-                if comm.batched:
+                if comm.batched or comm.collectives == "torch":
                     check_header(comm, kind, header)
                 else:
                     gate = Gate(comm, kind, header)

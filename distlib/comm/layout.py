@@ -19,6 +19,8 @@ import itertools
 from dataclasses import dataclass
 
 ORDER = ("pp", "dp", "cp", "tp")  # the grid's dimensions, slowest-varying first
+BATCH = ("dp", "cp")  # the ranks that see other samples or other tokens of them: gradients average here
+EXPERT = ("ep", "edp")  # the expert and expert-data-parallel groups, splits of the batch group
 
 
 class LayoutError(ValueError):
@@ -89,7 +91,22 @@ class Layout:
 
     def group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
         """The ranks that share ``rank``'s coordinates outside ``dims``, in rank order (a group over
-        several dimensions, e.g. ("dp", "cp") for the batch, is their flattening)."""
+        several dimensions, e.g. ("dp", "cp") for the batch, is their flattening). ``("ep",)`` and
+        ``("edp",)`` are the expert groups, which split the batch group rather than the world:
+        with ``b`` a rank's place in its batch group, the expert group holds the ``ep`` consecutive
+        places ``b // ep`` shares (each holding other experts; neighbours, so that the tokens'
+        all-to-all stays close), the expert-data-parallel group the places ``b % ep`` shares (the
+        same experts, over which their gradients are averaged)."""
+        if set(dims) - set(ORDER) - set(EXPERT):
+            raise ValueError(f"unknown layout dimension(s) {sorted(set(dims) - set(ORDER) - set(EXPERT))}")
+        if set(dims) & set(EXPERT):
+            if len(dims) != 1:
+                raise ValueError(f"an expert group is its own dimension, not one of {dims}")
+            batch = self.group(rank, BATCH)
+            b = batch.index(rank)
+            if dims == ("ep",):
+                return batch[b - b % self.ep : b - b % self.ep + self.ep]
+            return batch[b % self.ep :: self.ep]
         fixed = {d: c for d, c in self.coords(rank).items() if d not in dims}
         free = [d for d in ORDER if d in dims]
         spans = [range(getattr(self, d)) for d in free]

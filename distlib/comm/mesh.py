@@ -9,12 +9,18 @@ data-parallel positions form a data-parallel group, over which ZeRO shards the o
 the same order, even the groups it does not belong to. That is why the whole
 mesh is built here, in one place, once.
 
-The dp and tp Comms carry the world Comm's ``check`` rider, so the subgroups' collectives are
-header-checked like the world's, and, when the world counts its traffic (``stats``), each gets a
-CommStats of its own: the bytes a rank sends on the data-parallel group (gradient and parameter
-sync) and on the tensor-parallel group (the layers' all-reduces) are then read apart, and the
-world's CommStats keeps only the world-level collectives (the sum of the three is all the
-traffic). With dist.tp=1 the dp Comm talks over the world's process group but still counts apart.
+The dp and tp Comms carry the world Comm's ``check`` rider and its ``collectives`` choice, so the
+subgroups' collectives are header-checked like the world's and run the same implementation, and,
+when the world counts its traffic (``stats``), each gets a CommStats of its own: the bytes a rank
+sends on the data-parallel group (gradient and parameter sync) and on the tensor-parallel group
+(the layers' all-reduces) are then read apart, and the world's CommStats keeps only the
+world-level collectives (the sum of the three is all the traffic). With dist.tp=1 the dp Comm
+talks over the world's process group but still counts apart.
+
+Context and expert parallelism add the groups they need only when their degree is above 1:
+``batch``, the dp x cp ranks over which gradients are averaged and the loss is taken (the dp
+group at cp = 1), and ``ep``/``edp``, the expert and expert-data-parallel groups (at ep = 1 a
+group of one and the batch group).
 
 Pipeline parallelism (``pp`` > 1) adds ``pp``: the ranks with this rank's (dp, tp) position at
 every stage, in stage order (activations and their gradients travel between neighbours in it:
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from distlib.comm.group import Comm, CommStats
-from distlib.comm.layout import Layout, LayoutError
+from distlib.comm.layout import BATCH, Layout, LayoutError
 
 MeshError = LayoutError  # a parallel layout that cannot be built from this world
 
@@ -45,6 +51,21 @@ class Mesh:
     pp: Comm | None = None  # one (dp, tp) position, every pipeline stage, in stage order
     stage: Comm | None = None  # every dp x tp rank of this rank's stage
     layout: Layout | None = None  # the grid the groups come from
+    cp: Comm | None = None  # (cp > 1) one (pp, dp, tp) position, every context-parallel rank
+    batch_: Comm | None = None  # (cp > 1) the dp x cp ranks; ``batch`` is the dp group otherwise
+    ep: Comm | None = None  # (ep > 1) the ranks holding the other experts of the same layers
+    edp: Comm | None = None  # (ep > 1) the ranks holding the same experts
+
+    @property
+    def batch(self) -> Comm:
+        """The ranks that see other samples or other tokens of them (dp x cp): gradients are
+        averaged over it and the loss is their mean."""
+        return self.batch_ if self.batch_ is not None else self.dp
+
+    @property
+    def expert_dp(self) -> Comm:
+        """The ranks over which the experts' gradients are averaged (the batch group at ep = 1)."""
+        return self.edp if self.edp is not None else self.batch
 
     @property
     def first_stage(self) -> bool:
@@ -59,13 +80,14 @@ class Mesh:
         """Global ranks whose mean is the step's loss: this rank's data-parallel group, moved to the
         last stage (where the loss is computed)."""
         if self.pp is None:
-            return self.dp.ranks
+            return self.batch.ranks
         at_last = self.layout.coords(self.world.rank) | {"pp": self.layout.pp - 1}
-        return tuple(self.world.peer(r) for r in self.layout.group(self.layout.rank(**at_last), ("dp",)))
+        return tuple(self.world.peer(r) for r in self.layout.group(self.layout.rank(**at_last), BATCH))
 
     def groups(self) -> dict[str, Comm]:
         """The sub-groups by name (whose traffic the metrics report apart)."""
-        return {"dp": self.dp, "tp": self.tp, **({"pp": self.pp} if self.pp is not None else {})}
+        kinds = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "edp": self.edp}
+        return {kind: comm for kind, comm in kinds.items() if comm is not None}
 
 
 def check_layout(world_size: int, tp: int, pp: int = 1) -> None:
@@ -80,28 +102,43 @@ def _new_group(ranks: list[int], timeout_s: float | None):
     return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-# the groups a mesh builds, by kind: the layout dimensions each spans (pp > 1 adds pp and stage)
-KINDS = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",), "stage": ("dp", "cp", "tp")}
+# the groups a mesh builds, by kind: the layout dimensions each spans, and the degree above 1 that
+# calls for it (None: always)
+KINDS = {
+    "tp": (("tp",), None),
+    "dp": (("dp",), None),
+    "pp": (("pp",), "pp"),
+    "stage": (("dp", "cp", "tp"), "pp"),
+    "cp": (("cp",), "cp"),
+    "batch_": (BATCH, "cp"),
+    "ep": (("ep",), "ep"),
+    "edp": (("edp",), "ep"),
+}
 
 
-def build_mesh(world: Comm, tp: int, pp: int = 1, timeout_s: float | None = None) -> Mesh:
+def build_mesh(
+    world: Comm, tp: int, pp: int = 1, timeout_s: float | None = None, *, cp: int = 1, ep: int = 1
+) -> Mesh:
     """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank),
-    and with ``pp`` > 1 the pipeline and stage groups; each waits at most ``timeout_s``."""
-    layout = Layout.of(world.size, tp=tp, pp=pp)
+    and the groups of each other dimension whose degree is above 1; each waits at most ``timeout_s``."""
+    layout = Layout.of(world.size, tp=tp, pp=pp, cp=cp, ep=ep)
 
     def riders() -> dict:
         return dict(
-            stats=CommStats() if world.stats is not None else None, check=world.check, device=world.device
+            stats=CommStats() if world.stats is not None else None,
+            check=world.check,
+            device=world.device,
+            collectives=world.collectives,
         )
 
     me = world.rank
     mine: dict[str, Comm] = {}
-    for kind, dims in KINDS.items():
-        if pp == 1 and kind in ("pp", "stage"):
+    for kind, (dims, degree) in KINDS.items():
+        if degree is not None and getattr(layout, degree) == 1:
             continue
         for group_ranks in layout.groups(dims):
             ranks = [world.peer(r) for r in group_ranks]
-            if pp == 1 and tp == 1 and kind == "dp":  # the whole world: its own process group
+            if kind == "dp" and len(ranks) == world.size:  # the whole world: its own process group
                 mine[kind] = dataclasses.replace(world, **riders())
                 continue
             # gloo needs a real group even of size 1 only for collectives; skip those.

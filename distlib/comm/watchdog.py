@@ -104,6 +104,11 @@ def _roll_call(store, prefix: str, comm: Comm, me: int, grace: float) -> tuple[d
         time.sleep(0.01)
 
 
+def _waiting(peer: int | None, words: str) -> str:
+    """Which rank a failed wait was on; torch's own collectives (``native``) do not say."""
+    return "" if peer is None else f" ({words} rank {peer})"
+
+
 def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -> RuntimeError:
     if isinstance(error, CollectiveMismatchError):  # every rank raised it, with every rank's call
         return CollectiveMismatchError(f"{where}: {error}", error.collective)
@@ -119,16 +124,14 @@ def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -
             reports, dead = _roll_call(store, prefix, comm, me, grace)
         except Exception:  # noqa: BLE001 - the store may be gone with the launcher
             store = None
-    head = (
-        f"{where}: {error.collective} did not complete on rank {me} within dist.timeout_s={timeout_s:g}s "
-        f"(it was waiting on rank {error.peer})"
-    )
+    head = f"{where}: {error.collective} did not complete on rank {me} within dist.timeout_s={timeout_s:g}s"
+    head += _waiting(error.peer, "it was waiting on")
     if store is None:
         return StallError(f"{head}; could not ask the other ranks which did not arrive. Cause: {error}")
     missing = [r for r in comm.ranks if r != me and r not in reports]
     exited, silent = [r for r in missing if r in dead], [r for r in missing if r not in dead]
     others = ", ".join(
-        f"rank {r} at {rep['where']} in {rep['collective']} (waiting on rank {rep['peer']})"
+        f"rank {r} at {rep['where']} in {rep['collective']}" + _waiting(rep["peer"], "waiting on")
         for r, rep in sorted(reports.items())
     )
     if exited:

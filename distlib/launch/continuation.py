@@ -55,7 +55,8 @@ def continued(tree: dict, run_dir: Path, overrides: list[str]) -> tuple[dict, li
     new = [o for o in overrides if _key(o) != _RESUME]
     original = [o for o in OmegaConf.load(found[-1] / "overrides.yaml") if _key(o) != _RESUME]
     base = [o for o in original if _key(o) not in {_key(n) for n in new}]
-    changes = _changes(compose_tree(original), compose_tree(base + new))
+    # the keys the command line changes, not what completing reads elsewhere (a resume's record has it)
+    changes = _changes(compose_tree(original, completed=False), compose_tree(base + new, completed=False))
     for path, value in changes:
         node = recorded
         for part in path[:-1]:
@@ -64,6 +65,23 @@ def continued(tree: dict, run_dir: Path, overrides: list[str]) -> tuple[dict, li
     recorded["checkpoint"]["resume"] = tree["checkpoint"]["resume"]
     recorded["fault"] = tree["fault"]  # a drill is what this start is told, not the run's setting
     return recorded, (base + new if changes else [])
+
+
+def recorded_overrides(run_dir: Path) -> list[str]:
+    """The overrides of the run's newest record (what a continuation's tree was set with), or []."""
+    from omegaconf import OmegaConf
+
+    found = records(run_dir)
+    return list(OmegaConf.load(found[-1] / "overrides.yaml")) if found else []
+
+
+def starts_fresh(tree: dict, run_dir: Path) -> bool:
+    """Whether the run starts at step 0: no checkpoint.resume, or ``latest`` with no committed
+    checkpoint in its directory yet."""
+    resume = tree["checkpoint"]["resume"]
+    if resume == "latest":
+        return not checkpoint.list_committed(run_dir / str(tree["checkpoint"]["dir"]))
+    return resume in NO_RESUME
 
 
 def save_record(run_dir: Path, tree: dict, overrides: list[str]) -> Path:

@@ -3,17 +3,21 @@
 Every key's default is declared once, in the application's config dataclasses
 (``distlib.app.config``). ``register`` stores them in Hydra's ConfigStore as ``_defaults``, the
 first entry of conf/config.yaml's defaults list, so the YAML files under conf/ hold only what a
-choice changes (``zero=stage2`` sets ``stage: 2``; ``data=text`` sets the file, the vocabulary and
-the held-out share). The stored tree is plain (untyped): Hydra merges the command line into it
-as given, and ``RunConfig.from_dict`` checks every key (one ``config error: <key> ...`` line).
+choice changes (``zero=stage2`` sets ``stage: 2``; ``data=text`` sets the file and the held-out
+share). The stored tree is plain (untyped): Hydra merges the command line into it as given,
+``complete`` fills in what the run knows from elsewhere (model.init_from's architecture, the
+tokenizer's vocabulary) where the command line leaves it, and ``RunConfig.from_dict`` checks
+every key (one ``config error: <key> ...`` line).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from distlib.app.checkpointing import init_from
+from distlib.app.checkpointing.loader import NO_RESUME
 from distlib.app.config import schema
-from distlib.app.config.run import GROUPS, RunConfig
+from distlib.app.config.run import GROUPS, RunConfig, with_tokenizer_vocab
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 DEFAULTS_NAME = "_defaults"
@@ -50,11 +54,38 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
         )
 
 
-def compose_tree(overrides: list[str] | None = None) -> dict:
-    """``compose`` as a plain dict, interpolations resolved: what ``RunConfig.from_dict`` reads."""
+def compose_tree(overrides: list[str] | None = None, *, completed: bool = True) -> dict:
+    """``compose`` as a plain dict, interpolations resolved, and (``completed``) what the run knows
+    filled in as train.py fills it (``complete``; a fresh start unless checkpoint.resume is given):
+    what ``RunConfig.from_dict`` reads."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(compose(overrides), resolve=True)
+    tree = OmegaConf.to_container(compose(overrides), resolve=True)
+    if not completed:
+        return tree
+    return complete(tree, list(overrides or []), fresh=tree["checkpoint"]["resume"] in NO_RESUME)
+
+
+def set_on_purpose(tree: dict, overrides: list[str]) -> set[str]:
+    """The dotted keys a run sets on purpose: each one the command line names (even at its default
+    value), and each model key a choice gives another value than its default (``model=llama``:
+    model.family; a preset: its shape)."""
+    named = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    plain = defaults_tree()["model"]
+    model = tree.get("model") or {}
+    return named | {f"model.{k}" for k, v in model.items() if k in plain and v != plain[k]}
+
+
+def complete(tree: dict, overrides: list[str], fresh: bool) -> dict:
+    """``tree`` with what the run already knows in the keys ``overrides`` leave unset, so nothing is
+    asked twice: on a ``fresh`` start, the model's architecture from model.init_from's config.json
+    (a resume's checkpoint and record hold it already); the model's vocabulary from the tokenizer.
+    A key set to a value that disagrees stays as set: the configuration check names both values."""
+    typed = set_on_purpose(tree, overrides)
+    if fresh:
+        tree, taken = init_from.adopted(tree, typed)
+        typed |= taken
+    return with_tokenizer_vocab(tree, typed)
 
 
 # A refused run must leave its directory as it found it, but Hydra writes .hydra/ (config.yaml,
@@ -72,8 +103,10 @@ def defers_files(argv: list[str], rank: str) -> bool:
     return not any(a.startswith("-") or a.startswith("hydra.output_subdir=") for a in args) and rank == "0"
 
 
-def save_files(cfg, run_dir: Path) -> None:
-    """Hydra's three files, as Hydra would have written them, into ``run_dir``/.hydra."""
+def save_files(cfg, run_dir: Path, tree: dict | None = None) -> None:
+    """Hydra's three files, as Hydra would have written them, into ``run_dir``/.hydra; config.yaml
+    holds ``tree`` when given: the config as completed (``complete``), which a continuation of the
+    run starts from without reading model.init_from again."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, flag_override
 
@@ -84,7 +117,7 @@ def save_files(cfg, run_dir: Path) -> None:
     out = run_dir / SUBDIR
     out.mkdir(parents=True, exist_ok=True)
     nodes = {
-        "config.yaml": cfg,
+        "config.yaml": cfg if tree is None else OmegaConf.create(tree),
         "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
         "overrides.yaml": hydra_cfg.overrides.task,
     }

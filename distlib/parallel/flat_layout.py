@@ -9,8 +9,10 @@ reduction and the checkpoint format are all expressed in these coordinates.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 
@@ -33,9 +35,15 @@ class FlatLayout:
     world_size: int
 
     @staticmethod
-    def of(module: nn.Module, world_size: int) -> FlatLayout:
+    def of(module: nn.Module, world_size: int, names: Collection[str] | None = None) -> FlatLayout:
+        """The module's parameters (only ``names``, if given), in ``named_parameters`` order."""
+        named = dict(module.named_parameters())
+        if names is not None and set(names) - set(named):
+            raise ValueError(f"parameters not in the model: {sorted(set(names) - set(named))}")
         slots, offset = [], 0
-        for name, p in module.named_parameters():
+        for name, p in named.items():
+            if names is not None and name not in names:
+                continue
             slots.append(ParamSlot(name, tuple(p.shape), offset))
             offset += p.numel()
         return FlatLayout(tuple(slots), world_size)
@@ -52,6 +60,14 @@ class FlatLayout:
     @property
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
+
+    def flatten(self, params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """A padded fp32 copy of ``params`` (one per slot, in order) laid out flat on ``device``."""
+        flat = torch.zeros(self.padded_numel, device=device)
+        with torch.no_grad():
+            for slot, p in zip(self.slots, params):
+                flat[slot.offset : slot.offset + slot.numel].copy_(p.reshape(-1))
+        return flat
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel

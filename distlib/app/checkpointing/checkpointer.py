@@ -5,23 +5,26 @@
                        continue after
     boundary(step, d)  the checkpoint part of a step boundary: commit an async save in flight, take
                        the save the decision ``d`` asks for, keep the memory snapshot
-    step_passed()      the guard accepted the step after a save: that checkpoint is trusted (then pruned)
+    step_passed()      the guard accepted the step after a save: that checkpoint is trusted
     finish(step)       the end of the run: an async save in flight is committed, snapshots removed
-    restore(point)     a rollback target: a checkpoint, or the starting state kept in memory
     verify_resume()    reload a checkpoint of this run into a fresh model and compare every byte
+
+and the guard's ``Rollback`` calls (``RollbackSource``): ``trusted_targets``, ``restore`` (a
+checkpoint, or the starting state kept in memory) and ``rolled_back_to``.
 
 It composes the parts, each an object with its own small API: ``Contents`` (what a checkpoint
 holds), ``Loader`` (finding and loading one), ``AsyncSaver`` (the save in flight),
-``ResumeVerifier`` (invariant 4), ``MemorySnapshots`` (/dev/shm) and the guard's
-``RollbackTargets``, which are kept here because retention must never delete the newest trusted
-one. The file format and its commit protocol are ``distlib.checkpoint``'s.
+``ResumeVerifier`` (invariant 4), ``MemorySnapshots`` (/dev/shm) and ``Retention`` (which
+checkpoints are trusted, kept and deleted, and when). The file format and its commit protocol
+are ``distlib.checkpoint``'s.
 """
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,44 +41,50 @@ from distlib.app.checkpointing.contents import Contents
 from distlib.app.checkpointing.loader import Loader
 from distlib.app.checkpointing.memory_snapshots import MemorySnapshots, fingerprint
 from distlib.app.checkpointing.resume_check import Kept, ResumeCheck, ResumeVerifier
+from distlib.app.checkpointing.retention import Retention
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.app.hooks import StepHooks
-from distlib.app.unattended.rollback import RollbackPoint, RollbackTargets
+from distlib.app.unattended.rollback import RollbackPoint, RollbackSource
 from distlib.app.unattended.stopping import CheckpointClock, Decision
 from distlib.checkpoint import rng_state
 from distlib.checkpoint import sharded as checkpoint
-from distlib.comm import agree
-from distlib.comm.group import Comm
 from distlib.comm.mesh import Mesh
 from distlib.parallel.tensor_parallel import Split
 from distlib.parallel.zero import ZeroOptimizer
 
 
-class Checkpointer:
+@dataclass(frozen=True)
+class RunState:
+    """What a checkpoint saves and restores: the run's model and optimizer (the resume check loads
+    into fresh ones), its data position, and how tensor parallelism split the parameters."""
+
+    model: torch.nn.Module
+    optimizer: ZeroOptimizer
+    data: GlobalBatches
+    tp_splits: dict[str, Split]
+
+
+class Checkpointer(RollbackSource):
     def __init__(
         self,
         cfg: RunConfig,
-        comm: Comm,
         mesh: Mesh,
         run_dir: Path,
-        data: GlobalBatches,
-        model: torch.nn.Module,
-        optimizer: ZeroOptimizer,
-        tp_splits: dict[str, Split],
+        state: RunState,
         hooks: StepHooks,
-        clock: Callable[[], float],
+        clock: CheckpointClock,
     ):
-        c = cfg.checkpoint
-        self.cfg, self.comm, self.data, self.hooks = cfg, comm, data, hooks
-        self.model, self.optimizer = model, optimizer  # the run's; the resume check loads into fresh ones
+        c, comm = cfg.checkpoint, mesh.world
+        self.cfg, self.comm, self.hooks, self.clock = cfg, comm, hooks, clock
+        self.model, self.optimizer, self.data = state.model, state.optimizer, state.data
         self.root = Path(run_dir) / c.dir
-        self.clock = CheckpointClock(c.every_minutes, clock)  # rank 0's decides every_minutes
-        self.contents = Contents(cfg, mesh, data, optimizer, tp_splits, run_dir)
-        self.loader = Loader(cfg, comm, mesh, data, self.root, self.say)
+        self.contents = Contents(cfg, mesh, state.data, state.optimizer, state.tp_splits, run_dir)
+        self.loader = Loader(cfg, comm, mesh, state.data, self.root, self.say)
+        self.retention = Retention(c.keep_last, cfg.guard.enabled, self.root, comm)
         self.verifier = ResumeVerifier(
             cfg.verifies_resume,
-            bool(c.keep_last),
+            self.retention.resume_check_follows_newest,
             cfg.seed,
             mesh.dp.rank,
             comm,
@@ -91,7 +100,6 @@ class Checkpointer:
             lambda: fingerprint(self.contents.meta(0), comm.size),
             self.say,
         )
-        self.targets = RollbackTargets(None)  # replaced by resume(): the run's starting state
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -112,12 +120,9 @@ class Checkpointer:
         elif self.cfg.model.init_from:  # a fresh start only: a resume never reads the directory
             init_from.start_from(self.cfg.model, self.comm, self.optimizer, self.contents.tp_splits)
             self.say(f"model.init_from: starting from the weights of {self.cfg.model.init_from}")
-        if self.cfg.guard.enabled:
-            self.targets = RollbackTargets(
-                RollbackPoint(start, path)
-                if path
-                else RollbackPoint(start, None, self.contents.state(start, self.optimizer))
-            )
+        if self.retention.guarded:  # no checkpoint holds a fresh start's state: kept in memory
+            state = None if path else self.contents.state(start, self.optimizer)
+            self.retention.start(RollbackPoint(start, path, state))
         return start, self.memory.dir if snapped else path
 
     # -- a step boundary ----------------------------------------------------------
@@ -198,79 +203,49 @@ class Checkpointer:
         report_saved(log, saved, boundary)
         return [saved]
 
-    def settle_for_rollback(self, trip: int, log) -> None:
-        """The guard tripped at step ``trip`` with an async save in flight: if the step after the
-        saved one passed the guard, commit it (the newest trusted target); else it holds the bad
-        update's state: wait for the writes and drop it."""
-        pending = self.async_saver and self.async_saver.in_flight
-        if not pending:
-            return
-        if trip > pending.step + 1:
-            self.settle(trip, log, fatal=False)
-        else:
-            self.async_saver.drop()
-            self.say(
-                f"checkpoint: dropped the async save of step {pending.step} (step {trip} tripped the guard)"
-            )
-
     def _committed(
         self, saved: Saved, state: tuple[dict, dict], params: torch.Tensor | None, trusted: bool
     ) -> Saved:
-        """Bookkeeping of a committed save: the resume check's copy, rollback targets, retention."""
+        """A save committed: the resume check may keep its state, retention hears of it; returns
+        ``saved`` with its manifest (for the log and the run's result)."""
         if params is not None:
-            replaced = self.verifier.keep(Kept(saved.step, *state, params))
-            if replaced is not None and self.async_saver is not None:  # its tensors: the next save's buffers
-                self.async_saver.staging.take_back(replaced.tensors)
-        if self.targets.saved_checkpoint(saved.step, saved.path, trusted) or not self.cfg.guard.enabled:
-            self.prune()
-        return Saved(
-            saved.path,
-            checkpoint.read_manifest(saved.path),
-            saved.seconds,
-            saved.step,
-            saved.reason,
-            saved.blocking_s,
-            saved.write_s,
-        )
+            self._keep_for_resume_check(Kept(saved.step, *state, params))
+        self.retention.committed(saved.step, saved.path, trusted)
+        return dataclasses.replace(saved, manifest=checkpoint.read_manifest(saved.path))
+
+    def _keep_for_resume_check(self, kept: Kept) -> None:
+        replaced = self.verifier.keep(kept)
+        if replaced is not None and self.async_saver is not None:  # its tensors: the next save's buffers
+            self.async_saver.staging.take_back(replaced.tensors)
 
     def step_passed(self) -> None:
         """The guard accepted a step: a checkpoint saved after the previous one is trusted now."""
-        if self.targets.step_passed():
-            self.prune()
+        self.retention.step_passed()
 
     def finish(self, step: int, log) -> list[Saved]:
         """The end of the run: an async save in flight is waited for and committed (a failure
         raises), then the last checkpoint is as trusted as it will get."""
         done = self.settle(step, log, fatal=True)
         self.memory.finish()
-        if self.targets.pending is not None:
-            self.prune()
+        self.retention.end()
         return done
 
-    def prune(self) -> None:
-        """checkpoint.keep_last: rank 0 deletes all but the newest K committed checkpoints, and every
-        rank forgets them as rollback targets. With the guard on it runs when a checkpoint becomes
-        trusted (and at the end), so the newest trusted rollback target is never deleted."""
-        keep = self.cfg.checkpoint.keep_last
-        if not keep:
-            return
+    # -- a rollback (RollbackSource) and the resume check --------------------------------
+    def trusted_targets(self, trip: int, log) -> tuple[list[RollbackPoint], RollbackPoint | None]:
+        """The guard tripped at step ``trip``: (the trusted rollback targets, newest first; the
+        pending checkpoint the trip distrusts, or None). An async save in flight is committed first
+        if the step after it passed the guard (it is the newest trusted target then); else it holds
+        the bad update's state: its writes are waited for and it is dropped."""
+        pending = self.async_saver and self.async_saver.in_flight
+        if pending and trip > pending.step + 1:
+            self.settle(trip, log, fatal=False)
+        elif pending:
+            self.async_saver.drop()
+            self.say(
+                f"checkpoint: dropped the async save of step {pending.step} (step {trip} tripped the guard)"
+            )
+        return self.retention.distrust()
 
-        def remove() -> list[str]:
-            removed = []
-            try:
-                removed = [str(p) for p in checkpoint.prune(self.root, keep)]
-                for old in removed:
-                    print(f"checkpoint: removed {old} (checkpoint.keep_last={keep})")
-            except OSError as exc:  # training can go on; the operator must hear about it
-                print(
-                    f"warning: checkpoint.keep_last could not remove an old checkpoint: {exc}",
-                    file=sys.stderr,
-                )
-            return removed
-
-        self.targets.forget(agree.agreed(remove, self.comm, checkpoint.CheckpointError, rank0_only=True))
-
-    # -- rollback and the end -----------------------------------------------------
     def restore(self, point: RollbackPoint) -> None:
         """Return the run to a rollback target: a checkpoint (``Loader.load``) or a state kept in memory."""
         if point.path is not None:
@@ -282,12 +257,13 @@ class Checkpointer:
         rng_state.restore_device_rng(tensors, self.optimizer.device)
         self.data.skipped = rank_state.get("skipped_batches", 0)
 
-    def rolled_back_to(self, target: RollbackPoint, trip: int) -> list[str]:
-        """After a rollback to ``target``: this run's later checkpoints are moved aside (their new
-        paths returned) and none of them is the one the resume check reloads."""
-        set_aside = self.targets.rolled_back_to(target, trip, self.root, self.comm)
-        self.memory.rolled_back(target.step)
-        self.verifier.forget_after(target.step)
+    def rolled_back_to(self, point: RollbackPoint, rollback: int) -> list[str]:
+        """After rollback number ``rollback`` to ``point``: this run's later checkpoints are moved
+        aside (their new paths returned), and neither a later memory snapshot nor a later save is
+        what a restart or the resume check reloads."""
+        set_aside = self.retention.set_aside(point, rollback)
+        self.memory.rolled_back(point.step)
+        self.verifier.forget_after(point.step)
         return set_aside
 
     def verify_resume(self, build: Callable[[], tuple[torch.nn.Module, ZeroOptimizer]]) -> ResumeCheck | None:

@@ -1,11 +1,14 @@
 """A fresh run's first weights from a Hugging Face model directory (``model.init_from``).
 
-The directory's config.json must describe this run's model (``hf_config.differences``: family and
-every key that fixes a shape or the arithmetic; dropout and activation checkpointing are the run's
-own); anything else is one ConfigError naming the differing keys. ``check_source`` looks at it
-before any worker starts, on a run that cannot be a resume (``checkpoint.resume`` unset); the
-Checkpointer calls ``start_from`` on a fresh start only -- a resume, or a restart from a memory
-snapshot, loads its checkpoint and never reads the directory.
+The directory's config.json is the model's architecture, as transformers' ``from_pretrained``
+reads it: ``adopted`` (called by the launcher, before the configuration is checked, on a start
+that is fresh) takes every key of ``ADOPTED`` the run does not set on purpose from it -- the
+family and every key that fixes a shape or the arithmetic; dropout and activation checkpointing
+stay the run's own. A key the run does set must agree (``hf_config.differences``; a shorter
+context is the run's to choose): ``check_source`` says otherwise in one ConfigError naming the key
+and both values, before any worker starts. The Checkpointer calls ``start_from`` on a fresh start
+only -- a resume, or a restart from a memory snapshot, loads its checkpoint and never reads the
+directory (the run's record holds the adopted keys).
 
 ``start_from`` is collective: every rank reads the directory (as every rank reads the data), cuts
 its part out of the whole model's tensors -- its pipeline stage's parameters (the layout names
@@ -22,7 +25,7 @@ from distlib.app.checkpointing.loader import NO_RESUME
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.config.schema import ConfigError
-from distlib.app.model.hf_config import HFError, differences
+from distlib.app.model.hf_config import HFError, differences, positions_for
 from distlib.app.model.hf_weights import load_hf_dir, read_hf_config
 from distlib.comm import agree
 from distlib.comm.group import Comm
@@ -30,9 +33,55 @@ from distlib.parallel.adamw import STATE_KEYS
 from distlib.parallel.tensor_parallel import Split, shard_of
 from distlib.parallel.zero import ZeroOptimizer
 
+# The model keys a directory's config.json gives (dropout is the run's: a training choice).
+ADOPTED = (
+    "family",
+    "vocab_size",
+    "seq_len",
+    "dim",
+    "n_heads",
+    "n_layers",
+    "mlp_ratio",
+    "mlp_hidden",
+    "n_kv_heads",
+    "tie_embeddings",
+    "norm_eps",
+    "rope_theta",
+)
+_MLP_WIDTH = {"mlp_ratio", "mlp_hidden"}  # one width, two ways to write it: set one, both are the run's
+
+
+def _fields(source: str) -> dict:
+    try:
+        return read_hf_config(source)
+    except HFError as exc:
+        raise ConfigError(f"model.init_from={source}: {exc}") from exc
+
+
+def adopted(tree: dict, typed: set[str]) -> tuple[dict, set[str]]:
+    """(``tree`` with the ``ADOPTED`` keys of ``model.init_from``'s config.json that the run does
+    not set -- ``typed`` holds the dotted keys it does --, the dotted keys taken). Nothing is taken
+    when the run sets another family: ``check_source`` names it. Reads config.json only; a
+    directory that is no model is one ConfigError."""
+    model = dict(tree.get("model") or {})
+    if not model.get("init_from"):
+        return tree, set()
+    fields = _fields(model["init_from"])
+    own = {k for k in ADOPTED if f"model.{k}" in typed}
+    if "family" in own and model.get("family") != fields["family"]:
+        return tree, set()
+    own |= _MLP_WIDTH if own & _MLP_WIDTH else set()
+    taken = {k: fields[k] for k in ADOPTED if k not in own and k in fields}
+    return {**tree, "model": {**model, **taken}}, {f"model.{k}" for k in taken}
+
 
 def _matching(model: ModelConfig, fields: dict) -> None:
     where = f"model.init_from={model.init_from}"
+    if model.family != fields["family"]:
+        raise ConfigError(
+            f"{where} holds a {fields['family']} model but model.family={model.family}; leave the family "
+            f"out (no model=... nor model.family=...) to take the directory's"
+        )
     try:
         theirs = ModelConfig(**fields)
     except ConfigError as exc:
@@ -42,18 +91,14 @@ def _matching(model: ModelConfig, fields: dict) -> None:
     diff = differences(model, theirs)
     if diff:
         raise ConfigError(
-            f"{where} does not match this run's model config: {', '.join(diff)}; set those keys to the "
-            f"directory's values"
+            f"{where} disagrees with keys this run sets: {', '.join(diff)}; leave those keys out to take "
+            f"the directory's values"
         )
 
 
 def check(model: ModelConfig) -> None:
-    """ConfigError unless ``model.init_from``'s config.json describes ``model`` (reads only that file)."""
-    try:
-        fields = read_hf_config(model.init_from)
-    except HFError as exc:
-        raise ConfigError(f"model.init_from={model.init_from}: {exc}") from exc
-    _matching(model, fields)
+    """ConfigError unless ``model.init_from``'s config.json fits ``model`` (reads only that file)."""
+    _matching(model, _fields(model.init_from))
 
 
 def check_source(cfg: RunConfig) -> None:
@@ -71,7 +116,7 @@ def load(model: ModelConfig) -> dict[str, torch.Tensor]:
     except HFError as exc:
         raise ConfigError(f"model.init_from={model.init_from}: {exc}") from exc
     _matching(model, fields)
-    return state
+    return positions_for(model, state)
 
 
 def start_from(model: ModelConfig, comm: Comm, optimizer: ZeroOptimizer, tp_splits: dict[str, Split]) -> None:

@@ -39,7 +39,8 @@ class ModelConfig(Group):
 
     family: minigpt (the project's own model), gpt2 (computes what transformers' GPT2LMHeadModel computes)
         or llama (LlamaForCausalLM's arithmetic); docs/models.md
-    vocab_size: tokens in the vocabulary (the synthetic corpus uses the same)
+    vocab_size: tokens in the vocabulary (the synthetic corpus uses the same); left unset, data=text's
+        tokenizer's (256 bytes, or data.vocab_size) or model.init_from's
     seq_len: context length: tokens per training sequence (gpt2/llama: the largest position)
     dim: embedding / residual width; must be divisible by n_heads
     n_heads: attention heads per block
@@ -55,8 +56,9 @@ class ModelConfig(Group):
     activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
         backward (same losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes`
         line)
-    init_from: gpt2/llama: a Hugging Face model directory (config.json, model.safetensors) whose weights a
-        fresh run starts from; its config must match this one; a resume ignores it
+    init_from: a Hugging Face GPT-2 or Llama directory (config.json, model.safetensors) whose weights a
+        fresh run starts from; its config.json gives the family and shape keys left unset (one set to another
+        value is refused); a resume ignores it
     """
 
     GROUP = "model"
@@ -195,7 +197,7 @@ class DataConfig(Group):
     tokenizer: text: bytes (token i is byte value i, 256 tokens) or bpe (a byte-level BPE of data.vocab_size
         tokens trained on the training split with Hugging Face tokenizers, the optional `hf` extra; saved in
         <run dir>/tokenizer and in every checkpoint; docs/beyond.md)
-    vocab_size: bpe: the vocabulary to train (model.vocab_size must be the same); null with bytes
+    vocab_size: bpe: the vocabulary to train (the model's follows it); null with bytes
     """
 
     GROUP = "data"

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlib.app.config.schema import ConfigError, Group, key
+from distlib.comm.group import COLLECTIVES
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -26,6 +27,9 @@ class DistConfig(Group):
         data-parallel ranks
     check_collectives: every collective carries a small header, so a size/dtype/kind mismatch between ranks
         is a clear error instead of a hang or silent truncation
+    collectives: whose collectives every group runs: ours (distlib/comm/algorithms, on point-to-point
+        messages) or torch (torch.distributed's all_reduce, reduce_scatter, all_gather, broadcast on the
+        group's process group, e.g. NCCL's on GPUs); pipeline send/recv is the same either way
     pp: pipeline stages: the blocks split into pp contiguous stages (embeddings with the first, the head and
         loss with the last); world_size = data x tp x pp
     pp_schedule: the order of the train.grad_accum micro-batches' forwards and backwards
@@ -39,6 +43,7 @@ class DistConfig(Group):
     timeout_s: float = key(60.0, gt=0)
     tp: int = key(1, ge=1)
     check_collectives: bool = key(True)
+    collectives: str = key("ours", choices=COLLECTIVES)
     pp: int = key(1, ge=1)
     pp_schedule: str = key("1f1b", choices=PP_SCHEDULES)
     pp_virtual: int = key(1, ge=1)

@@ -14,6 +14,7 @@ import torch
 
 from distlib.app import devices
 from distlib.app.config.groups import (
+    BYTE_VOCAB,
     DataConfig,
     MetricsConfig,
     ModelConfig,
@@ -29,7 +30,6 @@ from distlib.comm.layout import Layout, LayoutError
 __all__ = ["ConfigError", "RunConfig", "GROUPS"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> parameter/compute dtype
-BYTE_VOCAB = 256  # data.kind=text's byte-level tokenizer (distlib.app.data.tokens)
 MAX_SYNTHETIC_VOCAB = 65535
 
 # group name -> its dataclass, in the order of conf/config.yaml
@@ -245,20 +245,41 @@ def _check_data(cfg: RunConfig) -> None:
                 f"model.vocab_size={m.vocab_size}: the synthetic corpus has at most "
                 f"{MAX_SYNTHETIC_VOCAB} tokens"
             )
-    elif d.tokenizer == "bpe":
-        if m.vocab_size != d.vocab_size:
-            raise ConfigError(
-                f"data.tokenizer=bpe trains a {d.vocab_size}-token vocabulary (data.vocab_size) but "
-                f"model.vocab_size={m.vocab_size}; set model.vocab_size={d.vocab_size}"
-            )
-    elif m.vocab_size != BYTE_VOCAB:
+    elif m.vocab_size != tokenizer_vocab(d):
+        fix = (
+            "model.init_from's model must have that vocabulary"
+            if m.init_from
+            else "leave model.vocab_size out: it follows the tokenizer"
+        )
         raise ConfigError(
-            f"data.kind=text uses the byte-level tokenizer ({BYTE_VOCAB} tokens) but "
-            f"model.vocab_size={m.vocab_size}; drop the override (data=text sets "
-            f"{BYTE_VOCAB}) or pass model.vocab_size={BYTE_VOCAB}"
+            f"data.tokenizer={d.tokenizer} has {tokenizer_vocab(d)} tokens but model.vocab_size="
+            f"{m.vocab_size}; {fix}"
         )
     if cfg.train.eval_every and d.val_fraction <= 0:
         raise ConfigError(
             f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
             f"data.val_fraction > 0 (e.g. 0.1)"
         )
+
+
+def tokenizer_vocab(data: DataConfig) -> int | None:
+    """How many tokens ``data``'s tokenizer has (text: 256 bytes, or data.vocab_size with bpe);
+    None for the synthetic corpus, which draws from the model's vocabulary."""
+    if data.kind != "text":
+        return None
+    return data.vocab_size if data.tokenizer == "bpe" else BYTE_VOCAB
+
+
+def with_tokenizer_vocab(tree: dict, typed: set[str]) -> dict:
+    """``tree`` (as composed) with model.vocab_size the tokenizer's, unless ``typed`` (the dotted keys
+    the run sets, or took from model.init_from) holds it: the model's vocabulary is not asked again.
+    A data group that does not check is left as it is, for ``from_dict`` to name its key."""
+    if "model.vocab_size" in typed:
+        return tree
+    try:
+        vocab = tokenizer_vocab(DataConfig.from_dict(tree.get("data")))
+    except ConfigError:
+        return tree
+    if vocab is None:
+        return tree
+    return {**tree, "model": {**(tree.get("model") or {}), "vocab_size": vocab}}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from distlib.app.config.groups import ModelConfig
+from distlib.app.config.schema import defaults
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 MISSING_EXTRA = "this needs the optional `hf` extra (transformers): pip install -e '.[hf]'"
@@ -110,10 +111,11 @@ def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: i
 
 # -- import --------------------------------------------------------------------------------------
 def _mlp_fields(hidden: int, dim: int) -> dict:
-    """An MLP width as mlp_ratio when it is a multiple of dim, else as mlp_hidden."""
+    """An MLP width as mlp_ratio when it is a multiple of dim, else as mlp_hidden (mlp_ratio then
+    stays at its default: ModelConfig refuses both)."""
     if hidden % dim == 0:
         return {"mlp_ratio": hidden // dim, "mlp_hidden": None}
-    return {"mlp_ratio": 4, "mlp_hidden": hidden}
+    return {"mlp_ratio": defaults(ModelConfig)["mlp_ratio"], "mlp_hidden": hidden}
 
 
 def _refuse_if(condition: bool, reason: str) -> None:
@@ -197,11 +199,11 @@ def config_fields(config_dict: dict) -> dict:
 
 # What must agree between a run's model config and a directory it starts from (model.init_from):
 # everything that fixes the shapes or the arithmetic. dropout and activation checkpointing are the
-# run's own choice. The MLP width and the key/value heads are compared as what they give.
+# run's own choice. The MLP width and the key/value heads are compared as what they give. The
+# context is the run's too, up to what learned position embeddings hold (``differences``).
 _MATCHED = {
     "model.family": lambda m: m.family,
     "model.vocab_size": lambda m: m.vocab_size,
-    "model.seq_len": lambda m: m.seq_len,
     "model.dim": lambda m: m.dim,
     "model.n_heads": lambda m: m.n_heads,
     "model.n_layers": lambda m: m.n_layers,
@@ -213,10 +215,27 @@ _MATCHED = {
 }
 
 
+ROTARY = ("llama",)  # families whose positions are computed (RoPE), not a learned table
+
+
 def differences(run: ModelConfig, theirs: ModelConfig) -> list[str]:
-    """Where ``run`` and an imported config differ, each as '<key>=ours (the directory's: theirs)'."""
-    return [
+    """Where ``run`` and an imported config differ, each as '<key>=ours (the directory's: theirs)'.
+    A shorter context is no difference (a learned position table is cut to it: ``positions_for``),
+    nor a longer one with rotary positions, which any position has."""
+    found = [
         f"{name}={value(run)} (the directory's: {value(theirs)})"
         for name, value in _MATCHED.items()
         if value(run) != value(theirs)
     ]
+    if run.family not in ROTARY and run.seq_len > theirs.seq_len:
+        found.append(f"model.seq_len={run.seq_len} (the directory's learned positions: {theirs.seq_len})")
+    return found
+
+
+def positions_for(run: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with its learned position table cut to ``run.seq_len`` rows: the first positions
+    are what the directory's model computes for a sequence that short."""
+    table = state.get("pos_emb.weight")
+    if table is None or table.shape[0] == run.seq_len:
+        return state
+    return {**state, "pos_emb.weight": table[: run.seq_len]}

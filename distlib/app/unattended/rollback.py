@@ -1,30 +1,28 @@
-"""Where the divergence guard rolls back to.
+"""What a guard trip does, and what it asks of the run's checkpoints.
 
-A bad update at step S shows only in step S+1's loss, so a checkpoint saved after
-step S is *pending* until step S+1 passes the guard; only then is it *trusted*, a
-rollback target. Before the first trusted checkpoint the target is the run's starting
-state: the checkpoint it resumed from, or (fresh start) this rank's optimizer partition
-and RNG state kept in memory (12P/N bytes plus the RNG), dropped once a checkpoint is
-trusted. After a rollback to step T, the checkpoints this run saved after T belong to
-the abandoned trajectory: they are moved (never deleted) to ``<dir>/rolled_back_<n>/``
-so the re-run steps can save again.
+A bad update at step S shows only in step S+1's loss, so a checkpoint saved after step S is
+*pending* until step S+1 passes the guard; only then is it *trusted*, a rollback target. Before
+the first trusted checkpoint the target is the run's starting state: the checkpoint it resumed
+from, or (fresh start) this rank's optimizer partition and RNG state kept in memory (12P/N bytes
+plus the RNG), dropped once a checkpoint is trusted. After a rollback to step T, the checkpoints
+this run saved after T belong to the abandoned trajectory: they are moved (never deleted) to
+``<dir>/rolled_back_<n>/`` so the re-run steps can save again.
 
-``Rollback`` is the trip itself; the targets are kept by the run's ``Checkpointer``
-(``distlib.app.checkpointing.checkpointer``), whose retention must never delete the newest trusted one.
+``Rollback`` is the trip itself. It reaches the checkpoints only through ``RollbackSource``, the
+three calls declared here; the run's ``Checkpointer`` implements them (the trusted and pending
+checkpoints, and which are kept, are ``distlib.app.checkpointing.retention``'s).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from distlib.app.config.operation import GuardConfig
 from distlib.app.observe.metrics import json_number
 from distlib.app.unattended.guard import GuardError, Verdict
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.comm import agree
-from distlib.comm.group import Comm
 
 
 class RollbackError(GuardError):
@@ -43,71 +41,27 @@ class RollbackPoint:
         return str(self.path) if self.path else f"the step-{self.step} state kept in memory"
 
 
-class RollbackTargets:
-    def __init__(self, start: RollbackPoint | None):
-        self.trusted: list[RollbackPoint] = [start] if start else []  # oldest first
-        self.pending: RollbackPoint | None = None  # saved; waits for the next step's verdict
-        self.saved: list[RollbackPoint] = []  # committed by this run and still in place
+class RollbackSource(Protocol):
+    """What a rollback asks of the run's checkpoints (collective calls, on every rank alike)."""
 
-    def saved_checkpoint(self, step: int, path: Path, trusted: bool = False) -> bool:
-        """A checkpoint was committed. ``trusted``: the step after it has passed the guard already
-        (an async save commits at a later boundary); else it is pending. True if it is trusted now."""
-        point = RollbackPoint(step, path)
-        self.saved.append(point)
-        if not self.trusted:  # the guard is off
-            return False
-        if trusted:
-            self._trust(point)
-            return True
-        self.pending = point
-        return False
+    def trusted_targets(self, trip: int, log) -> tuple[list[RollbackPoint], RollbackPoint | None]:
+        """The guard tripped at step ``trip``: (the trusted rollback targets, newest first; the
+        pending checkpoint the trip distrusts, or None). A save still in flight is settled first."""
+        ...
 
-    def step_passed(self) -> bool:
-        """The step after the pending checkpoint passed the guard: that checkpoint is trusted.
-        True if one was."""
-        if self.pending is None:
-            return False
-        self._trust(self.pending)
-        self.pending = None
-        return True
+    def restore(self, point: RollbackPoint) -> None:
+        """Return the run's state to ``point``; raises CheckpointError if it cannot be loaded."""
+        ...
 
-    def _trust(self, point: RollbackPoint) -> None:
-        self.trusted = [p for p in self.trusted if p.path is not None] + [point]
-
-    def forget(self, removed: list[str]) -> None:
-        """Checkpoints deleted by retention (checkpoint.keep_last) are no rollback targets."""
-        gone = set(removed)
-        self.trusted = [p for p in self.trusted if p.path is None or str(p.path) not in gone]
-        self.saved = [p for p in self.saved if str(p.path) not in gone]
-
-    def candidates(self) -> list[RollbackPoint]:
-        """Trusted targets, newest first; the pending one (if any) is distrusted from now on."""
-        self.pending = None
-        return list(reversed(self.trusted))
-
-    def rolled_back_to(self, target: RollbackPoint, trip: int, root: Path, comm: Comm) -> list[str]:
-        """Forget what lies beyond ``target`` and move this run's later checkpoints aside (rank 0
-        moves, every rank hears whether it worked). Returns the new paths."""
-        self.trusted = [p for p in self.trusted if p.step <= target.step]
-        later = [p for p in self.saved if p.step > target.step]
-        self.saved = [p for p in self.saved if p.step <= target.step]
-        moves = [(p.path, Path(root) / f"rolled_back_{trip}" / p.path.name) for p in later]
-
-        def move_aside() -> None:
-            for src, dest in moves:
-                try:
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    os.rename(src, dest)
-                except OSError as exc:
-                    raise RollbackError(f"could not move {src} aside after a rollback: {exc}") from exc
-
-        agree.agreed(move_aside, comm, RollbackError, rank0_only=True)
-        return [str(dest) for _, dest in moves]
+    def rolled_back_to(self, point: RollbackPoint, rollback: int) -> list[str]:
+        """Rollback number ``rollback`` restored ``point``: the later checkpoints are moved aside
+        (their new paths returned)."""
+        ...
 
 
 class Rollback:
-    """What a guard trip does: no update; the newest trusted state is restored (through the
-    checkpointer, which keeps the targets), the abandoned checkpoints are moved aside, and the
+    """What a guard trip does: no update; the newest trusted state that loads is restored
+    (through ``RollbackSource``), the abandoned checkpoints are moved aside, and the
     replay must differ from the run that tripped. The first rollback to a target skips
     ``guard.skip_batches`` batches (0: it replays the same data, which heals a one-off fault); each
     further trip rolled back to the same target skips, on top, every batch the failed attempt read
@@ -116,8 +70,8 @@ class Rollback:
     such. Past ``guard.max_rollbacks`` trips the run stops, saying what was tried. The skips are part
     of the checkpointed data position, so a resume continues exactly."""
 
-    def __init__(self, cfg: GuardConfig, checkpointer, data, lr: float):
-        self.cfg, self.checkpointer, self.data, self.lr = cfg, checkpointer, data, lr
+    def __init__(self, cfg: GuardConfig, checkpoints: RollbackSource, data, lr: float):
+        self.cfg, self.checkpoints, self.data, self.lr = cfg, checkpoints, data, lr
         self.tried: list[dict] = []  # one per trip: step, loss_hex, to_step, skipped (batches skipped)
         self.offset: dict[int, int] = {}  # target step -> batches skipped past it so far
 
@@ -141,9 +95,8 @@ class Rollback:
         self.tried.append(trip)
         if self.trips > self.cfg.max_rollbacks:
             self._stop(step, verdict, repeat, detail, log)
-        self.checkpointer.settle_for_rollback(step, log)  # an async save in flight: committed or dropped
-        target, errors, distrusted = self._restore(step, verdict)
-        set_aside = self.checkpointer.rolled_back_to(target, self.trips)
+        target, errors, distrusted = self._restore(step, verdict, log)
+        set_aside = self.checkpoints.rolled_back_to(target, self.trips)
         skip = self._skip(target.step, step)
         self.data.skip(skip)
         trip.update(to_step=target.step, skipped=skip)
@@ -184,13 +137,13 @@ class Rollback:
             self.offset[target_step] += trip_step - target_step
         return self.offset[target_step]
 
-    def _restore(self, step: int, verdict: Verdict):
+    def _restore(self, step: int, verdict: Verdict, log):
         """(the restored target, the targets that failed to load, the distrusted pending one)."""
-        targets = self.checkpointer.targets
-        distrusted, errors = targets.pending, []
-        for target in targets.candidates():
+        targets, distrusted = self.checkpoints.trusted_targets(step, log)
+        errors = []
+        for target in targets:
             try:
-                self.checkpointer.restore(target)
+                self.checkpoints.restore(target)
                 return target, errors, distrusted
             except CheckpointError as exc:  # same verdict on every rank (load agrees on it)
                 errors.append(str(exc))

@@ -9,6 +9,8 @@ and returns the global grad norm (``norms``), then ``apply_update(lr)`` clips, r
 master partition and publishes the parameters; the split lets the caller veto an update after
 seeing the norm and the loss. Checkpoints hold partition r of the same three fp32 tensors
 (``adamw.STATE_KEYS``) at every stage; memory is measured from the live tensors (``memory``).
+Parameters averaged over different sets of ranks (experts) are ``groups.ParamGroup``s, one stage
+optimizer each, joined by ``groups.GroupedOptimizer`` into one norm and one update.
 Rule: the stages share the base and its components (``norms``, ``memory``, ``flat_grads``,
 ``buckets``); no stage builds on another stage, and only this module knows them all.
 """

@@ -23,6 +23,12 @@ reduce-scatters without blocking the hook, and stage 3 prefetches the next unit'
 ``sync_grads`` waits for all of it before the norm; no other collective of the group runs on
 the main thread while any is in flight.
 
+The keywords: ``names``, the parameters it updates (default: the module's; a
+``groups.ParamGroup``'s); ``tp``/``tp_split``, the tensor-parallel group and the parameters split
+over it, ``differs_over``, any parameter -> the groups whose ranks hold other values of it, and
+``pp``, the pipeline group: the global norms count such parameters on every rank of those groups
+and replicated ones once (``norms``).
+
 Device: every buffer (flat parameters, gradients, master weights, Adam state, buckets) is
 allocated on the device of the module's parameters (``self.device``); ``state_shard`` and
 ``params_snapshot`` return host copies, which is what a checkpoint writes and compares.
@@ -30,7 +36,7 @@ allocated on the device of the module's parameters (``self.device``); ``state_sh
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import torch
 import torch.nn as nn
@@ -47,11 +53,8 @@ from distlib.parallel.zero.overlap import OverlappedSync
 
 
 class ZeroOptimizer:
-    """AdamW over the data-parallel group ``comm``; the stage subclasses decide what is sharded.
-
-    ``tp``/``tp_split``: the tensor-parallel group and the names of the parameters split over it,
-    so the global norms count each split parameter on its rank and replicated ones once; ``pp``: the
-    pipeline group (this rank's position at every stage), over which the norms add the stages'."""
+    """AdamW over the data-parallel group ``comm``; the stage subclasses decide what is sharded
+    (the keywords: this module's docstring)."""
 
     stage: int
     overlapped: OverlappedSync | None = None  # stages 0/1 with overlap: the sync started in backward
@@ -65,6 +68,8 @@ class ZeroOptimizer:
         *,
         tp: Comm | None = None,
         tp_split: Collection[str] = (),
+        differs_over: Mapping[str, tuple[Comm, ...]] | None = None,
+        names: Collection[str] | None = None,
         param_dtype: torch.dtype = torch.float32,
         bucket_numel: int = BUCKET_NUMEL,
         overlap: bool = False,
@@ -76,28 +81,21 @@ class ZeroOptimizer:
         if param_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"parameter dtype must be float32 or bfloat16, got {param_dtype}")
         self.module, self.comm, self.cfg, self.grad_clip = module, comm, cfg, grad_clip
-        self.param_dtype = param_dtype
+        self.param_dtype, self.low_precision = param_dtype, param_dtype != torch.float32
         self.bucket_numel, self.grad_accum = bucket_numel, grad_accum
         self.progress = Progress(comm) if overlap else None  # the communication thread's queue
-        self.params = list(module.parameters())
+        self.layout = FlatLayout.of(module, comm.size, names)
+        self.params = [dict(module.named_parameters())[s.name] for s in self.layout.slots]
         self.device = self.params[0].device
-        self.layout = FlatLayout.of(module, comm.size)
         self.step_count = 0
         self._synced: tuple[torch.Tensor, float] | None = None  # set by sync_grads, used by apply_update
         self.my_range = slice(*self.layout.shard_range(comm.rank))
-        self.norms = NormTerms(self.layout, comm, tp, tp_split, pp)
+        self.norms = NormTerms(self.layout, comm, differs_over, pp, tp=tp, tp_split=tp_split)
         self._memory = PeakMemory()
-        fp32_flat = torch.zeros(self.layout.padded_numel, device=self.device)
-        with torch.no_grad():
-            for slot, p in zip(self.layout.slots, self.params):
-                fp32_flat[slot.offset : slot.offset + slot.numel].copy_(p.reshape(-1))
+        fp32_flat = self.layout.flatten(self.params, self.device)
         self._init_storage(fp32_flat)
         del fp32_flat
         self._sample_memory()
-
-    @property
-    def low_precision(self) -> bool:
-        return self.param_dtype != torch.float32
 
     # -- storage the stages share ---------------------------------------------------
     def _replicated_params(self, fp32_flat: torch.Tensor) -> None:
@@ -119,7 +117,7 @@ class ZeroOptimizer:
                 self.params,
                 self.flat_grads,
                 self.comm,
-                buckets_by_size(self.module, self.layout, self.bucket_numel),
+                buckets_by_size(self.module, self.params, self.layout, self.bucket_numel),
                 self.progress,
                 scatter=scatter,
                 accum=self.grad_accum,
@@ -137,9 +135,22 @@ class ZeroOptimizer:
         """First half of ``step``: average the gradients over the data-parallel ranks (this rank keeps
         what it updates) and return the global grad norm (before clipping), identical on every rank.
         Nothing is updated yet, so a caller can still decide not to ``apply_update``."""
+        return self.use_norm(self.norms.finish(self.sync_squares()))
+
+    @torch.no_grad()
+    def sync_squares(self) -> torch.Tensor:
+        """``sync_grads`` short of the norm: average the gradients, return this stage's sum of their
+        squares (a group's share of ``groups.GroupedOptimizer``'s norm, which ``use_norm`` sets)."""
         grads = self._reduce_grads()
-        self._synced = (grads, self.norms.of_partition(self._mine(grads)))
-        return self._synced[1]
+        self._synced = (grads, None)
+        return self.norms.squares_of_partition(self._mine(grads))
+
+    def use_norm(self, grad_norm: float) -> float:
+        """Set the global gradient norm ``apply_update`` clips by (after ``sync_squares``)."""
+        if self._synced is None:
+            raise RuntimeError("use_norm() needs sync_squares() first")
+        self._synced = (self._synced[0], grad_norm)
+        return grad_norm
 
     def synced_grad_partition(self) -> torch.Tensor:
         """This rank's partition of the averaged gradient ``sync_grads`` produced (tests inspect it)."""
@@ -179,7 +190,11 @@ class ZeroOptimizer:
 
     def param_norm(self) -> float:
         """Norm of the whole (unsharded) model's parameters, from this rank's copy of them."""
-        return self.norms.of_full(self.flat_params)
+        return self.norms.finish(self.param_squares())
+
+    def param_squares(self) -> torch.Tensor:
+        """This stage's sum of squares of the parameters (a group's share of ``param_norm``)."""
+        return self.norms.squares_of_full(self.flat_params)
 
     # -- what a rank holds ---------------------------------------------------------
     @property

@@ -53,15 +53,16 @@ class Bucket:
         return self.hi - self.lo
 
 
-def module_groups(module: nn.Module) -> list[tuple[int, ...]]:
-    """Parameter indices (flat order) grouped by the module that owns them directly. A parameter
-    two modules hold (a tied embedding and LM head) belongs to the first of them: every parameter
-    is in exactly one group, so its one gradient fills exactly one bucket."""
-    index = {id(p): i for i, p in enumerate(module.parameters())}
+def module_groups(module: nn.Module, params: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """Indices into ``params`` (the optimizer's, in flat order) grouped by the module that owns them
+    directly. A parameter two modules hold (a tied embedding and LM head) belongs to the first of
+    them: every parameter is in exactly one group, so its one gradient fills exactly one bucket."""
+    index = {id(p): i for i, p in enumerate(params)}
     groups, seen = [], set()
     for sub in module.modules():
-        own = tuple(index[id(p)] for p in sub.parameters(recurse=False) if id(p) not in seen)
-        seen.update(id(p) for p in sub.parameters(recurse=False))
+        mine = [p for p in sub.parameters(recurse=False) if id(p) in index]
+        own = tuple(index[id(p)] for p in mine if id(p) not in seen)
+        seen.update(id(p) for p in mine)
         if own:
             groups.append(own)
     return sorted(groups)
@@ -75,12 +76,15 @@ def contiguous_bucket(groups: list[tuple[int, ...]], slots: Sequence[ParamSlot])
     return Bucket(slots[params[0]].offset, last.offset + last.numel, params)
 
 
-def buckets_by_size(module: nn.Module, layout: FlatLayout, bucket_numel: int) -> list[Bucket]:
-    """Whole modules, in backward (reverse flat) order, packed up to ``bucket_numel`` elements."""
+def buckets_by_size(
+    module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout, bucket_numel: int
+) -> list[Bucket]:
+    """``params`` (laid out by ``layout``) by whole modules, in backward (reverse flat) order,
+    packed up to ``bucket_numel`` elements."""
     if bucket_numel < 1:
         raise ValueError(f"zero.bucket_numel must be >= 1, got {bucket_numel}")
     buckets, current, size = [], [], 0
-    for group in reversed(module_groups(module)):
+    for group in reversed(module_groups(module, params)):
         numel = sum(layout.slots[i].numel for i in group)
         if current and size + numel > bucket_numel:
             buckets.append(contiguous_bucket(current, layout.slots))

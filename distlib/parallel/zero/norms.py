@@ -1,17 +1,19 @@
 """Global L2 norms of flat, partitioned, possibly tensor-parallel parameters or gradients.
 
-A rank sees one data-parallel partition of its tensor-parallel shard of the model. The global
-norm adds, per partition, two sums of squares: over the TP-split parameters, which differ between
-tensor-parallel ranks and are summed over the TP group, and over the replicated ones, which are
-identical bytes on every TP rank and so are counted once. The partitions' terms are combined in
-rank order, so every rank computes the same float. With pipeline parallelism (``pp``: the group
-of this rank's position at every stage, each stage holding other parameters) the stages' totals
-are added in stage order last.
+A rank sees one data-parallel partition of its share of the model. Parameters are of *kinds*,
+named by the groups whose ranks hold different values of them: a tensor-parallel split parameter
+differs over the tp group, an expert's weights over the expert group, a replicated parameter over
+none (identical bytes on every rank of those groups, so counted once). Per partition the norm
+adds one sum of squares per kind; a kind's sum is then added over each of its groups, the kinds
+are added in their order (the split ones first, the replicated last), and with pipeline
+parallelism (``pp``: the group of this rank's position at every stage, each stage holding other
+parameters) the stages' totals in stage order last. Every step runs in rank order, so every rank
+computes the same float.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -20,66 +22,83 @@ from distlib.comm.group import Comm
 from distlib.parallel.flat_layout import FlatLayout
 
 
+def _sum_over(value: torch.Tensor, comm: Comm | None) -> torch.Tensor:
+    """``value`` summed over ``comm``'s ranks, in rank order (collective over it)."""
+    if comm is None or comm.size == 1:
+        return value
+    each = torch.zeros(comm.size, device=value.device)
+    collectives.all_gather(each, value.reshape(1), comm)
+    return each.sum()
+
+
 class NormTerms:
-    """``dp``: the group the partitions are spread over; ``tp``: the tensor-parallel group (None or
-    size 1 without tensor parallelism); ``tp_split``: names of the parameters split over it."""
+    """``dp``: the group the partitions are spread over; ``differs_over``: parameter name -> the
+    groups whose ranks hold different values of it (a name not listed is replicated), to which the
+    tensor-parallel group ``tp`` is added for the parameters ``tp_split`` names."""
 
     def __init__(
         self,
         layout: FlatLayout,
         dp: Comm,
+        differs_over: Mapping[str, tuple[Comm, ...]] | None = None,
+        pp: Comm | None = None,
+        *,
         tp: Comm | None = None,
         tp_split: Collection[str] = (),
-        pp: Comm | None = None,
     ):
-        split = set(tp_split)
-        unknown = split - {s.name for s in layout.slots}
+        over = {name: (tp,) for name in tp_split} if tp is not None else {}
+        for name, groups in (differs_over or {}).items():
+            over[name] = over.get(name, ()) + tuple(groups)
+        differs_over = {n: tuple(c for c in g if c.size > 1) for n, g in over.items()}
+        unknown = set(differs_over) - {s.name for s in layout.slots}
         if unknown:
-            raise ValueError(f"tensor-parallel split parameters not in the model: {sorted(unknown)}")
-        self.dp, self.tp = dp, tp if tp is not None and tp.size > 1 else None
-        self.pp = pp if pp is not None and pp.size > 1 else None
-        # Per partition: (start, end, tp_split) runs of parameters, relative to the partition.
-        self.segments: list[list[tuple[int, int, bool]]] = []
+            raise ValueError(f"split parameters not in the model: {sorted(unknown)}")
+        # The kinds: the split ones in order of first appearance, then the replicated one.
+        self.kinds = list(dict.fromkeys(g for g in differs_over.values() if g)) + [()]
+        kind_of = {name: self.kinds.index(groups) for name, groups in differs_over.items()}
+        self.dp, self.pp = dp, pp if pp is not None and pp.size > 1 else None
+        # Per partition: (start, end, kind) runs of parameters, relative to the partition.
+        self.segments: list[list[tuple[int, int, int]]] = []
         for rank in range(dp.size):
             lo, hi = layout.shard_range(rank)
             runs = []
             for s in layout.slots:
                 a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if a < b:
-                    runs.append((a - lo, b - lo, s.name in split))
+                    runs.append((a - lo, b - lo, kind_of.get(s.name, len(self.kinds) - 1)))
             self.segments.append(runs)
 
     def square_terms(self, part: torch.Tensor, rank: int) -> torch.Tensor:
-        """[sum of squares over TP-split params, over replicated params] of partition ``rank``."""
-        terms = torch.zeros(2, device=part.device)
-        for a, b, is_split in self.segments[rank]:
-            terms[0 if is_split else 1] += part[a:b].float().pow(2).sum()
+        """The sum of squares per kind of partition ``rank``."""
+        terms = torch.zeros(len(self.kinds), device=part.device)
+        for a, b, kind in self.segments[rank]:
+            terms[kind] += part[a:b].float().pow(2).sum()
         return terms
 
-    def from_terms(self, terms: torch.Tensor) -> float:
-        """terms: (N, 2) per partition, in rank order. Split params are summed over the TP group
-        (collective over it); replicated ones are identical on every TP rank and counted once."""
-        split_sq, replicated_sq = terms.sum(dim=0)
-        if self.tp is not None:
-            per_tp = torch.zeros(self.tp.size, device=terms.device)
-            collectives.all_gather(per_tp, split_sq.reshape(1), self.tp)
-            split_sq = per_tp.sum()
-        total = split_sq + replicated_sq
-        if self.pp is not None:
-            per_stage = torch.zeros(self.pp.size, device=terms.device)
-            collectives.all_gather(per_stage, total.reshape(1), self.pp)
-            total = per_stage.sum()
-        return float(total.sqrt())
+    def squares_from_terms(self, terms: torch.Tensor) -> torch.Tensor:
+        """terms: (N, kinds) per partition, in rank order -> this stage's sum of squares: each kind
+        summed over the groups its values differ over (collectives over them), the kinds added."""
+        per_kind = terms.sum(dim=0)
+        total = None
+        for k, groups in enumerate(self.kinds):
+            value = per_kind[k]
+            for comm in groups:
+                value = _sum_over(value, comm)
+            total = value if total is None else total + value
+        return total
 
-    def of_partition(self, partition: torch.Tensor) -> float:
-        """The global norm from this rank's partition (collective over dp, then tp)."""
-        terms = torch.zeros(self.dp.size, 2, device=partition.device)
+    def finish(self, squares: torch.Tensor) -> float:
+        """The norm from this stage's sum of squares: the stages' added (collective over pp)."""
+        return float(_sum_over(squares, self.pp).sqrt())
+
+    def squares_of_partition(self, partition: torch.Tensor) -> torch.Tensor:
+        """This stage's sum of squares from this rank's partition (collective over dp, then the kinds')."""
+        terms = torch.zeros(self.dp.size, len(self.kinds), device=partition.device)
         collectives.all_gather(terms.view(-1), self.square_terms(partition, self.dp.rank), self.dp)
-        return self.from_terms(terms)
+        return self.squares_from_terms(terms)
 
-    def of_full(self, flat: torch.Tensor) -> float:
-        """The global norm from a rank's copy of every partition (collective over tp only)."""
+    def squares_of_full(self, flat: torch.Tensor) -> torch.Tensor:
+        """This stage's sum of squares from a rank's copy of every partition (no collective over dp)."""
         n = flat.numel() // self.dp.size
-        return self.from_terms(
-            torch.stack([self.square_terms(flat[r * n : (r + 1) * n], r) for r in range(self.dp.size)])
-        )
+        terms = torch.stack([self.square_terms(flat[r * n : (r + 1) * n], r) for r in range(self.dp.size)])
+        return self.squares_from_terms(terms)

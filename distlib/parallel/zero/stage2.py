@@ -34,7 +34,7 @@ class Stage2Optimizer(ZeroOptimizer):
             self.layout,
             self.params,
             self.comm,
-            buckets_by_size(self.module, self.layout, self.bucket_numel),
+            buckets_by_size(self.module, self.params, self.layout, self.bucket_numel),
             self._sample_memory,
             progress=self.progress,
         )

@@ -39,6 +39,8 @@ survive the update.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn as nn
 
@@ -47,10 +49,18 @@ from distlib.parallel.zero.base import ZeroOptimizer
 from distlib.parallel.zero.buckets import Bucket, GradBuckets, contiguous_bucket
 
 
-def unit_members(model: nn.Module) -> list[tuple[nn.Module, int | None]]:
-    """The model's top-level children that hold parameters (ModuleLists and ModuleDicts expanded),
-    in order, each with None when it is a unit, or else the index of the earlier unit all of whose
-    parameters it uses (a tied LM head uses the token embedding's unit)."""
+def unit_members(
+    model: nn.Module, params: Collection[nn.Parameter] | None = None
+) -> list[tuple[nn.Module, int | None]]:
+    """The model's top-level children that hold parameters (of ``params``, if given: a parameter
+    group's) (ModuleLists and ModuleDicts expanded), in order, each with None when it is a unit, or
+    else the index of the earlier unit all of whose parameters it uses (a tied LM head uses the
+    token embedding's unit)."""
+    ours = None if params is None else {id(p) for p in params}
+
+    def held(m: nn.Module) -> list[nn.Parameter]:
+        return [p for p in m.parameters() if ours is None or id(p) in ours]
+
     if any(True for _ in model.parameters(recurse=False)):
         raise ValueError(
             f"ZeRO-3 needs every parameter inside a child module; {type(model).__name__} holds some directly"
@@ -63,11 +73,11 @@ def unit_members(model: nn.Module) -> list[tuple[nn.Module, int | None]]:
         )
     out, unit_of, count = [], {}, 0
     for m in members:
-        owners = {unit_of.get(id(p)) for p in m.parameters()}
+        owners = {unit_of.get(id(p)) for p in held(m)}
         if not owners:
             continue
         if owners == {None}:
-            unit_of.update({id(p): count for p in m.parameters()})
+            unit_of.update({id(p): count for p in held(m)})
             out.append((m, None))
             count += 1
         elif len(owners) == 1:
@@ -92,7 +102,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self.param_shard = fp32_flat[self.my_range].to(self.param_dtype, copy=True)
         self._partitioned_state(fp32_flat)
-        members = unit_members(self.module)
+        members = unit_members(self.module, self.params)
         units = [m for m, owner in members if owner is None]
         users: dict[int, list[nn.Module]] = {}  # unit -> the later modules that use its parameters
         for m, owner in members:
@@ -102,7 +112,10 @@ class Stage3Optimizer(ZeroOptimizer):
         index = {id(p): i for i, p in enumerate(self.params)}
         # One bucket per unit: its gradients are reduced, and its storage freed, together.
         self.units: list[Bucket] = [
-            contiguous_bucket([tuple(index[id(p)] for p in u.parameters())], self.layout.slots) for u in units
+            contiguous_bucket(
+                [tuple(index[id(p)] for p in u.parameters() if id(p) in index)], self.layout.slots
+            )
+            for u in units
         ]
         self.grads = GradBuckets(
             self.layout,
@@ -221,8 +234,8 @@ class Stage3Optimizer(ZeroOptimizer):
     def _publish_params(self) -> None:
         self.param_shard.copy_(self.master)
 
-    def param_norm(self) -> float:
-        return self.norms.of_partition(self.param_shard)
+    def param_squares(self) -> torch.Tensor:
+        return self.norms.squares_of_partition(self.param_shard)
 
     @property
     def param_buffer(self) -> torch.Tensor:
