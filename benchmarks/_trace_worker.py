@@ -120,8 +120,10 @@ def main() -> None:
     import torch.distributed as dist
 
     marks.mark("import torch")
-    from distlib.app import faults, summary, trainer
+    from distlib.app import trainer
     from distlib.app.checkpointing import checkpointer
+    from distlib.app.observe import summary
+    from distlib.app.runtime import faults
     from distlib.app.unattended import stopping
     from distlib.checkpoint import sharded as checkpoint
     from distlib.comm import watchdog

@@ -37,7 +37,7 @@ from multiproc import run_ranks
 from trainrun import compose_tree
 
 from distlib.app.config.run import RunConfig
-from distlib.app.hooks import StepHooks
+from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
 from distlib.comm import p2p
 

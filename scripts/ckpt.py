@@ -24,7 +24,7 @@ from distlib.checkpoint.sharded import CheckpointError
 
 
 def inspect(args: argparse.Namespace) -> None:
-    from distlib.app.summary import manifest_text
+    from distlib.app.observe.summary import manifest_text
 
     manifest = checkpoint.read_manifest(args.path)
     layout, files = manifest["layout"], manifest["files"]

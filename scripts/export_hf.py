@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from distlib.app.hf_export import export
+from distlib.app.checkpointing.hf_export import export
 from distlib.app.model.hf_config import HFError
 from distlib.checkpoint.sharded import CheckpointError
 

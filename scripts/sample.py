@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from distlib.app.checkpointing.sampling import SampleError, generate, load_model
 from distlib.app.data.bpe import tokenizer_for_checkpoint
 from distlib.app.data.tokens import BYTE_VOCAB, ByteTokenizer, DataError
-from distlib.app.sampling import SampleError, generate, load_model
 from distlib.checkpoint.sharded import CheckpointError, read_manifest
 
 

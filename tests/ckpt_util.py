@@ -12,7 +12,7 @@ from multiproc import run_ranks
 from safetensors.numpy import load_file
 
 from distlib.app.config.run import RunConfig
-from distlib.app.faults import step_hooks
+from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.group import Comm

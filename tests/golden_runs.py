@@ -79,7 +79,7 @@ def _run_one(comm, tree: dict, run_dir: str) -> dict:
     import torch
 
     from distlib.app.config.run import RunConfig
-    from distlib.app.faults import step_hooks
+    from distlib.app.runtime.faults import step_hooks
     from distlib.app.trainer import Trainer
     from distlib.launch.torchrun import use_deterministic_kernels
 

@@ -11,10 +11,10 @@ import torch
 from multiproc import run_ranks
 from trainrun import compose_tree
 
-from distlib.app import summary
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.model.minigpt import build_model
+from distlib.app.observe import summary
 from distlib.app.observe.activations import ActivationMeter
 from distlib.app.trainer import Trainer
 from distlib.launch.torchrun import use_deterministic_kernels

@@ -22,8 +22,8 @@ from ckpt_util import (
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.faults import Faults, step_hooks
-from distlib.app.hooks import StepHooks
+from distlib.app.runtime.faults import Faults, step_hooks
+from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
 from distlib.checkpoint import sharded as checkpoint
 

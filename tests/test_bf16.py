@@ -7,8 +7,8 @@ from pathlib import Path
 
 from multiproc import run_ranks
 
-from distlib.app import summary
 from distlib.app.config.run import RunConfig
+from distlib.app.observe import summary
 from distlib.app.trainer import Trainer
 from distlib.comm import agree
 from distlib.launch.torchrun import use_deterministic_kernels

@@ -231,7 +231,7 @@ def test_an_exported_llama_carries_its_tokenizer_and_transformers_speaks_it(tmp_
     tokenizer files, AutoTokenizer encodes like our tokenizer does, and a tampered copy is refused."""
     import transformers
 
-    from distlib.app import hf_export
+    from distlib.app.checkpointing import hf_export
     from distlib.app.model.hf_config import HFError
 
     args = [a for a in _common(tmp_path) if not a.startswith(("train.steps", "checkpoint.every_steps"))]

@@ -15,8 +15,8 @@ from trainrun import compose_tree, train
 
 import distlib.app.trainer as trainer_module
 from distlib.app.config.run import RunConfig
-from distlib.app.hooks import StepHooks
 from distlib.app.model.minigpt import build_model
+from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
 from distlib.launch.torchrun import use_deterministic_kernels
 

@@ -1,4 +1,4 @@
-"""The capstone's checks belong to the capstone (distlib/app/summary.py, RunConfig.departures):
+"""The capstone's checks belong to the capstone (distlib/app/observe/summary.py, RunConfig.departures):
 a falling loss binds a run with the capstone's model, data and learning, and is a warning line for
 a run that changed them; the other invariants fail any run. MFU's peak: a data-sheet table for
 known GPUs, a key, or measured, and the run says which."""
@@ -8,10 +8,9 @@ import torch
 from e2e import train as train_script
 from trainrun import compose_tree
 
-from distlib.app import summary
 from distlib.app.config.run import RunConfig
-from distlib.app.observe import throughput
-from distlib.app.results import RunResult, StepLog
+from distlib.app.observe import summary, throughput
+from distlib.app.observe.results import RunResult, StepLog
 from distlib.comm.group import Comm
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ckpt_util import train, tree
 
-from distlib.app.faults import SAVE_CRASH_POINTS
+from distlib.app.runtime.faults import SAVE_CRASH_POINTS
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
 

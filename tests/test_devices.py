@@ -24,8 +24,8 @@ import torch
 from ckpt_util import assert_same_files, assert_same_state, saved_state, state_of
 from multiproc import run_ranks
 
-from distlib.app import devices
 from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.runtime import devices
 from distlib.app.trainer import Trainer
 from distlib.checkpoint import reshard, rng_state, sharded
 from distlib.comm import agree

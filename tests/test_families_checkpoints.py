@@ -31,8 +31,7 @@ from multiproc import run_ranks
 from trainrun import compose_tree
 
 import train
-from distlib.app import hf_export, sampling
-from distlib.app.checkpointing import init_from
+from distlib.app.checkpointing import hf_export, init_from, sampling
 from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus, split_heldout

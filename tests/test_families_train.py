@@ -19,9 +19,9 @@ import pytest
 from multiproc import run_ranks
 from trainrun import compose_tree
 
-from distlib.app import summary
 from distlib.app.config.run import RunConfig
 from distlib.app.model import families
+from distlib.app.observe import summary
 from distlib.app.trainer import Trainer
 from distlib.launch.torchrun import use_deterministic_kernels
 

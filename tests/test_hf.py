@@ -23,7 +23,7 @@ from family_models import (
     tokens,
 )
 
-from distlib.app import sampling
+from distlib.app.checkpointing import sampling
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model import families
 from distlib.app.model import hf_config as hfc

@@ -35,13 +35,21 @@ RULES = {
         (),
     ),
     # the application's sub-packages (the most specific package of a module is the one whose rule applies)
-    "distlib.app.config": (LIBRARY + ("distlib.app.config", "distlib.app.devices", "distlib.app.faults"), ()),
+    "distlib.app.config": (
+        LIBRARY + ("distlib.app.config", "distlib.app.runtime.devices", "distlib.app.runtime.faults"),
+        (),
+    ),
+    "distlib.app.runtime": (LIBRARY + ("distlib.app.config", "distlib.app.runtime"), ()),
     "distlib.app.model": (
         LIBRARY + ("distlib.app.config", "distlib.app.model", "distlib.app.observe.activations"),
         (),
     ),
     "distlib.app.data": (LIBRARY + ("distlib.app.config", "distlib.app.data"), ()),
-    "distlib.app.observe": (LIBRARY + ("distlib.app.config", "distlib.app.observe"), ()),
+    "distlib.app.observe": (
+        # a run's result carries the resume check's outcome (checkpointing never imports observe)
+        LIBRARY + ("distlib.app.config", "distlib.app.observe", "distlib.app.checkpointing.resume_check"),
+        (),
+    ),
     "distlib.app.unattended": (
         LIBRARY + ("distlib.app.config", "distlib.app.observe", "distlib.app.unattended"),
         (),
@@ -56,8 +64,8 @@ RULES = {
             # save/stop decision; unattended never imports checkpointing, so there is no cycle
             "distlib.app.unattended.rollback",
             "distlib.app.unattended.stopping",
-            "distlib.app.hooks",
-            "distlib.app.launcher_env",
+            "distlib.app.runtime.hooks",
+            "distlib.app.runtime.launcher_env",
             "distlib.app.checkpointing",
         ),
         (),

@@ -9,8 +9,8 @@ from multiproc import run_ranks
 from trainrun import compose_tree, train
 
 from distlib.app.config.groups import OptimizerConfig
+from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.lr_schedule import lr_at
 
 
 def test_the_default_is_the_configured_float_itself():

@@ -13,7 +13,7 @@ from e2e import torchrun
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.faults import step_hooks
+from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint

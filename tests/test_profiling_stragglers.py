@@ -15,10 +15,10 @@ from forkrun import run_script
 from multiproc import run_ranks
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.faults import step_hooks
 from distlib.app.model.minigpt import build_model
 from distlib.app.observe import throughput
 from distlib.app.observe.stragglers import Slowest, StragglerWatch, slowest
+from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from distlib.app.config.run import RunConfig
-from distlib.app.hooks import StepHooks
+from distlib.app.runtime.hooks import StepHooks
 from distlib.comm.watchdog import StallError
 from distlib.launch import worker
 

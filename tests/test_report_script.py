@@ -11,7 +11,7 @@ from forkrun import run_script
 from multiproc import run_ranks
 
 from distlib.app.config.run import RunConfig
-from distlib.app.faults import step_hooks
+from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -127,7 +127,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REMOVES_NO_COMMITTED_CHECKPOINT = {
     "distlib/checkpoint/sharded.py": "a save's uncommitted .partial directory; and delete() itself",
     "distlib/checkpoint/memory_snapshot.py": "memory snapshots in /dev/shm",
-    "distlib/app/hf_export.py": "an unfinished Hugging Face export directory",
+    "distlib/app/checkpointing/hf_export.py": "an unfinished Hugging Face export directory",
 }
 
 

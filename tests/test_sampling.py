@@ -13,7 +13,7 @@ from forkrun import run_script
 from multiproc import run_ranks
 from trainrun import compose_tree, train
 
-from distlib.app import sampling
+from distlib.app.checkpointing import sampling
 from distlib.app.config.groups import ModelConfig
 from distlib.app.data.tokens import ByteTokenizer
 from distlib.checkpoint import reshard

@@ -1,8 +1,8 @@
 """The end-of-run table is bounded: every step of a short run (the capstone's 20), of a longer one
 the first, every K-th, the last and the evaluated steps; the full record is metrics.jsonl."""
 
-from distlib.app.results import RunResult, StepLog
-from distlib.app.summary import loss_table
+from distlib.app.observe.results import RunResult, StepLog
+from distlib.app.observe.summary import loss_table
 
 
 def _result(n: int, eval_every: int = 0) -> RunResult:

@@ -22,7 +22,7 @@ from distlib.app.data import tokens
 from distlib.app.data.batches import BatchPlan, GlobalBatches, HeldOut, split_heldout
 from distlib.app.data.tokens import ByteTokenizer, DataError
 from distlib.app.model.minigpt import build_model
-from distlib.app.summary import loss_table
+from distlib.app.observe.summary import loss_table
 from distlib.comm.group import Comm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -339,7 +339,7 @@ def test_validation_loss_falls_and_is_the_mean_over_all_heldout_windows(sample, 
 
 
 def test_loss_table_shows_validation_only_when_evaluated():
-    from distlib.app.results import RunResult, StepLog
+    from distlib.app.observe.results import RunResult, StepLog
 
     plain = RunResult(0, [StepLog(1, 2.0, 0.5, [1.0], 0.01), StepLog(2, 1.5, 0.4, [1.0], 0.01)])
     assert "val loss" not in loss_table(plain)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from e2e import ROOT
 
+from distlib.app.checkpointing.sampling import generate, load_model
 from distlib.app.data.bpe import load_tokenizer, tokenizer_for_checkpoint
-from distlib.app.sampling import generate, load_model
 from distlib.checkpoint.sharded import read_manifest
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from multiproc import run_ranks
 from trainrun import small_tree
 
 from distlib.app.config.run import RunConfig
-from distlib.app.faults import step_hooks
+from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.unattended.stopping import StopSignals

@@ -12,7 +12,7 @@ from trainrun import small_tree
 
 from distlib.app.config.operation import GuardConfig
 from distlib.app.config.run import RunConfig
-from distlib.app.faults import step_hooks
+from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 from distlib.app.unattended import guard
 from distlib.app.unattended.guard import DesyncError, GuardError

@@ -6,7 +6,7 @@ import copy
 from pathlib import Path
 
 from distlib.app.config.run import RunConfig
-from distlib.app.faults import step_hooks
+from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 from distlib.launch.hydra_config import compose_tree  # noqa: F401 - conf/ composed as train.py composes it
 from distlib.launch.torchrun import use_deterministic_kernels

@@ -5,7 +5,7 @@ Built once (``__init__``): the model of ``model.family`` (``families.build``), b
 (``families.shard_model_``), its ``ZeroOptimizer``, the data (``GlobalBatches``: which batch a
 step reads), the ``Checkpointer`` (every checkpoint decision; a fresh start from
 ``model.init_from``'s weights), the guard's ``Rollback`` and ``ReplicaCheck``, and the
-``StepHooks`` attached from outside (fault injection: distlib/app/faults.py; no-ops by default).
+``StepHooks`` attached from outside (fault injection: distlib/app/runtime/faults.py; no-ops by default).
 Then one step::
 
     hooks.before_step
@@ -38,23 +38,23 @@ from pathlib import Path
 
 import torch
 
-from distlib.app import launcher_env
 from distlib.app.checkpointing.checkpointer import Checkpointer, RunState
 from distlib.app.checkpointing.rng import seed_process_rngs
+from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
-from distlib.app.hooks import StepHooks
-from distlib.app.lr_schedule import lr_at
 from distlib.app.model import families
 from distlib.app.model.layers import CausalLM
+from distlib.app.model.pipeline_step import PipelineStep, split_model_
 from distlib.app.observe import throughput
 from distlib.app.observe.activations import ActivationMeter
 from distlib.app.observe.memory import memory_report
 from distlib.app.observe.metrics import MetricsLog
 from distlib.app.observe.profiling import StepProfiler
+from distlib.app.observe.results import RunResult, StepLog
 from distlib.app.observe.validation import Validation
-from distlib.app.pipeline_step import PipelineStep, split_model_
-from distlib.app.results import RunResult, StepLog
+from distlib.app.runtime import launcher_env
+from distlib.app.runtime.hooks import StepHooks
 from distlib.app.unattended import guard, stopping
 from distlib.app.unattended.rollback import Rollback
 from distlib.comm import agree, watchdog

@@ -50,7 +50,7 @@ FORMAT_VERSION = 1
 MANIFEST = manifest_rules.MANIFEST_NAME
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
-# A save calls hook(point, path) at these points (fault injection: distlib/app/faults.py):
+# A save calls hook(point, path) at these points (fault injection: distlib/app/runtime/faults.py):
 # shard_written (this rank's file, before its fsync), shards_written (every rank's shard is durable),
 # manifest_written (rank 0, before the directory rename), committed.
 SaveHook = Callable[[str, Path], None]

@@ -23,7 +23,9 @@ CONFIG_WAIT_S = (
     300.0  # how long the other ranks wait for rank 0's config (torchrun ends them sooner if it fails)
 )
 START_ENV = "DISTLIB_START"  # set by join_job_start(): this start's key prefix
-ATTEMPT_ENV = "DISTLIB_ATTEMPT"  # and its number, read by the application (distlib/app/launcher_env.py)
+ATTEMPT_ENV = (
+    "DISTLIB_ATTEMPT"  # and its number, read by the application (distlib/app/runtime/launcher_env.py)
+)
 
 
 def rank_error(message: str) -> None:

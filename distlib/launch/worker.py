@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distlib.app import summary
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data.tokens import DataError
-from distlib.app.faults import step_hooks
-from distlib.app.hooks import StepHooks
+from distlib.app.observe import summary
+from distlib.app.runtime.faults import step_hooks
+from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.checkpoint.sharded import CheckpointError
@@ -89,7 +89,7 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
     device = cfg.device(int(os.environ.get("LOCAL_RANK", "0")))
     if device != "cpu":
         use_cuda_device(device)
-    # Fault injection (distlib/app/faults.py) attaches from outside the loop; none configured: no-op hooks.
+    # Fault injection (distlib/app/runtime/faults.py) attaches from outside the loop; none: no-op hooks.
     hooks = step_hooks(cfg.fault, int(os.environ.get("RANK", "0")))
     _join(cfg, hooks, device)
     try:

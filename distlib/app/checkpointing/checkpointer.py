@@ -44,7 +44,7 @@ from distlib.app.checkpointing.resume_check import Kept, ResumeCheck, ResumeVeri
 from distlib.app.checkpointing.retention import Retention
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
-from distlib.app.hooks import StepHooks
+from distlib.app.runtime.hooks import StepHooks
 from distlib.app.unattended.rollback import RollbackPoint, RollbackSource
 from distlib.app.unattended.stopping import CheckpointClock, Decision
 from distlib.checkpoint import rng_state

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from distlib.app import launcher_env
+from distlib.app.runtime import launcher_env
 from distlib.app.unattended.rollback import RollbackPoint
 from distlib.checkpoint import memory_snapshot as shm
 from distlib.checkpoint import replica

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distlib.app import devices
 from distlib.app.config.groups import (
     BYTE_VOCAB,
     DataConfig,
@@ -24,7 +23,8 @@ from distlib.app.config.groups import (
 )
 from distlib.app.config.operation import CheckpointConfig, DistConfig, GuardConfig
 from distlib.app.config.schema import ConfigError, Group, key, specs
-from distlib.app.faults import FaultConfig
+from distlib.app.runtime import devices
+from distlib.app.runtime.faults import FaultConfig
 from distlib.comm.layout import Layout, LayoutError
 
 __all__ = ["ConfigError", "RunConfig", "GROUPS"]

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from distlib.app.results import RunResult
+from distlib.app.observe.results import RunResult
 
 TABLE_ROWS = 20  # the end-of-run table's steps at most (about); metrics.jsonl keeps every step
 

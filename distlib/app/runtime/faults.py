@@ -1,7 +1,7 @@
 """Recovery drills: the failures the recovery paths exist for, injected on demand (``fault.*``).
 
 Everything about faults is in this module: the ``fault`` config group (its keys and their
-checks), and ``Faults``, the ``StepHooks`` (``distlib.app.hooks``) that fire them. train.py
+checks), and ``Faults``, the ``StepHooks`` (``distlib.app.runtime.hooks``) that fire them. train.py
 attaches it (``step_hooks``) when a fault is configured; the trainer, the checkpointer and
 ``distlib.checkpoint`` see only the seams (hooks at fixed points of a step, a save hook), never a
 fault. Users run these drills too (a SIGKILL mid-run, a crash inside a save, a full disk, a loss
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from distlib.app import launcher_env
 from distlib.app.config.schema import ConfigError, Group, key
-from distlib.app.hooks import StepHooks
+from distlib.app.runtime import launcher_env
+from distlib.app.runtime.hooks import StepHooks
 from distlib.checkpoint.sharded import SaveHook
 
 SAVE_CRASH_POINTS = ("mid_shard", "before_manifest", "before_commit", "after_commit")

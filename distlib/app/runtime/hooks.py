@@ -1,7 +1,7 @@
 """The fixed points of a training step where something from outside may act.
 
 The loop calls one ``StepHooks`` object at these points and nothing else, so fault injection
-(``distlib.app.faults.Faults``) attaches from outside the loop instead of living in it; the
+(``distlib.app.runtime.faults.Faults``) attaches from outside the loop instead of living in it; the
 default does nothing. ``joining()`` runs once, before the rank joins the process group; then, in
 the order a step calls them::
 
