@@ -122,8 +122,11 @@ class Trainer:
         self.replicas = guard.ReplicaCheck(
             cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer
         )
+        # off (eval_every=0): None, and a step never enters the module
         every = cfg.train.eval_every
-        self.validation = Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device)
+        self.validation = (
+            Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device) if every else None
+        )
         self.log: MetricsLog | None = None  # open while run() runs
         self.activations = ActivationMeter()  # bytes kept for backward (the memory profile's activations)
         self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)
@@ -231,7 +234,7 @@ class Trainer:
         lr = self._apply_update(step)
         seconds = time.perf_counter() - began
         signals.deadline_s = max(signals.deadline_s, self.cfg.dist.timeout_s + 2 * seconds)
-        val_loss = self.validation.loss() if self.validation.due(step) else None
+        val_loss = self.validation.loss() if self.validation and self.validation.due(step) else None
         memory = self.memory_bytes()
         norms, rows, votes = self._gather_step_values(seconds, memory, signals)
         self.log.step(
