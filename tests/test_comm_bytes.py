@@ -67,9 +67,9 @@ def _train(comm, tree: dict, run_dir: str) -> int:
 
 def test_stage0_comm_bytes_are_the_all_reduce_the_algorithm_sends_not_the_ring_figure(tmp_path):
     """ZeRO-0 at 4 ranks: per step one all-reduce of the fp32 gradients (B = 4 x padded P) and one
-    all-gather of the grad norm's 2 terms, each with its 72-byte header check (to each peer). The
-    exchange all-reduce sends B to each of the N-1 peers: (N-1) B, twice the ring algorithm's
-    2 (N-1)/N B that the optimizer used to report."""
+    all-gather of the grad norm's one term (no parameter is tensor-parallel), each with its 72-byte
+    header check (to each peer). The exchange all-reduce sends B to each of the N-1 peers: (N-1) B,
+    twice the ring algorithm's 2 (N-1)/N B that the optimizer used to report."""
     n = 4
     tree = {
         "dist": {"world_size": n},
@@ -81,7 +81,7 @@ def test_stage0_comm_bytes_are_the_all_reduce_the_algorithm_sends_not_the_ring_f
     padded = run_ranks(_train, n, tree, str(tmp_path))[0]
     records = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["type"] == "step"]
     b, header = 4 * padded, 9 * 8
-    expected = (n - 1) * b + (n - 1) * 4 * 2 + 2 * (n - 1) * header
+    expected = (n - 1) * b + (n - 1) * 4 + 2 * (n - 1) * header
     assert [r["comm_bytes"] for r in records] == [{"dp": expected, "tp": 0}] * 3
     ring = 2 * (n - 1) * b // n
     assert expected != ring

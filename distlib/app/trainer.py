@@ -44,6 +44,7 @@ from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
 from distlib.app.model import families
+from distlib.app.model.attention import ContextSplit, split_context_
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.pipeline_step import PipelineStep, split_model_
 from distlib.app.observe import throughput
@@ -72,10 +73,12 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     broadcast_module_(model, comm)
     chunks = split_model_(model, cfg.dist, mesh)  # this pipeline rank's (None at pp=1)
     tp_splits = families.shard_model_(model, mesh.tp)  # parameter name -> Split (none at tp=1)
+    if mesh.cp is not None:  # every attention reaches the other context-parallel ranks' tokens
+        split_context_(model, ContextSplit(mesh.cp, cfg.dist.cp_impl))
     z, opt = cfg.zero, cfg.optimizer
     optimizer = make_optimizer(
         model,
-        mesh.dp,
+        mesh.batch,  # gradients average over dp x cp; ZeRO shards there
         z.stage,
         opt.adamw,
         opt.grad_clip,
@@ -104,7 +107,7 @@ class Trainer:
         # run dist.collectives' implementation (the mesh's groups inherit the last two).
         comm = comm.instrumented(check=cfg.dist.check_collectives, collectives=cfg.dist.collectives)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
-        self.mesh = mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s)  # dp/tp(/pp)
+        self.mesh = mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s, cp=cfg.dist.cp)
         self.hooks = hooks = hooks if hooks is not None else StepHooks()
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
         seed_process_rngs(cfg.seed, mesh.dp.rank)
@@ -122,8 +125,7 @@ class Trainer:
         self.replicas = guard.ReplicaCheck(
             cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer
         )
-        # off (eval_every=0): None, and a step never enters the module
-        every = cfg.train.eval_every
+        every = cfg.train.eval_every  # 0: no Validation; a step never enters its module
         self.validation = (
             Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device) if every else None
         )
@@ -268,9 +270,10 @@ class Trainer:
         # Summed in float64 on the device, read once: the same additions, in the same order, as adding
         # each micro-batch's float(loss) on the host, without a device sync per micro-batch.
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in self.data.step_batches(step, self.mesh.dp.rank):
+        for batch in self.data.step_batches(step, self.mesh.dp.rank):
+            inputs, targets, positions = data.held_tokens(*batch, self.mesh.cp, self.device)
             with self.activations.measure(self.model):
-                loss = self.model(inputs.to(self.device), targets.to(self.device)) / self.cfg.train.grad_accum
+                loss = self.model(inputs, targets, positions) / self.cfg.train.grad_accum
             loss.backward()
             local_loss += loss.detach()
         return local_loss

@@ -37,7 +37,7 @@ def full_tensors(path: Path, manifest: dict, key: str = "master") -> dict[str, t
     if key not in STATE_KEYS:
         raise ValueError(f"key must be one of {STATE_KEYS}, got {key!r}")
     path = Path(path)
-    grid = Layout.of_manifest(manifest)
+    grid = Layout.of_manifest(manifest).partitions()  # the flat layouts' partitions: dp x cp
     pieces: dict[str, list[tuple[dict | None, torch.Tensor]]] = {}
     for s, per_tp in enumerate(stage_layouts(manifest)):
         for t, layout_dict in enumerate(per_tp):

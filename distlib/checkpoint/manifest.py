@@ -73,9 +73,13 @@ def _shape(value, name: str) -> tuple[int, ...]:
 
 
 def _parallel(manifest: dict, world: int, tp: int, pp: int) -> Layout:
-    """The layout the manifest's sizes give; its ``parallel`` record, when present, must be it."""
-    layout = Layout.of(world, tp=tp, pp=pp)
+    """The layout the manifest's sizes give; its ``parallel`` record, when present, must be it
+    (and says the context-parallel degree, 1 without it)."""
     record = _field(manifest, "parallel", "", dict, optional=True)
+    cp = record.get("cp", 1) if record is not None else 1
+    if not _is_int(cp) or cp < 1 or world % (tp * pp * cp):
+        raise ManifestProblem(f"parallel: cp {_show(cp)} does not divide world_size {world} / (tp x pp)")
+    layout = Layout.of(world, tp=tp, pp=pp, cp=cp)
     if record is not None:
         try:
             recorded = Layout.from_dict(record)
@@ -220,14 +224,20 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     # A resharded tp == 1 checkpoint may carry its source's dp (older ckpt.py reshard copied it);
     # nothing reads dp when tp == 1, so such checkpoints stay readable.
     stale_ok = tp == 1 and "resharded_from" in manifest
-    if dp is not None and dp * tp * pp != world and not stale_ok:
+    cp = _parallel(manifest, world, tp, pp).cp
+    if dp is not None and dp * cp * tp * pp != world and not stale_ok:
         raise ManifestProblem(
-            f"dp {dp} x tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f" != world_size {world}"
+            f"dp {dp} x tp {tp}"
+            + (f" x pp {pp}" if pp > 1 else "")
+            + (f" x cp {cp}" if cp > 1 else "")
+            + f" != world_size {world}"
         )
     layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1)
     if layouts is not None and len(layouts) != tp:
         raise ManifestProblem(f"tp_layouts has {len(layouts)} layout(s), expected one per tensor rank ({tp})")
-    per_layout = _parallel(manifest, world, tp, pp).dp  # ranks holding one flat layout's partitions
+    per_layout = (
+        _parallel(manifest, world, tp, pp).partitions().dp
+    )  # ranks holding one flat layout's partitions
     check_layout(_field(manifest, "layout", "", dict), "layout", per_layout)
     for t, layout in enumerate(layouts or []):
         check_layout(layout, f"tp_layouts[{t}]", per_layout, tp, t)

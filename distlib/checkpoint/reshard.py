@@ -116,7 +116,7 @@ def load_partition(
     path = Path(path)
     if int(manifest.get("pp", 1)) > 1 or (stage is not None and stage[2] > 1):
         return _load_by_name(path, manifest, rank, world_size, tp_rank, stage)
-    tp, grid = _tensor_parallel(manifest), Layout.of_manifest(manifest)
+    tp, grid = _tensor_parallel(manifest), Layout.of_manifest(manifest).partitions()
     layout = manifest["tp_layouts"][tp_rank] if tp > 1 else manifest["layout"]
     numel, old_world = int(layout["numel"]), grid.dp
     file_rank = lambda d: grid.rank(dp=d, tp=tp_rank)  # noqa: E731
@@ -148,7 +148,7 @@ def _load_by_name(
     if stage is None:
         raise CheckpointError(f"checkpoint {path} is pipeline-parallel: loading it needs this rank's layout")
     layout, pp_rank, pp = stage
-    grid = Layout.of_manifest(manifest)
+    grid = Layout.of_manifest(manifest).partitions()
     old_pp, old_dp = grid.pp, grid.dp
     stages = manifest.get("pp_layouts") or [manifest.get("tp_layouts") or [manifest["layout"]]]
     where = {}  # parameter name -> (old stage, offset in its flat layout, that layout's numel)

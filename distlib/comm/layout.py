@@ -43,13 +43,11 @@ class Layout:
             if not isinstance(size, int) or size < 1:
                 raise LayoutError(f"{key} must be an integer >= 1, got {size!r}")
         if world_size < 1 or world_size % (tp * pp * cp):
-            split = {
-                "dist.tp": tp,
-                **({"dist.pp": pp} if pp > 1 else {}),
-                **({"dist.cp": cp} if cp > 1 else {}),
+            split = {k: v for k, v in (("dist.tp", tp), ("dist.pp", pp), ("dist.cp", cp)) if v > 1} or {
+                "dist.tp": tp
             }
             what = (
-                f"dist.tp={tp}"
+                "".join(f"{k}={v}" for k, v in split.items())
                 if len(split) == 1
                 else f"{' x '.join(split)} = {' x '.join(map(str, split.values()))}"
             )
@@ -115,6 +113,13 @@ class Layout:
     def groups(self, dims: tuple[str, ...]) -> list[tuple[int, ...]]:
         """Every group over ``dims``, partitioning the world, ordered by their first rank."""
         return sorted({self.group(r, dims) for r in range(self.world_size)})
+
+    def partitions(self) -> Layout:
+        """The same ranks with the batch dimensions as one (dp x cp, cp 1): ZeRO partitions a flat
+        layout over the batch group, so a checkpoint's shards are found as if dp were dp x cp. The
+        rank order is the same: ((pp * dp + d) * cp + c) * tp + t = (pp * dp * cp + b) * tp + t with
+        b = d * cp + c, the place in the batch group."""
+        return Layout(pp=self.pp, dp=self.dp * self.cp, cp=1, tp=self.tp, ep=self.ep)
 
     def to_dict(self) -> dict:
         """For manifests: the degrees by name and the order (``from_dict`` reads it back)."""

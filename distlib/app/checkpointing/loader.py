@@ -106,7 +106,7 @@ class Loader:
         stage = (mesh.pp.rank, mesh.pp.size) if mesh.pp else (0, 1)
         state, rank_state, rng = agree.agreed(
             lambda: reshard.load_partition(
-                path, manifest, mesh.dp.rank, mesh.dp.size, mesh.tp.rank, (optimizer.layout, *stage)
+                path, manifest, mesh.batch.rank, mesh.batch.size, mesh.tp.rank, (optimizer.layout, *stage)
             ),
             self.comm,
             checkpoint.CheckpointError,

@@ -35,6 +35,12 @@ class DistConfig(Group):
     pp_schedule: the order of the train.grad_accum micro-batches' forwards and backwards
     pp_virtual: model chunks per rank (interleaved only); model.n_layers must divide into pp x pp_virtual
         chunks
+    cp: context-parallel degree: every sample's sequence split over this many ranks (rank r holds chunks r
+        and 2cp-1-r of 2cp, so causal attention's work is even); gradients average over dp x cp; world_size =
+        data x cp x tp (model.seq_len divisible by 2 x cp)
+    cp_impl: how attention reaches the other ranks' tokens: alltoall (sequence shards <-> head shards, every
+        rank attends the whole sequence for n_heads/(tp x cp) heads; the heads must divide) or ring (keys and
+        values travel around the cp ranks, partial attention merged by log-sum-exp)
     """
 
     GROUP = "dist"
@@ -47,6 +53,8 @@ class DistConfig(Group):
     pp: int = key(1, ge=1)
     pp_schedule: str = key("1f1b", choices=PP_SCHEDULES)
     pp_virtual: int = key(1, ge=1)
+    cp: int = key(1, ge=1)
+    cp_impl: str = key("alltoall", choices=("alltoall", "ring"))
 
     def check(self) -> None:
         if self.pp_virtual > 1 and self.pp_schedule != "interleaved":

@@ -69,7 +69,7 @@ class RunConfig(Group):
     @property
     def layout(self) -> Layout:
         """The parallel layout of dist.world_size ranks (distlib/comm/layout.py: the rank order)."""
-        return Layout.of(self.dist.world_size, tp=self.dist.tp, pp=self.dist.pp)
+        return Layout.of(self.dist.world_size, tp=self.dist.tp, pp=self.dist.pp, cp=self.dist.cp)
 
     @property
     def dp_size(self) -> int:
@@ -144,6 +144,7 @@ def _check_across(cfg: RunConfig) -> None:
     check_tensor_parallel(m, d.tp)
     _check_batch(cfg)
     _check_pipeline(cfg)
+    _check_context(cfg)
     _check_devices(cfg)
     opt = cfg.optimizer
     if opt.warmup_steps + opt.decay_steps > t.steps:
@@ -171,7 +172,10 @@ def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
 def _check_batch(cfg: RunConfig) -> None:
     t, ranks, d = cfg.train, cfg.dp_size, cfg.dist
     where = (
-        f"dist.world_size={ranks}"
+        f"dist.world_size/(dist.tp x dist.pp x dist.cp)={d.world_size}/({d.tp} x {d.pp} x {d.cp})="
+        f"{ranks} data-parallel"
+        if d.cp > 1
+        else f"dist.world_size={ranks}"
         if d.tp == d.pp == 1
         else f"dist.world_size/dist.tp={d.world_size}/{d.tp}={ranks} data-parallel"
         if d.pp == 1
@@ -217,6 +221,34 @@ def _check_pipeline(cfg: RunConfig) -> None:
             f"train.eval_every={cfg.train.eval_every} is not supported with dist.pp={d.pp} "
             f"(the held-out loss runs the whole model on one rank); set train.eval_every=0"
         )
+
+
+def _check_context(cfg: RunConfig) -> None:
+    d, m = cfg.dist, cfg.model
+    if d.cp == 1:
+        return
+    if m.seq_len % (2 * d.cp):
+        raise ConfigError(
+            f"model.seq_len={m.seq_len} must be divisible by 2 x dist.cp = {2 * d.cp} (each context-parallel "
+            f"rank holds two equal chunks)"
+        )
+    heads = m.n_heads // d.tp
+    if d.cp_impl == "alltoall" and heads % d.cp:
+        raise ConfigError(
+            f"dist.cp_impl=alltoall needs the heads per tensor-parallel rank, model.n_heads/dist.tp = "
+            f"{m.n_heads}/{d.tp} = {heads}, divisible by dist.cp={d.cp}; use dist.cp_impl=ring"
+        )
+    if d.cp_impl == "ring" and m.dropout > 0:
+        raise ConfigError(
+            f"model.dropout={m.dropout} is not supported with dist.cp_impl=ring (the ring computes attention "
+            f"blocks itself, without dropout); use dist.cp_impl=alltoall or model.dropout=0"
+        )
+    for name, value, why in [
+        ("dist.pp", d.pp, "pipeline stages do not carry the positions yet"),
+        ("train.eval_every", cfg.train.eval_every, "the held-out loss runs whole sequences"),
+    ]:
+        if value > (1 if name == "dist.pp" else 0):
+            raise ConfigError(f"{name}={value} is not supported with dist.cp={d.cp} ({why})")
 
 
 def _check_devices(cfg: RunConfig) -> None:

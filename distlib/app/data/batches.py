@@ -30,6 +30,7 @@ import torch
 from distlib.app.data import bpe_tokens
 from distlib.app.data.tokens import DataError, load_text_tokens
 from distlib.comm.group import Comm
+from distlib.parallel.context import chunks
 
 if TYPE_CHECKING:
     from distlib.app.config.run import RunConfig
@@ -254,3 +255,14 @@ def build(
     train, held = split_heldout(tokens, d.val_fraction)
     heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
     return GlobalBatches(train, seq, plan, cfg.seed, source), heldout
+
+
+def held_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: Comm | None, device) -> tuple:
+    """(inputs, targets, positions) of the tokens this rank holds, on ``device``: all of them
+    (positions None: 0..seq-1), or with context parallelism (``cp``, the group) its chunks r and
+    2cp-1-r of each sequence (``distlib.parallel.context.chunks``) with their positions; every cp
+    rank then holds as many tokens, so the mean of their mean losses is the sequence's."""
+    if cp is None:
+        return inputs.to(device), targets.to(device), None
+    held = chunks.positions(inputs.shape[1], cp.size, cp.rank)
+    return inputs[:, held].to(device), targets[:, held].to(device), held.to(device)

@@ -11,8 +11,16 @@ within rounding (tests/test_model_seams.py), which no family selects yet -- it c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from distlib.comm.group import Comm
+from distlib.parallel.context import chunks
+from distlib.parallel.context.ring import ring_attention
+from distlib.parallel.context.ulysses import ulysses_attention
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -46,18 +54,29 @@ def causal_attention(
     dropout: float = 0.0,
     training: bool = False,
     sdpa: bool = False,
+    context: ContextSplit | None = None,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale, causal) @ v with heads merged: q, k, v (batch, heads, seq, head_dim),
     k and v already repeated to q's heads; the result (batch, seq, heads * head_dim). ``divide``:
     scores / scale instead. ``softmax_dtype``: the softmax's dtype, cast back to v's. ``dropout`` on
     the attention weights while ``training``. ``mask`` is ``causal_mask`` (the explicit path reads its
-    top-left seq x seq corner)."""
+    top-left seq x seq corner). ``context``: the sequence is split over a context-parallel group
+    (``ContextSplit``); q, k, v are this rank's tokens and so is the result."""
+    kwargs = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, dropout=dropout, training=training)
+    if context is not None:
+        whole = lambda *qkv: attend_heads(*qkv, mask, **kwargs, sdpa=sdpa)  # noqa: E731
+        kept = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype)
+        return merge_heads(context.attend(q, k, v, whole, **kept))
+    return merge_heads(attend_heads(q, k, v, mask, **kwargs, sdpa=sdpa))
+
+
+def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, dropout, training, sdpa) -> torch.Tensor:
+    """``causal_attention`` of whole sequences, heads not merged: (batch, heads, seq, head_dim)."""
     if sdpa:
         p = dropout if training else 0.0
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, dropout_p=p, is_causal=True, scale=1.0 / scale if divide else scale
         )
-        return merge_heads(out)
     seq = q.shape[-2]
     scores = q @ k.transpose(-2, -1)
     scores = scores / scale if divide else scores * scale
@@ -66,4 +85,36 @@ def causal_attention(
     scores = scores.masked_fill(~mask[:seq, :seq], float("-inf"))
     weights = F.softmax(scores, dim=-1, dtype=softmax_dtype).to(v.dtype)
     weights = F.dropout(weights, dropout, training)
-    return merge_heads(weights @ v)
+    return weights @ v
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """This rank's share of a sequence split over a context-parallel group (``dist.cp``): which
+    tokens it holds (``distlib.parallel.context.chunks``) and how attention reaches the others'
+    (``impl``: alltoall or ring). Set on each attention module by ``split_context_``."""
+
+    comm: Comm
+    impl: str
+
+    def positions(self, seq_len: int, device) -> torch.Tensor:
+        return chunks.positions(seq_len, self.comm.size, self.comm.rank, device)
+
+    def attend(self, q, k, v, whole: Callable, *, scale, divide, softmax_dtype) -> torch.Tensor:
+        """This rank's rows of attention, unmerged; ``whole``: one-rank attention of whole sequences
+        (alltoall); the ring computes its blocks itself, with the same arguments (no dropout)."""
+        if self.impl == "alltoall":
+            return ulysses_attention(q, k, v, self.comm, whole)
+        where = self.positions(q.shape[2] * self.comm.size, q.device)
+        return ring_attention(
+            q, k, v, self.comm, where, scale=scale, divide=divide, softmax_dtype=softmax_dtype
+        )
+
+
+def split_context_(model: torch.nn.Module, split: ContextSplit) -> int:
+    """Make every attention module of ``model`` (those with a ``context`` slot) attend over the
+    context-parallel group; returns how many there are."""
+    found = [m for m in model.modules() if hasattr(m, "context")]
+    for m in found:
+        m.context = split
+    return len(found)

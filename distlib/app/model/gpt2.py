@@ -60,6 +60,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
+        self.context: attention.ContextSplit | None = None  # dist.cp > 1: attention.split_context_
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # Learned positions entered with the embedding and the mask is relative: ``positions`` unused.
@@ -74,6 +75,7 @@ class CausalSelfAttention(nn.Module):
             divide=self.divide,
             dropout=self.dropout,
             training=self.training,
+            context=self.context,
         )
         return F.dropout(self.proj(out), self.dropout, self.training)
 

@@ -1,0 +1,87 @@
+"""Attention over a context-parallel group by all-to-all (DeepSpeed-Ulysses): sequence shards in,
+head shards through attention, sequence shards out.
+
+Before attention each rank holds every head of its own tokens; one all-to-all gives it 1/N of the
+heads for every token of the sequence, which ``chunks.natural_order`` puts back in sequence order.
+The attention itself is then the one-rank function, on whole sequences and fewer heads: the same
+arithmetic per head as a single rank's. The output goes back by the inverse all-to-all. Autograd:
+each all-to-all's backward is the other one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from distlib.comm import collectives
+from distlib.comm.group import Comm
+from distlib.parallel.context import chunks
+
+
+def _heads_for_every_rank(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(batch, heads, T, d) -> (n, batch, heads/n, T, d): rank j's heads first along dim 0."""
+    b, h, t, d = x.shape
+    return x.reshape(b, n, h // n, t, d).transpose(0, 1).contiguous()
+
+
+def seq_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """(batch, heads, T_local, d) of this rank's tokens -> (batch, heads/N, N x T_local, d): this
+    rank's heads for every rank's tokens, the ranks' tokens concatenated in rank order."""
+    n = comm.size
+    got = collectives.all_to_all(_heads_for_every_rank(x, n), comm, [1] * n, [1] * n)
+    _, b, hl, t, d = got.shape
+    return got.permute(1, 2, 0, 3, 4).reshape(b, hl, n * t, d)
+
+
+def heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The inverse of ``seq_to_heads``: (batch, heads/N, N x T_local, d) -> (batch, heads, T_local, d)."""
+    n = comm.size
+    b, hl, nt, d = y.shape
+    pieces = y.reshape(b, hl, n, nt // n, d).permute(2, 0, 1, 3, 4).contiguous()  # rank j's tokens first
+    got = collectives.all_to_all(pieces, comm, [1] * n, [1] * n)  # (n, b, hl, T_local, d): rank i's heads
+    return got.transpose(0, 1).reshape(b, n * hl, nt // n, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return seq_to_heads(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return heads_to_seq(grad.contiguous(), ctx.comm), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return heads_to_seq(y, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return seq_to_heads(grad.contiguous(), ctx.comm), None
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: Comm,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """This rank's rows of causal attention over the whole sequence: q, k, v (batch, heads, T_local,
+    head_dim) of its tokens (k, v repeated to q's heads; the heads divisible by N); ``attend`` the
+    one-rank attention of whole sequences in order, (batch, h, T, d) -> (batch, h, T, d). Returns
+    (batch, heads, T_local, head_dim)."""
+    n, t_local = comm.size, q.shape[2]
+    if q.shape[1] % n:
+        raise ValueError(f"{q.shape[1]} heads do not split over {n} context-parallel ranks")
+    seq = n * t_local
+    order = chunks.natural_order(seq, n, q.device)  # gathered -> sequence order
+    held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])  # sequence -> gathered
+    full = [_SeqToHeads.apply(t.contiguous(), comm)[:, :, order] for t in (q, k, v)]
+    out = attend(*full)
+    return _HeadsToSeq.apply(out[:, :, held].contiguous(), comm)
