@@ -82,7 +82,7 @@ def _check_checkpoint(d, tmp_path):
 
 
 def _check_collectives(d, tmp_path):
-    ops = ["broadcast", "reduce_scatter", "all_gather", "all_reduce"]
+    ops = ["broadcast", "reduce_scatter", "all_gather", "all_reduce", "all_to_all"]
     rows = d["results"]
     assert sorted((r["op"], r["world"], r["bytes"]) for r in rows) == sorted(
         (op, world, 1024)

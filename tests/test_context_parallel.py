@@ -1,6 +1,6 @@
 """Context parallelism (dist.cp): every sample's sequence split over cp ranks (chunks r and 2cp-1-r),
 proved like every other layout: 20 steps within 1e-5 of world size 1 for all three families, at
-cp=2 and cp=4, with dp x cp, cp x tp, ZeRO 0-3 and gradient accumulation, by both routes to the
+cp=2 and cp=4, with dp x cp, cp x tp, pp x cp, ZeRO 0-3 and gradient accumulation, by both routes to the
 other ranks' tokens (dist.cp_impl=alltoall and ring); the logged loss and token count mean what
 they mean at one rank (torchtitan #3280 showed half the loss under TP+CP, #2983 tokens inflated by
 the CP degree); a checkpoint saved at cp=2 resumes at cp=4 and at cp=1 at the exact data position;
@@ -48,6 +48,8 @@ CASES = {
         ("gpt2", ["dist.cp=2", "zero=stage2"]),  # 2 data- x 2 context-parallel
         ("llama", ["dist.cp=2", "dist.tp=2", "zero=stage3"]),
         ("minigpt", ["dist.cp=2", "zero=stage0", "model.activation_checkpointing=blocks"] + RING),
+        ("llama", ["dist.cp=2", "dist.pp=2", "train.grad_accum=2"]),  # 2 stages x 2 context-parallel
+        ("gpt2", ["dist.cp=2", "dist.pp=2", "train.grad_accum=2", "dist.pp_schedule=gpipe"] + RING),
     ],
 }
 
@@ -145,7 +147,7 @@ def test_a_checkpoint_at_cp2_resumes_at_cp4_and_cp1_exactly(tmp_path):
             "2/1 = 2, divisible by dist.cp=4; use dist.cp_impl=ring",
         ),
         (["dist.cp=3", "dist.world_size=4"], "invalid parallel layout: dist.cp=3 must be >= 1 and divide"),
-        (["dist.cp=2", "dist.pp=2"], "dist.pp=2 is not supported with dist.cp=2"),
+        (["dist.cp=2", "train.eval_every=5"], "train.eval_every=5 is not supported with dist.cp=2"),
         (["dist.cp=2", "dist.cp_impl=ring", "model.dropout=0.1"], "model.dropout=0.1 is not supported with"),
     ],
 )

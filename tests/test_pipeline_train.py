@@ -45,7 +45,7 @@ def tree(world: int, steps: int = 20, n_layers: int = 4, **dist) -> dict:
 @pytest.mark.parametrize(
     "dist, message",
     [
-        ({"world_size": 4, "pp": 3}, "dist.pp = 1 x 3 must be >= 1 and divide dist.world_size=4"),
+        ({"world_size": 4, "pp": 3}, "dist.pp=3 must be >= 1 and divide dist.world_size=4"),
         (
             {"world_size": 8, "tp": 2, "pp": 3},
             "dist.tp x dist.pp = 2 x 3 must be >= 1 and divide dist.world_size=8",

@@ -264,14 +264,17 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
         float64 scalar on the device."""
+        batches = [
+            data.held_tokens(*b, self.mesh.cp, self.device)
+            for b in self.data.step_batches(step, self.mesh.dp.rank)
+        ]
         if self.pipeline:
-            return self.pipeline.run(self.data.step_batches(step, self.mesh.dp.rank))
+            return self.pipeline.run(batches)
         self.model.train()
         # Summed in float64 on the device, read once: the same additions, in the same order, as adding
         # each micro-batch's float(loss) on the host, without a device sync per micro-batch.
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in self.data.step_batches(step, self.mesh.dp.rank):
-            inputs, targets, positions = data.held_tokens(*batch, self.mesh.cp, self.device)
+        for inputs, targets, positions in batches:
             with self.activations.measure(self.model):
                 loss = self.model(inputs, targets, positions) / self.cfg.train.grad_accum
             loss.backward()

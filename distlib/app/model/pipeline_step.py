@@ -43,8 +43,9 @@ class PipelineStep:
 
     def run(self, batches) -> torch.Tensor:
         """This rank's share of the step over ``batches`` (the step's micro-batches, (inputs,
-        targets) each); its summed loss as a float64 scalar on the device (0 off the last stage)."""
-        micro = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        targets, positions) each, on the device; positions None: all of each sequence); its summed
+        loss as a float64 scalar on the device (0 off the last stage)."""
+        micro = list(batches)
         self.model.train()
         self.recorder = Recorder(self.mesh.pp.rank)
         loss = executor.run(
@@ -57,6 +58,7 @@ class PipelineStep:
             act_dtype=self.dtype,
             device=self.device,
             recorder=self.recorder,
+            positions=None if micro[0][2] is None else lambda i: micro[i][2],
         )
         self.peak = max(self.peak, self.recorder.peak_bytes)
         return loss

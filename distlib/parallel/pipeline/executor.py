@@ -3,7 +3,7 @@
 Interface::
 
     loss = run(plan, chunks, comm, feed=..., loss_fn=..., act_shape=..., act_dtype=..., device=...,
-               recorder=None)
+               recorder=None, positions=None)
 
 * ``plan``: the whole plan, ``schedule.build(...)`` (every rank's list: a rank receives from a
   peer in the order that peer sends, which it reads from the peer's list). This rank runs
@@ -19,6 +19,8 @@ Interface::
 * ``act_shape`` / ``act_dtype``: every activation passed between stages (and its gradient) has
   this shape and dtype; receive buffers are made on ``device``.
 * ``recorder``: a ``recorder.Recorder`` that gets the timed events and activation memory.
+* ``positions(micro) -> Tensor``: where micro-batch ``micro``'s tokens sit in their sequences,
+  handed to every chunk (context parallelism: a rank holds some of them); None: 0..seq-1.
 
 Each micro-batch's loss is divided by m (the micro-batches in the plan) before its backward, as
 the trainer does for gradient accumulation, so the accumulated gradients are the full batch's
@@ -112,6 +114,7 @@ def run(
     act_dtype: torch.dtype,
     device,
     recorder=None,
+    positions: Callable[[int], Tensor] | None = None,
 ) -> Tensor:
     """Run ``plan[comm.rank]`` (see the module docstring); returns this rank's summed loss / m."""
     P, me, v = comm.size, comm.rank, len(chunks)
@@ -153,7 +156,7 @@ def run(
                 else contextlib.nullcontext()
             )
             with ctx:
-                y = chunks[a.chunk](x)
+                y = chunks[a.chunk](x) if positions is None else chunks[a.chunk](x, positions(a.micro))
                 if s == last:
                     y = loss_fn(a.micro, y) / m
                     total += y.detach().to(torch.float64)
