@@ -5,6 +5,10 @@
     .venv/bin/python benchmarks/collectives.py --algos    # also time every forced algorithm of ours
     .venv/bin/python benchmarks/collectives.py --quick --worlds 2 4 8 --ops all_reduce  # make bench's, one op
 
+all_to_all: equal pieces (the tensor's N row blocks, one per rank), the counts given to both sides
+(as the context-parallel all-to-all gives them), against ``all_to_all_single``; ours is "direct"
+(no cost model chooses between its algorithms yet), --algos adds "pairwise".
+
 Each (op, size) is warmed up, then timed for several iterations; an iteration's time is
 the slowest rank's (ranks line up on a barrier first), and the table reports the median.
 ratio = torch ms / ours ms, so > 1 means ours is faster. JSON: benchmarks/results/collectives.json (--out).
@@ -28,12 +32,19 @@ import torch.distributed as dist
 from multiproc import run_ranks
 
 from distlib.comm import collectives as C
+from distlib.comm.algorithms import all_to_all as A2A
 from distlib.comm.cost_model import CANDIDATES
 
 warnings.filterwarnings("ignore", message=".*_tensor` is deprecated")  # *_into_tensor / *_scatter_tensor
 
-OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce")
-ALGOS = CANDIDATES  # every algorithm of each collective (--algos times them all)
+OPS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce", "all_to_all")
+# every algorithm of each collective (--algos times them all); all_to_all is outside the cost model
+ALGOS = {**CANDIDATES, "all_to_all": tuple(A2A.ALGORITHMS)}
+
+
+def default_algorithm(op: str, nbytes: int, world: int) -> str:
+    """What ours runs when no algorithm is forced: the cost model's choice, or all_to_all's default."""
+    return "direct" if op == "all_to_all" else C.choose_algorithm(op, nbytes, world)
 
 
 def _iters(nbytes: int) -> int:
@@ -55,6 +66,13 @@ def _callables(op: str, x: torch.Tensor, comm, algo):
         return (
             (lambda: C.all_gather(x, x[lo:hi], comm, algo=algo)),
             (lambda: dist.all_gather_into_tensor(x, chunk)),
+        )
+    if op == "all_to_all":
+        # N equal row blocks, counts known on both sides: no count exchange in either
+        rows, got = x.view(n, -1), torch.empty_like(x)
+        ones = [1] * n
+        return (lambda: C.all_to_all(rows, comm, ones, ones, algo=algo)), (
+            lambda: dist.all_to_all_single(got, x)
         )
     return (lambda: C.all_reduce(x, comm, algo=algo)), (lambda: dist.all_reduce(x))
 
@@ -135,7 +153,7 @@ def main() -> None:
             out["ratio"] = out["torch_ms"] / out["ours_ms"]
             results.append(out)
 
-    extra = list(dict.fromkeys(a for op in OPS for a in ALGOS[op])) if args.algos else []
+    extra = list(dict.fromkeys(a for op in args.ops for a in ALGOS[op])) if args.algos else []
     head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}{'ours = ':>14}"
     print(head + "".join(f"{a + ' ms':>11}" for a in extra))
     for r in results:
@@ -143,7 +161,7 @@ def main() -> None:
         size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
         line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}"
         print(
-            f"{line}{r['ratio']:>8.2f}{C.choose_algorithm(r['op'], b, r['world']):>14}"
+            f"{line}{r['ratio']:>8.2f}{default_algorithm(r['op'], b, r['world']):>14}"
             + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra)
         )
     path = args.out

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 RUNS = {
     "checkpoint": ["benchmarks/checkpoint.py", "--params", "1e5", "--world-size", "2", "--repeats", "1"],
     "collectives": ["benchmarks/collectives.py", "--quick", "--sizes", "1024"],
+    "context": ["benchmarks/context.py", "--quick"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
     # scripts/gpu_check.sh's step h (--model gpt2_124m) on the CPU, at the gpt2 preset's small shape
     "gpu_throughput": [
@@ -94,6 +95,53 @@ def _check_collectives(d, tmp_path):
         assert r["ratio"] == pytest.approx(r["torch_ms"] / r["ours_ms"])  # > 1: ours faster
 
 
+def _check_context(d, tmp_path):
+    seqs, layers = [64, 128, 256], d["model"]["n_layers"]  # --quick's lengths; cp 1 and the default 2, 4
+    routes = {
+        1: ["one rank"],
+        2: ["alltoall", "ring", "alltoall torch"],
+        4: ["alltoall", "ring", "alltoall torch"],
+    }
+    keys = sorted((cp, r, s) for cp in routes for r in routes[cp] for s in seqs)
+    mem = {(m["cp"], m["route"], m["seq_len"]): m for m in d["memory"]}
+    ms = {(m["cp"], m["route"], m["seq_len"]): m for m in d["steps_ms"]}
+    assert d["seqs"] == seqs and sorted(mem) == keys and sorted(ms) == keys
+    for (cp, _, seq), m in mem.items():
+        assert m["activation_bytes"] == max(m["activation_bytes_per_rank"]) > 0
+        assert len(m["activation_bytes_per_rank"]) == cp and m["mask_buffer_bytes"] == layers * seq * seq
+        assert m["loss_rel_vs_cp1"] <= 1e-5, "every route computes the one-rank loss"
+        if cp > 1:  # a split sequence keeps less per rank; torch's all-to-all moves the same tensors
+            assert m["activation_bytes"] < mem[1, "one rank", seq]["activation_bytes"]
+            assert (
+                mem[cp, "alltoall torch", seq]["activation_bytes"]
+                == mem[cp, "alltoall", seq]["activation_bytes"]
+            )
+    fits = {(f["cp"], f["route"]): f for f in d["fits"]}
+    assert sorted(fits) == sorted((cp, r) for cp in routes for r in routes[cp] if r != "alltoall torch")
+    for (cp, route), f in fits.items():
+        a, b, c = f["coef"]
+        assert f["max_rel_residual"] < 1e-6, "saved tensors are multiples of S and S^2: the fit is exact"
+        if route == "ring":
+            assert abs(c) < 1e-6 * b, "the ring keeps nothing quadratic in the sequence"
+        for key, quad in (("longest_seq", c), ("longest_seq_with_masks", c + layers)):
+            s, step = f[key], 2 * cp  # the longest multiple of 2 cp within the budget
+            assert s % step == 0 and s > seqs[-1]
+            assert a + b * s + quad * s * s <= d["budget_bytes"] < a + b * (s + step) + quad * (s + step) ** 2
+    for (cp, route, seq), m in ms.items():
+        assert _times(m["ms"], m["cpu_ms"]) and m["ms_min"] <= m["ms"] <= m["ms_max"]
+        if cp > 1 and route == "ring":
+            assert m["ring_speedup"] == pytest.approx(ms[cp, "alltoall", seq]["ms"] / m["ms"])
+        if route == "alltoall":
+            assert m["ratio_vs_torch_collectives"] == pytest.approx(
+                ms[cp, "alltoall torch", seq]["ms"] / m["ms"]
+            )
+    assert [(r["world"], r["bytes"]) for r in d["all_to_all"]] == [(2, 16 << 10), (4, 16 << 10)]
+    for r in d["all_to_all"]:
+        assert _times(r["direct_ms"], r["pairwise_ms"], r["torch_ms"])
+        assert r["ratio_direct"] == pytest.approx(r["torch_ms"] / r["direct_ms"])
+        assert r["ratio_pairwise"] == pytest.approx(r["torch_ms"] / r["pairwise_ms"])
+
+
 def _check_pipeline(d, tmp_path):
     P, m, v = 2, d["m"], 2  # --quick: pp 2, the default 8 micro-batches; interleaved: 2 chunks a rank
     assert m == 8 and [(r["pp"], r["schedule"], r["v"]) for r in d["runs"]] == [
@@ -158,6 +206,7 @@ def _check_step(d, tmp_path):
 CHECKS = {
     "checkpoint": _check_checkpoint,
     "collectives": _check_collectives,
+    "context": _check_context,
     "pipeline": _check_pipeline,
     "gpu_throughput": _check_gpu_throughput,
     "step": _check_step,

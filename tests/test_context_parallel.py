@@ -175,3 +175,37 @@ def test_bad_context_layouts_are_one_line(overrides, line):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(compose_tree(overrides))
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+def _logits(comm, impl: str) -> dict:
+    """Per family: the largest difference between this rank's logits with the sequence split and
+    the same rows of one process's logits (the same weights and tokens)."""
+    import torch
+
+    from distlib.app.data.batches import held_tokens
+    from distlib.app.model import families
+    from distlib.app.model.attention import ContextSplit, split_context_
+
+    out = {}
+    for name, overrides in MODELS.items():
+        cfg = RunConfig.from_dict(compose_tree(overrides + [f"dist.world_size={comm.size}"]))
+        model = families.build(cfg.model, 0)
+        tokens = torch.randint(
+            0, cfg.model.vocab_size, (3, cfg.model.seq_len), generator=torch.Generator().manual_seed(5)
+        )
+        whole = model(tokens)
+        split_context_(model, ContextSplit(comm, impl))
+        mine, _, positions = held_tokens(tokens, tokens, comm, "cpu")
+        out[name] = float((model(mine, None, positions) - whole[:, positions]).abs().max())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_all_to_all_route_gives_one_ranks_logits_bit_for_bit(world):
+    """alltoall: each rank runs one rank's attention on whole sequences for its heads, and every
+    other operation on its own tokens is the same arithmetic row by row: the logits are equal bits
+    (measured on this machine's kernels); the ring adds partial results in another order."""
+    for rank, diffs in enumerate(run_ranks(_logits, world, "alltoall")):
+        assert diffs == dict.fromkeys(MODELS, 0.0), (rank, diffs)
+    for rank, diffs in enumerate(run_ranks(_logits, world, "ring")):
+        assert all(d < 1e-5 for d in diffs.values()), (rank, diffs)

@@ -7,8 +7,9 @@ dimensions, slowest-varying first, are ``ORDER``::
 
 Tensor-parallel ranks are neighbours (on real hardware the GPUs of one node, where the per-layer
 all-reduces are cheapest); a pipeline stage is a contiguous block of ranks. ``cp`` (context
-parallelism) and ``ep`` (expert parallelism, which splits the experts over ranks of the batch
-dimensions dp x cp and adds no ranks of its own) are 1 until they are built. Everything that
+parallelism: the ranks sharing one sequence) sits next to them; ``ep`` (expert parallelism, which
+splits the experts over ranks of the batch dimensions dp x cp and adds no ranks of its own) is 1
+until it is built. Everything that
 needs a rank from coordinates or the ranks of a group asks this object: nothing else in the
 package computes a rank from the sizes (``tests/test_layering.py`` checks it).
 """

@@ -1,0 +1,293 @@
+"""Context parallelism (``dist.cp``) measured: activation memory per rank at cp 1, 2 and 4, the
+longest sequence a per-rank budget holds, ring vs all-to-all step time on 2 and 4 gloo ranks, and
+the all-to-all the Ulysses route rides on against gloo's ``all_to_all_single``, in the same run.
+
+    .venv/bin/python benchmarks/context.py                  # seq 128 .. 2048, ~1 min on 2 cores
+    .venv/bin/python benchmarks/context.py --quick          # seq 64, 128, 256, 2 steps: ~15 s
+    .venv/bin/python benchmarks/context.py --seqs 256 4096 --budget-mib 1024
+
+Model: Llama (``model.family=llama``), dim 64, 4 heads, 2 blocks, vocab 64, one sequence per step,
+built from seed 0 on every rank; rank r of cp holds chunks r and 2cp-1-r of it
+(``batches.held_tokens``, the trainer's split) and its attention reaches the others' tokens by
+``ContextSplit`` (``split_context_``, what the trainer sets). A step is forward + backward of the
+model: no optimizer and no gradient all-reduce (over dp x cp, the same bytes for both routes).
+
+* **memory**: the bytes autograd keeps from one forward for its backward on each rank
+  (``ActivationMeter``, the trainer's ``activation_bytes``; parameters and buffers excluded), the
+  largest rank's. Exact, so load-proof. ``loss vs cp1``: the ranks' mean loss against one rank's.
+* **longest seq**: a least-squares fit bytes = a + b S + c S^2 per (cp, route) over the measured
+  lengths (every saved tensor is a multiple of S or of S^2, so the fit is exact: ``fit err``),
+  solved for ``--budget-mib`` per rank and rounded down to a multiple of 2 cp. ``+ masks``: the same
+  with every block's causal-mask buffer added (S^2 bytes per block, held by every rank whatever cp).
+* **step**: median over ``--steps`` rounds of the slowest rank's forward + backward, the variants
+  rotated each round after a barrier (outside load hits all alike): ``alltoall`` (our all-to-all),
+  ``ring``, and ``alltoall`` on a Comm running torch's ``all_to_all_single`` (``dist.collectives=torch``);
+  ``ring speed-up`` = alltoall ms / ring ms, ``vs torch coll`` = torch-coll ms / ours (> 1: ours faster).
+* **all-to-all**: N equal pieces, counts given (as Ulysses calls it), ``direct`` and ``pairwise``
+  against ``all_to_all_single``; ratio = torch ms / ours (benchmarks/collectives.py's timing).
+
+JSON: benchmarks/results/context.json (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import collectives as coll_bench  # benchmarks/collectives.py: the same all-to-all timing
+import numpy as np
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.data.batches import held_tokens
+from distlib.app.model import families
+from distlib.app.model.attention import ContextSplit, split_context_
+from distlib.app.observe.activations import ActivationMeter
+
+SHAPE = dict(family="llama", vocab_size=64, dim=64, n_heads=4, n_layers=2)
+BATCH = 1  # sequences per step: one long sequence is what context parallelism is for
+ONE = "one rank"
+ROUTES = {"alltoall": ("alltoall", "ours"), "ring": ("ring", "ours"), "alltoall torch": ("alltoall", "torch")}
+
+
+def _model(seq: int, comm, route: str | None):
+    model = families.build(ModelConfig(seq_len=seq, **SHAPE), 0)
+    if route is not None:
+        impl, collectives = ROUTES[route]
+        split_context_(model, ContextSplit(comm.instrumented(False, collectives), impl))
+    return model
+
+
+def _batch(seq: int, comm):
+    tokens = torch.randint(
+        0, SHAPE["vocab_size"], (BATCH, seq + 1), generator=torch.Generator().manual_seed(1)
+    )
+    return held_tokens(tokens[:, :-1], tokens[:, 1:], comm if comm.size > 1 else None, "cpu")
+
+
+def _step(model, meter: ActivationMeter, batch) -> float:
+    model.zero_grad(set_to_none=True)
+    with meter.measure(model):
+        loss = model(*batch)
+    loss.backward()
+    return float(loss.detach())
+
+
+def worker(comm, seqs: list[int], steps: int, a2a_sizes: list[int]) -> dict:
+    """On every rank of one cp group (the whole world): per sequence length, each route's
+    activation bytes and loss from a warm-up step, then ``steps`` timed rounds."""
+    routes = list(ROUTES) if comm.size > 1 else [None]
+    out = {"seqs": {}, "all_to_all": []}
+    for seq in seqs:
+        batch = _batch(seq, comm)
+        models = {r: _model(seq, comm, r) for r in routes}
+        meters = {r: ActivationMeter() for r in routes}
+        row = {
+            r or ONE: {"loss": _step(models[r], meters[r], batch), "bytes": meters[r].peak} for r in routes
+        }
+        for r in routes:
+            row[r or ONE].update(seconds=[], cpu=[])
+        for i in range(steps):
+            k = i % len(routes)
+            for r in routes[k:] + routes[:k]:
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                _step(models[r], meters[r], batch)
+                row[r or ONE]["seconds"].append(time.perf_counter() - t0)
+                row[r or ONE]["cpu"].append(time.process_time() - c0)  # gloo's threads included
+        out["seqs"][seq] = row
+    for nbytes in a2a_sizes if comm.size > 1 else []:
+        x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(comm.rank))
+        fns = {a: coll_bench._callables("all_to_all", x, comm, a)[0] for a in ("direct", "pairwise")}
+        fns["torch"] = coll_bench._callables("all_to_all", x, comm, None)[1]
+        out["all_to_all"].append(
+            {"bytes": nbytes, **coll_bench._time_interleaved(fns, coll_bench._iters(nbytes))}
+        )
+    return out
+
+
+def fit(seqs: list[int], nbytes: list[int]) -> tuple[list[float], float]:
+    """(a, b, c) of bytes = a + b S + c S^2 by least squares, and the largest relative residual."""
+    s = np.array(seqs, dtype=np.float64)
+    coef = np.linalg.lstsq(np.stack([s**0, s, s**2], 1), np.array(nbytes, dtype=np.float64), rcond=None)[0]
+    err = max(abs(np.polyval(coef[::-1], x) - y) / y for x, y in zip(s, nbytes))
+    return [float(c) for c in coef], float(err)
+
+
+def longest(coef: list[float], budget: float, multiple: int) -> int:
+    """The largest multiple of ``multiple`` whose fitted bytes stay within ``budget``."""
+    a, b, c = coef
+    c = max(c, 0.0)  # the ring's S^2 term fits to +-1e-13: rounding, not a negative byte count
+    # the positive root of c s^2 + b s + a = budget, in the form that stays exact as c -> 0
+    s = 2 * (budget - a) / (b + math.sqrt(b * b + 4 * c * (budget - a)))
+    s = int(s) // multiple * multiple
+    while s > 0 and a + b * s + c * s * s > budget:  # rounding at the boundary
+        s -= multiple
+    return s
+
+
+def _slowest_median(per_rank: list[list[float]]) -> tuple[float, float, float]:
+    slowest = [max(ts) * 1e3 for ts in zip(*per_rank)]
+    return statistics.median(slowest), min(slowest), max(slowest)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="seq 64, 128, 256, 2 timed steps, one all-to-all size"
+    )
+    ap.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (multiples of 8)")
+    ap.add_argument("--cps", type=int, nargs="+", default=[2, 4], help="context-parallel degrees besides 1")
+    ap.add_argument("--steps", type=int, default=7, help="timed rounds per sequence length")
+    ap.add_argument("--budget-mib", type=float, default=256.0, help="activation memory per rank")
+    ap.add_argument("--a2a-sizes", type=int, nargs="+", help="all-to-all bytes per rank (multiples of 16)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "context.json"))
+    args = ap.parse_args()
+    seqs = sorted(set(args.seqs or ([64, 128, 256] if args.quick else [128, 256, 512, 1024, 2048])))
+    steps = 2 if args.quick else args.steps
+    if len(seqs) < 3 or any(s % (2 * cp) for s in seqs for cp in args.cps):
+        ap.error(f"--seqs {seqs}: at least 3 lengths (the fit has 3 terms), each a multiple of 2 x every cp")
+    a2a_sizes = args.a2a_sizes or ([16 << 10] if args.quick else [16 << 10, 256 << 10, 4 << 20])
+    budget = args.budget_mib * 2**20
+    torch.set_num_threads(1)  # one thread per rank, as every benchmark here
+    load_before = os.getloadavg()[0]
+    ranks = {cp: run_ranks(worker, cp, seqs, steps, a2a_sizes, timeout_s=600) for cp in [1, *args.cps]}
+
+    memory, steps_out, fits, a2a = [], [], [], []
+    one = {seq: ranks[1][0]["seqs"][seq][ONE] for seq in seqs}
+    for cp, per_rank in ranks.items():
+        for route in [ONE] if cp == 1 else list(ROUTES):
+            by_seq = []
+            for seq in seqs:
+                got = [r["seqs"][seq][route] for r in per_rank]
+                loss = sum(g["loss"] for g in got) / cp  # equal tokens per rank: the sequence's mean
+                ms, lo, hi = _slowest_median([g["seconds"] for g in got])
+                cpu = statistics.median(sum(c) * 1e3 for c in zip(*(g["cpu"] for g in got)))
+                by_seq.append(max(g["bytes"] for g in got))
+                memory.append(
+                    dict(
+                        cp=cp,
+                        route=route,
+                        seq_len=seq,
+                        activation_bytes=by_seq[-1],
+                        activation_bytes_per_rank=[g["bytes"] for g in got],
+                        mask_buffer_bytes=SHAPE["n_layers"] * seq * seq,
+                        loss=loss,
+                        loss_rel_vs_cp1=abs(loss - one[seq]["loss"]) / one[seq]["loss"],
+                    )
+                )
+                steps_out.append(
+                    dict(cp=cp, route=route, seq_len=seq, ms=ms, ms_min=lo, ms_max=hi, cpu_ms=cpu)
+                )
+            if route == "alltoall torch":
+                continue  # the same model and tensors as alltoall: the same bytes
+            coef, err = fit(seqs, by_seq)
+            masked = [coef[0], coef[1], coef[2] + SHAPE["n_layers"]]
+            fits.append(
+                dict(
+                    cp=cp,
+                    route=route,
+                    coef=coef,
+                    max_rel_residual=err,
+                    longest_seq=longest(coef, budget, 2 * cp),
+                    longest_seq_with_masks=longest(masked, budget, 2 * cp),
+                )
+            )
+        for i, nbytes in enumerate(a2a_sizes if cp > 1 else []):
+            row = dict(world=cp, bytes=nbytes)
+            for k in ("direct", "pairwise", "torch"):
+                row[k + "_ms"] = _slowest_median([r["all_to_all"][i][k] for r in per_rank])[0]
+            row["ratio_direct"] = row["torch_ms"] / row["direct_ms"]
+            row["ratio_pairwise"] = row["torch_ms"] / row["pairwise_ms"]
+            a2a.append(row)
+    ms = {(s["cp"], s["route"], s["seq_len"]): s["ms"] for s in steps_out}
+    for s in steps_out:
+        if s["cp"] > 1 and s["route"] == "ring":
+            s["ring_speedup"] = ms[s["cp"], "alltoall", s["seq_len"]] / s["ms"]
+        if s["route"] == "alltoall":
+            s["ratio_vs_torch_collectives"] = ms[s["cp"], "alltoall torch", s["seq_len"]] / s["ms"]
+
+    _print(memory, fits, steps_out, a2a, seqs, args.budget_mib)
+    load_after = os.getloadavg()[0]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(
+            dict(
+                quick=args.quick,
+                torch=torch.__version__,
+                cores=os.cpu_count(),
+                loadavg_1min=[load_before, load_after],
+                model=SHAPE,
+                batch=BATCH,
+                seqs=seqs,
+                steps=steps,
+                budget_bytes=budget,
+                memory=memory,
+                fits=fits,
+                steps_ms=steps_out,
+                all_to_all=a2a,
+            ),
+            f,
+            indent=1,
+        )
+    print(f"1-min load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores")
+    print(f"wrote {args.out}")
+
+
+def _print(memory, fits, steps_out, a2a, seqs, budget_mib) -> None:
+    mib = {(m["cp"], m["route"], m["seq_len"]): m["activation_bytes"] / 2**20 for m in memory}
+    worst = {}
+    for m in memory:
+        key = (m["cp"], m["route"])
+        worst[key] = max(worst.get(key, 0.0), m["loss_rel_vs_cp1"])
+    print(
+        f"Llama {SHAPE}, batch {BATCH}: activation MiB per rank (largest rank); "
+        f"longest seq in {budget_mib:g} MiB"
+    )
+    head = f"{'cp':>3} {'route':<9}" + "".join(f"{s:>9}" for s in seqs)
+    print(head + f"{'fit err':>9}{'longest':>10}{'+ masks':>9}{'loss vs cp1':>13}")
+    for f in fits:
+        cp, route = f["cp"], f["route"]
+        cells = "".join(f"{mib[cp, route, s]:>9.2f}" for s in seqs)
+        print(
+            f"{cp:>3} {route:<9}{cells}{f['max_rel_residual']:>9.0e}{f['longest_seq']:>10,}"
+            f"{f['longest_seq_with_masks']:>9,}{worst[cp, route]:>13.1e}"
+        )
+    print("\nforward + backward ms, median (min-max) of the slowest rank")
+    print(
+        f"{'cp':>3}{'seq':>6}{'1 rank':>9}{'alltoall':>18}{'ring':>18}{'ring speed-up':>15}"
+        f"{'CPU ms a2a':>12}{'CPU ms ring':>12}{'torch coll':>12}{'vs torch coll':>15}"
+    )
+    rows = {(s["cp"], s["route"], s["seq_len"]): s for s in steps_out}
+    for cp in sorted({s["cp"] for s in steps_out if s["cp"] > 1}):
+        for seq in seqs:
+            a, r, t = (rows[cp, k, seq] for k in ("alltoall", "ring", "alltoall torch"))
+            cell = lambda s: f"{s['ms']:>8.1f} ({s['ms_min']:.0f}-{s['ms_max']:.0f})"  # noqa: E731
+            print(
+                f"{cp:>3}{seq:>6}{rows[1, ONE, seq]['ms']:>9.1f}{cell(a):>18}{cell(r):>18}"
+                f"{r['ring_speedup']:>15.2f}{a['cpu_ms']:>12.0f}{r['cpu_ms']:>12.0f}"
+                f"{t['ms']:>12.1f}{a['ratio_vs_torch_collectives']:>15.2f}"
+            )
+    print("\nall-to-all, equal pieces: ms (median of the slowest rank); ratio = torch ms / ours")
+    print(f"{'world':>5}{'bytes':>8}{'direct':>9}{'pairwise':>10}{'torch':>9}{'direct':>9}{'pairwise':>10}")
+    for r in a2a:
+        b = r["bytes"]
+        size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
+        print(
+            f"{r['world']:>5}{size:>8}{r['direct_ms']:>9.3f}{r['pairwise_ms']:>10.3f}{r['torch_ms']:>9.3f}"
+            f"{r['ratio_direct']:>9.2f}{r['ratio_pairwise']:>10.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
