@@ -70,12 +70,12 @@ def hf(tmp_path_factory) -> dict[str, Path]:
         vocab_size=80, n_positions=24, n_embd=48, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
-    mixtral = root / "mixtral"
-    transformers.MixtralConfig(hidden_size=32, num_hidden_layers=1).save_pretrained(mixtral)
+    mistral = root / "mistral"  # a family we do not convert (its sliding-window attention)
+    transformers.MistralConfig(hidden_size=32, num_hidden_layers=1).save_pretrained(mistral)
     return {
         "llama": _save(llama, root / "llama", 1),
         "gpt2": _save(gpt2, root / "gpt2", 2),
-        "mixtral": mixtral,
+        "mistral": mistral,
     }
 
 
@@ -163,9 +163,9 @@ def test_a_key_set_against_the_directory_is_one_line(hf, tmp_path):
         f"config error: model.init_from={hf['gpt2']} holds a gpt2 model but model.family=llama; leave the "
         f"family out (no model=... nor model.family=...) to take the directory's"
     ]
-    assert _refused(hf["mixtral"], tmp_path, "model=llama") == [
-        f"config error: model.init_from={hf['mixtral']}: model_type 'mixtral' is not supported (only "
-        f"'gpt2' and 'llama' convert exactly)"
+    assert _refused(hf["mistral"], tmp_path, "model=llama") == [
+        f"config error: model.init_from={hf['mistral']}: model_type 'mistral' is not supported (only "
+        f"'gpt2', 'llama' and 'mixtral' convert exactly)"
     ]
 
 

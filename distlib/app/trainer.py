@@ -72,9 +72,10 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     model = families.build(cfg.model, seed).to(device)  # model.family's class
     broadcast_module_(model, comm)
     chunks = split_model_(model, cfg.dist, mesh)  # this pipeline rank's (None at pp=1)
-    tp_splits = families.shard_model_(model, mesh.tp)  # parameter name -> Split (none at tp=1)
+    tp_splits = families.shard_model_(model, mesh.tp, cfg.dist.sp)  # name -> Split (none at tp=1)
     if mesh.cp is not None:  # every attention reaches the other context-parallel ranks' tokens
         split_context_(model, ContextSplit(mesh.cp, cfg.dist.cp_impl))
+    families.join_batch_(model, mesh.batch)  # mixtral: experts' loads counted over the dp x cp ranks
     z, opt = cfg.zero, cfg.optimizer
     optimizer = make_optimizer(
         model,
@@ -250,6 +251,7 @@ class Trainer:
             memory=memory,
             val_loss=val_loss,
             rows=rows,
+            model_fields=families.step_fields(self.model, self.cfg.train.grad_accum),  # mixtral: its MoE
         )
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         if self.replicas.due(step):
@@ -264,10 +266,7 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
         float64 scalar on the device."""
-        batches = [
-            data.held_tokens(*b, self.mesh.cp, self.device)
-            for b in self.data.step_batches(step, self.mesh.dp.rank)
-        ]
+        batches = self.data.held_batches(step, self.mesh.dp.rank, self.mesh.cp, self.device)
         if self.pipeline:
             return self.pipeline.run(batches)
         self.model.train()
@@ -285,14 +284,10 @@ class Trainer:
         """The update with this step's learning rate (returned), then the attached hooks see it."""
         # the schedule's rate is a function of the step: resumes continue it exactly
         lr = lr_at(step, self.cfg.optimizer, self.cfg.train.steps) * self.hooks.lr_factor(step)
-        self.optimizer.apply_update(lr)
-        self.optimizer.zero_grad()
-        self.hooks.after_update(
-            step,
-            self.optimizer.param_buffer,
-            self.optimizer.layout.slots,
-            start=self.optimizer.param_buffer_start,
-        )
+        opt = self.optimizer
+        opt.apply_update(lr)
+        opt.zero_grad()
+        self.hooks.after_update(step, opt.param_buffer, opt.layout.slots, start=opt.param_buffer_start)
         return lr
 
     def _gather_step_values(

@@ -17,7 +17,9 @@ A column-parallel layer followed by a row-parallel one is one Megatron half (att
 the replicated input enters through ``copy_to_tp`` (identity forward, all-reduce of the input
 gradient backward) and the partial outputs leave through ``reduce_from_tp`` (all-reduce forward,
 identity backward), both with the hand-written collectives on the TP group. The row-parallel
-bias is replicated and added once, after the sum.
+bias is replicated and added once, after the sum. With sequence parallelism (``dist.sp``,
+``sequence_parallel``) the input arrives gathered along the sequence instead, and the partial
+outputs are reduce-scattered along it.
 
 Everything else (embeddings, LayerNorms, LM head) is replicated. Its inputs are identical bytes on
 every TP rank (they come out of an all-reduce) and so are its gradients, so replicated parameters
@@ -112,9 +114,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(full.weight, split)
         self.bias = _param(full.bias, split) if full.bias is not None else None
         self.splits = {"weight": split} | ({"bias": split} if full.bias is not None else {})
+        # dist.sp: the block hands the input gathered along the sequence (sequence_parallel: one
+        # all-gather for q, k and v), whose backward reduce-scatter sums what copy_to_tp would.
+        self.sequence = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToTP.apply(x, self.tp), self.weight, self.bias)
+        x = x if self.sequence is not None else _CopyToTP.apply(x, self.tp)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -127,10 +133,17 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(full.weight, split)
         self.bias = _param(full.bias, None) if full.bias is not None else None
         self.splits = {"weight": split}
+        self.sequence = None  # dist.sp: a SequenceSplit; the sum is reduce-scattered along the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
+        partial = F.linear(x, self.weight)
+        sequence = self.sequence
+        y = sequence.leave(partial) if sequence is not None else _ReduceFromTP.apply(partial, self.tp)
         return y + self.bias if self.bias is not None else y
+
+    def sequence_sharded_parameters(self) -> list[nn.Parameter]:
+        """With dist.sp the bias is added to this rank's tokens only."""
+        return [self.bias] if self.bias is not None else []
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,8 @@ class Checkpointer(RollbackSource):
             report_saved(log, done[-1], step)
         if decision.stop:
             done += self.settle(step, log, fatal=True)
-        self.memory.after_step(step, lambda: self.contents.state(step, self.optimizer))
+        if self.memory.every:  # (off by default: a step never enters the snapshots' module)
+            self.memory.after_step(step, lambda: self.contents.state(step, self.optimizer))
         return done
 
     def _save(self, step: int, reason: str) -> Saved:

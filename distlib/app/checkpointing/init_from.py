@@ -33,7 +33,8 @@ from distlib.parallel.adamw import STATE_KEYS
 from distlib.parallel.tensor_parallel import Split, shard_of
 from distlib.parallel.zero import ZeroOptimizer
 
-# The model keys a directory's config.json gives (dropout is the run's: a training choice).
+# The model keys a directory's config.json gives (dropout and mixtral's router_aux_loss_coef are the
+# run's: training choices).
 ADOPTED = (
     "family",
     "vocab_size",
@@ -47,6 +48,8 @@ ADOPTED = (
     "tie_embeddings",
     "norm_eps",
     "rope_theta",
+    "n_experts",
+    "top_k",
 )
 _MLP_WIDTH = {"mlp_ratio", "mlp_hidden"}  # one width, two ways to write it: set one, both are the run's
 

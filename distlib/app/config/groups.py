@@ -22,13 +22,17 @@ BPE_MIN_VOCAB = BYTE_VOCAB + 1  # a BPE vocabulary holds the 256 byte tokens and
 BPE_MAX_VOCAB = 1 << 32  # its token file stores ids as uint32
 
 
-FAMILIES = ("minigpt", "gpt2", "llama")  # model.family; distlib/app/model/families.py builds each
+FAMILIES = ("minigpt", "gpt2", "llama", "mixtral")  # model.family; distlib/app/model/families.py builds each
+MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef")  # mixtral's sparse MoE (model/moe.py)
 # The keys a family does not use, each with what it is to stay at (the default); docs/models.md.
 NOT_USED_BY = {
-    "minigpt": ("mlp_hidden", "n_kv_heads", "tie_embeddings", "norm_eps", "rope_theta", "init_from"),
-    "gpt2": ("n_kv_heads", "rope_theta"),
-    "llama": (),
+    "minigpt": ("mlp_hidden", "n_kv_heads", "tie_embeddings", "norm_eps", "rope_theta", "init_from")
+    + MOE_KEYS,
+    "gpt2": ("n_kv_heads", "rope_theta", *MOE_KEYS),
+    "llama": MOE_KEYS,
+    "mixtral": (),
 }
+ROTARY = ("llama", "mixtral")  # Llama's attention: rotary positions, grouped-query key/value heads
 # Data keys that one corpus kind never reads: set with the other kind, they would change nothing.
 DATA_NOT_USED_BY = {"synthetic": ("path", "cache_dir"), "text": ("seed", "total_tokens", "follow_prob")}
 
@@ -37,8 +41,9 @@ DATA_NOT_USED_BY = {"synthetic": ("path", "cache_dir"), "text": ("seed", "total_
 class ModelConfig(Group):
     """The model: its family and shape (conf/model/; docs/models.md).
 
-    family: minigpt (the project's own model), gpt2 (computes what transformers' GPT2LMHeadModel computes)
-        or llama (LlamaForCausalLM's arithmetic); docs/models.md
+    family: minigpt (the project's own model), gpt2 (computes what transformers' GPT2LMHeadModel computes),
+        llama (LlamaForCausalLM's arithmetic) or mixtral (MixtralForCausalLM's: Llama's attention, a sparse
+        mixture of experts for the MLP); docs/models.md
     vocab_size: tokens in the vocabulary (the synthetic corpus uses the same); left unset, data=text's
         tokenizer's (256 bytes, or data.vocab_size) or model.init_from's
     seq_len: context length: tokens per training sequence (gpt2/llama: the largest position)
@@ -46,11 +51,17 @@ class ModelConfig(Group):
     n_heads: attention heads per block
     n_layers: transformer blocks
     mlp_ratio: MLP hidden width = mlp_ratio x dim (unless mlp_hidden is set)
-    mlp_hidden: gpt2/llama: the MLP hidden width itself (Llama's intermediate_size); null = mlp_ratio x dim
-    n_kv_heads: llama: key/value heads (grouped-query attention; divides n_heads); null = n_heads
+    mlp_hidden: gpt2/llama/mixtral: the MLP (mixtral: each expert's) hidden width itself (intermediate_size);
+        null = mlp_ratio x dim
+    n_kv_heads: llama/mixtral: key/value heads (grouped-query attention; divides n_heads); null = n_heads
     tie_embeddings: gpt2/llama: the LM head is the token embedding (one parameter)
     norm_eps: gpt2/llama: the LayerNorm / RMSNorm epsilon
-    rope_theta: llama: the rotary position embedding's base
+    rope_theta: llama/mixtral: the rotary position embedding's base
+    n_experts: mixtral: experts per block (num_local_experts)
+    top_k: mixtral: experts each token is sent to (num_experts_per_tok), their outputs weighted by the
+        renormalised router probabilities; at most n_experts
+    router_aux_loss_coef: mixtral: weight of the load-balancing loss added to the training loss (transformers'
+        MixtralConfig default)
     dropout: dropout probability (draws from the torch RNG, which checkpoints save); llama: on the
         attention weights only, as transformers' attention_dropout
     activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
@@ -77,6 +88,9 @@ class ModelConfig(Group):
     dropout: float = key(0.0, ge=0, lt=1)
     activation_checkpointing: str = key("none", choices=("none", "blocks"))
     init_from: str | None = key(None)
+    n_experts: int = key(8, ge=1)
+    top_k: int = key(2, ge=1)
+    router_aux_loss_coef: float = key(0.001, ge=0)
 
     def check(self) -> None:
         if self.dim % self.n_heads:
@@ -94,10 +108,15 @@ class ModelConfig(Group):
                 f"model.mlp_hidden={self.mlp_hidden} and model.mlp_ratio={self.mlp_ratio} both set the MLP "
                 f"width; set only one of them"
             )
-        if self.family == "llama" and self.n_heads % self.kv_heads:
+        if self.family in ROTARY and self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads} "
                 f"(each key/value head serves n_heads / n_kv_heads query heads)"
+            )
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts} (each token goes to "
+                f"top_k distinct experts)"
             )
 
     @property
@@ -107,7 +126,7 @@ class ModelConfig(Group):
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads (all families but llama: one per query head)."""
+        """Key/value heads (all families but llama and mixtral: one per query head)."""
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property

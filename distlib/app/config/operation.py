@@ -41,6 +41,9 @@ class DistConfig(Group):
     cp_impl: how attention reaches the other ranks' tokens: alltoall (sequence shards <-> head shards, every
         rank attends the whole sequence for n_heads/(tp x cp) heads; the heads must divide) or ring (keys and
         values travel around the cp ranks, partial attention merged by log-sum-exp)
+    sp: sequence parallelism inside tensor parallelism (Megatron's): between the tensor-parallel layers
+        (norms, residual adds and dropout) each of the dist.tp ranks holds model.seq_len/tp tokens, not a
+        copy of all of them (less activation memory); the same losses (needs dist.tp > 1)
     """
 
     GROUP = "dist"
@@ -55,6 +58,7 @@ class DistConfig(Group):
     pp_virtual: int = key(1, ge=1)
     cp: int = key(1, ge=1)
     cp_impl: str = key("alltoall", choices=("alltoall", "ring"))
+    sp: bool = key(False)
 
     def check(self) -> None:
         if self.pp_virtual > 1 and self.pp_schedule != "interleaved":

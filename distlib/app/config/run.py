@@ -14,6 +14,7 @@ import torch
 
 from distlib.app.config.groups import (
     BYTE_VOCAB,
+    ROTARY,
     DataConfig,
     MetricsConfig,
     ModelConfig,
@@ -145,6 +146,7 @@ def _check_across(cfg: RunConfig) -> None:
     _check_batch(cfg)
     _check_pipeline(cfg)
     _check_context(cfg)
+    _check_sequence(cfg)
     _check_devices(cfg)
     opt = cfg.optimizer
     if opt.warmup_steps + opt.decay_steps > t.steps:
@@ -154,10 +156,11 @@ def _check_across(cfg: RunConfig) -> None:
 
 
 def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
-    """Every dimension tensor parallelism splits divides by ``tp``: the attention heads, (llama) the
-    key/value heads, the MLP's hidden units (``model.families.shard_model_`` checks the same)."""
+    """Every dimension tensor parallelism splits divides by ``tp``: the attention heads, (llama,
+    mixtral) the key/value heads, the MLP's (each expert's) hidden units (``model.families.shard_model_``
+    checks the same)."""
     splits = [("model.n_heads", m.n_heads, "attention heads")]
-    if m.family == "llama":
+    if m.family in ROTARY:
         splits.append(("model.n_kv_heads", m.kv_heads, "key/value heads"))
     width = "model.mlp_hidden" if m.mlp_hidden is not None else "the MLP width model.mlp_ratio x model.dim"
     splits.append((width, m.mlp_width, "MLP hidden units"))
@@ -210,6 +213,11 @@ def _check_pipeline(cfg: RunConfig) -> None:
             f"dist.pp_schedule=interleaved needs train.grad_accum (micro-batches, "
             f"{cfg.train.grad_accum}) to be a multiple of dist.pp={d.pp}"
         )
+    if cfg.model.family == "mixtral":
+        raise ConfigError(
+            f"model.family=mixtral is not supported with dist.pp={d.pp} yet: its load-balancing loss counts "
+            f"the tokens of every block, which would be on other stages; set dist.pp=1"
+        )
     if cfg.model.tie_embeddings:
         raise ConfigError(
             f"model.tie_embeddings=true is not supported with dist.pp={d.pp}: the first stage's embedding "
@@ -248,6 +256,24 @@ def _check_context(cfg: RunConfig) -> None:
             f"train.eval_every={cfg.train.eval_every} is not supported with dist.cp={d.cp} (the held-out "
             f"loss runs whole sequences)"
         )
+
+
+def _check_sequence(cfg: RunConfig) -> None:
+    d, seq = cfg.dist, cfg.model.seq_len
+    if not d.sp:
+        return
+    if d.tp == 1:
+        raise ConfigError("dist.sp=true needs dist.tp > 1 (it splits the sequence over the tp ranks)")
+    if seq % d.tp:
+        raise ConfigError(
+            f"model.seq_len={seq} must be divisible by dist.tp={d.tp} with dist.sp=true (each "
+            f"tensor-parallel rank holds seq_len/tp tokens)"
+        )
+    for name, value in [("dist.pp", d.pp), ("dist.cp", d.cp)]:
+        if value > 1:
+            raise ConfigError(f"dist.sp=true is not supported with {name}={value} yet; set dist.sp=false")
+    if cfg.model.family == "mixtral":  # split_sequence_ would make each expert's w2 reduce-scatter its tokens
+        raise ConfigError("dist.sp=true is not supported with model.family=mixtral yet; set dist.sp=false")
 
 
 def _check_devices(cfg: RunConfig) -> None:

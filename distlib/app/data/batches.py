@@ -151,6 +151,11 @@ class GlobalBatches:
         """This rank's micro-batches for training step ``step`` (1-based), past the skipped batches."""
         return self.micro_batches(self.batch_index(step), dp_rank)
 
+    def held_batches(self, step: int, dp_rank: int, cp: Comm | None, device) -> list[tuple]:
+        """``step_batches`` as (inputs, targets, positions) of the tokens this rank holds, on
+        ``device`` (``held_tokens``: all of them without context parallelism)."""
+        return [held_tokens(x, y, cp, device) for x, y in self.step_batches(step, dp_rank)]
+
     def position(self, step: int, skipped: int | None = None) -> dict:
         """The data position after ``step`` steps (and ``skipped`` batches, default: this run's), as
         saved in a checkpoint."""

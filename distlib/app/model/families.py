@@ -4,12 +4,15 @@
     minigpt   minigpt.MiniGPT    (the project's own model; the capstone)
     gpt2      gpt2.GPT2          transformers' GPT2LMHeadModel
     llama     llama.Llama        transformers' LlamaForCausalLM
+    mixtral   mixtral.Mixtral    transformers' MixtralForCausalLM (Llama with sparse MoE blocks)
 
 Every family follows one contract (``layers.CausalLM``; the trainer, ZeRO-3 and the pipeline
 stages rely on it): ``forward(tokens, targets=None, positions=None)`` = embed -> blocks -> head,
 the positions handed to the embedding and every block; parameters only in top-level children, in
 forward order; a module-level ``TENSOR_PARALLEL_PLAN``; blocks that checkpoint themselves
-(``model.activation_checkpointing``).
+(``model.activation_checkpointing``). A family whose loss reads the whole batch (mixtral's
+load-balancing term) is told its batch group (``join_batch_``) and adds fields to the step record
+(``step_fields``).
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ import math
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import check_tensor_parallel
-from distlib.app.model import gpt2, llama, minigpt
+from distlib.app.model import gpt2, llama, minigpt, mixtral
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.comm.group import Comm
+from distlib.parallel.sequence_parallel import SequenceSplit, split_sequence_
 from distlib.parallel.tensor_parallel import Split, parallelize_
 
-CLASSES = {"minigpt": minigpt.MiniGPT, "gpt2": gpt2.GPT2, "llama": llama.Llama}
+CLASSES = {"minigpt": minigpt.MiniGPT, "gpt2": gpt2.GPT2, "llama": llama.Llama, "mixtral": mixtral.Mixtral}
 PLANS = {
     "minigpt": minigpt.TENSOR_PARALLEL_PLAN,
     "gpt2": gpt2.TENSOR_PARALLEL_PLAN,
     "llama": llama.TENSOR_PARALLEL_PLAN,
+    "mixtral": mixtral.TENSOR_PARALLEL_PLAN,
 }
 
 
@@ -41,19 +46,39 @@ def tensor_parallel_plan(cfg: ModelConfig) -> dict:
     return PLANS[cfg.family]
 
 
-def shard_model_(model: CausalLM, tp: Comm) -> dict[str, Split]:
+def shard_model_(model: CausalLM, tp: Comm, sequence_parallel: bool = False) -> dict[str, Split]:
     """Replace every block's attention and MLP Linear layers with this rank's tensor-parallel shard
     of them (in place, keeping parameter names and order); returns each split parameter's Split
-    (none with a tensor-parallel group of one). A dimension that does not split is a ConfigError."""
+    (none with a tensor-parallel group of one). A dimension that does not split is a ConfigError.
+    ``sequence_parallel`` (dist.sp, tp > 1): between those layers every rank holds only its share
+    of the tokens (``distlib.parallel.sequence_parallel``); the parameters are the same."""
     check_tensor_parallel(model.cfg, tp.size)
-    return parallelize_(model, tp, tensor_parallel_plan(model.cfg))
+    splits = parallelize_(model, tp, tensor_parallel_plan(model.cfg))
+    if sequence_parallel:
+        if tp.size == 1:
+            raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
+        split_sequence_(model, SequenceSplit(tp), splits)
+    return splits
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state_dict entry's shape, in order (a tied lm_head.weight listed too)."""
     if cfg.family == "minigpt":  # GPT-2's layout at mlp_ratio x dim, plus the LM head's bias
         return gpt2.param_shapes(cfg) | {"lm_head.bias": (cfg.vocab_size,)}
-    return (gpt2 if cfg.family == "gpt2" else llama).param_shapes(cfg)
+    return {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}[cfg.family].param_shapes(cfg)
+
+
+def join_batch_(model: CausalLM, batch: Comm) -> None:
+    """Make a model whose loss counts over the whole batch (mixtral's routing) count over ``batch``
+    (the dp x cp ranks); other families have nothing to join."""
+    if isinstance(model, mixtral.Mixtral):
+        model.batch = batch
+
+
+def step_fields(model: CausalLM, micro_batches: int) -> dict:
+    """What the model adds to a step's metrics record (mixtral: ``aux_loss``, ``expert_tokens``)
+    from its last ``micro_batches`` training forwards; {} for the other families."""
+    return model.step_fields(micro_batches) if isinstance(model, mixtral.Mixtral) else {}
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -22,6 +22,7 @@ from distlib.app.config.groups import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask, split_heads
 from distlib.app.model.layers import CausalLM, PreNormBlock
+from distlib.parallel.sequence_parallel import SequenceSplit, residual_dropout
 from distlib.parallel.tensor_parallel import Column, Row
 
 # Megatron's split: attention by heads (a head's q, k and v rows stay on one rank), the MLP by
@@ -61,6 +62,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
         self.context: attention.ContextSplit | None = None  # dist.cp > 1: attention.split_context_
+        self.sequence: SequenceSplit | None = None  # dist.sp: the output dropout on this rank's tokens
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # Learned positions entered with the embedding and the mask is relative: ``positions`` unused.
@@ -77,7 +79,7 @@ class CausalSelfAttention(nn.Module):
             training=self.training,
             context=self.context,
         )
-        return F.dropout(self.proj(out), self.dropout, self.training)
+        return residual_dropout(self.proj(out), self.dropout, self.training, self.sequence)
 
 
 class MLP(nn.Module):
@@ -87,9 +89,11 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.mlp_width, cfg.dim)
         self.dropout = cfg.dropout
         self.activation = activation
+        self.sequence: SequenceSplit | None = None  # dist.sp: the output dropout on this rank's tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.proj(self.activation(self.fc(x))), self.dropout, self.training)
+        out = self.proj(self.activation(self.fc(x)))
+        return residual_dropout(out, self.dropout, self.training, self.sequence)
 
 
 class GPT2(CausalLM):

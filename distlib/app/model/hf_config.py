@@ -1,4 +1,5 @@
-"""Hugging Face model configs both ways: GPT-2 <-> GPT2Config, Llama <-> LlamaConfig.
+"""Hugging Face model configs both ways: GPT-2 <-> GPT2Config, Llama <-> LlamaConfig, Mixtral <->
+MixtralConfig.
 
 Export: ``hf_config(cfg)`` is the config.json of a model directory that transformers'
 ``AutoModelForCausalLM.from_pretrained`` loads as the same model. Import: ``config_fields(config)``
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.groups import ROTARY, ModelConfig
 from distlib.app.config.schema import defaults
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mixtral": "MixtralConfig"}
 MISSING_EXTRA = "this needs the optional `hf` extra (transformers): pip install -e '.[hf]'"
 
 
@@ -46,7 +48,7 @@ def export_refusal(cfg: ModelConfig) -> str | None:
 
 
 def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None):
-    """transformers' GPT2Config / LlamaConfig for ``cfg``. Special tokens default to None: the
+    """transformers' GPT2Config / LlamaConfig / MixtralConfig for ``cfg``. Special tokens default to None: the
     byte-level tokenizer has none (transformers' defaults, 50256 or 1/2, would be outside a small
     vocabulary or ordinary bytes that generate() would stop on)."""
     reason = export_refusal(cfg)
@@ -78,7 +80,7 @@ def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_toke
             **common,
         )
     else:
-        config = tf.LlamaConfig(
+        common.update(
             hidden_size=cfg.dim,
             intermediate_size=cfg.mlp_width,
             num_hidden_layers=cfg.n_layers,
@@ -89,11 +91,19 @@ def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_toke
             max_position_embeddings=cfg.seq_len,
             rms_norm_eps=cfg.norm_eps,
             rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-            attention_bias=False,
             attention_dropout=cfg.dropout,
-            mlp_bias=False,
-            **common,
         )
+        if cfg.family == "llama":
+            config = tf.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+        else:
+            config = tf.MixtralConfig(
+                num_local_experts=cfg.n_experts,
+                num_experts_per_tok=cfg.top_k,
+                router_aux_loss_coef=cfg.router_aux_loss_coef,
+                router_jitter_noise=0.0,
+                sliding_window=None,
+                **common,
+            )
     config.architectures = [ARCHITECTURES[cfg.family]]
     config.dtype = torch.float32
     return config
@@ -101,10 +111,11 @@ def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_toke
 
 def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
     """The config.json content: what save_pretrained writes, plus the keys transformers 4.x reads
-    (``torch_dtype``; Llama's top-level ``rope_theta``), which transformers 5 accepts and ignores."""
+    (``torch_dtype``; Llama's and Mixtral's top-level ``rope_theta``), which transformers 5 accepts
+    and ignores."""
     config = hf_config_object(cfg, bos_token_id, eos_token_id)
     legacy = {"torch_dtype": "float32"}
-    if cfg.family == "llama":
+    if cfg.family in ROTARY:
         legacy["rope_theta"] = float(cfg.rope_theta)
     return config.to_diff_dict() | legacy
 
@@ -150,15 +161,32 @@ def _gpt2_fields(c) -> dict:
     )
 
 
+def _mixtral_fields(c) -> dict:
+    _refuse_if(
+        c.sliding_window is not None, f"sliding_window={c.sliding_window} (our attention sees every token)"
+    )
+    _refuse_if(bool(c.router_jitter_noise), f"router_jitter_noise={c.router_jitter_noise} is not implemented")
+    return dict(
+        n_experts=c.num_local_experts,
+        top_k=c.num_experts_per_tok,
+        router_aux_loss_coef=float(c.router_aux_loss_coef),
+    )
+
+
 def _llama_fields(c, raw: dict) -> dict:
+    """Llama's fields, and Mixtral's (Llama's attention, experts for the MLP)."""
     _refuse_if(
         c.hidden_act not in ("silu", "swish"), f"hidden_act={c.hidden_act!r} (only 'silu' is implemented)"
     )
-    _refuse_if(bool(c.attention_bias), "attention_bias=true (our projections have no bias)")
-    _refuse_if(bool(c.mlp_bias), "mlp_bias=true (our MLP has no bias)")
+    # (MixtralConfig has neither bias key: its projections never have one)
+    _refuse_if(
+        bool(getattr(c, "attention_bias", False)), "attention_bias=true (our projections have no bias)"
+    )
+    _refuse_if(bool(getattr(c, "mlp_bias", False)), "mlp_bias=true (our MLP has no bias)")
     heads, dim, kv = c.num_attention_heads, c.hidden_size, c.num_key_value_heads
     _refuse_if(dim % heads != 0, f"hidden_size={dim} is not a multiple of num_attention_heads={heads}")
-    _refuse_if(c.head_dim != dim // heads, f"head_dim={c.head_dim} is not hidden_size // num_attention_heads")
+    head_dim = c.head_dim or dim // heads  # MixtralConfig leaves it null for hidden_size // heads
+    _refuse_if(head_dim != dim // heads, f"head_dim={c.head_dim} is not hidden_size // num_attention_heads")
     _refuse_if(heads % kv != 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     scaling = raw.get("rope_scaling")
     _refuse_if(scaling is not None, f"rope_scaling={scaling!r} (only default RoPE, no scaling)")
@@ -168,7 +196,7 @@ def _llama_fields(c, raw: dict) -> dict:
         f"rope_parameters={rope!r} (only default RoPE, no scaling)",
     )
     return dict(
-        family="llama",
+        family=c.model_type,
         vocab_size=c.vocab_size,
         seq_len=c.max_position_embeddings,
         dim=dim,
@@ -180,6 +208,7 @@ def _llama_fields(c, raw: dict) -> dict:
         norm_eps=float(c.rms_norm_eps),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         dropout=float(c.attention_dropout or 0.0),
+        **(_mixtral_fields(c) if c.model_type == "mixtral" else {}),
     )
 
 
@@ -187,9 +216,10 @@ def config_fields(config_dict: dict) -> dict:
     """ModelConfig fields for a Hugging Face config.json (HFError for anything not exact)."""
     model_type = config_dict.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise HFError(f"model_type {model_type!r} is not supported (only 'gpt2' and 'llama' convert exactly)")
-    tf = transformers_module()
-    cls = tf.GPT2Config if model_type == "gpt2" else tf.LlamaConfig
+        raise HFError(
+            f"model_type {model_type!r} is not supported (only 'gpt2', 'llama' and 'mixtral' convert exactly)"
+        )
+    cls = getattr(transformers_module(), CONFIG_CLASSES[model_type])
     try:
         config = cls.from_dict(dict(config_dict))
     except (TypeError, ValueError, KeyError) as exc:
@@ -211,11 +241,10 @@ _MATCHED = {
     "model.n_kv_heads": lambda m: m.kv_heads,
     "model.tie_embeddings": lambda m: m.tie_embeddings,
     "model.norm_eps": lambda m: m.norm_eps,
-    "model.rope_theta": lambda m: m.rope_theta if m.family == "llama" else None,
+    "model.rope_theta": lambda m: m.rope_theta if m.family in ROTARY else None,
+    "model.n_experts": lambda m: m.n_experts,
+    "model.top_k": lambda m: m.top_k,
 }
-
-
-ROTARY = ("llama",)  # families whose positions are computed (RoPE), not a learned table
 
 
 def differences(run: ModelConfig, theirs: ModelConfig) -> list[str]:

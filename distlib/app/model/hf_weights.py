@@ -1,5 +1,5 @@
-"""Hugging Face weights both ways: our state_dict <-> GPT2LMHeadModel / LlamaForCausalLM's, and
-model directories (config.json, model.safetensors, generation_config.json).
+"""Hugging Face weights both ways: our state_dict <-> GPT2LMHeadModel / LlamaForCausalLM /
+MixtralForCausalLM's, and model directories (config.json, model.safetensors, generation_config.json).
 
 ``save_hf_dir(cfg, state_dict, dir)`` writes a directory ``AutoModelForCausalLM.from_pretrained``
 loads with no missing or unexpected keys; ``load_hf_dir(dir)`` returns the ModelConfig fields and
@@ -27,7 +27,7 @@ from distlib.app.model.hf_config import (
 )
 
 # The base model's prefix inside the *ForCausalLM checkpoints (a bare base-model checkpoint lacks it).
-BASE_PREFIX = {"gpt2": "transformer.", "llama": "model."}
+BASE_PREFIX = {"gpt2": "transformer.", "llama": "model.", "mixtral": "model."}
 # Buffers old checkpoints carry and transformers itself ignores on load (not weights).
 IGNORED = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
 
@@ -57,7 +57,23 @@ def _gpt2_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
     return pairs + [("lm_head.weight", "lm_head.weight", False)]
 
 
+def _feed_forward_names(cfg: ModelConfig) -> list[tuple[str, str]]:
+    if cfg.family == "llama":
+        return [
+            ("mlp.gate_proj", "mlp.gate_proj"),
+            ("mlp.up_proj", "mlp.up_proj"),
+            ("mlp.down_proj", "mlp.down_proj"),
+        ]
+    # Mixtral's files name each expert (save_pretrained writes these names; transformers 5 fuses the
+    # experts into gate_up_proj/down_proj tensors in memory, from_pretrained converts).
+    experts = [
+        (f"experts.{e}.{w}", f"experts.{e}.{w}") for e in range(cfg.n_experts) for w in ("w1", "w2", "w3")
+    ]
+    return [(f"mlp.{ours}", f"block_sparse_moe.{theirs}") for ours, theirs in [("gate", "gate"), *experts]]
+
+
 def _llama_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
+    """Llama's, and Mixtral's (the same but for the experts in place of the MLP)."""
     block = [
         ("ln1", "input_layernorm"),
         ("attn.q_proj", "self_attn.q_proj"),
@@ -65,9 +81,7 @@ def _llama_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
         ("attn.v_proj", "self_attn.v_proj"),
         ("attn.o_proj", "self_attn.o_proj"),
         ("ln2", "post_attention_layernorm"),
-        ("mlp.gate_proj", "mlp.gate_proj"),
-        ("mlp.up_proj", "mlp.up_proj"),
-        ("mlp.down_proj", "mlp.down_proj"),
+        *_feed_forward_names(cfg),
     ]
     pairs = [("tok_emb.weight", "model.embed_tokens.weight", False)]
     for i in range(cfg.n_layers):
@@ -163,7 +177,7 @@ def state_from_hf(cfg: ModelConfig, hf_state: dict) -> dict[str, torch.Tensor]:
 
 
 def from_hf(config_dict: dict, hf_state_dict: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(ModelConfig fields, our state_dict) for a GPT-2 or Llama config.json and its tensors."""
+    """(ModelConfig fields, our state_dict) for a GPT-2, Llama or Mixtral config.json and its tensors."""
     fields = config_fields(config_dict)
     return fields, state_from_hf(ModelConfig(**fields), hf_state_dict)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from distlib.app.observe import activations
+from distlib.parallel.sequence_parallel import SequenceSplit
 
 
 def positions_or_default(positions: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor:
@@ -27,7 +28,11 @@ class PreNormBlock(nn.Module):
     """x + attn(ln1(x), positions), then + mlp(ln2(x)): every family's residual block; they differ
     only in the factories they pass, each called with the config (built in this order, so
     construction draws from the RNG as each family's own block did; attention takes the positions).
-    With ``model.activation_checkpointing=blocks`` ``_forward`` is recomputed in backward."""
+    With ``model.activation_checkpointing=blocks`` ``_forward`` is recomputed in backward. With
+    ``dist.sp`` (``sequence``) x, the norms and the adds hold this rank's tokens only, and each branch
+    enters its tensor-parallel region through one all-gather along the sequence."""
+
+    sequence: SequenceSplit | None = None  # set by sequence_parallel.split_sequence_
 
     def __init__(self, cfg, norm, attention, mlp):
         super().__init__()
@@ -49,8 +54,15 @@ class PreNormBlock(nn.Module):
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         # transformers adds the branch to the residual as attn_output + residual: the same sum.
-        x = x + self.attn(self.ln1(x), positions)
-        return x + self.mlp(self.ln2(x))
+        x = x + self.attn(self._enter(self.ln1(x)), positions)
+        return x + self.mlp(self._enter(self.ln2(x)))
+
+    def _enter(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.sequence is None else self.sequence.enter(h)
+
+    def sequence_sharded_parameters(self) -> list[nn.Parameter]:
+        """The norms' parameters: with dist.sp they see this rank's tokens only."""
+        return [*self.ln1.parameters(), *self.ln2.parameters()]
 
 
 class CausalLM(nn.Module):
@@ -62,6 +74,9 @@ class CausalLM(nn.Module):
 
     EMBEDDINGS: tuple[str, ...] = ("tok_emb",)
     HEAD: tuple[str, ...] = ("ln_f", "lm_head")
+    # dist.sp: the embedding's output is cut to this rank's tokens for the blocks, and gathered
+    # again for the head, which (like the embedding) runs replicated on the whole sequence.
+    sequence: SequenceSplit | None = None
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         seq = tokens.shape[1]
@@ -81,9 +96,10 @@ class CausalLM(nn.Module):
         """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss.
         ``positions`` (seq,): where these tokens sit in their sequences (``positions_or_default``)."""
         x = self.embed(tokens, positions)
+        x = x if self.sequence is None else self.sequence.scatter(x)
         for block in self.blocks:
             x = block(x, positions)
-        logits = self.head(x)
+        logits = self.head(x if self.sequence is None else self.sequence.gather(x))
         if targets is None:
             return logits
         return lm_loss(logits, targets)

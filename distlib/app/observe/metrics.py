@@ -170,9 +170,12 @@ class MetricsLog:
         memory: dict[str, int],
         val_loss: float | None = None,
         rows: list[list[float]] | None = None,
+        model_fields: dict | None = None,
     ) -> None:
         """One step's record from every rank's ``row`` (``rows``, gathered by the caller with the
-        step's other values), or, without them, through a gather of its own. Every rank calls it."""
+        step's other values), or, without them, through a gather of its own. Every rank calls it.
+        ``model_fields``: what the model adds (the same on every rank; mixtral: ``aux_loss``,
+        ``expert_tokens``)."""
         # Bytes this rank really sent on each group since begin_step (rank 0's go in the record).
         comm_bytes = {name: now - self._group_seen[name] for name, now in self._group_bytes_now().items()}
         rows = rows if rows is not None else agree.gather(self.row(seconds, memory), self.comm)
@@ -229,6 +232,7 @@ class MetricsLog:
             record["comm_bytes"] = comm_bytes
         if val_loss is not None:
             record.update(val_loss=json_number(val_loss), val_loss_hex=val_loss.hex())
+        record.update(model_fields or {})
         self._write(self.shared, record)
         if self.tensorboard:
             self.tensorboard.write(record)

@@ -1,0 +1,151 @@
+"""A sparse mixture of experts (Mixtral's ``block_sparse_moe``) and its load-balancing loss.
+
+``MoE`` takes the place of a block's MLP. On the tokens of x, flattened to (tokens, dim):
+
+    route      router logits = gate(x) (a Linear, no bias); probabilities = their softmax in
+               float32; each token's top_k experts by probability, with those k probabilities
+               renormalised to sum to 1 (the routing weights)
+    dispatch   the (token, slot) pairs grouped by expert, in expert order (a stable sort of the
+               flattened expert ids), and each expert's count: ``Dispatch``
+    experts    expert e is a SwiGLU MLP, w2(silu(w1 x) * w3 x), no biases, run on its tokens only
+               (on zero rows when it has none: its weights still get a gradient, of zeros)
+    combine    each expert output times its routing weight (float32, then the activations' dtype),
+               added into its token's row, experts in ascending order, starting from zeros
+
+Dropless: every token reaches its k experts whatever the load (no capacity factor, nothing
+dropped). That is transformers' ``MixtralSparseMoeBlock`` (router jitter 0) operation for
+operation, but for its fused w1|w3 matmul (tests/test_mixtral.py: within 1e-5). Under tensor
+parallelism each expert splits by hidden units and the router is replicated (mixtral's plan).
+
+The seam for expert parallelism. ``route`` and ``combine`` stay on the token's rank; ``dispatch``
+says which rows of x each expert needs and how many (``Dispatch.counts``: the split sizes an
+all-to-all sends, summed per destination rank, and the one read of the device per block);
+``experts[e]`` is the only reader of expert e's weights. Expert parallelism replaces the loop in
+``forward`` over the local experts by: all-to-all the dispatched rows to the ranks holding their
+experts, run those, all-to-all the outputs back in the order they left, then ``combine`` as here.
+A token's sum is then taken on its own rank in the same order, so the arithmetic does not change.
+The experts are separate modules (``experts.<e>.w1/w2/w3``): an expert's parameters are a set of
+names (a ZeRO ``ParamGroup`` over the ranks holding that expert; a checkpoint finds expert e's
+weights by name).
+
+Each forward records ``last_counts``, the tokens sent to each expert, (n_experts,) int64 on the
+device, and ``last_routing``, the router probabilities and counts that ``balance`` reads.
+
+``balance``: the load-balancing loss (Switch Transformer's) as transformers'
+``load_balancing_loss_func`` computes it, over every block's rows together: n_experts x
+sum_e f_e x P_e, f_e the fraction of the (token, slot) assignments that went to expert e (counts
+summed over the blocks, divided by the rows) and P_e the mean router probability of expert e. f
+carries no gradient; it is counted over the tokens of the whole batch group (one all-reduce of
+the counts over dp x cp per forward), and each rank's term uses its own tokens' P: the ranks'
+terms average to the loss of the batch they share, and so do their gradients. Every layout then
+trains what one rank would on the whole micro-batch (tests/test_mixtral.py: world size 2 within
+1e-5 of world size 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlib.app.config.groups import ModelConfig
+from distlib.comm import collectives
+from distlib.comm.group import Comm
+
+
+class Expert(nn.Module):
+    """One expert: Mixtral's SwiGLU MLP (w1: gate, w3: up, w2: down)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.mlp_width, bias=False)
+        self.w2 = nn.Linear(cfg.mlp_width, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.mlp_width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The (token, slot) pairs of a routing grouped by expert: expert e's are entries
+    [sum(counts[:e]), sum(counts[:e+1])) of ``token`` and ``slot``."""
+
+    token: torch.Tensor  # (tokens x top_k,) int64, expert by expert, tokens ascending within one
+    slot: torch.Tensor  # which of the token's top_k choices each pair is (its weight's column)
+    counts: list[int]  # pairs per expert
+
+    def rows(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = sum(self.counts[:e])
+        end = start + self.counts[e]
+        return self.token[start:end], self.slot[start:end]
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
+        self.last_counts: torch.Tensor | None = None
+        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert ids (tokens, k) int64, routing weights (tokens, k) float32, router probabilities
+        (tokens, n_experts) float32) of x (tokens, dim)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # float32 whatever the dtype, as transformers
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, top / top.sum(dim=-1, keepdim=True), probs
+
+    def dispatch(self, ids: torch.Tensor, counts: torch.Tensor) -> Dispatch:
+        # A stable sort keeps each expert's pairs in token order; one read of the counts (a device
+        # sync, as transformers' own loop takes) gives every expert's share.
+        order = torch.argsort(ids.flatten(), stable=True)
+        return Dispatch(order // self.top_k, order % self.top_k, counts.tolist())
+
+    def combine(self, out: torch.Tensor, token, slot, weights, y: torch.Tensor) -> None:
+        """Add expert output ``y`` (rows of ``token``), weighted, into ``out`` (in place)."""
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights, probs = self.route(flat)
+        # (one_hot, not bincount: deterministic on every device)
+        counts = F.one_hot(ids, self.n_experts).sum(dim=(0, 1))
+        self.last_counts, self.last_routing = counts, (probs, counts)
+        plan = self.dispatch(ids, counts)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            # An expert without tokens runs on zero rows all the same: its weights get a (zero)
+            # gradient on every rank, as ZeRO's gradient buckets (one per block at stage 3) wait for.
+            token, slot = plan.rows(e)
+            self.combine(out, token, slot, weights, expert(flat[token]))
+        return out.view(x.shape)
+
+
+@dataclass(frozen=True)
+class Balance:
+    loss: torch.Tensor  # this rank's term, with gradient: the ranks' mean is the batch's loss
+    value: torch.Tensor  # the batch's loss, float64, no gradient, the same on every rank
+    counts: torch.Tensor  # (blocks, n_experts) float64: tokens per expert over the batch group
+
+
+def balance(routings: list[tuple[torch.Tensor, torch.Tensor]], n_experts: int, batch: Comm | None) -> Balance:
+    """The load-balancing loss of one forward from each block's ``last_routing``; ``batch``: the
+    ranks whose tokens it counts together (None: this rank's alone)."""
+    blocks = len(routings)
+    prob_sums = torch.stack([probs.sum(dim=0) for probs, _ in routings])  # (blocks, E), gradient
+    rows = sum(probs.shape[0] for probs, _ in routings)
+    counts = torch.stack([c for _, c in routings]).double()
+    # One all-reduce: the rows, the counts, and (for the logged value only) the probability sums.
+    packed = torch.cat([counts.new_tensor([rows]), counts.flatten(), prob_sums.detach().double().flatten()])
+    if batch is not None:
+        collectives.all_reduce(packed, batch, op="sum")
+    total = packed[0]
+    counts = packed[1 : 1 + blocks * n_experts].view(blocks, n_experts)
+    fraction = counts.sum(dim=0) / total
+    loss = (fraction.float() * (prob_sums.sum(dim=0) / rows)).sum() * n_experts
+    value = (fraction * packed[1 + blocks * n_experts :].view(blocks, n_experts).sum(dim=0) / total).sum()
+    return Balance(loss, value * n_experts, counts)

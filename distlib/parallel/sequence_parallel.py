@@ -1,0 +1,178 @@
+"""Megatron's sequence parallelism inside tensor parallelism (``dist.sp``).
+
+Between the tensor-parallel regions (the norms, the residual adds, the residual dropout) every
+tensor-parallel rank holds the same activations: tensor parallelism alone keeps T copies of them.
+With sequence parallelism rank t holds only tokens [t*S/T, (t+1)*S/T) of the residual stream there,
+and the communication at the regions' edges changes shape, not volume (an all-reduce is a
+reduce-scatter plus an all-gather):
+
+  ``scatter``  after the embedding    forward: keep this rank's tokens;  backward: all-gather
+  ``enter``    before column layers   forward: all-gather the tokens;    backward: reduce-scatter
+  ``leave``    after a row layer      forward: reduce-scatter the sum;   backward: all-gather
+  ``gather``   before the head        forward: all-gather the tokens;    backward: keep this rank's
+
+``enter`` replaces the column-parallel layers' ``copy_to_tp`` (its backward reduce-scatter sums the
+input gradient the all-reduce summed) and runs once per region, so q, k and v share one gathered
+input; ``leave`` replaces the row-parallel layer's all-reduce. The head and loss run on the whole
+sequence, replicated as with tensor parallelism alone, so the loss is the same number.
+
+A replicated parameter used on the shards (a norm's weight, a row-parallel bias added after the
+reduce-scatter) gets from each rank the gradient of that rank's tokens only; ``split_sequence_``
+hooks each one so that its gradient is summed over the group before it accumulates, and the
+replicas stay bitwise equal. Residual dropout draws the mask of the whole sequence and keeps this
+rank's part (``SequenceSplit.dropout``): the same random draws as tensor parallelism alone, so the
+RNG state (which checkpoints save) does not depend on ``dist.sp``.
+
+The collectives are ours, on flat contiguous tensors: (batch, seq, dim) activations are made
+sequence-major, (seq, batch, dim), so that each rank's tokens are one contiguous piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlib.comm import collectives
+from distlib.comm.group import Comm
+
+
+def _own(full: torch.Tensor, tp: Comm) -> torch.Tensor:
+    """This rank's tokens of a (batch, seq, ...) tensor."""
+    n = full.shape[1] // tp.size
+    return full[:, tp.rank * n : (tp.rank + 1) * n].contiguous()
+
+
+def _all_gather(shard: torch.Tensor, tp: Comm) -> torch.Tensor:
+    """(batch, seq/T, ...) on every rank -> (batch, seq, ...), the ranks' tokens in rank order."""
+    major = shard.transpose(0, 1).contiguous()
+    out = torch.empty((major.shape[0] * tp.size, *major.shape[1:]), dtype=shard.dtype, device=shard.device)
+    collectives.all_gather(out, major, tp)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter(full: torch.Tensor, tp: Comm) -> torch.Tensor:
+    """(batch, seq, ...) partial sums on every rank -> this rank's tokens of their sum."""
+    major = full.transpose(0, 1).contiguous()
+    mine = collectives.reduce_scatter(major, tp, op="sum")
+    return mine.view(major.shape[0] // tp.size, *major.shape[1:]).transpose(0, 1).contiguous()
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _own(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.tp), None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_gather(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # What follows runs replicated, so every rank holds the same gradient: no sum to take.
+        return _own(grad, ctx.tp), None
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_gather(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.tp), None
+
+
+class _Leave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _reduce_scatter(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.tp), None
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """The residual stream split along the sequence over the tensor-parallel group ``tp``; set on
+    every module with a ``sequence`` slot by ``split_sequence_``."""
+
+    tp: Comm
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] % self.tp.size:
+            raise ValueError(
+                f"sequence parallelism: {x.shape[1]} tokens do not split over {self.tp.size} "
+                f"tensor-parallel ranks"
+            )
+        return _Scatter.apply(x, self.tp)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return _Gather.apply(x, self.tp)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return _Enter.apply(x, self.tp)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:  # e.g. an expert's rows of routed tokens: no sequence to split
+            raise ValueError(f"sequence parallelism: a {tuple(x.shape)} output is not (batch, seq, dim)")
+        return _Leave.apply(x, self.tp)
+
+    def dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+        """``F.dropout`` of this rank's tokens with the whole sequence's mask (the draws of the
+        unsplit tensor, so the RNG advances as without sequence parallelism)."""
+        if not training or p == 0:
+            return x
+        whole = (x.shape[0], x.shape[1] * self.tp.size, *x.shape[2:])
+        mask = F.dropout(torch.ones(whole, dtype=x.dtype, device=x.device), p, True)  # 0 or 1/(1-p)
+        return x * _own(mask, self.tp)
+
+
+def residual_dropout(x: torch.Tensor, p: float, training: bool, sequence: SequenceSplit | None):
+    """Dropout on a residual branch: plain ``F.dropout``, or on this rank's tokens (``sequence``)."""
+    if sequence is None:
+        return F.dropout(x, p, training)
+    return sequence.dropout(x, p, training)
+
+
+def _sum_over(tp: Comm):
+    # A tensor hook runs before the gradient accumulates into .grad, so ZeRO's post-accumulate
+    # hooks and buffers see only the summed gradient; every rank runs it in the same graph order.
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce(grad.contiguous().clone(), tp, op="sum")
+
+    return hook
+
+
+def split_sequence_(model: nn.Module, split: SequenceSplit, tp_params: Iterable[str]) -> list[nn.Parameter]:
+    """Set every ``sequence`` slot of ``model``'s modules to ``split``, and sum over ``split.tp`` the
+    gradient of every parameter a module declares it uses on the shards (its
+    ``sequence_sharded_parameters()``); returns those parameters. ``tp_params``: the names of the
+    tensor-parallel parameters; each must belong to a layer with a ``sequence`` slot (a module that
+    declares its own split does its own communication, which knows no sequence split)."""
+    owners = sorted({name.rpartition(".")[0] for name in tp_params})
+    foreign = [path for path in owners if not hasattr(model.get_submodule(path), "sequence")]
+    if foreign:
+        raise ValueError(f"sequence parallelism needs column/row-parallel linear layers, not: {foreign}")
+    sharded: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if hasattr(module, "sequence"):
+            module.sequence = split
+            sharded.update((id(p), p) for p in getattr(module, "sequence_sharded_parameters", list)())
+    for p in sharded.values():
+        p.register_hook(_sum_over(split.tp))
+    return list(sharded.values())
