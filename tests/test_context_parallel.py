@@ -113,8 +113,8 @@ def test_every_context_parallel_layout_trains_to_world_size_ones_losses(runs):
 
 
 def _save_and_resume(comm, root: str) -> dict:
-    """Save at step 10 in dp2 x cp2, resume it at cp4 and at cp1 (dp4); save at cp2 x tp2, resume it
-    at dp2 x tp2 (tensor-parallel degrees do not reshard); and the uninterrupted runs."""
+    """Save at step 10 in dp2 x cp2, resume it at cp4, at cp1 (dp4) and at dp2 x tp2; save at cp2 x
+    tp2, resume it at dp2 x tp2 and at dp4; and the uninterrupted runs."""
     use_deterministic_kernels()
     root = Path(root)
 
@@ -124,13 +124,15 @@ def _save_and_resume(comm, root: str) -> dict:
             return [s.loss for s in Trainer(RunConfig.from_dict(tree), comm, root / name).run().steps]
 
     out = {}
-    for saved, targets in {"cp2": ("cp4", "cp1"), "cp2tp2": ("tp2",)}.items():
+    for saved, targets in {"cp2": ("cp4", "cp1", "tp2"), "cp2tp2": ("tp2 ", "cp1 ")}.items():
         run(saved, LAYOUTS[saved], "checkpoint.every_steps=10", "train.steps=10")
         ckpt = root / saved / "checkpoints" / "step_00000010"
         out[saved] = json.loads((ckpt / "manifest.json").read_text())["parallel"]
         for name in targets:
-            out[name] = run(name, LAYOUTS[name])[10:]
-            out[name + "_resumed"] = run(name + "_resumed", LAYOUTS[name], f"checkpoint.resume={ckpt}")
+            out[name] = run(f"whole_{saved}_{name.strip()}", LAYOUTS[name])[10:]
+            out[name + "_resumed"] = run(
+                f"{saved}_{name.strip()}", LAYOUTS[name], f"checkpoint.resume={ckpt}"
+            )
     return out
 
 
@@ -140,13 +142,15 @@ LAYOUTS = {
     "cp1": [],
     "cp2tp2": ["dist.cp=2", "dist.tp=2", "dist.cp_impl=ring"],
     "tp2": ["dist.tp=2"],
+    "tp2 ": ["dist.tp=2"],  # (the same layouts, resumed from the second checkpoint)
+    "cp1 ": [],
 }
 
 
 def test_checkpoints_resume_across_context_parallel_degrees_exactly(tmp_path):
     got = run_ranks(_save_and_resume, 4, str(tmp_path), timeout_s=900)[0]
     assert (got["cp2"]["cp"], got["cp2"]["dp"], got["cp2tp2"]["cp"], got["cp2tp2"]["tp"]) == (2, 2, 2, 2)
-    for name in ("cp4", "cp1", "tp2"):
+    for name in ("cp4", "cp1", "tp2", "tp2 ", "cp1 "):
         resumed, whole = got[name + "_resumed"], got[name]
         assert len(resumed) == len(whole) == 10, name
         worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, whole))

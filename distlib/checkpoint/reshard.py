@@ -74,7 +74,7 @@ def partition_sources(
 
 
 # -- reading a checkpoint into another world ---------------------------------
-def _open(path: Path, rank: int):
+def open_shard(path: Path, rank: int):
     try:
         return safetensors.safe_open(str(path / checkpoint.shard_name(rank)), framework="pt")
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
@@ -124,12 +124,12 @@ def load_partition(
     state = {key: torch.zeros(size, dtype=torch.float32, device="cpu") for key in STATE_KEYS}  # host copies
     filled = 0
     for old_rank, start, end in partition_sources(numel, old_world, world_size, rank):
-        with _open(path, file_rank(old_rank)) as f:
+        with open_shard(path, file_rank(old_rank)) as f:
             for key in STATE_KEYS:
                 state[key][filled : filled + end - start] = f.get_slice(key)[start:end]
         filled += end - start
     own = rank if rank < old_world else 0
-    with _open(path, file_rank(own)) as f:
+    with open_shard(path, file_rank(own)) as f:
         rank_state = json.loads(f.metadata()["rank_state"])
         rng = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng.")}
     if rank != own or not rng or rank_state.get("rng") is None:
@@ -167,13 +167,13 @@ def _load_by_name(
         s, offset, numel = where[slot.name]
         src = offset + a - slot.offset  # [src, src + b - a) of stage s's flat vector
         for old_rank, start, end in _pieces(numel, old_dp, src, src + b - a):
-            with _open(path, grid.rank(pp=s, dp=old_rank, tp=tp_rank)) as f:
+            with open_shard(path, grid.rank(pp=s, dp=old_rank, tp=tp_rank)) as f:
                 at = a - lo + old_rank * shard_numel(numel, old_dp) + start - src
                 for key in STATE_KEYS:
                     state[key][at : at + end - start] = f.get_slice(key)[start:end]
     same = old_pp == pp and rank < old_dp  # the same place existed: its RNG carries over
     own = grid.rank(pp=pp_rank, dp=rank, tp=tp_rank) if same else grid.rank(tp=tp_rank)
-    with _open(path, own) as f:
+    with open_shard(path, own) as f:
         rank_state = json.loads(f.metadata()["rank_state"])
         rng = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng.")}
     if not same or not rng or rank_state.get("rng") is None:

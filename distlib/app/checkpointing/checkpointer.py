@@ -80,7 +80,7 @@ class Checkpointer(RollbackSource):
         self.model, self.optimizer, self.data = state.model, state.optimizer, state.data
         self.root = Path(run_dir) / c.dir
         self.contents = Contents(cfg, mesh, state.data, state.optimizer, state.tp_splits, run_dir)
-        self.loader = Loader(cfg, comm, mesh, state.data, self.root, self.say)
+        self.loader = Loader(cfg, comm, mesh, state.data, self.root, self.say, state.tp_splits)
         self.retention = Retention(c.keep_last, cfg.guard.enabled, self.root, comm)
         self.verifier = ResumeVerifier(
             cfg.verifies_resume,

@@ -39,6 +39,12 @@ def _source_change(saved: dict | None, ours: dict | None) -> str:
     return "; ".join(changes) or "another corpus"
 
 
+# The model keys that decide the parameters' (full) shapes: what must agree to cut a checkpoint's
+# whole tensors for another tensor-parallel degree (the cut pieces' shapes are checked again there).
+SHAPE_KEYS = ("family", "vocab_size", "dim", "n_heads", "n_layers", "mlp_ratio", "mlp_hidden", "n_kv_heads")
+SHAPE_KEYS += ("tie_embeddings", "n_experts")
+
+
 def check_fits(
     path: Path,
     manifest: dict,
@@ -51,12 +57,12 @@ def check_fits(
     """Refuse, listing every difference, a checkpoint whose parameters or data stream differ from
     this run's (``layout``: the flat layout of this rank's tensor-parallel shard)."""
     problems = []
-    if manifest.get("tp", 1) != tp_size:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {path} does not fit this run, nothing was loaded: saved with dist.tp="
-            f"{manifest.get('tp', 1)}, this run has dist.tp={tp_size} (resharding across "
-            f"tensor-parallel degrees is not supported)"
-        )
+    if manifest.get("tp", 1) != tp_size:  # resplit by name (checkpoint.resplit): the same model?
+        model = dataclasses.asdict(cfg.model)
+        for key, value in manifest.get("model", {}).items():
+            if key in SHAPE_KEYS and model.get(key) != value:
+                problems.append(f"model.{key}: checkpoint {value}, this run {model.get(key)}")
+        return _refuse_or_pass(path, problems + _data_problems(manifest, cfg, data))
     saved = FlatLayout.from_dict(manifest.get("tp_layouts", [manifest["layout"]])[tp_rank])
     theirs = {s.name: s.shape for s in saved.slots}
     ours = {s.name: s.shape for s in layout.slots}
@@ -78,6 +84,19 @@ def check_fits(
             if ours.get(name) != theirs.get(name)
         ]
         problems += shapes or ["same parameters and shapes, but a different order in the flat layout"]
+    _refuse_or_pass(path, problems + _data_problems(manifest, cfg, data))
+
+
+def _refuse_or_pass(path: Path, problems: list[str]) -> None:
+    if problems:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} does not fit this run, nothing was loaded:\n  " + "\n  ".join(problems)
+        )
+
+
+def _data_problems(manifest: dict, cfg: RunConfig, data: GlobalBatches) -> list[str]:
+    """How the checkpoint's data stream differs from this run's (it must continue exactly)."""
+    problems = []
     data_config = dataclasses.asdict(cfg.data)
     for key, value in manifest.get("data_config", {}).items():
         # A text file is identified by its sha256 (the position's "source"), not by where it
@@ -110,7 +129,4 @@ def check_fits(
                 f"training windows in the corpus: checkpoint {saved_position['num_windows']}, "
                 f"this run {position['num_windows']}"
             )
-    if problems:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {path} does not fit this run, nothing was loaded:\n  " + "\n  ".join(problems)
-        )
+    return problems

@@ -19,7 +19,7 @@ from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
-from distlib.checkpoint import reshard, rng_state
+from distlib.checkpoint import reshard, resplit, rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
@@ -38,8 +38,10 @@ class Loader:
         data: GlobalBatches,
         root: Path,
         say: Callable[[str], None],
+        splits: dict | None = None,
     ):
         self.cfg, self.comm, self.mesh, self.data, self.root, self.say = cfg, comm, mesh, data, root, say
+        self.splits = splits or {}  # this rank's tensor-parallel cuts, parameter name -> Split
 
     def resolve(self) -> tuple[Path | None, bool]:
         """(checkpoint to resume from or None, whether it has been verified already). For "latest",
@@ -104,13 +106,16 @@ class Loader:
         mesh = self.mesh
         check_fits(path, manifest, optimizer.layout, self.cfg, mesh.tp.size, mesh.tp.rank, self.data)
         stage = (mesh.pp.rank, mesh.pp.size) if mesh.pp else (0, 1)
-        state, rank_state, rng = agree.agreed(
-            lambda: reshard.load_partition(
-                path, manifest, mesh.batch.rank, mesh.batch.size, mesh.tp.rank, (optimizer.layout, *stage)
-            ),
-            self.comm,
-            checkpoint.CheckpointError,
-        )
+        rank, ranks = mesh.batch.rank, mesh.batch.size
+
+        def read():
+            if manifest.get("tp", 1) != mesh.tp.size:  # whole tensors by name, cut for this degree
+                return resplit.load_resplit(path, manifest, rank, ranks, optimizer.layout, self.splits)
+            return reshard.load_partition(
+                path, manifest, rank, ranks, mesh.tp.rank, (optimizer.layout, *stage)
+            )
+
+        state, rank_state, rng = agree.agreed(read, self.comm, checkpoint.CheckpointError)
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:
             rng_state.restore_rng(rng, rank_state["rng"])
