@@ -211,10 +211,10 @@ def test_eval_mode_is_the_cross_entropy_alone_and_step_fields_keep_the_last_micr
     with torch.no_grad():
         ce = F.cross_entropy(model(x[:, :-1]).reshape(-1, MIXTRAL.vocab_size), x[:, 1:].reshape(-1))
         assert torch.equal(model(x[:, :-1], x[:, 1:]), ce)  # eval (the held-out loss): no aux term
-        assert len(model.routing_log) == 0 and families.step_fields(model, 1) == {}
+        assert len(model.routing_log) == 0 and model.step_fields(1) == {}
         model.train()
         losses = [model(x[:, :-1], x[:, 1:]).item() - ce.item() for _ in range(3)]
-    fields = families.step_fields(model, 2)  # the last two forwards (an older one: a rolled-back step)
+    fields = model.step_fields(2)  # the last two forwards (an older one: a rolled-back step)
     assert fields["aux_loss"] == pytest.approx(losses[-1] / MIXTRAL.router_aux_loss_coef, rel=1e-4)
     assert [sum(row) for row in fields["expert_tokens"]] == [2 * 2 * 16 * 2] * 2  # 2 forwards x 32 tokens x k
     assert len(model.routing_log) == 0

@@ -132,7 +132,8 @@ class Trainer:
         )
         self.log: MetricsLog | None = None  # open while run() runs
         self.activations = ActivationMeter()  # bytes kept for backward (the memory profile's activations)
-        self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)
+        window = cfg.train.profile_steps  # None: no profiler, and a step never enters its module
+        self.profiler = StepProfiler(window, self.run_dir, comm.rank) if window else None
 
     # -- the run ----------------------------------------------------------------
     def run(self) -> RunResult:
@@ -173,7 +174,7 @@ class Trainer:
                     log.event("error", step, error=type(exc).__name__, message=str(exc))
                 raise
             finally:
-                self.profiler.close()
+                self.profiler and self.profiler.close()
             self._finish(start, result)
         return result
 
@@ -217,7 +218,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------
     def _step(self, step: int, result: RunResult, signals: stopping.StopSignals) -> int:
         """Run ``step``; return the next step to run (smaller than step + 1 after a rollback)."""
-        self.profiler.begin(step)
+        self.profiler and self.profiler.begin(step)
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
@@ -251,7 +252,7 @@ class Trainer:
             memory=memory,
             val_loss=val_loss,
             rows=rows,
-            model_fields=families.step_fields(self.model, self.cfg.train.grad_accum),  # mixtral: its MoE
+            model_fields=self.model.step_fields(self.cfg.train.grad_accum),  # mixtral: its MoE
         )
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         if self.replicas.due(step):
@@ -260,7 +261,7 @@ class Trainer:
             step, result, signals, stopping.decision(step, self.cfg.checkpoint.every_steps, votes)
         )
         self.hooks.after_step(step)
-        self.profiler.end(step)
+        self.profiler and self.profiler.end(step)
         return step + 1
 
     def _forward_backward(self, step: int) -> torch.Tensor:

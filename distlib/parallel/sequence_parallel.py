@@ -142,13 +142,6 @@ class SequenceSplit:
         return x * _own(mask, self.tp)
 
 
-def residual_dropout(x: torch.Tensor, p: float, training: bool, sequence: SequenceSplit | None):
-    """Dropout on a residual branch: plain ``F.dropout``, or on this rank's tokens (``sequence``)."""
-    if sequence is None:
-        return F.dropout(x, p, training)
-    return sequence.dropout(x, p, training)
-
-
 def _sum_over(tp: Comm):
     # A tensor hook runs before the gradient accumulates into .grad, so ZeRO's post-accumulate
     # hooks and buffers see only the summed gradient; every rank runs it in the same graph order.

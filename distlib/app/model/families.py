@@ -12,7 +12,7 @@ the positions handed to the embedding and every block; parameters only in top-le
 forward order; a module-level ``TENSOR_PARALLEL_PLAN``; blocks that checkpoint themselves
 (``model.activation_checkpointing``). A family whose loss reads the whole batch (mixtral's
 load-balancing term) is told its batch group (``join_batch_``) and adds fields to the step record
-(``step_fields``).
+(``CausalLM.step_fields``).
 """
 
 from __future__ import annotations
@@ -73,12 +73,6 @@ def join_batch_(model: CausalLM, batch: Comm) -> None:
     (the dp x cp ranks); other families have nothing to join."""
     if isinstance(model, mixtral.Mixtral):
         model.batch = batch
-
-
-def step_fields(model: CausalLM, micro_batches: int) -> dict:
-    """What the model adds to a step's metrics record (mixtral: ``aux_loss``, ``expert_tokens``)
-    from its last ``micro_batches`` training forwards; {} for the other families."""
-    return model.step_fields(micro_batches) if isinstance(model, mixtral.Mixtral) else {}
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -22,7 +22,7 @@ from distlib.app.config.groups import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask, split_heads
 from distlib.app.model.layers import CausalLM, PreNormBlock
-from distlib.parallel.sequence_parallel import SequenceSplit, residual_dropout
+from distlib.parallel.sequence_parallel import SequenceSplit
 from distlib.parallel.tensor_parallel import Column, Row
 
 # Megatron's split: attention by heads (a head's q, k and v rows stay on one rank), the MLP by
@@ -80,6 +80,11 @@ class CausalSelfAttention(nn.Module):
             context=self.context,
         )
         return residual_dropout(self.proj(out), self.dropout, self.training, self.sequence)
+
+
+def residual_dropout(x: torch.Tensor, p: float, training: bool, sequence: SequenceSplit | None):
+    """Dropout on a residual branch: plain ``F.dropout``, or (``dist.sp``) on this rank's tokens."""
+    return F.dropout(x, p, training) if sequence is None else sequence.dropout(x, p, training)
 
 
 class MLP(nn.Module):

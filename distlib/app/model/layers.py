@@ -87,6 +87,11 @@ class CausalLM(nn.Module):
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def step_fields(self, micro_batches: int) -> dict:
+        """What the model adds to a step's metrics record from its last ``micro_batches`` training
+        forwards (mixtral: its routing); nothing here."""
+        return {}
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(hidden))
 
