@@ -77,7 +77,11 @@ CASES = [
     ("tp_zero", _set("tp", value=0), "tp must be >= 1, got 0"),
     ("tp_not_dividing", _set("tp", value=3), "world_size 2 is not a multiple of tp 3"),
     ("dp_inconsistent", _set("dp", value=3), "dp 3 x tp 1 != world_size 2"),
-    ("tp_without_layouts", lambda m: m.update(tp=2, dp=1), 'manifest lacks "tp_layouts"'),
+    (
+        "tp_without_layouts",
+        lambda m: [d.update(tp=2, dp=1) for d in (m, m["parallel"])],
+        'manifest lacks "tp_layouts"',
+    ),
     ("parallel_disagrees", _set("parallel", "dp", value=4), "disagrees with world_size 2, tp 1, pp 1"),
     (
         "parallel_other_order",

@@ -7,9 +7,7 @@ aux loss and the tokens per expert logged in every step record. Offline (HF_HUB_
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 from family_models import built, max_diff, perturb_, quiet_transformers, tokens
 from forkrun import run_script
 from multiproc import run_ranks
-from trainrun import compose_tree
+from trainrun import compose_tree, train_each
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
@@ -27,8 +25,6 @@ from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus, spli
 from distlib.app.model import families, moe
 from distlib.app.model import hf_config as hfc
 from distlib.app.model import hf_weights as hfw
-from distlib.app.trainer import Trainer
-from distlib.launch.torchrun import use_deterministic_kernels
 from distlib.parallel.tensor_parallel import shard_of
 from distlib.parallel.zero.stage3 import unit_members
 
@@ -334,20 +330,7 @@ LAYOUTS = {
 }
 
 
-def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
-    use_deterministic_kernels()
-    out = []
-    for i, tree in enumerate(trees):
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            result = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir) / str(i)).run()
-        log = (Path(run_dir) / str(i) / "metrics.jsonl").read_text().splitlines()
-        out.append(
-            {
-                "losses": [s.loss for s in result.steps],
-                "records": [r for r in map(json.loads, log) if r["type"] == "step"],
-            }
-        )
-    return out
+_train = train_each
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,12 @@ it does not support are one line before any worker starts."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 
 import pytest
 from multiproc import run_ranks
-from trainrun import compose_tree
+from trainrun import compose_tree, train_each
 
 from distlib.app.config.run import RunConfig
 from distlib.app.config.schema import ConfigError
@@ -58,24 +57,15 @@ def _tree(world: int, model: str, layout: list[str]) -> dict:
 
 
 def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
-    use_deterministic_kernels()
-    out = []
-    for i, tree in enumerate(trees):
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            result = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir) / str(i)).run()
-        records = [
-            json.loads(line) for line in (Path(run_dir) / str(i) / "metrics.jsonl").read_text().splitlines()
-        ]
-        steps = [r for r in records if r["type"] == "step"]
-        out.append(
-            {
-                "losses": [s.loss for s in result.steps],
-                "logged": [r["loss"] for r in steps],
-                "tokens": {r["tokens"] for r in steps},
-                "activations": {r["memory"]["activation_bytes"]["max"] for r in steps},
-            }
-        )
-    return out
+    return [
+        {
+            "losses": run["losses"],
+            "logged": [r["loss"] for r in run["records"]],
+            "tokens": {r["tokens"] for r in run["records"]},
+            "activations": {r["memory"]["activation_bytes"]["max"] for r in run["records"]},
+        }
+        for run in train_each(comm, trees, run_dir)
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import os
 from pathlib import Path
 
 from distlib.app.config.run import RunConfig
@@ -41,3 +44,21 @@ def small_tree(steps: int, every_steps: int, **groups) -> dict:
     """Two ranks, ``steps`` steps, a checkpoint every ``every_steps``, no progress lines, and ``groups``."""
     base = {"train": {"steps": steps}, "dist": {"world_size": 2}, "checkpoint": {"every_steps": every_steps}}
     return tree_with({**base, "metrics": {"progress_every": 0}}, **groups)
+
+
+def train_each(comm, trees: list[dict], run_dir: str) -> list[dict]:
+    """Each tree trained in turn on these ranks (one run_ranks call for many layouts), quietly, in
+    ``run_dir``/i; per run its losses and its step records from metrics.jsonl."""
+    use_deterministic_kernels()
+    out = []
+    for i, tree in enumerate(trees):
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            result = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir) / str(i)).run()
+        log = (Path(run_dir) / str(i) / "metrics.jsonl").read_text().splitlines()
+        out.append(
+            {
+                "losses": [s.loss for s in result.steps],
+                "records": [r for r in map(json.loads, log) if r["type"] == "step"],
+            }
+        )
+    return out

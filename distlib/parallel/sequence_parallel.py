@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
+from distlib.parallel.collective_op import collective_function
 
 
 def _own(full: torch.Tensor, tp: Comm) -> torch.Tensor:
@@ -61,49 +62,11 @@ def _reduce_scatter(full: torch.Tensor, tp: Comm) -> torch.Tensor:
     return mine.view(major.shape[0] // tp.size, *major.shape[1:]).transpose(0, 1).contiguous()
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _own(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.tp), None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _all_gather(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # What follows runs replicated, so every rank holds the same gradient: no sum to take.
-        return _own(grad, ctx.tp), None
-
-
-class _Enter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _all_gather(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.tp), None
-
-
-class _Leave(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _reduce_scatter(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.tp), None
+_Scatter = collective_function("_Scatter", _own, _all_gather)
+# What follows a gather runs replicated, so every rank holds the same gradient: no sum to take.
+_Gather = collective_function("_Gather", _all_gather, _own)
+_Enter = collective_function("_Enter", _all_gather, _reduce_scatter)  # into a tensor-parallel region
+_Leave = collective_function("_Leave", _reduce_scatter, _all_gather)  # out of one
 
 
 @dataclass(frozen=True)

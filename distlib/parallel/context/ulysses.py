@@ -16,6 +16,7 @@ import torch
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
+from distlib.parallel.collective_op import collective_function
 from distlib.parallel.context import chunks
 
 
@@ -43,26 +44,12 @@ def heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, n * hl, nt // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return seq_to_heads(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return heads_to_seq(grad.contiguous(), ctx.comm), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return heads_to_seq(y, comm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return seq_to_heads(grad.contiguous(), ctx.comm), None
+_SeqToHeads = collective_function(
+    "_SeqToHeads", seq_to_heads, lambda g, comm: heads_to_seq(g.contiguous(), comm)
+)
+_HeadsToSeq = collective_function(
+    "_HeadsToSeq", heads_to_seq, lambda g, comm: seq_to_heads(g.contiguous(), comm)
+)
 
 
 def ulysses_attention(
