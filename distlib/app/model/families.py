@@ -75,6 +75,16 @@ def join_batch_(model: CausalLM, batch: Comm) -> None:
         model.batch = batch
 
 
+def hold_experts_(model: CausalLM, ep: Comm) -> tuple[str, ...]:
+    """Keep only this rank's experts of every MoE block (``dist.ep``: ``ep`` the expert group);
+    returns the names of the expert parameters kept (the others' gradients are averaged apart)."""
+    if not isinstance(model, mixtral.Mixtral):
+        raise ValueError(f"expert parallelism needs a model with experts, not {model.cfg.family}")
+    for block in model.blocks:
+        block.mlp.hold_experts_(ep)
+    return tuple(n for n, _ in model.named_parameters() if ".mlp.experts." in n)
+
+
 def param_count(cfg: ModelConfig) -> int:
     """P of the whole (unsplit) model from its shape alone, tied weights counted once: the sum of
     its parameters' numel, without building one (even on the meta device, nn.init imports

@@ -34,6 +34,9 @@ class ParamGroup:
     names: tuple[str, ...]  # its parameters (names in the module)
     comm: Comm  # their gradients are averaged, and their optimizer state sharded, over these ranks
     differs_over: tuple[Comm, ...] = ()  # groups whose ranks hold other values of them (experts: ep)
+    # Each gradient times this as backward produces it, before the average over ``comm`` (experts
+    # under expert parallelism: 1/ep, ``expert_parallel.expert_grad_scale``).
+    grad_scale: float = 1.0
 
 
 class GroupedOptimizer:
@@ -69,6 +72,11 @@ class GroupedOptimizer:
             for g in groups
         }
         self._first = next(iter(self.groups.values()))
+        params = dict(module.named_parameters())
+        for g in groups:
+            if g.grad_scale != 1.0:
+                for n in g.names:
+                    params[n].register_hook(lambda grad, k=g.grad_scale: grad * k)
 
     def _joined(self, squares: list[torch.Tensor]) -> float:
         """The norm of several groups' sums of squares (added in group order, then the stages')."""
