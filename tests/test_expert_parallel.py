@@ -10,6 +10,8 @@ per expert identical; each rank holds only its experts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from multiproc import run_ranks
@@ -54,9 +56,9 @@ def _optimizer(model, mesh, ep: int, stage: int):
     return GroupedOptimizer(model, groups, stage, ADAMW, CLIP)
 
 
-def _train(comm, ep: int, stage: int):
+def _train(comm, ep: int, stage: int, capacity: float | None = None):
     mesh = build_mesh(comm, tp=1, ep=ep)
-    model = families.build(MOE, seed=5)  # the same weights on every rank
+    model = families.build(replace(MOE, capacity_factor=capacity), seed=5)  # the same on every rank
     families.join_batch_(model, mesh.batch)
     opt = _optimizer(model, mesh, ep, stage)
     held = sorted({int(n.split(".")[4]) for n, _ in model.named_parameters() if ".experts." in n})
@@ -74,13 +76,23 @@ def _train(comm, ep: int, stage: int):
         losses.append(float(mean))
         fields = model.step_fields(1)
         aux.append(fields["aux_loss"])
-        tokens.append(fields["expert_tokens"])
+        tokens.append([fields["expert_tokens"], fields.get("dropped_tokens")])
     return held, losses, aux, norms, tokens
 
 
 @pytest.fixture(scope="module")
 def one_rank():
     return run_ranks(_train, 1, 1, 0)[0]
+
+
+def test_an_expert_capacity_drops_the_same_assignments_at_every_ep():
+    """(``model.capacity_factor``: the drops are decided on the token's rank, per sequence.)"""
+    _, ref_losses, _, _, ref_tokens = run_ranks(_train, 1, 1, 0, 0.75)[0]
+    assert sum(sum(dropped) for _, dropped in ref_tokens) > 0
+    for world, ep in [(2, 2), (4, 4)]:
+        for rank, (_, losses, _, _, tokens) in enumerate(run_ranks(_train, world, ep, 0, 0.75)):
+            assert tokens == ref_tokens, (world, ep, rank)
+            assert losses == pytest.approx(ref_losses, abs=TOL, rel=0), (world, ep, rank)
 
 
 @pytest.mark.parametrize(

@@ -175,7 +175,7 @@ def test_routing_dispatch_and_counts():
         out = layer(x)
     counts = layer.last_counts
     assert counts.tolist() == [int((ids == e).sum()) for e in range(4)] and int(counts.sum()) == 28
-    plan = layer.dispatch(ids, counts)
+    plan = layer.dispatch(ids, counts.tolist())
     for e in range(4):
         token, slot = plan.rows(e)
         assert (ids[token, slot] == e).all() and token.tolist() == sorted(token.tolist())

@@ -23,7 +23,8 @@ BPE_MAX_VOCAB = 1 << 32  # its token file stores ids as uint32
 
 
 FAMILIES = ("minigpt", "gpt2", "llama", "mixtral")  # model.family; distlib/app/model/families.py builds each
-MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef")  # mixtral's sparse MoE (model/moe.py)
+# mixtral's sparse MoE (model/moe.py)
+MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef", "capacity_factor")
 # The keys a family does not use, each with what it is to stay at (the default); docs/models.md.
 NOT_USED_BY = {
     "minigpt": ("mlp_hidden", "n_kv_heads", "tie_embeddings", "norm_eps", "rope_theta", "init_from")
@@ -62,6 +63,10 @@ class ModelConfig(Group):
         renormalised router probabilities; at most n_experts
     router_aux_loss_coef: mixtral: weight of the load-balancing loss added to the training loss (transformers'
         MixtralConfig default)
+    capacity_factor: mixtral: null = dropless (every token reaches its top_k experts, as transformers);
+        a number: each expert takes at most ceil(capacity_factor x seq_len x top_k / n_experts) of one
+        sequence's assignments (first choices first, in token order) and drops the rest (GShard); the
+        dropped count per block is logged as dropped_tokens
     dropout: dropout probability (draws from the torch RNG, which checkpoints save); llama: on the
         attention weights only, as transformers' attention_dropout
     activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
@@ -91,6 +96,7 @@ class ModelConfig(Group):
     n_experts: int = key(8, ge=1)
     top_k: int = key(2, ge=1)
     router_aux_loss_coef: float = key(0.001, ge=0)
+    capacity_factor: float | None = key(None, gt=0)
 
     def check(self) -> None:
         if self.dim % self.n_heads:

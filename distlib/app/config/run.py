@@ -256,6 +256,11 @@ def _check_context(cfg: RunConfig) -> None:
             f"train.eval_every={cfg.train.eval_every} is not supported with dist.cp={d.cp} (the held-out "
             f"loss runs whole sequences)"
         )
+    if m.capacity_factor is not None:
+        raise ConfigError(
+            f"model.capacity_factor={m.capacity_factor} is not supported with dist.cp={d.cp} (an expert's "
+            f"capacity counts a whole sequence's tokens); set model.capacity_factor=null"
+        )
 
 
 def _check_sequence(cfg: RunConfig) -> None:

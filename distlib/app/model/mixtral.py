@@ -65,8 +65,12 @@ class Mixtral(CausalLM):
         out = super().forward(tokens, targets, positions)
         if targets is None or not self.training:
             return out
-        found = moe.balance([b.mlp.last_routing for b in self.blocks], self.cfg.n_experts, self.batch)
-        self.routing_log.append(torch.cat([found.value.view(1), found.counts.flatten()]))
+        dropped = [b.mlp.last_dropped for b in self.blocks] if self.cfg.capacity_factor is not None else None
+        found = moe.balance(
+            [b.mlp.last_routing for b in self.blocks], self.cfg.n_experts, self.batch, dropped
+        )
+        kept = [found.value.view(1), found.counts.flatten()] + ([found.dropped] if dropped else [])
+        self.routing_log.append(torch.cat(kept))
         # transformers adds coef x aux to the cross-entropy in the same order: loss += coef * aux
         return out + self.cfg.router_aux_loss_coef * found.loss
 
@@ -80,14 +84,15 @@ class Mixtral(CausalLM):
         if not kept:
             return {}
         rows = torch.stack(kept).tolist()  # one read of the device
-        counts = [sum(r[1 + i] for r in rows) for i in range(len(rows[0]) - 1)]
-        e = self.cfg.n_experts
-        return {
+        sums = [sum(r[1 + i] for r in rows) for i in range(len(rows[0]) - 1)]
+        e, blocks = self.cfg.n_experts, len(self.blocks)
+        fields = {
             "aux_loss": sum(r[0] for r in rows) / len(rows),
-            "expert_tokens": [
-                [round(c) for c in counts[b * e : (b + 1) * e]] for b in range(len(self.blocks))
-            ],
+            "expert_tokens": [[round(c) for c in sums[b * e : (b + 1) * e]] for b in range(blocks)],
         }
+        if self.cfg.capacity_factor is not None:
+            fields["dropped_tokens"] = [round(c) for c in sums[blocks * e :]]
+        return fields
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -41,6 +41,7 @@ trains what one rank would on the whole micro-batch (tests/test_mixtral.py: worl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,10 +86,12 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
         self.ep: Comm | None = None  # the expert group (``hold_experts_``); None: every expert here
         self.last_counts: torch.Tensor | None = None
+        self.last_dropped: torch.Tensor | None = None  # with a capacity: assignments dropped, () int64
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,6 +116,11 @@ class MoE(nn.Module):
         # (one_hot, not bincount: deterministic on every device)
         counts = F.one_hot(ids, self.n_experts).sum(dim=(0, 1))
         self.last_counts, self.last_routing = counts, (probs, counts)
+        if self.capacity_factor is not None:  # dropped assignments go to no expert (the sentinel id)
+            kept = self.within_capacity(ids, x.shape[0] if x.dim() == 3 else 1)
+            self.last_dropped = (~kept).sum()
+            ids = torch.where(kept, ids, self.n_experts)
+            counts = F.one_hot(ids, self.n_experts + 1).sum(dim=(0, 1))[: self.n_experts]
         out = torch.zeros_like(flat)
         if self.ep is not None:
             self._forward_over_ranks(flat, ids, counts, weights, out)
@@ -127,13 +135,28 @@ class MoE(nn.Module):
             self.combine(out, token, slot, weights, expert(flat[token]))
         return out.view(x.shape)
 
+    def within_capacity(self, ids: torch.Tensor, groups: int) -> torch.Tensor:
+        """(tokens, top_k) bool: the assignments that fit their expert's capacity, GShard's way.
+        A group is one sample's sequence: each expert takes at most ceil(capacity_factor x tokens
+        x top_k / n_experts) of a sample's assignments, first choices first (in token order), then
+        second choices, and so on. Whether an assignment is dropped depends on its sample alone,
+        so every layout that keeps samples whole drops the same ones."""
+        tokens, k = ids.shape
+        per = tokens // groups
+        capacity = math.ceil(self.capacity_factor * per * k / self.n_experts)
+        hot = F.one_hot(ids.view(groups, per, k).transpose(1, 2), self.n_experts)  # (groups, k, per, E)
+        queue = hot.reshape(groups, k * per, self.n_experts)  # priority order: slot, then token
+        place = (queue.cumsum(dim=1) * queue).sum(dim=-1)  # 1-based place in its expert's queue
+        return (place <= capacity).view(groups, k, per).transpose(1, 2).reshape(tokens, k)
+
     def _forward_over_ranks(self, flat, ids, counts, weights, out: torch.Tensor) -> None:
         """Expert parallelism: the dispatched rows through the experts' ranks and back
         (``expert_parallel.run_experts``), combined here in the one-rank order."""
         routing = expert_parallel.Routing.gather(counts, self.ep)  # the one read of the device
         plan = self.dispatch(ids, routing.counts[self.ep.rank])
         held = {int(e): expert for e, expert in self.experts.items()}
-        y = expert_parallel.run_experts(flat[plan.token], routing, held, self.ep)
+        sent = plan.token[: sum(plan.counts)]  # (dropped assignments sort last, to no expert)
+        y = expert_parallel.run_experts(flat[sent], routing, held, self.ep)
         start = 0
         for e in range(self.n_experts):
             token, slot = plan.rows(e)
@@ -151,22 +174,34 @@ class Balance:
     loss: torch.Tensor  # this rank's term, with gradient: the ranks' mean is the batch's loss
     value: torch.Tensor  # the batch's loss, float64, no gradient, the same on every rank
     counts: torch.Tensor  # (blocks, n_experts) float64: tokens per expert over the batch group
+    dropped: torch.Tensor | None = None  # (blocks,) float64: assignments over capacity, batch group
 
 
-def balance(routings: list[tuple[torch.Tensor, torch.Tensor]], n_experts: int, batch: Comm | None) -> Balance:
+def balance(
+    routings: list[tuple[torch.Tensor, torch.Tensor]],
+    n_experts: int,
+    batch: Comm | None,
+    dropped: list[torch.Tensor] | None = None,
+) -> Balance:
     """The load-balancing loss of one forward from each block's ``last_routing``; ``batch``: the
-    ranks whose tokens it counts together (None: this rank's alone)."""
+    ranks whose tokens it counts together (None: this rank's alone). ``dropped``: with a capacity,
+    each block's ``last_dropped``, summed over ``batch`` in the same all-reduce."""
     blocks = len(routings)
     prob_sums = torch.stack([probs.sum(dim=0) for probs, _ in routings])  # (blocks, E), gradient
     rows = sum(probs.shape[0] for probs, _ in routings)
     counts = torch.stack([c for _, c in routings]).double()
     # One all-reduce: the rows, the counts, and (for the logged value only) the probability sums.
     packed = torch.cat([counts.new_tensor([rows]), counts.flatten(), prob_sums.detach().double().flatten()])
+    if dropped is not None:
+        packed = torch.cat([packed, torch.stack(dropped).double()])
     if batch is not None:
         collectives.all_reduce(packed, batch, op="sum")
     total = packed[0]
     counts = packed[1 : 1 + blocks * n_experts].view(blocks, n_experts)
     fraction = counts.sum(dim=0) / total
     loss = (fraction.float() * (prob_sums.sum(dim=0) / rows)).sum() * n_experts
-    value = (fraction * packed[1 + blocks * n_experts :].view(blocks, n_experts).sum(dim=0) / total).sum()
-    return Balance(loss, value * n_experts, counts)
+    probs_end = 1 + 2 * blocks * n_experts
+    value = (
+        fraction * packed[1 + blocks * n_experts : probs_end].view(blocks, n_experts).sum(dim=0) / total
+    ).sum()
+    return Balance(loss, value * n_experts, counts, packed[probs_end:] if dropped is not None else None)
