@@ -7,7 +7,8 @@ RUN_DIR is a run directory (it holds metrics.jsonl) or a Hydra multirun director
 matplotlib is installed (an optional extra: ``pip install matplotlib``), ``loss.png``
 (the loss curve and the validation loss, rollbacks marked, abandoned steps shown in grey, a log
 axis labelled as such) and ``memory.png``
-(per-rank parameter / gradient / optimizer bytes and peak RSS); for a sweep, one
+(per-rank parameter / gradient / optimizer bytes and peak RSS); a mixture-of-experts run also
+gets its tokens per expert (text, and ``experts.png``: scripts/report_experts.py); for a sweep, one
 ``loss.png`` with every job's curve, each in its own line style (a curve lying on another's is
 named so in the legend), and a side-by-side table. A run traced with
 ``train.profile_steps`` (``traces/rank<R>.json``) also gets each rank's time split into
@@ -23,6 +24,9 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling module, however it is loaded
+import report_experts  # noqa: E402
 
 METRICS = "metrics.jsonl"
 
@@ -116,6 +120,7 @@ def summary(run: Run) -> str:
         f"{run.world_size()}",
         f"loss: first {losses[0]:.6f}, last {losses[-1]:.6f}, min {min(losses):.6f}",
         *_validation(steps),
+        *report_experts.text(steps),
         f"step time: median {1000 * statistics.median(times):.1f} ms, "
         f"mean {1000 * statistics.mean(times):.1f} ms; "
         f"tokens/s median {statistics.median(s['tokens_per_s'] or 0 for s in steps):.0f}",
@@ -422,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         written = [loss_png(runs, out, plt)]
         if len(runs) == 1:
             written.append(memory_png(runs[0], out, plt))
+            written.append(report_experts.png(runs[0].steps, out, plt))
             written.append(time_split_png(split, out, plt) if split else None)
         text += "\ncharts: " + ", ".join(str(p) for p in written if p)
     (out / "report.txt").write_text(text + "\n")

@@ -25,6 +25,7 @@ RUNS = {
     "checkpoint": ["benchmarks/checkpoint.py", "--params", "1e5", "--world-size", "2", "--repeats", "1"],
     "collectives": ["benchmarks/collectives.py", "--quick", "--sizes", "1024"],
     "context": ["benchmarks/context.py", "--quick"],
+    "experts": ["benchmarks/experts.py", "--quick"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
     # scripts/gpu_check.sh's step h (--model gpt2_124m) on the CPU, at the gpt2 preset's small shape
     "gpu_throughput": [
@@ -93,6 +94,28 @@ def _check_collectives(d, tmp_path):
     for r in rows:
         assert _times(r["ours_ms"], r["torch_ms"])
         assert r["ratio"] == pytest.approx(r["torch_ms"] / r["ours_ms"])  # > 1: ours faster
+
+
+def _check_experts(d, tmp_path):
+    moe, dense, c = d["moe"], d["dense"], d["moe_vs_dense"]
+    assert dense["mlp_hidden"] == moe["top_k"] * moe["mlp_hidden"], "the dense twin's active MLP weights"
+    assert _times(c["moe_ms"], c["dense_ms"]) and c["ratio"] == pytest.approx(c["moe_ms"] / c["dense_ms"])
+    assert c["params"] == {"moe": _params(moe), "dense": _params(dense)}
+    rows = {r["name"]: r for r in d["layouts"]}
+    assert list(rows) == ["ep1", "ep2", "ep4", "ep4 torch"]
+    every_expert = moe["n_layers"] * moe["n_experts"] * 3 * moe["dim"] * moe["mlp_hidden"]
+    for name, r in rows.items():
+        ep = int(name.split()[0].removeprefix("ep"))
+        assert _times(r["ms"]) and r["expert_params_per_rank"] * ep == every_expert, name
+        assert r["loss_abs_vs_ep1"] <= 1e-5, "every layout trains the same model"
+    assert rows["ep1"]["a2a_bytes_per_step"] == 0 and rows["ep4 torch"]["a2a_bytes_per_step"] is None
+    assert 0 < rows["ep2"]["a2a_bytes_per_step"] < rows["ep4"]["a2a_bytes_per_step"]
+    ratio = rows["ep4 torch"]["torch_ms_over_ours"]
+    assert ratio == pytest.approx(rows["ep4 torch"]["ms"] / rows["ep4"]["ms"])
+    for a in d["all_to_all"]:
+        assert _times(a["direct_ms"], a["pairwise_ms"], a["torch_ms"]) and len(a["send_rank0"]) == 4
+        assert a["ratio_direct"] == pytest.approx(a["torch_ms"] / a["direct_ms"])
+        assert a["bytes_rank0"] == sum(a["send_rank0"]) * moe["dim"] * 4
 
 
 def _check_context(d, tmp_path):
@@ -207,6 +230,7 @@ CHECKS = {
     "checkpoint": _check_checkpoint,
     "collectives": _check_collectives,
     "context": _check_context,
+    "experts": _check_experts,
     "pipeline": _check_pipeline,
     "gpu_throughput": _check_gpu_throughput,
     "step": _check_step,

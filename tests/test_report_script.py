@@ -62,6 +62,7 @@ def test_single_run_summary_names_losses_rollbacks_checkpoints_and_memory(runs, 
     assert "rollback at step 6 -> step 4: loss spike" in text
     assert "checkpoints: 2 saved (every_steps), last at step 8" in text  # step 4 was trusted: not re-saved
     assert "reduce_scatter" in text and "memory at the last step (max / mean over ranks)" in text
+    assert "experts:" not in text and not (tmp_path / "experts.png").exists()  # no experts in this model
     if HAVE_MATPLOTLIB:
         assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -158,3 +159,34 @@ def test_a_log_axis_says_so_and_curves_on_top_of_each_other_stay_distinguishable
     assert fig.axes[0].get_yscale() == "linear" and fig.axes[0].get_ylabel() == "loss"
     assert second.get_label() == "2_ws2 (on 0_ws1's curve)" and first.get_label() == "0_ws1"
     plt.close(fig)
+
+
+def test_a_mixture_of_experts_run_reports_its_tokens_per_expert(tmp_path):
+    run = tmp_path / "moe"
+    tree = {
+        "model": {"family": "mixtral", "n_experts": 4, "capacity_factor": 1.0},
+        "train": {"steps": 6},
+        "checkpoint": {"every_steps": 0},
+        "metrics": {"progress_every": 0},
+    }
+    run_ranks(_train, 1, tree, str(run))
+    import json
+
+    records = [
+        r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "step"
+    ]
+    tokens = [r["expert_tokens"] for r in records]
+    proc = report(run, "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    at = lines.index("experts: 2 blocks x 4 experts; tokens per expert at step 6:")
+    for b in range(2):
+        load = [max(t[b]) / (sum(t[b]) / 4) for t in tokens]
+        assert lines[at + 1 + b] == (
+            f"  block {b}: {tokens[-1][b]}  imbalance (max/mean) first {load[0]:.2f}, "
+            f"last {load[-1]:.2f}, max {max(load):.2f}"
+        )
+    dropped = [sum(r["dropped_tokens"][b] for r in records) for b in range(2)]
+    assert lines[at + 3] == f"  dropped over capacity in 6 steps, per block: {dropped}" and sum(dropped) > 0
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "experts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
