@@ -43,7 +43,7 @@ from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
-from distlib.app.model import families
+from distlib.app.model import experts, families
 from distlib.app.model.attention import ContextSplit, split_context_
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.pipeline_step import PipelineStep, split_model_
@@ -77,12 +77,7 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
         split_context_(model, ContextSplit(mesh.cp, cfg.dist.cp_impl))
     families.join_batch_(model, mesh.batch)  # mixtral: experts' loads counted over the dp x cp ranks
     z, opt = cfg.zero, cfg.optimizer
-    optimizer = make_optimizer(
-        model,
-        mesh.batch,  # gradients average over dp x cp; ZeRO shards there
-        z.stage,
-        opt.adamw,
-        opt.grad_clip,
+    options = dict(
         tp=mesh.tp,
         tp_split=tp_splits,
         param_dtype=cfg.param_dtype,
@@ -91,6 +86,12 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
         grad_accum=cfg.train.grad_accum,
         pp=mesh.pp,
     )
+    if mesh.ep is not None:  # this rank keeps its experts; ZeRO over the dense and expert groups
+        optimizer = experts.expert_parallel_optimizer(
+            model, mesh, z.stage, opt.adamw, opt.grad_clip, **options
+        )
+    else:  # gradients average over dp x cp; ZeRO shards there
+        optimizer = make_optimizer(model, mesh.batch, z.stage, opt.adamw, opt.grad_clip, **options)
     return model, optimizer, chunks, tp_splits
 
 
@@ -108,7 +109,8 @@ class Trainer:
         # run dist.collectives' implementation (the mesh's groups inherit the last two).
         comm = comm.instrumented(check=cfg.dist.check_collectives, collectives=cfg.dist.collectives)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
-        self.mesh = mesh = build_mesh(comm, cfg.dist.tp, cfg.dist.pp, cfg.dist.timeout_s, cp=cfg.dist.cp)
+        d = cfg.dist
+        self.mesh = mesh = build_mesh(comm, d.tp, d.pp, d.timeout_s, cp=d.cp, ep=d.ep)
         self.hooks = hooks = hooks if hooks is not None else StepHooks()
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
         seed_process_rngs(cfg.seed, mesh.dp.rank)
@@ -195,10 +197,7 @@ class Trainer:
             self.log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
         self.log.peak_event(start, self.peak_source)
         if cfg.guard.check_sync_every and not self.replicas.possible:
-            self.checkpointer.say(
-                "guard.check_sync_every: at ZeRO stage 3 with dist.tp=1 no parameter is held by "
-                "two ranks, so the replica check has nothing to compare and does not run"
-            )
+            self.checkpointer.say(f"guard.check_sync_every: {self.replicas.why_not}, so it does not run")
 
     def _finish(self, start: int, result: RunResult) -> None:
         last = result.steps[-1].step if result.steps else start
@@ -288,7 +287,7 @@ class Trainer:
         opt = self.optimizer
         opt.apply_update(lr)
         opt.zero_grad()
-        self.hooks.after_update(step, opt.param_buffer, opt.layout.slots, start=opt.param_buffer_start)
+        self.hooks.after_update(step, opt.param_buffer, opt.param_slots, start=opt.param_buffer_start)
         return lr
 
     def _gather_step_values(

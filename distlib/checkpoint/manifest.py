@@ -79,7 +79,11 @@ def _parallel(manifest: dict, world: int, tp: int, pp: int) -> Layout:
     cp = record.get("cp", 1) if record is not None else 1
     if not _is_int(cp) or cp < 1 or world % (tp * pp * cp):
         raise ManifestProblem(f"parallel: cp {_show(cp)} does not divide world_size {world} / (tp x pp)")
-    layout = Layout.of(world, tp=tp, pp=pp, cp=cp)
+    ep = record.get("ep", 1) if record is not None else 1  # the saving run's; its state does not use it
+    try:
+        layout = Layout.of(world, tp=tp, pp=pp, cp=cp, ep=ep)
+    except (LayoutError, TypeError) as exc:
+        raise ManifestProblem(f"parallel: {exc}") from None
     if record is not None:
         try:
             recorded = Layout.from_dict(record)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distlib.app.config import layout_rules
 from distlib.app.config.groups import (
     BYTE_VOCAB,
     ROTARY,
@@ -70,7 +71,8 @@ class RunConfig(Group):
     @property
     def layout(self) -> Layout:
         """The parallel layout of dist.world_size ranks (distlib/comm/layout.py: the rank order)."""
-        return Layout.of(self.dist.world_size, tp=self.dist.tp, pp=self.dist.pp, cp=self.dist.cp)
+        d = self.dist
+        return Layout.of(d.world_size, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep)
 
     @property
     def dp_size(self) -> int:
@@ -145,8 +147,9 @@ def _check_across(cfg: RunConfig) -> None:
     check_tensor_parallel(m, d.tp)
     _check_batch(cfg)
     _check_pipeline(cfg)
-    _check_context(cfg)
-    _check_sequence(cfg)
+    layout_rules.check_context(cfg)
+    layout_rules.check_sequence(cfg)
+    layout_rules.check_experts(cfg)
     _check_devices(cfg)
     opt = cfg.optimizer
     if opt.warmup_steps + opt.decay_steps > t.steps:
@@ -229,56 +232,6 @@ def _check_pipeline(cfg: RunConfig) -> None:
             f"train.eval_every={cfg.train.eval_every} is not supported with dist.pp={d.pp} "
             f"(the held-out loss runs the whole model on one rank); set train.eval_every=0"
         )
-
-
-def _check_context(cfg: RunConfig) -> None:
-    d, m = cfg.dist, cfg.model
-    if d.cp == 1:
-        return
-    if m.seq_len % (2 * d.cp):
-        raise ConfigError(
-            f"model.seq_len={m.seq_len} must be divisible by 2 x dist.cp = {2 * d.cp} (each context-parallel "
-            f"rank holds two equal chunks)"
-        )
-    heads = m.n_heads // d.tp
-    if d.cp_impl == "alltoall" and heads % d.cp:
-        raise ConfigError(
-            f"dist.cp_impl=alltoall needs the heads per tensor-parallel rank, model.n_heads/dist.tp = "
-            f"{m.n_heads}/{d.tp} = {heads}, divisible by dist.cp={d.cp}; use dist.cp_impl=ring"
-        )
-    if d.cp_impl == "ring" and m.dropout > 0:
-        raise ConfigError(
-            f"model.dropout={m.dropout} is not supported with dist.cp_impl=ring (the ring computes attention "
-            f"blocks itself, without dropout); use dist.cp_impl=alltoall or model.dropout=0"
-        )
-    if cfg.train.eval_every:
-        raise ConfigError(
-            f"train.eval_every={cfg.train.eval_every} is not supported with dist.cp={d.cp} (the held-out "
-            f"loss runs whole sequences)"
-        )
-    if m.capacity_factor is not None:
-        raise ConfigError(
-            f"model.capacity_factor={m.capacity_factor} is not supported with dist.cp={d.cp} (an expert's "
-            f"capacity counts a whole sequence's tokens); set model.capacity_factor=null"
-        )
-
-
-def _check_sequence(cfg: RunConfig) -> None:
-    d, seq = cfg.dist, cfg.model.seq_len
-    if not d.sp:
-        return
-    if d.tp == 1:
-        raise ConfigError("dist.sp=true needs dist.tp > 1 (it splits the sequence over the tp ranks)")
-    if seq % d.tp:
-        raise ConfigError(
-            f"model.seq_len={seq} must be divisible by dist.tp={d.tp} with dist.sp=true (each "
-            f"tensor-parallel rank holds seq_len/tp tokens)"
-        )
-    for name, value in [("dist.pp", d.pp), ("dist.cp", d.cp)]:
-        if value > 1:
-            raise ConfigError(f"dist.sp=true is not supported with {name}={value} yet; set dist.sp=false")
-    if cfg.model.family == "mixtral":  # split_sequence_ would make each expert's w2 reduce-scatter its tokens
-        raise ConfigError("dist.sp=true is not supported with model.family=mixtral yet; set dist.sp=false")
 
 
 def _check_devices(cfg: RunConfig) -> None:

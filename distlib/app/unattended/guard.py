@@ -141,7 +141,13 @@ class ReplicaCheck:
     def __init__(self, every: int, zero_stage: int, mesh, tp_splits: dict, optimizer):
         self.every, self.mesh, self.optimizer = every, mesh, optimizer
         self.split = frozenset(tp_splits)
-        self.possible = zero_stage != 3 or mesh.tp.size > 1
+        self.possible = (zero_stage != 3 or mesh.tp.size > 1) and mesh.ep is None
+        self.why_not = (
+            "under dist.ep the ranks hold different experts (the check compares whole replicas)"
+            if mesh.ep is not None
+            else "at ZeRO stage 3 with dist.tp=1 no parameter is held by two ranks, so the replica "
+            "check has nothing to compare"
+        )
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and self.possible

@@ -85,6 +85,7 @@ class ZeroOptimizer:
         self.bucket_numel, self.grad_accum = bucket_numel, grad_accum
         self.progress = Progress(comm) if overlap else None  # the communication thread's queue
         self.layout = FlatLayout.of(module, comm.size, names)
+        self.param_slots = self.layout.slots  # what ``param_buffer``'s offsets refer to
         self.params = [dict(module.named_parameters())[s.name] for s in self.layout.slots]
         self.device = self.params[0].device
         self.step_count = 0

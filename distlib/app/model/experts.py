@@ -1,0 +1,57 @@
+"""Expert parallelism in the application (``dist.ep``): this rank keeps its experts of every MoE
+block, and its optimizer is ZeRO over two parameter groups (``zero.groups``): the dense parameters
+over the batch ranks, the experts over the ranks holding the same ones, their gradients scaled by
+1/ep (``expert_parallel``). It saves and loads the state a run without expert parallelism holds
+(``zero.expert_state``), so checkpoints do not depend on ep."""
+
+from __future__ import annotations
+
+import torch
+
+from distlib.app.model import families
+from distlib.app.model.layers import CausalLM
+from distlib.comm import collectives
+from distlib.comm.mesh import Mesh
+from distlib.parallel.adamw import AdamWConfig
+from distlib.parallel.expert_parallel import expert_grad_scale, held_experts
+from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.zero.expert_state import DENSE, EXPERTS, ExpertParallelOptimizer, Plan, sub_layout
+from distlib.parallel.zero.groups import GroupedOptimizer, ParamGroup
+
+EXPERTS_AT = ".mlp.experts."  # an expert parameter's name: blocks.<b>.mlp.experts.<e>.<w>.weight
+
+
+def expert_of(name: str) -> int | None:
+    """The expert a parameter belongs to, or None for a dense one."""
+    if EXPERTS_AT not in name:
+        return None
+    return int(name.split(EXPERTS_AT)[1].split(".")[0])
+
+
+def expert_parallel_optimizer(
+    model: CausalLM, mesh: Mesh, stage: int, cfg: AdamWConfig, grad_clip: float, **options
+) -> ExpertParallelOptimizer:
+    """Drop the experts other ranks of ``mesh.ep`` hold from ``model`` (built whole, the same on
+    every rank) and return its optimizer; ``options`` as ``make_optimizer``'s."""
+    ep, batch = mesh.ep, mesh.batch
+    canonical = FlatLayout.of(model, batch.size)  # the whole model: what a checkpoint holds
+    names = [n for n, _ in model.named_parameters()]
+    by_rank = [
+        {n for n in names if expert_of(n) in held_experts(model.cfg.n_experts, ep.size, j)}
+        for j in range(ep.size)
+    ]
+    kept = families.hold_experts_(model, ep)
+    groups = [
+        ParamGroup(DENSE, tuple(n for n in names if expert_of(n) is None), batch),
+        ParamGroup(EXPERTS, kept, mesh.expert_dp, (ep,), expert_grad_scale(ep)),
+    ]
+    grouped = GroupedOptimizer(model, groups, stage, cfg, grad_clip, **options)
+    experts = [sub_layout(canonical, held, mesh.expert_dp.size) for held in by_rank]
+    if experts[ep.rank] != grouped.groups[EXPERTS].layout:
+        raise RuntimeError("the expert group's layout is not the one the checkpoint plan assumes")
+    # every batch rank's place in its expert group and among the ranks holding its experts
+    places = torch.zeros(2 * batch.size, dtype=torch.int64)
+    collectives.all_gather(places, torch.tensor([ep.rank, mesh.expert_dp.rank]), batch)
+    places = [tuple(p) for p in places.view(-1, 2).tolist()]
+    plan = Plan(canonical, grouped.groups[DENSE].layout, experts, places)
+    return ExpertParallelOptimizer(grouped, plan, batch)

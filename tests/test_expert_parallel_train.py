@@ -1,0 +1,164 @@
+"""``dist.ep`` through the real Trainer: a Mixtral whose experts split over ep of the data-parallel
+ranks trains what one rank trains, and its checkpoints are those of a run without experts split.
+
+20 steps of model=mixtral_tiny at ep 2 and 4 over 4 ranks (ZeRO 0-3, overlap, activation
+checkpointing, async saves) and ep 2 over 2 ranks: every step's loss within 1e-5 of world size 1's,
+its aux loss too, and the tokens per expert identical. A checkpoint saved at ep 2 holds the state a
+run without expert parallelism holds (every expert once; it verifies with scripts/ckpt.py and
+consolidates into the ep 2 run's weights bit for bit; its manifest records ep 2) and resumes at
+ep 4, at ep 1 and at ep 2 over 2 ranks, each continuation within 1e-5 of the uninterrupted run in
+that layout. Bad layouts are one line."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from forkrun import run_script
+from multiproc import run_ranks
+from safetensors.torch import load_file
+from trainrun import compose_tree, train_each
+
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.trainer import Trainer
+from distlib.launch.torchrun import use_deterministic_kernels
+
+REL = 1e-5
+BASE = ["model=mixtral_tiny", "train.steps=20", "checkpoint.every_steps=0", "checkpoint.verify_resume=false"]
+BASE += ["metrics.progress_every=0"]
+LAYOUTS = {
+    1: [[]],
+    2: [["dist.ep=2"]],
+    4: [
+        ["dist.ep=2"],
+        ["dist.ep=4", "zero=stage1"],
+        ["dist.ep=2", "zero=stage3", "model.activation_checkpointing=blocks"],
+        ["dist.ep=4", "zero=stage0", "checkpoint.every_steps=5", "checkpoint.async_save=true"],
+        ["dist.ep=2", "zero=stage2", "zero.overlap=true"],
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return {
+        world: run_ranks(
+            train_each,
+            world,
+            [compose_tree([*BASE, *layout, f"dist.world_size={world}"]) for layout in layouts],
+            str(tmp_path_factory.mktemp(f"ep{world}")),
+            timeout_s=600,
+        )[0]
+        for world, layouts in LAYOUTS.items()
+    }
+
+
+@pytest.mark.slow
+def test_every_expert_parallel_layout_trains_to_one_ranks_losses(runs):
+    ref = runs[1][0]
+    assert ref["losses"][-1] < 0.5 * ref["losses"][0]
+    for world in (2, 4):
+        for layout, run in zip(LAYOUTS[world], runs[world]):
+            worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"]))
+            assert len(run["losses"]) == 20 and worst <= REL, (world, layout, worst)
+            for r, want in zip(run["records"], ref["records"]):
+                assert r["expert_tokens"] == want["expert_tokens"], (world, layout, r["step"])
+                assert r["aux_loss"] == pytest.approx(want["aux_loss"], rel=REL), (world, layout)
+
+
+def _save_and_resume(comm, root: str, resume_from: str | None) -> dict:
+    """(resume_from None) save at step 10 at ep 2; resume it at ep 4 and ep 1; the uninterrupted
+    runs. (Given) resume that checkpoint here at ep 2 and run the uninterrupted one."""
+    use_deterministic_kernels()
+    root = Path(root)
+
+    held = {}  # the last run's parameters on this rank (numpy: tensors do not cross the queue)
+
+    def run(name: str, *extra: str) -> list[float]:
+        tree = compose_tree([*BASE, f"dist.world_size={comm.size}", *extra])
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            trainer = Trainer(RunConfig.from_dict(tree), comm, root / name)
+            losses = [s.loss for s in trainer.run().steps]
+        held.update({n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()})
+        return losses
+
+    if resume_from is not None:
+        return {
+            "ep2": (
+                run("whole", "dist.ep=2")[10:],
+                run("resumed", "dist.ep=2", f"checkpoint.resume={resume_from}"),
+            )
+        }
+    run("saved", "dist.ep=2", "checkpoint.every_steps=10", "train.steps=10")
+    ckpt = root / "saved" / "checkpoints" / "step_00000010"
+    out = {"manifest": json.loads((ckpt / "manifest.json").read_text()), "path": str(ckpt)}
+    out["params"] = dict(held)  # this rank's experts and the dense parameters at the save
+    for ep in (4, 1):
+        out[f"ep{ep}"] = (
+            run(f"whole{ep}", f"dist.ep={ep}")[10:],
+            run(f"resumed{ep}", f"dist.ep={ep}", f"checkpoint.resume={ckpt}"),
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_over_two_ranks(tmp_path):
+    ranks = run_ranks(_save_and_resume, 4, str(tmp_path / "four"), None, timeout_s=900)
+    got = ranks[0]
+    manifest = got["manifest"]
+    assert manifest["parallel"]["ep"] == 2 and manifest["world_size"] == 4
+    # the state of a run without expert parallelism: every expert of every block, once
+    names = [p["name"] for p in manifest["layout"]["params"]]
+    assert sum(".mlp.experts." in n for n in names) == 4 * 8 * 3 and len(set(names)) == len(names)
+    proc = run_script("scripts/ckpt.py", "verify", got["path"])
+    assert proc.returncode == 0, proc.stderr
+    # consolidated, it is the ep 2 run's weights at the save, bit for bit: each expert from a rank
+    # that held it
+    proc = run_script("scripts/ckpt.py", "consolidate", got["path"], str(tmp_path / "whole"))
+    assert proc.returncode == 0, proc.stderr
+    weights = load_file(tmp_path / "whole" / "model.safetensors")
+    assert sorted(weights) == sorted(names)
+    held = {}
+    for r in ranks:
+        held.update(r["params"])
+    assert sorted(held) == sorted(names) and sum(len(r["params"]) for r in ranks) > len(names)
+    for n in names:
+        assert torch.equal(weights[n], torch.from_numpy(held[n])), n
+    got.update(run_ranks(_save_and_resume, 2, str(tmp_path / "two"), got["path"], timeout_s=900)[0])
+    for name in ("ep4", "ep1", "ep2"):
+        whole, resumed = got[name]
+        assert len(whole) == len(resumed) == 10, name
+        worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, whole))
+        assert worst <= REL, f"resumed at {name}: {worst:.2e} from the uninterrupted run"
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ["model=llama", "dist.ep=2"],
+            "dist.ep=2 needs a model with experts (model.family=mixtral), not llama",
+        ),
+        (
+            ["model=mixtral_tiny", "dist.ep=4", "model.n_experts=6"],
+            "dist.ep=4 must divide model.n_experts=6",
+        ),
+        (
+            ["model=mixtral_tiny", "dist.ep=3"],
+            "invalid parallel layout: dist.ep=3 must divide the batch ranks",
+        ),
+        (
+            ["model=mixtral_tiny", "dist.ep=2", "dist.tp=2", "dist.world_size=4"],
+            "dist.ep=2 is not supported with dist.tp=2 yet",
+        ),
+        (["model=mixtral_tiny", "dist.ep=0"], "dist.ep must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_expert_layouts_are_one_line(overrides, line):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(compose_tree(overrides))
+    assert str(err.value).startswith(line) and "\n" not in str(err.value), err.value
