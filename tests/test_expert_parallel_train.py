@@ -4,11 +4,12 @@ ranks trains what one rank trains, and its checkpoints are those of a run withou
 20 steps of model=mixtral_tiny at ep 2 and 4 over 4 ranks (ZeRO 0-3, overlap, activation
 checkpointing, async saves) and ep 2 over 2 ranks: every step's loss within 1e-5 of world size 1's,
 its aux loss too, and the tokens per expert identical. A checkpoint saved at ep 2 holds the state a
-run without expert parallelism holds (every expert once; it verifies with scripts/ckpt.py and
-consolidates into the ep 2 run's weights bit for bit; its manifest records ep 2) and resumes at
-ep 4, at ep 1 and at ep 2 over 2 ranks, each continuation within 1e-5 of the uninterrupted run in
-that layout. With tensor parallelism, gradient accumulation, bf16 and model.init_from (below, each
-against what it can be held to). Bad layouts are one line."""
+run without expert parallelism holds (every expert once; it verifies with scripts/ckpt.py,
+consolidates into the ep 2 run's weights bit for bit, and exports to a directory transformers'
+Mixtral runs with our logits; its manifest records ep 2) and resumes at ep 4, at ep 1 and at ep 2
+over 2 ranks, each continuation within 1e-5 of the uninterrupted run in that layout. With tensor
+parallelism, gradient accumulation, bf16 and model.init_from (below, each against what it can be
+held to). Bad layouts are one line."""
 
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_over_two_ranks(tmp_pat
     assert sorted(held) == sorted(names) and sum(len(r["params"]) for r in ranks) > len(names)
     for n in names:
         assert torch.equal(weights[n], torch.from_numpy(held[n])), n
+    _transformers_runs_the_export(got["path"], weights, manifest, tmp_path)
     got.update(run_ranks(_save_and_resume, 2, str(tmp_path / "two"), got["path"], timeout_s=900)[0])
     for name in ("ep4", "ep1", "ep2"):
         whole, resumed = got[name]
@@ -161,6 +163,26 @@ def test_bad_expert_layouts_are_one_line(overrides, line):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(compose_tree(overrides))
     assert str(err.value).startswith(line) and "\n" not in str(err.value), err.value
+
+
+def _transformers_runs_the_export(ckpt: str, weights: dict, manifest: dict, tmp_path: Path) -> None:
+    """scripts/export_hf.py writes the ep 2 checkpoint as a directory MixtralForCausalLM loads,
+    whose logits are our model's with the consolidated weights."""
+    from family_models import max_diff, quiet_transformers, tokens
+
+    from distlib.app.config.groups import ModelConfig
+    from distlib.app.model import families
+
+    transformers = quiet_transformers()
+    proc = run_script("scripts/export_hf.py", ckpt, str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    cfg = ModelConfig(**manifest["model"])
+    ours = families.build(cfg, 0)
+    ours.load_state_dict(weights)
+    x = tokens(cfg, 2, cfg.seq_len, 5)
+    with torch.no_grad():
+        assert max_diff(hf.eval()(input_ids=x).logits, ours.eval()(x)) <= 1e-5
 
 
 # Accumulation (each micro-batch's load-balancing term, counted over the batch ranks' micro-batch)
