@@ -23,7 +23,7 @@ import torch
 from forkrun import run_script
 from multiproc import run_ranks
 from safetensors.torch import load_file
-from trainrun import compose_tree, train_each
+from trainrun import compose_tree, train_each, train_worlds
 
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.trainer import Trainer
@@ -45,16 +45,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {
-        world: run_ranks(
-            train_each,
-            world,
-            [compose_tree([*BASE, *layout, f"dist.world_size={world}"]) for layout in layouts],
-            str(tmp_path_factory.mktemp(f"ep{world}")),
-            timeout_s=600,
-        )[0]
-        for world, layouts in LAYOUTS.items()
-    }
+    return train_worlds(BASE, LAYOUTS, tmp_path_factory.mktemp("ep"))
 
 
 @pytest.mark.slow
@@ -186,15 +177,15 @@ def _transformers_runs_the_export(ckpt: str, weights: dict, manifest: dict, tmp_
 
 
 # Accumulation (each micro-batch's load-balancing term, counted over the batch ranks' micro-batch)
-# against ep 1 on the same ranks, which groups the samples into micro-batches alike. bf16: its first
-# step against world size 1's fp32 one within bf16 precision, and it trains; no 20-step bound, as a
-# bf16 rounding flips near-tied top-k choices (measured: one rank's own bf16 run is 6% from its fp32
-# run by step 20, ep 4's 9.5%).
+# against ep 1 on the same ranks, which groups the samples into micro-batches alike, over 10 steps.
+# bf16: its first step against world size 1's fp32 one within bf16 precision, and 10 steps train;
+# no longer bound, as a bf16 rounding flips near-tied top-k choices (measured: one rank's own bf16
+# run is 6% from its fp32 run by step 20, ep 4's 9.5%).
 BF16_REL = 0.01
 MORE = [
-    ["dist.ep=1", "train.grad_accum=2"],
-    ["dist.ep=2", "train.grad_accum=2"],
-    ["dist.ep=4", "train.dtype=bf16", "zero=stage3"],
+    ["dist.ep=1", "train.grad_accum=2", "train.steps=10"],
+    ["dist.ep=2", "train.grad_accum=2", "train.steps=10"],
+    ["dist.ep=4", "train.dtype=bf16", "zero=stage3", "train.steps=10"],
 ]
 
 
@@ -214,7 +205,7 @@ def test_accumulation_and_bf16_under_expert_parallelism(runs, tmp_path):
     ]
     first, fp32 = bf16["losses"][0], runs[1][0]["losses"][0]
     assert 0 < abs(first - fp32) / fp32 <= BF16_REL, (first, fp32)
-    assert bf16["losses"][-1] < 0.5 * first
+    assert len(bf16["losses"]) == 10 and bf16["losses"][-1] < 0.75 * first
 
 
 def _first_loss(comm, tree: dict, run_dir: str) -> float:

@@ -72,10 +72,13 @@ def hf(tmp_path_factory) -> dict[str, Path]:
     )  # fmt: skip
     mistral = root / "mistral"  # a family we do not convert (its sliding-window attention)
     transformers.MistralConfig(hidden_size=32, num_hidden_layers=1).save_pretrained(mistral)
+    mixtral = root / "mixtral"  # (its config alone: the family is refused before any weight is read)
+    transformers.MixtralConfig(hidden_size=32, num_hidden_layers=1).save_pretrained(mixtral)
     return {
         "llama": _save(llama, root / "llama", 1),
         "gpt2": _save(gpt2, root / "gpt2", 2),
         "mistral": mistral,
+        "mixtral": mixtral,
     }
 
 
@@ -162,6 +165,10 @@ def test_a_key_set_against_the_directory_is_one_line(hf, tmp_path):
     assert _refused(hf["gpt2"], tmp_path, "model=llama") == [
         f"config error: model.init_from={hf['gpt2']} holds a gpt2 model but model.family=llama; leave the "
         f"family out (no model=... nor model.family=...) to take the directory's"
+    ]
+    assert _refused(hf["mixtral"], tmp_path, "model=llama") == [
+        f"config error: model.init_from={hf['mixtral']} holds a mixtral model but model.family=llama; leave "
+        f"the family out (no model=... nor model.family=...) to take the directory's"
     ]
     assert _refused(hf["mistral"], tmp_path, "model=llama") == [
         f"config error: model.init_from={hf['mistral']}: model_type 'mistral' is not supported (only "

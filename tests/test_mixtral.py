@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from family_models import built, max_diff, perturb_, quiet_transformers, tokens
 from forkrun import run_script
 from multiproc import run_ranks
-from trainrun import compose_tree, train_each
+from trainrun import compose_tree, train_each, train_worlds
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
@@ -336,16 +336,7 @@ _train = train_each
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{world size: [rank 0's view of each layout]}: one run_ranks call per world size."""
-    return {
-        world: run_ranks(
-            _train,
-            world,
-            [compose_tree([*BASE, *layout, f"dist.world_size={world}"]) for layout in layouts],
-            str(tmp_path_factory.mktemp(f"mixtral{world}")),
-            timeout_s=600,
-        )[0]
-        for world, layouts in LAYOUTS.items()
-    }
+    return train_worlds(BASE, LAYOUTS, tmp_path_factory.mktemp("mixtral"))
 
 
 @pytest.mark.slow

@@ -15,8 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 from family_models import max_diff, perturb_
-from multiproc import run_ranks
-from trainrun import compose_tree, train_each
+from trainrun import compose_tree, train_worlds
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
@@ -107,16 +106,7 @@ LAYOUTS = {1: [[]], 2: [["zero=stage1"], ["zero=stage3", "model.activation_check
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {
-        world: run_ranks(
-            train_each,
-            world,
-            [compose_tree([*BASE, *layout, f"dist.world_size={world}"]) for layout in layouts],
-            str(tmp_path_factory.mktemp(f"capacity{world}")),
-            timeout_s=600,
-        )[0]
-        for world, layouts in LAYOUTS.items()
-    }
+    return train_worlds(BASE, LAYOUTS, tmp_path_factory.mktemp("capacity"))
 
 
 @pytest.mark.slow

@@ -62,3 +62,20 @@ def train_each(comm, trees: list[dict], run_dir: str) -> list[dict]:
             }
         )
     return out
+
+
+def train_worlds(base: list[str], layouts: dict[int, list[list[str]]], root: Path) -> dict[int, list[dict]]:
+    """{world size: rank 0's view of each layout (``train_each``'s)}: ``base`` plus each layout's
+    overrides at that world size, one run_ranks call per world size, in ``root``/ws<N>."""
+    from multiproc import run_ranks
+
+    return {
+        world: run_ranks(
+            train_each,
+            world,
+            [compose_tree([*base, *layout, f"dist.world_size={world}"]) for layout in group],
+            str(Path(root) / f"ws{world}"),
+            timeout_s=600,
+        )[0]
+        for world, group in layouts.items()
+    }
