@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from trainrun import compose_tree, train_each, train_worlds
 
 from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.observe import summary
 from distlib.app.trainer import Trainer
 from distlib.launch.torchrun import use_deterministic_kernels
 
@@ -73,9 +74,10 @@ def _save_and_resume(comm, root: str, resume_from: str | None) -> dict:
         tree = compose_tree([*BASE, f"dist.world_size={comm.size}", *extra])
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             trainer = Trainer(RunConfig.from_dict(tree), comm, root / name)
-            losses = [s.loss for s in trainer.run().steps]
+            result = trainer.run()
         held.update({n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()})
-        return losses
+        held["memory table"] = summary.memory_table(result, trainer.cfg.zero.stage)
+        return [s.loss for s in result.steps]
 
     if resume_from is not None:
         return {
@@ -87,6 +89,7 @@ def _save_and_resume(comm, root: str, resume_from: str | None) -> dict:
     run("saved", "dist.ep=2", "checkpoint.every_steps=10", "train.steps=10")
     ckpt = root / "saved" / "checkpoints" / "step_00000010"
     out = {"manifest": json.loads((ckpt / "manifest.json").read_text()), "path": str(ckpt)}
+    out["table"] = held.pop("memory table")
     out["params"] = dict(held)  # this rank's experts and the dense parameters at the save
     for ep in (4, 1):
         out[f"ep{ep}"] = (
@@ -102,6 +105,11 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_over_two_ranks(tmp_pat
     got = ranks[0]
     manifest = got["manifest"]
     assert manifest["parallel"]["ep"] == 2 and manifest["world_size"] == 4
+    # the memory table: measured bytes within each group's formula, the groups named
+    table = got["table"].splitlines()
+    assert "P and N of each group" in table[0]
+    assert table[1].startswith("  formula: params dense 4P + experts 4P")
+    assert [row.split()[-1] for row in table[3:7]] == ["yes"] * 4, got["table"]
     # the state of a run without expert parallelism: every expert of every block, once
     names = [p["name"] for p in manifest["layout"]["params"]]
     assert sum(".mlp.experts." in n for n in names) == 4 * 8 * 3 and len(set(names)) == len(names)

@@ -60,9 +60,16 @@ def memory_table(result: RunResult, stage: int) -> str:
     n = len(result.memory)
     first = result.memory[0]
     formula = first.get("formula", {})
+    # under dist.ep two groups, each with its own P and N (the formula names them)
+    grouped = str(formula.get("params", "")).startswith("dense ")
+    sizes = (
+        "P and N of each group: the dense parameters over the batch ranks, the experts over the ranks "
+        "holding them"
+        if grouped
+        else f"P={result.numel} parameters per rank, N = data-parallel ranks"
+    )
     lines = [
-        f"memory per rank: peak bytes of the live tensors, ZeRO stage {stage}, P={result.numel} parameters "
-        f"per rank, N = data-parallel ranks",
+        f"memory per rank: peak bytes of the live tensors, ZeRO stage {stage}, {sizes}",
         f"  formula: params {formula.get('params', '?')}, grads {formula.get('grads', '?')}, "
         f"optimizer {formula.get('optimizer', '?')}",
         f"{'rank':>4}  {'params B':>9} {'formula':>9}  {'grads B':>9} {'formula':>9}  "
