@@ -2,14 +2,14 @@
 ranks trains what one rank trains, and its checkpoints are those of a run without experts split.
 
 20 steps of model=mixtral_tiny at ep 2 and 4 over 4 ranks (ZeRO 0-3, overlap, activation
-checkpointing, async saves) and ep 2 over 2 ranks: every step's loss within 1e-5 of world size 1's,
-its aux loss too, and the tokens per expert identical. A checkpoint saved at ep 2 holds the state a
-run without expert parallelism holds (every expert once; it verifies with scripts/ckpt.py,
-consolidates into the ep 2 run's weights bit for bit, and exports to a directory transformers'
-Mixtral runs with our logits; its manifest records ep 2) and resumes at ep 4, at ep 1 and at ep 2
-over 2 ranks, each continuation within 1e-5 of the uninterrupted run in that layout. With tensor
-parallelism, gradient accumulation, bf16 and model.init_from (below, each against what it can be
-held to). Bad layouts are one line."""
+checkpointing, async saves, context parallelism) and ep 2 over 2 ranks: every step's loss within
+1e-5 of world size 1's, its aux loss too, and the tokens per expert identical. A checkpoint saved at
+ep 2 holds the state a run without expert parallelism holds (every expert once; it verifies with
+scripts/ckpt.py, consolidates into the ep 2 run's weights bit for bit, and exports to a directory
+transformers' Mixtral runs with our logits; its manifest records ep 2) and resumes at ep 4, at ep 1
+and at ep 2 over 2 ranks, each continuation within 1e-5 of the uninterrupted run in that layout.
+With tensor parallelism, gradient accumulation, bf16 and model.init_from (below, each against what
+it can be held to). Bad layouts are one line."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ LAYOUTS = {
     4: [
         ["dist.ep=4", "zero=stage0", "checkpoint.every_steps=5", "checkpoint.async_save=true"],
         ["dist.ep=2", "zero=stage3", "model.activation_checkpointing=blocks"],
+        ["dist.cp=2", "dist.ep=4", "zero=stage3"],  # the expert group spans dp x cp
         ["dist.ep=4", "zero=stage2", "zero.overlap=true"],
     ],
 }
@@ -152,8 +153,8 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_over_two_ranks(tmp_pat
             "invalid parallel layout: dist.ep=3 must divide the batch ranks",
         ),
         (
-            ["model=mixtral_tiny", "dist.ep=2", "dist.cp=2", "dist.world_size=4"],
-            "dist.ep=2 is not supported with dist.cp=2 yet",
+            ["model=mixtral_tiny", "dist.ep=2", "dist.cp=2", "model.capacity_factor=1.0"],
+            "model.capacity_factor=1.0 is not supported with dist.cp=2",
         ),
         (["model=mixtral_tiny", "dist.ep=0"], "dist.ep must be an integer >= 1, got 0"),
     ],

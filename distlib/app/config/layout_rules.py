@@ -68,6 +68,3 @@ def check_experts(cfg) -> None:
             f"dist.ep={d.ep} must divide model.n_experts={m.n_experts} (each rank of an expert group holds "
             f"n_experts / ep of every block's experts)"
         )
-    for name, value in [("dist.cp", d.cp)]:
-        if value > 1:
-            raise ConfigError(f"dist.ep={d.ep} is not supported with {name}={value} yet; set dist.ep=1")
