@@ -291,8 +291,8 @@ def test_contract_shapes_and_zero3_units():
         (["model.n_experts=0"], "model.n_experts must be an integer >= 1, got 0"),
         (["model=llama", "model.n_experts=4"], "model.n_experts=4 does not apply to model.family=llama"),
         (
-            ["dist.world_size=2", "dist.pp=2", "train.grad_accum=2"],
-            "model.family=mixtral is not supported with dist.pp=2 yet",
+            ["dist.world_size=2", "dist.pp=2", "train.grad_accum=2", "model.tie_embeddings=true"],
+            "model.tie_embeddings=true is not supported with dist.pp=2",
         ),
         (
             ["dist.world_size=2", "dist.tp=2", "dist.sp=true"],
@@ -317,8 +317,12 @@ def test_train_py_refuses_before_any_worker(tmp_path):
 
 # -- training ------------------------------------------------------------------------------------------
 
-BASE = ["model=mixtral_tiny", "train.steps=20", "checkpoint.every_steps=0", "checkpoint.verify_resume=false"]
-BASE += ["metrics.progress_every=0"]
+# Seed 10: the default seed's run has a token at step 11 whose second and third router probabilities
+# are 4.5e-8 apart, within rounding, which cp 2 sends to the other expert on some machines (AMD
+# EPYC, AVX-512: 3% apart by step 20); seed 10's smallest margin is 3.3e-6 (tests/test_moe_pipeline.py
+# measures it).
+BASE = ["model=mixtral_tiny", "seed=10", "train.steps=20", "checkpoint.every_steps=0"]
+BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
 LAYOUTS = {
     1: [[]],
     2: [

@@ -47,6 +47,7 @@ from distlib.app.model import experts, families
 from distlib.app.model.attention import ContextSplit, split_context_
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.pipeline_step import PipelineStep, split_model_
+from distlib.app.model.routing_count import RoutingCount
 from distlib.app.observe import throughput
 from distlib.app.observe.activations import ActivationMeter
 from distlib.app.observe.memory import memory_report
@@ -119,6 +120,9 @@ class Trainer:
         self.model, self.optimizer, chunks, splits = build(cfg, comm, mesh, self.device, cfg.seed)
         model, optimizer = self.model, self.optimizer
         self.pipeline = chunks and PipelineStep(cfg, mesh, model, chunks, self.device)
+        # mixtral over micro-batches or stages: each step's routing is counted before its forwards
+        self.routing = RoutingCount(model, mesh, self.pipeline, cfg.train.grad_accum, self.device)
+        self.routing = self.routing if RoutingCount.needed(cfg) else None
         hooks.check_model(optimizer.layout.slots)
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
         self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)
@@ -267,6 +271,7 @@ class Trainer:
         """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
         float64 scalar on the device."""
         batches = self.data.held_batches(step, self.mesh.dp.rank, self.mesh.cp, self.device)
+        self.routing and self.routing.count(batches)
         if self.pipeline:
             return self.pipeline.run(batches)
         self.model.train()

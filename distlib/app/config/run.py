@@ -216,11 +216,6 @@ def _check_pipeline(cfg: RunConfig) -> None:
             f"dist.pp_schedule=interleaved needs train.grad_accum (micro-batches, "
             f"{cfg.train.grad_accum}) to be a multiple of dist.pp={d.pp}"
         )
-    if cfg.model.family == "mixtral":
-        raise ConfigError(
-            f"model.family=mixtral is not supported with dist.pp={d.pp} yet: its load-balancing loss counts "
-            f"the tokens of every block, which would be on other stages; set dist.pp=1"
-        )
     if cfg.model.tie_embeddings:
         raise ConfigError(
             f"model.tie_embeddings=true is not supported with dist.pp={d.pp}: the first stage's embedding "

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 
+import torch.nn as nn
+
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import check_tensor_parallel
-from distlib.app.model import gpt2, llama, minigpt, mixtral
+from distlib.app.model import gpt2, llama, minigpt, mixtral, moe
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.comm.group import Comm
 from distlib.parallel.sequence_parallel import SequenceSplit, split_sequence_
@@ -80,9 +82,16 @@ def hold_experts_(model: CausalLM, ep: Comm) -> tuple[str, ...]:
     returns the names of the expert parameters kept (the others' gradients are averaged apart)."""
     if not isinstance(model, mixtral.Mixtral):
         raise ValueError(f"expert parallelism needs a model with experts, not {model.cfg.family}")
-    for block in model.blocks:
-        block.mlp.hold_experts_(ep)
+    for _, layer in moe_blocks(model):
+        layer.hold_experts_(ep)
     return tuple(n for n, _ in model.named_parameters() if ".mlp.experts." in n)
+
+
+def moe_blocks(model: CausalLM) -> list[tuple[int, moe.MoE]]:
+    """(block index in the whole model, its MoE) for each block this rank holds (a pipeline stage
+    keeps its blocks in a ModuleDict by index)."""
+    blocks = model.blocks.items() if isinstance(model.blocks, nn.ModuleDict) else enumerate(model.blocks)
+    return [(int(i), b.mlp) for i, b in blocks if isinstance(b.mlp, moe.MoE)]
 
 
 def param_count(cfg: ModelConfig) -> int:

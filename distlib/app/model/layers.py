@@ -92,6 +92,11 @@ class CausalLM(nn.Module):
         forwards (mixtral: its routing); nothing here."""
         return {}
 
+    def train_loss(self, ce: torch.Tensor) -> torch.Tensor:
+        """A training micro-batch's loss from its cross-entropy (the pipeline's last stage computes the
+        cross-entropy itself); mixtral may add its load-balancing loss; here ``ce`` itself."""
+        return ce
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(hidden))
 

@@ -6,16 +6,19 @@ attention, final RMSNorm, LM head without bias) with each block's SwiGLU MLP rep
 mixture of ``model.n_experts`` SwiGLU experts, each token sent to ``model.top_k`` of them
 (``moe.MoE``). In training, with targets, the loss is the cross-entropy plus
 ``model.router_aux_loss_coef`` x the load-balancing loss of every block's routing
-(``moe.balance``), as transformers' loss with ``output_router_logits=True``: each micro-batch's
-own (with ``train.grad_accum`` > 1 the step's loss is not the whole batch's, as in transformers'
-Trainer; the pipeline, whose stages would each hold some blocks' routing, is refused). In eval
-mode (the held-out loss) it is the cross-entropy alone: the balance term regularises training and
-says nothing of the text.
+(``moe.balance``), as transformers' loss with ``output_router_logits=True``, always the whole
+step's batch: with one micro-batch and no pipeline, counted in the forward; with
+``train.grad_accum`` > 1 or ``dist.pp`` > 1, whose forwards each see a part of the routing, counted
+by a forward without gradients first (``routing_count``; ``step_balance`` then holds the counts,
+each block charges its share of the loss to the backward and the forward adds the step's value).
+In eval mode (the held-out loss) it is the cross-entropy alone: the balance term regularises
+training and says nothing of the text.
 
 Each training forward keeps the batch's load-balancing loss and tokens per expert and block
-(``routing_log``); ``step_fields`` turns the last micro-batches' into the step record's
-``aux_loss`` and ``expert_tokens``. ``batch``, when set (``families.join_batch_``), is the group
-over which the routing is counted (dp x cp); unset, one rank's tokens.
+(``routing_log``; counted first: one entry per step); ``step_fields`` turns the last
+micro-batches' into the step record's ``aux_loss`` and ``expert_tokens``. ``batch``, when set
+(``families.join_batch_``), is the group over which the routing is counted (dp x cp); unset, one
+rank's tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Mixtral(CausalLM):
         self.batch: Comm | None = None
         # per training forward: [load-balancing loss, tokens per (block, expert)...], float64
         self.routing_log: deque[torch.Tensor] = deque(maxlen=LOG_LENGTH)
+        self.step_balance: moe.StepBalance | None = None  # set by routing_count (each block holds it too)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
@@ -65,6 +69,8 @@ class Mixtral(CausalLM):
         out = super().forward(tokens, targets, positions)
         if targets is None or not self.training:
             return out
+        if self.step_balance is not None:  # the blocks charged their shares to the backward
+            return self.train_loss(out)
         dropped = [b.mlp.last_dropped for b in self.blocks] if self.cfg.capacity_factor is not None else None
         found = moe.balance(
             [b.mlp.last_routing for b in self.blocks], self.cfg.n_experts, self.batch, dropped
@@ -73,6 +79,14 @@ class Mixtral(CausalLM):
         self.routing_log.append(torch.cat(kept))
         # transformers adds coef x aux to the cross-entropy in the same order: loss += coef * aux
         return out + self.cfg.router_aux_loss_coef * found.loss
+
+    def train_loss(self, ce: torch.Tensor) -> torch.Tensor:
+        """A training micro-batch's loss from its cross-entropy when the step's routing was counted
+        first: plus coef x the step's load-balancing loss, a value (its gradient is charged by the
+        blocks); the micro-batches' mean is then the whole batch's loss."""
+        if self.step_balance is None:
+            return ce
+        return ce + self.cfg.router_aux_loss_coef * self.step_balance.value
 
     def step_fields(self, micro_batches: int) -> dict:
         """The step record's MoE fields from the last ``micro_batches`` training forwards (older
@@ -85,7 +99,7 @@ class Mixtral(CausalLM):
             return {}
         rows = torch.stack(kept).tolist()  # one read of the device
         sums = [sum(r[1 + i] for r in rows) for i in range(len(rows[0]) - 1)]
-        e, blocks = self.cfg.n_experts, len(self.blocks)
+        e, blocks = self.cfg.n_experts, self.cfg.n_layers  # every block's, on a pipeline stage too
         fields = {
             "aux_loss": sum(r[0] for r in rows) / len(rows),
             "expert_tokens": [[round(c) for c in sums[b * e : (b + 1) * e]] for b in range(blocks)],

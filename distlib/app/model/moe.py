@@ -37,6 +37,12 @@ the counts over dp x cp per forward), and each rank's term uses its own tokens' 
 terms average to the loss of the batch they share, and so do their gradients. Every layout then
 trains what one rank would on the whole micro-batch (tests/test_mixtral.py: world size 2 within
 1e-5 of world size 1).
+
+``StepBalance``: the same loss over a step of several micro-batches or pipeline stages, whose
+counts one forward cannot see (``routing_count`` counts them first). Each block's share of it,
+n_experts x sum_e f_e x (its probability sums / the rank's rows of every block), enters the
+backward at the block's output (``charge``): the shares of every block and micro-batch add up to
+the whole batch's loss, whichever stage holds the block.
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ class MoE(nn.Module):
         self.last_counts: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None  # with a capacity: assignments dropped, () int64
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.step_balance: StepBalance | None = None  # the step's counts, when counted first
+        self.tally: list | None = None  # while they are counted: (rows, counts, prob sums, dropped)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids (tokens, k) int64, routing weights (tokens, k) float32, router probabilities
@@ -121,10 +129,18 @@ class MoE(nn.Module):
             self.last_dropped = (~kept).sum()
             ids = torch.where(kept, ids, self.n_experts)
             counts = F.one_hot(ids, self.n_experts + 1).sum(dim=(0, 1))[: self.n_experts]
+        if self.tally is not None:
+            self.tally.append((flat.shape[0], self.last_counts, probs.sum(dim=0), self.last_dropped))
         out = torch.zeros_like(flat)
         if self.ep is not None:
             self._forward_over_ranks(flat, ids, counts, weights, out)
-            return out.view(x.shape)
+        else:
+            self._forward_here(flat, ids, counts, weights, out)
+        if self.step_balance is not None and torch.is_grad_enabled():
+            out = self.step_balance.charge(out, probs)
+        return out.view(x.shape)
+
+    def _forward_here(self, flat, ids, counts, weights, out: torch.Tensor) -> None:
         # One read of the counts (a device sync, as transformers' own loop takes) gives every
         # expert's share.
         plan = self.dispatch(ids, counts.tolist())
@@ -133,7 +149,6 @@ class MoE(nn.Module):
             # gradient on every rank, as ZeRO's gradient buckets (one per block at stage 3) wait for.
             token, slot = plan.rows(e)
             self.combine(out, token, slot, weights, expert(flat[token]))
-        return out.view(x.shape)
 
     def within_capacity(self, ids: torch.Tensor, groups: int) -> torch.Tensor:
         """(tokens, top_k) bool: the assignments that fit their expert's capacity, GShard's way.
@@ -205,3 +220,35 @@ def balance(
         fraction * packed[1 + blocks * n_experts : probs_end].view(blocks, n_experts).sum(dim=0) / total
     ).sum()
     return Balance(loss, value * n_experts, counts, packed[probs_end:] if dropped is not None else None)
+
+
+@dataclass(frozen=True)
+class StepBalance:
+    """A step's load-balancing loss, counted over all of its micro-batches, blocks and batch ranks
+    before its forwards (``routing_count``)."""
+
+    fraction: torch.Tensor  # (n_experts,) float32: f, every block's counts over the batch's rows
+    blocks: int  # the model's MoE blocks (n_layers), on every stage
+    weight: float  # the gradient each share gets: router_aux_loss_coef / the step's micro-batches
+    value: float  # the step's loss, as ``balance``'s ``value``
+
+    def charge(self, out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """``out`` unchanged, with this block's share of the loss (from ``probs``, its router
+        probabilities) entering the backward with ``weight``."""
+        rows = self.blocks * probs.shape[0]  # this rank's rows of every block in this micro-batch
+        share = (self.fraction * (probs.sum(dim=0) / rows)).sum() * len(self.fraction)
+        return _Charge.apply(out, share, self.weight)
+
+
+class _Charge(torch.autograd.Function):
+    """Identity on x; backward also gives ``share`` the gradient ``weight``, as if ``weight x
+    share`` had been added to the loss (the loss itself is on another stage, or added as a value)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, share: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None

@@ -53,7 +53,7 @@ class PipelineStep:
             self.chunks,
             self.mesh.pp,
             feed=lambda i: micro[i][0],
-            loss_fn=lambda i, logits: lm_loss(logits, micro[i][1]),
+            loss_fn=lambda i, logits: self.model.train_loss(lm_loss(logits, micro[i][1])),
             act_shape=(*micro[0][0].shape, self.model.cfg.dim),
             act_dtype=self.dtype,
             device=self.device,
@@ -62,6 +62,21 @@ class PipelineStep:
         )
         self.peak = max(self.peak, self.recorder.peak_bytes)
         return loss
+
+    def forward_only(self, batches) -> None:
+        """This rank's forwards of the step's schedule without gradients or a loss (the routing
+        count's: ``routing_count``)."""
+        micro = list(batches)
+        executor.forward_only(
+            self.plan,
+            self.chunks,
+            self.mesh.pp,
+            feed=lambda i: micro[i][0],
+            act_shape=(*micro[0][0].shape, self.model.cfg.dim),
+            act_dtype=self.dtype,
+            device=self.device,
+            positions=None if micro[0][2] is None else lambda i: micro[i][2],
+        )
 
     @property
     def activation_peak(self) -> int:

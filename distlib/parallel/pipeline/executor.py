@@ -183,3 +183,38 @@ def run(
 def x_needs_grad(t: Tensor) -> bool:
     """A received activation carries a gradient back only if it is floating point."""
     return t.is_floating_point()
+
+
+def forward_only(
+    plan: list[list[Action]],
+    chunks: list[nn.Module],
+    comm: Comm,
+    *,
+    feed: Callable[[int], Tensor],
+    act_shape,
+    act_dtype: torch.dtype,
+    device,
+    positions: Callable[[int], Tensor] | None = None,
+) -> None:
+    """Every forward of ``plan[comm.rank]``, in its order, without a graph or a loss (arguments as
+    ``run``'s): what a model's modules see of the step's forwards before it runs. The forward
+    actions of a plan, taken alone, are still deadlock-free: each waits only for its input, which
+    an earlier forward of the same (acyclic) order sends, and sends never block."""
+    P, me, v = comm.size, comm.rank, len(chunks)
+    forwards = [[a for a in actions if a.kind == "F"] for actions in plan]
+    p2p = P2P("pipeline", comm)
+    mail = _Mailbox(forwards, me, P, v, p2p, act_shape, act_dtype, device)
+    sends = []
+    with torch.no_grad():
+        for a in forwards[me]:
+            need = schedule.messages_in(a, me, P, v)
+            x = feed(a.micro) if need is None else mail.get(need, schedule.place_of(need[2], P)[0])
+            y = chunks[a.chunk](x) if positions is None else chunks[a.chunk](x, positions(a.micro))
+            out = schedule.message_out(a, me, P, v)
+            if out is None:
+                continue
+            if (to := schedule.destination(out, P)) == me:
+                mail.put_local(out, y)
+            else:
+                sends.append((p2p.send(y.contiguous(), to), y))
+    p2p.wait(*(h for h, _ in sends))

@@ -1,0 +1,91 @@
+"""The load-balancing loss of a whole step when no one forward sees it (mixtral, with
+``train.grad_accum`` > 1 or ``dist.pp`` > 1).
+
+Transformers' loss is n_experts x sum_e f_e x P_e over every block's rows of the batch, f_e the
+fraction of the assignments that went to expert e. A micro-batch's forward sees only its own
+tokens, and a pipeline stage only its own blocks; adding each one's own loss (what transformers'
+Trainer does under accumulation) is another loss, and on a pipeline there is none to add. f carries
+no gradient, though, and the loss is linear in the probabilities: knowing f before the step's
+forwards, each block's rows can charge their share of the gradient where they are
+(``moe.StepBalance``). So ``RoutingCount.count`` runs the step's micro-batches forward once
+without gradients (on a pipeline, every stage's forwards of the schedule, in its order), each
+block tallying its routing; one all-reduce over the batch ranks and one over the stages give every
+rank the whole step's counts, and so f and the loss's value. The forward then runs as usual, with
+the dropout masks of the counting forward (the RNG is restored after it). Cost: one more forward
+per step, without saving activations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distlib.app.model import moe
+from distlib.app.model.families import moe_blocks
+from distlib.app.model.layers import CausalLM
+from distlib.comm import collectives
+from distlib.comm.mesh import Mesh
+
+
+class RoutingCount:
+    def __init__(self, model: CausalLM, mesh: Mesh, pipeline, grad_accum: int, device: torch.device):
+        self.model, self.mesh, self.pipeline = model, mesh, pipeline
+        self.cfg, self.grad_accum, self.device = model.cfg, grad_accum, device
+
+    @staticmethod
+    def needed(cfg) -> bool:
+        """Whether a run's steps need the counting forward (``cfg`` a ``RunConfig``)."""
+        return cfg.model.family == "mixtral" and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1)
+
+    def count(self, batches: list) -> None:
+        """Count the routing of the step's ``batches`` ((inputs, targets, positions) each) and set
+        every block's ``step_balance`` and the model's, and the step's routing record."""
+        blocks = moe_blocks(self.model)
+        for _, m in blocks:
+            m.tally, m.step_balance = [], None
+        self.model.step_balance = None
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            if self.pipeline:
+                self.pipeline.forward_only(batches)
+            else:
+                for inputs, _, positions in batches:
+                    self.model(inputs, None, positions)
+        packed = self._packed(blocks)
+        for group in (self.mesh.batch, self.mesh.pp):
+            if group is not None and group.size > 1:
+                collectives.all_reduce(packed, group, op="sum")
+        self._set(packed, blocks)
+
+    def _packed(self, blocks) -> torch.Tensor:
+        """[rows, counts (L, E), probability sums (L, E), dropped (L,)] of this rank's tallies,
+        float64, each block at its index (zeros for the blocks of other stages)."""
+        L, E = self.cfg.n_layers, self.cfg.n_experts
+        packed = torch.zeros(1 + 2 * L * E + L, dtype=torch.float64, device=self.device)
+        counts, probs = packed[1 : 1 + L * E].view(L, E), packed[1 + L * E : -L].view(L, E)
+        dropped = packed[-L:]
+        for i, m in blocks:
+            for rows, c, p, d in m.tally:
+                packed[0] += rows
+                counts[i] += c
+                probs[i] += p.double()
+                if d is not None:
+                    dropped[i] += d
+            m.tally = None
+        return packed
+
+    def _set(self, packed: torch.Tensor, blocks) -> None:
+        L, E = self.cfg.n_layers, self.cfg.n_experts
+        total = packed[0]
+        counts = packed[1 : 1 + L * E].view(L, E)
+        fraction = counts.sum(dim=0) / total
+        probs = packed[1 + L * E : -L].view(L, E).sum(dim=0) / total
+        value = float((fraction * probs).sum() * E)
+        weight = self.cfg.router_aux_loss_coef / self.grad_accum
+        balance = moe.StepBalance(fraction.float(), L, weight, value)
+        for _, m in blocks:
+            m.step_balance = balance
+        self.model.step_balance = balance
+        self.model.routing_log.clear()  # the step's one record (step_fields reads the last)
+        kept = [packed.new_tensor([value]), counts.flatten()]
+        kept += [packed[-L:]] if self.cfg.capacity_factor is not None else []
+        self.model.routing_log.append(torch.cat(kept))
