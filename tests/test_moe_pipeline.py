@@ -120,10 +120,12 @@ def _counted_and_routed(comm, tree: dict, run_dir: str) -> tuple[list, list]:
     return [r["expert_tokens"] for r in records], sums
 
 
-def test_the_counting_forward_draws_the_training_forwards_dropout_masks(tmp_path):
+@pytest.mark.parametrize("evaluated", [[], ["train.eval_every=1", "data.val_fraction=0.1"]])
+def test_the_counting_forward_draws_the_training_forwards_dropout_masks(tmp_path, evaluated):
     """With dropout the counting forward must route as the training forwards then do (the RNG is
-    restored after it): the counts the step's loss used are those its forwards routed."""
-    overrides = ["train.steps=3", "train.grad_accum=2", "model.dropout=0.2", "dist.world_size=1"]
+    restored after it; a held-out evaluation between steps changes nothing): the counts
+    the step's loss used are those its forwards routed."""
+    overrides = ["train.steps=3", "train.grad_accum=2", "model.dropout=0.2", "dist.world_size=1", *evaluated]
     tree = compose_tree([*BASE, *overrides])
     counted, routed = run_ranks(_counted_and_routed, 1, tree, str(tmp_path))[0]
     assert len(counted) == 3 and counted == routed

@@ -121,8 +121,7 @@ class Trainer:
         model, optimizer = self.model, self.optimizer
         self.pipeline = chunks and PipelineStep(cfg, mesh, model, chunks, self.device)
         # mixtral over micro-batches or stages: each step's routing is counted before its forwards
-        self.routing = RoutingCount(model, mesh, self.pipeline, cfg.train.grad_accum, self.device)
-        self.routing = self.routing if RoutingCount.needed(cfg) else None
+        self.routing = RoutingCount.for_run(cfg, model, mesh, self.pipeline, self.device)
         hooks.check_model(optimizer.layout.slots)
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
         self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)

@@ -52,13 +52,9 @@ class PipelineStep:
             self.plan,
             self.chunks,
             self.mesh.pp,
-            feed=lambda i: micro[i][0],
             loss_fn=lambda i, logits: self.model.train_loss(lm_loss(logits, micro[i][1])),
-            act_shape=(*micro[0][0].shape, self.model.cfg.dim),
-            act_dtype=self.dtype,
-            device=self.device,
             recorder=self.recorder,
-            positions=None if micro[0][2] is None else lambda i: micro[i][2],
+            **self._io(micro),
         )
         self.peak = max(self.peak, self.recorder.peak_bytes)
         return loss
@@ -66,11 +62,11 @@ class PipelineStep:
     def forward_only(self, batches) -> None:
         """This rank's forwards of the step's schedule without gradients or a loss (the routing
         count's: ``routing_count``)."""
-        micro = list(batches)
-        executor.forward_only(
-            self.plan,
-            self.chunks,
-            self.mesh.pp,
+        executor.forward_only(self.plan, self.chunks, self.mesh.pp, **self._io(list(batches)))
+
+    def _io(self, micro: list) -> dict:
+        """The executor's inputs and activation buffers for the micro-batches ``micro``."""
+        return dict(
             feed=lambda i: micro[i][0],
             act_shape=(*micro[0][0].shape, self.model.cfg.dim),
             act_dtype=self.dtype,

@@ -31,10 +31,13 @@ class RoutingCount:
         self.model, self.mesh, self.pipeline = model, mesh, pipeline
         self.cfg, self.grad_accum, self.device = model.cfg, grad_accum, device
 
-    @staticmethod
-    def needed(cfg) -> bool:
-        """Whether a run's steps need the counting forward (``cfg`` a ``RunConfig``)."""
-        return cfg.model.family == "mixtral" and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1)
+    @classmethod
+    def for_run(cls, cfg, model: CausalLM, mesh: Mesh, pipeline, device: torch.device) -> RoutingCount | None:
+        """The counter a run's steps need (``cfg`` a ``RunConfig``), or None: only a Mixtral over
+        several micro-batches or pipeline stages."""
+        if cfg.model.family == "mixtral" and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1):
+            return cls(model, mesh, pipeline, cfg.train.grad_accum, device)
+        return None
 
     def count(self, batches: list) -> None:
         """Count the routing of the step's ``batches`` ((inputs, targets, positions) each) and set
@@ -56,13 +59,18 @@ class RoutingCount:
                 collectives.all_reduce(packed, group, op="sum")
         self._set(packed, blocks)
 
+    def _parts(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of ``packed`` (after its total rows): counts (L, E), probability sums (L, E),
+        dropped (L,)."""
+        L, E = self.cfg.n_layers, self.cfg.n_experts
+        return packed[1 : 1 + L * E].view(L, E), packed[1 + L * E : -L].view(L, E), packed[-L:]
+
     def _packed(self, blocks) -> torch.Tensor:
-        """[rows, counts (L, E), probability sums (L, E), dropped (L,)] of this rank's tallies,
-        float64, each block at its index (zeros for the blocks of other stages)."""
+        """[rows, counts, probability sums, dropped] (``_parts``) of this rank's tallies, float64,
+        each block at its index (zeros for the blocks of other stages)."""
         L, E = self.cfg.n_layers, self.cfg.n_experts
         packed = torch.zeros(1 + 2 * L * E + L, dtype=torch.float64, device=self.device)
-        counts, probs = packed[1 : 1 + L * E].view(L, E), packed[1 + L * E : -L].view(L, E)
-        dropped = packed[-L:]
+        counts, probs, dropped = self._parts(packed)
         for i, m in blocks:
             for rows, c, p, d in m.tally:
                 packed[0] += rows
@@ -74,18 +82,15 @@ class RoutingCount:
         return packed
 
     def _set(self, packed: torch.Tensor, blocks) -> None:
-        L, E = self.cfg.n_layers, self.cfg.n_experts
-        total = packed[0]
-        counts = packed[1 : 1 + L * E].view(L, E)
-        fraction = counts.sum(dim=0) / total
-        probs = packed[1 + L * E : -L].view(L, E).sum(dim=0) / total
-        value = float((fraction * probs).sum() * E)
+        counts, probs, dropped = self._parts(packed)
+        fraction = counts.sum(dim=0) / packed[0]
+        value = float((fraction * probs.sum(dim=0) / packed[0]).sum() * self.cfg.n_experts)
         weight = self.cfg.router_aux_loss_coef / self.grad_accum
-        balance = moe.StepBalance(fraction.float(), L, weight, value)
+        balance = moe.StepBalance(fraction.float(), self.cfg.n_layers, weight, value)
         for _, m in blocks:
             m.step_balance = balance
         self.model.step_balance = balance
         self.model.routing_log.clear()  # the step's one record (step_fields reads the last)
         kept = [packed.new_tensor([value]), counts.flatten()]
-        kept += [packed[-L:]] if self.cfg.capacity_factor is not None else []
+        kept += [dropped] if self.cfg.capacity_factor is not None else []
         self.model.routing_log.append(torch.cat(kept))
