@@ -19,7 +19,12 @@ What a document may hold:
   ``<!-- stopped by the suite once it prints "TEXT": PREFIX -->``: the block's commands starting
   with PREFIX serve until stopped; the suite stops them once their output holds TEXT;
   ``<!-- losses of: RUN_DIR -->`` before a Markdown table whose first column is ``step``: its loss
-  columns are what RUN_DIR/metrics.jsonl records (``table_mismatches``).
+  columns are what RUN_DIR/metrics.jsonl records (``table_mismatches``);
+  ``<!-- recorded on: KEY -->`` with an ``output of`` block or a ``losses of`` table: what it shows
+  is one machine kind's (KEY as the golden files name it, ``golden_runs.machine_key()``), as a long
+  run's figures and generated text are; it is compared only on that kind, except that
+  ``<!-- elsewhere within: TOLERANCE -->`` has a table's losses compared everywhere else within
+  TOLERANCE.
 
 - The programs that live in ``.venv`` (python, torchrun, pip, ...) are called by their
   ``.venv/bin/`` path, in blocks and in inline code alike; docs/gpu.md, whose commands run on a GPU
@@ -55,6 +60,28 @@ _LOOKS_LIKE_COMMAND = re.compile(
 _INLINE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")
 _ELLIPSIS = re.compile(r"\.\.\.|…")
+_TABLE_MARKERS = ("losses of:", "recorded on:", "elsewhere within:")
+_MACHINE_KEY = re.compile(r"^[A-Z][A-Z0-9]*(-amx)?$")  # as golden_runs.machine_key() writes one
+
+
+@dataclass
+class Shown:
+    """An output a document shows for a command."""
+
+    line: int  # its first line in the document (1-based)
+    lines: list[str]
+    recorded_on: str | None = None  # a machine key: compared only on that kind of machine
+
+
+@dataclass
+class Table:
+    """A Markdown table of losses by step that a document shows for a run."""
+
+    line: int  # its marker's line (1-based)
+    run_dir: str
+    rows: list[list[str]]
+    recorded_on: str | None = None  # a machine key: compared as shown only on that kind
+    elsewhere_within: float | None = None  # on another kind, each loss within this; None: not compared
 
 
 @dataclass
@@ -65,7 +92,7 @@ class Command:
     key: str  # its first line(s), comments dropped, blanks collapsed: how markers and other blocks name it
     skip: str | None = None  # the marker's reason, when it does not run in the suite
     until: str | None = None  # a server: the text after which the suite stops it
-    outputs: list[list[str]] = field(default_factory=list)  # what the document shows it printing
+    outputs: list[Shown] = field(default_factory=list)  # what the document shows it printing
 
     @property
     def id(self) -> str:
@@ -82,7 +109,7 @@ class Doc:
     path: str
     commands: list[Command] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # every rule broken, "path:line: what"
-    tables: list[tuple[int, str, list[list[str]]]] = field(default_factory=list)  # losses-of tables
+    tables: list[Table] = field(default_factory=list)  # losses-of tables
     text: str = ""
 
 
@@ -228,9 +255,9 @@ def parse(path: str) -> Doc:
             for n, line in enumerate(body):
                 if line.startswith("$ "):
                     commands.append(Command(path, first + n, line[2:], _key([line[2:]])))
-                    commands[-1].outputs.append([])
+                    commands[-1].outputs.append(Shown(first + n + 1, []))
                 elif commands and line.strip():
-                    commands[-1].outputs[-1].append(line)
+                    commands[-1].outputs[-1].lines.append(line)
         elif label == "python":
             doc.problems.append(
                 f"{doc.path}:{i + 1}: a python block: write it as a `.venv/bin/python - <<'EOF'` command "
@@ -239,8 +266,17 @@ def parse(path: str) -> Doc:
         elif label in ("", "text") and body and _LOOKS_LIKE_COMMAND.match(body[0]):
             doc.problems.append(f"{doc.path}:{i + 1}: an unlabelled block of commands: label it bash")
         output_of = _apply_markers(doc, i + 1, markers, commands)
+        recorded_on, within = _machine_markers(doc, i + 1, markers)
+        if within is not None:
+            doc.problems.append(
+                f"{path}:{i + 1}: 'elsewhere within' is for a losses table; a block is compared only "
+                "on the kind it was recorded on"
+            )
+        if recorded_on and not output_of:
+            doc.problems.append(f"{path}:{i + 1}: 'recorded on' goes with an 'output of' block")
         for target in output_of:
-            wanted_outputs.append((i + 1, target, [line for line in body if line.strip()]))
+            shown = Shown(first, [line for line in body if line.strip()], recorded_on)
+            wanted_outputs.append((i + 1, target, shown))
         if path not in OWN_PYTHON:
             for c in commands:
                 if _bare_tool(_program(c.key)):
@@ -280,17 +316,44 @@ def parse(path: str) -> Doc:
     return doc
 
 
+def _machine_markers(doc: Doc, line: int, markers: list[str]) -> tuple[str | None, float | None]:
+    """A block's or table's 'recorded on' machine key and 'elsewhere within' tolerance, if marked."""
+    recorded_on = within = None
+    for marker in markers:
+        name, _, value = marker.partition(":")
+        if name == "recorded on":
+            recorded_on = value.strip()
+            if not _MACHINE_KEY.match(recorded_on):
+                doc.problems.append(
+                    f"{doc.path}:{line}: '{recorded_on}' is no machine key (AVX2, AVX512-amx, ...)"
+                )
+        elif name == "elsewhere within":
+            try:
+                within = float(value)
+            except ValueError:
+                doc.problems.append(f"{doc.path}:{line}: 'elsewhere within' needs a number: {value.strip()}")
+                within = math.inf
+    if within is not None and recorded_on is None:
+        doc.problems.append(f"{doc.path}:{line}: 'elsewhere within' without 'recorded on'")
+    return recorded_on, within
+
+
 def _table_or_stray(doc: Doc, lines: list[str], i: int, pending: list[tuple[int, str]]) -> None:
     """Markers before a line of text: a 'losses of' table, or markers attached to nothing."""
+    of = [(line, m) for line, m in pending if m.startswith("losses of:")]
+    table = bool(of) and lines[i].lstrip().startswith("|")
+    if table:
+        rows = []
+        for row in lines[i:]:
+            if not row.lstrip().startswith("|"):
+                break
+            rows.append([cell.strip() for cell in row.strip().strip("|").split("|")])
+        recorded_on, within = _machine_markers(doc, of[0][0], [m for _, m in pending])
+        doc.tables.append(Table(of[0][0], of[0][1].split(":", 1)[1].strip(), rows, recorded_on, within))
     for line, marker in pending:
-        if marker.startswith("losses of:") and lines[i].lstrip().startswith("|"):
-            rows = []
-            for row in lines[i:]:
-                if not row.lstrip().startswith("|"):
-                    break
-                rows.append([cell.strip() for cell in row.strip().strip("|").split("|")])
-            doc.tables.append((line, marker.split(":", 1)[1].strip(), rows))
-        elif marker.startswith(("not run by the suite", "output of", "stopped by the suite", "losses of")):
+        if table and marker.startswith(_TABLE_MARKERS):
+            continue
+        if marker.startswith(_TABLE_MARKERS + ("not run by the suite", "output of", "stopped by the suite")):
             doc.problems.append(
                 f"{doc.path}:{line}: a marker that is not right before a code block: {marker}"
             )
@@ -358,10 +421,10 @@ def output_mismatches(shown: list[str], printed: str) -> list[str]:
     return missing
 
 
-def table_mismatches(rows: list[list[str]], records: list[dict]) -> list[str]:
+def table_mismatches(rows: list[list[str]], records: list[dict], within: float | None = None) -> list[str]:
     """A Markdown table of losses by step (header ``step``, then columns named ``loss``, ``train
     loss`` or ``val loss``) against the run's metrics.jsonl records (the last record of a step is
-    its final one), each figure within one unit of its last digit."""
+    its final one), each figure within one unit of its last digit, or within ``within``."""
     steps = {r["step"]: r for r in records if r.get("type") == "step"}
     fields = {"loss": "loss", "train loss": "loss", "val loss": "val_loss"}
     header, problems = [h.lower() for h in rows[0]], []
@@ -372,6 +435,10 @@ def table_mismatches(rows: list[list[str]], records: list[dict]) -> list[str]:
         for name, cell in zip(header[1:], row[1:]):
             value = steps.get(step, {}).get(fields[name])
             digits = len(cell.split(".")[1]) if "." in cell else 0
-            if value is None or not _same_number(cell, f"{value:.{digits}f}"):
+            if within is not None:
+                same = value is not None and abs(float(cell) - value) <= within
+            else:
+                same = value is not None and _same_number(cell, f"{value:.{digits}f}")
+            if not same:
                 problems.append(f"step {step} {name}: the document says {cell}, the run {value}")
     return problems

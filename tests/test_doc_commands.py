@@ -16,7 +16,10 @@ Here:
   the documents repeat word for word runs once.
 - ``test_doc_command``, one per command that runs: exit status 0, and every output the document
   shows for it (a ``console`` block, or a block marked ``output of``) is in what it printed.
-- ``test_losses_tables``: each table marked ``losses of RUN_DIR`` against that run's metrics.jsonl.
+- ``test_recorded_output``: an output marked ``recorded on KEY`` (one machine kind's), on a
+  machine of that kind; on another it is skipped, saying why.
+- ``test_losses_tables``: each table marked ``losses of RUN_DIR`` against that run's metrics.jsonl
+  (one marked ``recorded on KEY``: on another kind within its ``elsewhere within``, or skipped).
 - ``test_overrides_tables``: each row of a table with an ``overrides`` column composes and passes
   the configuration check (``RunConfig.from_dict``), as train.py would before starting workers.
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 import doc_commands
 import pytest
 from e2e import ROOT, free_port
+from golden_runs import machine_key
 
 DOCS = {path: doc_commands.parse(path) for path in doc_commands.documents()}
 COMMANDS = [c for doc in DOCS.values() for c in doc.commands]
@@ -174,27 +178,57 @@ def test_doc_command(cmd, runs):
         f"$ {cmd.text}\n{ran.output[-4000:]}"
     )
     for shown in cmd.outputs:
-        missing = doc_commands.output_mismatches(shown, ran.output)
-        assert not missing, (
-            f"{cmd.id}: the document shows lines this run did not print:\n"
-            + "\n".join(missing)
-            + f"\n--- what it printed (the end) ---\n{ran.output[-4000:]}"
-        )
+        if shown.recorded_on is None:
+            _check_shown(cmd, shown, ran)
 
 
-TABLES = [(path, line, run_dir, rows) for path, doc in DOCS.items() for line, run_dir, rows in doc.tables]
+def _check_shown(cmd: doc_commands.Command, shown: doc_commands.Shown, ran: Ran) -> None:
+    missing = doc_commands.output_mismatches(shown.lines, ran.output)
+    assert not missing, (
+        f"{cmd.id}: the document shows lines (at line {shown.line}) this run did not print:\n"
+        + "\n".join(missing)
+        + f"\n--- what it printed (the end) ---\n{ran.output[-4000:]}"
+    )
+
+
+RECORDED = [(c, s) for c in RUNNABLE for s in c.outputs if s.recorded_on is not None]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path,line,run_dir,rows", TABLES, ids=[f"{p}:{n}" for p, n, _, _ in TABLES])
-def test_losses_tables(path, line, run_dir, rows, runs, workspace):
-    metrics = workspace[0] / run_dir / "metrics.jsonl"
+@pytest.mark.parametrize("cmd,shown", RECORDED, ids=[f"{c.doc}:{s.line}" for c, s in RECORDED])
+def test_recorded_output(cmd, shown, runs):
+    here = machine_key()
+    if here != shown.recorded_on:
+        pytest.skip(
+            f"{cmd.doc}:{shown.line}: output recorded on {shown.recorded_on}; this machine is {here}, "
+            "whose rounding takes a long run elsewhere"
+        )
+    ran = runs[cmd.id]
+    assert ran.returncode == 0, f"{cmd.id}: exit status {ran.returncode} (test_doc_command says more)"
+    _check_shown(cmd, shown, ran)
+
+
+TABLES = [(path, t) for path, doc in DOCS.items() for t in doc.tables]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,table", TABLES, ids=[f"{p}:{t.line}" for p, t in TABLES])
+def test_losses_tables(path, table, runs, workspace):
+    within, here = None, machine_key()
+    if table.recorded_on not in (None, here):
+        if table.elsewhere_within is None:
+            pytest.skip(
+                f"{path}:{table.line}: losses recorded on {table.recorded_on}; this machine is {here}"
+            )
+        within = table.elsewhere_within
+    metrics = workspace[0] / table.run_dir / "metrics.jsonl"
     assert metrics.is_file(), (
-        f"{path}:{line}: no {run_dir}/metrics.jsonl: no command of the documents made it"
+        f"{path}:{table.line}: no {table.run_dir}/metrics.jsonl: no command of the documents made it"
     )
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    problems = doc_commands.table_mismatches(rows, records)
-    assert not problems, f"{path}:{line}: " + "\n".join(problems)
+    problems = doc_commands.table_mismatches(table.rows, records, within)
+    how = f" (recorded on {table.recorded_on}; here within {within})" if within is not None else ""
+    assert not problems, f"{path}:{table.line}{how}: " + "\n".join(problems)
 
 
 def _overrides_rows() -> list[tuple[str, int, list[str]]]:
