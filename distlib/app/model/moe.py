@@ -211,15 +211,22 @@ def balance(
         packed = torch.cat([packed, torch.stack(dropped).double()])
     if batch is not None:
         collectives.all_reduce(packed, batch, op="sum")
-    total = packed[0]
     counts = packed[1 : 1 + blocks * n_experts].view(blocks, n_experts)
-    fraction = counts.sum(dim=0) / total
-    loss = (fraction.float() * (prob_sums.sum(dim=0) / rows)).sum() * n_experts
     probs_end = 1 + 2 * blocks * n_experts
-    value = (
-        fraction * packed[1 + blocks * n_experts : probs_end].view(blocks, n_experts).sum(dim=0) / total
-    ).sum()
-    return Balance(loss, value * n_experts, counts, packed[probs_end:] if dropped is not None else None)
+    summed = packed[1 + blocks * n_experts : probs_end].view(blocks, n_experts)
+    fraction, value = balance_value(counts, summed, packed[0])
+    loss = (fraction.float() * (prob_sums.sum(dim=0) / rows)).sum() * n_experts
+    return Balance(loss, value, counts, packed[probs_end:] if dropped is not None else None)
+
+
+def balance_value(
+    counts: torch.Tensor, prob_sums: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the summed (blocks, n_experts) routing counts and router probabilities of ``rows``
+    rows: f (each expert's fraction of the assignments) and the load-balancing loss's value,
+    n_experts x sum(f x mean probability), in float64."""
+    fraction = counts.sum(dim=0) / rows
+    return fraction, (fraction * prob_sums.sum(dim=0) / rows).sum() * counts.shape[1]
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,8 @@ class RoutingCount:
 
     def _set(self, packed: torch.Tensor, blocks) -> None:
         counts, probs, dropped = self._parts(packed)
-        fraction = counts.sum(dim=0) / packed[0]
-        value = float((fraction * probs.sum(dim=0) / packed[0]).sum() * self.cfg.n_experts)
+        fraction, value = moe.balance_value(counts, probs, packed[0])
+        value = float(value)
         weight = self.cfg.router_aux_loss_coef / self.grad_accum
         balance = moe.StepBalance(fraction.float(), self.cfg.n_layers, weight, value)
         for _, m in blocks:
