@@ -31,8 +31,11 @@ from distlib.app.trainer import Trainer
 from distlib.launch.torchrun import use_deterministic_kernels
 
 REL = 1e-5
-BASE = ["model=mixtral_tiny", "train.steps=20", "checkpoint.every_steps=0", "checkpoint.verify_resume=false"]
-BASE += ["metrics.progress_every=0"]
+# seed 10: no near-tied top-k choice in 20 steps (smallest margin 3.3e-6, measured by
+# tests/test_moe_pipeline.py on this run); the default seed has one at step 11 (4.5e-8), which
+# another layout's rounding may send to the other expert.
+BASE = ["model=mixtral_tiny", "seed=10", "train.steps=20", "checkpoint.every_steps=0"]
+BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
 LAYOUTS = {
     1: [[]],
     2: [["dist.ep=2"]],
@@ -250,19 +253,17 @@ def test_init_from_a_transformers_mixtral_at_ep2_is_ep1s_first_step(tmp_path):
 
 
 # With tensor parallelism the experts are split both ways (tensor-parallel by hidden units, then
-# over the expert group). Against tensor parallelism alone, over 8 steps: tp's own rounding can flip a
-# near-tied top-k choice later (docs/models.md; measured here: the same tokens per expert for 14
-# steps, a flip at step 15), after which any two tp runs part. A tp2 x ep2 checkpoint continues at
-# tp2 alone.
-TP = ["dist.tp=2", "train.steps=8"]
+# over the expert group), against tensor parallelism alone over 20 steps. A tp2 x ep2 checkpoint
+# continues at tp2 alone.
+TP = ["dist.tp=2"]
 
 
 @pytest.mark.slow
 def test_tensor_parallel_with_experts_split_follows_tensor_parallel_alone(tmp_path):
-    saved = tmp_path / "1" / "checkpoints" / "step_00000004"  # (train_each runs tree i in tmp_path/i)
+    saved = tmp_path / "1" / "checkpoints" / "step_00000010"  # (train_each runs tree i in tmp_path/i)
     layouts = [
         TP,
-        [*TP, "dist.ep=2", "checkpoint.every_steps=4"],
+        [*TP, "dist.ep=2", "checkpoint.every_steps=10"],
         [*TP, "dist.ep=2", "zero=stage3"],
         [*TP, f"checkpoint.resume={saved}"],  # the tp2 x ep2 checkpoint, continued at tp2 alone
     ]
@@ -275,7 +276,7 @@ def test_tensor_parallel_with_experts_split_follows_tensor_parallel_alone(tmp_pa
     )[0]
     for layout, run in zip(layouts[1:], runs):
         worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"]))
-        assert len(run["losses"]) == 8 and worst <= REL, (layout, worst)
+        assert len(run["losses"]) == 20 and worst <= REL, (layout, worst)
         assert [r["expert_tokens"] for r in run["records"]] == [r["expert_tokens"] for r in ref["records"]]
-    worst = max(abs(a - b) / b for a, b in zip(resumed["losses"], ref["losses"][4:]))
-    assert len(resumed["losses"]) == 4 and worst <= REL, worst
+    worst = max(abs(a - b) / b for a, b in zip(resumed["losses"], ref["losses"][10:]))
+    assert len(resumed["losses"]) == 10 and worst <= REL, worst
