@@ -59,7 +59,8 @@ class _NormProbe(StepHooks):
         self.norms: dict[int, str] = {}
         self._pending: tuple[int, str] | None = None
 
-    def after_update(self, step, params, slots, start=0):
+    def after_update(self, step, parts):
+        ((params, slots, start),) = parts
         assert start == 0, "ZeRO-1: every rank holds every parameter"
         own = torch.cat([params[s.offset : s.offset + s.numel] for s in slots])  # padding left out
         self._pending = (step, own.double().norm().item().hex())

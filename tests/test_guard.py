@@ -72,7 +72,7 @@ def _replicas(comm, perturb_rank, names, world):
             x = opt.flat_params[slots[name].offset : slots[name].offset + 1]
             x.copy_(torch.nextafter(x, torch.full_like(x, math.inf)))
     try:
-        guard.check_replicas(opt.flat_params, opt.layout.slots, 7, comm)
+        guard.check_replicas([(opt.flat_params, opt.layout.slots)], 7, comm)
         return None
     except guard.DesyncError as exc:
         return str(exc)

@@ -81,8 +81,14 @@ def test_expert_groups_split_the_batch_group(world, tp, cp, ep):
         assert experts == batch[b - b % ep : b - b % ep + ep] and replicas == batch[b % ep :: ep]
     for kind in ("ep", "edp"):
         assert sorted(x for g in grid.groups((kind,)) for x in g) == list(range(world))
+        for r in range(world):  # with tp: that group of every tensor-parallel rank of r's
+            joined = {x for t in grid.group(r, ("tp",)) for x in grid.group(t, (kind,))}
+            assert grid.group(r, (kind, "tp")) == tuple(sorted(joined))
+            assert len(joined) == tp * len(grid.group(r, (kind,)))
     with pytest.raises(ValueError, match="unknown layout dimension"):
         grid.group(0, ("sp",))
+    with pytest.raises(ValueError, match="an expert group takes only tp beside it"):
+        grid.group(0, ("edp", "dp"))
 
 
 def _mesh_groups(comm, cp, ep):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiproc import run_ranks
-from trainrun import small_tree
+from trainrun import compose_tree, small_tree
 
 from distlib.app.config.operation import GuardConfig
 from distlib.app.config.run import RunConfig
@@ -114,7 +114,7 @@ def _replicas_tp(comm, perturb):
         if comm.rank == rank:
             flat[offset] += 1.0
     try:
-        guard.check_replicas(flat, slots, 3, comm, tp=2, split={"split"})
+        guard.check_replicas([(flat, slots)], 3, comm, tp=2, split={"split"})
         return None
     except DesyncError as exc:
         return str(exc)
@@ -163,6 +163,69 @@ def test_a_perturbed_tensor_parallel_shard_is_named_within_its_data_parallel_gro
     assert results[0]["error"] == (
         "DesyncError: desync at step 2: replicated parameters are not byte-identical "
         "across 4 ranks: rank 3 differs in 1 of 30 parameter(s): blocks.0.mlp.fc.weight"
+    )
+
+
+def _replicas_ep(comm, perturb):
+    # World 4 at ep 2: ranks 0 and 1 (and 2 and 3) hold other experts, 0 and 2 (1 and 3) the same.
+    held = "e0" if comm.rank in (0, 2) else "e1"
+    dense, experts = [ParamSlot("dense", (4,), 0)], [ParamSlot(held, (4,), 0)]
+    flat_dense, flat_experts = torch.ones(4), torch.full((4,), float(held == "e1"))
+    for rank, name in perturb:
+        if comm.rank == rank:
+            (flat_dense if name == "dense" else flat_experts)[0] += 1.0
+    try:
+        parts = [(flat_dense, dense), (flat_experts, experts)]
+        guard.check_replicas(parts, 3, comm, ep=2, expert_part=1)
+        return None
+    except DesyncError as exc:
+        return str(exc)
+
+
+def test_replica_check_under_expert_parallelism_compares_an_expert_where_it_is_held():
+    # Other experts on the ranks of an expert group: not a desync.
+    assert run_ranks(_replicas_ep, 4, []) == [None] * 4
+    messages = run_ranks(_replicas_ep, 4, [(3, "e1"), (2, "dense")])
+    assert len(set(messages)) == 1
+    assert messages[0] == (
+        "desync at step 3: replicated parameters are not byte-identical across 4 ranks: "
+        "rank 2 differs in 1 of 2 parameter(s): dense; rank 3 differs in 1 of 2 parameter(s): e1"
+    )
+
+
+MIXTRAL_EP = ["model=mixtral_tiny", "dist.world_size=4", "dist.ep=2", "train.steps=2"]
+MIXTRAL_EP += ["checkpoint.every_steps=0", "metrics.progress_every=0", "guard.check_sync_every=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "zero,rank,param",
+    [
+        ("stage1", 2, "blocks.1.mlp.experts.2.w2.weight"),  # rank 2 holds experts 0-3, as rank 0 does
+        ("stage2", 3, "blocks.0.attn.q_proj.weight"),  # dense: the same on all 4 ranks
+    ],
+)
+def test_a_perturbed_parameter_is_named_under_expert_parallelism(tmp_path, zero, rank, param):
+    tree = compose_tree([*MIXTRAL_EP, f"zero={zero}", f"fault.perturb_rank={rank}"])
+    tree["fault"].update(perturb_step=2, perturb_param=param)
+    results = run_ranks(_train, 4, tree, str(tmp_path))
+    assert len({r["error"] for r in results}) == 1
+    error = results[0]["error"]
+    assert error.startswith(
+        "DesyncError: desync at step 2: replicated parameters are not byte-identical "
+        f"across 4 ranks: rank {rank} differs in 1 of "
+    ), error
+    assert error.endswith(f" parameter(s): {param}") and error.count("differs") == 1, error
+
+
+@pytest.mark.slow
+def test_an_expert_a_rank_does_not_hold_is_not_perturbed_and_the_replicas_agree(tmp_path, capfd):
+    tree = compose_tree([*MIXTRAL_EP, "fault.perturb_rank=1"])  # rank 1 holds experts 4-7
+    tree["fault"].update(perturb_step=2, perturb_param="blocks.0.mlp.experts.0.w1.weight")
+    results = run_ranks(_train, 4, tree, str(tmp_path))
+    assert all("error" not in r and len(r["losses"]) == 2 for r in results), results
+    assert (
+        "rank 1: holds no blocks.0.mlp.experts.0.w1.weight (another rank's expert)" in capfd.readouterr().err
     )
 
 

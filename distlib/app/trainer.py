@@ -291,7 +291,7 @@ class Trainer:
         opt = self.optimizer
         opt.apply_update(lr)
         opt.zero_grad()
-        self.hooks.after_update(step, opt.param_buffer, opt.param_slots, start=opt.param_buffer_start)
+        self.hooks.after_update(step, opt.param_parts())
         return lr
 
     def _gather_step_values(

@@ -95,12 +95,17 @@ class Layout:
         with ``b`` a rank's place in its batch group, the expert group holds the ``ep`` consecutive
         places ``b // ep`` shares (each holding other experts; neighbours, so that the tokens'
         all-to-all stays close), the expert-data-parallel group the places ``b % ep`` shares (the
-        same experts, over which their gradients are averaged)."""
+        same experts, over which their gradients are averaged). An expert group with ``"tp"``
+        joins that group of every tensor-parallel rank (the ranks holding the same experts whole)."""
         if set(dims) - set(ORDER) - set(EXPERT):
             raise ValueError(f"unknown layout dimension(s) {sorted(set(dims) - set(ORDER) - set(EXPERT))}")
         if set(dims) & set(EXPERT):
-            if len(dims) != 1:
-                raise ValueError(f"an expert group is its own dimension, not one of {dims}")
+            expert = [d for d in dims if d in EXPERT]
+            if len(expert) != 1 or set(dims) - {expert[0], "tp"}:
+                raise ValueError(f"an expert group takes only tp beside it, not {dims}")
+            if "tp" in dims:
+                peers = self.group(rank, ("tp",))
+                return tuple(sorted(r for peer in peers for r in self.group(peer, (expert[0],))))
             batch = self.group(rank, BATCH)
             b = batch.index(rank)
             if dims == ("ep",):

@@ -179,8 +179,8 @@ class Faults(StepHooks):
         self.poison_grads(step, grad_buffer)
         self.sigterm(step)
 
-    def after_update(self, step: int, params: torch.Tensor, slots, start: int = 0) -> None:
-        self.perturb(step, params, slots, start=start)
+    def after_update(self, step: int, parts: list[tuple[torch.Tensor, tuple, int]]) -> None:
+        self.perturb(step, parts)
 
     def after_step(self, step: int) -> None:
         if self.cfg.kill_rank == self.rank and self.cfg.kill_at_step == step and first_attempt():
@@ -251,12 +251,22 @@ class Faults(StepHooks):
             self._say(f"NaN gradients at step {step}")
             grads.fill_(float("nan"))
 
-    def perturb(self, step: int, params: torch.Tensor, slots, start: int = 0) -> None:
+    def perturb(self, step: int, parts: list[tuple[torch.Tensor, tuple, int]]) -> None:
         """fault.perturb_rank / perturb_step: one ulp added to the first element of one parameter
-        that this rank holds. ``params`` holds flat offsets [start, start + numel) (at ZeRO stage 3
-        a partition, which may hold only part of the parameter, or none of it)."""
+        that this rank holds. Of each part ``(params, slots, start)``, ``params`` holds flat offsets
+        [start, start + numel) (at ZeRO stage 3 a partition, which may hold only part of the
+        parameter, or none of it; under dist.ep a rank holds only its experts)."""
         if self._fires("perturb", step, self.cfg.perturb_step, self.cfg.perturb_rank):
-            slot = self.perturbed_slot(slots)
+            name = self.cfg.perturb_param
+            if name is None:  # the last parameter
+                params, slots, start = parts[0]
+                held = [(params, slots[-1], start)]
+            else:
+                held = [(p, s, start) for p, slots, start in parts for s in slots if s.name == name]
+            if not held:
+                self._say(f"holds no {name} (another rank's expert) after step {step}: nothing perturbed")
+                return
+            params, slot, start = held[0]
             first = max(slot.offset, start) - start
             if first >= min(slot.offset + slot.numel - start, params.numel()):
                 self._say(f"holds no element of {slot.name} after step {step}: nothing perturbed")

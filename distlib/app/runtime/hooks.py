@@ -8,7 +8,7 @@ the order a step calls them::
     before_step(step)                       before anything of the step runs
     after_backward(step, grad_buffer)       local gradients ready, before they are synchronised
     lr_factor(step)                         scales this step's learning rate
-    after_update(step, params, slots, start)  the update is applied and gathered
+    after_update(step, parts)               the update is applied and gathered
     after_step(step)                        the step is logged and (maybe) saved
 
 plus ``save_hook(step)`` for each checkpoint save (points inside ``checkpoint.save``) and
@@ -41,8 +41,9 @@ class StepHooks:
     def lr_factor(self, step: int) -> float:
         return 1.0
 
-    def after_update(self, step: int, params: torch.Tensor, slots, start: int = 0) -> None:
-        """``params`` holds the flat parameter offsets [start, start + numel) this rank keeps."""
+    def after_update(self, step: int, parts: list[tuple[torch.Tensor, tuple, int]]) -> None:
+        """``parts``: per parameter group (one but under dist.ep), ``(params, slots, start)``:
+        ``params`` holds the flat offsets [start, start + numel) of ``slots`` this rank keeps."""
 
     def after_step(self, step: int) -> None:
         pass

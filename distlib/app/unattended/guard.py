@@ -27,6 +27,7 @@ from distlib.app.config.operation import GuardConfig
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.layout import Layout
+from distlib.parallel.zero.expert_state import ExpertParallelOptimizer
 
 
 class GuardError(RuntimeError):
@@ -94,58 +95,80 @@ def parameter_digests(flat: torch.Tensor, slots) -> list[str]:
     ]
 
 
-def replica_groups(size: int, tp: int, is_split: bool) -> list[tuple[int, ...]]:
+def replica_groups(
+    size: int, tp: int, is_split: bool, ep: int = 1, expert: bool = False
+) -> list[tuple[int, ...]]:
     """The groups of ranks (group ranks of one pipeline stage, in the layout's order) that must hold
     identical bytes of a parameter: a tensor-parallel split one within each group of the batch
-    dimensions (same tensor rank), a replicated one across every rank."""
-    stage = Layout.of(size, tp=tp)
-    return stage.groups(("dp", "cp")) if is_split else stage.groups(("dp", "cp", "tp"))
+    dimensions (same tensor rank), a replicated one across every rank; an expert's (``expert``,
+    under ``ep``) only among the ranks holding the same experts (the expert-data-parallel group)."""
+    stage = Layout.of(size, tp=tp, ep=ep)
+    batch = ("edp",) if expert else ("dp", "cp")
+    return stage.groups(batch if is_split else (*batch, "tp"))
 
 
 def check_replicas(
-    flat: torch.Tensor, slots, step: int, comm: Comm, tp: int = 1, split: set[str] | frozenset = frozenset()
+    parts,
+    step: int,
+    comm: Comm,
+    tp: int = 1,
+    split: set[str] | frozenset = frozenset(),
+    ep: int = 1,
+    expert_part: int | None = None,
 ) -> None:
     """Raise DesyncError on every rank if any parameter's bytes differ between ranks that must
-    agree on them (``replica_groups``; ``split``: the names of tensor-parallel split parameters).
-    Per parameter and group, the largest set of agreeing ranks (ties: the one with the group's
+    agree on them (``replica_groups``; ``parts``: (flat buffer, slots) pairs, one per parameter
+    group; ``split``: the names of tensor-parallel split parameters; ``expert_part``: under ``ep``,
+    the index in ``parts`` of the experts, which the ranks of an expert group hold different ones
+    of). Per parameter and group, the largest set of agreeing ranks (ties: the one with the group's
     first rank) is the reference and every other rank is reported as divergent."""
-    mine = "\n".join(parameter_digests(flat, slots)).encode()
-    every = [blob.decode().split("\n") for blob in agree.gather_bytes(mine, comm)]
+    # each line says what groups it is compared in: every rank reads every rank's the same way
+    mine = [
+        f"{int(k == expert_part)} {int(s.name in split)} {s.name} {d}"
+        for k, (flat, slots) in enumerate(parts)
+        for s, d in zip(slots, parameter_digests(flat, slots))
+    ]
+    blobs = agree.gather_bytes("\n".join(mine).encode(), comm)
+    every = [blob.decode().split("\n") if blob else [] for blob in blobs]
+    groups = {
+        (is_split, expert): {r: g for g in replica_groups(comm.size, tp, is_split, ep, expert) for r in g}
+        for is_split in (False, True)
+        for expert in (False, True)
+    }
     divergent: dict[int, list[str]] = {}
-    for i, slot in enumerate(slots):
-        for group in replica_groups(comm.size, tp, slot.name in split):
-            digests = [every[r][i] for r in group]
-            counts = Counter(digests)
-            reference = max(counts, key=lambda d: (counts[d], d == digests[0]))
-            for rank, d in zip(group, digests):
-                if d != reference:
-                    divergent.setdefault(rank, []).append(slot.name)
+    for rank, lines in enumerate(every):
+        for i, line in enumerate(lines):
+            expert, is_split, name, _ = line.split(" ")
+            group = groups[is_split == "1", expert == "1"][rank]
+            # a rank's i-th line against the same line of its group (the same name, the same bytes)
+            held = [every[r][i] if i < len(every[r]) else None for r in group]
+            counts = Counter(held)
+            if line != max(counts, key=lambda d: (counts[d], d == held[0])):
+                divergent.setdefault(rank, []).append(name)
     if divergent:
-        parts = []
+        said = []
         for rank, names in sorted(divergent.items()):
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            parts.append(f"rank {rank} differs in {len(names)} of {len(slots)} parameter(s): {shown}")
+            said.append(f"rank {rank} differs in {len(names)} of {len(every[rank])} parameter(s): {shown}")
         raise DesyncError(
             f"desync at step {step}: replicated parameters are not byte-identical across "
-            f"{comm.size} ranks: " + "; ".join(parts)
+            f"{comm.size} ranks: " + "; ".join(said)
         )
 
 
 class ReplicaCheck:
     """Every ``guard.check_sync_every`` steps, ``check_replicas`` on what must be identical: every
     parameter within its data-parallel group (ranks with the same tensor-parallel shard) and the
-    non-split ones across all ranks. At ZeRO stage 3 the parameters are gathered first (collective
-    over the data-parallel group); with dist.tp=1 there no parameter is held by two ranks, so
-    there is nothing to compare."""
+    non-split ones across all ranks; under dist.ep an expert's among the ranks holding it. At ZeRO
+    stage 3 the parameters are gathered first (collective over each group's ranks); with
+    dist.tp=1 there no parameter is held by two ranks, so there is nothing to compare."""
 
     def __init__(self, every: int, zero_stage: int, mesh, tp_splits: dict, optimizer):
         self.every, self.mesh, self.optimizer = every, mesh, optimizer
         self.split = frozenset(tp_splits)
-        self.possible = (zero_stage != 3 or mesh.tp.size > 1) and mesh.ep is None
+        self.possible = zero_stage != 3 or mesh.tp.size > 1
         self.why_not = (
-            "under dist.ep the ranks hold different experts (the check compares whole replicas)"
-            if mesh.ep is not None
-            else "at ZeRO stage 3 with dist.tp=1 no parameter is held by two ranks, so the replica "
+            "at ZeRO stage 3 with dist.tp=1 no parameter is held by two ranks, so the replica "
             "check has nothing to compare"
         )
 
@@ -154,7 +177,10 @@ class ReplicaCheck:
 
     def check(self, step: int) -> None:
         """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ."""
-        opt = self.optimizer
-        check_replicas(
-            opt.full_params(), opt.layout.slots, step, self.mesh.stage, tp=self.mesh.tp.size, split=self.split
-        )
+        opt, ep, expert_part = self.optimizer, 1, None
+        groups = [opt]
+        if isinstance(opt, ExpertParallelOptimizer):
+            groups, ep, expert_part = [opt.dense, opt.experts], self.mesh.ep.size, 1
+        parts = [(g.full_params(), g.layout.slots) for g in groups]
+        tp = self.mesh.tp.size
+        check_replicas(parts, step, self.mesh.stage, tp, self.split, ep, expert_part)

@@ -85,7 +85,6 @@ class ZeroOptimizer:
         self.bucket_numel, self.grad_accum = bucket_numel, grad_accum
         self.progress = Progress(comm) if overlap else None  # the communication thread's queue
         self.layout = FlatLayout.of(module, comm.size, names)
-        self.param_slots = self.layout.slots  # what ``param_buffer``'s offsets refer to
         self.params = [dict(module.named_parameters())[s.name] for s in self.layout.slots]
         self.device = self.params[0].device
         self.step_count = 0
@@ -209,6 +208,10 @@ class ZeroOptimizer:
         """Flat offset of ``param_buffer``'s first element (0, or the partition's start at stage 3)."""
         return 0
 
+    def param_parts(self) -> list[tuple[torch.Tensor, tuple, int]]:
+        """Per parameter group (one here): param_buffer, its slots, param_buffer_start, for hooks."""
+        return [(self.param_buffer, self.layout.slots, self.param_buffer_start)]
+
     def full_params(self) -> torch.Tensor:
         """Every parameter of this rank's model (its tensor-parallel shard), flat in layout order:
         the live buffer at stages 0-2; at stage 3 a gathered copy (collective over the group)."""
@@ -220,13 +223,11 @@ class ZeroOptimizer:
 
     # -- state for checkpoints --------------------------------------------------------
     def _mine(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's partition of a gradient or state tensor (they are partitions already,
-        except at stage 0)."""
+        """This rank's partition of a gradient or state tensor (already one, except at stage 0)."""
         return t
 
     def state_views(self) -> dict[str, torch.Tensor]:
-        """This rank's partition of (master, exp_avg, exp_avg_sq): the live tensors, not copies
-        (an async save copies them into its staging buffers)."""
+        """This rank's partition of (master, exp_avg, exp_avg_sq), live (an async save copies them)."""
         return {k: self._mine(getattr(self, k)) for k in STATE_KEYS}
 
     def state_shard(self) -> dict[str, torch.Tensor]:

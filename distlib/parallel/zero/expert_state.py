@@ -161,18 +161,9 @@ class ExpertParallelOptimizer:
     def grad_buffer(self) -> torch.Tensor:
         return self.dense.grad_buffer  # (fault injection writes into one gradient buffer)
 
-    # the dense group's parameters for the hooks that read or change them (fault injection)
-    @property
-    def param_buffer(self) -> torch.Tensor:
-        return self.dense.param_buffer
-
-    @property
-    def param_slots(self) -> tuple:
-        return self.dense.layout.slots
-
-    @property
-    def param_buffer_start(self) -> int:
-        return self.dense.param_buffer_start
+    def param_parts(self) -> list[tuple[torch.Tensor, tuple, int]]:
+        """Both groups' parameters, for the hooks that read or change them (fault injection)."""
+        return self.dense.param_parts() + self.experts.param_parts()
 
     def sync_grads(self) -> float:
         return self.grouped.sync_grads()
