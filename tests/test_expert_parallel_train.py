@@ -253,17 +253,18 @@ def test_init_from_a_transformers_mixtral_at_ep2_is_ep1s_first_step(tmp_path):
 
 
 # With tensor parallelism the experts are split both ways (tensor-parallel by hidden units, then
-# over the expert group), against tensor parallelism alone over 20 steps. A tp2 x ep2 checkpoint
-# continues at tp2 alone.
-TP = ["dist.tp=2"]
+# over the expert group), against tensor parallelism alone. 8 steps: at 20 (which pass, with seed
+# 10) the test took 143 s of the suite on 2 cores, against 25 s. A tp2 x ep2 checkpoint continues at
+# tp2 alone.
+TP = ["dist.tp=2", "train.steps=8"]
 
 
 @pytest.mark.slow
 def test_tensor_parallel_with_experts_split_follows_tensor_parallel_alone(tmp_path):
-    saved = tmp_path / "1" / "checkpoints" / "step_00000010"  # (train_each runs tree i in tmp_path/i)
+    saved = tmp_path / "1" / "checkpoints" / "step_00000004"  # (train_each runs tree i in tmp_path/i)
     layouts = [
         TP,
-        [*TP, "dist.ep=2", "checkpoint.every_steps=10"],
+        [*TP, "dist.ep=2", "checkpoint.every_steps=4"],
         [*TP, "dist.ep=2", "zero=stage3"],
         [*TP, f"checkpoint.resume={saved}"],  # the tp2 x ep2 checkpoint, continued at tp2 alone
     ]
@@ -276,7 +277,7 @@ def test_tensor_parallel_with_experts_split_follows_tensor_parallel_alone(tmp_pa
     )[0]
     for layout, run in zip(layouts[1:], runs):
         worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"]))
-        assert len(run["losses"]) == 20 and worst <= REL, (layout, worst)
+        assert len(run["losses"]) == 8 and worst <= REL, (layout, worst)
         assert [r["expert_tokens"] for r in run["records"]] == [r["expert_tokens"] for r in ref["records"]]
-    worst = max(abs(a - b) / b for a, b in zip(resumed["losses"], ref["losses"][10:]))
-    assert len(resumed["losses"]) == 10 and worst <= REL, worst
+    worst = max(abs(a - b) / b for a, b in zip(resumed["losses"], ref["losses"][4:]))
+    assert len(resumed["losses"]) == 4 and worst <= REL, worst
