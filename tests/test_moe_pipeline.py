@@ -22,7 +22,7 @@ import pytest
 import torch
 from forkrun import run_script
 from multiproc import run_ranks
-from trainrun import compose_tree, train_each, train_worlds
+from trainrun import compose_tree, train_each, train_with_margin, train_worlds
 
 from distlib.app.model import moe
 
@@ -43,28 +43,10 @@ LAYOUTS = {
 }
 
 
-def _reference(comm, tree: dict, run_dir: str) -> dict:
-    """World size 1, one micro-batch: ``train_each``'s view plus the smallest margin of any
-    token's top-k choice in the run's training forwards."""
-    margins = []
-    route = moe.MoE.route
-
-    def measured(self, x):
-        ids, weights, probs = route(self, x)
-        if torch.is_grad_enabled():
-            top = torch.topk(probs.detach(), self.top_k + 1, dim=-1).values
-            margins.append(float((top[:, -2] - top[:, -1]).min()))
-        return ids, weights, probs
-
-    moe.MoE.route = measured  # (in this forked rank only)
-    out = train_each(comm, [tree], run_dir)[0]
-    return {**out, "margin": min(margins)}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_pp")
-    ref = run_ranks(_reference, 1, compose_tree([*BASE, "dist.world_size=1"]), str(root / "ref"))[0]
+    ref = run_ranks(train_with_margin, 1, compose_tree([*BASE, "dist.world_size=1"]), str(root / "ref"))[0]
     return root, ref, train_worlds(BASE, LAYOUTS, root)
 
 

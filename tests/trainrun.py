@@ -64,6 +64,30 @@ def train_each(comm, trees: list[dict], run_dir: str) -> list[dict]:
     return out
 
 
+def train_with_margin(comm, tree: dict, run_dir: str) -> dict:
+    """A Mixtral run at world size 1: ``train_each``'s view plus ``margin``, the smallest gap between
+    any token's k-th and (k+1)-th router probability in the run's training forwards. A gap within
+    rounding can send the token to another expert under another layout's rounding, after which two
+    runs part: an equivalence test needs a reference whose margin is well above it."""
+    import torch
+
+    from distlib.app.model import moe
+
+    margins = []
+    route = moe.MoE.route
+
+    def measured(self, x):
+        ids, weights, probs = route(self, x)
+        if torch.is_grad_enabled():
+            top = torch.topk(probs.detach(), self.top_k + 1, dim=-1).values
+            margins.append(float((top[:, -2] - top[:, -1]).min()))
+        return ids, weights, probs
+
+    moe.MoE.route = measured  # (in this forked rank only)
+    out = train_each(comm, [tree], run_dir)[0]
+    return {**out, "margin": min(margins)}
+
+
 def train_worlds(base: list[str], layouts: dict[int, list[list[str]]], root: Path) -> dict[int, list[dict]]:
     """{world size: rank 0's view of each layout (``train_each``'s)}: ``base`` plus each layout's
     overrides at that world size, one run_ranks call per world size, in ``root``/ws<N>."""
