@@ -58,7 +58,9 @@ def test_misplaced_or_malformed_machine_markers_are_named(tmp_path):
         "<!-- recorded on: AVX2 -->\n" + RUN + "\n"
         "<!-- output of: make text-demo -->\n<!-- recorded on: AVX2 -->\n<!-- elsewhere within: 0.1 -->\n"
         "```\nRank zero.\n```\n\n"
-        "<!-- recorded on: AVX2 -->\nsome prose\n",
+        "<!-- recorded on: AVX2 -->\nsome prose\n\n"
+        "<!-- losses of: outputs/z -->\n<!-- recorded on: AVX2 -->\n<!-- elsewhere within: close -->\n"
+        + TABLE,
     )
     assert doc.problems == [
         f"{tmp_path}/doc.md:1: 'elsewhere within' without 'recorded on'",
@@ -67,6 +69,7 @@ def test_misplaced_or_malformed_machine_markers_are_named(tmp_path):
         f"{tmp_path}/doc.md:21: 'elsewhere within' is for a losses table; a block is compared only "
         "on the kind it was recorded on",
         f"{tmp_path}/doc.md:25: a marker that is not right before a code block: recorded on: AVX2",
+        f"{tmp_path}/doc.md:28: 'elsewhere within' needs a number: close",
     ]
 
 
