@@ -56,7 +56,37 @@ def _optimizer(model, mesh, ep: int, stage: int):
     return GroupedOptimizer(model, groups, stage, ADAMW, CLIP)
 
 
-def _train(comm, ep: int, stage: int, capacity: float | None = None):
+# A router forced to starve experts (issue #37: an expert rank that receives no token must still
+# get its own tokens' outputs back). Step -> {global sample (None: every sample): the experts its
+# tokens may not choose}. Over 4 batch ranks rank r holds samples 2r and 2r + 1.
+STARVED = {
+    2: {None: {2, 3}},  # no token anywhere for the last two experts: ep 2's rank 1 and ep 4's ranks 2, 3
+    3: {None: {2, 3}},
+    5: {None: {1}},  # expert 1 alone: ep 4's rank 1 receives nothing
+    6: {None: {1}},
+    8: {0: {0}, 1: {0}},  # expert 0 gets no token from rank 0's samples only (the others' it does)
+    9: {2: {2, 3}, 3: {2, 3}},  # rank 1's tokens go to experts 0 and 1 only: nothing to ep 2's rank 1
+}
+
+
+def _force_router_(model, first_sample: int, clock: list[int]) -> None:
+    """Every block's router logits masked to -inf where ``STARVED`` bans an expert at step
+    ``clock[0]`` for the sample a row belongs to (rows are sample-major, MOE.seq_len each)."""
+
+    def mask(gate, inputs, logits):
+        rule = STARVED.get(clock[0], {})
+        sample = first_sample + torch.arange(logits.shape[0]) // MOE.seq_len
+        banned = torch.zeros(logits.shape, dtype=torch.bool)
+        for who, experts in rule.items():
+            rows = torch.ones_like(sample, dtype=torch.bool) if who is None else sample == who
+            banned[rows.nonzero(), sorted(experts)] = True
+        return logits.masked_fill(banned, float("-inf"))
+
+    for block in model.blocks:
+        block.mlp.gate.register_forward_hook(mask)
+
+
+def _train(comm, ep: int, stage: int, capacity: float | None = None, starve: bool = False):
     mesh = build_mesh(comm, tp=1, ep=ep)
     model = families.build(replace(MOE, capacity_factor=capacity), seed=5)  # the same on every rank
     families.join_batch_(model, mesh.batch)
@@ -65,8 +95,12 @@ def _train(comm, ep: int, stage: int, capacity: float | None = None):
     data = GlobalBatches(
         make_corpus(1, 8192, MOE.vocab_size), MOE.seq_len, BatchPlan(BATCH, mesh.dp.size, 1), seed=3
     )
+    clock = [0]
+    if starve:
+        _force_router_(model, mesh.dp.rank * (BATCH // mesh.dp.size), clock)
     losses, aux, norms, tokens = [], [], [], []
     for step in range(STEPS):
+        clock[0] = step
         ((x, y),) = data.micro_batches(step, mesh.dp.rank)
         loss = model(x, y)
         loss.backward()
@@ -156,3 +190,37 @@ def test_dispatch_and_combine_carry_rows_and_gradients_both_ways():
     for rank, (out, grad, expert, keys) in enumerate(run_ranks(_exchange_gradients, 2)):
         assert out < 1e-6 and grad < 1e-6 and expert < 1e-6, (rank, out, grad, expert)
         assert keys == [str(2 * rank), str(2 * rank + 1)]
+
+
+def _starved(tokens: list, step: int) -> set[int]:
+    """The experts no token of ``step`` reached, in every block."""
+    counts, _ = tokens[step]
+    return {e for e in range(MOE.n_experts) if all(block[e] == 0 for block in counts)}
+
+
+@pytest.fixture(scope="module")
+def starved_one_rank():
+    return {cap: run_ranks(_train, 1, 1, 0, cap, True)[0] for cap in (None, 0.75)}
+
+
+def test_the_forced_router_starves_the_experts_it_names(starved_one_rank):
+    for cap, (_, _, _, _, tokens) in starved_one_rank.items():
+        for step, rule in STARVED.items():
+            if None in rule:
+                assert _starved(tokens, step) == rule[None], (cap, step)
+        assert all(_starved(tokens, step) == set() for step in range(STEPS) if step not in STARVED), cap
+
+
+@pytest.mark.parametrize(
+    "ep, stage, capacity",
+    [(2, 0, None), (4, 3, None), (2, 3, 0.75), (4, 0, 0.75)],
+    ids=["ep2-z0", "ep4-z3", "ep2-z3-capacity", "ep4-z0-capacity"],
+)
+def test_starved_experts_train_to_one_ranks_losses(starved_one_rank, ep, stage, capacity):
+    """(Each of ep, ZeRO stage and capacity at both values, every pair of them once.)"""
+    _, ref_losses, ref_aux, ref_norms, ref_tokens = starved_one_rank[capacity]
+    for rank, (_, losses, aux, norms, tokens) in enumerate(run_ranks(_train, 4, ep, stage, capacity, True)):
+        assert tokens == ref_tokens, rank
+        assert losses == pytest.approx(ref_losses, abs=TOL, rel=0), rank
+        assert aux == pytest.approx(ref_aux, abs=TOL, rel=0), rank
+        assert norms == pytest.approx(ref_norms, abs=TOL, rel=0), rank

@@ -281,3 +281,61 @@ def test_tensor_parallel_with_experts_split_follows_tensor_parallel_alone(tmp_pa
         assert [r["expert_tokens"] for r in run["records"]] == [r["expert_tokens"] for r in ref["records"]]
     worst = max(abs(a - b) / b for a, b in zip(resumed["losses"], ref["losses"][4:]))
     assert len(resumed["losses"]) == 4 and worst <= REL, worst
+
+
+def _issue_37_mixtral(path: Path) -> None:
+    """The Mixtral issue #37 made with transformers (nothing of ours in it): at ep 4, no rank
+    routes a token to expert 1 at step 4, so the rank holding it receives nothing."""
+    from family_models import quiet_transformers
+
+    transformers = quiet_transformers()
+    config = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        transformers.MixtralForCausalLM(config).save_pretrained(path)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == "step"]
+
+
+@pytest.mark.slow
+def test_a_transformers_mixtral_with_a_starved_expert_trains_at_ep4_and_ep2(tmp_path):
+    from e2e import train
+
+    _issue_37_mixtral(tmp_path / "mixtral-hf")
+    args = [
+        "model=mixtral",
+        f"model.init_from={tmp_path / 'mixtral-hf'}",
+        "model.seq_len=32",
+        "data=text",
+        f"data.cache_dir={tmp_path / 'cache'}",  # (the token cache, not beside data/sample.txt)
+        "train.global_batch=8",
+        "train.steps=10",
+    ]
+    # issue #37's command as typed (its run directory aside): the launcher and its four workers
+    proc = train(tmp_path / "ep4", "dist.world_size=4", *args, "dist.ep=4", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ep4 = _records(tmp_path / "ep4")
+    runs = train_worlds(
+        [*args, "metrics.progress_every=0"], {1: [[]], 4: [["dist.ep=2"]]}, tmp_path / "forked"
+    )
+    ref, ep2 = runs[1][0]["records"], runs[4][0]["records"]
+    starved = [r["step"] for r in ref if any(0 in block for block in r["expert_tokens"])]
+    assert starved, "some step must leave an expert without a token for the test to mean anything"
+    for name, run in (("ep4", ep4), ("ep2", ep2)):
+        assert [r["expert_tokens"] for r in run] == [r["expert_tokens"] for r in ref], name
+        worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(run, ref))
+        assert len(run) == 10 and worst <= REL, (name, worst)

@@ -42,6 +42,8 @@ raises the same ``CollectiveMismatchError`` on every rank when ranks called diff
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -294,7 +296,9 @@ def all_to_all(
     if n == 1:
         return tensor.clone()
     run = native.all_to_all if name == "torch" else A2A.ALGORITHMS[name]
-    width = flat.numel() // max(tensor.shape[0], 1)
+    # A row's width from the trailing shape, never from the data: a rank sending no rows still
+    # receives rows of that width (an expert rank that got no tokens gets its own tokens' outputs).
+    width = math.prod(tensor.shape[1:])
     with collective(comm, "all_to_all", dtype=flat.dtype, algo=name):
         if recv_splits is None:
             counts = torch.tensor(send_splits, dtype=torch.int64, device=tensor.device)

@@ -102,7 +102,7 @@ def _mismatch(comm: Comm, kind: str, headers: list[list[int]]) -> None:
             f"rank {j} (global {comm.peer(j)}) called {_describe(h)}" for j, h in enumerate(headers)
         )
         raise CollectiveMismatchError(
-            f"{kind}: mismatched collective in group {list(comm.ranks)}: {calls}", kind
+            f"{kind}: mismatched collective in group {list(comm.ranks)}: {calls}", kind, agreed=True
         )
 
 

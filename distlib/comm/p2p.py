@@ -28,7 +28,14 @@ class CollectiveError(RuntimeError):
 
 
 class CollectiveMismatchError(CollectiveError):
-    """Ranks called different collectives, or the same one with different sizes or dtypes."""
+    """Ranks called different collectives, or the same one with different sizes or dtypes.
+    ``agreed``: every rank of the group raised this same error (the header check compared every
+    member's call); otherwise only this rank saw it (a message of the wrong size), and it alone
+    can say why."""
+
+    def __init__(self, message: str, collective: str, peer: int | None = None, *, agreed: bool = False):
+        super().__init__(message, collective, peer)
+        self.agreed = agreed
 
 
 # The header gate of the checked outermost collective in progress (``header.Gate``), if any: it

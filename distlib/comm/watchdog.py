@@ -110,8 +110,8 @@ def _waiting(peer: int | None, words: str) -> str:
 
 
 def diagnose(error: CollectiveError, where: str, comm: Comm, timeout_s: float) -> RuntimeError:
-    if isinstance(error, CollectiveMismatchError):  # every rank raised it, with every rank's call
-        return CollectiveMismatchError(f"{where}: {error}", error.collective)
+    if isinstance(error, CollectiveMismatchError):  # said where, whether every rank raised it or one
+        return CollectiveMismatchError(f"{where}: {error}", error.collective, agreed=error.agreed)
     me = comm.peer(comm.rank)
     store, grace = _store(), grace_seconds(timeout_s)
     reports: dict[int, dict] = {}

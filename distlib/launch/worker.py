@@ -4,9 +4,11 @@ Every rank is its own interpreter, started by torch's elastic agent (``torchrun`
 ``python train.py`` runs in its own process: ``distlib.launch.local``) or by ``srun``. The rank
 dies with the process that started it (``die_with_parent``), so a launcher killed even by SIGKILL
 leaves no orphans training on. Known failures print one line and exit 1: errors every rank agreed
-on are printed once, by rank 0; a stalled or lost peer is named by each rank that waited on it,
-which then leaves at once (``os._exit``): a dead peer's group cannot be torn down cleanly, and the
-launcher is about to restart or stop the job. Anything else keeps its traceback (``@record``).
+on are printed once, by rank 0; one a rank raised alone (``agreed`` false: a collective whose
+messages did not fit its call) by that rank, rank-prefixed; a stalled or lost peer is named by
+each rank that waited on it. Those ranks then leave at once (``os._exit``): a dead peer's group
+cannot be torn down cleanly, and the launcher is about to restart or stop the job. Anything else
+keeps its traceback (``@record``).
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ def run(tree: dict, run_dir: str) -> None:
         sys.exit(1)
 
 
-def _stalled(exc: StallError) -> None:
-    """A peer stalled or died: name what this rank waited for, now, and leave without tearing the
-    group down (a dead peer's group cannot be, and the first rank to exit makes the launcher
-    signal the others: one still tearing down would lose its line)."""
+def _stalled(exc: Exception) -> None:
+    """A peer stalled or died, or this rank alone failed a collective (a message of another size
+    than the call's): say so, rank-prefixed, now, and leave without tearing the group down (a
+    dead peer's group cannot be, the others are waiting on this rank, and the first rank to exit
+    makes the launcher signal the others: one still tearing down would lose its line)."""
     rank_error(str(exc))
     leave(1)
 
@@ -111,15 +114,23 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
                 print(warning, file=sys.stderr, flush=True)
         return failures
     except AGREED_ERRORS as exc:
-        # Raised on every rank alike (they agree on it first): one line, not one per rank.
-        if dist.get_rank() == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return [str(exc)]
+        return _failed(exc)
     except StallError as exc:
         _stalled(exc)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _failed(exc: Exception) -> list[str]:
+    """A known error: one every rank raised alike (they agree on it first) is one line, rank 0's;
+    one this rank raised alone (``agreed`` false) is said by this rank, which then leaves: no
+    other rank can say why, and they are waiting on it."""
+    if not getattr(exc, "agreed", True):
+        _stalled(exc)
+    if dist.get_rank() == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    return [str(exc)]
 
 
 def _join(cfg: RunConfig, hooks: StepHooks, device: str = "cpu") -> None:

@@ -63,6 +63,13 @@ class _Exchange(torch.autograd.Function):
         return collectives.all_to_all(grad.contiguous(), ctx.comm, ctx.recv, ctx.send), None, None, None
 
 
+def exchange(rows: torch.Tensor, comm: Comm, send: list[int], recv: list[int]) -> torch.Tensor:
+    """The all-to-all of ``rows`` (``send[j]`` of them to rank j, ``recv[i]`` from rank i) with its
+    autograd: the gradient goes back by the all-to-all with the splits swapped. Any split may be
+    zero, and so may all of them."""
+    return _Exchange.apply(rows, comm, send, recv)
+
+
 @dataclass(frozen=True)
 class Routing:
     """``counts[s][e]``: the rows rank s of the expert group sends expert e."""
@@ -95,7 +102,7 @@ def run_experts(
     """The outputs of this rank's dispatched ``rows`` (every expert's, in expert order, as counted
     in ``routing.counts[ep.rank]``), in the same order; ``experts``: the ones this rank holds."""
     send, recv = routing.send(), routing.recv()
-    got = _Exchange.apply(rows, ep, send, recv)
+    got = exchange(rows, ep, send, recv)
     held = routing.held(ep.rank)
     sources = range(ep.size)
     pieces = got.split([routing.counts[s][e] for s in sources for e in held])
@@ -107,7 +114,7 @@ def run_experts(
         y = experts[e](torch.cat([at[s, e] for s in sources]))
         outputs.update(zip(((s, e) for s in sources), y.split([routing.counts[s][e] for s in sources])))
     back = torch.cat([outputs[s, e] for s in sources for e in held])
-    return _Exchange.apply(back, ep, recv, send)
+    return exchange(back, ep, recv, send)
 
 
 def keep_held_experts_(experts: nn.ModuleList, ep: Comm) -> nn.ModuleDict:
