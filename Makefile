@@ -25,10 +25,15 @@ demo: bytecode
 
 # The suite on PYTEST_WORKERS pytest-xdist workers, then alone the tests whose wall-clock bound has
 # little slack (marker `serial`; tests/conftest.py says why). `pytest` by itself runs everything in one process.
+# Its last line is the wall time and the machine kind (tests/suite_time.py), with a warning when
+# over the 12-minute goal; the exit status is the suite's.
 PYTEST_WORKERS ?= 2
 test: lint bytecode
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=25
-	$(PY) -m pytest -q -m serial
+	@start=$$(date +%s); status=0; \
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=25 \
+		|| status=$$?; \
+	if [ $$status -eq 0 ]; then $(PY) -m pytest -q -m serial || status=$$?; fi; \
+	$(PY) tests/suite_time.py $$start; exit $$status
 
 # ruff (pyproject.toml [tool.ruff]): the whole tree lints clean and is formatted; `make format` fixes both.
 lint: $(STAMP)

@@ -6,10 +6,13 @@ Here:
 - ``test_documents_follow_the_rules``: every marker names one of the allowed reasons, every block of
   commands is labelled, the programs of .venv are called by their ``.venv/bin/`` path, every shown
   output belongs to a command the suite runs (no process starts).
-- The commands that run do so as written, in document order (docs/*.md by name), one after another
-  in one fresh copy of the repository: the files git tracks or would track, as in this working
-  tree, with .venv linked in. What one command writes (``outputs/text-demo``, ``runs/job1``) is
-  there for the next, as on a fresh clone, and nothing is written into the repository. ``$HOME`` is
+- The commands that run do so as written, in document order, one after another in a fresh copy
+  of the repository per group of documents (``GROUPS``): the files git tracks or would track, as
+  in this working tree, with .venv linked in. What one command writes (``outputs/text-demo``,
+  ``runs/job1``) is there for the next of its group, as on a fresh clone, and nothing is written
+  into the repository. Each group is a test class, so pytest-xdist (``--dist loadscope``) gives
+  the groups to different workers: the documents' commands no longer hold one worker for five
+  minutes while the other runs out of work. ``$HOME`` is
   a temporary directory holding the files the documents call the reader's own (``notes.txt`` and
   ``corpus/``: data/sample.txt's text). torchrun gets a free port through ``PET_MASTER_PORT``, its
   own environment default for ``--master-port``, so the command stays as written. A command that
@@ -44,6 +47,17 @@ from golden_runs import machine_key
 DOCS = {path: doc_commands.parse(path) for path in doc_commands.documents()}
 COMMANDS = [c for doc in DOCS.values() for c in doc.commands]
 RUNNABLE = [c for c in COMMANDS if c.skip is None]
+RECORDED = [(c, s) for c in RUNNABLE for s in c.outputs if s.recorded_on is not None]
+TABLES = [(path, t) for path, doc in DOCS.items() for t in doc.tables]
+# The documents whose commands run together, each group in its own copy, in this order. A group
+# keeps the documents that read what another writes (docs/beyond.md and docs/models.md both use
+# `make text-demo`'s outputs/text-demo, made once); the groups weigh about the same (measured alone
+# on 2 cores: beyond + models 97 s, parallelism + checkpoints + unattended 92 s). A document with
+# commands that no group names fails test_every_document_is_in_one_group.
+GROUPS = {
+    "Text": ("docs/beyond.md", "docs/models.md"),
+    "Runs": ("docs/checkpoints.md", "docs/parallelism.md", "docs/unattended.md"),
+}
 TIMEOUT = 600  # seconds for one command (the longest, the sweep and the text demo, take ~30 s alone)
 
 
@@ -131,9 +145,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> tuple[Path, Path]:
-    base = tmp_path_factory.mktemp("doc_commands")
+def _workspace(base: Path) -> tuple[Path, Path]:
     (base / "repo").mkdir()
     (base / "home").mkdir()
     _copy_tree(base / "repo")
@@ -141,14 +153,12 @@ def workspace(tmp_path_factory) -> tuple[Path, Path]:
     return base / "repo", base / "home"
 
 
-@pytest.fixture(scope="module")
-def runs(workspace) -> dict[str, Ran]:
-    """Every command that runs, in document order, in the one copy: id -> what happened."""
-    repo, home = workspace
+def _run_all(commands: list[doc_commands.Command], repo: Path, home: Path) -> dict[str, Ran]:
+    """Every command given, in order, in the one copy: id -> what happened."""
     done: dict[str, Ran] = {}
     by_text: dict[str, Ran] = {}
     stale_venv = None
-    for cmd in RUNNABLE:
+    for cmd in commands:
         if cmd.same in by_text:  # the same command again: the first run stands for it
             done[cmd.id] = by_text[cmd.same]
             continue
@@ -169,17 +179,87 @@ def test_documents_follow_the_rules():
     assert RUNNABLE, "no command of docs/ runs in the suite"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cmd", RUNNABLE, ids=[c.id for c in RUNNABLE])
-def test_doc_command(cmd, runs):
-    ran = runs[cmd.id]
-    assert ran.returncode == 0, (
-        f"{cmd.id}: exit status {ran.returncode} after {ran.seconds:.1f} s\n"
-        f"$ {cmd.text}\n{ran.output[-4000:]}"
+def test_every_document_is_in_one_group():
+    grouped = [path for paths in GROUPS.values() for path in paths]
+    assert len(grouped) == len(set(grouped)), f"a document in two groups: {grouped}"
+    with_commands = sorted({c.doc for c in RUNNABLE})
+    assert sorted(set(grouped) & set(DOCS)) == with_commands, (
+        f"GROUPS must name each document whose commands run: {with_commands}, and no other"
     )
-    for shown in cmd.outputs:
-        if shown.recorded_on is None:
-            _check_shown(cmd, shown, ran)
+
+
+def _of(docs: tuple[str, ...], items: list, doc_of) -> list:
+    return [item for item in items if doc_of(item) in docs]
+
+
+@pytest.fixture(scope="class")
+def workspace(tmp_path_factory) -> tuple[Path, Path]:
+    """The copy of the repository (and the reader's home) one group's commands run in."""
+    return _workspace(tmp_path_factory.mktemp("doc_commands"))
+
+
+@pytest.fixture(scope="class")
+def runs(request, workspace) -> dict[str, Ran]:
+    """The group's commands (its class's DOCS), run once, in order: id -> what happened."""
+    return _run_all(_of(request.cls.DOCS, RUNNABLE, lambda c: c.doc), *workspace)
+
+
+class _Documents:
+    """The tests of one group's documents (a subclass per group sets DOCS); the group's commands
+    run once, in its own copy, when its first test needs them."""
+
+    DOCS: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        """A group with no recorded output or no losses table has no such test (not an empty one)."""
+        super().__init_subclass__(**kwargs)
+        if not _of(cls.DOCS, RECORDED, lambda pair: pair[0].doc):
+            cls.test_recorded_output = None
+        if not _of(cls.DOCS, TABLES, lambda pair: pair[0]):
+            cls.test_losses_tables = None
+
+    @pytest.mark.slow
+    def test_doc_command(self, cmd, runs):
+        ran = runs[cmd.id]
+        assert ran.returncode == 0, (
+            f"{cmd.id}: exit status {ran.returncode} after {ran.seconds:.1f} s\n"
+            f"$ {cmd.text}\n{ran.output[-4000:]}"
+        )
+        for shown in cmd.outputs:
+            if shown.recorded_on is None:
+                _check_shown(cmd, shown, ran)
+
+    @pytest.mark.slow
+    def test_recorded_output(self, cmd, shown, runs):
+        _recorded_output(cmd, shown, runs)
+
+    @pytest.mark.slow
+    def test_losses_tables(self, path, table, runs, workspace):
+        _losses_table(path, table, workspace[0])
+
+
+class TestTextDocuments(_Documents):
+    DOCS = GROUPS["Text"]
+
+
+class TestRunDocuments(_Documents):
+    DOCS = GROUPS["Runs"]
+
+
+def pytest_generate_tests(metafunc):
+    """Each group's tests over its own documents' commands, shown outputs and tables."""
+    docs = getattr(metafunc.cls, "DOCS", None)
+    if docs is None:
+        return
+    if metafunc.function.__name__ == "test_doc_command":
+        cmds = _of(docs, RUNNABLE, lambda c: c.doc)
+        metafunc.parametrize("cmd", cmds, ids=[c.id for c in cmds])
+    elif metafunc.function.__name__ == "test_recorded_output":
+        pairs = _of(docs, RECORDED, lambda pair: pair[0].doc)
+        metafunc.parametrize("cmd,shown", pairs, ids=[f"{c.doc}:{s.line}" for c, s in pairs])
+    elif metafunc.function.__name__ == "test_losses_tables":
+        tables = _of(docs, TABLES, lambda pair: pair[0])
+        metafunc.parametrize("path,table", tables, ids=[f"{p}:{t.line}" for p, t in tables])
 
 
 def _check_shown(cmd: doc_commands.Command, shown: doc_commands.Shown, ran: Ran) -> None:
@@ -191,12 +271,8 @@ def _check_shown(cmd: doc_commands.Command, shown: doc_commands.Shown, ran: Ran)
     )
 
 
-RECORDED = [(c, s) for c in RUNNABLE for s in c.outputs if s.recorded_on is not None]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("cmd,shown", RECORDED, ids=[f"{c.doc}:{s.line}" for c, s in RECORDED])
-def test_recorded_output(cmd, shown, runs):
+def _recorded_output(cmd: doc_commands.Command, shown: doc_commands.Shown, runs: dict[str, Ran]) -> None:
+    """An output recorded on one machine kind: checked on that kind, skipped (saying why) elsewhere."""
     here = machine_key()
     if here != shown.recorded_on:
         pytest.skip(
@@ -208,12 +284,8 @@ def test_recorded_output(cmd, shown, runs):
     _check_shown(cmd, shown, ran)
 
 
-TABLES = [(path, t) for path, doc in DOCS.items() for t in doc.tables]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path,table", TABLES, ids=[f"{p}:{t.line}" for p, t in TABLES])
-def test_losses_tables(path, table, runs, workspace):
+def _losses_table(path: str, table, repo: Path) -> None:
+    """A ``losses of RUN_DIR`` table against the run's metrics.jsonl in the group's copy ``repo``."""
     within, here = None, machine_key()
     if table.recorded_on not in (None, here):
         if table.elsewhere_within is None:
@@ -221,7 +293,7 @@ def test_losses_tables(path, table, runs, workspace):
                 f"{path}:{table.line}: losses recorded on {table.recorded_on}; this machine is {here}"
             )
         within = table.elsewhere_within
-    metrics = workspace[0] / table.run_dir / "metrics.jsonl"
+    metrics = repo / table.run_dir / "metrics.jsonl"
     assert metrics.is_file(), (
         f"{path}:{table.line}: no {table.run_dir}/metrics.jsonl: no command of the documents made it"
     )
