@@ -153,11 +153,8 @@ def run_config(cfg: DictConfig) -> None:
             sys.exit(f"error: {exc}")
         worker.run(tree, str(run_dir))
     else:
-        # the workers run this file under torch's agent; Hydra's files are this process's to write
-        args = [*HydraConfig.get().overrides.task, f"hydra.run.dir={run_dir}", hydra_config.NO_SUBDIR]
-        local.launch(
-            os.path.abspath(__file__), args, run_cfg.dist.world_size, str(run_dir), run_cfg.metrics.file
-        )
+        # the workers train this checked config under torch's agent; Hydra's files are this process's
+        local.launch(tree, run_cfg.dist.world_size, str(run_dir), run_cfg.metrics.file)
 
 
 def _submitit_installed() -> bool:

@@ -83,15 +83,11 @@ def test_a_launcher_killed_by_sigkill_leaves_no_worker_and_no_snapshot(tmp_path,
     deadline = time.monotonic() + 120
     while not list(snapshots.glob("step*")) and time.monotonic() < deadline:
         time.sleep(0.05)
-    workers = [
-        int(p)
-        for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    ]
-    workers = [p for p in workers if b"TORCHELASTIC_RUN_ID" in Path(f"/proc/{p}/environ").read_bytes()]
+    workers, server = _workers(proc.pid)
     assert len(workers) == 2 and list(snapshots.glob("step*")), "the run did not get going"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert _gone_within(workers, 2), "workers outlived their launcher"
+    assert _gone_within(workers + server, 2), "workers (or the fork server) outlived their launcher"
     deadline = time.monotonic() + 2
     while snapshots.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -99,6 +95,28 @@ def test_a_launcher_killed_by_sigkill_leaves_no_worker_and_no_snapshot(tmp_path,
     # nor its lock: the next job in the directory runs (the kernel dropped the killed job's flock)
     out, err, code = _train(run, "train.steps=2", "checkpoint.every_steps=0", "checkpoint.resume=latest")
     assert code == 0, err[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(p)
+        for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    ]
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _workers(launcher: int) -> tuple[list[int], list[int]]:
+    """A launcher's workers, and the fork server that started them if any. torchrun's are its
+    children with torch's environment; python train.py's are forks of its fork server
+    (distlib/launch/local.py), whose command line they keep."""
+    servers = [c for c in _children(launcher) if b"forkserver" in _cmdline(c)]
+    if servers:
+        return [w for w in _children(servers[0]) if _cmdline(w) == _cmdline(servers[0])], servers
+    children = _children(launcher)
+    return [c for c in children if b"TORCHELASTIC_RUN_ID" in Path(f"/proc/{c}/environ").read_bytes()], []
 
 
 def _train(run: Path, *args: str, wait: bool = True):

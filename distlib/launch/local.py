@@ -1,11 +1,16 @@
-"""``python train.py``'s own launcher: torch's elastic agent, with the workers as new interpreters.
+"""``python train.py``'s own launcher: torch's elastic agent, with the workers forked from a process
+that has imported them already.
 
 The agent runs in this process, as torchrun's does in its own (``elastic_launch``: the same
-rendezvous, store and monitoring), and starts each worker as ``python train.py <the run's
-overrides>`` with torch's environment (RANK, WORLD_SIZE, ...): the workers take the torchrun path
-of train.py. They are started with fork + exec (subprocess), never as forks of this process's
-Python state: this process runs the agent's store server thread, and a fork of a process with
-threads can inherit a lock held forever (a worker that never reached the rendezvous, seen before).
+rendezvous, store and monitoring), and starts each worker as ``worker.start(tree, run_dir)``, the
+run's configuration as this process checked it, with torch's environment (RANK, WORLD_SIZE, ...).
+The workers are not forks of this process (it runs the agent's store server thread, and a fork of
+a process with threads can inherit a lock held forever): multiprocessing's fork server, a fresh
+interpreter started by fork + exec, imports ``distlib.launch.worker`` (torch, the trainer) once
+and forks each worker from there, single-threaded. So a worker starts without importing torch or
+composing the config again: measured on 2 cores (``perf stat``, every process of the job), a
+4-rank 1-step run takes 3.1 CPU-s and 2.9 s, against 6.5 and 4.5 with each worker a new
+``python train.py``; the fork server's one import is all the workers pay.
 
 On SIGTERM/SIGINT the agent forwards the signal; the workers finish their step, save and stop,
 and this process exits 0 if the run's log says they did (1 otherwise). A failed worker's one-line
@@ -16,6 +21,7 @@ of an unexpected exception, which is a bug).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import signal
 import sys
 import time
@@ -24,12 +30,19 @@ from pathlib import Path
 
 from distlib.app.observe.metrics import last_event
 
+# What the fork server imports before it forks a worker: first what makes it die with this process
+# (fork_server.py says why), then the worker's module and, through it, torch.
+PRELOAD = ["distlib.launch.fork_server", "distlib.launch.worker"]
 
-def launch(script: str, args: list[str], world_size: int, run_dir: str, metrics_file: str) -> None:
-    """Run ``world_size`` workers of ``script args`` to the end; exits this process on failure."""
+
+def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None:
+    """Run ``world_size`` workers of the checked configuration ``tree`` in ``run_dir`` to the end;
+    exits this process on failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from distlib.launch import worker
 
     config = LaunchConfig(
         min_nodes=1,
@@ -40,12 +53,14 @@ def launch(script: str, args: list[str], world_size: int, run_dir: str, metrics_
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.1,
+        start_method="forkserver",
     )
+    multiprocessing.set_forkserver_preload(PRELOAD)
     # The workers print their own one-line errors; the agent's tracebacks would bury them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     started = time.time()
     try:
-        elastic_launch(config, sys.executable)(script, *args)
+        elastic_launch(config, worker.start)(tree, run_dir)
     except SignalException as exc:
         _stopped(signal.Signals(exc.sigval).name, Path(run_dir), metrics_file, started)
     except ChildFailedError as exc:

@@ -2,7 +2,7 @@
 
 Every rank is its own interpreter, started by torch's elastic agent (``torchrun``, or the one
 ``python train.py`` runs in its own process: ``distlib.launch.local``) or by ``srun``. The rank
-dies with the process that started it (``die_with_parent``), so a launcher killed even by SIGKILL
+dies with the process that started it (``parent.die_with_parent``), so a launcher killed even by SIGKILL
 leaves no orphans training on. Known failures print one line and exit 1: errors every rank agreed
 on are printed once, by rank 0; one a rank raised alone (``agreed`` false: a collective whose
 messages did not fit its call) by that rank, rank-prefixed; a stalled or lost peer is named by
@@ -13,11 +13,10 @@ keeps its traceback (``@record``).
 
 from __future__ import annotations
 
-import ctypes
 import datetime
+import gc
 import os
 import re
-import signal
 import sys
 from pathlib import Path
 
@@ -37,22 +36,10 @@ from distlib.comm import watchdog
 from distlib.comm.group import Comm
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError
+from distlib.launch.parent import die_with_parent
 from distlib.launch.torchrun import init_process_group, rank_error, use_cuda_device, use_deterministic_kernels
 
 AGREED_ERRORS = (CheckpointError, ConfigError, DataError, GuardError, DesyncError, CollectiveMismatchError)
-PR_SET_PDEATHSIG = 1  # prctl(2)
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when the process that started it exits (Linux
-    prctl PR_SET_PDEATHSIG; elsewhere nothing). If that parent is already gone, leave now."""
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before the request took effect
-        os._exit(1)
 
 
 def leave(code: int) -> None:
@@ -62,9 +49,23 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+def start(tree: dict, run_dir: str) -> None:
+    """A worker of ``python train.py``'s own launcher (``local.launch``), forked from the fork
+    server that imported this module; torch's agent records an unexpected error (``record``)."""
+    die_with_parent()
+    # what the server imported stays for the whole run: never walked by the collector (train.py's
+    # gc.freeze says what that walk cost each rank)
+    gc.freeze()
+    _run(tree, run_dir)
+
+
 @record
 def run(tree: dict, run_dir: str) -> None:
-    """This rank's whole run; exits non-zero when the run failed."""
+    """This rank's whole run (torchrun's and srun's workers); exits non-zero when the run failed."""
+    _run(tree, run_dir)
+
+
+def _run(tree: dict, run_dir: str) -> None:
     try:
         failures = _train(RunConfig.from_dict(tree), run_dir)
     except (ConfigError, CheckpointError, DataError) as exc:

@@ -1,0 +1,23 @@
+"""A process that dies with the process that started it (Linux ``prctl(PR_SET_PDEATHSIG)``), so a
+launcher killed even by SIGKILL leaves nothing training on: torchrun's and srun's workers, and
+``python train.py``'s fork server and the workers it forks (``distlib/launch/fork_server.py``)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the process that started it exits (Linux
+    prctl PR_SET_PDEATHSIG; elsewhere nothing). If that parent is already gone, leave now."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
