@@ -114,13 +114,15 @@ def _save_and_resume(comm, root: str) -> dict:
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             return [s.loss for s in Trainer(RunConfig.from_dict(tree), comm, root / name).run().steps]
 
-    out = {}
+    out, whole = {}, {}  # whole: each layout's uninterrupted run, trained once for both checkpoints
     for saved, targets in {"cp2": ("cp4", "cp1", "tp2"), "cp2tp2": ("tp2 ", "cp1 ")}.items():
         run(saved, LAYOUTS[saved], "checkpoint.every_steps=10", "train.steps=10")
         ckpt = root / saved / "checkpoints" / "step_00000010"
         out[saved] = json.loads((ckpt / "manifest.json").read_text())["parallel"]
         for name in targets:
-            out[name] = run(f"whole_{saved}_{name.strip()}", LAYOUTS[name])[10:]
+            if name.strip() not in whole:
+                whole[name.strip()] = run(f"whole_{name.strip()}", LAYOUTS[name])[10:]
+            out[name] = whole[name.strip()]
             out[name + "_resumed"] = run(
                 f"{saved}_{name.strip()}", LAYOUTS[name], f"checkpoint.resume={ckpt}"
             )

@@ -65,10 +65,15 @@ def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path)
     try:
         wait_for_step(tmp_path, 2, proc, timeout=120)
         proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
+    # a step, a save and the workers' exit: seconds (a worker left waiting for the agent to read its
+    # return value was killed only by the agent's SIGKILL, 30 s on)
+    assert took < 20, f"the launcher took {took:.1f} s to stop after SIGTERM"
     last = step_records(tmp_path)[-1]["step"]
     assert f"stopped by SIGTERM after step {last}: checkpoint saved" in out
     assert f"SIGTERM: the workers saved a checkpoint at step {last} and stopped" in err

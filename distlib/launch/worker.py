@@ -56,7 +56,10 @@ def start(tree: dict, run_dir: str) -> None:
     # what the server imported stays for the whole run: never walked by the collector (train.py's
     # gc.freeze says what that walk cost each rank)
     gc.freeze()
-    _run(tree, run_dir)
+    if _run(tree, run_dir):
+        # Stopped by a signal the agent forwarded as it shuts down: it reads no return value now,
+        # and torch's worker wrapper would wait for it to (30 s, until the agent's SIGKILL).
+        leave(0)
 
 
 @record
@@ -65,9 +68,10 @@ def run(tree: dict, run_dir: str) -> None:
     _run(tree, run_dir)
 
 
-def _run(tree: dict, run_dir: str) -> None:
+def _run(tree: dict, run_dir: str) -> str | None:
+    """The run; exits non-zero when it failed, else returns the signal that stopped it, if one did."""
     try:
-        failures = _train(RunConfig.from_dict(tree), run_dir)
+        failures, stopped_by = _train(RunConfig.from_dict(tree), run_dir)
     except (ConfigError, CheckpointError, DataError) as exc:
         rank_error(str(exc))
         sys.exit(1)
@@ -75,6 +79,7 @@ def _run(tree: dict, run_dir: str) -> None:
         _stalled(exc)
     if failures:
         sys.exit(1)
+    return stopped_by
 
 
 def _stalled(exc: Exception) -> None:
@@ -86,8 +91,9 @@ def _stalled(exc: Exception) -> None:
     leave(1)
 
 
-def _train(cfg: RunConfig, run_dir: str) -> list[str]:
-    """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
+def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
+    """Join the process group, train, report; returns the broken invariants (every rank agrees)
+    and the signal that stopped the run, if one did."""
     torch.set_num_threads(1)
     use_deterministic_kernels()
     device = cfg.device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -113,9 +119,9 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
             warning = summary.loss_warning(result, t.loss_tolerance, t.monotone_until_step, departures)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
-        return failures
+        return failures, result.stopped_by
     except AGREED_ERRORS as exc:
-        return _failed(exc)
+        return _failed(exc), None
     except StallError as exc:
         _stalled(exc)
     finally:
