@@ -99,10 +99,14 @@ def _all_to_all_rank(comm: Comm) -> list[str]:
     return failures
 
 
+def _no_failures(fn, world: int) -> None:
+    for rank, failures in enumerate(run_ranks(fn, world)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 def test_all_to_all_with_empty_parts_delivers_torchs_bytes_both_ways(world):
-    for rank, failures in enumerate(run_ranks(_all_to_all_rank, world)):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures(_all_to_all_rank, world)
 
 
 def bounds_cases(n: int, numel: int) -> dict[str, list[tuple[int, int]]]:
@@ -149,8 +153,7 @@ def _bounds_rank(comm: Comm) -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 def test_reduce_scatter_and_all_gather_with_empty_parts_match_torch(world):
-    for rank, failures in enumerate(run_ranks(_bounds_rank, world)):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures(_bounds_rank, world)
 
 
 def _bytes_rank(comm: Comm) -> list[str]:
@@ -172,5 +175,4 @@ def _bytes_rank(comm: Comm) -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 5])
 def test_all_gather_bytes_with_empty_payloads_matches_torch(world):
-    for rank, failures in enumerate(run_ranks(_bytes_rank, world)):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures(_bytes_rank, world)

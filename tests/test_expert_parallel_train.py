@@ -226,23 +226,7 @@ def _first_loss(comm, tree: dict, run_dir: str) -> float:
 
 @pytest.mark.slow
 def test_init_from_a_transformers_mixtral_at_ep2_is_ep1s_first_step(tmp_path):
-    from family_models import perturb_, quiet_transformers
-
-    transformers = quiet_transformers()
-    config = transformers.MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        perturb_(transformers.MixtralForCausalLM(config), 1).save_pretrained(tmp_path / "hf")
+    _save_transformers_mixtral(tmp_path / "hf", 0, 1, **_HF_TINY)
     base = [f"model.init_from={tmp_path / 'hf'}", *BASE[1:], "train.steps=1", "dist.world_size=4"]
     ep1, ep2 = (
         run_ranks(_first_loss, 4, compose_tree([*base, f"dist.ep={ep}"]), str(tmp_path / f"ep{ep}"))[0]
@@ -283,27 +267,26 @@ def test_tensor_parallel_with_experts_split_follows_tensor_parallel_alone(tmp_pa
     assert len(resumed["losses"]) == 4 and worst <= REL, worst
 
 
-def _issue_37_mixtral(path: Path) -> None:
-    """The Mixtral issue #37 made with transformers (nothing of ours in it): at ep 4, no rank
-    routes a token to expert 1 at step 4, so the rank holding it receives nothing."""
-    from family_models import quiet_transformers
+def _save_transformers_mixtral(path: Path, seed: int, perturb: int | None = None, **sizes) -> None:
+    """A MixtralForCausalLM of ``sizes`` made by transformers from ``seed`` (its noise added with
+    ``perturb``: family_models.perturb_), saved to ``path``."""
+    from family_models import perturb_, quiet_transformers
 
     transformers = quiet_transformers()
-    config = transformers.MixtralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)
-        transformers.MixtralForCausalLM(config).save_pretrained(path)
+        torch.manual_seed(seed)
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes))
+        (model if perturb is None else perturb_(model, perturb)).save_pretrained(path)
+
+
+_HF_SHAPE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+_HF_SHAPE |= {"num_local_experts": 4, "num_experts_per_tok": 2}
+_HF_TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "max_position_embeddings": 16}
+_HF_TINY |= _HF_SHAPE
+# The Mixtral issue #37 made with transformers (nothing of ours in it): at ep 4, no rank routes a
+# token to expert 1 at step 4, so the rank holding it receives nothing.
+_ISSUE_37 = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 64}
+_ISSUE_37 |= _HF_SHAPE | {"tie_word_embeddings": False}
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -315,7 +298,7 @@ def _records(run_dir: Path) -> list[dict]:
 def test_a_transformers_mixtral_with_a_starved_expert_trains_at_ep4_and_ep2(tmp_path):
     from e2e import train
 
-    _issue_37_mixtral(tmp_path / "mixtral-hf")
+    _save_transformers_mixtral(tmp_path / "mixtral-hf", 11, **_ISSUE_37)
     args = [
         "model=mixtral",
         f"model.init_from={tmp_path / 'mixtral-hf'}",

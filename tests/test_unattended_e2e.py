@@ -88,6 +88,23 @@ def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path)
     assert events[-1]["event"] == "run_end" and events[-1]["status"] == "stopped by SIGTERM"
 
 
+def test_a_signal_to_one_worker_stops_python_train_py_at_once(tmp_path):
+    # The signal reaches a worker, not the launcher, whose agent keeps watching: the workers save,
+    # stop and hand it their results (distlib/launch/worker.py start; a worker that left without
+    # doing so once kept the agent waiting for good)
+    proc = popen(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "dist.world_size=2", "train.steps=40"]
+        + ["fault.sigterm_rank=1", "fault.sigterm_step=3", "checkpoint.every_steps=0"]
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM after step 3: checkpoint saved" in out
+    checkpoint.verify(tmp_path / "checkpoints" / checkpoint.step_dir_name(3))
+
+
 def test_a_stalled_rank_ends_the_job_within_the_bound_and_is_named(tmp_path):
     timeout_s = 5
     proc = popen(

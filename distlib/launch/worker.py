@@ -18,6 +18,7 @@ import gc
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -39,6 +40,9 @@ from distlib.comm.watchdog import StallError
 from distlib.launch.parent import die_with_parent
 from distlib.launch.torchrun import init_process_group, rank_error, use_cuda_device, use_deterministic_kernels
 
+# How long a fork-server worker waits, once its run is over, before it leaves without the agent's
+# word (``start``); writing its return value takes microseconds.
+WRAPPER_GRACE_S = 2.0
 AGREED_ERRORS = (CheckpointError, ConfigError, DataError, GuardError, DesyncError, CollectiveMismatchError)
 
 
@@ -56,10 +60,15 @@ def start(tree: dict, run_dir: str) -> None:
     # what the server imported stays for the whole run: never walked by the collector (train.py's
     # gc.freeze says what that walk cost each rank)
     gc.freeze()
-    if _run(tree, run_dir):
-        # Stopped by a signal the agent forwarded as it shuts down: it reads no return value now,
-        # and torch's worker wrapper would wait for it to (30 s, until the agent's SIGKILL).
-        leave(0)
+    _run(tree, run_dir)
+    # torch's worker wrapper now writes our return value into a pipe and waits for the agent to
+    # say it has read it. An agent that is shutting down (it forwarded a SIGTERM, and the run
+    # saved and stopped) never says so: the wrapper waited until the agent's SIGKILL, 30 s on. The
+    # value stays readable in the pipe after this process exits, so it leaves once the wrapper has
+    # had ample time to write it, whether or not the agent said anything.
+    timer = threading.Timer(WRAPPER_GRACE_S, leave, args=(0,))
+    timer.daemon = True
+    timer.start()
 
 
 @record
@@ -68,10 +77,10 @@ def run(tree: dict, run_dir: str) -> None:
     _run(tree, run_dir)
 
 
-def _run(tree: dict, run_dir: str) -> str | None:
-    """The run; exits non-zero when it failed, else returns the signal that stopped it, if one did."""
+def _run(tree: dict, run_dir: str) -> None:
+    """The run; exits non-zero when it failed."""
     try:
-        failures, stopped_by = _train(RunConfig.from_dict(tree), run_dir)
+        failures = _train(RunConfig.from_dict(tree), run_dir)
     except (ConfigError, CheckpointError, DataError) as exc:
         rank_error(str(exc))
         sys.exit(1)
@@ -79,7 +88,6 @@ def _run(tree: dict, run_dir: str) -> str | None:
         _stalled(exc)
     if failures:
         sys.exit(1)
-    return stopped_by
 
 
 def _stalled(exc: Exception) -> None:
@@ -91,9 +99,8 @@ def _stalled(exc: Exception) -> None:
     leave(1)
 
 
-def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
-    """Join the process group, train, report; returns the broken invariants (every rank agrees)
-    and the signal that stopped the run, if one did."""
+def _train(cfg: RunConfig, run_dir: str) -> list[str]:
+    """Join the process group, train, report; returns the broken invariants (every rank agrees)."""
     torch.set_num_threads(1)
     use_deterministic_kernels()
     device = cfg.device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -119,9 +126,9 @@ def _train(cfg: RunConfig, run_dir: str) -> tuple[list[str], str | None]:
             warning = summary.loss_warning(result, t.loss_tolerance, t.monotone_until_step, departures)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
-        return failures, result.stopped_by
+        return failures
     except AGREED_ERRORS as exc:
-        return _failed(exc), None
+        return _failed(exc)
     except StallError as exc:
         _stalled(exc)
     finally:
