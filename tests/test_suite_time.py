@@ -26,3 +26,11 @@ def test_the_script_prints_one_line_from_the_start_time():
     assert out.stdout.startswith("make test: 1 min 3") and out.stdout.count("\n") == 1, out.stdout
     bad = subprocess.run([sys.executable, "tests/suite_time.py"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("usage: suite_time.py START_EPOCH")
+
+
+def test_make_test_ends_with_the_line_and_keeps_the_suites_status():
+    recipe = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True).stdout
+    suite = recipe[recipe.index("-m pytest") :]
+    # the line comes after both pytest runs, and the status make exits with is theirs
+    assert "tests/suite_time.py $start; exit $status" in suite, recipe
+    assert suite.index("-m serial") < suite.index("tests/suite_time.py"), recipe
