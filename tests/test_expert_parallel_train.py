@@ -9,7 +9,8 @@ scripts/ckpt.py, consolidates into the ep 2 run's weights bit for bit, and expor
 transformers' Mixtral runs with our logits; its manifest records ep 2) and resumes at ep 4, at ep 1
 and at ep 2 over 2 ranks, each continuation within 1e-5 of the uninterrupted run in that layout.
 With tensor parallelism, gradient accumulation, bf16 and model.init_from (below, each against what
-it can be held to). Bad layouts are one line."""
+it can be held to). Experts that receive no token (issue #37): a router forced to starve them, and
+a transformers-made Mixtral that starves one by itself. Bad layouts are one line."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import torch
 from forkrun import run_script
 from multiproc import run_ranks
 from safetensors.torch import load_file
-from trainrun import compose_tree, train_each, train_worlds
+from trainrun import compose_tree, train_each, train_with_margin, train_worlds
 
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.observe import summary
+from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
 from distlib.launch.torchrun import use_deterministic_kernels
 
@@ -322,3 +324,75 @@ def test_a_transformers_mixtral_with_a_starved_expert_trains_at_ep4_and_ep2(tmp_
         assert [r["expert_tokens"] for r in run] == [r["expert_tokens"] for r in ref], name
         worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(run, ref))
         assert len(run) == 10 and worst <= REL, (name, worst)
+
+
+# The real Trainer with a router forced to starve experts (issue #37), model=mixtral_tiny: 8
+# experts, 16 samples a step, 4 per rank over 4 batch ranks. Step (as the trainer numbers it) ->
+# {global sample (None: every sample): the experts its tokens may not choose}.
+FORCED = {
+    3: {None: {4, 5, 6, 7}},  # ep 2's second rank and ep 4's last two receive nothing
+    4: {None: {4, 5, 6, 7}},
+    6: {None: {2, 3}},  # ep 4's second rank receives nothing
+    9: {s: {0} for s in range(4)},  # expert 0 gets no token from rank 0's samples only
+    10: {s: {4, 5, 6, 7} for s in range(4, 8)},  # rank 1 sends ep 2's second rank nothing
+}
+FORCED_STEPS = ["train.steps=10"]
+
+
+class _Clock(StepHooks):
+    def __init__(self):
+        self.step = 0
+
+    def before_step(self, step: int) -> None:
+        self.step = step
+
+
+def _train_forced(comm, tree: dict, run_dir: str, margin: bool) -> dict:
+    """One layout through the real Trainer (trainrun), every MoE router's logits masked to -inf
+    where FORCED bans an expert at this step for a row's sample."""
+    from distlib.app.model import moe
+
+    clock, seq = _Clock(), tree["model"]["seq_len"]
+    first = comm.rank * tree["train"]["global_batch"] // comm.size  # (batch ranks = every rank)
+
+    def mask(gate, inputs, logits):
+        sample = first + torch.arange(logits.shape[0]) // seq
+        banned = torch.zeros(logits.shape, dtype=torch.bool)
+        for who, experts in FORCED.get(clock.step, {}).items():
+            rows = torch.ones_like(sample, dtype=torch.bool) if who is None else sample == who
+            banned[rows.nonzero(), sorted(experts)] = True
+        return logits.masked_fill(banned, float("-inf"))
+
+    built = moe.MoE.__init__
+
+    def init(self, cfg):
+        built(self, cfg)
+        self.gate.register_forward_hook(mask)
+
+    moe.MoE.__init__ = init  # (in this forked rank only)
+    if margin:
+        return train_with_margin(comm, tree, run_dir, clock)
+    return train_each(comm, [tree], run_dir, clock)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [["dist.ep=2", "zero=stage0"], ["dist.ep=4", "zero=stage3", "model.capacity_factor=1.0"]],
+    ids=["ep2-z0", "ep4-z3-capacity"],
+)
+def test_the_trainer_with_starved_experts_trains_one_ranks_losses(tmp_path, layout):
+    capacity = [o for o in layout if o.startswith("model.capacity")]
+    ref = run_ranks(
+        _train_forced, 1, compose_tree([*BASE, *FORCED_STEPS, *capacity]), str(tmp_path / "ref"), True
+    )[0]
+    assert ref["margin"] > 1e-6, f"the reference has a near-tied top-k choice ({ref['margin']:.1e})"
+    for record in ref["records"]:
+        everywhere = FORCED.get(record["step"], {}).get(None, set())
+        starved = {e for e in range(8) if all(block[e] == 0 for block in record["expert_tokens"])}
+        assert starved == everywhere, (record["step"], starved)
+    tree = compose_tree([*BASE, *FORCED_STEPS, *layout, "dist.world_size=4"])
+    run = run_ranks(_train_forced, 4, tree, str(tmp_path / "run"), False, timeout_s=600)[0]
+    assert [r["expert_tokens"] for r in run["records"]] == [r["expert_tokens"] for r in ref["records"]]
+    worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"]))
+    assert len(run["losses"]) == 10 and worst <= REL, worst

@@ -46,14 +46,16 @@ def small_tree(steps: int, every_steps: int, **groups) -> dict:
     return tree_with({**base, "metrics": {"progress_every": 0}}, **groups)
 
 
-def train_each(comm, trees: list[dict], run_dir: str) -> list[dict]:
+def train_each(comm, trees: list[dict], run_dir: str, hooks=None) -> list[dict]:
     """Each tree trained in turn on these ranks (one run_ranks call for many layouts), quietly, in
-    ``run_dir``/i; per run its losses and its step records from metrics.jsonl."""
+    ``run_dir``/i, with the trainer's ``hooks`` if given; per run its losses and its step records
+    from metrics.jsonl."""
     use_deterministic_kernels()
     out = []
     for i, tree in enumerate(trees):
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            result = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir) / str(i)).run()
+            trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir) / str(i), hooks=hooks)
+            result = trainer.run()
         log = (Path(run_dir) / str(i) / "metrics.jsonl").read_text().splitlines()
         out.append(
             {
@@ -64,7 +66,7 @@ def train_each(comm, trees: list[dict], run_dir: str) -> list[dict]:
     return out
 
 
-def train_with_margin(comm, tree: dict, run_dir: str) -> dict:
+def train_with_margin(comm, tree: dict, run_dir: str, hooks=None) -> dict:
     """A Mixtral run at world size 1: ``train_each``'s view plus ``margin``, the smallest gap between
     any token's k-th and (k+1)-th router probability in the run's training forwards. A gap within
     rounding can send the token to another expert under another layout's rounding, after which two
@@ -84,7 +86,7 @@ def train_with_margin(comm, tree: dict, run_dir: str) -> dict:
         return ids, weights, probs
 
     moe.MoE.route = measured  # (in this forked rank only)
-    out = train_each(comm, [tree], run_dir)[0]
+    out = train_each(comm, [tree], run_dir, hooks)[0]
     return {**out, "margin": min(margins)}
 
 
