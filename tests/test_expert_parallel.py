@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 from multiproc import run_ranks
+from trainrun import starving_router
 
 from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
@@ -70,18 +71,8 @@ STARVED = {
 
 
 def _force_router_(model, first_sample: int, clock: list[int]) -> None:
-    """Every block's router logits masked to -inf where ``STARVED`` bans an expert at step
-    ``clock[0]`` for the sample a row belongs to (rows are sample-major, MOE.seq_len each)."""
-
-    def mask(gate, inputs, logits):
-        rule = STARVED.get(clock[0], {})
-        sample = first_sample + torch.arange(logits.shape[0]) // MOE.seq_len
-        banned = torch.zeros(logits.shape, dtype=torch.bool)
-        for who, experts in rule.items():
-            rows = torch.ones_like(sample, dtype=torch.bool) if who is None else sample == who
-            banned[rows.nonzero(), sorted(experts)] = True
-        return logits.masked_fill(banned, float("-inf"))
-
+    """Every block's router starved as ``STARVED`` says at step ``clock[0]``."""
+    mask = starving_router(STARVED, lambda: clock[0], first_sample, MOE.seq_len)
     for block in model.blocks:
         block.mlp.gate.register_forward_hook(mask)
 

@@ -24,7 +24,7 @@ import torch
 from forkrun import run_script
 from multiproc import run_ranks
 from safetensors.torch import load_file
-from trainrun import compose_tree, train_each, train_with_margin, train_worlds
+from trainrun import compose_tree, starving_router, train_each, train_with_margin, train_worlds
 
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.observe import summary
@@ -352,16 +352,9 @@ def _train_forced(comm, tree: dict, run_dir: str, margin: bool) -> dict:
     where FORCED bans an expert at this step for a row's sample."""
     from distlib.app.model import moe
 
-    clock, seq = _Clock(), tree["model"]["seq_len"]
+    clock = _Clock()
     first = comm.rank * tree["train"]["global_batch"] // comm.size  # (batch ranks = every rank)
-
-    def mask(gate, inputs, logits):
-        sample = first + torch.arange(logits.shape[0]) // seq
-        banned = torch.zeros(logits.shape, dtype=torch.bool)
-        for who, experts in FORCED.get(clock.step, {}).items():
-            rows = torch.ones_like(sample, dtype=torch.bool) if who is None else sample == who
-            banned[rows.nonzero(), sorted(experts)] = True
-        return logits.masked_fill(banned, float("-inf"))
+    mask = starving_router(FORCED, lambda: clock.step, first, tree["model"]["seq_len"])
 
     built = moe.MoE.__init__
 

@@ -105,3 +105,21 @@ def train_worlds(base: list[str], layouts: dict[int, list[list[str]]], root: Pat
         )[0]
         for world, group in layouts.items()
     }
+
+
+def starving_router(rules: dict, step, first_sample: int, seq_len: int):
+    """A forward hook for an MoE router (its gate): the logits masked to -inf where ``rules`` bans an
+    expert at step ``step()`` for the sample a row belongs to. ``rules``: step -> {global sample
+    (None: every sample): the experts its tokens may not choose}; rows are sample-major, ``seq_len``
+    a sample, this rank's first being ``first_sample``."""
+    import torch
+
+    def mask(gate, inputs, logits):
+        sample = first_sample + torch.arange(logits.shape[0]) // seq_len
+        banned = torch.zeros(logits.shape, dtype=torch.bool)
+        for who, experts in rules.get(step(), {}).items():
+            rows = torch.ones_like(sample, dtype=torch.bool) if who is None else sample == who
+            banned[rows.nonzero(), sorted(experts)] = True
+        return logits.masked_fill(banned, float("-inf"))
+
+    return mask

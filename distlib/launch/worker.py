@@ -1,14 +1,14 @@
 """One rank of a run: join the process group, train, report, and leave with the right status.
 
-Every rank is its own interpreter, started by torch's elastic agent (``torchrun``, or the one
-``python train.py`` runs in its own process: ``distlib.launch.local``) or by ``srun``. The rank
-dies with the process that started it (``parent.die_with_parent``), so a launcher killed even by SIGKILL
-leaves no orphans training on. Known failures print one line and exit 1: errors every rank agreed
-on are printed once, by rank 0; one a rank raised alone (``agreed`` false: a collective whose
-messages did not fit its call) by that rank, rank-prefixed; a stalled or lost peer is named by
-each rank that waited on it. Those ranks then leave at once (``os._exit``): a dead peer's group
-cannot be torn down cleanly, and the launcher is about to restart or stop the job. Anything else
-keeps its traceback (``@record``).
+Every rank is its own process: an interpreter started by torch's elastic agent (``torchrun``) or
+by ``srun`` (``run``), or a fork of the fork server of the agent ``python train.py`` runs in its
+own process (``start``; ``distlib.launch.local``). The rank dies with the process that started it
+(``parent.die_with_parent``), so a launcher killed even by SIGKILL leaves no orphans training on.
+Known failures print one line and exit 1: errors every rank agreed on are printed once, by rank 0;
+one a rank raised alone (``agreed`` false: a collective whose messages did not fit its call) by
+that rank, rank-prefixed; a stalled or lost peer is named by each rank that waited on it. Those
+ranks then leave at once (``os._exit``): a dead peer's group cannot be torn down cleanly, and the
+launcher is about to restart or stop the job. Anything else keeps its traceback (``@record``).
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def _run(tree: dict, run_dir: str) -> None:
         rank_error(str(exc))
         sys.exit(1)
     except StallError as exc:  # the rendezvous did not form
-        _stalled(exc)
+        _say_and_leave(exc)
     if failures:
         sys.exit(1)
 
 
-def _stalled(exc: Exception) -> None:
+def _say_and_leave(exc: Exception) -> None:
     """A peer stalled or died, or this rank alone failed a collective (a message of another size
     than the call's): say so, rank-prefixed, now, and leave without tearing the group down (a
     dead peer's group cannot be, the others are waiting on this rank, and the first rank to exit
@@ -130,7 +130,7 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
     except AGREED_ERRORS as exc:
         return _failed(exc)
     except StallError as exc:
-        _stalled(exc)
+        _say_and_leave(exc)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -140,8 +140,8 @@ def _failed(exc: Exception) -> list[str]:
     """A known error: one every rank raised alike (they agree on it first) is one line, rank 0's;
     one this rank raised alone (``agreed`` false) is said by this rank, which then leaves: no
     other rank can say why, and they are waiting on it."""
-    if not getattr(exc, "agreed", True):
-        _stalled(exc)
+    if isinstance(exc, CollectiveMismatchError) and not exc.agreed:
+        _say_and_leave(exc)
     if dist.get_rank() == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     return [str(exc)]

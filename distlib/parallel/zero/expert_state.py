@@ -122,9 +122,7 @@ class Plan:
         me, n = comm.rank, comm.size
         lo = self.canonical.shard_range(me)[0]
         wanted = [self.sends[b][me] for b in range(n)]  # what each rank holds of my partition
-        send = torch.cat(
-            [shard[p.canon - lo : p.canon - lo + p.numel] for b in range(n) for p in wanted[b]] or [shard[:0]]
-        )  # (a shard of padding alone sends nothing)
+        send = torch.cat([shard[p.canon - lo : p.canon - lo + p.numel] for b in range(n) for p in wanted[b]])
         got = collectives.all_to_all(send.contiguous(), comm, _sizes(wanted), _sizes(self.sends[me]))
         parts = {g: shard.new_zeros(k, shard.shape[1]) for g, k in sizes.items()}
         at = 0
