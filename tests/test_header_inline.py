@@ -55,3 +55,39 @@ def test_a_large_mismatch_raises_everywhere_and_the_group_stays_usable():
     for message, after in run_ranks(_large_mismatch, 3, timeout_s=30):
         assert "mismatched collective" in message and f"all_gather(numel={3 * LARGE + 3}" in message, message
         assert after == 3.0
+
+
+def _many_checked(comm, calls):
+    import torch.distributed as dist
+
+    from distlib.comm.group import Comm
+    from distlib.comm.header import unwaited_sends
+    from distlib.comm.progress import Progress
+
+    world = comm.instrumented(check=True)
+    pair_ranks = (0, 1)
+    group = dist.new_group(list(pair_ranks))  # every rank calls new_group
+    pair = None
+    if comm.rank in pair_ranks:
+        pair = Comm(pair_ranks, pair_ranks.index(comm.rank), group).instrumented(check=True)
+    held, total = [], 0.0
+    for i in range(calls):
+        t = torch.full((SMALL if i % 2 else LARGE,), float(comm.rank + i))
+        collectives.all_reduce(t, world)
+        total += t[0].item()
+        if pair is not None:
+            progress = Progress(pair)  # the overlap thread runs some of them
+            progress.submit(collectives.all_reduce, torch.ones(SMALL), pair)
+            progress.drain()
+        held.append(unwaited_sends())
+    return held, total
+
+
+def test_header_sends_are_held_for_one_collective_per_group_only():
+    """A checked collective keeps its header sends until the group's next one closes: a run of
+    any length holds at most (size - 1) per group, not one per peer per collective ever made."""
+    calls = 60
+    for rank, (held, total) in enumerate(run_ranks(_many_checked, 3, calls, timeout_s=60)):
+        assert total == sum(3 * i + 3 for i in range(calls)), rank
+        assert max(held) <= 2 + (1 if rank < 2 else 0), (rank, max(held))
+        assert held[-1] == held[1] > 0, rank
