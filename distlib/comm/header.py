@@ -218,9 +218,12 @@ class Gate:
         # stays False until it is waited on: a list pruned by asking it grew by one entry per peer
         # per collective, for the life of the process, and was scanned at every close -- 30% of
         # a rank's Python time after 20 steps.)
-        previous = _UNWAITED.pop(self.comm.group, [])
-        self.p2p.wait(*previous)
-        _UNWAITED[self.comm.group] = list(self.sent.values())
+        # Their waits return at once (gloo only marks them complete; not a wait on a peer, so
+        # not P2P.wait, which benchmarks/rounds.py counts).
+        group = self.comm.group if self.comm.group is not None else torch.distributed.group.WORLD
+        for message in _UNWAITED.pop(group, []):
+            message.work.wait()
+        _UNWAITED[group] = list(self.sent.values())
         if self.stash:
             raise CollectiveMismatchError(
                 f"{self.kind}: peers {sorted(self.stash)} sent a payload with the header "
@@ -229,7 +232,7 @@ class Gate:
             )
 
 
-# Per process group (None: the world): the header sends of its last checked collective, not yet
+# Per process group: the header sends of its last checked collective, not yet
 # waited on (see Gate.close).
 _UNWAITED: dict = {}
 
