@@ -66,3 +66,31 @@ def test_world_size_sweep_is_invariant_for_zero_2_and_3(tmp_path):
         assert job["optimizer_bytes"] == 12 * -(-30144 // job["world_size"])  # 12P/N, P = 30144
     assert "world-size invariance (2 fp32 job(s) vs world size 1)" in proc.stdout
     assert ": OK" in proc.stdout.splitlines()[-1]
+
+
+def _job(root: Path, name: str, overrides: list[str], losses: list[float]) -> Path:
+    """A finished job's directory as Hydra and the trainer leave it: .hydra/config.yaml, metrics.jsonl."""
+    from distlib.launch.hydra_config import compose_tree
+
+    job = root / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(compose_tree(overrides)))
+    rows = [{"type": "step", "step": s, "loss": loss, "step_time_s": 0.1} for s, loss in enumerate(losses, 1)]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return job
+
+
+def test_the_table_counts_a_context_parallel_jobs_global_batch_by_its_data_parallel_ranks(tmp_path):
+    """train.global_batch=null: a job's global batch is batch_size x dp x grad_accum, where dp is what
+    the layout leaves after tp, pp and cp; dist.cp=2 over 2 ranks is one data-parallel rank, the same
+    batch as world size 1, so it is compared with it."""
+    from distlib.launch import sweep_table
+
+    per_rank = ["train.global_batch=null", "train.batch_size=2"]
+    one = _job(tmp_path, "0", ["dist.world_size=1", *per_rank], [3.0, 2.0])
+    cp = _job(tmp_path, "1", ["dist.world_size=2", "dist.cp=2", *per_rank], [3.0, 2.5])
+    dp = _job(tmp_path, "2", ["dist.world_size=2", *per_rank], [3.0, 2.0])
+    jobs = sweep_table.compare([sweep_table.read_job(j) for j in (one, cp, dp)])
+    assert [j["global_batch"] for j in jobs] == [2, 2, 4]
+    assert jobs[1]["max_rel_diff"] == 0.25  # against world size 1
+    assert jobs[2]["max_rel_diff"] is None  # twice the batch: nothing to compare with

@@ -21,7 +21,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from distlib.comm.layout import Layout
+from distlib.app.config.run import RunConfig
 
 INVARIANCE_RTOL = 1e-5
 
@@ -41,16 +41,18 @@ def read_job(job_dir: Path) -> dict | None:
             steps[row["step"]] = row  # a resumed or rolled-back run rewrites later steps; keep the last
     if not steps:
         return None
-    world, tp, t = int(cfg.dist.world_size), int(cfg.dist.get("tp", 1)), cfg.train
-    dp = Layout.of(world, tp=tp, pp=int(cfg.dist.get("pp", 1))).dp
-    global_batch = t.global_batch if t.global_batch is not None else t.batch_size * dp * t.grad_accum
+    # The job's own checked config gives its global batch: the layout's data-parallel ranks (not
+    # the world over tp x pp, which counts the context-parallel ranks too) x batch_size x grad_accum.
+    run = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    world, tp, t = run.dist.world_size, run.dist.tp, run.train
+    global_batch = run.global_batch
     ordered = [steps[k] for k in sorted(steps)]
     return {
         "job": job_dir.name,
         "world_size": world,
         "tp": tp,
-        "stage": int(cfg.zero.stage),
-        "dtype": str(t.get("dtype", "fp32")),
+        "stage": run.zero.stage,
+        "dtype": t.dtype,
         "global_batch": int(global_batch),
         "losses": [float(r["loss"]) for r in ordered],
         "final_loss": float(ordered[-1]["loss"]),
