@@ -55,7 +55,8 @@ from distlib.comm.algorithms import reduce_scatter as RS
 from distlib.comm.algorithms.base import empty as _empty
 from distlib.comm.algorithms.base import fold
 from distlib.comm.group import Comm
-from distlib.comm.header import check_op, collective
+from distlib.comm.header import collective
+from distlib.comm.header_codes import check_op
 from distlib.comm.p2p import P2P
 
 SEGMENT_BYTES = 1 << 20  # pipeline granularity of ring / chain

@@ -39,71 +39,8 @@ import torch
 from torch import Tensor
 
 from distlib.comm.group import KINDS, Comm
+from distlib.comm.header_codes import ALGOS, DTYPES, OPS, code, mismatch
 from distlib.comm.p2p import GATE, P2P, CollectiveMismatchError, Done, Message
-
-OPS = ("sum", "avg", "max", "min")
-ALGOS = ("direct", "ring", "exchange", "tree", "chain", "rabenseifner", "halving", "bruck", "flat", "scatter")
-ALGOS += ("torch",)  # torch's own collective (native): added last, so the codes above keep theirs
-# The header's codes by index; a value outside a table is coded by a checksum (>= 1000), which
-# still mismatches correctly and is printed as the raw code.
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-
-
-def check_op(op: str, dtype: torch.dtype) -> None:
-    """A reduction op every collective knows (and the header can code), valid for ``dtype``."""
-    if op not in OPS:
-        raise ValueError(f"unknown reduction op {op!r}; expected one of {OPS}")
-    if op == "avg" and not dtype.is_floating_point:
-        raise ValueError(f"op 'avg' needs a floating dtype, got {dtype}")
-
-
-def _code(value, table) -> int:
-    return (
-        -1
-        if value is None
-        else table.index(value)
-        if value in table
-        else 1000 + zlib.crc32(str(value).encode()) % 10**6
-    )
-
-
-def _describe(header: list[int]) -> str:
-    """One rank's call in words; ``header`` is the list ``collective`` builds, in this order."""
-    call, kind, numel, dtype, op, src, algo, layout = header
-    parts = [f"numel={numel}"] if numel >= 0 else []
-    parts += (
-        [f"dtype={str(_DTYPES[dtype]).replace('torch.', '') if 0 <= dtype < len(_DTYPES) else dtype}"]
-        if dtype >= 0
-        else []
-    )
-    parts += [f"op={OPS[op] if op < len(OPS) else op}"] if op >= 0 else []
-    parts += [f"src={src}"] if src >= 0 else []
-    parts += [f"algo={ALGOS[algo] if algo < len(ALGOS) else algo}"] if algo >= 0 else []
-    parts += [f"bounds#{layout}"] if layout >= 0 else []
-    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"kind#{kind}"
-    return f"{name}({', '.join(parts)})" + (f" as collective #{call}" if call >= 0 else "")
-
-
-def _mismatch(comm: Comm, kind: str, headers: list[list[int]]) -> None:
-    """Raise the same CollectiveMismatchError on every rank if any member's header differs."""
-    if any(h != headers[0] for h in headers):
-        calls = "; ".join(
-            f"rank {j} (global {comm.peer(j)}) called {_describe(h)}" for j, h in enumerate(headers)
-        )
-        raise CollectiveMismatchError(
-            f"{kind}: mismatched collective in group {list(comm.ranks)}: {calls}", kind, agreed=True
-        )
 
 
 def check_header(comm: Comm, kind: str, header: list[int]) -> None:
@@ -115,7 +52,7 @@ def check_header(comm: Comm, kind: str, header: list[int]) -> None:
     handles = [p2p.recv(parts[j], j) for j in range(comm.size) if j != me]
     handles += [p2p.send(mine, j) for j in range(comm.size) if j != me]
     p2p.wait(*handles)
-    _mismatch(comm, kind, [p.tolist()[:-1] for p in parts])
+    mismatch(comm, kind, [p.tolist()[:-1] for p in parts])
 
 
 class Gate:
@@ -192,7 +129,7 @@ class Gate:
         self.p2p.wait(*self.arriving.values())
         words = {j: self.got[j][:HEADER_BYTES].view(torch.int64).tolist() for j in range(n) if j != me}
         try:
-            _mismatch(self.comm, self.kind, [self.header if j == me else words[j][:-1] for j in range(n)])
+            mismatch(self.comm, self.kind, [self.header if j == me else words[j][:-1] for j in range(n)])
         except CollectiveMismatchError:
             self.p2p.wait(*self.sent.values())  # every member receives its headers, then raises
             raise
@@ -317,10 +254,10 @@ def collective(
                     call,
                     KINDS.index(kind),
                     numel,
-                    _code(dtype, _DTYPES),
-                    _code(op, OPS),
+                    code(dtype, DTYPES),
+                    code(op, OPS),
                     src,
-                    _code(algo, ALGOS),
+                    code(algo, ALGOS),
                     -1 if bounds is None else zlib.crc32(repr(bounds).encode()),
                 ]
                 if comm.batched or comm.collectives == "torch":
