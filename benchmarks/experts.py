@@ -48,6 +48,7 @@ from multiproc import run_ranks
 from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.model import families
 from distlib.comm import collectives as C
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.parallel.expert_parallel import expert_grad_scale
 from distlib.parallel.zero import make_optimizer
@@ -69,7 +70,7 @@ def _batch(rank: int):
 
 def _setup(comm, cfg: ModelConfig, ep: int, collectives: str = "ours"):
     """(model, optimizer, stats of the expert group's Comm or None) on these ranks."""
-    mesh = build_mesh(comm, tp=1, ep=ep)
+    mesh = build_mesh(comm, Layout.of(comm.size, ep=ep))
     model = families.build(cfg, seed=0)
     families.join_batch_(model, mesh.batch)
     if ep == 1:

@@ -16,6 +16,7 @@ from distlib.app.config.run import RunConfig
 from distlib.app.observe.metrics import MetricsLog
 from distlib.app.trainer import Trainer
 from distlib.comm import collectives
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 
 MEMORY = {"params": 0, "grads": 0, "optimizer": 0}
@@ -23,7 +24,7 @@ MEMORY = {"params": 0, "grads": 0, "optimizer": 0}
 
 def _log_one_step(comm, tp: int, run_dir: str) -> None:
     world = comm.instrumented(check=False)
-    mesh = build_mesh(world, tp)
+    mesh = build_mesh(world, Layout.of(world.size, tp=tp))
     with MetricsLog(
         MetricsConfig(progress_every=0), Path(run_dir), world, 1, 1, groups={"dp": mesh.dp, "tp": mesh.tp}
     ) as log:

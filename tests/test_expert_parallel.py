@@ -21,6 +21,7 @@ from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
 from distlib.app.model import families
 from distlib.comm import collectives
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.parallel.expert_parallel import Routing, expert_grad_scale, held_experts
 from distlib.parallel.zero import make_optimizer
@@ -78,7 +79,7 @@ def _force_router_(model, first_sample: int, clock: list[int]) -> None:
 
 
 def _train(comm, ep: int, stage: int, capacity: float | None = None, starve: bool = False):
-    mesh = build_mesh(comm, tp=1, ep=ep)
+    mesh = build_mesh(comm, Layout.of(comm.size, ep=ep))
     model = families.build(replace(MOE, capacity_factor=capacity), seed=5)  # the same on every rank
     families.join_batch_(model, mesh.batch)
     opt = _optimizer(model, mesh, ep, stage)
@@ -153,7 +154,7 @@ def test_experts_that_do_not_split_over_the_ranks_are_refused():
 def _exchange_gradients(comm):
     """Every expert on every rank (ep = 1) vs half of them on each of 2 ranks: the same outputs and
     input gradients for each rank's own rows; the expert gradients summed over the two ranks."""
-    mesh = build_mesh(comm, tp=1, ep=2)
+    mesh = build_mesh(comm, Layout.of(comm.size, ep=2))
     whole = families.build(MOE, seed=5).blocks[0].mlp
     split = families.build(MOE, seed=5).blocks[0].mlp
     split.hold_experts_(mesh.ep)

@@ -17,8 +17,9 @@ from family_models import CONFIGS, GPT2_TIED, GPT2_UNTIED, LLAMA_GQA, built, max
 from multiproc import run_ranks
 
 from distlib.app.config import schema
+from distlib.app.config.dimension_rules import check_tensor_parallel
 from distlib.app.config.groups import ModelConfig
-from distlib.app.config.run import GROUPS, ConfigError, RunConfig, check_tensor_parallel
+from distlib.app.config.run import GROUPS, ConfigError, RunConfig
 from distlib.app.model import families
 from distlib.app.model.minigpt import MiniGPT
 from distlib.launch.hydra_config import CONF_DIR, compose_tree

@@ -19,6 +19,7 @@ from distlib.app.model.minigpt import build_model
 from distlib.app.unattended import guard
 from distlib.comm import collectives, watchdog
 from distlib.comm.group import Comm
+from distlib.comm.layout import Layout
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError, watch
 from distlib.parallel.zero import make_optimizer
@@ -72,7 +73,7 @@ def _replicas(comm, perturb_rank, names, world):
             x = opt.flat_params[slots[name].offset : slots[name].offset + 1]
             x.copy_(torch.nextafter(x, torch.full_like(x, math.inf)))
     try:
-        guard.check_replicas([(opt.flat_params, opt.layout.slots)], 7, comm)
+        guard.check_replicas(opt.replica_parts(), 7, comm, Layout.of(comm.size))
         return None
     except guard.DesyncError as exc:
         return str(exc)

@@ -97,9 +97,14 @@ def _mesh_groups(comm, cp, ep):
     from distlib.comm import collectives
     from distlib.comm.mesh import build_mesh
 
-    mesh = build_mesh(comm, tp=1, cp=cp, ep=ep)
+    mesh = build_mesh(comm, Layout.of(comm.size, cp=cp, ep=ep))
     total = collectives.all_reduce(torch.tensor([float(comm.rank)]), mesh.batch, op="sum")
-    return {k: c.ranks for k, c in mesh.groups().items()}, mesh.batch.ranks, mesh.loss_ranks, float(total)
+    named = {name: (mesh.group(name).ranks, mesh.group(name).rank) for name in NAMED}
+    groups = {k: c.ranks for k, c in mesh.groups().items()}
+    return groups, mesh.batch.ranks, mesh.loss_ranks, float(total), named
+
+
+NAMED = ("tp", "dp", "pp", "cp", "ep", "edp", "batch", "stage")
 
 
 def test_the_mesh_builds_the_batch_and_expert_groups_the_layout_names():
@@ -107,7 +112,10 @@ def test_the_mesh_builds_the_batch_and_expert_groups_the_layout_names():
 
     for cp, ep in [(2, 1), (1, 2), (2, 2)]:
         grid = Layout.of(4, cp=cp, ep=ep)
-        for r, (groups, batch, loss_ranks, total) in enumerate(run_ranks(_mesh_groups, 4, cp, ep)):
+        for r, (groups, batch, loss_ranks, total, named) in enumerate(run_ranks(_mesh_groups, 4, cp, ep)):
+            for name in NAMED:  # mesh.group(name): the layout's group, and this rank's place in it
+                dims = {"batch": ("dp", "cp"), "stage": ("dp", "cp", "tp")}.get(name, (name,))
+                assert named[name] == (grid.group(r, dims), grid.place(r, dims)), name
             assert batch == loss_ranks == grid.group(r, ("dp", "cp"))
             assert total == sum(batch), "a collective over the batch group spans dp x cp"
             assert groups["dp"] == grid.group(r, ("dp",))

@@ -28,6 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
             "train.global_batch=16 does not divide into dist.world_size/dist.tp=4/2=2 data-parallel "
             "rank(s) x train.grad_accum=3 micro-batch(es)",
         ),
+        (
+            {"dist": {"world_size": 4, "cp": 2}, "train": {"global_batch": 3}},
+            "train.global_batch=3 does not divide into dist.world_size/dist.cp=4/2=2 data-parallel rank(s)",
+        ),
+        (
+            {"dist": {"world_size": 8, "cp": 2, "pp": 2}, "train": {"global_batch": 3}},
+            "train.global_batch=3 does not divide into dist.world_size/(dist.pp x dist.cp)=8/(2 x 2)=2 "
+            "data-parallel rank(s)",
+        ),
+        (
+            {"dist": {"world_size": 4, "ep": 3}, "model": {"family": "mixtral"}},
+            "dist.ep=3 must divide the batch ranks dp x cp = 4",
+        ),
         ({"zero": {"stage": 4}}, "zero.stage must be one of [0, 1, 2, 3], got 4"),
         ({"zero": {"stage": 2, "bucket_numel": 0}}, "zero.bucket_numel must be an integer >= 1"),
         ({"train": {"dtype": "fp16"}}, "train.dtype must be one of"),

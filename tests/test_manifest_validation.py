@@ -83,6 +83,9 @@ CASES = [
         'manifest lacks "tp_layouts"',
     ),
     ("parallel_disagrees", _set("parallel", "dp", value=4), "disagrees with world_size 2, tp 1, pp 1"),
+    ("parallel_cp", _set("parallel", "cp", value=3), "parallel: dist.cp=3 must be >= 1 and divide"),
+    ("parallel_ep", _set("parallel", "ep", value=3), "parallel: dist.ep=3 must divide the batch ranks"),
+    ("parallel_ep_text", _set("parallel", "ep", value="2"), "parallel: dist.ep must be an integer >= 1"),
     (
         "parallel_other_order",
         _set("parallel", "order", value=["dp", "pp", "cp", "tp"]),

@@ -29,6 +29,7 @@ from distlib.app.model.families import shard_model_
 from distlib.app.model.minigpt import TENSOR_PARALLEL_PLAN, build_model
 from distlib.comm import agree
 from distlib.comm.group import Comm
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.launch.torchrun import use_deterministic_kernels
 from distlib.parallel.adamw import AdamWConfig
@@ -82,7 +83,9 @@ def torch_reference(clip: float) -> dict:
 def _train_case(comm, case: dict) -> dict:
     gc.freeze()  # every object alive now (the parent's, earlier cases') is left out of the count below
     stage, tp, accum, clip = case["stage"], case["tp"], case["accum"], case["clip"]
-    mesh = build_mesh(comm.instrumented(check=False), tp)  # dp and tp count the bytes they send
+    mesh = build_mesh(
+        comm.instrumented(check=False), Layout.of(comm.size, tp=tp)
+    )  # dp and tp count the bytes they send
     model = build_model(CFG, SEED)
     splits = shard_model_(model, mesh.tp)
     opt = make_optimizer(

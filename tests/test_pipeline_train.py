@@ -17,6 +17,7 @@ from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
 from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.launch.torchrun import use_deterministic_kernels
 
@@ -87,7 +88,7 @@ def test_interleaving_needs_micro_batches_in_multiples_of_pp_and_blocks_for_ever
 
 
 def _mesh(comm):
-    mesh = build_mesh(comm.instrumented(check=True), tp=2, pp=2)
+    mesh = build_mesh(comm.instrumented(check=True), Layout.of(comm.size, tp=2, pp=2))
     stats = {id(g.stats) for g in (mesh.world, mesh.dp, mesh.tp, mesh.pp, mesh.stage)}
     return {name: g.ranks for name, g in mesh.groups().items()} | {
         "stage": mesh.stage.ranks,

@@ -20,6 +20,7 @@ from trainrun import compose_tree
 from distlib.comm import collectives, native
 from distlib.comm.collectives import chunk_bounds
 from distlib.comm.group import Comm
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError, watch
@@ -127,7 +128,7 @@ def test_a_stall_in_torch_collective_is_diagnosed_like_ours():
 
 
 def _mesh_choices(comm: Comm) -> dict[str, str]:
-    mesh = build_mesh(comm.instrumented(check=False, collectives="torch"), tp=2)
+    mesh = build_mesh(comm.instrumented(check=False, collectives="torch"), Layout.of(comm.size, tp=2))
     return {name: c.collectives for name, c in {"world": mesh.world, **mesh.groups()}.items()}
 
 

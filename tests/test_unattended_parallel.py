@@ -17,6 +17,7 @@ from distlib.app.trainer import Trainer
 from distlib.app.unattended import guard
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.comm import collectives
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.parallel.flat_layout import ParamSlot
@@ -114,7 +115,7 @@ def _replicas_tp(comm, perturb):
         if comm.rank == rank:
             flat[offset] += 1.0
     try:
-        guard.check_replicas([(flat, slots)], 3, comm, tp=2, split={"split"})
+        guard.check_replicas([(flat, slots, False)], 3, comm, Layout.of(4, tp=2), split={"split"})
         return None
     except DesyncError as exc:
         return str(exc)
@@ -175,8 +176,8 @@ def _replicas_ep(comm, perturb):
         if comm.rank == rank:
             (flat_dense if name == "dense" else flat_experts)[0] += 1.0
     try:
-        parts = [(flat_dense, dense), (flat_experts, experts)]
-        guard.check_replicas(parts, 3, comm, ep=2, expert_part=1)
+        parts = [(flat_dense, dense, False), (flat_experts, experts, True)]
+        guard.check_replicas(parts, 3, comm, Layout.of(4, ep=2))
         return None
     except DesyncError as exc:
         return str(exc)
@@ -260,7 +261,7 @@ def test_uneven_bounds_are_counted_and_checked():
 
 def _mesh_riders(comm, tp):
     world = comm.instrumented(check=True)
-    mesh = build_mesh(world, tp)
+    mesh = build_mesh(world, Layout.of(world.size, tp=tp))
     collectives.all_reduce(torch.ones(3), mesh.tp)
     collectives.all_reduce(torch.ones(3), mesh.dp)
     collectives.all_reduce(torch.ones(5), mesh.dp)

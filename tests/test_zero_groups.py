@@ -16,6 +16,7 @@ from multiproc import run_ranks
 from distlib.app.config.groups import ModelConfig, OptimizerConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
 from distlib.app.model.minigpt import build_model
+from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.parallel.adamw import adamw_step_
 from distlib.parallel.broadcast import broadcast_module_
@@ -133,7 +134,7 @@ def _reference(world: int, ep: int, steps: int, clip: float):
 
 
 def _train_toy(comm, stage, steps, clip, differs):
-    mesh = build_mesh(comm, tp=1, ep=2)
+    mesh = build_mesh(comm, Layout.of(comm.size, ep=2))
     base, other = _toys()
     model = base if mesh.ep.rank == 0 else other
     if mesh.ep.rank == 1:

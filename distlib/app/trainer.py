@@ -111,7 +111,7 @@ class Trainer:
         comm = comm.instrumented(check=cfg.dist.check_collectives, collectives=cfg.dist.collectives)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
         d = cfg.dist
-        self.mesh = mesh = build_mesh(comm, d.tp, d.pp, d.timeout_s, cp=d.cp, ep=d.ep)
+        self.mesh = mesh = build_mesh(comm, cfg.layout_of(comm.size), d.timeout_s)
         self.hooks = hooks = hooks if hooks is not None else StepHooks()
         # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
         seed_process_rngs(cfg.seed, mesh.dp.rank)

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from pathlib import PurePosixPath
 
-from distlib.comm.layout import Layout, LayoutError
+from distlib.comm.layout import DIMENSIONS, Layout, LayoutError
 
 # train.dtype's values (distlib.app.config.run.DTYPES; this layer may not import the application).
 PARAM_DTYPES = ("fp32", "bf16")
@@ -73,15 +73,14 @@ def _shape(value, name: str) -> tuple[int, ...]:
 
 
 def _parallel(manifest: dict, world: int, tp: int, pp: int) -> Layout:
-    """The layout the manifest's sizes give; its ``parallel`` record, when present, must be it
-    (and says the context-parallel degree, 1 without it)."""
+    """The layout the manifest's sizes give; its ``parallel`` record, when present, must be it (and
+    gives the degree of every other dimension, by name: 1 where it has none)."""
     record = _field(manifest, "parallel", "", dict, optional=True)
-    cp = record.get("cp", 1) if record is not None else 1
-    if not _is_int(cp) or cp < 1 or world % (tp * pp * cp):
-        raise ManifestProblem(f"parallel: cp {_show(cp)} does not divide world_size {world} / (tp x pp)")
-    ep = record.get("ep", 1) if record is not None else 1  # the saving run's; its state does not use it
+    degrees = {"tp": tp, "pp": pp}
+    if record is not None:
+        degrees |= {d.name: record.get(d.name, 1) for d in DIMENSIONS if d.name not in degrees}
     try:
-        layout = Layout.of(world, tp=tp, pp=pp, cp=cp, ep=ep)
+        layout = Layout.of(world, **degrees)
     except (LayoutError, TypeError) as exc:
         raise ManifestProblem(f"parallel: {exc}") from None
     if record is not None:

@@ -7,21 +7,47 @@ dimensions, slowest-varying first, are ``ORDER``::
 
 Tensor-parallel ranks are neighbours (on real hardware the GPUs of one node, where the per-layer
 all-reduces are cheapest); a pipeline stage is a contiguous block of ranks. ``cp`` (context
-parallelism: the ranks sharing one sequence) sits next to them; ``ep`` (expert parallelism, which
-splits the experts over ranks of the batch dimensions dp x cp and adds no ranks of its own) is 1
-until it is built. Everything that
-needs a rank from coordinates or the ranks of a group asks this object: nothing else in the
-package computes a rank from the sizes (``tests/test_layering.py`` checks it).
+parallelism: the ranks sharing one sequence) sits next to them. ``ep`` (expert parallelism) is a
+dimension of its own order over the same ranks: it splits the batch ranks dp x cp into groups
+holding other experts and adds no ranks. The dimensions a run sets are declared once
+(``DIMENSIONS``: name, config key, grid or split); checks, records and groups follow from it.
+Everything that needs a rank from coordinates or the ranks of a group asks this object: nothing
+else in the package computes a rank from the sizes (``tests/test_layering.py`` checks it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
 ORDER = ("pp", "dp", "cp", "tp")  # the grid's dimensions, slowest-varying first
 BATCH = ("dp", "cp")  # the ranks that see other samples or other tokens of them: gradients average here
 EXPERT = ("ep", "edp")  # the expert and expert-data-parallel groups, splits of the batch group
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """A parallel dimension a run sets: its name (the layout's field, the mesh's group), the config
+    key of its degree, and ``over``: empty for a dimension of the world's grid (its ranks multiply
+    the world), else the grid dimensions whose ranks it splits without adding any (experts: the batch)."""
+
+    name: str
+    key: str
+    over: tuple[str, ...] = ()
+
+
+# Every dimension a run sets, once, in the order their keys are named (dp is not set: it is what the
+# world leaves after the grid's). A new dimension is declared here and placed in ORDER (or given
+# ``over``); the mesh builds its groups from the layout, a manifest records it by name.
+DIMENSIONS = (
+    Dimension("tp", "dist.tp"),
+    Dimension("pp", "dist.pp"),
+    Dimension("cp", "dist.cp"),
+    Dimension("ep", "dist.ep", over=BATCH),
+)
+NAMES = ORDER + tuple(d.name for d in DIMENSIONS if d.over)  # every degree a layout has, as recorded
 
 
 class LayoutError(ValueError):
@@ -37,26 +63,27 @@ class Layout:
     ep: int = 1
 
     @staticmethod
-    def of(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Layout:
-        """The layout of ``world_size`` ranks with these degrees (dp is what is left), checked: one
-        line naming the keys for each way it cannot be built."""
-        for key, size in {"dist.tp": tp, "dist.pp": pp, "dist.cp": cp, "dist.ep": ep}.items():
-            if not isinstance(size, int) or size < 1:
-                raise LayoutError(f"{key} must be an integer >= 1, got {size!r}")
-        if world_size < 1 or world_size % (tp * pp * cp):
-            split = {k: v for k, v in (("dist.tp", tp), ("dist.pp", pp), ("dist.cp", cp)) if v > 1} or {
-                "dist.tp": tp
-            }
-            what = (
-                "".join(f"{k}={v}" for k, v in split.items())
-                if len(split) == 1
-                else f"{' x '.join(split)} = {' x '.join(map(str, split.values()))}"
-            )
-            raise LayoutError(f"{what} must be >= 1 and divide dist.world_size={world_size}")
-        product = tp * pp * cp
-        layout = Layout(pp=pp, dp=world_size // product, cp=cp, tp=tp, ep=ep)
-        if (layout.dp * cp) % ep:
-            raise LayoutError(f"dist.ep={ep} must divide the batch ranks dp x cp = {layout.dp * cp}")
+    def of(world_size: int, **degrees: int) -> Layout:
+        """The layout of ``world_size`` ranks with these degrees (by dimension name; dp is what is
+        left), checked: one line naming the keys for each way it cannot be built."""
+        unknown = set(degrees) - {d.name for d in DIMENSIONS}
+        if unknown:
+            raise ValueError(f"unknown layout dimension(s) {sorted(unknown)}")
+        sizes = {d.name: degrees.get(d.name, 1) for d in DIMENSIONS}
+        for d in DIMENSIONS:
+            if not isinstance(sizes[d.name], int) or sizes[d.name] < 1:
+                raise LayoutError(f"{d.key} must be an integer >= 1, got {sizes[d.name]!r}")
+        grid = [d for d in DIMENSIONS if not d.over]
+        product = math.prod(sizes[d.name] for d in grid)
+        if world_size < 1 or world_size % product:
+            raise LayoutError(f"{_product(grid, sizes)} must be >= 1 and divide dist.world_size={world_size}")
+        layout = Layout(dp=world_size // product, **sizes)
+        for d in DIMENSIONS:
+            ranks = math.prod(getattr(layout, g) for g in d.over)
+            if d.over and ranks % sizes[d.name]:
+                raise LayoutError(
+                    f"{d.key}={sizes[d.name]} must divide the batch ranks {' x '.join(d.over)} = {ranks}"
+                )
         return layout
 
     @property
@@ -116,6 +143,10 @@ class Layout:
         spans = [range(getattr(self, d)) for d in free]
         return tuple(sorted(self.rank(**fixed, **dict(zip(free, at))) for at in itertools.product(*spans)))
 
+    def place(self, rank: int, dims: tuple[str, ...]) -> int:
+        """``rank``'s index in its group over ``dims``."""
+        return self.group(rank, dims).index(rank)
+
     def groups(self, dims: tuple[str, ...]) -> list[tuple[int, ...]]:
         """Every group over ``dims``, partitioning the world, ordered by their first rank."""
         return sorted({self.group(r, dims) for r in range(self.world_size)})
@@ -127,15 +158,20 @@ class Layout:
         b = d * cp + c, the place in the batch group."""
         return Layout(pp=self.pp, dp=self.dp * self.cp, cp=1, tp=self.tp, ep=self.ep)
 
+    def stage(self) -> Layout:
+        """One pipeline stage's ranks as a layout of their own (pp 1), numbered as the stage group
+        numbers them: the same dp, cp, tp and expert groups, in the same order."""
+        return dataclasses.replace(self, pp=1)
+
     def to_dict(self) -> dict:
         """For manifests: the degrees by name and the order (``from_dict`` reads it back)."""
-        return {"order": list(ORDER), **self.sizes(), "ep": self.ep}
+        return {"order": list(ORDER), **{name: getattr(self, name) for name in NAMES}}
 
     @staticmethod
     def from_dict(record: dict) -> Layout:
         if list(record.get("order", ORDER)) != list(ORDER):
             raise LayoutError(f"rank order {record['order']} is not this code's {list(ORDER)}")
-        return Layout(**{d: int(record.get(d, 1)) for d in (*ORDER, "ep")})
+        return Layout(**{name: int(record.get(name, 1)) for name in NAMES})
 
     @staticmethod
     def of_manifest(manifest: dict) -> Layout:
@@ -146,3 +182,11 @@ class Layout:
         return Layout.of(
             int(manifest["world_size"]), tp=int(manifest.get("tp", 1)), pp=int(manifest.get("pp", 1))
         )
+
+
+def _product(grid: list[Dimension], sizes: dict[str, int]) -> str:
+    """The grid keys set above 1 (tp when none is) and their product, as an error names them."""
+    split = {d.key: sizes[d.name] for d in grid if sizes[d.name] > 1} or {grid[0].key: sizes[grid[0].name]}
+    if len(split) == 1:
+        return "".join(f"{k}={v}" for k, v in split.items())
+    return f"{' x '.join(split)} = {' x '.join(map(str, split.values()))}"

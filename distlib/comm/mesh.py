@@ -84,14 +84,21 @@ class Mesh:
         at_last = self.layout.coords(self.world.rank) | {"pp": self.layout.pp - 1}
         return tuple(self.world.peer(r) for r in self.layout.group(self.layout.rank(**at_last), BATCH))
 
+    def group(self, name: str) -> Comm:
+        """The group of this rank named ``name``: a dimension (tp, dp, pp, cp, ep, edp), ``batch``
+        or ``stage``; a dimension of degree 1 is this rank alone (dp and batch: as the mesh has them)."""
+        found = {"batch": self.batch, "stage": self.stage, "edp": self.expert_dp, **self.groups()}
+        if name in found and found[name] is not None:
+            return found[name]
+        if name in ("pp", "cp", "ep"):
+            me = self.world.peer(self.world.rank)
+            return Comm(ranks=(me,), rank=0)
+        raise ValueError(f"unknown mesh group {name!r}")
+
     def groups(self) -> dict[str, Comm]:
         """The sub-groups by name (whose traffic the metrics report apart)."""
         kinds = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "edp": self.edp}
         return {kind: comm for kind, comm in kinds.items() if comm is not None}
-
-
-def check_layout(world_size: int, tp: int, pp: int = 1) -> None:
-    Layout.of(world_size, tp=tp, pp=pp)
 
 
 def _new_group(ranks: list[int], timeout_s: float | None):
@@ -116,12 +123,12 @@ KINDS = {
 }
 
 
-def build_mesh(
-    world: Comm, tp: int, pp: int = 1, timeout_s: float | None = None, *, cp: int = 1, ep: int = 1
-) -> Mesh:
-    """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank),
-    and the groups of each other dimension whose degree is above 1; each waits at most ``timeout_s``."""
-    layout = Layout.of(world.size, tp=tp, pp=pp, cp=cp, ep=ep)
+def build_mesh(world: Comm, layout: Layout, timeout_s: float | None = None) -> Mesh:
+    """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank) for
+    ``layout`` (``Layout.of``, over ``world``'s ranks), and the groups of each other dimension whose
+    degree is above 1; each waits at most ``timeout_s``."""
+    if layout.world_size != world.size:
+        raise MeshError(f"a layout of {layout.world_size} ranks for a group of {world.size}")
 
     def riders() -> dict:
         return dict(
@@ -146,6 +153,6 @@ def build_mesh(
             if me in group_ranks:
                 base = Comm.subgroup(ranks, group) if group is not None else Comm(ranks=tuple(ranks), rank=0)
                 mine[kind] = dataclasses.replace(base, **riders())
-    if pp == 1:
+    if layout.pp == 1:
         mine["stage"] = world
     return Mesh(world=world, layout=layout, **mine)

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distlib.app.config import layout_rules
+from distlib.app.config import dimension_rules
 from distlib.app.config.groups import (
     BYTE_VOCAB,
-    ROTARY,
     DataConfig,
     MetricsConfig,
     ModelConfig,
@@ -27,7 +26,7 @@ from distlib.app.config.operation import CheckpointConfig, DistConfig, GuardConf
 from distlib.app.config.schema import ConfigError, Group, key, specs
 from distlib.app.runtime import devices
 from distlib.app.runtime.faults import FaultConfig
-from distlib.comm.layout import Layout, LayoutError
+from distlib.comm.layout import DIMENSIONS, Layout, LayoutError
 
 __all__ = ["ConfigError", "RunConfig", "GROUPS"]
 
@@ -71,8 +70,16 @@ class RunConfig(Group):
     @property
     def layout(self) -> Layout:
         """The parallel layout of dist.world_size ranks (distlib/comm/layout.py: the rank order)."""
-        d = self.dist
-        return Layout.of(d.world_size, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep)
+        return self.layout_of(self.dist.world_size)
+
+    def layout_of(self, world_size: int) -> Layout:
+        """This run's degrees over ``world_size`` ranks (the trainer's: those of the group it is given)."""
+        return Layout.of(world_size, **{dim.name: self.degree(dim) for dim in DIMENSIONS})
+
+    def degree(self, dim) -> int:
+        """The degree this run sets for a layout dimension (``layout.DIMENSIONS``), by its config key."""
+        group, name = dim.key.split(".")
+        return getattr(getattr(self, group), name)
 
     @property
     def dp_size(self) -> int:
@@ -139,94 +146,18 @@ def _value(cfg: RunConfig, group: str, name: str):
 
 def _check_across(cfg: RunConfig) -> None:
     """The rules that span groups, each naming the keys involved."""
-    d, m, t = cfg.dist, cfg.model, cfg.train
+    d, t = cfg.dist, cfg.train
     try:
         cfg.layout  # noqa: B018 - built to be checked
     except LayoutError as exc:
         raise ConfigError(f"invalid parallel layout: {exc}") from exc
-    check_tensor_parallel(m, d.tp)
-    _check_batch(cfg)
-    _check_pipeline(cfg)
-    layout_rules.check_context(cfg)
-    layout_rules.check_sequence(cfg)
-    layout_rules.check_experts(cfg)
+    dimension_rules.check(cfg)
     _check_devices(cfg)
     opt = cfg.optimizer
     if opt.warmup_steps + opt.decay_steps > t.steps:
         raise ConfigError(f"optimizer.warmup_steps + optimizer.decay_steps exceed train.steps={t.steps}")
     _check_data(cfg)
     cfg.fault.check_run(d.world_size, t.steps, cfg.zero.overlap)
-
-
-def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
-    """Every dimension tensor parallelism splits divides by ``tp``: the attention heads, (llama,
-    mixtral) the key/value heads, the MLP's (each expert's) hidden units (``model.families.shard_model_``
-    checks the same)."""
-    splits = [("model.n_heads", m.n_heads, "attention heads")]
-    if m.family in ROTARY:
-        splits.append(("model.n_kv_heads", m.kv_heads, "key/value heads"))
-    width = "model.mlp_hidden" if m.mlp_hidden is not None else "the MLP width model.mlp_ratio x model.dim"
-    splits.append((width, m.mlp_width, "MLP hidden units"))
-    for name, value, what in splits:
-        if value % tp:
-            raise ConfigError(
-                f"invalid parallel layout: dist.tp={tp} must divide {name}={value} ({what} are split "
-                f"across tensor-parallel ranks)"
-            )
-
-
-def _check_batch(cfg: RunConfig) -> None:
-    t, ranks, d = cfg.train, cfg.dp_size, cfg.dist
-    where = (
-        f"dist.world_size/(dist.tp x dist.pp x dist.cp)={d.world_size}/({d.tp} x {d.pp} x {d.cp})="
-        f"{ranks} data-parallel"
-        if d.cp > 1
-        else f"dist.world_size={ranks}"
-        if d.tp == d.pp == 1
-        else f"dist.world_size/dist.tp={d.world_size}/{d.tp}={ranks} data-parallel"
-        if d.pp == 1
-        else f"dist.world_size/(dist.tp x dist.pp)={d.world_size}/({d.tp} x {d.pp})={ranks} data-parallel"
-    )
-    if cfg.global_batch % (ranks * t.grad_accum):
-        raise ConfigError(
-            f"train.global_batch={cfg.global_batch} does not divide into {where} rank(s) x "
-            f"train.grad_accum={t.grad_accum} micro-batch(es); use a multiple of {ranks * t.grad_accum}"
-        )
-    derived = cfg.global_batch // (ranks * t.grad_accum)
-    if t.batch_size is not None and t.batch_size != derived:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} contradicts train.global_batch={cfg.global_batch} / "
-            f"({where} x train.grad_accum={t.grad_accum}) = {derived}; set only one of them "
-            f"(train.global_batch=null to size the batch per rank)"
-        )
-
-
-def _check_pipeline(cfg: RunConfig) -> None:
-    d = cfg.dist
-    if d.pp == 1:
-        return
-    chunks = d.pp * d.pp_virtual
-    if cfg.model.n_layers % chunks:
-        raise ConfigError(
-            f"model.n_layers={cfg.model.n_layers} does not split into dist.pp x dist.pp_virtual = "
-            f"{d.pp} x {d.pp_virtual} = {chunks} equal pipeline chunks"
-        )
-    if d.pp_schedule == "interleaved" and cfg.train.grad_accum % d.pp:
-        raise ConfigError(
-            f"dist.pp_schedule=interleaved needs train.grad_accum (micro-batches, "
-            f"{cfg.train.grad_accum}) to be a multiple of dist.pp={d.pp}"
-        )
-    if cfg.model.tie_embeddings:
-        raise ConfigError(
-            f"model.tie_embeddings=true is not supported with dist.pp={d.pp}: the first stage's embedding "
-            f"and the last stage's LM head would be one weight on two ranks; set model.tie_embeddings=false "
-            f"or dist.pp=1"
-        )
-    if cfg.train.eval_every:
-        raise ConfigError(
-            f"train.eval_every={cfg.train.eval_every} is not supported with dist.pp={d.pp} "
-            f"(the held-out loss runs the whole model on one rank); set train.eval_every=0"
-        )
 
 
 def _check_devices(cfg: RunConfig) -> None:

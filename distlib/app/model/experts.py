@@ -6,11 +6,9 @@ over the batch ranks, the experts over the ranks holding the same ones, their gr
 
 from __future__ import annotations
 
-import torch
-
 from distlib.app.model import families
 from distlib.app.model.layers import CausalLM
-from distlib.comm import collectives
+from distlib.comm.layout import BATCH
 from distlib.comm.mesh import Mesh
 from distlib.parallel.adamw import AdamWConfig
 from distlib.parallel.expert_parallel import expert_grad_scale, held_experts
@@ -50,8 +48,7 @@ def expert_parallel_optimizer(
     if experts[ep.rank] != grouped.groups[EXPERTS].layout:
         raise RuntimeError("the expert group's layout is not the one the checkpoint plan assumes")
     # every batch rank's place in its expert group and among the ranks holding its experts
-    places = torch.zeros(2 * batch.size, dtype=torch.int64)
-    collectives.all_gather(places, torch.tensor([ep.rank, mesh.expert_dp.rank]), batch)
-    places = [tuple(p) for p in places.view(-1, 2).tolist()]
+    grid = mesh.layout
+    places = [(grid.place(r, ("ep",)), grid.place(r, ("edp",))) for r in grid.group(mesh.world.rank, BATCH)]
     plan = Plan(canonical, grouped.groups[DENSE].layout, experts, places)
     return ExpertParallelOptimizer(grouped, plan, batch)

@@ -21,8 +21,8 @@ import math
 
 import torch.nn as nn
 
+from distlib.app.config.dimension_rules import check_tensor_parallel
 from distlib.app.config.groups import ModelConfig
-from distlib.app.config.run import check_tensor_parallel
 from distlib.app.model import gpt2, llama, minigpt, mixtral, moe
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.comm.group import Comm

@@ -27,7 +27,6 @@ from distlib.app.config.operation import GuardConfig
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.layout import Layout
-from distlib.parallel.zero.expert_state import ExpertParallelOptimizer
 
 
 class GuardError(RuntimeError):
@@ -95,14 +94,11 @@ def parameter_digests(flat: torch.Tensor, slots) -> list[str]:
     ]
 
 
-def replica_groups(
-    size: int, tp: int, is_split: bool, ep: int = 1, expert: bool = False
-) -> list[tuple[int, ...]]:
-    """The groups of ranks (group ranks of one pipeline stage, in the layout's order) that must hold
+def replica_groups(stage: Layout, is_split: bool, expert: bool = False) -> list[tuple[int, ...]]:
+    """The groups of ranks (group ranks of one pipeline stage, laid out as ``stage``) that must hold
     identical bytes of a parameter: a tensor-parallel split one within each group of the batch
     dimensions (same tensor rank), a replicated one across every rank; an expert's (``expert``,
     under ``ep``) only among the ranks holding the same experts (the expert-data-parallel group)."""
-    stage = Layout.of(size, tp=tp, ep=ep)
     batch = ("edp",) if expert else ("dp", "cp")
     return stage.groups(batch if is_split else (*batch, "tp"))
 
@@ -111,27 +107,26 @@ def check_replicas(
     parts,
     step: int,
     comm: Comm,
-    tp: int = 1,
+    stage: Layout,
     split: set[str] | frozenset = frozenset(),
-    ep: int = 1,
-    expert_part: int | None = None,
 ) -> None:
     """Raise DesyncError on every rank if any parameter's bytes differ between ranks that must
-    agree on them (``replica_groups``; ``parts``: (flat buffer, slots) pairs, one per parameter
-    group; ``split``: the names of tensor-parallel split parameters; ``expert_part``: under ``ep``,
-    the index in ``parts`` of the experts, which the ranks of an expert group hold different ones
-    of). Per parameter and group, the largest set of agreeing ranks (ties: the one with the group's
-    first rank) is the reference and every other rank is reported as divergent."""
+    agree on them (``replica_groups`` of ``stage``, the layout of ``comm``'s ranks; ``parts``:
+    (flat buffer, slots, experts) per parameter group, ``experts`` true for the experts under
+    ``ep``, which the ranks of an expert group hold different ones of; ``split``: the names of
+    tensor-parallel split parameters). Per parameter and group, the largest set of agreeing ranks
+    (ties: the one with the group's first rank) is the reference and every other rank is reported
+    as divergent."""
     # each line says what groups it is compared in: every rank reads every rank's the same way
     mine = [
-        f"{int(k == expert_part)} {int(s.name in split)} {s.name} {d}"
-        for k, (flat, slots) in enumerate(parts)
+        f"{int(experts)} {int(s.name in split)} {s.name} {d}"
+        for flat, slots, experts in parts
         for s, d in zip(slots, parameter_digests(flat, slots))
     ]
     blobs = agree.gather_bytes("\n".join(mine).encode(), comm)
     every = [blob.decode().split("\n") if blob else [] for blob in blobs]
     groups = {
-        (is_split, expert): {r: g for g in replica_groups(comm.size, tp, is_split, ep, expert) for r in g}
+        (is_split, expert): {r: g for g in replica_groups(stage, is_split, expert) for r in g}
         for is_split in (False, True)
         for expert in (False, True)
     }
@@ -177,10 +172,5 @@ class ReplicaCheck:
 
     def check(self, step: int) -> None:
         """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ."""
-        opt, ep, expert_part = self.optimizer, 1, None
-        groups = [opt]
-        if isinstance(opt, ExpertParallelOptimizer):
-            groups, ep, expert_part = [opt.dense, opt.experts], self.mesh.ep.size, 1
-        parts = [(g.full_params(), g.layout.slots) for g in groups]
-        tp = self.mesh.tp.size
-        check_replicas(parts, step, self.mesh.stage, tp, self.split, ep, expert_part)
+        parts = self.optimizer.replica_parts()
+        check_replicas(parts, step, self.mesh.stage, self.mesh.layout.stage(), self.split)

@@ -43,16 +43,17 @@ import torch.nn as nn
 
 from distlib.comm.group import Comm
 from distlib.comm.progress import Progress
-from distlib.parallel.adamw import STATE_KEYS, AdamWConfig, adamw_step_
+from distlib.parallel.adamw import AdamWConfig, adamw_step_
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.zero.buckets import BUCKET_NUMEL, buckets_by_size
 from distlib.parallel.zero.flat_grads import flat_grad_buffer
 from distlib.parallel.zero.memory import PeakMemory, Sizes
 from distlib.parallel.zero.norms import NormTerms
 from distlib.parallel.zero.overlap import OverlappedSync
+from distlib.parallel.zero.shard_state import ShardState
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ShardState):
     """AdamW over the data-parallel group ``comm``; the stage subclasses decide what is sharded
     (the keywords: this module's docstring)."""
 
@@ -217,38 +218,14 @@ class ZeroOptimizer:
         the live buffer at stages 0-2; at stage 3 a gathered copy (collective over the group)."""
         return self.flat_params
 
+    def replica_parts(self) -> list[tuple[torch.Tensor, tuple, bool]]:
+        """Per parameter group: every parameter (``full_params``), its slots, and whether the ranks
+        of an expert group hold other ones of them (never, here): what the replica check compares."""
+        return [(self.full_params(), self.layout.slots, False)]
+
     def params_snapshot(self) -> torch.Tensor:
         """A host copy of the parameter bytes this rank holds (for byte-exact restore checks)."""
         return self.param_buffer.to("cpu", copy=True)
-
-    # -- state for checkpoints --------------------------------------------------------
-    def _mine(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's partition of a gradient or state tensor (already one, except at stage 0)."""
-        return t
-
-    def state_views(self) -> dict[str, torch.Tensor]:
-        """This rank's partition of (master, exp_avg, exp_avg_sq), live (an async save copies them)."""
-        return {k: self._mine(getattr(self, k)) for k in STATE_KEYS}
-
-    def state_shard(self) -> dict[str, torch.Tensor]:
-        """This rank's partition of (master, exp_avg, exp_avg_sq), as fp32 host copies."""
-        return {k: v.to("cpu", copy=True) for k, v in self.state_views().items()}
-
-    @torch.no_grad()
-    def load_state_shard(self, shard: dict[str, torch.Tensor], step_count: int) -> None:
-        for key in STATE_KEYS:
-            if shard[key].shape != (self.layout.shard_numel,) or shard[key].dtype != torch.float32:
-                raise ValueError(
-                    f"checkpoint tensor {key!r} has shape {tuple(shard[key].shape)} "
-                    f"{shard[key].dtype}; expected ({self.layout.shard_numel},) float32"
-                )
-        for key in STATE_KEYS:
-            self._load_state(key, shard[key])
-        self._publish_params()
-        self.step_count = step_count
-
-    def _load_state(self, key: str, partition: torch.Tensor) -> None:
-        self._mine(getattr(self, key)).copy_(partition)
 
     # -- memory -----------------------------------------------------------------------
     def _sample_memory(self) -> None:

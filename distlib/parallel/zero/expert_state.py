@@ -196,6 +196,10 @@ class ExpertParallelOptimizer:
             for k in dense
         }
 
+    def replica_parts(self) -> list[tuple[torch.Tensor, tuple, bool]]:
+        """The dense group's parameters, then the experts' (held differently across the expert group)."""
+        return [*self.dense.replica_parts(), (self.experts.full_params(), self.experts.layout.slots, True)]
+
     def params_snapshot(self) -> torch.Tensor:
         return torch.cat([self.dense.params_snapshot(), self.experts.params_snapshot()])
 
