@@ -248,8 +248,9 @@ def test_a_pipeline_run_resumes_bitwise_and_its_manifest_records_the_stages(tmp_
         ((1, {}), (2, {"pp": 2})),  # pp1 -> pp2
         ((4, {"pp": 2}), (1, {})),  # pp2 x dp2 -> pp1 x dp1
         ((2, {"pp": 2}), (4, {"pp": 2, "pp_schedule": "gpipe"})),  # pp2 -> pp2 x dp2
+        ((2, {"pp": 2}), (4, {"pp": 2, "tp": 2})),  # pp2 -> pp2 x tp2: another tensor-parallel degree
     ],
-    ids=["pp2-pp1", "pp1-pp2", "pp2dp2-pp1dp1", "pp2-pp2dp2"],
+    ids=["pp2-pp1", "pp1-pp2", "pp2dp2-pp1dp1", "pp2-pp2dp2", "pp2-pp2tp2"],
 )
 def test_a_checkpoint_resumes_across_pipeline_degrees(tmp_path, first, second):
     full_ranks, resumed_ranks, _ = _run_then_resume(tmp_path, first, second)

@@ -2,9 +2,9 @@
 
 Parameters must have the same names, shapes and flat-layout order (a different model config is
 named key by key; at another pipeline degree, every parameter of this rank's stage must be in
-the checkpoint with its shape), the tensor-parallel degree must match (resharding covers
-data-parallel world sizes and pipeline degrees), and the data stream must continue exactly: same
-corpus, seed, global batch and training windows.
+the checkpoint with its shape; at another tensor-parallel degree, the model keys that decide the
+shapes must agree, as the whole tensors are cut again), and the data stream must continue exactly:
+same corpus, seed, global batch and training windows.
 """
 
 from __future__ import annotations
