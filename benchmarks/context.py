@@ -83,11 +83,30 @@ def _step(model, meter: ActivationMeter, batch) -> float:
     return float(loss.detach())
 
 
+# Grouped-query attention's key/value traffic: GQA_KV key/value heads for SHAPE's query heads,
+# against as many as query heads (the shapes K/V had when they were repeated before moving).
+GQA_KV = 1
+
+
+def kv_bytes(comm, seq: int) -> dict:
+    """Per route of ours: the bytes this rank sends on the cp group in one step (forward + backward),
+    with K/V grouped (``GQA_KV`` heads) and with them repeated to the query heads."""
+    out = {}
+    for route in ("alltoall", "ring"):
+        for name, kv in (("grouped", GQA_KV), ("repeated", SHAPE["n_heads"])):
+            model = families.build(ModelConfig(seq_len=seq, n_kv_heads=kv, **SHAPE), 0)
+            cp = comm.instrumented(False)
+            split_context_(model, ContextSplit(cp, route))
+            _step(model, ActivationMeter(), _batch(seq, comm))
+            out.setdefault(route, {})[name] = sum(cp.stats.bytes_sent.values())
+    return out
+
+
 def worker(comm, seqs: list[int], steps: int, a2a_sizes: list[int]) -> dict:
     """On every rank of one cp group (the whole world): per sequence length, each route's
     activation bytes and loss from a warm-up step, then ``steps`` timed rounds."""
     routes = list(ROUTES) if comm.size > 1 else [None]
-    out = {"seqs": {}, "all_to_all": []}
+    out = {"seqs": {}, "all_to_all": [], "kv_bytes": kv_bytes(comm, seqs[-1]) if comm.size > 1 else {}}
     for seq in seqs:
         batch = _batch(seq, comm)
         models = {r: _model(seq, comm, r) for r in routes}
@@ -210,6 +229,12 @@ def main() -> None:
             row["ratio_direct"] = row["torch_ms"] / row["direct_ms"]
             row["ratio_pairwise"] = row["torch_ms"] / row["pairwise_ms"]
             a2a.append(row)
+    kv = [
+        dict(cp=cp, route=route, seq_len=seqs[-1], n_kv_heads=GQA_KV, **sent)
+        | {"ratio": sent["grouped"] / sent["repeated"]}
+        for cp, per_rank in ranks.items()
+        for route, sent in per_rank[0]["kv_bytes"].items()
+    ]
     ms = {(s["cp"], s["route"], s["seq_len"]): s["ms"] for s in steps_out}
     for s in steps_out:
         if s["cp"] > 1 and s["route"] == "ring":
@@ -218,6 +243,7 @@ def main() -> None:
             s["ratio_vs_torch_collectives"] = ms[s["cp"], "alltoall torch", s["seq_len"]] / s["ms"]
 
     _print(memory, fits, steps_out, a2a, seqs, args.budget_mib)
+    _print_kv(kv)
     load_after = os.getloadavg()[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -236,6 +262,7 @@ def main() -> None:
                 fits=fits,
                 steps_ms=steps_out,
                 all_to_all=a2a,
+                kv_bytes=kv,
             ),
             f,
             indent=1,
@@ -286,6 +313,20 @@ def _print(memory, fits, steps_out, a2a, seqs, budget_mib) -> None:
         print(
             f"{r['world']:>5}{size:>8}{r['direct_ms']:>9.3f}{r['pairwise_ms']:>10.3f}{r['torch_ms']:>9.3f}"
             f"{r['ratio_direct']:>9.2f}{r['ratio_pairwise']:>10.2f}"
+        )
+
+
+def _print_kv(kv: list[dict]) -> None:
+    print(
+        f"\nLlama, {SHAPE['n_heads']} query heads and {GQA_KV} key/value head(s): bytes rank 0 sends on "
+        f"the cp group per step (forward + backward), K/V repeated to the query heads before they move "
+        f"(as before) and grouped (now)"
+    )
+    print(f"{'cp':>3} {'route':<9}{'seq':>6}{'repeated':>11}{'grouped':>11}{'ratio':>7}")
+    for row in kv:
+        print(
+            f"{row['cp']:>3} {row['route']:<9}{row['seq_len']:>6}{row['repeated']:>11}{row['grouped']:>11}"
+            f"{row['ratio']:>7.3f}"
         )
 
 

@@ -150,6 +150,17 @@ def _check_context(d, tmp_path):
             s, step = f[key], 2 * cp  # the longest multiple of 2 cp within the budget
             assert s % step == 0 and s > seqs[-1]
             assert a + b * s + quad * s * s <= d["budget_bytes"] < a + b * (s + step) + quad * (s + step) ** 2
+    heads = d["model"]["n_heads"]
+    assert sorted((k["cp"], k["route"]) for k in d["kv_bytes"]) == [
+        (2, "alltoall"),
+        (2, "ring"),
+        (4, "alltoall"),
+        (4, "ring"),
+    ]
+    for k in d["kv_bytes"]:  # grouped K/V move KV heads (the ring) or lcm(KV, cp) (Ulysses), not all
+        kv = k["n_kv_heads"] if k["route"] == "ring" else math.lcm(k["n_kv_heads"], k["cp"])
+        share = kv / heads if k["route"] == "ring" else (2 * heads + 2 * kv) / (4 * heads)
+        assert k["grouped"] == share * k["repeated"] > 0 and k["ratio"] == share, k
     for (cp, route, seq), m in ms.items():
         assert _times(m["ms"], m["cpu_ms"]) and m["ms_min"] <= m["ms"] <= m["ms_max"]
         if cp > 1 and route == "ring":

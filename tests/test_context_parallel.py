@@ -206,3 +206,25 @@ def test_the_all_to_all_route_gives_one_ranks_logits_bit_for_bit(world):
         assert diffs == dict.fromkeys(MODELS, 0.0), (rank, diffs)
     for rank, diffs in enumerate(run_ranks(_logits, world, "ring")):
         assert all(d < 1e-5 for d in diffs.values()), (rank, diffs)
+
+
+def _cp_bytes(comm, trees: list[dict], run_dir: str) -> list[int]:
+    """The bytes this rank sent on its context-parallel group in each run's one step."""
+    return [run["records"][0]["comm_bytes"]["cp"] for run in train_each(comm, trees, run_dir)]
+
+
+# Ulysses moves q, k, v forward and the output back (and as much in backward): 2H + 2KV' heads'
+# bytes instead of 4H, KV' = lcm(KV, cp) (grouped heads that split over the ranks); the ring moves k, v
+# and their gradients only: KV heads' bytes instead of H.
+@pytest.mark.parametrize(
+    "impl, kv, share",
+    [("alltoall", 2, (8 + 4) / 16), ("alltoall", 1, (8 + 4) / 16), ("ring", 2, 2 / 4), ("ring", 1, 1 / 4)],
+)
+def test_grouped_query_keys_and_values_travel_before_they_are_repeated(tmp_path, impl, kv, share):
+    """Llama with 4 query heads and ``kv`` key/value heads against 4 and 4, at cp 2: the bytes each
+    rank sends on the cp group in a step (no header bytes: unchecked)."""
+    base = ["model=llama", "model.n_heads=4", "train.steps=1", "dist.world_size=2", "dist.cp=2"]
+    base += [f"dist.cp_impl={impl}", "dist.check_collectives=false", "metrics.progress_every=0"]
+    trees = [compose_tree([*base, f"model.n_kv_heads={heads}"]) for heads in (kv, 4)]
+    for grouped, whole in run_ranks(_cp_bytes, 2, trees, str(tmp_path)):
+        assert grouped == share * whole, (impl, grouped, whole)

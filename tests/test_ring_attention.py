@@ -136,3 +136,41 @@ def test_one_rank_is_the_whole_sequence(opts):
     for name, g, r in zip(NAMES, got, _reference(torch.float32, OPTS[opts])):
         assert _error(g, r) <= 1e-6, name
     assert stats.forward_blocks == stats.backward_blocks == 3
+
+
+def _grouped(kv_heads: int) -> list[torch.Tensor]:
+    """q (4 heads), k and v (``kv_heads``: grouped-query) and the upstream gradient, whole sequence."""
+    gen = torch.Generator().manual_seed(99)
+    shapes = [
+        (BATCH, 4, SEQ, DIM),
+        (BATCH, kv_heads, SEQ, DIM),
+        (BATCH, kv_heads, SEQ, DIM),
+        (BATCH, 4, SEQ, DIM),
+    ]
+    return [torch.randn(*shape, generator=gen) for shape in shapes]
+
+
+def _grouped_ring(comm: Comm, kv_heads: int):
+    pos = chunks.positions(SEQ, comm.size, comm.rank)
+    got, _ = _ring(comm, _grouped(kv_heads), pos, OPTS["softmax_f32"])
+    return pos.numpy(), got
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_grouped_query_heads_travel_grouped_and_match_the_reference(cp, kv_heads):
+    """k and v with fewer heads than q go around the ring as they are (repeated where a block is
+    attended, their gradients folded back before they travel): out, dq, dk, dv match one process's."""
+    q, k, v, dout = (t.clone() for t in _grouped(kv_heads))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = causal_attention(q, k, v, causal_mask(SEQ), **OPTS["softmax_f32"])
+    out.view(BATCH, SEQ, 4, DIM).transpose(1, 2).backward(dout)
+    want = [out.view(BATCH, SEQ, 4, DIM).transpose(1, 2), q.grad, k.grad, v.grad]
+    for pos, got in run_ranks(_grouped_ring, cp, kv_heads):
+        assert got[2].shape == (BATCH, kv_heads, len(pos), DIM)  # dk in the grouped heads
+        # relative to each tensor's largest entry: a kv head's gradient sums 4/kv_heads heads' terms
+        errors = [
+            _error(g, w.detach().double().numpy()[..., pos, :]) / float(w.abs().max())
+            for g, w in zip(got, want)
+        ]
+        assert max(errors) <= 1e-6, dict(zip(NAMES, errors))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from distlib.comm.group import Comm
+from distlib.parallel import grouped_heads
 from distlib.parallel.context import chunks
 from distlib.parallel.context.ring import ring_attention
 from distlib.parallel.context.ulysses import ulysses_attention
@@ -57,7 +58,8 @@ def causal_attention(
     context: ContextSplit | None = None,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale, causal) @ v with heads merged: q, k, v (batch, heads, seq, head_dim),
-    k and v already repeated to q's heads; the result (batch, seq, heads * head_dim). ``divide``:
+    k and v with their own heads (grouped-query: each serves q.heads/k.heads query heads,
+    ``grouped_heads``); the result (batch, seq, heads * head_dim). ``divide``:
     scores / scale instead. ``softmax_dtype``: the softmax's dtype, cast back to v's. ``dropout`` on
     the attention weights while ``training``. ``mask`` is ``causal_mask`` (the explicit path reads its
     top-left seq x seq corner). ``context``: the sequence is split over a context-parallel group
@@ -71,7 +73,10 @@ def causal_attention(
 
 
 def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, dropout, training, sdpa) -> torch.Tensor:
-    """``causal_attention`` of whole sequences, heads not merged: (batch, heads, seq, head_dim)."""
+    """``causal_attention`` of whole sequences, heads not merged: (batch, heads, seq, head_dim); k and
+    v are repeated to q's heads here."""
+    n_rep = grouped_heads.repeats(q, k)
+    k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     if sdpa:
         p = dropout if training else 0.0
         return F.scaled_dot_product_attention(

@@ -72,14 +72,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(batch, kv heads, seq, d) -> (batch, kv heads * n_rep, seq, d), each head repeated in place."""
-    if n_rep == 1:
-        return t
-    batch, kv, seq, d = t.shape
-    return t[:, :, None].expand(batch, kv, n_rep, seq, d).reshape(batch, kv * n_rep, seq, d)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,8 +98,8 @@ class Attention(nn.Module):
         positions = positions_or_default(positions, x.shape[1], x.device)
         cos, sin = rope_tables(self.inv_freq, positions, q.dtype)
         q, k = (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-        n_rep = q.shape[1] // k.shape[1]  # n_heads / n_kv_heads, per rank too (tp divides n_kv_heads)
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        # k and v keep their n_kv_heads (per rank: tp divides them): repeated to the query heads only
+        # where attention is computed, so context parallelism moves the grouped heads
         out = attention.causal_attention(
             q,
             k,

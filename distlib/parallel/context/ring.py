@@ -28,6 +28,7 @@ from torch import Tensor
 
 from distlib.comm.group import Comm
 from distlib.comm.p2p import P2P
+from distlib.parallel import grouped_heads
 from distlib.parallel.context import chunks
 
 # (local query chunk, first key chunk, end key chunk, needs a mask): key chunks in held order.
@@ -102,7 +103,10 @@ class Layout:
 
 
 def _partial(ar: Arith, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """One block's attention, normalised within the block, and its rows' log-sum-exp."""
+    """One block's attention, normalised within the block, and its rows' log-sum-exp (k and v
+    travel with their grouped-query heads: repeated to q's here)."""
+    n_rep = grouped_heads.repeats(q, k)
+    k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     s = ar.scores(q, k, mask)
     m = s.amax(-1, keepdim=True)  # every row sees its diagonal or a whole earlier chunk: finite
     e = torch.exp(s - m)
@@ -151,12 +155,16 @@ def _block_grads(ar: Arith, q, k, v, dout, lse, delta, mask):
     dp - delta cancels (for a query with one key, to exactly 0), and delta cannot be summed from
     the rounded dp of every block in one ring pass, as autograd's softmax backward does; so dp
     and delta are float64, where their rounding is below float32's (measured, in float32: dq
-    4x autograd's error, 1.2e-6 where the true value is 0)."""
+    4x autograd's error, 1.2e-6 where the true value is 0). dk and dv are folded back to k's and v's
+    grouped-query heads before they travel."""
+    n_rep = grouped_heads.repeats(q, k)
+    k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     p = torch.exp(ar.scores(q, k, mask) - lse)
     q, k, v = q.to(ar.acc), k.to(ar.acc), v.to(ar.acc)
     dp = dout.double() @ v.double().transpose(-2, -1)
     ds = ar.unscale((p.double() * (dp - delta)).to(ar.acc))
-    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+    dk, dv = ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+    return ds @ k, grouped_heads.fold_kv(dk, n_rep), grouped_heads.fold_kv(dv, n_rep)
 
 
 class _Backward:
@@ -256,7 +264,8 @@ def ring_attention(
 ) -> Tensor:
     """This rank's rows of causal attention over the whole sequence, split over ``comm`` in the
     ``chunks`` layout. q, k, v: (batch, heads, local tokens, head_dim), this rank's tokens in the
-    order it holds them, k and v already repeated to q's heads; ``positions``: their positions in
+    order it holds them, k and v with their own grouped-query heads (they travel so, and are repeated
+    to q's where a block is attended); ``positions``: their positions in
     the sequence (``chunks.positions``; they give the causal mask). Returns (batch, heads, local
     tokens, head_dim), heads not merged. ``scale``, ``divide``, ``softmax_dtype``: as
     ``causal_attention``. ``stats`` (if given) counts the pairs attended. Differentiable; the

@@ -10,12 +10,14 @@ each all-to-all's backward is the other one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
+from distlib.parallel import grouped_heads
 from distlib.parallel.collective_op import collective_function
 from distlib.parallel.context import chunks
 
@@ -60,12 +62,18 @@ def ulysses_attention(
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """This rank's rows of causal attention over the whole sequence: q, k, v (batch, heads, T_local,
-    head_dim) of its tokens (k, v repeated to q's heads; the heads divisible by N); ``attend`` the
-    one-rank attention of whole sequences in order, (batch, h, T, d) -> (batch, h, T, d). Returns
-    (batch, heads, T_local, head_dim)."""
+    head_dim) of its tokens, k and v with their own (grouped-query) heads, q's divisible by N;
+    ``attend`` the one-rank attention of whole sequences in order, (batch, h, T, d) for q and k/v with
+    h's share of the key/value heads -> (batch, h, T, d). Returns (batch, heads, T_local, head_dim).
+    Key/value heads that divide over N travel as they are (rank j's query heads use exactly the
+    key/value heads j receives); otherwise they are repeated first, only to lcm(kv heads, N), which
+    divides the query heads: the fewest that split over the ranks."""
     n, t_local = comm.size, q.shape[2]
     if q.shape[1] % n:
         raise ValueError(f"{q.shape[1]} heads do not split over {n} context-parallel ranks")
+    grouped_heads.repeats(q, k)  # q's heads a multiple of k's
+    n_rep = math.lcm(k.shape[1], n) // k.shape[1]
+    k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     seq = n * t_local
     order = chunks.natural_order(seq, n, q.device)  # gathered -> sequence order
     held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])  # sequence -> gathered
