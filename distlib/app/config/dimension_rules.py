@@ -141,7 +141,7 @@ def check_sequence(cfg) -> None:
     for name, value in [("dist.pp", d.pp), ("dist.cp", d.cp)]:
         if value > 1:
             raise ConfigError(f"dist.sp=true is not supported with {name}={value} yet; set dist.sp=false")
-    if cfg.model.family == "mixtral":  # split_sequence_ would make each expert's w2 reduce-scatter its tokens
+    if cfg.model.has_experts:  # split_sequence_ would make each expert's w2 reduce-scatter its tokens
         raise ConfigError("dist.sp=true is not supported with model.family=mixtral yet; set dist.sp=false")
 
 
@@ -149,7 +149,7 @@ def check_experts(cfg) -> None:
     d, m = cfg.dist, cfg.model
     if d.ep == 1:
         return
-    if m.family != "mixtral":
+    if not m.has_experts:
         raise ConfigError(f"dist.ep={d.ep} needs a model with experts (model.family=mixtral), not {m.family}")
     if m.n_experts % d.ep:
         raise ConfigError(

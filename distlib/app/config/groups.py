@@ -34,6 +34,7 @@ NOT_USED_BY = {
     "mixtral": (),
 }
 ROTARY = ("llama", "mixtral")  # Llama's attention: rotary positions, grouped-query key/value heads
+EXPERT_FAMILIES = ("mixtral",)  # a sparse mixture of experts for the MLP (model.n_experts, top_k)
 # Data keys that one corpus kind never reads: set with the other kind, they would change nothing.
 DATA_NOT_USED_BY = {"synthetic": ("path", "cache_dir"), "text": ("seed", "total_tokens", "follow_prob")}
 
@@ -138,6 +139,11 @@ class ModelConfig(Group):
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the MLPs are mixtures of experts: the one way the code asks it."""
+        return self.family in EXPERT_FAMILIES
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ over the batch ranks, the experts over the ranks holding the same ones, their gr
 
 from __future__ import annotations
 
-from distlib.app.model import families
+from distlib.app.model import families, moe
 from distlib.app.model.layers import CausalLM
 from distlib.comm.layout import BATCH
 from distlib.comm.mesh import Mesh
@@ -15,15 +15,6 @@ from distlib.parallel.expert_parallel import expert_grad_scale, held_experts
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.zero.expert_state import DENSE, EXPERTS, ExpertParallelOptimizer, Plan, sub_layout
 from distlib.parallel.zero.groups import GroupedOptimizer, ParamGroup
-
-EXPERTS_AT = ".mlp.experts."  # an expert parameter's name: blocks.<b>.mlp.experts.<e>.<w>.weight
-
-
-def expert_of(name: str) -> int | None:
-    """The expert a parameter belongs to, or None for a dense one."""
-    if EXPERTS_AT not in name:
-        return None
-    return int(name.split(EXPERTS_AT)[1].split(".")[0])
 
 
 def expert_parallel_optimizer(
@@ -35,12 +26,12 @@ def expert_parallel_optimizer(
     canonical = FlatLayout.of(model, batch.size)  # the whole model: what a checkpoint holds
     names = [n for n, _ in model.named_parameters()]
     by_rank = [
-        {n for n in names if expert_of(n) in held_experts(model.cfg.n_experts, ep.size, j)}
+        {n for n in names if moe.expert_of(n) in held_experts(model.cfg.n_experts, ep.size, j)}
         for j in range(ep.size)
     ]
     kept = families.hold_experts_(model, ep)
     groups = [
-        ParamGroup(DENSE, tuple(n for n in names if expert_of(n) is None), batch),
+        ParamGroup(DENSE, tuple(n for n in names if moe.expert_of(n) is None), batch),
         ParamGroup(EXPERTS, kept, mesh.expert_dp, (ep,), expert_grad_scale(ep)),
     ]
     grouped = GroupedOptimizer(model, groups, stage, cfg, grad_clip, **options)

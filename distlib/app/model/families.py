@@ -73,18 +73,18 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def join_batch_(model: CausalLM, batch: Comm) -> None:
     """Make a model whose loss counts over the whole batch (mixtral's routing) count over ``batch``
     (the dp x cp ranks); other families have nothing to join."""
-    if isinstance(model, mixtral.Mixtral):
+    if model.cfg.has_experts:
         model.batch = batch
 
 
 def hold_experts_(model: CausalLM, ep: Comm) -> tuple[str, ...]:
     """Keep only this rank's experts of every MoE block (``dist.ep``: ``ep`` the expert group);
     returns the names of the expert parameters kept (the others' gradients are averaged apart)."""
-    if not isinstance(model, mixtral.Mixtral):
+    if not model.cfg.has_experts:
         raise ValueError(f"expert parallelism needs a model with experts, not {model.cfg.family}")
     for _, layer in moe_blocks(model):
         layer.hold_experts_(ep)
-    return tuple(n for n, _ in model.named_parameters() if ".mlp.experts." in n)
+    return tuple(n for n, _ in model.named_parameters() if moe.expert_of(n) is not None)
 
 
 def moe_blocks(model: CausalLM) -> list[tuple[int, moe.MoE]]:

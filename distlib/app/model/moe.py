@@ -59,6 +59,15 @@ from distlib.comm import collectives
 from distlib.comm.group import Comm
 from distlib.parallel import expert_parallel
 
+EXPERTS_AT = ".mlp.experts."  # an expert parameter's name: blocks.<b>.mlp.experts.<e>.<w>.weight
+
+
+def expert_of(name: str) -> int | None:
+    """The expert a parameter belongs to, or None for a dense one."""
+    if EXPERTS_AT not in name:
+        return None
+    return int(name.split(EXPERTS_AT)[1].split(".")[0])
+
 
 class Expert(nn.Module):
     """One expert: Mixtral's SwiGLU MLP (w1: gate, w3: up, w2: down)."""

@@ -35,7 +35,7 @@ class RoutingCount:
     def for_run(cls, cfg, model: CausalLM, mesh: Mesh, pipeline, device: torch.device) -> RoutingCount | None:
         """The counter a run's steps need (``cfg`` a ``RunConfig``), or None: only a Mixtral over
         several micro-batches or pipeline stages."""
-        if cfg.model.family == "mixtral" and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1):
+        if cfg.model.has_experts and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1):
             return cls(model, mesh, pipeline, cfg.train.grad_accum, device)
         return None
 
