@@ -37,7 +37,7 @@ def _run(comm, tree, run_dir):
     return {
         "losses": [s.loss.hex() for s in result.steps],
         "params": trainer.optimizer.params_snapshot().numpy().copy(),
-        "activations": trainer.activations.peak,
+        "activations": trainer.program.activation_peak,
         "table": summary.memory_table(result, cfg.zero.stage),
     }
 

@@ -9,7 +9,8 @@ step reads), the ``Checkpointer`` (every checkpoint decision; a fresh start from
 Then one step::
 
     hooks.before_step
-    batches -> forward / backward          data.step_batches (past skipped batches)
+    batches -> forward / backward          data.step_batches (past skipped batches), through the step
+                                           program: LocalStep, or PipelineStep at dist.pp > 1
     hooks.after_backward
     optimizer.sync_grads                   gradient sync -> global grad norm
     guard.check_step                       the collective verdict; a trip rolls back instead
@@ -46,10 +47,10 @@ from distlib.app.data import batches as data
 from distlib.app.model import experts, families
 from distlib.app.model.attention import ContextSplit, split_context_
 from distlib.app.model.layers import CausalLM
+from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep, split_model_
 from distlib.app.model.routing_count import RoutingCount
 from distlib.app.observe import throughput
-from distlib.app.observe.activations import ActivationMeter
 from distlib.app.observe.memory import memory_report
 from distlib.app.observe.metrics import MetricsLog
 from distlib.app.observe.profiling import StepProfiler
@@ -119,9 +120,13 @@ class Trainer:
         self.data, heldout = data.build(cfg, comm, plan, self.run_dir)  # run_dir: a BPE run's tokenizer
         self.model, self.optimizer, chunks, splits = build(cfg, comm, mesh, self.device, cfg.seed)
         model, optimizer = self.model, self.optimizer
-        self.pipeline = chunks and PipelineStep(cfg, mesh, model, chunks, self.device)
+        # the step program: every micro-batch through the whole model, or this stage's schedule
+        if chunks:
+            self.program = PipelineStep(cfg, mesh, model, chunks, self.device)
+        else:
+            self.program = LocalStep(model, cfg.train.grad_accum, self.device)
         # mixtral over micro-batches or stages: each step's routing is counted before its forwards
-        self.routing = RoutingCount.for_run(cfg, model, mesh, self.pipeline, self.device)
+        self.routing = RoutingCount.for_run(cfg, model, mesh, self.program, self.device)
         hooks.check_model(optimizer.layout.slots)
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
         self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)
@@ -136,7 +141,6 @@ class Trainer:
             Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device) if every else None
         )
         self.log: MetricsLog | None = None  # open while run() runs
-        self.activations = ActivationMeter()  # bytes kept for backward (the memory profile's activations)
         window = cfg.train.profile_steps  # None: no profiler, and a step never enters its module
         self.profiler = StepProfiler(window, self.run_dir, comm.rank) if window else None
 
@@ -179,7 +183,8 @@ class Trainer:
                     log.event("error", step, error=type(exc).__name__, message=str(exc))
                 raise
             finally:
-                self.profiler and self.profiler.close()
+                if self.profiler is not None:
+                    self.profiler.close()
             self._finish(start, result)
         return result
 
@@ -220,7 +225,8 @@ class Trainer:
     # -- one step ---------------------------------------------------------------
     def _step(self, step: int, result: RunResult, signals: stopping.StopSignals) -> int:
         """Run ``step``; return the next step to run (smaller than step + 1 after a rollback)."""
-        self.profiler and self.profiler.begin(step)
+        if self.profiler is not None:
+            self.profiler.begin(step)
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
@@ -263,26 +269,17 @@ class Trainer:
             step, result, signals, stopping.decision(step, self.cfg.checkpoint.every_steps, votes)
         )
         self.hooks.after_step(step)
-        self.profiler and self.profiler.end(step)
+        if self.profiler is not None:
+            self.profiler.end(step)
         return step + 1
 
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
         float64 scalar on the device."""
         batches = self.data.held_batches(step, self.mesh.dp.rank, self.mesh.cp, self.device)
-        self.routing and self.routing.count(batches)
-        if self.pipeline:
-            return self.pipeline.run(batches)
-        self.model.train()
-        # Summed in float64 on the device, read once: the same additions, in the same order, as adding
-        # each micro-batch's float(loss) on the host, without a device sync per micro-batch.
-        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets, positions in batches:
-            with self.activations.measure(self.model):
-                loss = self.model(inputs, targets, positions) / self.cfg.train.grad_accum
-            loss.backward()
-            local_loss += loss.detach()
-        return local_loss
+        if self.routing is not None:
+            self.routing.count(batches)
+        return self.program.run(batches)
 
     def _apply_update(self, step: int) -> float:
         """The update with this step's learning rate (returned), then the attached hooks see it."""
@@ -343,5 +340,5 @@ class Trainer:
         """The model states' peak bytes (the optimizer's accounting) and the activations'."""
         return {
             **self.optimizer.memory_bytes(),
-            "activations": self.pipeline.activation_peak if self.pipeline else self.activations.peak,
+            "activations": self.program.activation_peak,
         }

@@ -27,16 +27,17 @@ from distlib.comm.mesh import Mesh
 
 
 class RoutingCount:
-    def __init__(self, model: CausalLM, mesh: Mesh, pipeline, grad_accum: int, device: torch.device):
-        self.model, self.mesh, self.pipeline = model, mesh, pipeline
+    def __init__(self, model: CausalLM, mesh: Mesh, program, grad_accum: int, device: torch.device):
+        # program: the step program (local_step.LocalStep or pipeline_step.PipelineStep): its forwards
+        self.model, self.mesh, self.program = model, mesh, program
         self.cfg, self.grad_accum, self.device = model.cfg, grad_accum, device
 
     @classmethod
-    def for_run(cls, cfg, model: CausalLM, mesh: Mesh, pipeline, device: torch.device) -> RoutingCount | None:
+    def for_run(cls, cfg, model: CausalLM, mesh: Mesh, program, device: torch.device) -> RoutingCount | None:
         """The counter a run's steps need (``cfg`` a ``RunConfig``), or None: only a Mixtral over
         several micro-batches or pipeline stages."""
         if cfg.model.has_experts and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1):
-            return cls(model, mesh, pipeline, cfg.train.grad_accum, device)
+            return cls(model, mesh, program, cfg.train.grad_accum, device)
         return None
 
     def count(self, batches: list) -> None:
@@ -48,11 +49,7 @@ class RoutingCount:
         self.model.step_balance = None
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            if self.pipeline:
-                self.pipeline.forward_only(batches)
-            else:
-                for inputs, _, positions in batches:
-                    self.model(inputs, None, positions)
+            self.program.forward_only(batches)
         packed = self._packed(blocks)
         for group in (self.mesh.batch, self.mesh.pp):
             if group is not None and group.size > 1:
