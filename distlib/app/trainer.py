@@ -44,7 +44,7 @@ from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
-from distlib.app.model import experts, families
+from distlib.app.model import families
 from distlib.app.model.attention import ContextSplit, split_context_
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.local_step import LocalStep
@@ -56,6 +56,7 @@ from distlib.app.observe.metrics import MetricsLog
 from distlib.app.observe.profiling import StepProfiler
 from distlib.app.observe.results import RunResult, StepLog
 from distlib.app.observe.validation import Validation
+from distlib.app.optimizer import build_optimizer
 from distlib.app.runtime import launcher_env
 from distlib.app.runtime.hooks import StepHooks
 from distlib.app.unattended import guard, stopping
@@ -64,13 +65,14 @@ from distlib.comm import agree, watchdog
 from distlib.comm.group import Comm
 from distlib.comm.mesh import Mesh, build_mesh
 from distlib.parallel.broadcast import broadcast_module_
-from distlib.parallel.zero import ZeroOptimizer, make_optimizer
+from distlib.parallel.zero import ZeroOptimizer
 
 
 def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: int):
     """(model, optimizer, this pipeline rank's chunks or None, tensor-parallel splits): the model
     initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline stage, its Linear
-    layers swapped for this rank's tensor-parallel shards, and its ZeroOptimizer."""
+    layers swapped for this rank's tensor-parallel shards, and its optimizer
+    (``optimizer.build_optimizer``)."""
     model = families.build(cfg.model, seed).to(device)  # model.family's class
     broadcast_module_(model, comm)
     chunks = split_model_(model, cfg.dist, mesh)  # this pipeline rank's (None at pp=1)
@@ -78,22 +80,7 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     if mesh.cp is not None:  # every attention reaches the other context-parallel ranks' tokens
         split_context_(model, ContextSplit(mesh.cp, cfg.dist.cp_impl))
     families.join_batch_(model, mesh.batch)  # mixtral: experts' loads counted over the dp x cp ranks
-    z, opt = cfg.zero, cfg.optimizer
-    options = dict(
-        tp=mesh.tp,
-        tp_split=tp_splits,
-        param_dtype=cfg.param_dtype,
-        bucket_numel=z.bucket_numel,
-        overlap=z.overlap,
-        grad_accum=cfg.train.grad_accum,
-        pp=mesh.pp,
-    )
-    if mesh.ep is not None:  # this rank keeps its experts; ZeRO over the dense and expert groups
-        optimizer = experts.expert_parallel_optimizer(
-            model, mesh, z.stage, opt.adamw, opt.grad_clip, **options
-        )
-    else:  # gradients average over dp x cp; ZeRO shards there
-        optimizer = make_optimizer(model, mesh.batch, z.stage, opt.adamw, opt.grad_clip, **options)
+    optimizer = build_optimizer(cfg, model, mesh, tp_splits)  # ZeRO over its groups
     return model, optimizer, chunks, tp_splits
 
 
