@@ -17,8 +17,10 @@ dropped). That is transformers' ``MixtralSparseMoeBlock`` (router jitter 0) oper
 operation, but for its fused w1|w3 matmul (tests/test_mixtral.py: within 1e-5). Under tensor
 parallelism each expert splits by hidden units and the router is replicated (mixtral's plan).
 
-Expert parallelism (``hold_experts_``: the expert group's rank keeps its n_experts / ep experts,
-under their own names ``experts.<e>.w1`` ...): ``route`` and ``combine`` stay on the token's rank;
+Where the experts run is the layer's ``placement``, chosen once: ``ExpertsHere`` (every expert on
+this rank) or, with expert parallelism (``hold_experts_``: the expert group's rank keeps its
+n_experts / ep experts, under their own names ``experts.<e>.w1`` ...), ``ExpertsOverRanks``:
+``route`` and ``combine`` stay on the token's rank;
 ``dispatch`` sorts the rows by expert, which cuts them by destination rank too;
 ``expert_parallel.run_experts`` takes them to their experts' ranks and brings the outputs back in
 the order they left, so each token's sum is taken on its own rank in the one-rank order
@@ -104,7 +106,8 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
-        self.ep: Comm | None = None  # the expert group (``hold_experts_``); None: every expert here
+        # where the experts run: every one here, or (``hold_experts_``) over the expert group's ranks
+        self.placement: ExpertsHere | ExpertsOverRanks = ExpertsHere()
         self.last_counts: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None  # with a capacity: assignments dropped, () int64
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -141,23 +144,10 @@ class MoE(nn.Module):
         if self.tally is not None:
             self.tally.append((flat.shape[0], self.last_counts, probs.sum(dim=0), self.last_dropped))
         out = torch.zeros_like(flat)
-        if self.ep is not None:
-            self._forward_over_ranks(flat, ids, counts, weights, out)
-        else:
-            self._forward_here(flat, ids, counts, weights, out)
+        self.placement.run(self, flat, ids, counts, weights, out)
         if self.step_balance is not None and torch.is_grad_enabled():
             out = self.step_balance.charge(out, probs)
         return out.view(x.shape)
-
-    def _forward_here(self, flat, ids, counts, weights, out: torch.Tensor) -> None:
-        # One read of the counts (a device sync, as transformers' own loop takes) gives every
-        # expert's share.
-        plan = self.dispatch(ids, counts.tolist())
-        for e, expert in enumerate(self.experts):
-            # An expert without tokens runs on zero rows all the same: its weights get a (zero)
-            # gradient on every rank, as ZeRO's gradient buckets (one per block at stage 3) wait for.
-            token, slot = plan.rows(e)
-            self.combine(out, token, slot, weights, expert(flat[token]))
 
     def within_capacity(self, ids: torch.Tensor, groups: int) -> torch.Tensor:
         """(tokens, top_k) bool: the assignments that fit their expert's capacity, GShard's way.
@@ -173,24 +163,45 @@ class MoE(nn.Module):
         place = (queue.cumsum(dim=1) * queue).sum(dim=-1)  # 1-based place in its expert's queue
         return (place <= capacity).view(groups, k, per).transpose(1, 2).reshape(tokens, k)
 
-    def _forward_over_ranks(self, flat, ids, counts, weights, out: torch.Tensor) -> None:
-        """Expert parallelism: the dispatched rows through the experts' ranks and back
-        (``expert_parallel.run_experts``), combined here in the one-rank order."""
-        routing = expert_parallel.Routing.gather(counts, self.ep)  # the one read of the device
-        plan = self.dispatch(ids, routing.counts[self.ep.rank])
-        held = {int(e): expert for e, expert in self.experts.items()}
-        sent = plan.token[: sum(plan.counts)]  # (dropped assignments sort last, to no expert)
-        y = expert_parallel.run_experts(flat[sent], routing, held, self.ep)
-        start = 0
-        for e in range(self.n_experts):
-            token, slot = plan.rows(e)
-            self.combine(out, token, slot, weights, y[start : start + len(token)])
-            start += len(token)
-
     def hold_experts_(self, ep: Comm) -> None:
         """Keep only this rank's experts of the expert group ``ep`` (``expert_parallel``)."""
         self.experts = expert_parallel.keep_held_experts_(self.experts, ep)
+        self.placement = ExpertsOverRanks(ep)
+
+
+class ExpertsHere:
+    """Every expert of the layer on this rank: each runs its dispatched rows here."""
+
+    def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor) -> None:
+        # One read of the counts (a device sync, as transformers' own loop takes) gives every
+        # expert's share.
+        plan = moe.dispatch(ids, counts.tolist())
+        for e, expert in enumerate(moe.experts):
+            # An expert without tokens runs on zero rows all the same: its weights get a (zero)
+            # gradient on every rank, as ZeRO's gradient buckets (one per block at stage 3) wait for.
+            token, slot = plan.rows(e)
+            moe.combine(out, token, slot, weights, expert(flat[token]))
+
+
+class ExpertsOverRanks:
+    """Expert parallelism: this rank holds its share of the experts (``hold_experts_``); the
+    dispatched rows go through the experts' ranks of ``ep`` and back (``expert_parallel.run_experts``),
+    combined here in the one-rank order."""
+
+    def __init__(self, ep: Comm):
         self.ep = ep
+
+    def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor) -> None:
+        routing = expert_parallel.Routing.gather(counts, self.ep)  # the one read of the device
+        plan = moe.dispatch(ids, routing.counts[self.ep.rank])
+        held = {int(e): expert for e, expert in moe.experts.items()}
+        sent = plan.token[: sum(plan.counts)]  # (dropped assignments sort last, to no expert)
+        y = expert_parallel.run_experts(flat[sent], routing, held, self.ep)
+        start = 0
+        for e in range(moe.n_experts):
+            token, slot = plan.rows(e)
+            moe.combine(out, token, slot, weights, y[start : start + len(token)])
+            start += len(token)
 
 
 @dataclass(frozen=True)
