@@ -227,8 +227,9 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     # A resharded tp == 1 checkpoint may carry its source's dp (older ckpt.py reshard copied it);
     # nothing reads dp when tp == 1, so such checkpoints stay readable.
     stale_ok = tp == 1 and "resharded_from" in manifest
-    cp = _parallel(manifest, world, tp, pp).cp
-    if dp is not None and dp * cp * tp * pp != world and not stale_ok:
+    grid = _parallel(manifest, world, tp, pp)
+    cp = grid.cp
+    if dp is not None and dp != grid.dp and not stale_ok:  # the data-parallel ranks the grid leaves
         raise ManifestProblem(
             f"dp {dp} x tp {tp}"
             + (f" x pp {pp}" if pp > 1 else "")
@@ -238,9 +239,7 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
     layouts = _field(manifest, "tp_layouts", "", list, optional=tp == 1)
     if layouts is not None and len(layouts) != tp:
         raise ManifestProblem(f"tp_layouts has {len(layouts)} layout(s), expected one per tensor rank ({tp})")
-    per_layout = (
-        _parallel(manifest, world, tp, pp).partitions().dp
-    )  # ranks holding one flat layout's partitions
+    per_layout = grid.partitions().dp  # ranks holding one flat layout's partitions
     check_layout(_field(manifest, "layout", "", dict), "layout", per_layout)
     for t, layout in enumerate(layouts or []):
         check_layout(layout, f"tp_layouts[{t}]", per_layout, tp, t)
