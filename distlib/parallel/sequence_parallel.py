@@ -95,6 +95,14 @@ class SequenceSplit:
             raise ValueError(f"sequence parallelism: a {tuple(x.shape)} output is not (batch, seq, dim)")
         return _Leave.apply(x, self.tp)
 
+    def into_column(self, x: torch.Tensor, tp: Comm) -> torch.Tensor:
+        """A column layer's input: the block gathered it already (``enter``)."""
+        return x
+
+    def out_of_row(self, partial: torch.Tensor, tp: Comm) -> torch.Tensor:
+        """A row layer's partial sums: reduce-scattered to this rank's tokens (``leave``)."""
+        return self.leave(partial)
+
     def dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         """``F.dropout`` of this rank's tokens with the whole sequence's mask (the draws of the
         unsplit tensor, so the RNG advances as without sequence parallelism)."""

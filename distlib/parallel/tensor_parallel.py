@@ -100,6 +100,35 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class Replicated:
+    """How the residual stream meets the tensor-parallel layers without ``dist.sp``: every
+    tensor-parallel rank holds all of it. The default of every ``sequence`` slot (the strategy the
+    model is built with; ``sequence_parallel.SequenceSplit`` is the other): a column layer's input
+    is copied into the region (its backward all-reduces), a row layer's partial sums are
+    all-reduced, and the stream is neither cut nor gathered."""
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+        return F.dropout(x, p, training)
+
+    def into_column(self, x: torch.Tensor, tp: Comm) -> torch.Tensor:
+        return _CopyToTP.apply(x, tp)
+
+    def out_of_row(self, partial: torch.Tensor, tp: Comm) -> torch.Tensor:
+        return _ReduceFromTP.apply(partial, tp)
+
+
+REPLICATED = Replicated()
+
+
 def _param(full: torch.Tensor, split: Split | None) -> nn.Parameter:
     return nn.Parameter(shard_of(full.detach(), split))
 
@@ -114,13 +143,12 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(full.weight, split)
         self.bias = _param(full.bias, split) if full.bias is not None else None
         self.splits = {"weight": split} | ({"bias": split} if full.bias is not None else {})
-        # dist.sp: the block hands the input gathered along the sequence (sequence_parallel: one
+        # dist.sp (a SequenceSplit): the block hands the input gathered along the sequence (one
         # all-gather for q, k and v), whose backward reduce-scatter sums what copy_to_tp would.
-        self.sequence = None
+        self.sequence = REPLICATED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if self.sequence is not None else _CopyToTP.apply(x, self.tp)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(self.sequence.into_column(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -133,12 +161,10 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(full.weight, split)
         self.bias = _param(full.bias, None) if full.bias is not None else None
         self.splits = {"weight": split}
-        self.sequence = None  # dist.sp: a SequenceSplit; the sum is reduce-scattered along the sequence
+        self.sequence = REPLICATED  # dist.sp: a SequenceSplit; the sum is reduce-scattered along the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
-        sequence = self.sequence
-        y = sequence.leave(partial) if sequence is not None else _ReduceFromTP.apply(partial, self.tp)
+        y = self.sequence.out_of_row(F.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
     def sequence_sharded_parameters(self) -> list[nn.Parameter]:

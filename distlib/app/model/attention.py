@@ -43,6 +43,18 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(batch, seq, -1).contiguous()
 
 
+class WholeSequence:
+    """Attention without context parallelism: every rank holds whole sequences, so ``whole`` (the
+    one-rank attention) is all there is. The default of every attention module's ``context`` (the
+    strategy the model is built with); ``ContextSplit`` is the other."""
+
+    def attend(self, q, k, v, whole: Callable, **kept) -> torch.Tensor:
+        return whole(q, k, v)
+
+
+WHOLE = WholeSequence()
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,21 +67,19 @@ def causal_attention(
     dropout: float = 0.0,
     training: bool = False,
     sdpa: bool = False,
-    context: ContextSplit | None = None,
+    context: Context = WHOLE,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale, causal) @ v with heads merged: q, k, v (batch, heads, seq, head_dim),
     k and v with their own heads (grouped-query: each serves q.heads/k.heads query heads,
     ``grouped_heads``); the result (batch, seq, heads * head_dim). ``divide``:
     scores / scale instead. ``softmax_dtype``: the softmax's dtype, cast back to v's. ``dropout`` on
     the attention weights while ``training``. ``mask`` is ``causal_mask`` (the explicit path reads its
-    top-left seq x seq corner). ``context``: the sequence is split over a context-parallel group
-    (``ContextSplit``); q, k, v are this rank's tokens and so is the result."""
+    top-left seq x seq corner). ``context``: ``WHOLE``, or the sequence split over a context-parallel
+    group (``ContextSplit``): q, k, v are this rank's tokens and so is the result."""
     kwargs = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, dropout=dropout, training=training)
-    if context is not None:
-        whole = lambda *qkv: attend_heads(*qkv, mask, **kwargs, sdpa=sdpa)  # noqa: E731
-        kept = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype)
-        return merge_heads(context.attend(q, k, v, whole, **kept))
-    return merge_heads(attend_heads(q, k, v, mask, **kwargs, sdpa=sdpa))
+    whole = lambda *qkv: attend_heads(*qkv, mask, **kwargs, sdpa=sdpa)  # noqa: E731
+    kept = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype)
+    return merge_heads(context.attend(q, k, v, whole, **kept))
 
 
 def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, dropout, training, sdpa) -> torch.Tensor:
@@ -114,6 +124,9 @@ class ContextSplit:
         return ring_attention(
             q, k, v, self.comm, where, scale=scale, divide=divide, softmax_dtype=softmax_dtype
         )
+
+
+Context = WholeSequence | ContextSplit  # how attention reaches the sequence's other tokens
 
 
 def split_context_(model: torch.nn.Module, split: ContextSplit) -> int:

@@ -23,7 +23,7 @@ from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask, split_heads
 from distlib.app.model.layers import CausalLM, PreNormBlock
 from distlib.parallel.sequence_parallel import SequenceSplit
-from distlib.parallel.tensor_parallel import Column, Row
+from distlib.parallel.tensor_parallel import REPLICATED, Column, Replicated, Row
 
 # Megatron's split: attention by heads (a head's q, k and v rows stay on one rank), the MLP by
 # hidden units; column-parallel in, row-parallel out.
@@ -61,8 +61,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
-        self.context: attention.ContextSplit | None = None  # dist.cp > 1: attention.split_context_
-        self.sequence: SequenceSplit | None = None  # dist.sp: the output dropout on this rank's tokens
+        self.context: attention.Context = attention.WHOLE  # dist.cp > 1: attention.split_context_
+        self.sequence: Replicated | SequenceSplit = REPLICATED  # dist.sp: the output dropout on its tokens
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # Learned positions entered with the embedding and the mask is relative: ``positions`` unused.
@@ -82,9 +82,9 @@ class CausalSelfAttention(nn.Module):
         return residual_dropout(self.proj(out), self.dropout, self.training, self.sequence)
 
 
-def residual_dropout(x: torch.Tensor, p: float, training: bool, sequence: SequenceSplit | None):
+def residual_dropout(x: torch.Tensor, p: float, training: bool, sequence: Replicated | SequenceSplit):
     """Dropout on a residual branch: plain ``F.dropout``, or (``dist.sp``) on this rank's tokens."""
-    return F.dropout(x, p, training) if sequence is None else sequence.dropout(x, p, training)
+    return sequence.dropout(x, p, training)
 
 
 class MLP(nn.Module):
@@ -94,7 +94,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.mlp_width, cfg.dim)
         self.dropout = cfg.dropout
         self.activation = activation
-        self.sequence: SequenceSplit | None = None  # dist.sp: the output dropout on this rank's tokens
+        self.sequence: Replicated | SequenceSplit = REPLICATED  # dist.sp: the output dropout on its tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.proj(self.activation(self.fc(x)))

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from distlib.app.observe import activations
 from distlib.parallel.sequence_parallel import SequenceSplit
+from distlib.parallel.tensor_parallel import REPLICATED, Replicated
 
 
 def positions_or_default(positions: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor:
@@ -32,7 +33,7 @@ class PreNormBlock(nn.Module):
     ``dist.sp`` (``sequence``) x, the norms and the adds hold this rank's tokens only, and each branch
     enters its tensor-parallel region through one all-gather along the sequence."""
 
-    sequence: SequenceSplit | None = None  # set by sequence_parallel.split_sequence_
+    sequence: Replicated | SequenceSplit = REPLICATED  # sequence_parallel.split_sequence_ sets a split
 
     def __init__(self, cfg, norm, attention, mlp):
         super().__init__()
@@ -58,7 +59,7 @@ class PreNormBlock(nn.Module):
         return x + self.mlp(self._enter(self.ln2(x)))
 
     def _enter(self, h: torch.Tensor) -> torch.Tensor:
-        return h if self.sequence is None else self.sequence.enter(h)
+        return self.sequence.enter(h)
 
     def sequence_sharded_parameters(self) -> list[nn.Parameter]:
         """The norms' parameters: with dist.sp they see this rank's tokens only."""
@@ -76,7 +77,7 @@ class CausalLM(nn.Module):
     HEAD: tuple[str, ...] = ("ln_f", "lm_head")
     # dist.sp: the embedding's output is cut to this rank's tokens for the blocks, and gathered
     # again for the head, which (like the embedding) runs replicated on the whole sequence.
-    sequence: SequenceSplit | None = None
+    sequence: Replicated | SequenceSplit = REPLICATED
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         seq = tokens.shape[1]
@@ -106,10 +107,10 @@ class CausalLM(nn.Module):
         """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss.
         ``positions`` (seq,): where these tokens sit in their sequences (``positions_or_default``)."""
         x = self.embed(tokens, positions)
-        x = x if self.sequence is None else self.sequence.scatter(x)
+        x = self.sequence.scatter(x)
         for block in self.blocks:
             x = block(x, positions)
-        logits = self.head(x if self.sequence is None else self.sequence.gather(x))
+        logits = self.head(self.sequence.gather(x))
         if targets is None:
             return logits
         return lm_loss(logits, targets)

@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, cfg.dim, bias=False)
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
-        self.context: attention.ContextSplit | None = None  # dist.cp > 1: attention.split_context_
+        self.context: attention.Context = attention.WHOLE  # dist.cp > 1: attention.split_context_
         # Not cos/sin tables: transformers recomputes them from inv_freq in every forward, on the
         # model's device (precomputed fp32 tables did not match it after module.to(bf16)).
         self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
