@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distlib.comm.group import Comm
+from distlib.comm.header import deliver_sent
 
 DEFAULT_TIMEOUT_S = 120.0
 # gloo's full-mesh connect on loopback has failed now and then on this 2-core machine under load
@@ -52,6 +53,7 @@ def _child(rank: int, world_size: int, ports, fn, args, queue, timeout_s: float)
             return
         try:
             result = fn(Comm.world(), *args)
+            deliver_sent()  # its last collective's header sends, before this rank leaves
         finally:
             dist.destroy_process_group()
         queue.put((rank, True, result))

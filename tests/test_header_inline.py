@@ -61,7 +61,7 @@ def _many_checked(comm, calls):
     import torch.distributed as dist
 
     from distlib.comm.group import Comm
-    from distlib.comm.header import unwaited_sends
+    from distlib.comm.header import deliver_sent, unwaited_sends
     from distlib.comm.progress import Progress
 
     world = comm.instrumented(check=True)
@@ -80,14 +80,16 @@ def _many_checked(comm, calls):
             progress.submit(collectives.all_reduce, torch.ones(SMALL), pair)
             progress.drain()
         held.append(unwaited_sends())
-    return held, total
+    deliver_sent()  # what a rank does before it leaves: every header it sent has been received
+    return held, total, unwaited_sends()
 
 
 def test_header_sends_are_held_for_one_collective_per_group_only():
     """A checked collective keeps its header sends until the group's next one closes: a run of
     any length holds at most (size - 1) per group, not one per peer per collective ever made."""
     calls = 60
-    for rank, (held, total) in enumerate(run_ranks(_many_checked, 3, calls, timeout_s=60)):
+    for rank, (held, total, left) in enumerate(run_ranks(_many_checked, 3, calls, timeout_s=60)):
+        assert left == 0, rank
         assert total == sum(3 * i + 3 for i in range(calls)), rank
         assert max(held) <= 2 + (1 if rank < 2 else 0), (rank, max(held))
         assert held[-1] == held[1] > 0, rank

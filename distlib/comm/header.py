@@ -174,6 +174,18 @@ class Gate:
 _UNWAITED: dict = {}
 
 
+def deliver_sent() -> None:
+    """Wait until every header send this process holds has been received: call before a process
+    that took part in checked collectives leaves while its peers are alive (the run ended, or
+    every rank agreed on an error). A send travels only once its receiver posts the receive, which
+    every peer does in the same collective; a process that left before could leave a peer still
+    waiting on its header with "connection reset" instead of the end of the run."""
+    for sends in _UNWAITED.values():
+        for message in sends:
+            message.work.wait()
+    _UNWAITED.clear()
+
+
 def unwaited_sends() -> int:
     """How many header sends this process holds, not yet waited on: at most one collective's per group."""
     return sum(len(sends) for sends in _UNWAITED.values())

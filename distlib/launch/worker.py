@@ -35,6 +35,7 @@ from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm import watchdog
 from distlib.comm.group import Comm
+from distlib.comm.header import deliver_sent
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError
 from distlib.launch.parent import die_with_parent
@@ -126,6 +127,7 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
             warning = summary.loss_warning(result, t.loss_tolerance, t.monotone_until_step, departures)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
+        deliver_sent()  # the peers are alive and in the same collectives: every header reaches them
         return failures
     except AGREED_ERRORS as exc:
         return _failed(exc)
@@ -142,6 +144,7 @@ def _failed(exc: Exception) -> list[str]:
     other rank can say why, and they are waiting on it."""
     if isinstance(exc, CollectiveMismatchError) and not exc.agreed:
         _say_and_leave(exc)
+    deliver_sent()  # every rank raised it alike: the peers are alive, in the same collective
     if dist.get_rank() == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     return [str(exc)]
