@@ -151,15 +151,13 @@ class Gate:
         # for that would put back the round the header left (measured: 2 waits per collective
         # instead of 1). They are kept alive until the group's next checked collective closes, and
         # waited on then, when they are sure to be done: every peer sent a header for that one, so
-        # it had finished this one, whose settle received ours. (gloo's is_completed() of a send
+        # it had finished this one, whose settle received ours. Those waits return at once, so
+        # they are not P2P.wait (benchmarks/rounds.py counts those). gloo's is_completed() of a send
         # stays False until it is waited on: a list pruned by asking it grew by one entry per peer
-        # per collective, for the life of the process, and was scanned at every close -- 30% of
-        # a rank's Python time after 20 steps.)
-        # Their waits return at once (gloo only marks them complete; not a wait on a peer, so
-        # not P2P.wait, which benchmarks/rounds.py counts).
+        # per collective, for the life of the process, and was scanned at every close (30% of a
+        # rank's Python time after 20 steps).
         group = self.comm.group if self.comm.group is not None else torch.distributed.group.WORLD
-        for message in _UNWAITED.pop(group, []):
-            message.work.wait()
+        _wait_all(_UNWAITED.pop(group, []))
         _UNWAITED[group] = list(self.sent.values())
         if self.stash:
             raise CollectiveMismatchError(
@@ -169,9 +167,14 @@ class Gate:
             )
 
 
-# Per process group: the header sends of its last checked collective, not yet
-# waited on (see Gate.close).
+# Per process group: the header sends of its last checked collective, not yet waited on (see
+# Gate.close).
 _UNWAITED: dict = {}
+
+
+def _wait_all(sends) -> None:
+    for message in sends:
+        message.work.wait()
 
 
 def deliver_sent() -> None:
@@ -181,8 +184,7 @@ def deliver_sent() -> None:
     every peer does in the same collective; a process that left before could leave a peer still
     waiting on its header with "connection reset" instead of the end of the run."""
     for sends in _UNWAITED.values():
-        for message in sends:
-            message.work.wait()
+        _wait_all(sends)
     _UNWAITED.clear()
 
 

@@ -44,16 +44,14 @@ def read_job(job_dir: Path) -> dict | None:
     # The job's own checked config gives its global batch: the layout's data-parallel ranks (not
     # the world over tp x pp, which counts the context-parallel ranks too) x batch_size x grad_accum.
     run = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
-    world, tp, t = run.dist.world_size, run.dist.tp, run.train
-    global_batch = run.global_batch
     ordered = [steps[k] for k in sorted(steps)]
     return {
         "job": job_dir.name,
-        "world_size": world,
-        "tp": tp,
+        "world_size": run.dist.world_size,
+        "tp": run.dist.tp,
         "stage": run.zero.stage,
-        "dtype": t.dtype,
-        "global_batch": int(global_batch),
+        "dtype": run.train.dtype,
+        "global_batch": run.global_batch,
         "losses": [float(r["loss"]) for r in ordered],
         "final_loss": float(ordered[-1]["loss"]),
         "optimizer_bytes": _max_optimizer_bytes(ordered[-1]),
