@@ -48,7 +48,6 @@ import torch.distributed.checkpoint as dcp
 from multiproc import run_ranks
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from distlib.checkpoint import reshard
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.background import BackgroundWrite
 from distlib.checkpoint.staging import StagingBuffers
@@ -126,12 +125,12 @@ def _dcp_async(state: dict, dest: Path, stager: DefaultStager | None = None) -> 
 
 def _bench_rank(comm, numel: int, repeats: int, workdir: str) -> dict:
     torch.manual_seed(comm.rank)
-    size = reshard.shard_numel(numel, comm.size)
-    tensors = {key: torch.randn(size) for key in STATE_KEYS}
     # One flat parameter of ``numel`` elements: a manifest that passes the checks every read applies.
     holder = torch.nn.Module()
     holder.flat = torch.nn.Parameter(torch.empty(numel, device="meta"))
-    meta = {"zero_stage": 1, "model": {}, "layout": FlatLayout.of(holder, comm.size).to_dict()}
+    layout = FlatLayout.of(holder, comm.size)
+    tensors = {key: torch.randn(layout.shard_numel) for key in STATE_KEYS}
+    meta = {"zero_stage": 1, "model": {}, "layout": layout.to_dict()}
     work = Path(workdir)
     rank0 = comm.rank == 0
     best: dict[str, float] = {}

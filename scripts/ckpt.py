@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this repo's distlib
 
-from distlib.checkpoint import extra_files, reshard
+from distlib.checkpoint import extra_files, offline
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
 
@@ -63,14 +63,14 @@ def verify(args: argparse.Namespace) -> None:
 
 
 def consolidate(args: argparse.Namespace) -> None:
-    reshard.check_new_output(args.out)
-    for path in reshard.consolidate(args.path, args.out, with_optimizer=args.optimizer):
+    offline.check_new_output(args.out)
+    for path in offline.consolidate(args.path, args.out, with_optimizer=args.optimizer):
         print(f"wrote {path}")
 
 
 def reshard_cmd(args: argparse.Namespace) -> None:
-    reshard.check_new_output(args.out)
-    out = reshard.reshard_checkpoint(args.path, args.out, args.world_size)
+    offline.check_new_output(args.out)
+    out = offline.reshard_checkpoint(args.path, args.out, args.world_size)
     manifest = checkpoint.verify(out)
     print(f"wrote {out}: step {manifest['step']} for {manifest['world_size']} rank(s), verified")
 

@@ -17,7 +17,7 @@ from forkrun import run_script
 from distlib.app.config.groups import ModelConfig
 from distlib.app.data.batches import make_corpus
 from distlib.app.model.minigpt import MiniGPT
-from distlib.checkpoint import reshard
+from distlib.checkpoint import offline
 from distlib.checkpoint import sharded as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def test_verify_exit_status_tells(ckpt, tmp_path):
 def test_consolidated_weights_load_into_a_plain_minigpt(ckpt, tmp_path):
     assert ckpt_tool.main(["consolidate", str(ckpt), str(tmp_path / "out"), "--optimizer"]) == 0
     manifest = checkpoint.verify(ckpt)
-    full = reshard.full_state(ckpt, manifest)
+    full = offline.full_state(ckpt, manifest)
 
     model = MiniGPT(ModelConfig(**manifest["model"]))  # no process group, no distlib training code
     weights = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -98,8 +98,8 @@ def test_reshard_command_writes_a_valid_checkpoint(ckpt, tmp_path, capsys):
     assert "for 3 rank(s), verified" in capsys.readouterr().out
     manifest = checkpoint.verify(out)
     assert manifest["world_size"] == 3 and manifest["dp"] == 3 and len(manifest["files"]) == 3
-    before = reshard.full_state(ckpt, checkpoint.read_manifest(ckpt))
-    after = reshard.full_state(out, manifest)
+    before = offline.full_state(ckpt, checkpoint.read_manifest(ckpt))
+    after = offline.full_state(out, manifest)
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert ckpt_tool.main(["reshard", str(ckpt), str(out), "--world-size", "2"]) == 1  # never overwrites
     assert "refusing to overwrite" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from multiproc import run_ranks
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.runtime import devices
 from distlib.app.trainer import Trainer
-from distlib.checkpoint import reshard, rng_state, sharded
+from distlib.checkpoint import relayout, rng_state, sharded
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.p2p import P2P
@@ -62,20 +62,20 @@ def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None, reload
         run_dir.mkdir(parents=True)
     use_deterministic_kernels()  # the product's switch: the same ATen flag, without torch._inductor
     agree.all_true(True, comm)
-    read = reshard.load_partition
+    read = relayout.load
     if default_device is not None:
         _strict_factories()
         torch.set_default_device(default_device)
         # safetensors' get_slice builds its tensor on the default device (not ours to place):
         # checkpoint reads run with the CPU as default, the rest of the run with ``default_device``.
-        reshard.load_partition = lambda *a, **k: _on_cpu(read, *a, **k)
+        relayout.load = lambda *a, **k: _on_cpu(read, *a, **k)
     try:
         trainer = Trainer(cfg, comm, run_dir)
         result = trainer.run()
         reloaded = _reload(trainer, run_dir / "checkpoints" / "step_00000002") if reload else None
     finally:
         torch.set_default_device(None)
-        reshard.load_partition = read
+        relayout.load = read
     opt = trainer.optimizer
     buffers = {
         name: t

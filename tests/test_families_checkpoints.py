@@ -1,7 +1,7 @@
 """GPT-2 and Llama checkpoints: the manifest names the family; a resume is bitwise at the same layout
 and within 1e-5 at another world size, ZeRO stage or pipeline degree (resharded on load, or by
 scripts/ckpt.py reshard); a checkpoint of any layout reassembles into the whole model
-(distlib/checkpoint/assemble.py: every rank's parameters are shard_of its slice of it, bit for bit);
+(distlib/checkpoint/relayout.py: every rank's parameters are shard_of its slice of it, bit for bit);
 sampling builds the right family; scripts/export_hf.py writes a directory transformers loads, whose
 logits and greedy tokens are ours; model.init_from starts a run from a transformers directory (step
 1's loss is transformers' loss on that batch) in several layouts, and a resume ignores it.
@@ -38,7 +38,7 @@ from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus, spli
 from distlib.app.model import gpt2, llama
 from distlib.app.model.minigpt import MiniGPT
 from distlib.app.trainer import Trainer
-from distlib.checkpoint import assemble, reshard
+from distlib.checkpoint import offline, relayout
 from distlib.checkpoint import sharded as checkpoint
 from distlib.launch.torchrun import use_deterministic_kernels
 from distlib.parallel.tensor_parallel import Split, shard_of
@@ -208,7 +208,7 @@ def test_another_world_size_stage_or_pipeline_degree_resumes_within_tolerance(tr
 
 
 def _check_reassembly(ckpt: Path, ranks: list[dict]) -> dict[str, torch.Tensor]:
-    full = assemble.full_tensors(ckpt, checkpoint.verify(ckpt))
+    full = relayout.full_tensors(ckpt, checkpoint.verify(ckpt))
     for rank in ranks:
         for name, local in rank["params"].items():
             split = rank["splits"].get(name)
@@ -237,7 +237,7 @@ def test_sampling_builds_the_family_the_checkpoint_holds(trained, tmp_path):
     assert type(g) is gpt2.GPT2 and g.lm_head.weight is g.tok_emb.weight
     lm = sampling.load_model(_ckpt(d["llama"], 6))
     assert type(lm) is llama.Llama and lm.cfg.n_kv_heads == 2
-    (written,) = reshard.consolidate(_ckpt(d["gpt2"], 6), tmp_path / "consolidated")  # ckpt.py consolidate
+    (written,) = offline.consolidate(_ckpt(d["gpt2"], 6), tmp_path / "consolidated")  # ckpt.py consolidate
     again = sampling.load_model(written)
     assert type(again) is gpt2.GPT2 and again.lm_head.weight is again.tok_emb.weight
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), g.parameters()))

@@ -3,7 +3,6 @@ bit for bit; offline (scripts/ckpt.py reshard) and online resharding agree."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -14,37 +13,9 @@ from multiproc import run_ranks
 
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
-from distlib.checkpoint import reshard
+from distlib.checkpoint import offline
 from distlib.checkpoint import sharded as checkpoint
 from distlib.parallel.adamw import STATE_KEYS
-
-
-# -- the rule -----------------------------------------------------------------
-def _partitions(full: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-    size = -(-full.numel() // world_size)
-    padded = torch.cat([full, torch.zeros(size * world_size - full.numel())])
-    return list(padded.split(size))
-
-
-def test_repartition_and_partition_sources_agree_for_many_shapes():
-    rng = random.Random(0)
-    for _ in range(200):
-        numel, old, new = rng.randint(1, 97), rng.randint(1, 9), rng.randint(1, 9)
-        full = torch.arange(1, numel + 1, dtype=torch.float32)
-        parts = reshard.repartition(_partitions(full, old), numel, new)
-        assert [p.numel() for p in parts] == [-(-numel // new)] * new
-        assert torch.equal(torch.cat(parts)[:numel], full)
-        assert not torch.cat(parts)[numel:].any(), "padding must be zeros"
-        old_parts = _partitions(full, old)
-        for rank in range(new):
-            pieces = [old_parts[r][a:b] for r, a, b in reshard.partition_sources(numel, old, new, rank)]
-            real = torch.cat(pieces) if pieces else torch.zeros(0)
-            assert torch.equal(real, parts[rank][: real.numel()]) and not parts[rank][real.numel() :].any()
-
-
-def test_repartition_refuses_too_few_elements():
-    with pytest.raises(checkpoint.CheckpointError, match="fewer than"):
-        reshard.repartition([torch.zeros(3)], 5, 2)
 
 
 # -- through the trainer ------------------------------------------------------
@@ -57,7 +28,7 @@ def four(tmp_path_factory) -> dict:
 
 
 def _master(ckpt) -> np.ndarray:
-    return reshard.full_state(ckpt, checkpoint.verify(ckpt))["master"].numpy()
+    return offline.full_state(ckpt, checkpoint.verify(ckpt))["master"].numpy()
 
 
 @pytest.mark.parametrize("world_size, stage", [(2, 1), (2, 0), (1, 1)])
@@ -101,7 +72,7 @@ def _load_params(comm, config: dict, run_dir: str) -> dict:
 def test_loaded_state_is_the_checkpoint_bit_for_bit(tmp_path, four):
     ckpt = four["step6"]
     manifest = checkpoint.verify(ckpt)
-    full = reshard.full_state(ckpt, manifest)
+    full = offline.full_state(ckpt, manifest)
     loaded = run_ranks(_load_params, 2, tree(2, checkpoint={"resume": str(ckpt)}), str(tmp_path))
     numel = int(manifest["layout"]["numel"])
     for key in STATE_KEYS:
@@ -130,11 +101,11 @@ def test_growing_the_world_reseeds_new_ranks_and_says_so(tmp_path, four, capfd):
 
 
 def test_offline_reshard_matches_online_reshard(tmp_path, four):
-    out = reshard.reshard_checkpoint(four["step6"], tmp_path / "step_00000006", 2)
+    out = offline.reshard_checkpoint(four["step6"], tmp_path / "step_00000006", 2)
     manifest = checkpoint.verify(out)
     assert manifest["world_size"] == 2 and manifest["layout"]["world_size"] == 2
     assert manifest["resharded_from"]["world_size"] == 4
     assert np.array_equal(_master(out), _master(four["step6"]))
-    offline = train(tree(2, steps=8, checkpoint={"resume": str(out)}), tmp_path / "a")
+    from_tool = train(tree(2, steps=8, checkpoint={"resume": str(out)}), tmp_path / "a")
     online = train(tree(2, steps=8, checkpoint={"resume": str(four["step6"])}), tmp_path / "b")
-    assert offline[0]["losses"] == online[0]["losses"]  # same bytes in, same world: bitwise equal
+    assert from_tool[0]["losses"] == online[0]["losses"]  # same bytes in, same world: bitwise equal

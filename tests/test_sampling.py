@@ -16,7 +16,7 @@ from trainrun import compose_tree, train
 from distlib.app.checkpointing import sampling
 from distlib.app.config.groups import ModelConfig
 from distlib.app.data.tokens import ByteTokenizer
-from distlib.checkpoint import reshard
+from distlib.checkpoint import offline
 from distlib.checkpoint.sharded import CheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +136,7 @@ def test_consolidated_safetensors_gives_the_same_model(trained, tmp_path):
     ckpt, params = trained
     model = sampling.load_model(ckpt)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    (with_meta,) = reshard.consolidate(
+    (with_meta,) = offline.consolidate(
         ckpt, tmp_path / "consolidated"
     )  # what scripts/ckpt.py consolidate writes
     again = sampling.load_model(with_meta)

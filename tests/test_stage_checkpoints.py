@@ -108,7 +108,7 @@ def _tensor_parallel(comm, root: str):
         root / "tp2_resumed",
     )
     single = _train(comm, _cfg(1, tp=1), root / "dp2")
-    # another tensor-parallel degree: the pieces are cut again (distlib/checkpoint/resplit.py)
+    # another tensor-parallel degree: the pieces are cut again (distlib/checkpoint/relayout.py)
     retp = _train(comm, _cfg(1, tp=1, resume=str(ckpt), every=0), root / "tp2_to_tp1")
     return {
         "first": [s.loss for s in first.steps],

@@ -22,8 +22,8 @@ directory.
 
 Loading is refused unless every file the manifest lists has the recorded size
 and sha256 and no other file is present (``verify``). Nothing is unpickled:
-shards are safetensors, the manifest JSON. Moving a checkpoint to another world
-size lives in ``distlib.checkpoint.reshard``.
+shards are safetensors, the manifest JSON. Loading a checkpoint into another layout
+lives in ``distlib.checkpoint.relayout``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The fit check: may this run load a checkpoint? Every difference is listed, nothing is loaded.
 
-Parameters must have the same names, shapes and flat-layout order (a different model config is
-named key by key; at another pipeline degree, every parameter of this rank's stage must be in
-the checkpoint with its shape; at another tensor-parallel degree, the model keys that decide the
-shapes must agree, as the whole tensors are cut again), and the data stream must continue exactly:
-same corpus, seed, global batch and training windows.
+Parameters must have the same names and whole shapes (read by name, the flat-layout order does not
+matter; a different model config is named key by key; at another pipeline degree, every parameter
+of this rank's stage must be in the checkpoint; at another tensor-parallel degree, the model keys
+that decide the shapes must agree, as the whole tensors are cut again), and the data stream must
+continue exactly: same corpus, seed, global batch and training windows.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from pathlib import Path
 
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
+from distlib.checkpoint import relayout
 from distlib.checkpoint import sharded as checkpoint
 from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.tensor_parallel import Split, full_shape
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
@@ -49,42 +51,34 @@ def check_fits(
     path: Path,
     manifest: dict,
     layout: FlatLayout,
+    splits: dict[str, Split],
     cfg: RunConfig,
-    tp_size: int,
-    tp_rank: int,
     data: GlobalBatches,
 ) -> None:
     """Refuse, listing every difference, a checkpoint whose parameters or data stream differ from
-    this run's (``layout``: the flat layout of this rank's tensor-parallel shard)."""
-    problems = []
-    if manifest.get("tp", 1) != tp_size:  # resplit by name (checkpoint.resplit): the same model?
-        model = dataclasses.asdict(cfg.model)
+    this run's (``layout``: this rank's flat layout, its pieces cut by ``splits``). Parameters are
+    compared by name and whole shape, as the relayout reads them; a rank that holds the whole model
+    (no pipeline stages) also lists the checkpoint's parameters it does not have."""
+    problems, model = [], dataclasses.asdict(cfg.model)
+    if manifest.get("tp", 1) != cfg.dist.tp:  # cut again by name (checkpoint.relayout): the same model?
         for key, value in manifest.get("model", {}).items():
             if key in SHAPE_KEYS and model.get(key) != value:
                 problems.append(f"model.{key}: checkpoint {value}, this run {model.get(key)}")
-        return _refuse_or_pass(path, problems + _data_problems(manifest, cfg, data))
-    saved = FlatLayout.from_dict(manifest.get("tp_layouts", [manifest["layout"]])[tp_rank])
-    theirs = {s.name: s.shape for s in saved.slots}
-    ours = {s.name: s.shape for s in layout.slots}
-    by_name = cfg.dist.pp > 1 or "pp_layouts" in manifest  # pipeline stages: parameters found by name
-    if by_name:
-        stages = manifest.get("pp_layouts") or [manifest.get("tp_layouts", [manifest["layout"]])]
-        theirs = {s.name: s.shape for per_tp in stages for s in FlatLayout.from_dict(per_tp[tp_rank]).slots}
-    if any(theirs.get(n) != shape for n, shape in ours.items()) if by_name else saved.slots != layout.slots:
-        model = dataclasses.asdict(cfg.model)
-        for key, value in manifest.get("model", {}).items():
-            if model.get(key) != value:
-                problems.append(f"model.{key}: checkpoint {value}, this run {model.get(key)}")
-        names = (
-            list(ours) if by_name else [s.name for s in saved.slots] + [n for n in ours if n not in theirs]
-        )
-        shapes = [
-            f"parameter {name}: checkpoint {_shape(theirs.get(name))}, model {_shape(ours.get(name))}"
-            for name in names
-            if ours.get(name) != theirs.get(name)
+    theirs = {p.name: p.full_shape for held in relayout.holdings(manifest) for p in held.pieces}
+    ours = {s.name: full_shape(s.shape, splits.get(s.name)) for s in layout.slots}
+    names = list(theirs) + [n for n in ours if n not in theirs] if cfg.dist.pp == 1 else list(ours)
+    shapes = [
+        f"parameter {name}: checkpoint {_shape(theirs.get(name))}, model {_shape(ours.get(name))}"
+        for name in names
+        if ours.get(name) != theirs.get(name)
+    ]
+    if shapes and not problems:
+        problems += [
+            f"model.{key}: checkpoint {value}, this run {model.get(key)}"
+            for key, value in manifest.get("model", {}).items()
+            if model.get(key) != value
         ]
-        problems += shapes or ["same parameters and shapes, but a different order in the flat layout"]
-    _refuse_or_pass(path, problems + _data_problems(manifest, cfg, data))
+    _refuse_or_pass(path, problems + shapes + _data_problems(manifest, cfg, data))
 
 
 def _refuse_or_pass(path: Path, problems: list[str]) -> None:

@@ -1,7 +1,7 @@
 """A checkpoint of any layout and world size as a Hugging Face model directory (scripts/export_hf.py).
 
 ``export(checkpoint, out)`` verifies the checkpoint, reassembles the whole model's fp32 weights by
-name (``assemble.full_tensors``: data-parallel partitions, tensor-parallel pieces and pipeline
+name (``relayout.full_tensors``: data-parallel partitions, tensor-parallel pieces and pipeline
 stages put back together) and writes config.json, model.safetensors and generation_config.json
 (``model.hf_weights.save_hf_dir``), which ``AutoModelForCausalLM.from_pretrained(out)`` loads.
 A run that had a BPE tokenizer gets its tokenizer files copied too, from the checkpoint's own copy
@@ -27,7 +27,7 @@ from distlib.app.data import bpe
 from distlib.app.model import families
 from distlib.app.model.hf_config import HFError, export_refusal
 from distlib.app.model.hf_weights import save_hf_dir
-from distlib.checkpoint import assemble, reshard
+from distlib.checkpoint import offline, relayout
 from distlib.checkpoint import sharded as checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -70,14 +70,14 @@ def tokenizer_dir(path: Path, manifest: dict) -> Path | None:
 
 def export(path: Path | str, out: Path | str) -> Exported:
     path, out = Path(path), Path(out)
-    reshard.check_new_output(out)
+    offline.check_new_output(out)
     manifest = checkpoint.verify(path)
     cfg = manifest_config(manifest, path)[0]
     reason = export_refusal(cfg)
     if reason:
         raise HFError(f"checkpoint {path}: {reason}")
     tokenizer = tokenizer_dir(path, manifest)
-    tensors = assemble.full_tensors(path, manifest)
+    tensors = relayout.full_tensors(path, manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

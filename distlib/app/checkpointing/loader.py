@@ -4,8 +4,9 @@
 the run fails), ``latest`` (the newest committed checkpoint that verifies; damaged newer ones are
 moved aside and named), or none. ``load`` verifies a checkpoint (the ranks hash its files between
 them and share the verdict), checks its run configuration and that it fits this run (``fit_check``:
-every difference listed), and only then restores this rank's optimizer partition (resharded when
-the checkpoint's world size differs), parameters, RNG and data position.
+every difference listed), and only then restores this rank's optimizer partition (by parameter name
+and global slice from a checkpoint of any layout: ``checkpoint.relayout``), parameters, RNG and
+data position.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
-from distlib.checkpoint import reshard, resplit, rng_state
+from distlib.checkpoint import relayout, rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
@@ -104,18 +105,21 @@ class Loader:
             checkpoint.verify_collectively(path, self.comm)
         manifest = agree.agreed(lambda: _read_checked(path), self.comm, checkpoint.CheckpointError)
         mesh = self.mesh
-        check_fits(path, manifest, optimizer.layout, self.cfg, mesh.tp.size, mesh.tp.rank, self.data)
-        stage = (mesh.pp.rank, mesh.pp.size) if mesh.pp else (0, 1)
-        rank, ranks = mesh.batch.rank, mesh.batch.size
-
-        def read():
-            if manifest.get("tp", 1) != mesh.tp.size:  # whole tensors by name, cut for this degree
-                return resplit.load_resplit(path, manifest, rank, ranks, optimizer.layout, self.splits)
-            return reshard.load_partition(
-                path, manifest, rank, ranks, mesh.tp.rank, (optimizer.layout, *stage)
-            )
-
-        state, rank_state, rng = agree.agreed(read, self.comm, checkpoint.CheckpointError)
+        check_fits(path, manifest, optimizer.layout, self.splits, self.cfg, self.data)
+        stage, stages = (mesh.pp.rank, mesh.pp.size) if mesh.pp else (0, 1)
+        place = relayout.Place(
+            optimizer.layout,
+            mesh.batch.rank,
+            mesh.batch.size,
+            self.splits,
+            stage,
+            stages,
+            mesh.tp.rank,
+            mesh.tp.size,
+        )
+        state, rank_state, rng = agree.agreed(
+            lambda: relayout.load(path, manifest, place), self.comm, checkpoint.CheckpointError
+        )
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:
             rng_state.restore_rng(rng, rank_state["rng"])

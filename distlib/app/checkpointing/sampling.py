@@ -1,7 +1,7 @@
 """Load a trained model (any family) on one process (no process group) and generate from it.
 
 A sharded checkpoint is verified first (every file's size and sha256 against the manifest), then
-the whole model's fp32 parameters are reassembled by name (``assemble.full_tensors``: the
+the whole model's fp32 parameters are reassembled by name (``relayout.full_tensors``: the
 data-parallel partitions concatenated, tensor-parallel pieces joined, pipeline stages put
 together, so a checkpoint of any layout and world size loads), and the manifest's model config
 (``model.family`` and the shape; an old manifest without a family is MiniGPT) builds the model
@@ -23,7 +23,7 @@ from distlib.app.config.groups import ModelConfig
 from distlib.app.config.schema import ConfigError
 from distlib.app.model import families
 from distlib.app.model.layers import CausalLM
-from distlib.checkpoint import assemble
+from distlib.checkpoint import relayout
 from distlib.checkpoint import sharded as checkpoint
 
 
@@ -38,7 +38,7 @@ def model_from_sharded(path: Path) -> CausalLM:
 def model_from_verified(path: Path, manifest: dict) -> CausalLM:
     """The model a verified checkpoint (``manifest``: what ``sharded.verify`` returned) holds."""
     model = families.build(manifest_config(manifest, path)[0], 0)
-    _load_exactly(model, assemble.full_tensors(path, manifest), path)
+    _load_exactly(model, relayout.full_tensors(path, manifest), path)
     return model
 
 

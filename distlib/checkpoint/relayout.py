@@ -1,0 +1,236 @@
+"""One way to move optimizer state between layouts: by parameter name and global element.
+
+A checkpoint is a set of *holdings*: flat fp32 vectors in ``FlatLayout`` coordinates, each
+partitioned over some of its files. There is one per pipeline stage and tensor rank, partitioned
+over the batch ranks dp x cp (manifest ``layout``, ``tp_layouts[t]`` or ``pp_layouts[s][t]``;
+files in the layout's rank order, distlib/comm/layout.py). Each slot of a holding is one
+parameter's local piece: the whole tensor, or what a tensor-parallel ``Split`` cuts from it
+(``shard_of``). So every saved element stands for (parameter name, global element index), and the
+global indices of a piece's elements, in its order, are ``shard_of`` of the parameter's ``arange``.
+
+Loading partition r of W of any flat layout, its pieces cut by any splits (another dp, cp, tp or
+pp degree, any ZeRO stage, or the whole model on one rank for the offline tools), is one plan
+(``plan``): for each element the partition needs, the (name, global index) it stands for, the
+holding and flat position that hold it (a replicated parameter is read from the loading rank's
+tensor rank if the checkpoint has it, else from tensor rank 0), and so the file and the offset
+there. Each needed file is then opened once and the
+span of offsets it serves is read (a safetensors slice, not the whole file unless the span is) and
+scattered into place (``read_partition``). Copies only: the loaded bits are the saved bits.
+
+The planner builds index vectors of the parameter it plans (8 bytes an element, one parameter at
+a time): host memory a whole parameter's size, not the model's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors
+import torch
+
+from distlib.checkpoint import sharded
+from distlib.checkpoint.sharded import CheckpointError
+from distlib.comm.layout import Layout
+from distlib.parallel.adamw import STATE_KEYS
+from distlib.parallel.flat_layout import FlatLayout, ParamSlot
+from distlib.parallel.tensor_parallel import Split, full_shape, shard_of
+
+HOST = torch.device("cpu")  # plans and reads are host work; the optimizer moves the state to its device
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One slot of a holding: parameter ``name``'s piece cut by ``split`` (None: whole)."""
+
+    name: str
+    offset: int  # in the holding's flat vector
+    full_shape: tuple[int, ...]
+    split: Split | None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One saved flat vector: its pieces, its real length, the file holding each partition, and the
+    tensor rank that saved it."""
+
+    pieces: tuple[Piece, ...]
+    numel: int
+    files: tuple[int, ...]
+    tp_rank: int = 0
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // len(self.files))
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a loading rank sits: partition ``rank`` of ``world`` of its flat ``layout``, whose
+    pieces ``splits`` cuts (parameter name -> Split; absent: whole), at pipeline stage ``stage`` of
+    ``stages`` and tensor rank ``tp_rank`` of ``tp`` (these say whose RNG state it takes)."""
+
+    layout: FlatLayout
+    rank: int = 0
+    world: int = 1
+    splits: dict[str, Split] = field(default_factory=dict)
+    stage: int = 0
+    stages: int = 1
+    tp_rank: int = 0
+    tp: int = 1
+
+
+def stage_layouts(manifest: dict) -> list[list[dict]]:
+    """[stage][tp_rank] -> that holding's flat layout dict (one stage without pipelining)."""
+    return manifest.get("pp_layouts") or [manifest.get("tp_layouts") or [manifest["layout"]]]
+
+
+def _piece(p: dict) -> Piece:
+    split = Split(**p["split"]) if p.get("split") else None
+    whole = p.get("full_shape") or full_shape(tuple(p["shape"]), split)
+    return Piece(p["name"], int(p["offset"]), tuple(whole), split)
+
+
+def holdings(manifest: dict) -> list[Holding]:
+    """The checkpoint's holdings, stage by stage, tensor rank by tensor rank."""
+    grid = Layout.of_manifest(manifest).partitions()  # the flat layouts' partitions: dp x cp
+    out = []
+    for s, per_tp in enumerate(stage_layouts(manifest)):
+        for t, layout in enumerate(per_tp):
+            files = tuple(grid.rank(pp=s, dp=b, tp=t) for b in range(grid.dp))
+            pieces = tuple(_piece(p) for p in layout["params"])
+            out.append(Holding(pieces, int(layout["numel"]), files, t))
+    return out
+
+
+def whole_layout(manifest: dict, world: int = 1) -> FlatLayout:
+    """Every parameter of the checkpoint's model, whole, in the model's order (stage by stage)."""
+    slots, offset = [], 0
+    for layout in stage_layouts(manifest):
+        for piece in map(_piece, layout[0]["params"]):
+            slots.append(ParamSlot(piece.name, piece.full_shape, offset))
+            offset += math.prod(piece.full_shape)
+    return FlatLayout(tuple(slots), world)
+
+
+def global_index(shape: Sequence[int], split: Split | None) -> torch.Tensor:
+    """The global (row-major) element index of each element of the piece ``split`` cuts from a
+    tensor of ``shape``, in the piece's own order."""
+    return shard_of(torch.arange(math.prod(shape), device=HOST).view(tuple(shape)), split).reshape(-1)
+
+
+class Sources:
+    """Where a checkpoint keeps each parameter's elements."""
+
+    def __init__(self, held: list[Holding], path: Path):
+        self.held, self.path = held, path
+        self.pieces: dict[str, list[tuple[int, Piece]]] = {}
+        for h, holding in enumerate(held):
+            for piece in holding.pieces:
+                self.pieces.setdefault(piece.name, []).append((h, piece))
+
+    def locate(self, name: str, shape: tuple[int, ...], wanted: torch.Tensor, tp_rank: int = 0):
+        """(holding, flat position there) of each global element ``wanted`` of parameter ``name``;
+        an element several holdings keep (a replicated parameter) is read from tensor rank
+        ``tp_rank``'s when it has one (the loading rank's own file at the same layout), else from
+        the first."""
+        if name not in self.pieces:
+            raise CheckpointError(f"checkpoint {self.path} has no parameter {name}")
+        theirs = self.pieces[name][0][1].full_shape
+        if theirs != tuple(shape):
+            raise CheckpointError(
+                f"checkpoint {self.path}: parameter {name} has shape {list(theirs)}, "
+                f"the model's is {list(shape)}"
+            )
+        holder = torch.full((math.prod(shape),), -1, dtype=torch.long, device=HOST)
+        position = torch.zeros_like(holder)
+        pieces = sorted(self.pieces[name], key=lambda hp: self.held[hp[0]].tp_rank != tp_rank)
+        for h, piece in reversed(pieces):  # the first one's copy wins
+            index = global_index(shape, piece.split)
+            holder[index] = h
+            position[index] = piece.offset + torch.arange(index.numel(), device=HOST)
+        holder, position = holder[wanted], position[wanted]
+        if (holder < 0).any():
+            raise CheckpointError(f"checkpoint {self.path}: no holding covers all of parameter {name}")
+        return holder, position
+
+
+def plan(sources: Sources, place: Place) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """file rank -> (offsets in that file's vectors, positions in the partition) of every real
+    element of ``place``'s partition; the rest of the partition is padding."""
+    layout = place.layout
+    size = -(-layout.numel // place.world)
+    lo, hi = place.rank * size, min((place.rank + 1) * size, layout.numel)
+    reads: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for slot in layout.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a >= b:
+            continue
+        split = place.splits.get(slot.name)
+        shape = full_shape(slot.shape, split)
+        wanted = global_index(shape, split)[a - slot.offset : b - slot.offset]
+        holder, position = sources.locate(slot.name, shape, wanted, place.tp_rank)
+        dest = torch.arange(a - lo, b - lo, device=HOST)
+        for h in holder.unique().tolist():
+            held, mine = sources.held[h], holder == h
+            part = position[mine] // held.shard_numel
+            for d in part.unique().tolist():
+                at = part == d
+                offsets = position[mine][at] - d * held.shard_numel
+                reads.setdefault(held.files[d], []).append((offsets, dest[mine][at]))
+    return {f: (torch.cat([o for o, _ in r]), torch.cat([d for _, d in r])) for f, r in sorted(reads.items())}
+
+
+def open_shard(path: Path, rank: int):
+    try:
+        return safetensors.safe_open(str(path / sharded.shard_name(rank)), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"checkpoint {path}: cannot read {sharded.shard_name(rank)}: {exc}") from exc
+
+
+def read_partition(
+    path: Path, manifest: dict, place: Place, keys: Sequence[str] = STATE_KEYS
+) -> dict[str, torch.Tensor]:
+    """``place``'s partition of each of ``keys`` (padded, on the host) from a verified checkpoint."""
+    path = Path(path)
+    size = -(-place.layout.numel // place.world)
+    state = {key: torch.zeros(size, dtype=torch.float32, device=HOST) for key in keys}
+    for file, (offsets, dest) in plan(Sources(holdings(manifest), path), place).items():
+        lo, hi = int(offsets.min()), int(offsets.max()) + 1
+        with open_shard(path, file) as f:
+            for key in keys:
+                state[key][dest] = f.get_slice(key)[lo:hi][offsets - lo]
+    return state
+
+
+def rank_state(path: Path, manifest: dict, place: Place) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """(rank_state, RNG tensors) for ``place``: the RNG of the rank at the same place, when the
+    checkpoint's pipeline and tensor degrees are the run's and it had that batch rank; else None
+    (the caller re-seeds and says so)."""
+    grid = Layout.of_manifest(manifest).partitions()
+    same = (grid.pp, grid.tp) == (place.stages, place.tp) and place.rank < grid.dp
+    own = grid.rank(pp=place.stage, dp=place.rank, tp=place.tp_rank) if same else 0
+    with open_shard(Path(path), own) as f:
+        state = json.loads(f.metadata()["rank_state"])
+        rng = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng.")}
+    if not same or not rng or state.get("rng") is None:
+        state["rng"], rng = None, None
+    return state, rng
+
+
+def load(path: Path, manifest: dict, place: Place):
+    """(state, rank_state, rng) for ``place`` from a verified checkpoint of any layout."""
+    return read_partition(path, manifest, place), *rank_state(path, manifest, place)
+
+
+def full_tensors(path: Path, manifest: dict, key: str = "master") -> dict[str, torch.Tensor]:
+    """Every parameter of the whole model, fp32, named as the model names it, from the ``key``
+    vector (one of STATE_KEYS: the weights, or an Adam moment) of a verified checkpoint."""
+    if key not in STATE_KEYS:
+        raise ValueError(f"key must be one of {STATE_KEYS}, got {key!r}")
+    layout = whole_layout(manifest)
+    flat = read_partition(path, manifest, Place(layout), (key,))[key]
+    return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape).clone() for s in layout.slots}
