@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this repo's distlib
 
-from distlib.checkpoint import extra_files, offline
+from distlib.checkpoint import extra_files, offline, relayout
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
 
@@ -27,7 +27,7 @@ def inspect(args: argparse.Namespace) -> None:
     from distlib.app.observe.summary import manifest_text
 
     manifest = checkpoint.read_manifest(args.path)
-    layout, files = manifest["layout"], manifest["files"]
+    numel, files = relayout.whole_layout(manifest).numel, manifest["files"]
     print(f"checkpoint {args.path} (not verified; run `verify` to check the hashes)")
     print(manifest_text(manifest))
     data = manifest.get("data")
@@ -43,8 +43,8 @@ def inspect(args: argparse.Namespace) -> None:
     files = files + extra_files.listed(manifest)
     on_disk = sum(f["bytes"] for f in files)
     print(
-        f"  total: {layout['numel']} parameters, "
-        f"{3 * 4 * layout['numel']} bytes of fp32 master + Adam state, "
+        f"  total: {numel} parameters, "
+        f"{3 * 4 * numel} bytes of fp32 master + Adam state, "
         f"{on_disk} bytes in {len(files)} file(s)"
     )
 

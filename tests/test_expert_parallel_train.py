@@ -1,12 +1,12 @@
 """``dist.ep`` through the real Trainer: a Mixtral whose experts split over ep of the data-parallel
-ranks trains what one rank trains, and its checkpoints are those of a run without experts split.
+ranks trains what one rank trains, and its checkpoints load at any ep (each rank saves what it holds).
 
 20 steps of model=mixtral_tiny at ep 2 and 4 over 4 ranks (ZeRO 0-3, overlap, activation
 checkpointing, async saves, context parallelism) and ep 2 over 2 ranks: every step's loss within
 1e-5 of world size 1's, its aux loss too, and the tokens per expert identical. A checkpoint saved at
-ep 2 holds the state a run without expert parallelism holds (every expert once; it verifies with
-scripts/ckpt.py, consolidates into the ep 2 run's weights bit for bit, and exports to a directory
-transformers' Mixtral runs with our logits; its manifest records ep 2) and resumes at ep 4, at ep 1
+ep 2 holds every rank's dense partition and its experts' (every expert once, its manifest saying
+where; it verifies with scripts/ckpt.py, consolidates into the ep 2 run's weights bit for bit, and
+exports to a directory transformers' Mixtral runs with our logits) and resumes at ep 4, at ep 1
 and at ep 2 over 2 ranks, each continuation within 1e-5 of the uninterrupted run in that layout.
 With tensor parallelism, gradient accumulation, bf16 and model.init_from (below, each against what
 it can be held to). Experts that receive no token (issue #37): a router forced to starve them, and
@@ -30,6 +30,7 @@ from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.observe import summary
 from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
+from distlib.checkpoint import relayout
 from distlib.launch.torchrun import use_deterministic_kernels
 
 REL = 1e-5
@@ -116,8 +117,13 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_over_two_ranks(tmp_pat
     assert "P and N of each group" in table[0]
     assert table[1].startswith("  formula: params dense 4P + experts 4P")
     assert [row.split()[-1] for row in table[3:7]] == ["yes"] * 4, got["table"]
-    # the state of a run without expert parallelism: every expert of every block, once
-    names = [p["name"] for p in manifest["layout"]["params"]]
+    # what each rank holds: the dense parameters over the 4 batch ranks ("layout"), and the experts
+    # of each expert-group rank over the 2 ranks holding them, under "experts." (group_holdings)
+    assert not any(".mlp.experts." in p["name"] for p in manifest["layout"]["params"])
+    held = manifest["group_holdings"]
+    assert [(h["prefix"], len(h["files"])) for h in held] == [("experts.", 2)] * 2
+    assert sorted(f for h in held for f in h["files"]) == [0, 1, 2, 3]
+    names = [slot.name for slot in relayout.whole_layout(manifest).slots]  # every expert of every block, once
     assert sum(".mlp.experts." in n for n in names) == 4 * 8 * 3 and len(set(names)) == len(names)
     proc = run_script("scripts/ckpt.py", "verify", got["path"])
     assert proc.returncode == 0, proc.stderr
@@ -127,6 +133,9 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_over_two_ranks(tmp_pat
     assert proc.returncode == 0, proc.stderr
     weights = load_file(tmp_path / "whole" / "model.safetensors")
     assert sorted(weights) == sorted(names)
+    proc = run_script("scripts/ckpt.py", "inspect", got["path"])  # the holdings, and every parameter counted
+    assert proc.stdout.count("experts. holding of tensor rank 0: ") == 2, proc.stdout
+    assert f"total: {sum(w.numel() for w in weights.values())} parameters" in proc.stdout, proc.stdout
     held = {}
     for r in ranks:
         held.update(r["params"])

@@ -169,6 +169,29 @@ TP_CASES = [
 ]
 
 
+def _group(**change) -> Callable[[dict], None]:
+    """Add a group holding (as an expert-parallel run writes: the experts one expert rank holds,
+    partitioned over the ranks holding them) built from the dp run's layout, with ``change``."""
+
+    def edit(m: dict) -> None:
+        m["group_holdings"] = [
+            {"prefix": "experts.", "tp_rank": 0, "layout": m["layout"], "files": [0, 1]} | change
+        ]
+
+    return edit
+
+
+# A 2-rank manifest with the other parameter groups' holdings (group_holdings).
+GROUP_CASES = [
+    ("prefix", _group(prefix=""), "group_holdings[0].prefix must be a group name and a dot, got ''"),
+    ("same_file", _group(files=[1, 1]), "group_holdings[0].files must be distinct ranks 0..1, got [1, 1]"),
+    ("no_such_file", _group(files=[0, 2]), "group_holdings[0].files must be distinct ranks 0..1, got [0, 2]"),
+    ("world", _group(files=[0]), "group_holdings[0].layout.world_size is 2, expected 1"),
+    ("tp_rank", _group(tp_rank=-1), "group_holdings[0].tp_rank must be >= 0"),
+    ("not_an_object", _set("group_holdings", value=[3]), "group_holdings[0] must be an object, got 3"),
+]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Sound checkpoints: a 2-rank one, and a 2-rank tensor-parallel (tp=2) one."""
@@ -211,6 +234,15 @@ def test_library_names_the_field(runs, tmp_path, edit, problem):
 @pytest.mark.parametrize("edit, problem", [c[1:] for c in TP_CASES], ids=[c[0] for c in TP_CASES])
 def test_tensor_parallel_layouts_are_checked(runs, tmp_path, edit, problem):
     ckpt = _doctored(runs["tp"], tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"^checkpoint .*manifest\.json: ") as err:
+        checkpoint.read_manifest(ckpt)
+    assert problem in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("edit, problem", [c[1:] for c in GROUP_CASES], ids=[c[0] for c in GROUP_CASES])
+def test_group_holdings_are_checked(runs, tmp_path, edit, problem):
+    assert checkpoint.read_manifest(_doctored(runs["dp"], tmp_path / "sound", _group()))["group_holdings"]
+    ckpt = _doctored(runs["dp"], tmp_path, edit)
     with pytest.raises(CheckpointError, match=r"^checkpoint .*manifest\.json: ") as err:
         checkpoint.read_manifest(ckpt)
     assert problem in str(err.value) and "\n" not in str(err.value)

@@ -26,38 +26,50 @@ from distlib.parallel.adamw import STATE_KEYS
 from distlib.parallel.flat_layout import FlatLayout, ParamSlot
 from distlib.parallel.tensor_parallel import Split, manifest_layouts, shard_of
 
-# (name, whole shape, tensor-parallel cut: (dim, groups) or None), in the model's order. A fused
-# q|k|v (3 groups along dim 0), a row-parallel weight (dim 1), a column bias, replicated norms, and
-# an empty parameter; 4 divides every cut.
+# (name, whole shape, tensor-parallel cut: (dim, groups) or None), in the model's order: two halves
+# (pp 2 cuts between them), each with 4 experts. A fused q|k|v (3 groups along dim 0), row-parallel
+# weights (dim 1), a column bias, replicated norms, and an empty parameter; 4 divides every cut.
+EXPERTS = [(f"b{b}.experts.{e}", (4, 4), (1, 1)) for b in range(2) for e in range(4)]
 PARAMS = [
     ("emb", (5, 4), None),
     ("qkv", (12, 4), (0, 3)),
     ("proj", (4, 4), (1, 1)),
     ("norm", (4,), None),
+    *EXPERTS[:4],
     ("empty", (0,), None),
     ("fc", (8, 4), (0, 1)),
     ("fc_bias", (8,), (0, 1)),
     ("out", (4, 8), (1, 1)),
+    *EXPERTS[4:],
     ("final_norm", (4,), None),
+    ("head", (4, 4), (0, 1)),
 ]
+PREFIX = "experts."  # the expert group's keys in a shard
 
-# 13 layouts (pp, dp, cp, tp): one rank; data, context, tensor and pipeline parallelism alone and
-# together; 3 and 7 batch ranks (uneven partitions, and empty ones: 7 ranks over a stage of few
-# elements). ZeRO's stage and expert parallelism leave the files as a layout of these writes them.
+# 17 layouts (pp, dp, cp, tp, ep): one rank; data, context, tensor, pipeline and expert parallelism
+# alone and together; 3 and 7 batch ranks (uneven partitions, and empty ones: 7 ranks over a stage
+# of few elements). ZeRO's stage leaves the files as a layout of these writes them. With ep the
+# experts of each expert rank are a flat layout of their own, partitioned over the ranks holding
+# them (the batch places b with b % ep the same), under PREFIX; without, every expert is in the
+# one layout, as expert-parallel checkpoints were written before group_holdings.
 LAYOUTS = [
-    (1, 1, 1, 1),
-    (1, 2, 1, 1),
-    (1, 4, 1, 1),
-    (1, 3, 1, 1),
-    (1, 7, 1, 1),
-    (1, 2, 2, 1),
-    (1, 1, 4, 1),
-    (1, 1, 1, 2),
-    (1, 2, 1, 2),
-    (1, 1, 2, 2),
-    (2, 1, 1, 1),
-    (2, 2, 1, 1),
-    (2, 1, 1, 2),
+    (1, 1, 1, 1, 1),
+    (1, 2, 1, 1, 1),
+    (1, 4, 1, 1, 1),
+    (1, 3, 1, 1, 1),
+    (1, 7, 1, 1, 1),
+    (1, 2, 2, 1, 1),
+    (1, 1, 4, 1, 1),
+    (1, 1, 1, 2, 1),
+    (1, 2, 1, 2, 1),
+    (1, 1, 2, 2, 1),
+    (2, 1, 1, 1, 1),
+    (2, 2, 1, 1, 1),
+    (2, 1, 1, 2, 1),
+    (1, 4, 1, 1, 2),
+    (1, 4, 1, 1, 4),
+    (2, 2, 1, 1, 2),
+    (1, 2, 1, 2, 2),
 ]
 
 
@@ -77,13 +89,13 @@ def _stages(pp: int) -> list[list[tuple]]:
     return [PARAMS[s * cut : (s + 1) * cut] for s in range(pp)]
 
 
-def _splits(stage: list[tuple], tp: int, t: int) -> dict[str, Split]:
-    return {name: Split(cut[0], tp, t, cut[1]) for name, _, cut in stage if cut and tp > 1}
+def _splits(params: list[tuple], tp: int, t: int) -> dict[str, Split]:
+    return {name: Split(cut[0], tp, t, cut[1]) for name, _, cut in params if cut and tp > 1}
 
 
-def _flat_layout(stage: list[tuple], splits: dict[str, Split], world: int) -> FlatLayout:
+def _flat_layout(params: list[tuple], splits: dict[str, Split], world: int) -> FlatLayout:
     slots, offset = [], 0
-    for name, shape, _ in stage:
+    for name, shape, _ in params:
         local = tuple(shard_of(torch.zeros(shape), splits.get(name)).shape)
         slots.append(ParamSlot(name, local, offset))
         offset += math.prod(local)
@@ -101,23 +113,53 @@ def _partition(key: str, layout: FlatLayout, splits: dict[str, Split], b: int) -
     return flat[slice(*layout.shard_range(b))].clone()
 
 
-def _places(spec: tuple[int, int, int, int]):
-    """(file rank, Place, expected state) of every rank of the layout ``spec``."""
-    pp, dp, cp, tp = spec
+def _groups(stage: list[tuple], ep: int, j: int) -> dict[str, list[tuple]]:
+    """key prefix -> the parameters of ``stage`` expert rank ``j`` of ``ep`` holds in that group."""
+    if ep == 1:
+        return {"": stage}
+    held = {f".experts.{e}" for e in range(4) if e // (4 // ep) == j}
+    experts = [p for p in stage if any(p[0].endswith(h) for h in held)]
+    return {"": [p for p in stage if ".experts." not in p[0]], PREFIX: experts}
+
+
+def _places(spec: tuple[int, ...]):
+    """(file rank, {prefix: Place}, expected state) of every rank of the layout ``spec``."""
+    pp, dp, cp, tp, ep = spec
     grid = Layout.of(pp * dp * cp * tp, pp=pp, cp=cp, tp=tp).partitions()
     for s, stage in enumerate(_stages(pp)):
         for t in range(tp):
-            splits = _splits(stage, tp, t)
-            layout = _flat_layout(stage, splits, dp * cp)
             for b in range(dp * cp):
-                place = Place(layout, b, dp * cp, splits, s, pp, t, tp)
-                expected = {key: _partition(key, layout, splits, b) for key in STATE_KEYS}
-                yield grid.rank(pp=s, dp=b, tp=t), place, expected
+                places, expected = {}, {}
+                for prefix, params in _groups(stage, ep, b % ep).items():
+                    rank, world = (b, dp * cp) if prefix == "" else (b // ep, dp * cp // ep)
+                    splits = _splits(params, tp, t)
+                    layout = _flat_layout(params, splits, world)
+                    places[prefix] = Place(layout, rank, world, splits, s, pp, t, tp)
+                    expected |= {prefix + k: _partition(k, layout, splits, rank) for k in STATE_KEYS}
+                yield grid.rank(pp=s, dp=b, tp=t), places, expected
 
 
-def _write(path, spec: tuple[int, int, int, int]) -> dict:
+def _group_holdings(spec: tuple[int, ...]) -> list[dict]:
+    """The manifest's record of the expert layouts: which files hold each one's partitions."""
+    pp, dp, cp, tp, ep = spec
+    if ep == 1:
+        return []
+    grid = Layout.of(pp * dp * cp * tp, pp=pp, cp=cp, tp=tp).partitions()
+    out = []
+    for s, stage in enumerate(_stages(pp)):
+        for t in range(tp):
+            for j in range(ep):
+                params = _groups(stage, ep, j)[PREFIX]
+                layout = _flat_layout(params, _splits(params, tp, t), dp * cp // ep).to_dict()
+                layout = manifest_layouts(layout, _splits(params, tp, t))[t] if tp > 1 else layout
+                files = [grid.rank(pp=s, dp=i * ep + j, tp=t) for i in range(dp * cp // ep)]
+                out.append({"prefix": PREFIX, "tp_rank": t, "layout": layout, "files": files})
+    return out
+
+
+def _write(path, spec: tuple[int, ...]) -> dict:
     """A committed checkpoint of layout ``spec`` at ``path``; returns its verified manifest."""
-    pp, dp, cp, tp = spec
+    pp, dp, cp, tp, ep = spec
     sharded.begin(path)
     partial, files = sharded.partial_dir(path), {}
     for rank, _, state in _places(spec):
@@ -126,14 +168,16 @@ def _write(path, spec: tuple[int, int, int, int]) -> dict:
         files[rank] = sharded.write_shard(partial, rank, {**state, **rng}, rank_state)
     per_stage = []
     for stage in _stages(pp):
-        layout = _flat_layout(stage, _splits(stage, tp, 0), dp * cp)
-        per_stage.append(manifest_layouts(layout.to_dict(), _splits(stage, tp, 0)))
+        dense = _groups(stage, ep, 0)[""]
+        layout = _flat_layout(dense, _splits(dense, tp, 0), dp * cp)
+        per_stage.append(manifest_layouts(layout.to_dict(), _splits(dense, tp, 0)))
     world = pp * dp * cp * tp
     manifest = {"format_version": 1, "step": 4, "world_size": world, "zero_stage": 1, "model": {}}
-    manifest |= {"tp": tp, "pp": pp, "parallel": Layout.of(world, pp=pp, cp=cp, tp=tp).to_dict()}
+    manifest |= {"tp": tp, "pp": pp, "parallel": Layout.of(world, pp=pp, cp=cp, tp=tp, ep=ep).to_dict()}
     manifest |= {"layout": per_stage[0][0], "files": [files[r] for r in range(world)]}
     manifest |= {"tp_layouts": per_stage[0]} if tp > 1 else {}
     manifest |= {"pp_layouts": per_stage} if pp > 1 else {}
+    manifest |= {"group_holdings": _group_holdings(spec)} if ep > 1 else {}
     sharded.commit(partial, path, manifest)
     return sharded.verify(path)
 
@@ -150,16 +194,11 @@ def saved(tmp_path_factory) -> dict:
 def test_every_layout_loads_into_every_other_bit_for_bit(saved):
     for source, target in itertools.product(LAYOUTS, LAYOUTS):
         path, manifest = saved[source]
-        for _, place, expected in _places(target):
-            state = relayout.read_partition(path, manifest, place)
-            for key in STATE_KEYS:
-                assert torch.equal(state[key], expected[key]), (
-                    source,
-                    target,
-                    place.stage,
-                    place.tp_rank,
-                    key,
-                )
+        for rank, places, expected in _places(target):
+            state = relayout.load(path, manifest, places)[0]
+            assert state.keys() == expected.keys()
+            for key in state:
+                assert torch.equal(state[key], expected[key]), (source, target, rank, key)
 
 
 def test_a_rank_reads_only_the_files_that_hold_its_elements(saved):
@@ -167,16 +206,16 @@ def test_a_rank_reads_only_the_files_that_hold_its_elements(saved):
     for spec in LAYOUTS:
         path, manifest = saved[spec]
         sources = relayout.Sources(relayout.holdings(manifest), path)
-        for rank, place, expected in _places(spec):
-            planned = relayout.plan(sources, place)
-            assert set(planned) <= {rank}, (spec, rank, sorted(planned))
-            assert (rank in planned) == bool(expected["master"].count_nonzero())
-    path, manifest = saved[(1, 4, 1, 1)]  # 4 partitions read as 2: rank 0 needs files 0 and 1 only
-    layout = _flat_layout(PARAMS, {}, 2)
-    assert set(relayout.plan(relayout.Sources(relayout.holdings(manifest), path), Place(layout, 0, 2))) == {
-        0,
-        1,
-    }
+        for rank, places, expected in _places(spec):
+            for prefix, place in places.items():
+                planned = {file for file, _ in relayout.plan(sources, place)}
+                assert planned <= {rank}, (spec, rank, prefix, sorted(planned))
+                assert (rank in planned) == bool(expected[prefix + "master"].count_nonzero())
+    path, manifest = saved[(1, 4, 1, 1, 1)]  # 4 partitions read as 2: rank 0 needs files 0 and 1
+    planned = relayout.plan(
+        relayout.Sources(relayout.holdings(manifest), path), Place(_flat_layout(PARAMS, {}, 2), 0, 2)
+    )
+    assert {file for file, _ in planned} == {0, 1}
 
 
 def test_rng_state_carries_over_only_to_the_same_place(saved):
@@ -184,7 +223,8 @@ def test_rng_state_carries_over_only_to_the_same_place(saved):
     for source, target in itertools.product(LAYOUTS, LAYOUTS):
         path, manifest = saved[source]
         grid = Layout.of_manifest(manifest).partitions()
-        for _, place, _ in _places(target):
+        for _, places, _ in _places(target):
+            place = places[""]
             state, rng = relayout.rank_state(path, manifest, place)
             assert state["optimizer_steps"] == 7
             same = (source[0], source[3]) == (target[0], target[3]) and place.rank < grid.dp
@@ -197,28 +237,36 @@ def test_rng_state_carries_over_only_to_the_same_place(saved):
 
 def test_full_tensors_and_the_offline_tools_read_every_layout(saved, tmp_path):
     whole = {key: _whole(key) for key in STATE_KEYS}
+    names = [name for name, _, _ in PARAMS]
     for spec in LAYOUTS:
         path, manifest = saved[spec]
         for key in STATE_KEYS:
             got = relayout.full_tensors(path, manifest, key)
-            assert list(got) == [name for name, _, _ in PARAMS]  # the model's order
+            assert sorted(got) == sorted(names) and (list(got) == names or spec[4] > 1)  # the model's order
             assert all(torch.equal(got[n], whole[key][n]) for n in got), (spec, key)
     # reshard: a pipeline x tensor-parallel checkpoint becomes a 3-rank data-parallel one
-    out = offline.reshard_checkpoint(saved[(2, 1, 1, 2)][0], tmp_path / "step_00000004", 3)
+    out = offline.reshard_checkpoint(saved[(2, 1, 1, 2, 1)][0], tmp_path / "step_00000004", 3)
     resharded = sharded.verify(out)
     assert (resharded["world_size"], resharded["tp"], resharded.get("pp", 1)) == (3, 1, 1)
-    for rank, _, expected in _places((1, 3, 1, 1)):
+    for rank, _, expected in _places((1, 3, 1, 1, 1)):
         with safetensors.safe_open(str(out / sharded.shard_name(rank)), framework="pt") as f:
             assert all(torch.equal(f.get_tensor(k), expected[k]) for k in STATE_KEYS)
             assert "rng.torch" not in f.keys()  # other places: re-seeded on load
     # and a data-parallel one keeps rank r's RNG for the ranks it had
-    out = offline.reshard_checkpoint(saved[(1, 2, 1, 1)][0], tmp_path / "step_00000005", 3)
+    out = offline.reshard_checkpoint(saved[(1, 2, 1, 1, 1)][0], tmp_path / "step_00000005", 3)
     rngs = [sharded.load_shard(out, r)[0].get("rng.torch") for r in range(3)]
     assert [None if t is None else t.tolist() for t in rngs] == [[0], [1], None]
+    # an expert-parallel pipeline becomes one holding: every expert in it, no group left
+    out = offline.reshard_checkpoint(saved[(2, 2, 1, 1, 2)][0], tmp_path / "step_00000006", 2)
+    resharded = sharded.verify(out)
+    assert "group_holdings" not in resharded and len(relayout.holdings(resharded)) == 1
+    for key in STATE_KEYS:
+        got = relayout.full_tensors(out, resharded, key)
+        assert sorted(got) == sorted(names) and all(torch.equal(got[n], whole[key][n]) for n in got)
 
 
 def test_a_missing_or_misshapen_parameter_is_named(saved):
-    path, manifest = saved[(1, 2, 1, 1)]
+    path, manifest = saved[(1, 2, 1, 1, 1)]
     layout = FlatLayout((ParamSlot("emb", (5, 4), 0), ParamSlot("nowhere", (3,), 20)), 1)
     with pytest.raises(CheckpointError, match="has no parameter nowhere"):
         relayout.read_partition(path, manifest, Place(layout))

@@ -114,7 +114,7 @@ class Trainer:
             self.program = LocalStep(model, cfg.train.grad_accum, self.device)
         # mixtral over micro-batches or stages: each step's routing is counted before its forwards
         self.routing = RoutingCount.for_run(cfg, model, mesh, self.program, self.device)
-        hooks.check_model(optimizer.layout.slots)
+        hooks.check_model([slot for p in optimizer.partitions() for slot in p.layout.slots])
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
         self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)
         state = RunState(model, optimizer, self.data, splits)
@@ -136,7 +136,8 @@ class Trainer:
         cfg, comm = self.cfg, self.comm
         with watchdog.watch("startup (resume)", comm, cfg.dist.timeout_s):
             start, resume_path = self.checkpointer.resume()
-        result = RunResult(start_step=start, numel=self.optimizer.layout.numel)
+        held = sum(p.layout.numel for p in self.optimizer.partitions())  # parameters on this rank
+        result = RunResult(start_step=start, numel=held)
         tokens = cfg.global_batch * cfg.model.seq_len
         flops = 6 * families.param_count(cfg.model) * tokens  # per step, for MFU
         peak, self.peak_source = throughput.job_peak(

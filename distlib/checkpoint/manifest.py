@@ -137,6 +137,29 @@ def check_layout(layout, where: str, world_size: int, tp: int | None = None, tp_
         raise ManifestProblem(f"{where}.dtype must be 'float32', got {_show(layout['dtype'])}")
 
 
+def _check_group_holdings(manifest: dict, world: int, tp: int) -> None:
+    """``group_holdings`` (optional): the other parameter groups' flat layouts (experts), each with
+    its key prefix, tensor rank and the distinct files holding its partitions."""
+    for i, held in enumerate(_field(manifest, "group_holdings", "", list, optional=True) or []):
+        at = f"group_holdings[{i}]"
+        if not isinstance(held, dict):
+            raise ManifestProblem(f"{at} must be an object, got {_show(held)}")
+        prefix = _field(held, "prefix", at, str)
+        if not prefix.endswith(".") or prefix == ".":
+            raise ManifestProblem(f"{at}.prefix must be a group name and a dot, got {_show(prefix)}")
+        tp_rank = _count(held, "tp_rank", at, 0)
+        files = _field(held, "files", at, list)
+        if (
+            not files
+            or any(not _is_int(f) or not 0 <= f < world for f in files)
+            or len(set(files)) < len(files)
+        ):
+            raise ManifestProblem(f"{at}.files must be distinct ranks 0..{world - 1}, got {_show(files)}")
+        check_layout(
+            _field(held, "layout", at, dict), f"{at}.layout", len(files), tp if tp > 1 else None, tp_rank
+        )
+
+
 def _check_split(p: dict, at: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> None:
     full = _shape(_field(p, "full_shape", at, list), f"{at}.full_shape")
     split = _field(p, "split", at, (dict, type(None)))
@@ -253,6 +276,7 @@ def check(manifest, shard_name: Callable[[int], str]) -> None:
             raise ManifestProblem(f"pp_layouts[{s}] must list one layout per tensor rank ({tp})")
         for t, layout in enumerate(per_tp):
             check_layout(layout, f"pp_layouts[{s}][{t}]", per_layout, tp if tp > 1 else None, t)
+    _check_group_holdings(manifest, world, tp)
     files = _field(manifest, "files", "", list)
     if len(files) != world:
         raise ManifestProblem(f"files lists {len(files)} file(s), expected one shard per rank ({world})")

@@ -108,7 +108,7 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
         rank_state, rng = relayout.rank_state(path, manifest, place)
         files.append(checkpoint.write_shard(partial, rank, {**tensors, **(rng or {})}, rank_state))
     _copy_extras(path, manifest, partial)  # the same bytes: the entries carry over as they are
-    new = {k: v for k, v in manifest.items() if k not in ("tp_layouts", "pp_layouts", "pp")}
+    new = {k: v for k, v in manifest.items() if k not in ("tp_layouts", "pp_layouts", "pp", "group_holdings")}
     new.update(
         world_size=world_size,
         tp=1,

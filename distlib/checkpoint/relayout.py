@@ -54,13 +54,14 @@ class Piece:
 
 @dataclass(frozen=True)
 class Holding:
-    """One saved flat vector: its pieces, its real length, the file holding each partition, and the
-    tensor rank that saved it."""
+    """One saved flat vector: its pieces, its real length, the file holding each partition, the
+    tensor rank that saved it, and the prefix of its state's keys in those files."""
 
     pieces: tuple[Piece, ...]
     numel: int
     files: tuple[int, ...]
     tp_rank: int = 0
+    prefix: str = ""
 
     @property
     def shard_numel(self) -> int:
@@ -95,7 +96,8 @@ def _piece(p: dict) -> Piece:
 
 
 def holdings(manifest: dict) -> list[Holding]:
-    """The checkpoint's holdings, stage by stage, tensor rank by tensor rank."""
+    """The checkpoint's holdings: the first parameter group's stage by stage, tensor rank by tensor
+    rank, then the other groups' (``group_holdings``: expert parallelism's experts)."""
     grid = Layout.of_manifest(manifest).partitions()  # the flat layouts' partitions: dp x cp
     out = []
     for s, per_tp in enumerate(stage_layouts(manifest)):
@@ -103,16 +105,23 @@ def holdings(manifest: dict) -> list[Holding]:
             files = tuple(grid.rank(pp=s, dp=b, tp=t) for b in range(grid.dp))
             pieces = tuple(_piece(p) for p in layout["params"])
             out.append(Holding(pieces, int(layout["numel"]), files, t))
+    for held in manifest.get("group_holdings", []):
+        pieces = tuple(_piece(p) for p in held["layout"]["params"])
+        files, tp_rank = tuple(held["files"]), int(held.get("tp_rank", 0))
+        out.append(Holding(pieces, int(held["layout"]["numel"]), files, tp_rank, held["prefix"]))
     return out
 
 
 def whole_layout(manifest: dict, world: int = 1) -> FlatLayout:
-    """Every parameter of the checkpoint's model, whole, in the model's order (stage by stage)."""
-    slots, offset = [], 0
-    for layout in stage_layouts(manifest):
-        for piece in map(_piece, layout[0]["params"]):
-            slots.append(ParamSlot(piece.name, piece.full_shape, offset))
-            offset += math.prod(piece.full_shape)
+    """Every parameter of the checkpoint's model, whole, once: the first group's stage by stage,
+    then the other groups' (in the order the manifest lists them)."""
+    slots, offset, seen = [], 0, set()
+    for held in holdings(manifest):
+        for piece in held.pieces:
+            if piece.name not in seen:
+                seen.add(piece.name)
+                slots.append(ParamSlot(piece.name, piece.full_shape, offset))
+                offset += math.prod(piece.full_shape)
     return FlatLayout(tuple(slots), world)
 
 
@@ -158,13 +167,13 @@ class Sources:
         return holder, position
 
 
-def plan(sources: Sources, place: Place) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """file rank -> (offsets in that file's vectors, positions in the partition) of every real
-    element of ``place``'s partition; the rest of the partition is padding."""
+def plan(sources: Sources, place: Place) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(file rank, key prefix) -> (offsets in that file's vectors, positions in the partition) of
+    every real element of ``place``'s partition; the rest of the partition is padding."""
     layout = place.layout
     size = -(-layout.numel // place.world)
     lo, hi = place.rank * size, min((place.rank + 1) * size, layout.numel)
-    reads: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    reads: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if a >= b:
@@ -180,7 +189,7 @@ def plan(sources: Sources, place: Place) -> dict[int, tuple[torch.Tensor, torch.
             for d in part.unique().tolist():
                 at = part == d
                 offsets = position[mine][at] - d * held.shard_numel
-                reads.setdefault(held.files[d], []).append((offsets, dest[mine][at]))
+                reads.setdefault((held.files[d], held.prefix), []).append((offsets, dest[mine][at]))
     return {f: (torch.cat([o for o, _ in r]), torch.cat([d for _, d in r])) for f, r in sorted(reads.items())}
 
 
@@ -198,11 +207,11 @@ def read_partition(
     path = Path(path)
     size = -(-place.layout.numel // place.world)
     state = {key: torch.zeros(size, dtype=torch.float32, device=HOST) for key in keys}
-    for file, (offsets, dest) in plan(Sources(holdings(manifest), path), place).items():
+    for (file, prefix), (offsets, dest) in plan(Sources(holdings(manifest), path), place).items():
         lo, hi = int(offsets.min()), int(offsets.max()) + 1
         with open_shard(path, file) as f:
             for key in keys:
-                state[key][dest] = f.get_slice(key)[lo:hi][offsets - lo]
+                state[key][dest] = f.get_slice(prefix + key)[lo:hi][offsets - lo]
     return state
 
 
@@ -221,9 +230,14 @@ def rank_state(path: Path, manifest: dict, place: Place) -> tuple[dict, dict[str
     return state, rng
 
 
-def load(path: Path, manifest: dict, place: Place):
-    """(state, rank_state, rng) for ``place`` from a verified checkpoint of any layout."""
-    return read_partition(path, manifest, place), *rank_state(path, manifest, place)
+def load(path: Path, manifest: dict, places: dict[str, Place]):
+    """(state, rank_state, rng) for a rank holding a partition at each of ``places`` (key prefix ->
+    place; the RNG goes with the first's) from a verified checkpoint of any layout: state is each
+    partition's STATE_KEYS under its prefix."""
+    state = {}
+    for prefix, place in places.items():
+        state |= {prefix + k: v for k, v in read_partition(path, manifest, place).items()}
+    return state, *rank_state(path, manifest, next(iter(places.values())))
 
 
 def full_tensors(path: Path, manifest: dict, key: str = "master") -> dict[str, torch.Tensor]:

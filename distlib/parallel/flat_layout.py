@@ -101,3 +101,13 @@ class FlatLayout:
         return FlatLayout(
             tuple(ParamSlot(p["name"], tuple(p["shape"]), p["offset"]) for p in d["params"]), d["world_size"]
         )
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What one rank holds of one flat layout: partition ``rank`` of ``layout`` (over its
+    ``world_size`` ranks), whose state a checkpoint keeps under ``prefix`` + each state name."""
+
+    prefix: str
+    layout: FlatLayout
+    rank: int

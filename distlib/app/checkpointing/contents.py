@@ -12,6 +12,7 @@ a BPE run's tokenizer, so the weights never travel without the ids' meaning.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from distlib.app.config.groups import DataConfig
@@ -21,7 +22,9 @@ from distlib.app.data.bpe import TOKENIZER_FILES
 from distlib.app.model.pipeline import stage_layouts
 from distlib.checkpoint import rng_state
 from distlib.checkpoint.staging import StagingBuffers
+from distlib.comm import agree
 from distlib.comm.mesh import Mesh
+from distlib.parallel.flat_layout import FlatLayout, Partition
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
 from distlib.parallel.zero import ZeroOptimizer
 
@@ -38,7 +41,10 @@ class Contents:
     ):
         self.cfg, self.mesh, self.data, self.optimizer, self.tp_splits = cfg, mesh, data, optimizer, tp_splits
         self.run_dir = run_dir
-        self.pp_meta = stage_layouts(mesh, optimizer.layout, tp_splits)  # (collective; {} at dist.pp=1)
+        held = optimizer.partitions()
+        self.layout = held[0].layout  # the first parameter group's: the manifest's "layout"
+        self.pp_meta = stage_layouts(mesh, self.layout, tp_splits)  # (collective; {} at dist.pp=1)
+        self.group_meta = group_holdings(mesh, held[1:], tp_splits)  # (collective; {} with one group)
 
     def state(
         self,
@@ -70,7 +76,7 @@ class Contents:
             "model": dataclasses.asdict(self.cfg.model),
             "data": self.data.position(step),
             "data_config": data_config(self.cfg.data),
-            "layout": self.optimizer.layout.to_dict(),
+            "layout": self.layout.to_dict(),
             **self._parallel_meta(),
         }
         if self.data.skipped:  # guard.skip_batches: part of the data position (docs/unattended.md)
@@ -95,8 +101,38 @@ class Contents:
             "param_dtype": self.cfg.train.dtype,
         }
         if tp > 1:
-            meta["tp_layouts"] = manifest_layouts(self.optimizer.layout.to_dict(), self.tp_splits)
-        return {**meta, **self.pp_meta} if self.pp_meta else meta
+            meta["tp_layouts"] = manifest_layouts(self.layout.to_dict(), self.tp_splits)
+        return {**meta, **self.pp_meta, **self.group_meta}
+
+
+def group_holdings(mesh: Mesh, partitions: list[Partition], tp_splits: dict[str, Split]) -> dict:
+    """The manifest's ``group_holdings`` (collective over the world; {} when no rank holds more
+    than the first group): each flat layout of the other groups (the experts a set of ranks holds,
+    with their tensor-parallel splits), the key prefix of its state, the tensor rank that holds it
+    and the file holding each of its partitions. Every rank tells what it holds; the same layout
+    told by several ranks is one holding, partitioned over them."""
+    if not partitions:
+        return {}
+    tp = mesh.tp.rank
+    mine = [
+        {"prefix": p.prefix, "tp_rank": tp, "layout": _with_splits(p.layout, tp_splits, tp), "part": p.rank}
+        for p in partitions
+    ]
+    held: dict[str, dict] = {}
+    for rank, blob in enumerate(agree.gather_bytes(json.dumps(mine).encode(), mesh.world)):
+        for told in json.loads(blob):
+            entry = held.setdefault(
+                json.dumps([told["prefix"], told["layout"]], sort_keys=True),
+                {k: told[k] for k in ("prefix", "tp_rank", "layout")}
+                | {"files": [None] * told["layout"]["world_size"]},
+            )
+            entry["files"][told["part"]] = rank
+    return {"group_holdings": list(held.values())}
+
+
+def _with_splits(layout: FlatLayout, tp_splits: dict[str, Split], tp_rank: int) -> dict:
+    """``layout``'s manifest dict, with tensor parallelism every parameter's full shape and cut."""
+    return manifest_layouts(layout.to_dict(), tp_splits)[tp_rank] if tp_splits else layout.to_dict()
 
 
 def data_config(data: DataConfig) -> dict:

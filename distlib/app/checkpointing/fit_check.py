@@ -50,23 +50,26 @@ SHAPE_KEYS += ("tie_embeddings", "n_experts")
 def check_fits(
     path: Path,
     manifest: dict,
-    layout: FlatLayout,
+    layouts: list[FlatLayout],
     splits: dict[str, Split],
     cfg: RunConfig,
     data: GlobalBatches,
 ) -> None:
     """Refuse, listing every difference, a checkpoint whose parameters or data stream differ from
-    this run's (``layout``: this rank's flat layout, its pieces cut by ``splits``). Parameters are
-    compared by name and whole shape, as the relayout reads them; a rank that holds the whole model
-    (no pipeline stages) also lists the checkpoint's parameters it does not have."""
-    problems, model = [], dataclasses.asdict(cfg.model)
-    if manifest.get("tp", 1) != cfg.dist.tp:  # cut again by name (checkpoint.relayout): the same model?
+    this run's (``layouts``: the flat layouts this rank holds partitions of, their pieces cut by
+    ``splits``). Parameters are compared by name and whole shape, as the relayout reads them. A
+    rank that holds the whole model (no pipeline stages, no experts split) also lists the
+    checkpoint's parameters it does not have; one that holds a part, or cuts the tensors at another
+    tensor-parallel degree, needs the model keys that decide the shapes to agree."""
+    problems, model, d = [], dataclasses.asdict(cfg.model), cfg.dist
+    whole = d.pp == 1 and d.ep == 1
+    if manifest.get("tp", 1) != d.tp or not whole:  # read by name (checkpoint.relayout): the same model?
         for key, value in manifest.get("model", {}).items():
             if key in SHAPE_KEYS and model.get(key) != value:
                 problems.append(f"model.{key}: checkpoint {value}, this run {model.get(key)}")
     theirs = {p.name: p.full_shape for held in relayout.holdings(manifest) for p in held.pieces}
-    ours = {s.name: full_shape(s.shape, splits.get(s.name)) for s in layout.slots}
-    names = list(theirs) + [n for n in ours if n not in theirs] if cfg.dist.pp == 1 else list(ours)
+    ours = {s.name: full_shape(s.shape, splits.get(s.name)) for layout in layouts for s in layout.slots}
+    names = list(theirs) + [n for n in ours if n not in theirs] if whole else list(ours)
     shapes = [
         f"parameter {name}: checkpoint {_shape(theirs.get(name))}, model {_shape(ours.get(name))}"
         for name in names

@@ -126,12 +126,14 @@ def start_from(model: ModelConfig, comm: Comm, optimizer: ZeroOptimizer, tp_spli
     """Load ``model.init_from``'s weights as this rank's optimizer state (collective over ``comm``,
     the world: every rank raises the same ConfigError, or none does)."""
     state = agree.agreed(lambda: load(model), comm, ConfigError)
-    layout = optimizer.layout
-    flat = torch.zeros(layout.padded_numel)
-    for slot in layout.slots:
-        flat[slot.offset : slot.offset + slot.numel] = shard_of(
-            state[slot.name], tp_splits.get(slot.name)
-        ).reshape(-1)
-    master = flat[optimizer.my_range].clone()
-    shard = {key: master if key == "master" else torch.zeros_like(master) for key in STATE_KEYS}
+    shard = {}
+    for held in optimizer.partitions():  # each flat layout this rank holds a partition of
+        layout = held.layout
+        flat = torch.zeros(layout.padded_numel)
+        for slot in layout.slots:
+            flat[slot.offset : slot.offset + slot.numel] = shard_of(
+                state[slot.name], tp_splits.get(slot.name)
+            ).reshape(-1)
+        master = flat[slice(*layout.shard_range(held.rank))].clone()
+        shard |= {held.prefix + k: master if k == "master" else torch.zeros_like(master) for k in STATE_KEYS}
     optimizer.load_state_shard(shard, 0)

@@ -105,20 +105,17 @@ class Loader:
             checkpoint.verify_collectively(path, self.comm)
         manifest = agree.agreed(lambda: _read_checked(path), self.comm, checkpoint.CheckpointError)
         mesh = self.mesh
-        check_fits(path, manifest, optimizer.layout, self.splits, self.cfg, self.data)
+        held = optimizer.partitions()
+        check_fits(path, manifest, [p.layout for p in held], self.splits, self.cfg, self.data)
         stage, stages = (mesh.pp.rank, mesh.pp.size) if mesh.pp else (0, 1)
-        place = relayout.Place(
-            optimizer.layout,
-            mesh.batch.rank,
-            mesh.batch.size,
-            self.splits,
-            stage,
-            stages,
-            mesh.tp.rank,
-            mesh.tp.size,
-        )
+        places = {
+            p.prefix: relayout.Place(
+                p.layout, p.rank, p.layout.world_size, self.splits, stage, stages, mesh.tp.rank, mesh.tp.size
+            )
+            for p in held
+        }
         state, rank_state, rng = agree.agreed(
-            lambda: relayout.load(path, manifest, place), self.comm, checkpoint.CheckpointError
+            lambda: relayout.load(path, manifest, places), self.comm, checkpoint.CheckpointError
         )
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
         if rng is not None:

@@ -181,6 +181,12 @@ def manifest_text(manifest: dict) -> str:
         lines.append(
             f"  {p['offset']:>8}  {p['numel']:>6}  {'x'.join(map(str, p['shape'])):<10}  {p['name']}"
         )
+    for held in manifest.get("group_holdings", []):  # expert parallelism: each expert rank's experts
+        first = ", ".join(p["name"] for p in held["layout"]["params"][:2])
+        lines.append(
+            f"  {held['prefix']} holding of tensor rank {held['tp_rank']}: {held['layout']['numel']} "
+            f"parameters ({first}, ...) over files {held['files']}"
+        )
     lines.append(f"  {'file':<22}  {'bytes':>8}  sha256")
     for f in manifest["files"] + manifest.get("extra_files", []):  # the shards, then run-level files
         lines.append(f"  {f['path']:<22}  {f['bytes']:>8}  {f['sha256']}")

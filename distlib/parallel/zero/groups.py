@@ -10,8 +10,12 @@ optimizer per group (each with its own flat layout over its own ranks) and joins
 must agree: one global gradient norm over every group and kind (``norms``), so one clipping
 coefficient, and one ``sync_grads``/``apply_update`` protocol, the base's.
 
-With one group over the data-parallel ranks it is the plain ``ZeroOptimizer`` (``make_optimizer``),
-which is what a run uses until a dimension needs more.
+It answers what the trainer, the guard and a checkpoint ask of any optimizer, as
+``ZeroOptimizer`` does; a checkpoint holds what each rank holds (``partitions``: every group's
+partition of its own flat layout, the first group's under the plain state names), and loading
+finds every element by parameter name at any layout (``checkpoint.relayout``). With one group over
+the data-parallel ranks it is the plain ``ZeroOptimizer`` (``make_optimizer``), which is what a
+run uses until a dimension needs more.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from distlib.comm.group import Comm
-from distlib.parallel.adamw import AdamWConfig
+from distlib.parallel.adamw import STATE_KEYS, AdamWConfig
+from distlib.parallel.flat_layout import Partition
 from distlib.parallel.zero import STAGES
 from distlib.parallel.zero.base import ZeroOptimizer
 
@@ -72,6 +77,9 @@ class GroupedOptimizer:
             for g in groups
         }
         self._first = next(iter(self.groups.values()))
+        self.device = self._first.device
+        self.specs = {g.name: g for g in groups}
+        self.prefixes = {g.name: "" if i == 0 else f"{g.name}." for i, g in enumerate(groups)}
         params = dict(module.named_parameters())
         for g in groups:
             if g.grad_scale != 1.0:
@@ -108,13 +116,58 @@ class GroupedOptimizer:
     def param_norm(self) -> float:
         return self._joined([g.param_squares() for g in self.groups.values()])
 
-    def state_shards(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per group, this rank's partition of (master, exp_avg, exp_avg_sq), as fp32 host copies."""
-        return {name: g.state_shard() for name, g in self.groups.items()}
+    # -- what the trainer, the guard and the checkpoint ask of any optimizer -----------------
+    @property
+    def step_count(self) -> int:
+        return self._first.step_count
 
-    def load_state_shards(self, shards: dict[str, dict[str, torch.Tensor]], step_count: int) -> None:
-        for name, g in self.groups.items():
-            g.load_state_shard(shards[name], step_count)
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        return self._first.grad_buffer  # (fault injection writes into one gradient buffer)
+
+    def partitions(self) -> list[Partition]:
+        """What this rank holds, group by group: the first group's state under the plain state
+        names (one group saves what ``ZeroOptimizer`` saves), every other's under "<name>."."""
+        return [Partition(self.prefixes[n], g.layout, g.comm.rank) for n, g in self.groups.items()]
+
+    def state_views(self) -> dict[str, torch.Tensor]:
+        """Every group's partition of (master, exp_avg, exp_avg_sq), live, under its prefix."""
+        return {self.prefixes[n] + k: v for n, g in self.groups.items() for k, v in g.state_views().items()}
+
+    def state_shard(self) -> dict[str, torch.Tensor]:
+        return {k: v.to("cpu", copy=True) for k, v in self.state_views().items()}
+
+    def load_state_shard(self, shard: dict[str, torch.Tensor], step_count: int) -> None:
+        for n, g in self.groups.items():
+            g.load_state_shard({k: shard[self.prefixes[n] + k] for k in STATE_KEYS}, step_count)
+
+    def param_parts(self) -> list[tuple[torch.Tensor, tuple, int]]:
+        """Every group's parameters, for the hooks that read or change them (fault injection)."""
+        return [part for g in self.groups.values() for part in g.param_parts()]
+
+    def replica_parts(self) -> list[tuple[torch.Tensor, tuple, bool]]:
+        """What the replica check compares: a group held alike by its ranks as ZeRO's, one whose
+        values differ over other ranks (experts) whole, marked so."""
+        parts = []
+        for n, g in self.groups.items():
+            differs = bool(self.specs[n].differs_over)
+            parts += [(g.full_params(), g.layout.slots, True)] if differs else g.replica_parts()
+        return parts
+
+    def params_snapshot(self) -> torch.Tensor:
+        return torch.cat([g.params_snapshot() for g in self.groups.values()])
+
+    def memory_formula(self) -> dict[str, tuple[float, float, str]]:
+        """Each category's formula: the groups' added (each with its own P and N, named)."""
+        each = {n: g.memory_formula() for n, g in self.groups.items()}
+        return {
+            k: (
+                sum(f[k][0] for f in each.values()),
+                sum(f[k][1] for f in each.values()),
+                " + ".join(f"{n} {f[k][2]}" for n, f in each.items()),
+            )
+            for k in each[next(iter(each))]
+        }
 
     def memory_bytes(self) -> dict[str, int]:
         """Per category, the groups' peaks added (an upper bound of the joint peak)."""

@@ -9,11 +9,16 @@ from __future__ import annotations
 import torch
 
 from distlib.parallel.adamw import STATE_KEYS
+from distlib.parallel.flat_layout import Partition
 
 
 class ShardState:
-    """Checkpoint state of a ZeRO optimizer (``layout``, ``master``, ``exp_avg``, ``exp_avg_sq``,
-    ``_publish_params`` and ``step_count`` are the optimizer's)."""
+    """Checkpoint state of a ZeRO optimizer (``layout``, ``comm``, ``master``, ``exp_avg``,
+    ``exp_avg_sq``, ``_publish_params`` and ``step_count`` are the optimizer's)."""
+
+    def partitions(self) -> list[Partition]:
+        """What this rank holds: its partition of the one flat layout, saved under STATE_KEYS."""
+        return [Partition("", self.layout, self.comm.rank)]
 
     def _mine(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's partition of a gradient or state tensor (already one, except at stage 0)."""
