@@ -19,7 +19,7 @@ from trainrun import compose_tree
 
 import train
 from distlib.app.checkpointing import fit_check
-from distlib.app.config.groups import DataConfig
+from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import batches as data
 from distlib.app.data import bpe, bpe_tokens, text_source, tokens
@@ -77,7 +77,7 @@ def _build_in_fresh_processes(source: Path, caches: list[Path], envs: list[dict]
 
 def test_training_is_deterministic_in_fresh_processes(tmp_path):
     # Each process seeds Rust's HashMaps afresh. Their environments' thread settings differ too, and
-    # must not matter: bpe._serial keeps the work on the calling thread whatever they say.
+    # must not matter: bpe.serial keeps the work on the calling thread whatever they say.
     one, two = _build_in_fresh_processes(
         SAMPLE,
         [tmp_path / "a", tmp_path / "b"],
@@ -294,7 +294,10 @@ def _cfg(overrides: list[str]) -> RunConfig:
             "^data.tokenizer=bpe has 512 tokens but model.vocab_size=256; leave model.vocab_size out",
         ),
         (["data.vocab_size=512"], "data.vocab_size=512 needs data.tokenizer=bpe"),
-        (["data.tokenizer=words"], r"data.tokenizer must be one of \['bytes', 'bpe'\], got 'words'"),
+        (
+            ["data.tokenizer=words"],
+            r"^data.tokenizer must be bytes, bpe or the path of a tokenizer .*; words does not exist",
+        ),
         (["data=synthetic", "data.tokenizer=bpe", "data.vocab_size=512"], "use it with data=text"),
     ],
 )

@@ -32,6 +32,7 @@ FREE_FORM = {
     "checkpoint.dir": "any directory name (relative to the run directory, or absolute)",
     "checkpoint.resume": "a checkpoint path, checked when it is loaded (one error line naming it)",
     "data.cache_dir": "any directory, checked when the token file is written",
+    "data.text_field": "a jsonl field name, checked on every document line",
     "fault.perturb_param": "a parameter name, checked when the model is built",
     "model.init_from": "a Hugging Face model directory, checked before a fresh run starts",
 }
@@ -39,6 +40,7 @@ FREE_FORM = {
 SPECIAL_RANGE = {
     "metrics.file": ("a/b.jsonl", {}),
     "data.path": ("/no/such/file.txt", {"data.kind": "text", "model.vocab_size": 256}),
+    "data.tokenizer": ("/no/such/tokenizer", {"data.kind": "text", "data.path": "data/sample.txt"}),
 }
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from distlib.app.config.groups import DataConfig
+from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.app.data.bpe import TOKENIZER_FILES
@@ -84,11 +84,12 @@ class Contents:
         return meta
 
     def extras(self) -> dict[str, Path]:
-        """Path inside a checkpoint -> the file rank 0 copies there: a BPE run's tokenizer, which
-        rank 0 saved as <run dir>/tokenizer/ at start (``data.build``)."""
-        if self.cfg.data.kind != "text" or self.cfg.data.tokenizer != "bpe" or self.run_dir is None:
+        """Path inside a checkpoint -> the file rank 0 copies there: a BPE or existing tokenizer's
+        files, which rank 0 saved as <run dir>/tokenizer/ at start (``data.build``)."""
+        if self.cfg.data.kind != "text" or self.cfg.data.tokenizer == "bytes" or self.run_dir is None:
             return {}
-        return {f"tokenizer/{name}": Path(self.run_dir) / "tokenizer" / name for name in TOKENIZER_FILES}
+        saved = Path(self.run_dir) / "tokenizer"  # (an existing tokenizer's directory may lack some)
+        return {f"tokenizer/{name}": saved / name for name in TOKENIZER_FILES if (saved / name).is_file()}
 
     def _parallel_meta(self) -> dict:
         """The mesh, and with tensor parallelism each TP rank's flat layout with how every local
@@ -137,10 +138,13 @@ def _with_splits(layout: FlatLayout, tp_splits: dict[str, Split], tp_rank: int) 
 
 def data_config(data: DataConfig) -> dict:
     """The manifest's copy of the data config. A byte-level run leaves out the tokenizer keys, which
-    hold their defaults then: its manifest stays byte for byte what it was before they existed (a
-    missing key reads as its default, ``manifest_config``)."""
+    hold their defaults then, and a run without an existing tokenizer leaves out data.text_field: its
+    manifest stays byte for byte what it was before they existed (a missing key reads as its
+    default, ``manifest_config``)."""
     record = dataclasses.asdict(data)
     if data.tokenizer == "bytes":
         record.pop("tokenizer")
         record.pop("vocab_size")
+    if not data.pretrained:  # read with an existing tokenizer's documents only
+        record.pop("text_field")
     return record

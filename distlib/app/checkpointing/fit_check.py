@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from distlib.app.config.data_group import TOKENIZERS
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.checkpoint import relayout
@@ -97,8 +98,10 @@ def _data_problems(manifest: dict, cfg: RunConfig, data: GlobalBatches) -> list[
     data_config = dataclasses.asdict(cfg.data)
     for key, value in manifest.get("data_config", {}).items():
         # A text file is identified by its sha256 (the position's "source"), not by where it
-        # or its token file lives, so a moved file still resumes and a changed one does not.
-        if key not in ("path", "cache_dir") and data_config.get(key) != value:
+        # or its token file lives, so a moved file still resumes and a changed one does not; an
+        # existing tokenizer too (the source records its sha256).
+        moved = key == "tokenizer" and cfg.data.pretrained and value not in TOKENIZERS  # same sha256?
+        if key not in ("path", "cache_dir") and not moved and data_config.get(key) != value:
             problems.append(
                 f"data.{key}: checkpoint {value}, this run {data_config.get(key)} (a different corpus)"
             )

@@ -4,11 +4,13 @@ The directory's config.json is the model's architecture, as transformers' ``from
 reads it: ``adopted`` (called by the launcher, before the configuration is checked, on a start
 that is fresh) takes every key of ``ADOPTED`` the run does not set on purpose from it -- the
 family and every key that fixes a shape or the arithmetic; dropout and activation checkpointing
-stay the run's own. A key the run does set must agree (``hf_config.differences``; a shorter
-context is the run's to choose): ``check_source`` says otherwise in one ConfigError naming the key
-and both values, before any worker starts. The Checkpointer calls ``start_from`` on a fresh start
-only -- a resume, or a restart from a memory snapshot, loads its checkpoint and never reads the
-directory (the run's record holds the adopted keys).
+stay the run's own; a text run (data=text) that names no tokenizer takes the directory's
+tokenizer.json when it has one (data.tokenizer=DIR). A key the run does set must agree
+(``hf_config.differences``; a shorter context is the run's to choose): ``check_source`` says
+otherwise in one ConfigError naming the key and both values, before any worker starts. The
+Checkpointer calls ``start_from`` on a fresh start only -- a resume, or a restart from a memory
+snapshot, loads its checkpoint and never reads the directory (the run's record holds the adopted
+keys).
 
 ``start_from`` is collective: every rank reads the directory (as every rank reads the data), cuts
 its part out of the whole model's tensors -- its pipeline stage's parameters (the layout names
@@ -19,9 +21,12 @@ step count 0, the state of a step-0 checkpoint.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from distlib.app.checkpointing.loader import NO_RESUME
+from distlib.app.config.data_group import TOKENIZER_JSON
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.config.schema import ConfigError
@@ -75,7 +80,17 @@ def adopted(tree: dict, typed: set[str]) -> tuple[dict, set[str]]:
         return tree, set()
     own |= _MLP_WIDTH if own & _MLP_WIDTH else set()
     taken = {k: fields[k] for k in ADOPTED if k not in own and k in fields}
-    return {**tree, "model": {**model, **taken}}, {f"model.{k}" for k in taken}
+    tree, keys = {**tree, "model": {**model, **taken}}, {f"model.{k}" for k in taken}
+    return _tokenizer_adopted(tree, typed, keys)
+
+
+def _tokenizer_adopted(tree: dict, typed: set[str], keys: set[str]) -> tuple[dict, set[str]]:
+    """A text run that names no tokenizer takes the directory's, when it has one: the ids its
+    model was trained on (data.tokenizer=DIR)."""
+    data, directory = dict(tree.get("data") or {}), Path(tree["model"]["init_from"]).expanduser()
+    if data.get("kind") != "text" or "data.tokenizer" in typed or not (directory / TOKENIZER_JSON).is_file():
+        return tree, keys
+    return {**tree, "data": {**data, "tokenizer": str(directory)}}, keys | {"data.tokenizer"}
 
 
 def _matching(model: ModelConfig, fields: dict) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distlib.app.config.groups import DataConfig, ModelConfig
+from distlib.app.config.data_group import DataConfig
+from distlib.app.config.groups import ModelConfig
 from distlib.checkpoint.sharded import CheckpointError
 
 

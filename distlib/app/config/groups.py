@@ -1,4 +1,5 @@
-"""The config groups of a training run: the model, the optimizer, ZeRO, the data and the loop.
+"""The config groups of a training run: the model, the optimizer, ZeRO and the loop (the data's:
+``data_group``).
 
 Each key is declared once, here (``schema.key``): default, meaning, allowed values. Rules between
 the keys of one group are the group's ``check``; rules across groups are in ``run.py``.
@@ -16,10 +17,6 @@ from distlib.parallel.zero.buckets import BUCKET_NUMEL
 DTYPES = ("fp32", "bf16")  # train.dtype; distlib.app.config.run maps them to torch dtypes
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine", "wsd")
-BYTE_VOCAB = 256  # data.kind=text's byte-level tokenizer (distlib.app.data.tokens)
-TOKENIZERS = ("bytes", "bpe")  # data.tokenizer; bpe: distlib.app.data.bpe
-BPE_MIN_VOCAB = BYTE_VOCAB + 1  # a BPE vocabulary holds the 256 byte tokens and <|endoftext|>
-BPE_MAX_VOCAB = 1 << 32  # its token file stores ids as uint32
 
 
 FAMILIES = ("minigpt", "gpt2", "llama", "mixtral")  # model.family; distlib/app/model/families.py builds each
@@ -35,8 +32,6 @@ NOT_USED_BY = {
 }
 ROTARY = ("llama", "mixtral")  # Llama's attention: rotary positions, grouped-query key/value heads
 EXPERT_FAMILIES = ("mixtral",)  # a sparse mixture of experts for the MLP (model.n_experts, top_k)
-# Data keys that one corpus kind never reads: set with the other kind, they would change nothing.
-DATA_NOT_USED_BY = {"synthetic": ("path", "cache_dir"), "text": ("seed", "total_tokens", "follow_prob")}
 
 
 @dataclass(frozen=True)
@@ -210,61 +205,6 @@ class ZeroConfig(Group):
     stage: int = key(1, choices=(0, 1, 2, 3))
     bucket_numel: int = key(BUCKET_NUMEL, ge=1)
     overlap: bool = key(False)
-
-
-@dataclass(frozen=True)
-class DataConfig(Group):
-    """The corpus: synthetic, or a text as byte-level or BPE tokens, and its held-out share.
-
-    kind: synthetic (make_corpus: a Markov chain with a favourite successor per token) or text (a UTF-8
-        file, byte-level tokens, or BPE tokens with data.tokenizer=bpe)
-    seed: synthetic: the corpus seed (the batch order uses the top-level seed)
-    total_tokens: synthetic: corpus length in tokens
-    follow_prob: synthetic: probability that a token is followed by its favourite successor
-    path: text: the UTF-8 file (relative paths start at the launch directory); with data.tokenizer=bpe
-        also a directory: its *.txt files, sorted by path
-    cache_dir: text: directory for the token file (and bpe's cached tokenizer); null = next to the source
-    val_fraction: held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none
-    tokenizer: text: bytes (token i is byte value i, 256 tokens) or bpe (a byte-level BPE of data.vocab_size
-        tokens trained on the training split with Hugging Face tokenizers, the optional `hf` extra; saved in
-        <run dir>/tokenizer and in every checkpoint; docs/beyond.md)
-    vocab_size: bpe: the vocabulary to train (the model's follows it); null with bytes
-    """
-
-    GROUP = "data"
-    kind: str = key("synthetic", choices=("synthetic", "text"))
-    seed: int = key(0, ge=0)
-    total_tokens: int = key(65536, ge=2)
-    follow_prob: float = key(0.9, ge=0, le=1)
-    path: str | None = key(None)
-    cache_dir: str | None = key(None)
-    val_fraction: float = key(0.0, ge=0, lt=1)
-    tokenizer: str = key("bytes", choices=TOKENIZERS)
-    vocab_size: int | None = key(None, ge=BPE_MIN_VOCAB, le=BPE_MAX_VOCAB)
-
-    def check(self) -> None:
-        if self.kind == "text" and not self.path:
-            raise ConfigError("data.kind=text needs data.path: the UTF-8 text file to train on")
-        defaults = {s.name: s.default for s in specs(type(self))}
-        for name in DATA_NOT_USED_BY[self.kind]:
-            if getattr(self, name) != defaults[name]:
-                other = "data=text" if self.kind == "synthetic" else "the synthetic corpus (data=synthetic)"
-                raise ConfigError(
-                    f"data.{name}={getattr(self, name)!r} has no effect with data.kind={self.kind}: it is "
-                    f"used by {other}; " + ("add data=text" if self.kind == "synthetic" else "leave it out")
-                )
-        if self.tokenizer == "bpe" and self.kind != "text":
-            raise ConfigError("data.tokenizer=bpe trains on a text: use it with data=text (data.kind=text)")
-        if self.tokenizer == "bpe" and self.vocab_size is None:
-            raise ConfigError(
-                f"data.tokenizer=bpe needs data.vocab_size: the vocabulary to train (>= {BPE_MIN_VOCAB}: "
-                f"{BYTE_VOCAB} byte tokens and <|endoftext|>)"
-            )
-        if self.tokenizer == "bytes" and self.vocab_size is not None:
-            raise ConfigError(
-                f"data.vocab_size={self.vocab_size} needs data.tokenizer=bpe; the byte tokenizer has "
-                f"{BYTE_VOCAB} tokens (leave data.vocab_size null)"
-            )
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from distlib.app.config import dimension_rules
+from distlib.app.config.data_group import BYTE_VOCAB, DataConfig, id_range
 from distlib.app.config.groups import (
-    BYTE_VOCAB,
-    DataConfig,
     MetricsConfig,
     ModelConfig,
     OptimizerConfig,
@@ -186,7 +185,12 @@ def _check_data(cfg: RunConfig) -> None:
                 f"model.vocab_size={m.vocab_size}: the synthetic corpus has at most "
                 f"{MAX_SYNTHETIC_VOCAB} tokens"
             )
-    elif m.vocab_size != tokenizer_vocab(d):
+    elif d.pretrained and m.vocab_size < tokenizer_vocab(d):
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer} has token ids up to {tokenizer_vocab(d) - 1} but model.vocab_size="
+            f"{m.vocab_size}: the model's vocabulary must hold every id (a larger one is fine)"
+        )
+    elif not d.pretrained and m.vocab_size != tokenizer_vocab(d):
         fix = (
             "model.init_from's model must have that vocabulary"
             if m.init_from
@@ -204,10 +208,13 @@ def _check_data(cfg: RunConfig) -> None:
 
 
 def tokenizer_vocab(data: DataConfig) -> int | None:
-    """How many tokens ``data``'s tokenizer has (text: 256 bytes, or data.vocab_size with bpe);
-    None for the synthetic corpus, which draws from the model's vocabulary."""
+    """How many tokens ``data``'s tokenizer has (text: 256 bytes, data.vocab_size with bpe, or an
+    existing tokenizer's id range); None for the synthetic corpus, which draws from the model's
+    vocabulary."""
     if data.kind != "text":
         return None
+    if data.pretrained:
+        return id_range(data.tokenizer)
     return data.vocab_size if data.tokenizer == "bpe" else BYTE_VOCAB
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distlib.app.data import bpe_tokens
+from distlib.app.data import bpe_tokens, pretrained
 from distlib.app.data.tokens import DataError, load_text_tokens
 from distlib.comm.group import Comm
 from distlib.parallel.context import chunks
@@ -227,6 +227,9 @@ def check_source(cfg: RunConfig) -> None:
     if d.tokenizer == "bpe":  # token counts are known after training and encoding: bpe_tokens.load
         bpe_tokens.precheck(d.path)
         return
+    if d.pretrained:  # and after encoding: pretrained.load
+        pretrained.precheck(d)
+        return
     path = Path(d.path).expanduser()
     if not path.exists():
         raise DataError(
@@ -246,8 +249,9 @@ def build(
     """This run's training batches and (when data.val_fraction > 0) its held-out windows.
     ``run_dir``: where rank 0 saves a BPE run's tokenizer (``<run_dir>/tokenizer``)."""
     d, seq = cfg.data, cfg.model.seq_len
-    if d.kind == "text" and d.tokenizer == "bpe":  # split at a character, encoded part by part
-        train, held, source = bpe_tokens.load(d, seq, comm, run_dir)
+    if d.kind == "text" and d.tokenizer != "bytes":  # bpe: split at a character; else by documents
+        read = pretrained.load if d.pretrained else bpe_tokens.load
+        train, held, source = read(d, seq, comm, run_dir)
         heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
         return GlobalBatches(train, seq, plan, cfg.seed, source), heldout
     if d.kind == "text":

@@ -10,7 +10,7 @@ pairs before N; the tokenizer is then smaller than N and the model's extra rows 
 Determinism: ``tokenizers`` keeps its counts in Rust HashMaps seeded afresh in every process.
 Its merge order is nevertheless a function of the counts alone (ties go to the smaller pair of
 ids), so the hash seed does not matter: tests/test_bpe.py trains in two fresh processes and
-compares the bytes. Training and encoding run with the library's parallelism off (``_serial``,
+compares the bytes. Training and encoding run with the library's parallelism off (``serial``,
 whatever the caller's TOKENIZERS_PARALLELISM): a used rayon pool leaves its threads alive, and
 this program forks (the launcher, the test ranks) -- a thread alive at a fork can leave a lock
 held in the child.
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from distlib.app.config.groups import BPE_MIN_VOCAB, BYTE_VOCAB
+from distlib.app.config.data_group import BPE_MIN_VOCAB, BYTE_VOCAB
 from distlib.app.data.tokens import DataError
 
 EOS = "<|endoftext|>"
@@ -64,7 +64,7 @@ def hf():
 
 
 @contextmanager
-def _serial() -> Iterator[None]:
+def serial() -> Iterator[None]:
     """``tokenizers`` reads TOKENIZERS_PARALLELISM at every parallel call; "false" keeps the work on
     the calling thread (no rayon pool is created). The caller's value is restored afterwards."""
     key, before = "TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM")
@@ -99,7 +99,7 @@ class BpeTokenizer:
         self.eos_id = tokenizer.token_to_id(EOS)
 
     def encode(self, text: str) -> list[int]:
-        with _serial():
+        with serial():
             return [i for piece in chunks(text) for i in self.hf_tokenizer.encode(piece).ids]
 
     def decode(self, ids: list[int]) -> str:
@@ -129,7 +129,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
         # all 256 byte characters, even those the text lacks: every input stays encodable
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
     )
-    with _serial():
+    with serial():
         tok.train_from_iterator((piece for text in texts for piece in chunks(text)), trainer)
     return BpeTokenizer(tok, tok.to_str(pretty=True))
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distlib.app.config.groups import DataConfig
+from distlib.app.config.data_group import DataConfig
 from distlib.app.data import bpe, text_source
 from distlib.app.data import tokens as v1
 from distlib.app.data.tokens import DataError
@@ -76,7 +76,9 @@ def cache_paths(source: Path, cache_dir: str | None, vocab_size: int) -> tuple[P
     return base.with_name(base.name + ".tokens"), base.with_name(base.name + ".tokenizer.json")
 
 
-def write_token_file(path: Path, ids: np.ndarray, vocab_size: int, header: dict) -> None:
+def write_token_file(
+    path: Path, ids: np.ndarray, vocab_size: int, header: dict, recipe: int = bpe.RECIPE
+) -> None:
     """``ids`` behind a version-2 header (``header``: the sha256s, val_start, split_byte)."""
     dtype = dtype_for(vocab_size)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
@@ -92,7 +94,7 @@ def write_token_file(path: Path, ids: np.ndarray, vocab_size: int, header: dict)
         bytes.fromhex(header["tokenizer_sha256"]),
         header["val_start"],
         header["split_byte"],
-        bpe.RECIPE,
+        recipe,
     )
     bpe.write_atomic(Path(path), raw.ljust(HEADER_BYTES, b"\0") + ids.astype(dtype, copy=False).tobytes())
 
@@ -187,6 +189,11 @@ def _rank0_build(d: DataConfig, run_dir: Path | None) -> dict:
             f"held-out from token {header.val_start})",
             flush=True,
         )
+    return built_record(target, header)
+
+
+def built_record(target: Path, header: BpeTokenHeader) -> dict:
+    """What rank 0 tells the others of the token file it built (``open_built`` checks it)."""
     return {
         "target": str(target),
         "source_sha256": header.source_sha256,
@@ -201,35 +208,18 @@ def load(
     builds; the others wait for its verdict, then check the header carries the same sha256s (a
     node that cannot see the cache says so). Every rank raises the same DataError on failure."""
 
-    def build() -> dict:
-        try:
-            return _rank0_build(d, run_dir)
-        except DataError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every rank must hear it, or they wait forever
-            raise DataError(
-                f"data.tokenizer=bpe: building the token cache of data.path {d.path} failed: "
-                f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory "
-                f"for it)"
-            ) from exc
-
-    built = agree.agreed(build, comm, DataError, rank0_only=True)
-
-    def open_built() -> tuple[np.ndarray, BpeTokenHeader]:
-        target = Path(built["target"])
-        tokens, header = open_tokens(target)
-        shas = (header.source_sha256, header.tokenizer_sha256)
-        if shas != (built["source_sha256"], built["tokenizer_sha256"]):
-            raise DataError(
-                f"token file {target} holds source/tokenizer sha256 {header.source_sha256}/"
-                f"{header.tokenizer_sha256}, rank 0 built {built['source_sha256']}/"
-                f"{built['tokenizer_sha256']}; every node must see the same cache directory"
-            )
-        return tokens, header
-
-    tokens, header = agree.agreed(open_built, comm, DataError)
+    built = v1.built_by_rank0(
+        lambda: _rank0_build(d, run_dir),
+        comm,
+        lambda exc: (
+            f"data.tokenizer=bpe: building the token cache of data.path {d.path} failed: "
+            f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)"
+        ),
+    )
+    tokens, header = agree.agreed(lambda: open_built(built), comm, DataError)
     train, held = tokens[: header.val_start], tokens[header.val_start :]
-    _check_lengths(len(train), len(held), d, seq_len)
+    where = f"data.path {d.path} with data.tokenizer=bpe (data.vocab_size={d.vocab_size})"
+    check_lengths(len(train), len(held), d, seq_len, where)
     source = {
         "kind": "text",
         "sha256": header.source_sha256,
@@ -239,8 +229,23 @@ def load(
     return train, held, source
 
 
-def _check_lengths(train: int, held: int, d: DataConfig, seq_len: int) -> None:
-    where = f"data.path {d.path} with data.tokenizer=bpe (data.vocab_size={d.vocab_size})"
+def open_built(built: dict) -> tuple[np.ndarray, BpeTokenHeader]:
+    """The token file rank 0 built (``built``: its path and sha256s), checked to be that one: a
+    node that cannot see the same cache directory says so."""
+    target = Path(built["target"])
+    tokens, header = open_tokens(target)
+    shas = (header.source_sha256, header.tokenizer_sha256)
+    if shas != (built["source_sha256"], built["tokenizer_sha256"]):
+        raise DataError(
+            f"token file {target} holds source/tokenizer sha256 {header.source_sha256}/"
+            f"{header.tokenizer_sha256}, rank 0 built {built['source_sha256']}/"
+            f"{built['tokenizer_sha256']}; every node must see the same cache directory"
+        )
+    return tokens, header
+
+
+def check_lengths(train: int, held: int, d: DataConfig, seq_len: int, where: str) -> None:
+    """One training sequence at least, and one held-out one when data.val_fraction asks for it."""
     if train < seq_len + 1:
         raise DataError(
             f"{where} gives {train} training tokens; a training sequence needs model.seq_len "

@@ -42,21 +42,24 @@ class TextSource:
         return sum(f[3] for f in self.files) + len(SEPARATOR.encode()) * (len(self.files) - 1)
 
 
-def _text_files(root: Path) -> list[tuple[str, Path]]:
+def _text_files(root: Path, suffixes: tuple[str, ...]) -> list[tuple[str, Path]]:
     found = []
     for directory, subdirs, names in os.walk(root):  # followlinks=False: no cycles through symlinks
         subdirs[:] = [d for d in subdirs if not d.startswith(".")]
         for name in names:
             path = Path(directory) / name
-            if name.startswith(".") or not name.endswith(".txt") or not path.is_file():
+            if name.startswith(".") or not name.endswith(suffixes) or not path.is_file():
                 continue
             found.append((path.relative_to(root).as_posix(), path))
     return sorted(found)
 
 
-def list_files(path: str | Path) -> tuple[Path, list[tuple[str, Path]]]:
-    """(root, [(relative path, path)]) of the source, without reading the files; DataError if it
-    does not exist or a directory holds no text file. Cheap: train.py runs it before launching."""
+def list_files(
+    path: str | Path, suffixes: tuple[str, ...] = (".txt",)
+) -> tuple[Path, list[tuple[str, Path]]]:
+    """(root, [(relative path, path)]) of the source (a directory: its files ending with one of
+    ``suffixes``), without reading the files; DataError if it does not exist or a directory holds
+    no such file. Cheap: train.py runs it before launching."""
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(
@@ -66,18 +69,19 @@ def list_files(path: str | Path) -> tuple[Path, list[tuple[str, Path]]]:
         return root, [(root.name, root)]
     if not root.is_dir():
         raise DataError(f"data.path {root} is neither a regular file nor a directory")
-    listed = _text_files(root)
+    listed = _text_files(root, suffixes)
     if not listed:
+        kinds = " or ".join(f"*{s}" for s in suffixes)
         raise DataError(
-            f"data.path {root} is a directory without any *.txt file (hidden files and "
+            f"data.path {root} is a directory without any {kinds} file (hidden files and "
             f"directories are ignored): there is nothing to train on"
         )
     return root, listed
 
 
-def scan(path: str | Path) -> TextSource:
+def scan(path: str | Path, suffixes: tuple[str, ...] = (".txt",)) -> TextSource:
     """Hash (and check as UTF-8) every file of the source. DataError naming the file otherwise."""
-    root, listed = list_files(path)
+    root, listed = list_files(path, suffixes)
     files = tuple((rel, p, *hash_utf8_file(p)) for rel, p in listed)
     if sum(f[3] for f in files) == 0:
         raise DataError(f"data.path {root} is empty: there is nothing to train on")
@@ -89,15 +93,17 @@ def scan(path: str | Path) -> TextSource:
     return TextSource(root, files, sha, root.is_dir())
 
 
+def read_file(path: Path, sha256: str) -> str:
+    """A source file's text. DataError if it changed since ``scan`` hashed it."""
+    raw = path.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != sha256:
+        raise DataError(f"data.path {path} changed while it was being tokenized; run again")
+    return raw.decode("utf-8")
+
+
 def read_text(source: TextSource) -> str:
     """The joined text. DataError if a file changed since ``scan`` hashed it."""
-    parts = []
-    for _, path, sha, _ in source.files:
-        raw = path.read_bytes()
-        if hashlib.sha256(raw).hexdigest() != sha:
-            raise DataError(f"data.path {path} changed while it was being tokenized; run again")
-        parts.append(raw.decode("utf-8"))
-    return SEPARATOR.join(parts)
+    return SEPARATOR.join(read_file(path, sha) for _, path, sha, _ in source.files)
 
 
 def _byte_at(source: TextSource, offset: int) -> int:

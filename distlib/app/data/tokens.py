@@ -28,14 +28,18 @@ import hashlib
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
-from distlib.app.config.groups import BYTE_VOCAB
+from distlib.app.config.data_group import BYTE_VOCAB
 from distlib.comm import agree
 from distlib.comm.group import Comm
+
+T = TypeVar("T")
 
 MAGIC = b"DLTOKENS"
 FORMAT_VERSION = 1
@@ -199,23 +203,35 @@ def ensure_token_file(source: Path, cache_dir: str | None = None) -> tuple[Path,
     return target, sha, True
 
 
+def built_by_rank0(build: Callable[[], T], comm: Comm, failure: Callable[[Exception], str]) -> T:
+    """``build``'s result, run on rank 0 only, on every rank; its DataError on every rank, and any
+    other error as a DataError of ``failure(exc)``'s text (every rank must hear it, or the others
+    wait forever)."""
+
+    def guarded() -> T:
+        try:
+            return build()
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure, said on every rank
+            raise DataError(failure(exc)) from exc
+
+    return agree.agreed(guarded, comm, DataError, rank0_only=True)
+
+
 def load_text_tokens(source: str, cache_dir: str | None, comm: Comm) -> tuple[np.ndarray, str]:
     """Every rank's view of ``source`` as byte tokens (memory-mapped) and the source sha256.
     Rank 0 (re)builds the token file; all ranks raise the same DataError if anything fails."""
     path = Path(source).expanduser()
 
-    def build() -> str:
-        try:
-            return ensure_token_file(path, cache_dir)[1]
-        except DataError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every rank must hear it, or they wait forever
-            raise DataError(
-                f"tokenizing data.path {path} into {token_file_path(path, cache_dir)} failed: "
-                f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)"
-            ) from exc
-
-    sha = agree.agreed(build, comm, DataError, rank0_only=True)
+    sha = built_by_rank0(
+        lambda: ensure_token_file(path, cache_dir)[1],
+        comm,
+        lambda exc: (
+            f"tokenizing data.path {path} into {token_file_path(path, cache_dir)} failed: "
+            f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)"
+        ),
+    )
     target = token_file_path(path, cache_dir)
 
     def open_built() -> tuple[np.ndarray, TokenFileHeader]:
