@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -68,10 +69,17 @@ from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.zero import ZeroOptimizer
 
 
-def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: int):
-    """(model, optimizer, this pipeline rank's chunks or None, tensor-parallel splits): the model
-    initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline stage, its Linear
-    layers swapped for this rank's tensor-parallel shards, and its optimizer
+class Built(NamedTuple):
+    model: CausalLM
+    optimizer: ZeroOptimizer
+    chunks: list | None  # this pipeline rank's chunks (None at pp=1)
+    splits: dict  # tensor-parallel cuts, parameter name -> Split (none at tp=1)
+    names: list[str]  # every parameter of this stage, before expert parallelism keeps this rank's
+
+
+def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: int) -> Built:
+    """The model initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline
+    stage, its Linear layers swapped for this rank's tensor-parallel shards, and its optimizer
     (``optimizer.build_optimizer``)."""
     model = families.build(cfg.model, seed).to(device)  # model.family's class
     broadcast_module_(model, comm)
@@ -80,8 +88,9 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     if mesh.cp is not None:  # every attention reaches the other context-parallel ranks' tokens
         split_context_(model, ContextSplit(mesh.cp, cfg.dist.cp_impl))
     families.join_batch_(model, mesh.batch)  # mixtral: experts' loads counted over the dp x cp ranks
+    names = [n for n, _ in model.named_parameters()]
     optimizer = build_optimizer(cfg, model, mesh, tp_splits)  # ZeRO over its groups
-    return model, optimizer, chunks, tp_splits
+    return Built(model, optimizer, chunks, tp_splits, names)
 
 
 class Trainer:
@@ -105,7 +114,7 @@ class Trainer:
         seed_process_rngs(cfg.seed, mesh.dp.rank)
         plan = data.BatchPlan(cfg.global_batch, mesh.dp.size, cfg.train.grad_accum)
         self.data, heldout = data.build(cfg, comm, plan, self.run_dir)  # run_dir: a BPE run's tokenizer
-        self.model, self.optimizer, chunks, splits = build(cfg, comm, mesh, self.device, cfg.seed)
+        self.model, self.optimizer, chunks, splits, names = build(cfg, comm, mesh, self.device, cfg.seed)
         model, optimizer = self.model, self.optimizer
         # the step program: every micro-batch through the whole model, or this stage's schedule
         if chunks:
@@ -114,7 +123,7 @@ class Trainer:
             self.program = LocalStep(model, cfg.train.grad_accum, self.device)
         # mixtral over micro-batches or stages: each step's routing is counted before its forwards
         self.routing = RoutingCount.for_run(cfg, model, mesh, self.program, self.device)
-        hooks.check_model([slot for p in optimizer.partitions() for slot in p.layout.slots])
+        hooks.check_model(names)  # (every parameter of the stage: another rank's expert too)
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
         self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)
         state = RunState(model, optimizer, self.data, splits)

@@ -164,9 +164,12 @@ class Faults(StepHooks):
         self.fired: set[str] = set()
 
     # -- the StepHooks points: which fault fires where in a step ---------------
-    def check_model(self, slots) -> None:
-        if self.cfg.perturb_param is not None:
-            self.perturbed_slot(slots)  # a bad name fails now, not at the step
+    def check_model(self, names: list[str]) -> None:
+        name = self.cfg.perturb_param
+        if name is not None and name not in names:  # a bad name fails now, not at the step
+            raise ConfigError(
+                f"fault.perturb_param={name!r} is not a parameter of the model (known: {names})"
+            )
 
     def joining(self) -> None:
         self.hang(0)
@@ -276,17 +279,6 @@ class Faults(StepHooks):
                 value.copy_(torch.nextafter(value, torch.full_like(value, float("inf"))))
             index = start + first - slot.offset
             self._say(f"perturbed {slot.name}[{index}] (flat) by one ulp after step {step}")
-
-    def perturbed_slot(self, slots):
-        name = self.cfg.perturb_param
-        if name is None:
-            return slots[-1]
-        for slot in slots:
-            if slot.name == name:
-                return slot
-        raise ConfigError(
-            f"fault.perturb_param={name!r} is not a parameter of the model (known: {[s.name for s in slots]})"
-        )
 
     def sigterm(self, step: int) -> None:
         """fault.sigterm_rank / sigterm_step: a pre-emption signal that reaches only this rank."""

@@ -12,7 +12,7 @@ the order a step calls them::
     after_step(step)                        the step is logged and (maybe) saved
 
 plus ``save_hook(step)`` for each checkpoint save (points inside ``checkpoint.save``) and
-``check_model(slots)`` once, when the model is built.
+``check_model(names)`` once, when the model is built.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from distlib.checkpoint.sharded import SaveHook
 class StepHooks:
     """Every hook a no-op: a step runs as if nothing were attached."""
 
-    def check_model(self, slots) -> None:
-        """The model is built (``slots``: its flat layout); a hook that names a parameter fails
-        here, before any step, instead of at the step it fires."""
+    def check_model(self, names: list[str]) -> None:
+        """The model is built (``names``: every parameter of this rank's stage); a hook that names a
+        parameter fails here, before any step, instead of at the step it fires."""
 
     def joining(self) -> None:
         """Before this rank joins the process group (train.py)."""
