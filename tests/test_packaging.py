@@ -51,9 +51,9 @@ def _closure(requirements: list[str]) -> set[str]:
     return {name for name, _ in seen}
 
 
-def test_the_hf_and_tensorboard_extras_install_no_torch_of_their_own():
+def test_the_hf_tensorboard_and_parquet_extras_install_no_torch_of_their_own():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    pins = extras["hf"] + extras["tensorboard"]
+    pins = extras["hf"] + extras["tensorboard"] + extras["parquet"]
     # pip's own resolver, offline, with torch 2.13.0 installed: the extras (installed by `make`
     # from requirements-dev.txt) need nothing more, so no other torch either.
     proc = subprocess.run(

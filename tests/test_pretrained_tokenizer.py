@@ -14,8 +14,12 @@ than the tokenizer's ids, a path that does not exist) is one line.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,6 +171,32 @@ def test_a_bad_jsonl_line_is_named(tmp_path, line, problem):
     path.write_text('{"text": "fine"}\n' + line + "\n")
     with pytest.raises(DataError, match=re.escape(problem)):
         list(documents.documents(text_source.scan(path, documents.SUFFIXES), "text"))
+
+
+def _write_parquet(path: Path, columns: dict) -> None:
+    """A parquet file written by pyarrow in a child process (importing it starts threads)."""
+    code = "import json, sys, pyarrow, pyarrow.parquet as pq\n"
+    code += "pq.write_table(pyarrow.table(json.loads(sys.argv[2])), sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(path), json.dumps(columns)], check=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="needs the `parquet` extra (pyarrow)")
+def test_parquet_documents_are_the_jsonl_ones(user, tmp_path):
+    """The same documents as a parquet file (the `parquet` extra) encode to the same ids; a missing
+    column or a row that is not a string is one line naming the file."""
+    path = tmp_path / "docs" / "part-0.parquet"
+    path.parent.mkdir()
+    _write_parquet(path, {"id": list(range(80)), "body": user["docs"]})
+    d = DataConfig(kind="text", path=str(path.parent), tokenizer=str(user["dir"]), text_field="body")
+    target, _ = pretrained.ensure(d, pretrained.PretrainedTokenizer(d.tokenizer), 304)
+    assert bpe_tokens.open_tokens(target)[0].tolist() == _expected_ids(user)
+    for columns, problem in [
+        ({"text": ["a"]}, "no column 'body' (data.text_field): it has ['text']"),
+        ({"body": ["a", None]}, "row 1 of column 'body' is not a string: None"),
+    ]:
+        _write_parquet(path, columns)
+        with pytest.raises(DataError, match=re.escape(f"data.path {path}: {problem}")):
+            pretrained.ensure(d, pretrained.PretrainedTokenizer(d.tokenizer), 304)
 
 
 def test_a_tokenizer_without_end_of_text_and_a_small_model_are_refused(user, tmp_path):

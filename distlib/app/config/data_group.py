@@ -39,7 +39,8 @@ class DataConfig(Group):
     follow_prob: synthetic: probability that a token is followed by its favourite successor
     path: text: the UTF-8 file (relative paths start at the launch directory); with data.tokenizer=bpe
         also a directory: its *.txt files, sorted by path; with a tokenizer's path also *.jsonl files (one
-        document a line, its data.text_field) and directories of *.txt and *.jsonl files
+        document a line, its data.text_field), *.parquet files (one a row, the `parquet` extra) and
+        directories of them
     cache_dir: text: directory for the token file (and bpe's cached tokenizer); null = next to the source
     val_fraction: held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none
     tokenizer: text: bytes (token i is byte value i, 256 tokens), bpe (a byte-level BPE of data.vocab_size
@@ -48,7 +49,7 @@ class DataConfig(Group):
         directory with tokenizer.json, or the file; the `hf` extra): its ids, each document ending with its
         end-of-text token; by default model.init_from's when that directory has one; docs/models.md
     vocab_size: bpe: the vocabulary to train (the model's follows it); null otherwise
-    text_field: text with *.jsonl documents: the field of each line that holds the document's text
+    text_field: text with *.jsonl or *.parquet documents: the field (column) that holds each document's text
     """
 
     GROUP = "data"

@@ -1,6 +1,8 @@
 """The documents of a text source: each ``*.txt`` file is one document, each line of a ``*.jsonl``
-file one (the string in its ``data.text_field``; blank lines are skipped), in the source's sorted
-file order (``text_source``: one file, or a directory's files recursively, hidden ones skipped).
+file one (the string in its ``data.text_field``; blank lines are skipped), each row of a
+``*.parquet`` file one (its ``data.text_field`` column; the optional ``parquet`` extra, pyarrow), in
+the source's sorted file order (``text_source``: one file, or a directory's files recursively,
+hidden ones skipped).
 
 The held-out share (``data.val_fraction``) is whole documents from the end: the fewest last
 documents that hold at least that fraction of the documents' UTF-8 bytes (none at 0), so no
@@ -10,12 +12,17 @@ document is split between training and validation.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
-from distlib.app.data.text_source import TextSource, read_file
+from distlib.app.data.text_source import TextSource, read_bytes, read_file
 from distlib.app.data.tokens import DataError
 
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+_ROOT = str(Path(__file__).resolve().parents[3])  # the repository root: where the child imports distlib
 
 
 def _jsonl(text: str, where: str, field: str) -> Iterator[str]:
@@ -33,14 +40,31 @@ def _jsonl(text: str, where: str, field: str) -> Iterator[str]:
         yield record[field]
 
 
+def _parquet(path: Path, sha: str, where: str, field: str) -> list[str]:
+    """The column ``field`` of a parquet file, read in a child process: importing pyarrow starts
+    threads (its allocator's and pools'), and this process must stay free of them (it may fork)."""
+    read_bytes(path, sha)  # unchanged since it was hashed
+    proc = subprocess.run(
+        [sys.executable, "-m", "distlib.app.data.parquet_column", str(path), field],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+        raise DataError(f"data.path {where}: {lines[-1]}")
+    return json.loads(proc.stdout)
+
+
 def documents(source: TextSource, text_field: str) -> Iterator[str]:
     """Every document of ``source``, in order. DataError naming the file and line of a bad one."""
     for _, path, sha, _ in source.files:
-        text = read_file(path, sha)
-        if path.name.endswith(".jsonl"):
-            yield from _jsonl(text, str(path), text_field)
+        if path.name.endswith(".parquet"):
+            yield from _parquet(path, sha, str(path), text_field)
+        elif path.name.endswith(".jsonl"):
+            yield from _jsonl(read_file(path, sha), str(path), text_field)
         else:
-            yield text
+            yield read_file(path, sha)
 
 
 def held_out_count(sizes: list[int], val_fraction: float) -> int:

@@ -18,6 +18,7 @@ sha256, so a resume with another tokenizer is refused.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from distlib.app.config.data_group import DataConfig, id_range, tokenizer_json
-from distlib.app.data import bpe, bpe_tokens, documents, text_source
+from distlib.app.data import bpe, bpe_tokens, documents, parquet_column, text_source
 from distlib.app.data.tokens import DataError, built_by_rank0
 from distlib.comm import agree
 from distlib.comm.group import Comm
@@ -108,7 +109,14 @@ def ensure(d: DataConfig, tokenizer: PretrainedTokenizer, vocab: int) -> tuple[P
 def precheck(d: DataConfig) -> None:
     """Before any process starts (train.py): the extra is installed, the source is there."""
     bpe.hf()
-    text_source.list_files(d.path, documents.SUFFIXES)
+    _, listed = text_source.list_files(d.path, documents.SUFFIXES)
+    if (
+        any(path.name.endswith(".parquet") for _, path in listed)
+        and importlib.util.find_spec("pyarrow") is None
+    ):
+        raise DataError(
+            f"data.path {d.path} holds parquet files: reading them {parquet_column.MISSING_EXTRA}"
+        )
 
 
 def _rank0_build(d: DataConfig, vocab: int, run_dir: Path | None) -> dict:

@@ -79,10 +79,18 @@ def list_files(
     return root, listed
 
 
+def _hash(path: Path) -> tuple[str, int]:
+    """(sha256, bytes) of a source file: a text checked as UTF-8, a parquet file as it is."""
+    if path.name.endswith(".parquet"):
+        raw = path.read_bytes()
+        return hashlib.sha256(raw).hexdigest(), len(raw)
+    return hash_utf8_file(path)
+
+
 def scan(path: str | Path, suffixes: tuple[str, ...] = (".txt",)) -> TextSource:
     """Hash (and check as UTF-8) every file of the source. DataError naming the file otherwise."""
     root, listed = list_files(path, suffixes)
-    files = tuple((rel, p, *hash_utf8_file(p)) for rel, p in listed)
+    files = tuple((rel, p, *_hash(p)) for rel, p in listed)
     if sum(f[3] for f in files) == 0:
         raise DataError(f"data.path {root} is empty: there is nothing to train on")
     if root.is_dir():
@@ -93,12 +101,17 @@ def scan(path: str | Path, suffixes: tuple[str, ...] = (".txt",)) -> TextSource:
     return TextSource(root, files, sha, root.is_dir())
 
 
-def read_file(path: Path, sha256: str) -> str:
-    """A source file's text. DataError if it changed since ``scan`` hashed it."""
+def read_bytes(path: Path, sha256: str) -> bytes:
+    """A source file's bytes. DataError if it changed since ``scan`` hashed it."""
     raw = path.read_bytes()
     if hashlib.sha256(raw).hexdigest() != sha256:
         raise DataError(f"data.path {path} changed while it was being tokenized; run again")
-    return raw.decode("utf-8")
+    return raw
+
+
+def read_file(path: Path, sha256: str) -> str:
+    """A source file's text (``read_bytes``, as UTF-8)."""
+    return read_bytes(path, sha256).decode("utf-8")
 
 
 def read_text(source: TextSource) -> str:
