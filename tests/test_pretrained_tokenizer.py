@@ -7,7 +7,8 @@ corpus. `train.py model.init_from=DIR data=text data.path=corpus.jsonl` alone th
 document with that tokenizer, each ending with </s> -- the token file holds exactly what
 transformers' own tokenizer gives -- and step 1's loss is transformers' loss on that batch within
 1e-5. The checkpoint carries the tokenizer, the export is a directory transformers loads with the
-same tokenizer, and a continuation with another tokenizer is refused. Bad input (a jsonl line that
+same tokenizer, a continuation with another tokenizer is refused, and the same command line resumes
+the checkpoint in a new directory at another layout. Bad input (a jsonl line that
 is not JSON or lacks the field, a tokenizer with no end-of-text token, a model vocabulary smaller
 than the tokenizer's ids, a path that does not exist) is one line.
 """
@@ -142,6 +143,17 @@ def test_init_from_alone_trains_on_the_directorys_tokenizer_and_exports_it(user,
     other.write_text(json.dumps(json.loads((user["dir"] / "tokenizer.json").read_text()), indent=1))
     proc = train_py(run, f"data.tokenizer={other}", "checkpoint.resume=latest", "train.steps=3")
     assert proc.returncode != 0 and "the tokenizer differs" in proc.stderr, proc.stderr
+    # the same command line resumes the checkpoint in a new run directory at another layout: the
+    # model and its tokenization come from the checkpoint's manifest
+    moved = tmp_path / "moved"
+    proc = train_py(moved, *args[:4], "dist.world_size=2", f"checkpoint.resume={ckpt}", "train.steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert "(one rank), loaded into 2 at stage 1 (dp 2) by parameter name" in proc.stdout, proc.stdout
+    assert [
+        r["step"]
+        for r in map(json.loads, (moved / "metrics.jsonl").read_text().splitlines())
+        if r.get("type") == "step"
+    ] == [3]
 
 
 def test_held_out_documents_are_whole_and_from_the_end(user, tmp_path):

@@ -37,7 +37,11 @@ def test_first_step_after_reshard_matches_continuing_at_four(tmp_path, four, wor
         tree(world_size, steps=8, zero={"stage": stage}, checkpoint={"resume": str(four["step6"])}), tmp_path
     )
     out = capfd.readouterr().out
-    assert f"saved by 4 rank(s) at ZeRO stage 1, loaded into {world_size} at stage {stage}" in out
+    ours = f"dp {world_size}" if world_size > 1 else "one rank"
+    assert (
+        f"saved by 4 rank(s) at ZeRO stage 1 (dp 4), loaded into {world_size} at stage {stage} ({ours})"
+        in (out)
+    )
     first = results[0]
     assert first["start"] == 6
     # Step 7's loss is computed from the restored weights, which are the checkpoint's bytes;

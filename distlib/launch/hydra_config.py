@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distlib.app.checkpointing import init_from
+from distlib.app.checkpointing import init_from, manifest_config
 from distlib.app.checkpointing.loader import NO_RESUME
 from distlib.app.config import schema
 from distlib.app.config.run import GROUPS, RunConfig, with_tokenizer_vocab
@@ -78,14 +78,13 @@ def set_on_purpose(tree: dict, overrides: list[str]) -> set[str]:
 
 def complete(tree: dict, overrides: list[str], fresh: bool) -> dict:
     """``tree`` with what the run already knows in the keys ``overrides`` leave unset, so nothing is
-    asked twice: on a ``fresh`` start, the model's architecture from model.init_from's config.json
-    (a resume's checkpoint and record hold it already); the model's vocabulary from the tokenizer.
+    asked twice: on a ``fresh`` start, the model's architecture from model.init_from's config.json;
+    resuming an explicit checkpoint, the model and tokenization from its manifest (a continuation
+    with ``latest`` starts from the run's record); the model's vocabulary from the tokenizer.
     A key set to a value that disagrees stays as set: the configuration check names both values."""
     typed = set_on_purpose(tree, overrides)
-    if fresh:
-        tree, taken = init_from.adopted(tree, typed)
-        typed |= taken
-    return with_tokenizer_vocab(tree, typed)
+    tree, taken = init_from.adopted(tree, typed) if fresh else manifest_config.adopted(tree, typed)
+    return with_tokenizer_vocab(tree, typed | taken)
 
 
 # A refused run must leave its directory as it found it, but Hydra writes .hydra/ (config.yaml,

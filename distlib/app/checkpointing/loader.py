@@ -24,6 +24,7 @@ from distlib.checkpoint import relayout, rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
+from distlib.comm.layout import NAMES, Layout
 from distlib.comm.mesh import Mesh
 from distlib.parallel.zero import ZeroOptimizer
 
@@ -129,19 +130,28 @@ class Loader:
         return int(manifest["step"])
 
     def _say_what_changed(self, path: Path, manifest: dict, had_rng: bool) -> None:
-        """Resharding and re-seeding are told (one line each; the RNG question is collective)."""
+        """Another layout and re-seeding are told (one line each; the RNG question is collective)."""
         reseeded = [r for r, (had,) in enumerate(agree.gather([float(had_rng)], self.comm)) if not had]
-        if manifest["world_size"] != self.comm.size:
+        saved, ours = _degrees(Layout.of_manifest(manifest)), _degrees(self.mesh.layout)
+        if manifest["world_size"] != self.comm.size or saved != ours:
             self.say(
                 f"resharded checkpoint {path}: saved by {manifest['world_size']} rank(s) at ZeRO stage "
-                f"{manifest.get('zero_stage')}, loaded into {self.comm.size} at stage {self.cfg.zero.stage}; "
-                f"the data position carries over (same global batch, {self.cfg.global_batch})"
+                f"{manifest.get('zero_stage')} ({saved}), loaded into {self.comm.size} at stage "
+                f"{self.cfg.zero.stage} ({ours}) by parameter name; the data position carries over "
+                f"(same global batch, {self.cfg.global_batch})"
             )
         if reseeded:
             self.say(
-                f"rank(s) {reseeded} have no saved RNG state in {path} (it was saved by fewer ranks): "
-                f"re-seeded from seed + rank; dropout draws differ from the original run"
+                f"rank(s) {reseeded} have no saved RNG state in {path} (no rank at their place: it was "
+                f"saved by fewer ranks or at another pipeline or tensor-parallel degree): re-seeded from "
+                f"seed + rank; dropout draws differ from the original run"
             )
+
+
+def _degrees(layout: Layout) -> str:
+    """``layout``'s degrees above 1 ("pp 2 x dp 2"), or "one rank"."""
+    sizes = {name: getattr(layout, name) for name in NAMES}
+    return " x ".join(f"{n} {k}" for n, k in sizes.items() if k > 1) or "one rank"
 
 
 def _read_checked(path: Path) -> dict:

@@ -8,11 +8,16 @@ same value on the command line would be. Keys an older version did not write tak
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from distlib.app.config.data_group import DataConfig
 from distlib.app.config.groups import ModelConfig
-from distlib.checkpoint.sharded import CheckpointError
+from distlib.checkpoint.sharded import MANIFEST, CheckpointError
+
+# The data keys that say how the text became tokens: a resume takes them from the checkpoint (where
+# the corpus lives, data.path and data.cache_dir, stays the run's own).
+TOKENIZATION = ("kind", "tokenizer", "vocab_size", "text_field")
 
 
 def manifest_config(manifest: dict, path: Path | str) -> tuple[ModelConfig, DataConfig | None]:
@@ -25,3 +30,31 @@ def manifest_config(manifest: dict, path: Path | str) -> tuple[ModelConfig, Data
             f"checkpoint {path}: the run configuration in its manifest is invalid: {exc}"
         ) from exc
     return model, data
+
+
+def adopted(tree: dict, typed: set[str]) -> tuple[dict, set[str]]:
+    """A run that resumes an explicit checkpoint (``checkpoint.resume=PATH``) takes from its manifest
+    what the run does not set on purpose (``typed``: dotted keys): the model's config, and the data
+    keys of its tokenization -- as a fresh run takes them from model.init_from's config.json, so a
+    checkpoint resumes in a new run directory, at any layout, without its shape typed again.
+    Returns (the tree, the dotted keys taken). Reads manifest.json only: a checkpoint that cannot be
+    read, or whose recorded configuration is invalid, is left for the loader to name."""
+    resume = (tree.get("checkpoint") or {}).get("resume")
+    if not isinstance(resume, str) or resume in ("", "none", "null", "latest"):
+        return tree, set()
+    try:
+        manifest = json.loads((Path(resume) / MANIFEST).read_text())
+        manifest_config(manifest, resume)  # an invalid one is the loader's to name, with the checkpoint
+    except (OSError, ValueError, AttributeError, CheckpointError):
+        return tree, set()
+    model, data = manifest.get("model"), manifest.get("data_config")
+    if not isinstance(model, dict):
+        return tree, set()
+    taken = {f"model.{k}": v for k, v in model.items() if f"model.{k}" not in typed}
+    if isinstance(data, dict):
+        taken |= {f"data.{k}": data[k] for k in TOKENIZATION if k in data and f"data.{k}" not in typed}
+    out = {**tree, "model": dict(tree.get("model") or {}), "data": dict(tree.get("data") or {})}
+    for key, value in taken.items():
+        group, name = key.split(".")
+        out[group][name] = value
+    return out, set(taken)
