@@ -137,6 +137,9 @@ def test_init_from_alone_trains_on_the_directorys_tokenizer_and_exports_it(user,
     ]
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.config.vocab_size == len(user["tokenizer"]) + 4
+    tok = user["tokenizer"]  # its special ids, so generate() stops at the end of a document
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
+    assert model.generation_config.eos_token_id == tok.eos_token_id
     # a continuation with another tokenizer (the same ids, other bytes) is refused, naming it
     other = tmp_path / "other" / "tokenizer.json"
     other.parent.mkdir()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.data import bpe
+from distlib.app.data.pretrained import PretrainedTokenizer
 from distlib.app.model import families
 from distlib.app.model.hf_config import HFError, export_refusal
 from distlib.app.model.hf_weights import save_hf_dir
@@ -68,6 +69,16 @@ def tokenizer_dir(path: Path, manifest: dict) -> Path | None:
     return own
 
 
+def _special_ids(tokenizer: Path | None, manifest: dict) -> dict:
+    """An existing tokenizer's BOS and EOS ids, for config.json and generation_config.json (a run's
+    own byte-level or BPE tokenizer leaves them unset, as before)."""
+    source = (manifest.get("data") or {}).get("source") or {}
+    if tokenizer is None or source.get("tokenizer") != "pretrained":
+        return {}
+    own = PretrainedTokenizer(tokenizer)
+    return {"bos_token_id": own.bos_id, "eos_token_id": own.eos_id}
+
+
 def export(path: Path | str, out: Path | str) -> Exported:
     path, out = Path(path), Path(out)
     offline.check_new_output(out)
@@ -81,7 +92,7 @@ def export(path: Path | str, out: Path | str) -> Exported:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_hf_dir(cfg, tensors, work)
+        save_hf_dir(cfg, tensors, work, **_special_ids(tokenizer, manifest))
         for name in TOKENIZER_FILES if tokenizer else ():
             if (tokenizer / name).is_file():
                 shutil.copyfile(tokenizer / name, work / name)

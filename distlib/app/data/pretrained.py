@@ -44,10 +44,19 @@ class PretrainedTokenizer:
         self.sha256 = bpe.tokenizer_sha256(self.file)
         self.eos_id = self._eos_id()
 
-    def _eos_id(self) -> int:
+    def _named(self, role: str) -> str | None:
+        """The token tokenizer_config.json names for ``role`` ("bos_token", "eos_token"), if any."""
         config = self.file.parent / "tokenizer_config.json"
-        named = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
-        named = named.get("content") if isinstance(named, dict) else named
+        named = json.loads(config.read_text()).get(role) if config.is_file() else None
+        return named.get("content") if isinstance(named, dict) else named
+
+    @property
+    def bos_id(self) -> int | None:
+        named = self._named("bos_token")
+        return self.hf_tokenizer.token_to_id(named) if named else None
+
+    def _eos_id(self) -> int:
+        named = self._named("eos_token")
         for name in ([named] if named else []) + list(EOS_NAMES):
             found = self.hf_tokenizer.token_to_id(name)
             if found is not None:
