@@ -122,6 +122,7 @@ class Trainer:
         else:
             self.program = LocalStep(model, cfg.train.grad_accum, self.device)
         # mixtral over micro-batches or stages: each step's routing is counted before its forwards
+        # (otherwise a counter that counts nothing)
         self.routing = RoutingCount.for_run(cfg, model, mesh, self.program, self.device)
         hooks.check_model(names)  # (every parameter of the stage: another rank's expert too)
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
@@ -132,13 +133,11 @@ class Trainer:
         self.replicas = guard.ReplicaCheck(
             cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer
         )
-        every = cfg.train.eval_every  # 0: no Validation; a step never enters its module
-        self.validation = (
-            Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device) if every else None
-        )
+        # the observers a step calls every time: each does nothing when its key is off
+        every = cfg.train.eval_every  # 0: never due
+        self.validation = Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device)
+        self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)  # None: no window
         self.log: MetricsLog | None = None  # open while run() runs
-        window = cfg.train.profile_steps  # None: no profiler, and a step never enters its module
-        self.profiler = StepProfiler(window, self.run_dir, comm.rank) if window else None
 
     # -- the run ----------------------------------------------------------------
     def run(self) -> RunResult:
@@ -180,8 +179,7 @@ class Trainer:
                     log.event("error", step, error=type(exc).__name__, message=str(exc))
                 raise
             finally:
-                if self.profiler is not None:
-                    self.profiler.close()
+                self.profiler.close()
             self._finish(start, result)
         return result
 
@@ -222,8 +220,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------
     def _step(self, step: int, result: RunResult, signals: stopping.StopSignals) -> int:
         """Run ``step``; return the next step to run (smaller than step + 1 after a rollback)."""
-        if self.profiler is not None:
-            self.profiler.begin(step)
+        self.profiler.begin(step)
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
@@ -243,7 +240,7 @@ class Trainer:
         lr = self._apply_update(step)
         seconds = time.perf_counter() - began
         signals.deadline_s = max(signals.deadline_s, self.cfg.dist.timeout_s + 2 * seconds)
-        val_loss = self.validation.loss() if self.validation and self.validation.due(step) else None
+        val_loss = self.validation.loss() if self.validation.due(step) else None
         memory = self.memory_bytes()
         norms, rows, votes = self._gather_step_values(seconds, memory, signals)
         self.log.step(
@@ -266,16 +263,14 @@ class Trainer:
             step, result, signals, stopping.decision(step, self.cfg.checkpoint.every_steps, votes)
         )
         self.hooks.after_step(step)
-        if self.profiler is not None:
-            self.profiler.end(step)
+        self.profiler.end(step)
         return step + 1
 
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
         float64 scalar on the device."""
         batches = self.data.held_batches(step, self.mesh.dp.rank, self.mesh.cp, self.device)
-        if self.routing is not None:
-            self.routing.count(batches)
+        self.routing.count(batches)
         return self.program.run(batches)
 
     def _apply_update(self, step: int) -> float:

@@ -33,12 +33,12 @@ class RoutingCount:
         self.cfg, self.grad_accum, self.device = model.cfg, grad_accum, device
 
     @classmethod
-    def for_run(cls, cfg, model: CausalLM, mesh: Mesh, program, device: torch.device) -> RoutingCount | None:
-        """The counter a run's steps need (``cfg`` a ``RunConfig``), or None: only a Mixtral over
-        several micro-batches or pipeline stages."""
+    def for_run(cls, cfg, model: CausalLM, mesh: Mesh, program, device: torch.device):
+        """The counter a run's steps need (``cfg`` a ``RunConfig``): a Mixtral over several
+        micro-batches or pipeline stages counts; every other run gets ``NOTHING_TO_COUNT``."""
         if cfg.model.has_experts and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1):
             return cls(model, mesh, program, cfg.train.grad_accum, device)
-        return None
+        return NOTHING_TO_COUNT
 
     def count(self, batches: list) -> None:
         """Count the routing of the step's ``batches`` ((inputs, targets, positions) each) and set
@@ -91,3 +91,13 @@ class RoutingCount:
         kept = [packed.new_tensor([value]), counts.flatten()]
         kept += [dropped] if self.cfg.capacity_factor is not None else []
         self.model.routing_log.append(torch.cat(kept))
+
+
+class NothingToCount:
+    """The counter of a run whose forwards see the whole step's routing themselves (or have none)."""
+
+    def count(self, batches: list) -> None:
+        pass
+
+
+NOTHING_TO_COUNT = NothingToCount()
