@@ -33,7 +33,7 @@ from trainrun import compose_tree
 from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import bpe_tokens, documents, pretrained, text_source
-from distlib.app.data.batches import BatchPlan, GlobalBatches
+from distlib.app.data.batches import BatchPlan, GlobalBatches, check_source
 from distlib.app.data.tokens import DataError
 
 pytestmark = pytest.mark.slow
@@ -212,6 +212,19 @@ def test_parquet_documents_are_the_jsonl_ones(user, tmp_path):
         _write_parquet(path, columns)
         with pytest.raises(DataError, match=re.escape(f"data.path {path}: {problem}")):
             pretrained.ensure(d, pretrained.PretrainedTokenizer(d.tokenizer), 304)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_records_with_a_plain_text_tokenizer_are_refused_before_any_worker_starts(user, tokenizer):
+    """Bytes or a BPE trained on the text would read a jsonl file's syntax as the text."""
+    extra = ["data.vocab_size=512"] if tokenizer == "bpe" else []
+    cfg = RunConfig.from_dict(
+        compose_tree(["data=text", f"data.path={user['corpus']}", f"data.tokenizer={tokenizer}", *extra])
+    )
+    with pytest.raises(
+        DataError, match=f"holds documents as records: data.tokenizer={tokenizer} reads plain"
+    ):
+        check_source(cfg)
 
 
 def test_a_tokenizer_without_end_of_text_and_a_small_model_are_refused(user, tmp_path):

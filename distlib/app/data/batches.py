@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distlib.app.data import bpe_tokens, pretrained
+from distlib.app.data import bpe_tokens, documents, pretrained
 from distlib.app.data.tokens import DataError, load_text_tokens
 from distlib.comm.group import Comm
 from distlib.parallel.context import chunks
@@ -224,6 +224,12 @@ def check_source(cfg: RunConfig) -> None:
     if d.kind != "text":
         _check_lengths(d.total_tokens, cfg, "the synthetic corpus (data.total_tokens)")
         return
+    if not d.pretrained and Path(d.path).name.endswith(documents.RECORDS):
+        raise DataError(
+            f"data.path {d.path} holds documents as records: data.tokenizer={d.tokenizer} reads plain text "
+            f"and would train on their syntax; read them with an existing tokenizer, data.tokenizer=PATH "
+            f"(a directory with tokenizer.json; model.init_from=DIR's by default)"
+        )
     if d.tokenizer == "bpe":  # token counts are known after training and encoding: bpe_tokens.load
         bpe_tokens.precheck(d.path)
         return

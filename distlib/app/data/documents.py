@@ -21,7 +21,8 @@ from pathlib import Path
 from distlib.app.data.text_source import TextSource, read_bytes, read_file
 from distlib.app.data.tokens import DataError
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+RECORDS = (".jsonl", ".parquet")  # files of several documents, each a record
+SUFFIXES = (".txt", *RECORDS)
 _ROOT = str(Path(__file__).resolve().parents[3])  # the repository root: where the child imports distlib
 
 
