@@ -34,9 +34,10 @@ def manifest_config(manifest: dict, path: Path | str) -> tuple[ModelConfig, Data
 
 def adopted(tree: dict, typed: set[str]) -> tuple[dict, set[str]]:
     """A run that resumes an explicit checkpoint (``checkpoint.resume=PATH``) takes from its manifest
-    what the run does not set on purpose (``typed``: dotted keys): the model's config, and the data
-    keys of its tokenization -- as a fresh run takes them from model.init_from's config.json, so a
-    checkpoint resumes in a new run directory, at any layout, without its shape typed again.
+    what the run does not set on purpose (``typed``: dotted keys): the model's config, the data keys
+    of its tokenization, and the seed and global batch its data order continues with -- as a fresh
+    run takes a model's shape from model.init_from's config.json, so a checkpoint resumes in a new
+    run directory, at any layout, without any of them typed again.
     Returns (the tree, the dotted keys taken). Reads manifest.json only: a checkpoint that cannot be
     read, or whose recorded configuration is invalid, is left for the loader to name."""
     resume = (tree.get("checkpoint") or {}).get("resume")
@@ -53,8 +54,13 @@ def adopted(tree: dict, typed: set[str]) -> tuple[dict, set[str]]:
     taken = {f"model.{k}": v for k, v in model.items() if f"model.{k}" not in typed}
     if isinstance(data, dict):
         taken |= {f"data.{k}": data[k] for k in TOKENIZATION if k in data and f"data.{k}" not in typed}
-    out = {**tree, "model": dict(tree.get("model") or {}), "data": dict(tree.get("data") or {})}
+    position = manifest.get("data") if isinstance(manifest.get("data"), dict) else {}
+    if "global_batch" in position and not typed & {"train.global_batch", "train.batch_size"}:
+        taken["train.global_batch"] = position["global_batch"]  # the data order continues exactly
+    out = {**tree, **{group: dict(tree.get(group) or {}) for group in ("model", "data", "train")}}
     for key, value in taken.items():
         group, name = key.split(".")
         out[group][name] = value
+    if "seed" in manifest and "seed" not in typed:  # the data order's seed (the init is loaded)
+        out["seed"], taken["seed"] = manifest["seed"], manifest["seed"]
     return out, set(taken)
