@@ -1,14 +1,15 @@
 """Any layout resumes at any other, through the real Trainer (distlib/checkpoint/relayout.py).
 
-One Mixtral (so expert parallelism is among the layouts) saves step 10 at each of 11 layouts: one
+One Mixtral (so expert parallelism is among the layouts) saves step 5 at each of 11 layouts: one
 rank; ep 2 over 2 ranks; and over 4 ranks dp 4 (ZeRO 1), tp 2 x dp 2 (ZeRO 3), pp 2 x dp 2,
 cp 2 x dp 2, cp 4 (ZeRO 2), ep 2 (ZeRO 0) and ep 4 over dp 4, pp 2 x ep 2, cp 2 x tp 2. The layouts
 form a cycle: each resumes from the checkpoint its predecessor saved (the first from the last's),
 so every layout is saved once and loaded once, each across a change of several dimensions and
-ZeRO stages. Steps 11-20 of every resumed run are within 1e-5 of one rank's uninterrupted run, as
+ZeRO stages. Steps 6-10 of every resumed run are within 1e-5 of one rank's uninterrupted run, as
 every layout's own 20 steps are (tests/test_expert_parallel_train.py and the other dimensions'
-tests): at the exact data position and state, or its first step would differ by far more. That
-the bytes move exactly between every pair is tests/test_relayout.py's, for 13 x 13 layouts."""
+tests): at the exact data position and state, or its first step would differ by far more (a data
+position one batch off: 3.5e-2). Five steps: what resuming needs shown, at the fewest (issue 42).
+That the bytes move exactly between every pair is tests/test_relayout.py's, for 17 x 17 layouts."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 REL = 1e-5
 # seed 10: no near-tied top-k router choice in 20 steps (tests/test_expert_parallel_train.py)
-BASE = ["model=mixtral_tiny", "seed=10", "checkpoint.every_steps=10", "checkpoint.verify_resume=false"]
+SAVE, END = 5, 10  # every layout saves step SAVE; a resume trains on to END
+BASE = ["model=mixtral_tiny", "seed=10", f"checkpoint.every_steps={SAVE}", "checkpoint.verify_resume=false"]
 BASE += ["metrics.progress_every=0"]
 CYCLE = [
     (1, []),
@@ -46,26 +48,27 @@ def _by_world(runs: list[tuple[int, list[str]]]) -> dict[int, list[list[str]]]:
 
 
 def _checkpoint(root: Path, i: int) -> Path:
-    """Where layout ``i`` of CYCLE saved step 10 (train_worlds: root/ws<N>/<index in its world>)."""
+    """Where layout ``i`` of CYCLE saved step SAVE (train_worlds: root/ws<N>/<index in its world>)."""
     world = CYCLE[i][0]
     index = [j for j, (w, _) in enumerate(CYCLE) if w == world].index(i)
-    return root / f"ws{world}" / str(index) / "checkpoints" / "step_00000010"
+    return root / f"ws{world}" / str(index) / "checkpoints" / f"step_{SAVE:08d}"
 
 
 def test_every_layout_resumes_its_predecessors_checkpoint(tmp_path):
-    # every layout saves step 10; one rank also trains on to step 20: the reference
+    # every layout saves step SAVE; one rank also trains on to END: the reference
     sources = [
-        (world, [*layout, f"train.steps={20 if i == 0 else 10}"]) for i, (world, layout) in enumerate(CYCLE)
+        (world, [*layout, f"train.steps={END if i == 0 else SAVE}"])
+        for i, (world, layout) in enumerate(CYCLE)
     ]
     reference = train_worlds(BASE, _by_world(sources), tmp_path / "saved")[1][0]["losses"]
     saved = [_checkpoint(tmp_path / "saved", (i - 1) % len(CYCLE)) for i in range(len(CYCLE))]
     resumes = [
-        (w, [*layout, "train.steps=20", f"checkpoint.resume={p}"]) for (w, layout), p in zip(CYCLE, saved)
+        (w, [*layout, f"train.steps={END}", f"checkpoint.resume={p}"]) for (w, layout), p in zip(CYCLE, saved)
     ]
     resumed = train_worlds(BASE, _by_world(resumes), tmp_path / "resumed")
-    assert len(reference) == 20 and reference[-1] < 0.6 * reference[0]
+    assert len(reference) == END and reference[-1] < reference[0]
     for world, runs in resumed.items():
         for layout, run in zip(_by_world(CYCLE)[world], runs):
-            assert len(run["losses"]) == 10, (world, layout)
-            worst = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference[10:]))
+            assert len(run["losses"]) == END - SAVE, (world, layout)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference[SAVE:]))
             assert worst <= REL, (world, layout, worst)
