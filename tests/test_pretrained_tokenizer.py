@@ -198,7 +198,7 @@ def _write_parquet(path: Path, columns: dict) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="needs the `parquet` extra (pyarrow)")
 def test_parquet_documents_are_the_jsonl_ones(user, tmp_path):
     """The same documents as a parquet file (the `parquet` extra) encode to the same ids; a missing
-    column or a row that is not a string is one line naming the file."""
+    column, a row that is not a string or a file that is not parquet is one line naming the file."""
     path = tmp_path / "docs" / "part-0.parquet"
     path.parent.mkdir()
     _write_parquet(path, {"id": list(range(80)), "body": user["docs"]})
@@ -212,6 +212,9 @@ def test_parquet_documents_are_the_jsonl_ones(user, tmp_path):
         _write_parquet(path, columns)
         with pytest.raises(DataError, match=re.escape(f"data.path {path}: {problem}")):
             pretrained.ensure(d, pretrained.PretrainedTokenizer(d.tokenizer), 304)
+    path.write_text("not parquet")
+    with pytest.raises(DataError, match=re.escape(f"data.path {path}: not a parquet file: ")):
+        pretrained.ensure(d, pretrained.PretrainedTokenizer(d.tokenizer), 304)
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])

@@ -44,15 +44,16 @@ def _jsonl(text: str, where: str, field: str) -> Iterator[str]:
 def _parquet(path: Path, sha: str, where: str, field: str) -> list[str]:
     """The column ``field`` of a parquet file, read in a child process: importing pyarrow starts
     threads (its allocator's and pools'), and this process must stay free of them (it may fork)."""
-    read_bytes(path, sha)  # unchanged since it was hashed
     proc = subprocess.run(
-        [sys.executable, "-m", "distlib.app.data.parquet_column", str(path), field],
+        [sys.executable, "-m", "distlib.app.data.parquet_column", field],
+        input=read_bytes(path, sha),  # the bytes that were hashed, given to the child on stdin
         capture_output=True,
-        text=True,
         env={**os.environ, "PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
     )
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+        lines = proc.stderr.decode(errors="replace").strip().splitlines() or [
+            f"exit status {proc.returncode}"
+        ]
         raise DataError(f"data.path {where}: {lines[-1]}")
     return json.loads(proc.stdout)
 

@@ -1,6 +1,6 @@
-"""``python -m distlib.app.data.parquet_column FILE FIELD``: the column FIELD of a parquet file as one
-JSON list of strings on stdout, or one line on stderr and exit status 1 (no pyarrow, not a parquet
-file, no such column, a row that is not a string). ``documents`` runs it as a child process, so
+"""``python -m distlib.app.data.parquet_column FIELD < FILE``: the column FIELD of the parquet file on
+stdin as one JSON list of strings on stdout, or one line on stderr and exit status 1 (no pyarrow,
+not a parquet file, no such column, a row that is not a string). ``documents`` runs it as a child process, so
 that pyarrow's threads never live in a training process."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import sys
 MISSING_EXTRA = "needs the optional `parquet` extra (pip install pyarrow==26.0.1), which is not installed"
 
 
-def column(path: str, field: str) -> list[str]:
-    """The strings of column ``field``; ValueError naming what is wrong."""
+def column(raw: bytes, field: str) -> list[str]:
+    """The strings of column ``field`` of the parquet file ``raw``; ValueError naming what is wrong."""
     try:
         import pyarrow
         import pyarrow.parquet
     except ImportError as exc:
         raise ValueError(f"a parquet file {MISSING_EXTRA}") from exc
     try:
-        table = pyarrow.parquet.read_table(path, columns=None, use_threads=False)
+        table = pyarrow.parquet.read_table(pyarrow.BufferReader(raw), use_threads=False)
     except pyarrow.ArrowException as exc:
         raise ValueError(f"not a parquet file: {exc}") from exc
     if field not in table.column_names:
@@ -33,7 +33,7 @@ def column(path: str, field: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     try:
-        print(json.dumps(column(argv[0], argv[1])))
+        print(json.dumps(column(sys.stdin.buffer.read(), argv[0])))
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1
