@@ -201,13 +201,15 @@ def open_shard(path: Path, rank: int):
 
 
 def read_partition(
-    path: Path, manifest: dict, place: Place, keys: Sequence[str] = STATE_KEYS
+    path: Path, manifest: dict, place: Place, keys: Sequence[str] = STATE_KEYS, sources: Sources | None = None
 ) -> dict[str, torch.Tensor]:
-    """``place``'s partition of each of ``keys`` (padded, on the host) from a verified checkpoint."""
+    """``place``'s partition of each of ``keys`` (padded, on the host) from a verified checkpoint
+    (``sources``: its holdings, when the caller has them already)."""
     path = Path(path)
+    sources = sources or Sources(holdings(manifest), path)
     size = -(-place.layout.numel // place.world)
     state = {key: torch.zeros(size, dtype=torch.float32, device=HOST) for key in keys}
-    for (file, prefix), (offsets, dest) in plan(Sources(holdings(manifest), path), place).items():
+    for (file, prefix), (offsets, dest) in plan(sources, place).items():
         lo, hi = int(offsets.min()), int(offsets.max()) + 1
         with open_shard(path, file) as f:
             for key in keys:
@@ -234,9 +236,10 @@ def load(path: Path, manifest: dict, places: dict[str, Place]):
     """(state, rank_state, rng) for a rank holding a partition at each of ``places`` (key prefix ->
     place; the RNG goes with the first's) from a verified checkpoint of any layout: state is each
     partition's STATE_KEYS under its prefix."""
-    state = {}
+    state, sources = {}, Sources(holdings(manifest), Path(path))
     for prefix, place in places.items():
-        state |= {prefix + k: v for k, v in read_partition(path, manifest, place).items()}
+        read = read_partition(path, manifest, place, sources=sources)
+        state |= {prefix + k: v for k, v in read.items()}
     return state, *rank_state(path, manifest, next(iter(places.values())))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distlib.app.checkpointing.loader import NO_RESUME
+from distlib.app.checkpointing.manifest_config import NO_RESUME
 from distlib.checkpoint import sharded as checkpoint
 
 SUBDIR = ".hydra"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlib.app.checkpointing import init_from, manifest_config
-from distlib.app.checkpointing.loader import NO_RESUME
+from distlib.app.checkpointing.manifest_config import NO_RESUME
 from distlib.app.config import schema
 from distlib.app.config.run import GROUPS, RunConfig, with_tokenizer_vocab
 

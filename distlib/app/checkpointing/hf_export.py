@@ -31,8 +31,6 @@ from distlib.app.model.hf_weights import save_hf_dir
 from distlib.checkpoint import offline, relayout
 from distlib.checkpoint import sharded as checkpoint
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
 
 @dataclass
 class Exported:
@@ -93,7 +91,7 @@ def export(path: Path | str, out: Path | str) -> Exported:
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_hf_dir(cfg, tensors, work, **_special_ids(tokenizer, manifest))
-        for name in TOKENIZER_FILES if tokenizer else ():
+        for name in bpe.TOKENIZER_FILES if tokenizer else ():
             if (tokenizer / name).is_file():
                 shutil.copyfile(tokenizer / name, work / name)
         os.rename(work, out)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from distlib.app.checkpointing.loader import NO_RESUME
+from distlib.app.checkpointing.manifest_config import NO_RESUME
 from distlib.app.config.data_group import TOKENIZER_JSON
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import RunConfig

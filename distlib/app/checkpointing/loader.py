@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from distlib.app.checkpointing.fit_check import check_fits
-from distlib.app.checkpointing.manifest_config import manifest_config
+from distlib.app.checkpointing.manifest_config import NO_RESUME, manifest_config
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
@@ -27,8 +27,6 @@ from distlib.comm.group import Comm
 from distlib.comm.layout import NAMES, Layout
 from distlib.comm.mesh import Mesh
 from distlib.parallel.zero import ZeroOptimizer
-
-NO_RESUME = (None, "", "none", "null")
 
 
 class Loader:

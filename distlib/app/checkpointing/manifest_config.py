@@ -15,6 +15,7 @@ from distlib.app.config.data_group import DataConfig
 from distlib.app.config.groups import ModelConfig
 from distlib.checkpoint.sharded import MANIFEST, CheckpointError
 
+NO_RESUME = (None, "", "none", "null")  # checkpoint.resume values that start fresh
 # The data keys that say how the text became tokens: a resume takes them from the checkpoint (where
 # the corpus lives, data.path and data.cache_dir, stays the run's own).
 TOKENIZATION = ("kind", "tokenizer", "vocab_size", "text_field")
@@ -41,7 +42,7 @@ def adopted(tree: dict, typed: set[str]) -> tuple[dict, set[str]]:
     Returns (the tree, the dotted keys taken). Reads manifest.json only: a checkpoint that cannot be
     read, or whose recorded configuration is invalid, is left for the loader to name."""
     resume = (tree.get("checkpoint") or {}).get("resume")
-    if not isinstance(resume, str) or resume in ("", "none", "null", "latest"):
+    if resume in NO_RESUME or resume == "latest":
         return tree, set()
     try:
         manifest = json.loads((Path(resume) / MANIFEST).read_text())

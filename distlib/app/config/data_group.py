@@ -80,6 +80,8 @@ class DataConfig(Group):
                     f"data.{name}={getattr(self, name)!r} has no effect with data.kind={self.kind}: it is "
                     f"used by {other}; " + ("add data=text" if self.kind == "synthetic" else "leave it out")
                 )
+        if not self.tokenizer:
+            raise ConfigError("data.tokenizer must be bytes, bpe or the path of a tokenizer, got ''")
         if self.tokenizer == "bpe" and self.kind != "text":
             raise ConfigError("data.tokenizer=bpe trains on a text: use it with data=text (data.kind=text)")
         if self.pretrained and self.kind != "text":
@@ -101,8 +103,6 @@ class DataConfig(Group):
                 f"data.vocab_size={self.vocab_size} needs data.tokenizer=bpe; data.tokenizer="
                 f"{self.tokenizer} has its own vocabulary (leave data.vocab_size null)"
             )
-        if not self.tokenizer:
-            raise ConfigError("data.tokenizer must be bytes, bpe or the path of a tokenizer, got ''")
 
 
 def tokenizer_json(path: str | Path) -> Path:

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from distlib.app.config.data_group import BPE_MIN_VOCAB, BYTE_VOCAB
+from distlib.app.config.data_group import BPE_MIN_VOCAB, BYTE_VOCAB, TOKENIZER_JSON, tokenizer_json
 from distlib.app.data.tokens import DataError
 
 EOS = "<|endoftext|>"
@@ -42,7 +42,6 @@ MISSING_EXTRA = (
     "data.tokenizer=bpe needs the optional `hf` extra (pip install tokenizers==0.23.3), "
     "which is not installed"
 )
-TOKENIZER_JSON = "tokenizer.json"
 # What AutoTokenizer.from_pretrained reads besides tokenizer.json (save_tokenizer_dir writes them).
 TOKENIZER_FILES = (TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json")
 # Encode in pieces of about this many characters, so a large text never becomes one giant
@@ -134,19 +133,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
     return BpeTokenizer(tok, tok.to_str(pretty=True))
 
 
-def _tokenizer_json(path: str | Path) -> Path:
-    path = Path(path)
-    return path / TOKENIZER_JSON if path.is_dir() else path
-
-
 def tokenizer_sha256(path: str | Path) -> str:
     """sha256 of the tokenizer.json bytes (``path``: the file or its directory)."""
-    return hashlib.sha256(_tokenizer_json(path).read_bytes()).hexdigest()
+    return hashlib.sha256(tokenizer_json(path).read_bytes()).hexdigest()
 
 
 def load_tokenizer(path: str | Path) -> BpeTokenizer:
     """The tokenizer saved at ``path`` (a tokenizer.json, or a directory holding one)."""
-    file = _tokenizer_json(path)
+    file = tokenizer_json(path)
     try:
         serialized = file.read_bytes().decode("utf-8")  # bytes: no newline translation, exact sha256
     except (OSError, UnicodeDecodeError) as exc:
