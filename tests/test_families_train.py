@@ -1,9 +1,11 @@
-"""GPT-2 and Llama in every parallel layout: each trains 20 steps to world size 1's losses (relative
-1e-5) on the same global batch -- ZeRO 0-3, tensor and pipeline parallelism (every schedule) and
-their mixes, zero.overlap, activation checkpointing, tied embeddings at every ZeRO stage -- with
-the memory formula holding on every rank (invariant 3: the printed memory table's "match") and
-the parameter norms equal (invariant 2); bf16 follows the fp32 run at bf16 precision; MFU counts
-the model's parameters by formula, a tied weight once.
+"""GPT-2 and Llama in every parallel layout: each trains 20 steps to world size 1's losses (relative 1e-5)
+on the same global batch -- ZeRO 0-3, tensor and pipeline parallelism (every schedule) and their mixes,
+zero.overlap, activation checkpointing, tied embeddings at every ZeRO stage -- with the memory formula
+holding on every rank (invariant 3: the printed memory table's "match") and the parameter norms equal
+(invariant 2); with dropout on (two of the models: its masks do not depend on the layout,
+distlib/parallel/dropout.py) through data, tensor and pipeline parallelism, activation checkpointing and
+accumulation over 4 micro-batches; bf16 follows the fp32 run at bf16 precision; MFU counts the model's
+parameters by formula, a tied weight once.
 
 One run_ranks call per world size carries all of its cases (each rank trains the trees in turn).
 """
@@ -33,8 +35,15 @@ REL = 1e-5
 BF16_REL = 0.01
 MODELS = {
     "gpt2": ["model=gpt2", "model.tie_embeddings=true"],  # tied, 2 blocks
-    "gpt2_4": ["model=gpt2", "model.n_layers=4"],  # untied (a pipeline refuses a tied head), 4 blocks
-    "llama": ["model=llama", "model.n_kv_heads=2", "model.n_layers=4", "model.mlp_hidden=48"],
+    # untied (a pipeline refuses a tied head), 4 blocks; dropout on the embedding, weights, residuals
+    "gpt2_4": ["model=gpt2", "model.n_layers=4", "model.dropout=0.1"],
+    "llama": [
+        "model=llama",
+        "model.n_kv_heads=2",
+        "model.n_layers=4",
+        "model.mlp_hidden=48",
+        "model.dropout=0.1",
+    ],
     # held-out loss every 10 steps: ZeRO-3's shared (tied) unit in a forward without gradients
     "llama_tied": ["model=llama", "model.n_kv_heads=2", "model.tie_embeddings=true"]
     + ["data.val_fraction=0.1", "train.eval_every=10", "train.eval_windows=8"],
@@ -47,7 +56,7 @@ BASE = [
 ]
 PP2 = ["dist.pp=2", "train.grad_accum=2"]
 CASES = {
-    1: [(name, []) for name in MODELS],
+    1: [(name, []) for name in MODELS] + [("llama", ["train.grad_accum=4"])],
     2: [
         ("gpt2", ["zero=stage0", "zero.overlap=true"]),
         ("gpt2", ["zero=stage1", "model.activation_checkpointing=blocks"]),
@@ -113,7 +122,7 @@ def _reference(runs, model: str) -> dict:
 def _cases(runs, dtype: str):
     for world, cases in CASES.items():
         for (model, layout), run in zip(cases, runs[world]):
-            if world > 1 and ("train.dtype=bf16" in layout) == (dtype == "bf16"):
+            if (world > 1 or layout) and ("train.dtype=bf16" in layout) == (dtype == "bf16"):
                 yield f"ws{world} {model} {layout}", model, run
 
 

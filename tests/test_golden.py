@@ -4,7 +4,9 @@ The reference is this machine kind's committed file (``tests/golden/losses-<key>
 as ``golden_runs.machine_key()`` says) where it holds this machine's bits, and otherwise the pinned
 known-good commit run on this machine (tests/pinned_reference.py, cached under .pytest_cache): a
 machine without a file still compares bitwise, and a file recorded on a machine that rounds
-differently under the same key fails nothing. It skips only where the pinned commit cannot be run
+differently under the same key fails nothing. A layout re-pinned to the commit that changed its
+arithmetic on purpose (``pinned_reference.REPINNED``) is compared with that commit's run here
+where its file has no entry (null) for it. It skips only where the pinned commit cannot be run
 (no git history holding it), and says so.
 
 A new machine kind's file: ``.venv/bin/python tests/golden_runs.py --record`` (from the pinned
@@ -16,7 +18,7 @@ import json
 
 import pytest
 from golden_runs import GOLDEN_DIR, LAYOUTS, golden_file, machine_key, run_layout
-from pinned_reference import reference_for
+from pinned_reference import commit_of, reference_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +40,7 @@ def test_losses_and_parameters_bitwise_equal_to_golden(name, pinned_reference):
     recorded = TABLES.get(golden_file(KEY), {}).get(name)
     recorded = recorded and {k: recorded[k] for k in ("losses", "params_sha256")}
     want, source = reference_for(
-        got, recorded, lambda: pinned_reference()["layouts"][name], golden_file(KEY).name
+        got, recorded, lambda: pinned_reference()["layouts"][name], golden_file(KEY).name, commit_of(name)
     )
     first = next((i for i, (a, b) in enumerate(zip(got["losses"], want["losses"])) if a != b), None)
     assert first is None and len(got["losses"]) == len(want["losses"]), (

@@ -1,8 +1,9 @@
 """Ring attention (distlib/parallel/context/ring.py) against the single-process explicit causal
 attention (distlib/app/model/attention.py) on 2 and 4 gloo ranks: every rank draws the same whole
 sequence from a seed, takes its ``chunks`` rows, runs the ring forward and backward, and its
-output and dq/dk/dv rows must match the whole-sequence reference's; twice, bitwise; with every
-rank attending as many (query chunk, key chunk) pairs."""
+output and dq/dk/dv rows must match the whole-sequence reference's (with dropout on the weights
+too: the keyed masks, distlib/parallel/dropout.py); twice, bitwise; with every rank attending as
+many (query chunk, key chunk) pairs."""
 
 import functools
 import time
@@ -12,16 +13,19 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from distlib.app.model.attention import causal_attention, causal_mask
+from distlib.app.model.attention import WeightsDropout, causal_attention, causal_mask
 from distlib.comm.group import Comm
 from distlib.parallel.context import chunks
 from distlib.parallel.context.ring import RingStats, block_count, ring_attention
+from distlib.parallel.dropout import Draws
 
 SEQ, BATCH, HEADS, DIM = 16, 2, 3, 8
 OPTS = {
     "multiply": {"scale": DIM**-0.5},
     "divide": {"scale": DIM**0.5, "divide": True},  # MiniGPT's
     "softmax_f32": {"scale": DIM**-0.5, "softmax_dtype": torch.float32},  # Llama's
+    # the weights dropped (p 0.3) with two samples' keyed masks: the ring takes its rows' factors
+    "dropout": {"scale": DIM**-0.5, "dropout": 0.3, "training": True, "draws": Draws(3, (11, 12))},
 }
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -46,7 +50,10 @@ def _reference(dtype: torch.dtype, opts: dict, compute: torch.dtype | None = Non
 def _ring(comm: Comm, whole: list[torch.Tensor], pos: torch.Tensor, opts: dict):
     q, k, v = (t[..., pos, :].clone().requires_grad_() for t in whole[:3])
     stats = RingStats()
-    out = ring_attention(q, k, v, comm, pos, **opts, stats=stats)
+    opts = dict(opts)
+    p, training, draws = opts.pop("dropout", 0.0), opts.pop("training", False), opts.pop("draws", None)
+    factors = WeightsDropout(p if training else 0.0, draws, SEQ).rows(q, pos)
+    out = ring_attention(q, k, v, comm, pos, **opts, dropout=factors, stats=stats)
     out.backward(whole[3][..., pos, :])
     return [t.detach().double().numpy() for t in (out, q.grad, k.grad, v.grad)], stats
 

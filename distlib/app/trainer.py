@@ -66,6 +66,7 @@ from distlib.comm import agree, watchdog
 from distlib.comm.group import Comm
 from distlib.comm.mesh import Mesh, build_mesh
 from distlib.parallel.broadcast import broadcast_module_
+from distlib.parallel.dropout import Draws
 from distlib.parallel.zero import ZeroOptimizer
 
 
@@ -110,8 +111,10 @@ class Trainer:
         d = cfg.dist
         self.mesh = mesh = build_mesh(comm, cfg.layout_of(comm.size), d.timeout_s)
         self.hooks = hooks = hooks if hooks is not None else StepHooks()
-        # Tensor-parallel ranks of one data-parallel group draw the same dropout masks.
+        # Whatever draws from the process RNGs draws per data-parallel rank; dropout does not: its
+        # masks are keyed by the seed, the global sample and the site, for any layout.
         seed_process_rngs(cfg.seed, mesh.dp.rank)
+        self.draws = Draws(cfg.seed, (), share=(mesh.tp.rank, mesh.tp.size))
         plan = data.BatchPlan(cfg.global_batch, mesh.dp.size, cfg.train.grad_accum)
         self.data, heldout = data.build(cfg, comm, plan, self.run_dir)  # run_dir: a BPE run's tokenizer
         self.model, self.optimizer, chunks, splits, names = build(cfg, comm, mesh, self.device, cfg.seed)
@@ -269,7 +272,7 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its (accumulated) loss, a
         float64 scalar on the device."""
-        batches = self.data.held_batches(step, self.mesh.dp.rank, self.mesh.cp, self.device)
+        batches = self.data.held_batches(step, self.mesh.dp.rank, self.mesh.cp, self.device, self.draws)
         self.routing.count(batches)
         return self.program.run(batches)
 

@@ -19,9 +19,9 @@ sequence, replicated as with tensor parallelism alone, so the loss is the same n
 A replicated parameter used on the shards (a norm's weight, a row-parallel bias added after the
 reduce-scatter) gets from each rank the gradient of that rank's tokens only; ``split_sequence_``
 hooks each one so that its gradient is summed over the group before it accumulates, and the
-replicas stay bitwise equal. Residual dropout draws the mask of the whole sequence and keeps this
-rank's part (``SequenceSplit.dropout``): the same random draws as tensor parallelism alone, so the
-RNG state (which checkpoints save) does not depend on ``dist.sp``.
+replicas stay bitwise equal. Residual dropout keeps the whole sequence's mask at the positions
+this rank holds (``SequenceSplit.held``; ``distlib.parallel.dropout``): the masks of tensor
+parallelism alone, and of one rank.
 
 The collectives are ours, on flat contiguous tensors: (batch, seq, dim) activations are made
 sequence-major, (seq, batch, dim), so that each rank's tokens are one contiguous piece.
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
@@ -103,14 +102,14 @@ class SequenceSplit:
         """A row layer's partial sums: reduce-scattered to this rank's tokens (``leave``)."""
         return self.leave(partial)
 
-    def dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-        """``F.dropout`` of this rank's tokens with the whole sequence's mask (the draws of the
-        unsplit tensor, so the RNG advances as without sequence parallelism)."""
-        if not training or p == 0:
-            return x
-        whole = (x.shape[0], x.shape[1] * self.tp.size, *x.shape[2:])
-        mask = F.dropout(torch.ones(whole, dtype=x.dtype, device=x.device), p, True)  # 0 or 1/(1-p)
-        return x * _own(mask, self.tp)
+    @property
+    def parts(self) -> int:
+        return self.tp.size
+
+    def held(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions of the tokens this rank holds in the stream (its share of ``positions``)."""
+        n = positions.shape[0] // self.tp.size
+        return positions[self.tp.rank * n : (self.tp.rank + 1) * n]
 
 
 def _sum_over(tp: Comm):

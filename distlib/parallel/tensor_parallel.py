@@ -116,8 +116,11 @@ class Replicated:
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-        return F.dropout(x, p, training)
+    parts = 1  # the stream is not split along the sequence
+
+    def held(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions of the tokens this rank holds in the stream: all of them."""
+        return positions
 
     def into_column(self, x: torch.Tensor, tp: Comm) -> torch.Tensor:
         return _CopyToTP.apply(x, tp)

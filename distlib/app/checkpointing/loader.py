@@ -142,7 +142,7 @@ class Loader:
             self.say(
                 f"rank(s) {reseeded} have no saved RNG state in {path} (no rank at their place: it was "
                 f"saved by fewer ranks or at another pipeline or tensor-parallel degree): re-seeded from "
-                f"seed + rank; dropout draws differ from the original run"
+                f"seed + rank (dropout masks do not depend on it: they are keyed by sample)"
             )
 
 

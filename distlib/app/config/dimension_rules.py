@@ -110,11 +110,6 @@ def check_context(cfg) -> None:
             f"dist.cp_impl=alltoall needs the heads per tensor-parallel rank, model.n_heads/dist.tp = "
             f"{m.n_heads}/{d.tp} = {heads}, divisible by dist.cp={d.cp}; use dist.cp_impl=ring"
         )
-    if d.cp_impl == "ring" and m.dropout > 0:
-        raise ConfigError(
-            f"model.dropout={m.dropout} is not supported with dist.cp_impl=ring (the ring computes attention "
-            f"blocks itself, without dropout); use dist.cp_impl=alltoall or model.dropout=0"
-        )
     if cfg.train.eval_every:
         raise ConfigError(
             f"train.eval_every={cfg.train.eval_every} is not supported with dist.cp={d.cp} (the held-out "

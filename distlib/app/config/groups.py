@@ -63,7 +63,8 @@ class ModelConfig(Group):
         a number: each expert takes at most ceil(capacity_factor x seq_len x top_k / n_experts) of one
         sequence's assignments (first choices first, in token order) and drops the rest (GShard); the
         dropped count per block is logged as dropped_tokens
-    dropout: dropout probability (draws from the torch RNG, which checkpoints save); llama: on the
+    dropout: dropout probability; every mask is a function of (seed, global sample, block, site), so
+        every layout and a resumed run draw the same ones (distlib/parallel/dropout.py); llama: on the
         attention weights only, as transformers' attention_dropout
     activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
         backward (same losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes`

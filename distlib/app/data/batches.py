@@ -31,6 +31,7 @@ from distlib.app.data import bpe_tokens, documents, pretrained
 from distlib.app.data.tokens import DataError, load_text_tokens
 from distlib.comm.group import Comm
 from distlib.parallel.context import chunks
+from distlib.parallel.dropout import Draws
 
 if TYPE_CHECKING:
     from distlib.app.config.run import RunConfig
@@ -125,14 +126,18 @@ class GlobalBatches:
             self._epoch_order = (epoch, order)
         return int(self._epoch_order[1][index])
 
-    def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches (inputs, targets) for ``step`` (0-based count of steps done)."""
+    def micro_samples(self, step: int, dp_rank: int) -> list[range]:
+        """The global sample numbers of this rank's micro-batches for ``step`` (0-based)."""
         plan = self.plan
         first = step * plan.global_batch + dp_rank * plan.micro_batch * plan.grad_accum
+        starts = (first + micro * plan.micro_batch for micro in range(plan.grad_accum))
+        return [range(start, start + plan.micro_batch) for start in starts]
+
+    def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches (inputs, targets) for ``step`` (0-based count of steps done)."""
         batches = []
-        for micro in range(plan.grad_accum):
-            start = first + micro * plan.micro_batch
-            rows = [self._window(k) * self.seq_len for k in range(start, start + plan.micro_batch)]
+        for samples in self.micro_samples(step, dp_rank):
+            rows = [self._window(k) * self.seq_len for k in samples]
             windows = torch.from_numpy(
                 np.stack([np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64) for r in rows])
             )
@@ -151,10 +156,13 @@ class GlobalBatches:
         """This rank's micro-batches for training step ``step`` (1-based), past the skipped batches."""
         return self.micro_batches(self.batch_index(step), dp_rank)
 
-    def held_batches(self, step: int, dp_rank: int, cp: Comm | None, device) -> list[tuple]:
-        """``step_batches`` as (inputs, targets, positions) of the tokens this rank holds, on
-        ``device`` (``held_tokens``: all of them without context parallelism)."""
-        return [held_tokens(x, y, cp, device) for x, y in self.step_batches(step, dp_rank)]
+    def held_batches(self, step: int, dp_rank: int, cp: Comm | None, device, draws: Draws) -> list[tuple]:
+        """``step_batches`` as (inputs, targets, positions, draws) of the tokens this rank holds, on
+        ``device`` (``held_tokens``: all of them without context parallelism), with the keys of
+        their dropout masks: ``draws`` (this rank's seed and share) for each micro-batch's samples."""
+        samples = self.micro_samples(self.batch_index(step), dp_rank)
+        pairs = self.step_batches(step, dp_rank)
+        return [(*held_tokens(x, y, cp, device), draws.of(k)) for (x, y), k in zip(pairs, samples)]
 
     def position(self, step: int, skipped: int | None = None) -> dict:
         """The data position after ``step`` steps (and ``skipped`` batches, default: this run's), as

@@ -22,6 +22,7 @@ from distlib.parallel import grouped_heads
 from distlib.parallel.context import chunks
 from distlib.parallel.context.ring import ring_attention
 from distlib.parallel.context.ulysses import ulysses_attention
+from distlib.parallel.dropout import Draws
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -41,6 +42,47 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     """(batch, heads, seq, head_size) -> (batch, seq, heads * head_size), as transformers' reshape."""
     batch, _, seq, _ = t.shape
     return t.transpose(1, 2).reshape(batch, seq, -1).contiguous()
+
+
+@dataclass(frozen=True)
+class WeightsDropout:
+    """Dropout on the attention weights: ``p`` (0 outside training), the micro-batch's ``draws``
+    (None: torch's RNG, ``F.dropout``), and ``seq_len`` (the model's; the masks are drawn over
+    (all heads, seq_len, seq_len) per sample and kept where this rank's weights are)."""
+
+    p: float
+    draws: Draws | None
+    seq_len: int
+
+    def __call__(self, weights: torch.Tensor, share: tuple[int, int] = (0, 1)) -> torch.Tensor:
+        """``weights`` (batch, heads, seq, seq) of whole sequences; ``share``: which (index, count)
+        share of this rank's tensor-parallel heads they are (DeepSpeed-Ulysses)."""
+        if self.p == 0:
+            return weights
+        if self.draws is None:
+            return F.dropout(weights, self.p, True)
+        seq = slice(0, weights.shape[-1])
+        index = (self._heads(weights, share), seq, seq)
+        return self.draws.apply(weights, self.p, "attn.weights", self._full(weights, share), index)
+
+    def rows(self, like: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The factors for this rank's query rows at ``positions`` against every key position,
+        (batch, heads, len(positions), seq_len) (the ring's: it attends blocks of keys); None at p = 0."""
+        if self.p == 0:
+            return None
+        b, h = like.shape[:2]
+        if self.draws is None:
+            ones = torch.ones(b, h, positions.shape[0], self.seq_len, dtype=like.dtype, device=like.device)
+            return F.dropout(ones, self.p, True)
+        index = (self._heads(like, (0, 1)), positions, None)
+        return self.draws.noise("attn.weights", self.p, self._full(like, (0, 1)), index, like)
+
+    def _full(self, like: torch.Tensor, share: tuple[int, int]) -> tuple[int, int, int]:
+        heads = like.shape[1] * share[1] * self.draws.share[1]
+        return (heads, self.seq_len, self.seq_len)
+
+    def _heads(self, like: torch.Tensor, share: tuple[int, int]) -> torch.Tensor:
+        return self.draws.head_ids(like.shape[1], like.device, share)
 
 
 class WholeSequence:
@@ -68,29 +110,33 @@ def causal_attention(
     training: bool = False,
     sdpa: bool = False,
     context: Context = WHOLE,
+    draws: Draws | None = None,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale, causal) @ v with heads merged: q, k, v (batch, heads, seq, head_dim),
     k and v with their own heads (grouped-query: each serves q.heads/k.heads query heads,
     ``grouped_heads``); the result (batch, seq, heads * head_dim). ``divide``:
     scores / scale instead. ``softmax_dtype``: the softmax's dtype, cast back to v's. ``dropout`` on
-    the attention weights while ``training``. ``mask`` is ``causal_mask`` (the explicit path reads its
-    top-left seq x seq corner). ``context``: ``WHOLE``, or the sequence split over a context-parallel
+    the attention weights while ``training``, with the masks of ``draws`` (``WeightsDropout``).
+    ``mask`` is ``causal_mask`` (the explicit path reads its top-left seq x seq corner; its size is
+    the model's seq_len). ``context``: ``WHOLE``, or the sequence split over a context-parallel
     group (``ContextSplit``): q, k, v are this rank's tokens and so is the result."""
-    kwargs = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, dropout=dropout, training=training)
-    whole = lambda *qkv: attend_heads(*qkv, mask, **kwargs, sdpa=sdpa)  # noqa: E731
-    kept = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype)
+    drop = WeightsDropout(dropout if training else 0.0, draws, mask.shape[0])
+    kwargs = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop, sdpa=sdpa)
+    whole = lambda *qkv, share=(0, 1): attend_heads(*qkv, mask, **kwargs, share=share)  # noqa: E731
+    kept = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop)
     return merge_heads(context.attend(q, k, v, whole, **kept))
 
 
-def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, dropout, training, sdpa) -> torch.Tensor:
+def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, drop, sdpa, share) -> torch.Tensor:
     """``causal_attention`` of whole sequences, heads not merged: (batch, heads, seq, head_dim); k and
-    v are repeated to q's heads here."""
+    v are repeated to q's heads here; ``drop`` and ``share``: as ``WeightsDropout``'s."""
     n_rep = grouped_heads.repeats(q, k)
     k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     if sdpa:
-        p = dropout if training else 0.0
+        if drop.p and drop.draws is not None:
+            raise ValueError("sdpa draws its own dropout masks; the explicit path keys them (sdpa=False)")
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=p, is_causal=True, scale=1.0 / scale if divide else scale
+            q, k, v, dropout_p=drop.p, is_causal=True, scale=1.0 / scale if divide else scale
         )
     seq = q.shape[-2]
     scores = q @ k.transpose(-2, -1)
@@ -99,8 +145,7 @@ def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, dropout, traini
     # exactly 0 there (exp underflows), and a causal row always keeps its diagonal.
     scores = scores.masked_fill(~mask[:seq, :seq], float("-inf"))
     weights = F.softmax(scores, dim=-1, dtype=softmax_dtype).to(v.dtype)
-    weights = F.dropout(weights, dropout, training)
-    return weights @ v
+    return drop(weights, share) @ v
 
 
 @dataclass(frozen=True)
@@ -115,14 +160,23 @@ class ContextSplit:
     def positions(self, seq_len: int, device) -> torch.Tensor:
         return chunks.positions(seq_len, self.comm.size, self.comm.rank, device)
 
-    def attend(self, q, k, v, whole: Callable, *, scale, divide, softmax_dtype) -> torch.Tensor:
+    def attend(self, q, k, v, whole: Callable, *, scale, divide, softmax_dtype, drop) -> torch.Tensor:
         """This rank's rows of attention, unmerged; ``whole``: one-rank attention of whole sequences
-        (alltoall); the ring computes its blocks itself, with the same arguments (no dropout)."""
+        (alltoall); the ring computes its blocks itself, with the same arguments, and drops its
+        rows' weights with the factors ``drop`` gives for them."""
         if self.impl == "alltoall":
             return ulysses_attention(q, k, v, self.comm, whole)
         where = self.positions(q.shape[2] * self.comm.size, q.device)
         return ring_attention(
-            q, k, v, self.comm, where, scale=scale, divide=divide, softmax_dtype=softmax_dtype
+            q,
+            k,
+            v,
+            self.comm,
+            where,
+            scale=scale,
+            divide=divide,
+            softmax_dtype=softmax_dtype,
+            dropout=drop.rows(q, where),
         )
 
 

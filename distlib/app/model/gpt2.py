@@ -16,14 +16,13 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask, split_heads
 from distlib.app.model.layers import CausalLM, PreNormBlock
-from distlib.parallel.sequence_parallel import SequenceSplit
-from distlib.parallel.tensor_parallel import REPLICATED, Column, Replicated, Row
+from distlib.parallel.dropout import Draws, dropout
+from distlib.parallel.tensor_parallel import Column, Row
 
 # Megatron's split: attention by heads (a head's q, k and v rows stay on one rank), the MLP by
 # hidden units; column-parallel in, row-parallel out.
@@ -48,9 +47,9 @@ def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
 
 
 class CausalSelfAttention(nn.Module):
-    """Fused q|k|v (with bias) -> causal attention -> proj; dropout on the attention weights and on
-    the output (the residual branch). ``divide``: MiniGPT's scores / sqrt(head_dim) instead of
-    transformers' * head_dim**-0.5."""
+    """Fused q|k|v (with bias) -> causal attention -> proj; dropout on the attention weights (the
+    block drops the output, the residual branch). ``divide``: MiniGPT's scores / sqrt(head_dim)
+    instead of transformers' * head_dim**-0.5."""
 
     def __init__(self, cfg: ModelConfig, divide: bool = False):
         super().__init__()
@@ -62,9 +61,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
         self.context: attention.Context = attention.WHOLE  # dist.cp > 1: attention.split_context_
-        self.sequence: Replicated | SequenceSplit = REPLICATED  # dist.sp: the output dropout on its tokens
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+    ) -> torch.Tensor:
         # Learned positions entered with the embedding and the mask is relative: ``positions`` unused.
         # q|k|v of this rank's heads (all of them, or H/T with a column-parallel qkv): transformers' split.
         q, k, v = (split_heads(t, self.head_dim) for t in self.qkv(x).chunk(3, dim=2))
@@ -78,13 +78,9 @@ class CausalSelfAttention(nn.Module):
             dropout=self.dropout,
             training=self.training,
             context=self.context,
+            draws=draws,
         )
-        return residual_dropout(self.proj(out), self.dropout, self.training, self.sequence)
-
-
-def residual_dropout(x: torch.Tensor, p: float, training: bool, sequence: Replicated | SequenceSplit):
-    """Dropout on a residual branch: plain ``F.dropout``, or (``dist.sp``) on this rank's tokens."""
-    return sequence.dropout(x, p, training)
+        return self.proj(out)
 
 
 class MLP(nn.Module):
@@ -92,13 +88,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.dim, cfg.mlp_width)
         self.proj = nn.Linear(cfg.mlp_width, cfg.dim)
-        self.dropout = cfg.dropout
         self.activation = activation
-        self.sequence: Replicated | SequenceSplit = REPLICATED  # dist.sp: the output dropout on its tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.proj(self.activation(self.fc(x)))
-        return residual_dropout(out, self.dropout, self.training, self.sequence)
+        return self.proj(self.activation(self.fc(x)))  # the block drops the output
 
 
 class GPT2(CausalLM):
@@ -118,15 +111,19 @@ class GPT2(CausalLM):
         attention = partial(CausalSelfAttention, divide=self.DIVIDE_SCORES)
         mlp = partial(MLP, activation=self.ACTIVATION)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, layer_norm, attention, mlp) for _ in range(cfg.n_layers)
+            PreNormBlock(cfg, layer_norm, attention, mlp, index=i, residual_dropout=True)
+            for i in range(cfg.n_layers)
         )
         self.ln_f = layer_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=self.HEAD_BIAS)
         self._init_and_tie()
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
         x = self.tok_emb(tokens) + self.pos_emb(positions)
-        return F.dropout(x, self.cfg.dropout, self.training) if self.EMBEDDING_DROPOUT else x
+        if not self.EMBEDDING_DROPOUT:
+            return x
+        full = (self.cfg.seq_len, self.cfg.dim)  # the sequence's mask, kept at these positions
+        return dropout(x, self.cfg.dropout, self.training, draws, "embed", full, (positions, None))
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

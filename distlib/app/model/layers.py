@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from distlib.app.observe import activations
+from distlib.parallel.dropout import Draws, dropout
 from distlib.parallel.sequence_parallel import SequenceSplit
 from distlib.parallel.tensor_parallel import REPLICATED, Replicated
 
@@ -26,40 +27,55 @@ def positions_or_default(positions: torch.Tensor | None, seq: int, device: torch
 
 
 class PreNormBlock(nn.Module):
-    """x + attn(ln1(x), positions), then + mlp(ln2(x)): every family's residual block; they differ
-    only in the factories they pass, each called with the config (built in this order, so
-    construction draws from the RNG as each family's own block did; attention takes the positions).
+    """x + drop(attn(ln1(x), positions)), then + drop(mlp(ln2(x))): every family's residual block;
+    they differ only in the factories they pass, each called with the config (built in this order,
+    so construction draws from the RNG as each family's own block did; attention takes the
+    positions), and in ``residual_dropout`` (GPT-2's dropout on both branches; Llama has none).
+    ``index``: the block's place in the whole model, which keys its dropout masks (``draws``).
     With ``model.activation_checkpointing=blocks`` ``_forward`` is recomputed in backward. With
     ``dist.sp`` (``sequence``) x, the norms and the adds hold this rank's tokens only, and each branch
     enters its tensor-parallel region through one all-gather along the sequence."""
 
     sequence: Replicated | SequenceSplit = REPLICATED  # sequence_parallel.split_sequence_ sets a split
 
-    def __init__(self, cfg, norm, attention, mlp):
+    def __init__(self, cfg, norm, attention, mlp, *, index: int, residual_dropout: bool = False):
         super().__init__()
         self.checkpointing = cfg.activation_checkpointing == "blocks"
+        self.index, self.seq_len, self.dim = index, cfg.seq_len, cfg.dim
+        self.dropout = cfg.dropout if residual_dropout else 0.0
         self.ln1 = norm(cfg)
         self.attn = attention(cfg)
         self.ln2 = norm(cfg)
         self.mlp = mlp(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+    ) -> torch.Tensor:
+        draws = None if draws is None else draws.at_layer(self.index)
         if self.checkpointing and torch.is_grad_enabled() and x.requires_grad:
             # Keep only the input; backward reruns _forward (torch restores the RNG state first, so
             # dropout draws the same masks). _forward is called directly, not through the module:
             # the recomputation must not fire this block's hooks again (ZeRO-3's forward hook frees
             # the parameters; its hook on the block's output has gathered them before this runs).
             activations.keep(x)
-            return checkpoint(self._forward, x, positions, use_reentrant=False)
-        return self._forward(x, positions)
+            return checkpoint(self._forward, x, positions, draws, use_reentrant=False)
+        return self._forward(x, positions, draws)
 
-    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, draws: Draws | None) -> torch.Tensor:
         # transformers adds the branch to the residual as attn_output + residual: the same sum.
-        x = x + self.attn(self._enter(self.ln1(x)), positions)
-        return x + self.mlp(self._enter(self.ln2(x)))
+        x = x + self._drop(self.attn(self._enter(self.ln1(x)), positions, draws), positions, draws, "attn")
+        return x + self._drop(self.mlp(self._enter(self.ln2(x))), positions, draws, "mlp")
 
     def _enter(self, h: torch.Tensor) -> torch.Tensor:
         return self.sequence.enter(h)
+
+    def _drop(self, out: torch.Tensor, positions, draws: Draws | None, site: str) -> torch.Tensor:
+        """A branch's residual dropout, keyed by the positions of the tokens this rank holds."""
+        held = self.sequence.held(
+            positions_or_default(positions, out.shape[1] * self.sequence.parts, out.device)
+        )
+        full, index = (self.seq_len, self.dim), (held, None)
+        return dropout(out, self.dropout, self.training, draws, f"{site}.out", full, index)
 
     def sequence_sharded_parameters(self) -> list[nn.Parameter]:
         """The norms' parameters: with dist.sp they see this rank's tokens only."""
@@ -71,7 +87,8 @@ class CausalLM(nn.Module):
     their parameters only in top-level children, in forward order: the modules ``EMBEDDINGS`` names
     (the first pipeline stage keeps them), ``blocks``, then those ``HEAD`` names (the last stage's);
     they define ``_embed``, which receives the positions (learned embeddings read them; Llama's
-    rotary angles are taken from them in each attention, so the blocks receive them too)."""
+    rotary angles are taken from them in each attention, so the blocks receive them too) and the
+    dropout draws."""
 
     EMBEDDINGS: tuple[str, ...] = ("tok_emb",)
     HEAD: tuple[str, ...] = ("ln_f", "lm_head")
@@ -79,13 +96,15 @@ class CausalLM(nn.Module):
     # again for the head, which (like the embedding) runs replicated on the whole sequence.
     sequence: Replicated | SequenceSplit = REPLICATED
 
-    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+    ) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.cfg.seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.cfg.seq_len}")
-        return self._embed(tokens, positions_or_default(positions, seq, tokens.device))
+        return self._embed(tokens, positions_or_default(positions, seq, tokens.device), draws)
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
         raise NotImplementedError
 
     def step_fields(self, micro_batches: int) -> dict:
@@ -102,14 +121,20 @@ class CausalLM(nn.Module):
         return self.lm_head(self.ln_f(hidden))
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
     ):
         """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss.
-        ``positions`` (seq,): where these tokens sit in their sequences (``positions_or_default``)."""
-        x = self.embed(tokens, positions)
+        ``positions`` (seq,): where these tokens sit in their sequences (``positions_or_default``).
+        ``draws``: the keys of the batch's dropout masks (``distlib.parallel.dropout``; the trainer
+        passes them); None: dropout draws from torch's RNG."""
+        x = self.embed(tokens, positions, draws)
         x = self.sequence.scatter(x)
         for block in self.blocks:
-            x = block(x, positions)
+            x = block(x, positions, draws)
         logits = self.head(self.sequence.gather(x))
         if targets is None:
             return logits

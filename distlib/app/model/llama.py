@@ -18,6 +18,7 @@ from distlib.app.config.groups import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask, split_heads
 from distlib.app.model.layers import CausalLM, PreNormBlock, positions_or_default
+from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row
 
 # q, k and v by heads (the key/value heads split over the ranks too, so rank t's query heads find
@@ -89,7 +90,9 @@ class Attention(nn.Module):
         # model's device (precomputed fp32 tables did not match it after module.to(bf16)).
         self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+    ) -> torch.Tensor:
         # This rank's heads: the head counts come from the (possibly column-parallel) widths.
         q = split_heads(self.q_proj(x), self.head_dim)
         k = split_heads(self.k_proj(x), self.head_dim)
@@ -110,6 +113,7 @@ class Attention(nn.Module):
             dropout=self.dropout,
             training=self.training,
             context=self.context,
+            draws=draws,
         )
         return self.o_proj(out)
 
@@ -134,12 +138,14 @@ class Llama(CausalLM):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(PreNormBlock(cfg, rms_norm, Attention, MLP) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            PreNormBlock(cfg, rms_norm, Attention, MLP, index=i) for i in range(cfg.n_layers)
+        )
         self.ln_f = rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._init_and_tie()
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
         return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
 
 

@@ -32,6 +32,7 @@ from distlib.app.config.groups import ModelConfig
 from distlib.app.model import llama, moe
 from distlib.app.model.layers import CausalLM, PreNormBlock
 from distlib.comm.group import Comm
+from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row
 
 # Attention as Llama's; each expert by hidden units (w1, w3 column-parallel, w2 row-parallel). The
@@ -50,7 +51,7 @@ class Mixtral(CausalLM):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, llama.rms_norm, llama.Attention, moe.MoE) for _ in range(cfg.n_layers)
+            PreNormBlock(cfg, llama.rms_norm, llama.Attention, moe.MoE, index=i) for i in range(cfg.n_layers)
         )
         self.ln_f = llama.rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -60,13 +61,17 @@ class Mixtral(CausalLM):
         self.routing_log: deque[torch.Tensor] = deque(maxlen=LOG_LENGTH)
         self.step_balance: moe.StepBalance | None = None  # set by routing_count (each block holds it too)
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
         return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
     ):
-        out = super().forward(tokens, targets, positions)
+        out = super().forward(tokens, targets, positions, draws)
         if targets is None or not self.training:
             return out
         if self.step_balance is not None:  # the blocks charged their shares to the backward

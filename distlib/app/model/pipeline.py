@@ -27,6 +27,7 @@ import torch.nn as nn
 from distlib.app.model.layers import CausalLM
 from distlib.comm import agree
 from distlib.comm.mesh import Mesh
+from distlib.parallel.dropout import Draws
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
 
@@ -51,11 +52,13 @@ class Chunk(nn.Module):
         self._embed, self._head = model.embed, model.head  # bound methods: no module registered twice
         self.first, self.last = first, last
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+    ) -> torch.Tensor:
         if self.first:
-            x = self._embed(x, positions)
+            x = self._embed(x, positions, draws)
         for block in self.blocks:
-            x = block(x, positions)
+            x = block(x, positions, draws)
         return self._head(x) if self.last else x
 
 

@@ -43,7 +43,7 @@ class PipelineStep:
 
     def run(self, batches) -> torch.Tensor:
         """This rank's share of the step over ``batches`` (the step's micro-batches, (inputs,
-        targets, positions) each, on the device; positions None: all of each sequence); its summed
+        targets, positions, draws) each, on the device; positions None: all of each sequence); its summed
         loss as a float64 scalar on the device (0 off the last stage)."""
         micro = list(batches)
         self.model.train()
@@ -71,7 +71,7 @@ class PipelineStep:
             act_shape=(*micro[0][0].shape, self.model.cfg.dim),
             act_dtype=self.dtype,
             device=self.device,
-            positions=None if micro[0][2] is None else lambda i: micro[i][2],
+            inputs=lambda i: micro[i][2:],  # each chunk's positions and dropout draws
         )
 
     @property

@@ -11,8 +11,9 @@ forwards, each block's rows can charge their share of the gradient where they ar
 without gradients (on a pipeline, every stage's forwards of the schedule, in its order), each
 block tallying its routing; one all-reduce over the batch ranks and one over the stages give every
 rank the whole step's counts, and so f and the loss's value. The forward then runs as usual, with
-the dropout masks of the counting forward (the RNG is restored after it). Cost: one more forward
-per step, without saving activations.
+the dropout masks of the counting forward (they are keyed by sample and site,
+``distlib.parallel.dropout``; without keys, the RNG is restored after the count). Cost: one more
+forward per step, without saving activations.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class RoutingCount:
         return NOTHING_TO_COUNT
 
     def count(self, batches: list) -> None:
-        """Count the routing of the step's ``batches`` ((inputs, targets, positions) each) and set
+        """Count the routing of the step's ``batches`` ((inputs, targets, positions, draws) each) and set
         every block's ``step_balance`` and the model's, and the step's routing record."""
         blocks = moe_blocks(self.model)
         for _, m in blocks:

@@ -12,6 +12,12 @@ The backward runs the same ring: the keys and values travel again, each rank com
 its queries and its contribution to the visiting block's dk/dv, and the contributions travel
 with it, summed in ring order starting at the owner, until they arrive back home.
 
+Dropout on the attention weights comes in as factors (0 or 1 / (1 - p)) for this rank's query rows
+against every key position of the sequence; a block takes its columns. A block's weights are its
+share of the whole softmax, so the dropped numerator and the undropped normaliser merge as
+before, and the backward needs only two more products: dp through the factors, and dv from the
+dropped weights (delta = rowsum(dout * out) is still the softmax backward's rowsum(p * dp)).
+
 The arithmetic mirrors ``causal_attention``'s explicit path: scores in the inputs' dtype,
 ``* scale`` (or ``/ scale`` with ``divide``), the softmax statistics in ``softmax_dtype``
 (at least float32: the log-sum-exp merge of bf16 partials needs it), weights cast back to v's
@@ -91,27 +97,39 @@ class Layout:
     def rows(self, first: int, end: int) -> slice:
         return slice(first * self.chunk, end * self.chunk)
 
+    def key_positions(self, blk: Block, src: int) -> Tensor:
+        """The sequence positions of ``blk``'s keys in ``src``'s block."""
+        seq_len = 2 * self.n * self.chunk
+        return chunks.positions(seq_len, self.n, src, self.positions.device)[self.rows(blk[1], blk[2])]
+
     def mask(self, blk: Block, src: int) -> Tensor | None:
         """True where the key may be attended (key position <= query position), for the pairs of
         ``blk`` with ``src``'s keys; None where every pair is entirely visible."""
-        a, b0, b1, masked = blk
+        a, _, _, masked = blk
         if not masked:
             return None
-        seq_len = 2 * self.n * self.chunk
-        kpos = chunks.positions(seq_len, self.n, src, self.positions.device)[self.rows(b0, b1)]
-        return kpos[None, :] <= self.positions[self.rows(a, a + 1)][:, None]
+        return self.key_positions(blk, src)[None, :] <= self.positions[self.rows(a, a + 1)][:, None]
+
+    def factors(self, dropout: Tensor | None, blk: Block, src: int) -> Tensor | None:
+        """The dropout factors of ``blk``'s (query, key) pairs with ``src``'s keys (None: no dropout)."""
+        if dropout is None:
+            return None
+        a = blk[0]
+        return dropout[..., self.rows(a, a + 1), :].index_select(-1, self.key_positions(blk, src))
 
 
-def _partial(ar: Arith, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+def _partial(ar: Arith, q: Tensor, k: Tensor, v: Tensor, mask, drop) -> tuple[Tensor, Tensor]:
     """One block's attention, normalised within the block, and its rows' log-sum-exp (k and v
-    travel with their grouped-query heads: repeated to q's here)."""
+    travel with their grouped-query heads: repeated to q's here); ``drop``: the block's dropout
+    factors, applied to the weights after the normalisation (None: none)."""
     n_rep = grouped_heads.repeats(q, k)
     k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     s = ar.scores(q, k, mask)
     m = s.amax(-1, keepdim=True)  # every row sees its diagonal or a whole earlier chunk: finite
     e = torch.exp(s - m)
     total = e.sum(-1, keepdim=True)
-    out = (e / total).to(v.dtype) @ v
+    weights = (e / total).to(v.dtype)
+    out = (weights if drop is None else weights * drop) @ v
     return out.to(ar.acc), m + total.log()
 
 
@@ -124,7 +142,7 @@ def _merge(state: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tup
     return run * torch.exp(run_lse - new) + out * torch.exp(lse - new), new
 
 
-def _forward(ar: Arith, lay: Layout, q: Tensor, k: Tensor, v: Tensor, stats: RingStats | None):
+def _forward(ar: Arith, lay: Layout, q: Tensor, k: Tensor, v: Tensor, dropout, stats: RingStats | None):
     p2p, n, me = P2P("ring_attention", lay.comm), lay.n, lay.me
     cur = torch.stack([k, v])  # one message a step; sent from and received into two buffers
     spare = torch.empty_like(cur)
@@ -136,9 +154,8 @@ def _forward(ar: Arith, lay: Layout, q: Tensor, k: Tensor, v: Tensor, stats: Rin
         for blk in step_blocks(n, me, src):
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
-            part = _partial(
-                ar, q[..., qrows, :], cur[0][..., keys, :], cur[1][..., keys, :], lay.mask(blk, src)
-            )
+            kv = cur[0][..., keys, :], cur[1][..., keys, :]
+            part = _partial(ar, q[..., qrows, :], *kv, lay.mask(blk, src), lay.factors(dropout, blk, src))
             states[a] = _merge(states[a], *part)
             if stats is not None:
                 stats.forward_blocks += b1 - b0
@@ -148,7 +165,7 @@ def _forward(ar: Arith, lay: Layout, q: Tensor, k: Tensor, v: Tensor, stats: Rin
     return out.to(v.dtype), torch.cat([states[0][1], states[1][1]], dim=-2)
 
 
-def _block_grads(ar: Arith, q, k, v, dout, lse, delta, mask):
+def _block_grads(ar: Arith, q, k, v, dout, lse, delta, mask, drop):
     """dq, dk, dv of one block, from the final log-sum-exp: p is the block's share of the whole
     softmax, and delta = rowsum(dout * out) is the softmax backward's rowsum(p * dp).
 
@@ -156,14 +173,17 @@ def _block_grads(ar: Arith, q, k, v, dout, lse, delta, mask):
     the rounded dp of every block in one ring pass, as autograd's softmax backward does; so dp
     and delta are float64, where their rounding is below float32's (measured, in float32: dq
     4x autograd's error, 1.2e-6 where the true value is 0). dk and dv are folded back to k's and v's
-    grouped-query heads before they travel."""
+    grouped-query heads before they travel. ``drop``: the block's dropout factors (None: none)."""
     n_rep = grouped_heads.repeats(q, k)
     k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     p = torch.exp(ar.scores(q, k, mask) - lse)
     q, k, v = q.to(ar.acc), k.to(ar.acc), v.to(ar.acc)
     dp = dout.double() @ v.double().transpose(-2, -1)
+    kept = p
+    if drop is not None:
+        dp, kept = dp * drop.double(), p * drop.to(ar.acc)
     ds = ar.unscale((p.double() * (dp - delta)).to(ar.acc))
-    dk, dv = ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+    dk, dv = ds.transpose(-2, -1) @ q, kept.transpose(-2, -1) @ dout
     return ds @ k, grouped_heads.fold_kv(dk, n_rep), grouped_heads.fold_kv(dv, n_rep)
 
 
@@ -171,8 +191,9 @@ class _Backward:
     """The backward ring's state on one rank: dq for its queries, the visiting block's dk/dv."""
 
     def __init__(self, ar: Arith, lay: Layout, saved, dout: Tensor, stats: RingStats | None):
-        q, k, v, out, lse = saved
+        q, k, v, out, lse, dropout = saved
         self.ar, self.lay, self.q, self.lse, self.stats = ar, lay, q, lse, stats
+        self.dropout = dropout if dropout.numel() else None
         self.dout = dout.to(ar.acc)
         self.delta = (self.dout.double() * out.double()).sum(-1, keepdim=True)  # _block_grads: why float64
         self.dq = torch.zeros(q.shape, dtype=ar.acc, device=q.device)
@@ -193,6 +214,7 @@ class _Backward:
                 self.lse[..., qrows, :],
                 self.delta[..., qrows, :],
                 lay.mask(blk, src),
+                lay.factors(self.dropout, blk, src),
             )
             self.dq[..., qrows, :] += dq
             mine[0][..., keys, :] += dk
@@ -233,11 +255,12 @@ class _Backward:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, positions, scale, divide, softmax_dtype, stats):
+    def forward(ctx, q, k, v, comm, positions, scale, divide, softmax_dtype, dropout, stats):
         acc = torch.promote_types(softmax_dtype or q.dtype, torch.float32)
         ar, lay = Arith(scale, divide, acc), Layout(comm, positions, q.shape[-2])
-        out, lse = _forward(ar, lay, q, k, v, stats)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _forward(ar, lay, q, k, v, dropout, stats)
+        none = torch.empty(0, device=q.device)  # save_for_backward takes tensors only
+        ctx.save_for_backward(q, k, v, out, lse, none if dropout is None else dropout)
         ctx.ar, ctx.lay, ctx.stats = ar, lay, stats
         return out
 
@@ -247,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v = saved[:3]
         ring = _Backward(ctx.ar, ctx.lay, saved, dout, ctx.stats)
         dkv = ring.run(k, v)
-        return ring.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 6
+        return ring.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 7
 
 
 def ring_attention(
@@ -260,6 +283,7 @@ def ring_attention(
     scale: float,
     divide: bool = False,
     softmax_dtype: torch.dtype | None = None,
+    dropout: Tensor | None = None,
     stats: RingStats | None = None,
 ) -> Tensor:
     """This rank's rows of causal attention over the whole sequence, split over ``comm`` in the
@@ -268,6 +292,8 @@ def ring_attention(
     to q's where a block is attended); ``positions``: their positions in
     the sequence (``chunks.positions``; they give the causal mask). Returns (batch, heads, local
     tokens, head_dim), heads not merged. ``scale``, ``divide``, ``softmax_dtype``: as
-    ``causal_attention``. ``stats`` (if given) counts the pairs attended. Differentiable; the
+    ``causal_attention``. ``dropout``: the attention weights' dropout factors for this rank's query
+    rows against every key position, (batch, heads, local tokens, seq_len) (None: no dropout).
+    ``stats`` (if given) counts the pairs attended. Differentiable; the
     backward is a ring too, so every rank must call backward as well."""
-    return _RingAttention.apply(q, k, v, comm, positions, scale, divide, softmax_dtype, stats)
+    return _RingAttention.apply(q, k, v, comm, positions, scale, divide, softmax_dtype, dropout, stats)

@@ -59,12 +59,14 @@ def ulysses_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     comm: Comm,
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    attend: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """This rank's rows of causal attention over the whole sequence: q, k, v (batch, heads, T_local,
     head_dim) of its tokens, k and v with their own (grouped-query) heads, q's divisible by N;
     ``attend`` the one-rank attention of whole sequences in order, (batch, h, T, d) for q and k/v with
-    h's share of the key/value heads -> (batch, h, T, d). Returns (batch, heads, T_local, head_dim).
+    h's share of the key/value heads -> (batch, h, T, d), also given which share of the heads they
+    are (``share``: (this rank, N): rank j holds the j-th N-th of them, in order; dropout keys its
+    masks by head). Returns (batch, heads, T_local, head_dim).
     Key/value heads that divide over N travel as they are (rank j's query heads use exactly the
     key/value heads j receives); otherwise they are repeated first, only to lcm(kv heads, N), which
     divides the query heads: the fewest that split over the ranks."""
@@ -78,5 +80,5 @@ def ulysses_attention(
     order = chunks.natural_order(seq, n, q.device)  # gathered -> sequence order
     held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])  # sequence -> gathered
     full = [_SeqToHeads.apply(t.contiguous(), comm)[:, :, order] for t in (q, k, v)]
-    out = attend(*full)
+    out = attend(*full, share=(comm.rank, n))
     return _HeadsToSeq.apply(out[:, :, held].contiguous(), comm)

@@ -3,7 +3,7 @@
 Interface::
 
     loss = run(plan, chunks, comm, feed=..., loss_fn=..., act_shape=..., act_dtype=..., device=...,
-               recorder=None, positions=None)
+               recorder=None, inputs=None)
 
 * ``plan``: the whole plan, ``schedule.build(...)`` (every rank's list: a rank receives from a
   peer in the order that peer sends, which it reads from the peer's list). This rank runs
@@ -19,8 +19,9 @@ Interface::
 * ``act_shape`` / ``act_dtype``: every activation passed between stages (and its gradient) has
   this shape and dtype; receive buffers are made on ``device``.
 * ``recorder``: a ``recorder.Recorder`` that gets the timed events and activation memory.
-* ``positions(micro) -> Tensor``: where micro-batch ``micro``'s tokens sit in their sequences,
-  handed to every chunk (context parallelism: a rank holds some of them); None: 0..seq-1.
+* ``inputs(micro) -> tuple``: what every chunk's forward takes for micro-batch ``micro`` after
+  its input (e.g. where its tokens sit in their sequences, and its dropout masks' keys); None:
+  nothing more.
 
 Each micro-batch's loss is divided by m (the micro-batches in the plan) before its backward, as
 the trainer does for gradient accumulation, so the accumulated gradients are the full batch's
@@ -114,7 +115,7 @@ def run(
     act_dtype: torch.dtype,
     device,
     recorder=None,
-    positions: Callable[[int], Tensor] | None = None,
+    inputs: Callable[[int], tuple] | None = None,
 ) -> Tensor:
     """Run ``plan[comm.rank]`` (see the module docstring); returns this rank's summed loss / m."""
     P, me, v = comm.size, comm.rank, len(chunks)
@@ -156,7 +157,7 @@ def run(
                 else contextlib.nullcontext()
             )
             with ctx:
-                y = chunks[a.chunk](x) if positions is None else chunks[a.chunk](x, positions(a.micro))
+                y = chunks[a.chunk](x, *(inputs(a.micro) if inputs else ()))
                 if s == last:
                     y = loss_fn(a.micro, y) / m
                     total += y.detach().to(torch.float64)
@@ -194,7 +195,7 @@ def forward_only(
     act_shape,
     act_dtype: torch.dtype,
     device,
-    positions: Callable[[int], Tensor] | None = None,
+    inputs: Callable[[int], tuple] | None = None,
 ) -> None:
     """Every forward of ``plan[comm.rank]``, in its order, without a graph or a loss (arguments as
     ``run``'s): what a model's modules see of the step's forwards before it runs. The forward
@@ -209,7 +210,7 @@ def forward_only(
         for a in forwards[me]:
             need = schedule.messages_in(a, me, P, v)
             x = feed(a.micro) if need is None else mail.get(need, schedule.place_of(need[2], P)[0])
-            y = chunks[a.chunk](x) if positions is None else chunks[a.chunk](x, positions(a.micro))
+            y = chunks[a.chunk](x, *(inputs(a.micro) if inputs else ()))
             out = schedule.message_out(a, me, P, v)
             if out is None:
                 continue
