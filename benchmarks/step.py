@@ -29,8 +29,8 @@ faster); ``--collectives ours`` skips the twins.
 ``--dropout P``: every variant's model drops with probability P (torch's ``F.dropout``, drawn from
 each rank's RNG), and each of our variants gets a twin "(keyed dropout)" whose masks are the
 trainer's, keyed by (seed, global sample, block, site) so that they do not depend on the layout
-(``distlib/parallel/dropout.py``); ``vs torch dropout`` = the twin's plain variant's ms / the
-twin's (< 1: the keyed masks cost more), and the goals list the cost per step.
+(``distlib/parallel/dropout.py``); the JSON's ``ratio_vs_torch_dropout`` = the plain variant's
+ms / the twin's (< 1: the keyed masks cost more), and the goals list that cost per step.
 
 Variants: ours stage 0..3 without and with ``overlap`` (sync from backward hooks, ZeRO-3
 prefetch; stages 0-2 then use OVERLAP_BUCKET_NUMEL buckets; stages the optimizer refuses are
@@ -502,7 +502,7 @@ def main() -> None:
             )
     print()
     print_table(rows)
-    print("\ngoals (issue #15):")
+    print("\ngoals (issues #15, #38):")
     print_goals(rows)
     bad = [r for r in rows if not r["loss_agrees"]]
     print(

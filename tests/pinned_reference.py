@@ -30,7 +30,7 @@ from pathlib import Path
 PINNED = "8ba1845a4d0da0459c6eeb576c8ec4dae081e195"
 # layout -> the commit whose arithmetic it follows: dropout masks keyed by sample and site, so
 # that they do not depend on the layout (issue 38)
-REPINNED = {"dropout0.1_ws4": "REPIN_COMMIT"}
+REPINNED = {"dropout0.1_ws4": "41ad9dff24aa8583fb52abb1bfa3d5f0dbf9bffa"}
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).with_name("fixtures") / "ckpt_v1_ws2_stage1_step10"
 
