@@ -165,9 +165,10 @@ def test_mismatched_run_lists_every_difference_and_loads_nothing(ckpt, tmp_path,
 
 # -- invariant 4's RNG half can fail -----------------------------------------------------------------
 def test_resume_check_catches_an_rng_restore_that_does_nothing(tmp_path, monkeypatch):
-    """At the default config nothing draws from the process RNGs (dropout 0), so after the run they
-    still hold the saved states: a restore that does nothing must still be caught. The check re-seeds
-    them first and compares what the restored generators draw with what the saved ones draw."""
+    """Training draws nothing from the process RNGs (dropout's masks are keyed by sample), so after
+    the run they still hold the saved states: a restore that does nothing must still be caught. The
+    check re-seeds them first and compares what the restored generators draw with what the saved
+    ones draw."""
     config = tree(1, steps=4, every=2, checkpoint={"verify_resume": True})
     (good,) = train(config, tmp_path / "good")
     assert good["resume_ok"] is True
@@ -181,8 +182,9 @@ def test_resume_check_catches_an_rng_restore_that_does_nothing(tmp_path, monkeyp
 
 
 def test_resume_with_dropout_continues_the_same_random_draws(tmp_path):
-    """With dropout every step draws from the torch RNG: a resumed run matches the uninterrupted
-    one bit for bit only if each rank's generator state came back exactly."""
+    """With dropout every step draws masks: a resumed run matches the uninterrupted one bit for bit
+    only if it draws the masks the uninterrupted run drew at those steps (keyed by the samples it
+    reads: the data position must come back exactly)."""
     common = dict(steps=8, every=4, model={"dropout": 0.1})
     full = train(tree(2, **common, checkpoint={"verify_resume": True}), tmp_path / "full")
     resumed = train(

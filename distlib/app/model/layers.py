@@ -53,10 +53,11 @@ class PreNormBlock(nn.Module):
     ) -> torch.Tensor:
         draws = None if draws is None else draws.at_layer(self.index)
         if self.checkpointing and torch.is_grad_enabled() and x.requires_grad:
-            # Keep only the input; backward reruns _forward (torch restores the RNG state first, so
-            # dropout draws the same masks). _forward is called directly, not through the module:
-            # the recomputation must not fire this block's hooks again (ZeRO-3's forward hook frees
-            # the parameters; its hook on the block's output has gathered them before this runs).
+            # Keep only the input; backward reruns _forward (with the same dropout keys; without
+            # keys torch restores the RNG state first): the same masks. _forward is called
+            # directly, not through the module: the recomputation must not fire this block's hooks
+            # again (ZeRO-3's forward hook frees the parameters; its hook on the block's output has
+            # gathered them before this runs).
             activations.keep(x)
             return checkpoint(self._forward, x, positions, draws, use_reentrant=False)
         return self._forward(x, positions, draws)
@@ -70,7 +71,10 @@ class PreNormBlock(nn.Module):
         return self.sequence.enter(h)
 
     def _drop(self, out: torch.Tensor, positions, draws: Draws | None, site: str) -> torch.Tensor:
-        """A branch's residual dropout, keyed by the positions of the tokens this rank holds."""
+        """A branch's residual dropout (none unless training with p > 0), keyed by the positions of
+        the tokens this rank holds."""
+        if not self.training or self.dropout == 0:
+            return out
         held = self.sequence.held(
             positions_or_default(positions, out.shape[1] * self.sequence.parts, out.device)
         )
