@@ -3,10 +3,10 @@
     python scripts/export_hf.py outputs/.../checkpoints/step_00000020 exported/
     # then, in Python: transformers.AutoModelForCausalLM.from_pretrained("exported")
 
-CHECKPOINT is a sharded checkpoint directory of a model.family=gpt2, llama or mixtral run, of any layout and
-world size (ZeRO stage, tensor and pipeline parallelism): it is verified, reassembled and written
-as config.json, model.safetensors and generation_config.json, plus the run's tokenizer files when
-it had a tokenizer (their sha256 checked against the manifest). OUT_DIR must not exist yet.
+CHECKPOINT is a sharded checkpoint directory of a model.family=gpt2, llama, qwen3 or mixtral run, of
+any layout and world size (ZeRO stage, tensor and pipeline parallelism): it is verified, reassembled
+and written as config.json, model.safetensors and generation_config.json, plus the run's tokenizer
+files when it had a tokenizer (their sha256 checked against the manifest). OUT_DIR must not exist yet.
 MiniGPT is refused: it has no exact Hugging Face equivalent. See docs/models.md.
 """
 

@@ -1,4 +1,4 @@
-"""Small GPT-2 and Llama configs and helpers shared by the family and Hugging Face tests."""
+"""Small GPT-2, Llama and Qwen3 configs and helpers shared by the family and Hugging Face tests."""
 
 from __future__ import annotations
 
@@ -43,12 +43,35 @@ LLAMA_ODD = ModelConfig(
     mlp_hidden=88,
     norm_eps=1e-6,
 )
+# heads wider than dim / n_heads (dim 36 does not even divide by 4 heads): q/k/v project to 4 x 16
+LLAMA_HEAD_DIM = ModelConfig(
+    family="llama", vocab_size=60, seq_len=16, dim=36, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2
+)
+QWEN3_GQA = ModelConfig(
+    family="qwen3",
+    vocab_size=64,
+    seq_len=16,
+    dim=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    n_layers=2,
+    mlp_hidden=80,
+    norm_eps=1e-6,
+    rope_theta=1000.0,
+)
+QWEN3_TIED = ModelConfig(
+    family="qwen3", vocab_size=50, seq_len=24, dim=48, n_heads=4, n_layers=2, tie_embeddings=True
+)
 CONFIGS = {
     "gpt2-tied": GPT2_TIED,
     "gpt2-untied": GPT2_UNTIED,
     "llama-gqa": LLAMA_GQA,
     "llama-tied": LLAMA_TIED,
     "llama-odd": LLAMA_ODD,
+    "llama-head-dim": LLAMA_HEAD_DIM,
+    "qwen3-gqa": QWEN3_GQA,
+    "qwen3-tied": QWEN3_TIED,
 }
 
 

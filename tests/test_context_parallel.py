@@ -1,5 +1,5 @@
 """Context parallelism (dist.cp): every sample's sequence split over cp ranks (chunks r and 2cp-1-r),
-proved like every other layout: 20 steps within 1e-5 of world size 1 for all three families, at cp=2 and
+proved like every other layout: 20 steps within 1e-5 of world size 1 for all four families, at cp=2 and
 cp=4, with dp x cp, cp x tp, pp x cp, ZeRO 0-3 and gradient accumulation, by both routes to the other
 ranks' tokens (dist.cp_impl=alltoall and ring), with dropout on (gpt2 and llama); the logged loss and
 token count mean what they mean at one rank (torchtitan #3280 showed half the loss under TP+CP, #2983
@@ -26,6 +26,7 @@ MODELS = {
     # dropout on (its masks do not depend on the layout: distlib/parallel/dropout.py), by both routes
     "gpt2": ["model=gpt2", "model.dropout=0.1"],
     "llama": ["model=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.dropout=0.1"],
+    "qwen3": ["model=qwen3"],  # 4 query / 2 key-value heads of 16, each normed before it travels
 }
 BASE = [
     "train.steps=20",

@@ -1,4 +1,4 @@
-"""GPT-2 and Llama checkpoints: the manifest names the family; a resume is bitwise at the same layout
+"""GPT-2, Llama and Qwen3 checkpoints: the manifest names the family; a resume is bitwise at the same layout
 and within 1e-5 at another world size, ZeRO stage or pipeline degree (resharded on load, or by
 scripts/ckpt.py reshard); a checkpoint of any layout reassembles into the whole model
 (distlib/checkpoint/relayout.py: every rank's parameters are shard_of its slice of it, bit for bit);
@@ -50,6 +50,7 @@ REL = 1e-5
 FIXTURE = Path(__file__).with_name("fixtures") / "ckpt_v1_ws2_stage1_step10"  # MiniGPT, no model.family
 GPT2 = ["model=gpt2", "model.tie_embeddings=true"]
 LLAMA = ["model=llama", "model.n_kv_heads=2", "model.mlp_hidden=48", "model.norm_eps=1e-6"]
+QWEN3 = ["model=qwen3", "model.mlp_hidden=48"]  # 4 query / 2 key-value heads of 16 (dim 32)
 PP2 = ["dist.pp=2", "train.grad_accum=2"]
 SAVES = ["checkpoint.verify_resume=true", "metrics.progress_every=0"]
 # name -> (model, layout, steps, checkpoint.every_steps); "init" runs start from a transformers directory
@@ -60,11 +61,14 @@ FIRST = {
     "init_gpt2_tp2": (GPT2, ["dist.tp=2"], 2, 1),
     "init_llama_pp2": (LLAMA, PP2, 2, 1),
     "init_llama_zero3": (LLAMA, ["zero=stage3"], 2, 1),
+    "qwen3": (QWEN3, ["dist.tp=2"], 6, 3),  # the head norms' gradients summed over the tp ranks
+    "init_qwen3_pp2": (QWEN3, PP2, 2, 1),
 }
 
 
 def _hf_dirs(root: Path) -> dict[str, Path]:
-    """A transformers GPT-2 (tied) and Llama (grouped-query) of the runs' shapes, weights perturbed."""
+    """A transformers GPT-2 (tied), Llama and Qwen3 (grouped-query) of the runs' shapes, weights
+    perturbed."""
     configs = {
         "gpt2": transformers.GPT2Config(
             vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=True,
@@ -73,6 +77,10 @@ def _hf_dirs(root: Path) -> dict[str, Path]:
         "llama": transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False,
+        ),
+        "qwen3": transformers.Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=16, tie_word_embeddings=False,
         ),
     }  # fmt: skip
     out = {}
@@ -159,6 +167,7 @@ def trained(tmp_path_factory):
         == 0
     )
     ws1 = [("gpt2", _ckpt(dirs["gpt2"], 3)), ("llama", _ckpt(dirs["llama"], 3)), ("gpt2", copy)]
+    ws1.append(("qwen3", _ckpt(dirs["qwen3"], 3)))
     other = [
         (_tree(n, 1, root / f"ws1_{i}", hf, str(c)), str(root / f"ws1_{i}")) for i, (n, c) in enumerate(ws1)
     ]
@@ -195,11 +204,11 @@ def test_a_resume_at_the_same_layout_is_bitwise(trained):
 
 
 def test_another_world_size_stage_or_pipeline_degree_resumes_within_tolerance(trained):
-    """World size 2 -> 1 (GPT-2 from ZeRO-3 to ZeRO-1; Llama from 2 pipeline stages to 1), and the
-    scripts/ckpt.py reshard copy for one rank: steps 4-6 as the uninterrupted run's, and the copy
-    resumes bit for bit as the on-load resharding does."""
-    gpt2_run, llama_run, from_copy = trained["moved"]
-    for name, run in (("gpt2", gpt2_run), ("llama", llama_run)):
+    """World size 2 -> 1 (GPT-2 from ZeRO-3 to ZeRO-1; Llama from 2 pipeline stages to 1; Qwen3
+    from 2 tensor-parallel ranks to 1), and the scripts/ckpt.py reshard copy for one rank: steps 4-6
+    as the uninterrupted run's, and the copy resumes bit for bit as the on-load resharding does."""
+    gpt2_run, llama_run, from_copy, qwen3_run = trained["moved"]
+    for name, run in (("gpt2", gpt2_run), ("llama", llama_run), ("qwen3", qwen3_run)):
         want, got = _losses(trained["first"][name][0]), _losses(run)
         assert sorted(got) == [4, 5, 6]
         worst = max(abs(got[k] - want[k]) / want[k] for k in got)
@@ -314,6 +323,7 @@ def test_export_of_every_layout_loads_in_transformers_with_our_logits_and_tokens
     _export_matches(_ckpt(d["gpt2"], 6), tmp_path / "gpt2")  # ZeRO-3, tied
     _export_matches(_ckpt(d["llama"], 6), tmp_path / "llama")  # 2 pipeline stages
     _export_matches(_ckpt(d["init_gpt2_tp2"], 2), tmp_path / "tp2")  # 2 tensor-parallel ranks
+    _export_matches(_ckpt(d["qwen3"], 6), tmp_path / "qwen3")  # Qwen3, 2 tensor-parallel ranks
 
 
 def _one_line_error(proc) -> str:

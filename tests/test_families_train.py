@@ -44,6 +44,8 @@ MODELS = {
         "model.mlp_hidden=48",
         "model.dropout=0.1",
     ],
+    # wide heads (16, dim 32 / 4 heads = 8), each normed; dropout on the attention weights
+    "qwen3": ["model=qwen3", "model.dropout=0.1"],
     # held-out loss every 10 steps: ZeRO-3's shared (tied) unit in a forward without gradients
     "llama_tied": ["model=llama", "model.n_kv_heads=2", "model.tie_embeddings=true"]
     + ["data.val_fraction=0.1", "train.eval_every=10", "train.eval_windows=8"],
@@ -70,10 +72,13 @@ CASES = {
         ("llama", ["zero=stage2", "train.dtype=bf16"]),
         ("llama_tied", ["zero=stage0"]),
         ("llama_tied", ["zero=stage3"]),
+        ("qwen3", ["dist.tp=2", "zero=stage3"]),  # the head norms' gradients summed over tp
+        ("qwen3", PP2 + ["zero=stage1"]),
     ],
     4: [
         ("gpt2", ["dist.tp=2", "zero=stage3"]),  # 2 data- x 2 tensor-parallel, the tied head at ZeRO-3
         ("llama", PP2 + ["dist.tp=2"]),  # 1f1b over 2 stages of 2 tensor-parallel ranks
+        ("qwen3", ["dist.tp=2", "dist.sp=true", "zero=stage2"]),  # 2 data- x 2 tensor-parallel, sp
     ],
 }
 

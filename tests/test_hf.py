@@ -207,6 +207,13 @@ def hf_small(family: str, tie: bool, seed: int):
             bos_token_id=None, eos_token_id=None,
         )  # fmt: skip
         cls = transformers.GPT2LMHeadModel
+    elif family == "qwen3":  # its heads 12 wide, not hidden_size / heads = 8; two key/value heads
+        config = transformers.Qwen3Config(
+            vocab_size=60, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, head_dim=12, max_position_embeddings=20, rms_norm_eps=1e-6,
+            tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        cls = transformers.Qwen3ForCausalLM
     else:
         config = transformers.LlamaConfig(
             vocab_size=60, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
@@ -226,7 +233,10 @@ def _ours_from(fields, state):
     return model.eval()
 
 
-@pytest.mark.parametrize("family, tie", [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)])
+@pytest.mark.parametrize(
+    "family, tie",
+    [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)],
+)
 def test_import_save_pretrained(family, tie, tmp_path):
     theirs = hf_small(family, tie, seed=3)
     theirs.save_pretrained(tmp_path)
@@ -296,11 +306,21 @@ def _refusal(config_change=None, drop=None, add=None, reshape=None, family="llam
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"head_dim": 16}, "head_dim=16 is not hidden_size // num_attention_heads"),
+        # heads wider than the weights': the config is read, the weights refuse it
+        ({"head_dim": 16}, "q_proj.weight has shape (48, 48), the config implies (96, 48)"),
     ],
 )
 def test_import_refuses_llama_configs(change, message):
     assert message in _refusal(change)
+
+
+def test_import_refuses_a_qwen3_sliding_window():
+    config = hfc.hf_config(CONFIGS["qwen3-gqa"]) | {"use_sliding_window": True, "sliding_window": 8}
+    with pytest.raises(hfc.HFError) as err:
+        hfc.config_fields(config)
+    assert str(err.value) == (
+        "cannot convert exactly: use_sliding_window=true (our attention sees every token)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,11 @@ def test_the_hugging_face_directory_both_ways(tmp_path):
     [
         ({"sliding_window": 4}, "sliding_window=4 (our attention sees every token)"),
         ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not implemented"),
+        (
+            {"head_dim": 16},
+            f"head_dim=16 with hidden_size={MIXTRAL.dim} and num_attention_heads={MIXTRAL.n_heads} "
+            f"(mixtral's heads are hidden_size // num_attention_heads wide here)",
+        ),
     ],
 )
 def test_import_refuses_what_mixtral_here_does_not_compute(change, message):

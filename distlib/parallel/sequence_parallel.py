@@ -38,6 +38,7 @@ import torch.nn as nn
 from distlib.comm import collectives
 from distlib.comm.group import Comm
 from distlib.parallel.collective_op import collective_function
+from distlib.parallel.tensor_parallel import sum_gradients_over
 
 
 def _own(full: torch.Tensor, tp: Comm) -> torch.Tensor:
@@ -112,15 +113,6 @@ class SequenceSplit:
         return positions[self.tp.rank * n : (self.tp.rank + 1) * n]
 
 
-def _sum_over(tp: Comm):
-    # A tensor hook runs before the gradient accumulates into .grad, so ZeRO's post-accumulate
-    # hooks and buffers see only the summed gradient; every rank runs it in the same graph order.
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        return collectives.all_reduce(grad.contiguous().clone(), tp, op="sum")
-
-    return hook
-
-
 def split_sequence_(model: nn.Module, split: SequenceSplit, tp_params: Iterable[str]) -> list[nn.Parameter]:
     """Set every ``sequence`` slot of ``model``'s modules to ``split``, and sum over ``split.tp`` the
     gradient of every parameter a module declares it uses on the shards (its
@@ -136,6 +128,5 @@ def split_sequence_(model: nn.Module, split: SequenceSplit, tp_params: Iterable[
         if hasattr(module, "sequence"):
             module.sequence = split
             sharded.update((id(p), p) for p in getattr(module, "sequence_sharded_parameters", list)())
-    for p in sharded.values():
-        p.register_hook(_sum_over(split.tp))
+    sum_gradients_over(sharded.values(), split.tp)
     return list(sharded.values())

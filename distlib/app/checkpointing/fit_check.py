@@ -45,7 +45,7 @@ def _source_change(saved: dict | None, ours: dict | None) -> str:
 # The model keys that decide the parameters' (full) shapes: what must agree to cut a checkpoint's
 # whole tensors for another tensor-parallel degree (the cut pieces' shapes are checked again there).
 SHAPE_KEYS = ("family", "vocab_size", "dim", "n_heads", "n_layers", "mlp_ratio", "mlp_hidden", "n_kv_heads")
-SHAPE_KEYS += ("tie_embeddings", "n_experts")
+SHAPE_KEYS += ("head_dim", "tie_embeddings", "n_experts")
 
 
 def check_fits(

@@ -50,6 +50,7 @@ ADOPTED = (
     "mlp_ratio",
     "mlp_hidden",
     "n_kv_heads",
+    "head_dim",
     "tie_embeddings",
     "norm_eps",
     "rope_theta",

@@ -19,18 +19,20 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine", "wsd")
 
 
-FAMILIES = ("minigpt", "gpt2", "llama", "mixtral")  # model.family; distlib/app/model/families.py builds each
+FAMILIES = ("minigpt", "gpt2", "llama", "qwen3", "mixtral")  # model.family; app/model/families.py builds each
 # mixtral's sparse MoE (model/moe.py)
 MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef", "capacity_factor")
 # The keys a family does not use, each with what it is to stay at (the default); docs/models.md.
 NOT_USED_BY = {
-    "minigpt": ("mlp_hidden", "n_kv_heads", "tie_embeddings", "norm_eps", "rope_theta", "init_from")
-    + MOE_KEYS,
-    "gpt2": ("n_kv_heads", "rope_theta", *MOE_KEYS),
+    "minigpt": ("mlp_hidden", "n_kv_heads", "head_dim", "tie_embeddings", "norm_eps", "rope_theta")
+    + ("init_from", *MOE_KEYS),
+    "gpt2": ("n_kv_heads", "head_dim", "rope_theta", *MOE_KEYS),
     "llama": MOE_KEYS,
-    "mixtral": (),
+    "qwen3": MOE_KEYS,
+    "mixtral": ("head_dim",),
 }
-ROTARY = ("llama", "mixtral")  # Llama's attention: rotary positions, grouped-query key/value heads
+# Llama's attention: rotary positions, grouped-query key/value heads (qwen3: with its per-head q/k norm)
+ROTARY = ("llama", "qwen3", "mixtral")
 EXPERT_FAMILIES = ("mixtral",)  # a sparse mixture of experts for the MLP (model.n_experts, top_k)
 
 
@@ -39,21 +41,25 @@ class ModelConfig(Group):
     """The model: its family and shape (conf/model/; docs/models.md).
 
     family: minigpt (the project's own model), gpt2 (computes what transformers' GPT2LMHeadModel computes),
-        llama (LlamaForCausalLM's arithmetic) or mixtral (MixtralForCausalLM's: Llama's attention, a sparse
-        mixture of experts for the MLP); docs/models.md
+        llama (LlamaForCausalLM's arithmetic), qwen3 (Qwen3ForCausalLM's: Llama with an RMSNorm on each
+        query and key head) or mixtral (MixtralForCausalLM's: Llama's attention, a sparse mixture of
+        experts for the MLP); docs/models.md
     vocab_size: tokens in the vocabulary (the synthetic corpus uses the same); left unset, data=text's
         tokenizer's (256 bytes, or data.vocab_size) or model.init_from's
     seq_len: context length: tokens per training sequence (gpt2/llama: the largest position)
-    dim: embedding / residual width; must be divisible by n_heads
+    dim: embedding / residual width; must be divisible by n_heads unless head_dim is set
     n_heads: attention heads per block
     n_layers: transformer blocks
     mlp_ratio: MLP hidden width = mlp_ratio x dim (unless mlp_hidden is set)
-    mlp_hidden: gpt2/llama/mixtral: the MLP (mixtral: each expert's) hidden width itself (intermediate_size);
-        null = mlp_ratio x dim
-    n_kv_heads: llama/mixtral: key/value heads (grouped-query attention; divides n_heads); null = n_heads
-    tie_embeddings: gpt2/llama: the LM head is the token embedding (one parameter)
-    norm_eps: gpt2/llama: the LayerNorm / RMSNorm epsilon
-    rope_theta: llama/mixtral: the rotary position embedding's base
+    mlp_hidden: gpt2/llama/qwen3/mixtral: the MLP (mixtral: each expert's) hidden width itself
+        (intermediate_size); null = mlp_ratio x dim
+    n_kv_heads: llama/qwen3/mixtral: key/value heads (grouped-query attention; divides n_heads);
+        null = n_heads
+    head_dim: llama/qwen3: the width of one attention head (q/k/v project to n_heads x head_dim, o_proj
+        back to dim); null = dim / n_heads
+    tie_embeddings: gpt2/llama/qwen3: the LM head is the token embedding (one parameter)
+    norm_eps: gpt2/llama/qwen3: the LayerNorm / RMSNorm epsilon
+    rope_theta: llama/qwen3/mixtral: the rotary position embedding's base
     n_experts: mixtral: experts per block (num_local_experts)
     top_k: mixtral: experts each token is sent to (num_experts_per_tok), their outputs weighted by the
         renormalised router probabilities; at most n_experts
@@ -84,6 +90,7 @@ class ModelConfig(Group):
     mlp_ratio: int = key(4, ge=1)
     mlp_hidden: int | None = key(None, ge=1)
     n_kv_heads: int | None = key(None, ge=1)
+    head_dim: int | None = key(None, ge=1)
     tie_embeddings: bool = key(False)
     norm_eps: float = key(1e-5, gt=0)
     rope_theta: float = key(10000.0, gt=0)
@@ -96,8 +103,11 @@ class ModelConfig(Group):
     capacity_factor: float | None = key(None, gt=0)
 
     def check(self) -> None:
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}), or "
+                f"model.head_dim set"
+            )
         defaults = {s.name: s.default for s in specs(type(self))}
         for name in NOT_USED_BY[self.family]:
             if getattr(self, name) != defaults[name]:
@@ -133,8 +143,9 @@ class ModelConfig(Group):
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_width(self) -> int:
+        """The width of one attention head: model.head_dim, or dim / n_heads."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
     @property
     def has_experts(self) -> bool:

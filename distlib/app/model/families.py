@@ -4,6 +4,7 @@
     minigpt   minigpt.MiniGPT    (the project's own model; the capstone)
     gpt2      gpt2.GPT2          transformers' GPT2LMHeadModel
     llama     llama.Llama        transformers' LlamaForCausalLM
+    qwen3     qwen3.Qwen3        transformers' Qwen3ForCausalLM (Llama with per-head q/k norms)
     mixtral   mixtral.Mixtral    transformers' MixtralForCausalLM (Llama with sparse MoE blocks)
 
 Every family follows one contract (``layers.CausalLM``; the trainer, ZeRO-3 and the pipeline
@@ -23,17 +24,24 @@ import torch.nn as nn
 
 from distlib.app.config.dimension_rules import check_tensor_parallel
 from distlib.app.config.groups import ModelConfig
-from distlib.app.model import gpt2, llama, minigpt, mixtral, moe
+from distlib.app.model import gpt2, llama, minigpt, mixtral, moe, qwen3
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.comm.group import Comm
 from distlib.parallel.sequence_parallel import SequenceSplit, split_sequence_
-from distlib.parallel.tensor_parallel import Split, parallelize_
+from distlib.parallel.tensor_parallel import Split, parallelize_, sum_gradients_over
 
-CLASSES = {"minigpt": minigpt.MiniGPT, "gpt2": gpt2.GPT2, "llama": llama.Llama, "mixtral": mixtral.Mixtral}
+CLASSES = {
+    "minigpt": minigpt.MiniGPT,
+    "gpt2": gpt2.GPT2,
+    "llama": llama.Llama,
+    "qwen3": qwen3.Qwen3,
+    "mixtral": mixtral.Mixtral,
+}
 PLANS = {
     "minigpt": minigpt.TENSOR_PARALLEL_PLAN,
     "gpt2": gpt2.TENSOR_PARALLEL_PLAN,
     "llama": llama.TENSOR_PARALLEL_PLAN,
+    "qwen3": qwen3.TENSOR_PARALLEL_PLAN,
     "mixtral": mixtral.TENSOR_PARALLEL_PLAN,
 }
 
@@ -53,9 +61,14 @@ def shard_model_(model: CausalLM, tp: Comm, sequence_parallel: bool = False) -> 
     of them (in place, keeping parameter names and order); returns each split parameter's Split
     (none with a tensor-parallel group of one). A dimension that does not split is a ConfigError.
     ``sequence_parallel`` (dist.sp, tp > 1): between those layers every rank holds only its share
-    of the tokens (``distlib.parallel.sequence_parallel``); the parameters are the same."""
+    of the tokens (``distlib.parallel.sequence_parallel``); the parameters are the same. A parameter
+    each rank applies to its own heads only (qwen3's q/k norms: a module's
+    ``head_shared_parameters()``) has its gradient summed over ``tp``."""
     check_tensor_parallel(model.cfg, tp.size)
     splits = parallelize_(model, tp, tensor_parallel_plan(model.cfg))
+    if tp.size > 1:
+        shared = [p for m in model.modules() for p in getattr(m, "head_shared_parameters", list)()]
+        sum_gradients_over(shared, tp)
     if sequence_parallel:
         if tp.size == 1:
             raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
@@ -67,7 +80,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state_dict entry's shape, in order (a tied lm_head.weight listed too)."""
     if cfg.family == "minigpt":  # GPT-2's layout at mlp_ratio x dim, plus the LM head's bias
         return gpt2.param_shapes(cfg) | {"lm_head.bias": (cfg.vocab_size,)}
-    return {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}[cfg.family].param_shapes(cfg)
+    return {"gpt2": gpt2, "llama": llama, "qwen3": qwen3, "mixtral": mixtral}[cfg.family].param_shapes(cfg)
 
 
 def join_batch_(model: CausalLM, batch: Comm) -> None:

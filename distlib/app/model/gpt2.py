@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, divide: bool = False):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_width
         self.divide = divide
         self.scale = math.sqrt(self.head_dim) if divide else self.head_dim**-0.5
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)

@@ -1,5 +1,5 @@
-"""Hugging Face model configs both ways: GPT-2 <-> GPT2Config, Llama <-> LlamaConfig, Mixtral <->
-MixtralConfig.
+"""Hugging Face model configs both ways: GPT-2 <-> GPT2Config, Llama <-> LlamaConfig, Qwen3 <->
+Qwen3Config, Mixtral <-> MixtralConfig.
 
 Export: ``hf_config(cfg)`` is the config.json of a model directory that transformers'
 ``AutoModelForCausalLM.from_pretrained`` loads as the same model. Import: ``config_fields(config)``
@@ -19,8 +19,14 @@ import torch
 from distlib.app.config.groups import ROTARY, ModelConfig
 from distlib.app.config.schema import defaults
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
-CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mixtral": "MixtralConfig"}
+ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+CONFIG_CLASSES = {family: name.replace("ForCausalLM", "Config") for family, name in ARCHITECTURES.items()}
+CONFIG_CLASSES["gpt2"] = "GPT2Config"
 MISSING_EXTRA = "this needs the optional `hf` extra (transformers): pip install -e '.[hf]'"
 
 
@@ -48,9 +54,9 @@ def export_refusal(cfg: ModelConfig) -> str | None:
 
 
 def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None):
-    """transformers' GPT2Config / LlamaConfig / MixtralConfig for ``cfg``. Special tokens default to None: the
-    byte-level tokenizer has none (transformers' defaults, 50256 or 1/2, would be outside a small
-    vocabulary or ordinary bytes that generate() would stop on)."""
+    """transformers' GPT2Config / LlamaConfig / Qwen3Config / MixtralConfig for ``cfg``. Special
+    tokens default to None: the byte-level tokenizer has none (transformers' defaults, 50256 or 1/2,
+    would be outside a small vocabulary or ordinary bytes that generate() would stop on)."""
     reason = export_refusal(cfg)
     if reason:
         raise HFError(reason)
@@ -86,7 +92,7 @@ def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_toke
             num_hidden_layers=cfg.n_layers,
             num_attention_heads=cfg.n_heads,
             num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim,
+            head_dim=cfg.head_width,
             hidden_act="silu",
             max_position_embeddings=cfg.seq_len,
             rms_norm_eps=cfg.norm_eps,
@@ -95,6 +101,8 @@ def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_toke
         )
         if cfg.family == "llama":
             config = tf.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+        elif cfg.family == "qwen3":
+            config = tf.Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
         else:
             config = tf.MixtralConfig(
                 num_local_experts=cfg.n_experts,
@@ -173,8 +181,14 @@ def _mixtral_fields(c) -> dict:
     )
 
 
+def _qwen3_fields(c) -> dict:
+    _refuse_if(bool(c.use_sliding_window), "use_sliding_window=true (our attention sees every token)")
+    return {}
+
+
 def _llama_fields(c, raw: dict) -> dict:
-    """Llama's fields, and Mixtral's (Llama's attention, experts for the MLP)."""
+    """Llama's fields, Qwen3's (Llama with per-head q/k norms) and Mixtral's (Llama's attention,
+    experts for the MLP)."""
     _refuse_if(
         c.hidden_act not in ("silu", "swish"), f"hidden_act={c.hidden_act!r} (only 'silu' is implemented)"
     )
@@ -184,9 +198,13 @@ def _llama_fields(c, raw: dict) -> dict:
     )
     _refuse_if(bool(getattr(c, "mlp_bias", False)), "mlp_bias=true (our MLP has no bias)")
     heads, dim, kv = c.num_attention_heads, c.hidden_size, c.num_key_value_heads
-    _refuse_if(dim % heads != 0, f"hidden_size={dim} is not a multiple of num_attention_heads={heads}")
     head_dim = c.head_dim or dim // heads  # MixtralConfig leaves it null for hidden_size // heads
-    _refuse_if(head_dim != dim // heads, f"head_dim={c.head_dim} is not hidden_size // num_attention_heads")
+    natural = dim % heads == 0 and head_dim == dim // heads  # model.head_dim null then
+    _refuse_if(
+        not natural and c.model_type == "mixtral",
+        f"head_dim={c.head_dim} with hidden_size={dim} and num_attention_heads={heads} (mixtral's heads are "
+        f"hidden_size // num_attention_heads wide here)",
+    )
     _refuse_if(heads % kv != 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     scaling = raw.get("rope_scaling")
     _refuse_if(scaling is not None, f"rope_scaling={scaling!r} (only default RoPE, no scaling)")
@@ -204,11 +222,13 @@ def _llama_fields(c, raw: dict) -> dict:
         n_layers=c.num_hidden_layers,
         **_mlp_fields(c.intermediate_size, dim),
         n_kv_heads=None if kv == heads else kv,
+        head_dim=None if natural else head_dim,
         tie_embeddings=bool(c.tie_word_embeddings),
         norm_eps=float(c.rms_norm_eps),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         dropout=float(c.attention_dropout or 0.0),
         **(_mixtral_fields(c) if c.model_type == "mixtral" else {}),
+        **(_qwen3_fields(c) if c.model_type == "qwen3" else {}),
     )
 
 
@@ -217,7 +237,8 @@ def config_fields(config_dict: dict) -> dict:
     model_type = config_dict.get("model_type")
     if model_type not in ARCHITECTURES:
         raise HFError(
-            f"model_type {model_type!r} is not supported (only 'gpt2', 'llama' and 'mixtral' convert exactly)"
+            f"model_type {model_type!r} is not supported (only 'gpt2', 'llama', 'qwen3' and 'mixtral' "
+            f"convert exactly)"
         )
     cls = getattr(transformers_module(), CONFIG_CLASSES[model_type])
     try:
@@ -225,6 +246,12 @@ def config_fields(config_dict: dict) -> dict:
     except (TypeError, ValueError, KeyError) as exc:
         raise HFError(f"config.json is not a valid {model_type} config: {str(exc).splitlines()[0]}") from exc
     return _gpt2_fields(config) if model_type == "gpt2" else _llama_fields(config, config_dict)
+
+
+def _head_dim_set(m: ModelConfig) -> int | None:
+    """The head width where it is not dim / n_heads (a head_dim equal to it is no head_dim)."""
+    natural = m.dim % m.n_heads == 0 and m.head_width == m.dim // m.n_heads
+    return None if natural else m.head_width
 
 
 # What must agree between a run's model config and a directory it starts from (model.init_from):
@@ -239,6 +266,7 @@ _MATCHED = {
     "model.n_layers": lambda m: m.n_layers,
     "the MLP width (model.mlp_hidden, or model.mlp_ratio x model.dim)": lambda m: m.mlp_width,
     "model.n_kv_heads": lambda m: m.kv_heads,
+    "model.head_dim": _head_dim_set,
     "model.tie_embeddings": lambda m: m.tie_embeddings,
     "model.norm_eps": lambda m: m.norm_eps,
     "model.rope_theta": lambda m: m.rope_theta if m.family in ROTARY else None,

@@ -1,5 +1,6 @@
 """Hugging Face weights both ways: our state_dict <-> GPT2LMHeadModel / LlamaForCausalLM /
-MixtralForCausalLM's, and model directories (config.json, model.safetensors, generation_config.json).
+Qwen3ForCausalLM / MixtralForCausalLM's, and model directories (config.json, model.safetensors,
+generation_config.json).
 
 ``save_hf_dir(cfg, state_dict, dir)`` writes a directory ``AutoModelForCausalLM.from_pretrained``
 loads with no missing or unexpected keys; ``load_hf_dir(dir)`` returns the ModelConfig fields and
@@ -27,7 +28,7 @@ from distlib.app.model.hf_config import (
 )
 
 # The base model's prefix inside the *ForCausalLM checkpoints (a bare base-model checkpoint lacks it).
-BASE_PREFIX = {"gpt2": "transformer.", "llama": "model.", "mixtral": "model."}
+BASE_PREFIX = {"gpt2": "transformer.", "llama": "model.", "qwen3": "model.", "mixtral": "model."}
 # Buffers old checkpoints carry and transformers itself ignores on load (not weights).
 IGNORED = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
 
@@ -58,7 +59,7 @@ def _gpt2_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
 
 
 def _feed_forward_names(cfg: ModelConfig) -> list[tuple[str, str]]:
-    if cfg.family == "llama":
+    if not cfg.has_experts:
         return [
             ("mlp.gate_proj", "mlp.gate_proj"),
             ("mlp.up_proj", "mlp.up_proj"),
@@ -73,13 +74,15 @@ def _feed_forward_names(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def _llama_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
-    """Llama's, and Mixtral's (the same but for the experts in place of the MLP)."""
+    """Llama's, Qwen3's (with the head norms) and Mixtral's (the experts in place of the MLP)."""
+    norms = [("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm")]
     block = [
         ("ln1", "input_layernorm"),
         ("attn.q_proj", "self_attn.q_proj"),
         ("attn.k_proj", "self_attn.k_proj"),
         ("attn.v_proj", "self_attn.v_proj"),
         ("attn.o_proj", "self_attn.o_proj"),
+        *(norms if cfg.family == "qwen3" else []),
         ("ln2", "post_attention_layernorm"),
         *_feed_forward_names(cfg),
     ]
@@ -177,7 +180,8 @@ def state_from_hf(cfg: ModelConfig, hf_state: dict) -> dict[str, torch.Tensor]:
 
 
 def from_hf(config_dict: dict, hf_state_dict: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(ModelConfig fields, our state_dict) for a GPT-2, Llama or Mixtral config.json and its tensors."""
+    """(ModelConfig fields, our state_dict) for a GPT-2, Llama, Qwen3 or Mixtral config.json and its
+    tensors."""
     fields = config_fields(config_dict)
     return fields, state_from_hf(ModelConfig(**fields), hf_state_dict)
 

@@ -5,7 +5,8 @@ rotary position embeddings on q and k in transformers' layout (halves rotated, c
 cat(freqs, freqs)), grouped-query attention (each key/value head serves n_heads / n_kv_heads
 consecutive query heads), softmax in float32, dropout on the attention weights only
 (transformers' attention_dropout); SwiGLU MLP down(silu(gate(x)) * up(x)); final RMSNorm; LM head
-without bias, tied or not. Default RoPE only (no scaling), head_dim = dim // n_heads.
+without bias, tied or not. Default RoPE only (no scaling); head_dim (model.head_dim) may differ from
+dim // n_heads.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model import attention
-from distlib.app.model.attention import causal_mask, split_heads
+from distlib.app.model.attention import causal_mask
 from distlib.app.model.layers import CausalLM, PreNormBlock, positions_or_default
 from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row
@@ -53,7 +54,7 @@ class RMSNorm(nn.Module):
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """The default RoPE inverse frequencies, 1 / theta^(arange(0, d, 2) / d), float32 on the CPU."""
-    d = cfg.head_dim
+    d = cfg.head_width
     return 1.0 / (float(cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d))
 
 
@@ -76,7 +77,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_width
         self.scale = self.head_dim**-0.5
         q_width, kv_width = cfg.n_heads * self.head_dim, cfg.kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.dim, q_width, bias=False)
@@ -90,13 +91,16 @@ class Attention(nn.Module):
         # model's device (precomputed fp32 tables did not match it after module.to(bf16)).
         self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
 
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of this rank's heads, (batch, seq, heads, head_dim): the head counts come from
+        the (possibly column-parallel) widths."""
+        shape = (*x.shape[:2], -1, self.head_dim)
+        return self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
     ) -> torch.Tensor:
-        # This rank's heads: the head counts come from the (possibly column-parallel) widths.
-        q = split_heads(self.q_proj(x), self.head_dim)
-        k = split_heads(self.k_proj(x), self.head_dim)
-        v = split_heads(self.v_proj(x), self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in self.heads(x))  # (batch, heads, seq, head_dim)
         # transformers casts cos/sin to the activations' dtype (bf16 with bf16 parameters) before rotating.
         positions = positions_or_default(positions, x.shape[1], x.device)
         cos, sin = rope_tables(self.inv_freq, positions, q.dtype)
@@ -152,7 +156,7 @@ class Llama(CausalLM):
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state_dict entry's shape (a tied lm_head.weight included), without building a model."""
     d, h = cfg.dim, cfg.mlp_width
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    q, kv = cfg.n_heads * cfg.head_width, cfg.kv_heads * cfg.head_width
     block = {
         "ln1.weight": (d,),
         "attn.q_proj.weight": (q, d),

@@ -1,0 +1,68 @@
+"""Qwen3, computing what transformers' ``Qwen3ForCausalLM`` (eager attention) computes.
+
+Llama's arithmetic (``llama.py``) with one addition in the attention: an RMSNorm over the head
+dimension of every query head and every key head (``q_norm``, ``k_norm``: one weight of head_dim
+each, shared by the heads), applied to the projections before the rotary embedding, as
+transformers does on its (batch, seq, heads, head_dim) view. Qwen3's head_dim is usually not
+dim / n_heads (``model.head_dim``). No sliding window (transformers' default,
+``use_sliding_window=false``; an import with it is refused), no projection biases.
+
+Tensor parallelism splits the heads; the two norms' weights stay whole on every rank but each
+rank applies them to its own heads only, so their gradients are summed over the tensor-parallel
+group (``head_shared_parameters``, ``families.shard_model_``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model import llama
+from distlib.app.model.layers import CausalLM, PreNormBlock
+from distlib.parallel.dropout import Draws
+
+TENSOR_PARALLEL_PLAN = llama.TENSOR_PARALLEL_PLAN
+
+
+class Attention(llama.Attention):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.q_norm = llama.RMSNorm(self.head_dim, cfg.norm_eps)
+        self.k_norm = llama.RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().heads(x)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def head_shared_parameters(self) -> list[nn.Parameter]:
+        """The norms' weights: every head uses them, each tensor-parallel rank on its heads only."""
+        return [self.q_norm.weight, self.k_norm.weight]
+
+
+class Qwen3(CausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(
+            PreNormBlock(cfg, llama.rms_norm, Attention, llama.MLP, index=i) for i in range(cfg.n_layers)
+        )
+        self.ln_f = llama.rms_norm(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._init_and_tie()
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
+        return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Llama's, with each block's two head norms (after its projections, in construction order)."""
+    shapes = {}
+    for name, shape in llama.param_shapes(cfg).items():
+        shapes[name] = shape
+        if name.endswith(".attn.o_proj.weight"):
+            block = name.removesuffix(".o_proj.weight")
+            shapes[f"{block}.q_norm.weight"] = (cfg.head_width,)
+            shapes[f"{block}.k_norm.weight"] = (cfg.head_width,)
+    return shapes
