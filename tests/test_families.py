@@ -171,18 +171,20 @@ def test_minigpt_builds_through_families_with_the_same_weights():
         (
             {"mlp_hidden": 100},
             "model.mlp_hidden=100 does not apply to model.family=minigpt "
-            "(used by gpt2, llama, qwen3, mixtral)",
+            "(used by gpt2, llama, qwen3, mixtral, qwen3_moe)",
         ),
         ({"tie_embeddings": True}, "model.tie_embeddings=True does not apply to model.family=minigpt"),
         (
             {"rope_theta": 500.0},
-            "model.rope_theta=500.0 does not apply to model.family=minigpt (used by llama, qwen3, mixtral)",
+            "model.rope_theta=500.0 does not apply to model.family=minigpt "
+            "(used by llama, qwen3, mixtral, qwen3_moe)",
         ),
         ({"norm_eps": 1e-6}, "model.norm_eps=1e-06 does not apply to model.family=minigpt"),
         ({"init_from": "x"}, "model.init_from='x' does not apply to model.family=minigpt"),
         (
             {"family": "gpt2", "n_kv_heads": 2},
-            "model.n_kv_heads=2 does not apply to model.family=gpt2 (used by llama, qwen3, mixtral)",
+            "model.n_kv_heads=2 does not apply to model.family=gpt2 "
+            "(used by llama, qwen3, mixtral, qwen3_moe)",
         ),
         ({"family": "gpt2", "rope_theta": 1.0}, "model.rope_theta=1.0 does not apply to model.family=gpt2"),
         ({"family": "llama", "n_kv_heads": 3}, "model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
@@ -192,7 +194,8 @@ def test_minigpt_builds_through_families_with_the_same_weights():
         ),
         (
             {"family": "bert"},
-            "model.family must be one of ['minigpt', 'gpt2', 'llama', 'qwen3', 'mixtral'], got 'bert'",
+            "model.family must be one of ['minigpt', 'gpt2', 'llama', 'qwen3', 'mixtral', 'qwen3_moe'], "
+            "got 'bert'",
         ),
     ],
 )

@@ -18,7 +18,7 @@ from distlib.checkpoint.sharded import read_manifest
 
 pytestmark = pytest.mark.slow
 
-STEPS = 100  # a greedy continuation of real sentences; held-out loss 1.6 against the unigram 4.6
+STEPS = 40  # held-out loss 2.8 against the unigram 4.6 (1.6 at 100 steps): enough to show it learned
 VAL_FRACTION = 0.1  # conf/data/text.yaml's data.val_fraction: the text's last 10% is held out
 
 

@@ -56,6 +56,7 @@ ADOPTED = (
     "rope_theta",
     "n_experts",
     "top_k",
+    "norm_topk_prob",
 )
 _MLP_WIDTH = {"mlp_ratio", "mlp_hidden"}  # one width, two ways to write it: set one, both are the run's
 

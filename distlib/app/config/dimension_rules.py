@@ -137,7 +137,9 @@ def check_sequence(cfg) -> None:
         if value > 1:
             raise ConfigError(f"dist.sp=true is not supported with {name}={value} yet; set dist.sp=false")
     if cfg.model.has_experts:  # split_sequence_ would make each expert's w2 reduce-scatter its tokens
-        raise ConfigError("dist.sp=true is not supported with model.family=mixtral yet; set dist.sp=false")
+        raise ConfigError(
+            f"dist.sp=true is not supported with model.family={cfg.model.family} yet; set dist.sp=false"
+        )
 
 
 def check_experts(cfg) -> None:
@@ -145,7 +147,9 @@ def check_experts(cfg) -> None:
     if d.ep == 1:
         return
     if not m.has_experts:
-        raise ConfigError(f"dist.ep={d.ep} needs a model with experts (model.family=mixtral), not {m.family}")
+        raise ConfigError(
+            f"dist.ep={d.ep} needs a model with experts (model.family=mixtral or qwen3_moe), not {m.family}"
+        )
     if m.n_experts % d.ep:
         raise ConfigError(
             f"dist.ep={d.ep} must divide model.n_experts={m.n_experts} (each rank of an expert group holds "

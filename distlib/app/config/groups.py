@@ -19,9 +19,10 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine", "wsd")
 
 
-FAMILIES = ("minigpt", "gpt2", "llama", "qwen3", "mixtral")  # model.family; app/model/families.py builds each
+# model.family; app/model/families.py builds each
+FAMILIES = ("minigpt", "gpt2", "llama", "qwen3", "mixtral", "qwen3_moe")
 # mixtral's sparse MoE (model/moe.py)
-MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef", "capacity_factor")
+MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef", "capacity_factor", "norm_topk_prob")
 # The keys a family does not use, each with what it is to stay at (the default); docs/models.md.
 NOT_USED_BY = {
     "minigpt": ("mlp_hidden", "n_kv_heads", "head_dim", "tie_embeddings", "norm_eps", "rope_theta")
@@ -29,11 +30,13 @@ NOT_USED_BY = {
     "gpt2": ("n_kv_heads", "head_dim", "rope_theta", *MOE_KEYS),
     "llama": MOE_KEYS,
     "qwen3": MOE_KEYS,
-    "mixtral": ("head_dim",),
+    "mixtral": ("head_dim", "norm_topk_prob"),
+    "qwen3_moe": (),
 }
-# Llama's attention: rotary positions, grouped-query key/value heads (qwen3: with its per-head q/k norm)
-ROTARY = ("llama", "qwen3", "mixtral")
-EXPERT_FAMILIES = ("mixtral",)  # a sparse mixture of experts for the MLP (model.n_experts, top_k)
+# Llama's attention: rotary positions, grouped-query key/value heads
+ROTARY = ("llama", "qwen3", "mixtral", "qwen3_moe")
+HEAD_NORMS = ("qwen3", "qwen3_moe")  # Qwen3's attention: an RMSNorm on every query and key head
+EXPERT_FAMILIES = ("mixtral", "qwen3_moe")  # a sparse mixture of experts for the MLP (model.n_experts, top_k)
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,9 @@ class ModelConfig(Group):
 
     family: minigpt (the project's own model), gpt2 (computes what transformers' GPT2LMHeadModel computes),
         llama (LlamaForCausalLM's arithmetic), qwen3 (Qwen3ForCausalLM's: Llama with an RMSNorm on each
-        query and key head) or mixtral (MixtralForCausalLM's: Llama's attention, a sparse mixture of
-        experts for the MLP); docs/models.md
+        query and key head), mixtral (MixtralForCausalLM's: Llama's attention, a sparse mixture of
+        experts for the MLP) or qwen3_moe (Qwen3MoeForCausalLM's: Qwen3's attention, Mixtral's
+        experts); docs/models.md
     vocab_size: tokens in the vocabulary (the synthetic corpus uses the same); left unset, data=text's
         tokenizer's (256 bytes, or data.vocab_size) or model.init_from's
     seq_len: context length: tokens per training sequence (gpt2/llama: the largest position)
@@ -51,24 +55,26 @@ class ModelConfig(Group):
     n_heads: attention heads per block
     n_layers: transformer blocks
     mlp_ratio: MLP hidden width = mlp_ratio x dim (unless mlp_hidden is set)
-    mlp_hidden: gpt2/llama/qwen3/mixtral: the MLP (mixtral: each expert's) hidden width itself
-        (intermediate_size); null = mlp_ratio x dim
-    n_kv_heads: llama/qwen3/mixtral: key/value heads (grouped-query attention; divides n_heads);
-        null = n_heads
-    head_dim: llama/qwen3: the width of one attention head (q/k/v project to n_heads x head_dim, o_proj
-        back to dim); null = dim / n_heads
-    tie_embeddings: gpt2/llama/qwen3: the LM head is the token embedding (one parameter)
-    norm_eps: gpt2/llama/qwen3: the LayerNorm / RMSNorm epsilon
-    rope_theta: llama/qwen3/mixtral: the rotary position embedding's base
-    n_experts: mixtral: experts per block (num_local_experts)
-    top_k: mixtral: experts each token is sent to (num_experts_per_tok), their outputs weighted by the
-        renormalised router probabilities; at most n_experts
-    router_aux_loss_coef: mixtral: weight of the load-balancing loss added to the training loss (transformers'
-        MixtralConfig default)
-    capacity_factor: mixtral: null = dropless (every token reaches its top_k experts, as transformers);
-        a number: each expert takes at most ceil(capacity_factor x seq_len x top_k / n_experts) of one
-        sequence's assignments (first choices first, in token order) and drops the rest (GShard); the
-        dropped count per block is logged as dropped_tokens
+    mlp_hidden: every family but minigpt: the MLP (mixtral, qwen3_moe: each expert's) hidden width
+        itself (intermediate_size, moe_intermediate_size); null = mlp_ratio x dim
+    n_kv_heads: llama/qwen3/mixtral/qwen3_moe: key/value heads (grouped-query attention; divides
+        n_heads); null = n_heads
+    head_dim: llama/qwen3/qwen3_moe: the width of one attention head (q/k/v project to n_heads x
+        head_dim, o_proj back to dim); null = dim / n_heads
+    tie_embeddings: every family but minigpt: the LM head is the token embedding (one parameter)
+    norm_eps: every family but minigpt: the LayerNorm / RMSNorm epsilon
+    rope_theta: llama/qwen3/mixtral/qwen3_moe: the rotary position embedding's base
+    n_experts: mixtral/qwen3_moe: experts per block (num_local_experts, num_experts)
+    top_k: mixtral/qwen3_moe: experts each token is sent to (num_experts_per_tok), their outputs
+        weighted by the router probabilities (renormalised: norm_topk_prob); at most n_experts
+    router_aux_loss_coef: mixtral/qwen3_moe: weight of the load-balancing loss added to the training
+        loss (transformers' default)
+    capacity_factor: mixtral/qwen3_moe: null = dropless (every token reaches its top_k experts, as
+        transformers); a number: each expert takes at most ceil(capacity_factor x seq_len x top_k /
+        n_experts) of one sequence's assignments (first choices first, in token order) and drops the
+        rest (GShard); the dropped count per block is logged as dropped_tokens
+    norm_topk_prob: qwen3_moe: renormalise a token's top_k router probabilities to sum to 1
+        (transformers' norm_topk_prob; mixtral always does); false: the probabilities themselves
     dropout: dropout probability; every mask is a function of (seed, global sample, block, site), so
         every layout and a resumed run draw the same ones (distlib/parallel/dropout.py); llama: on the
         attention weights only, as transformers' attention_dropout
@@ -94,6 +100,7 @@ class ModelConfig(Group):
     tie_embeddings: bool = key(False)
     norm_eps: float = key(1e-5, gt=0)
     rope_theta: float = key(10000.0, gt=0)
+    norm_topk_prob: bool = key(True)
     dropout: float = key(0.0, ge=0, lt=1)
     activation_checkpointing: str = key("none", choices=("none", "blocks"))
     init_from: str | None = key(None)
@@ -139,7 +146,7 @@ class ModelConfig(Group):
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads (all families but llama and mixtral: one per query head)."""
+        """Key/value heads (the families without rotary attention: one per query head)."""
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property

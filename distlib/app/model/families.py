@@ -6,6 +6,7 @@
     llama     llama.Llama        transformers' LlamaForCausalLM
     qwen3     qwen3.Qwen3        transformers' Qwen3ForCausalLM (Llama with per-head q/k norms)
     mixtral   mixtral.Mixtral    transformers' MixtralForCausalLM (Llama with sparse MoE blocks)
+    qwen3_moe qwen3_moe.Qwen3Moe transformers' Qwen3MoeForCausalLM (Qwen3's attention, Mixtral's MoE)
 
 Every family follows one contract (``layers.CausalLM``; the trainer, ZeRO-3 and the pipeline
 stages rely on it): ``forward(tokens, targets=None, positions=None)`` = embed -> blocks -> head,
@@ -24,7 +25,7 @@ import torch.nn as nn
 
 from distlib.app.config.dimension_rules import check_tensor_parallel
 from distlib.app.config.groups import ModelConfig
-from distlib.app.model import gpt2, llama, minigpt, mixtral, moe, qwen3
+from distlib.app.model import gpt2, llama, minigpt, mixtral, moe, qwen3, qwen3_moe
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.comm.group import Comm
 from distlib.parallel.sequence_parallel import SequenceSplit, split_sequence_
@@ -36,6 +37,7 @@ CLASSES = {
     "llama": llama.Llama,
     "qwen3": qwen3.Qwen3,
     "mixtral": mixtral.Mixtral,
+    "qwen3_moe": qwen3_moe.Qwen3Moe,
 }
 PLANS = {
     "minigpt": minigpt.TENSOR_PARALLEL_PLAN,
@@ -43,6 +45,7 @@ PLANS = {
     "llama": llama.TENSOR_PARALLEL_PLAN,
     "qwen3": qwen3.TENSOR_PARALLEL_PLAN,
     "mixtral": mixtral.TENSOR_PARALLEL_PLAN,
+    "qwen3_moe": qwen3_moe.TENSOR_PARALLEL_PLAN,
 }
 
 
@@ -80,7 +83,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state_dict entry's shape, in order (a tied lm_head.weight listed too)."""
     if cfg.family == "minigpt":  # GPT-2's layout at mlp_ratio x dim, plus the LM head's bias
         return gpt2.param_shapes(cfg) | {"lm_head.bias": (cfg.vocab_size,)}
-    return {"gpt2": gpt2, "llama": llama, "qwen3": qwen3, "mixtral": mixtral}[cfg.family].param_shapes(cfg)
+    modules = {"gpt2": gpt2, "llama": llama, "qwen3": qwen3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+    return modules[cfg.family].param_shapes(cfg)
 
 
 def join_batch_(model: CausalLM, batch: Comm) -> None:

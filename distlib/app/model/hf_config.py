@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from distlib.app.config.groups import ROTARY, ModelConfig
+from distlib.app.config.groups import HEAD_NORMS, ROTARY, ModelConfig
 from distlib.app.config.schema import defaults
 
 ARCHITECTURES = {
@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 CONFIG_CLASSES = {family: name.replace("ForCausalLM", "Config") for family, name in ARCHITECTURES.items()}
 CONFIG_CLASSES["gpt2"] = "GPT2Config"
@@ -103,6 +104,19 @@ def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_toke
             config = tf.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
         elif cfg.family == "qwen3":
             config = tf.Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
+        elif cfg.family == "qwen3_moe":
+            config = tf.Qwen3MoeConfig(
+                attention_bias=False,
+                use_sliding_window=False,
+                num_experts=cfg.n_experts,
+                num_experts_per_tok=cfg.top_k,
+                moe_intermediate_size=cfg.mlp_width,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=cfg.norm_topk_prob,
+                router_aux_loss_coef=cfg.router_aux_loss_coef,
+                **common,
+            )
         else:
             config = tf.MixtralConfig(
                 num_local_experts=cfg.n_experts,
@@ -183,7 +197,18 @@ def _mixtral_fields(c) -> dict:
 
 def _qwen3_fields(c) -> dict:
     _refuse_if(bool(c.use_sliding_window), "use_sliding_window=true (our attention sees every token)")
-    return {}
+    if c.model_type != "qwen3_moe":
+        return {}
+    _refuse_if(
+        c.decoder_sparse_step != 1, f"decoder_sparse_step={c.decoder_sparse_step} (every block sparse here)"
+    )
+    _refuse_if(bool(c.mlp_only_layers), f"mlp_only_layers={c.mlp_only_layers} (every block sparse here)")
+    return dict(
+        n_experts=c.num_experts,
+        top_k=c.num_experts_per_tok,
+        router_aux_loss_coef=float(c.router_aux_loss_coef),
+        norm_topk_prob=bool(c.norm_topk_prob),
+    )
 
 
 def _llama_fields(c, raw: dict) -> dict:
@@ -220,7 +245,8 @@ def _llama_fields(c, raw: dict) -> dict:
         dim=dim,
         n_heads=heads,
         n_layers=c.num_hidden_layers,
-        **_mlp_fields(c.intermediate_size, dim),
+        # each expert's width, for Qwen3-MoE (every block sparse: intermediate_size is unused)
+        **_mlp_fields(c.moe_intermediate_size if c.model_type == "qwen3_moe" else c.intermediate_size, dim),
         n_kv_heads=None if kv == heads else kv,
         head_dim=None if natural else head_dim,
         tie_embeddings=bool(c.tie_word_embeddings),
@@ -228,7 +254,7 @@ def _llama_fields(c, raw: dict) -> dict:
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         dropout=float(c.attention_dropout or 0.0),
         **(_mixtral_fields(c) if c.model_type == "mixtral" else {}),
-        **(_qwen3_fields(c) if c.model_type == "qwen3" else {}),
+        **(_qwen3_fields(c) if c.model_type in HEAD_NORMS else {}),
     )
 
 
@@ -237,8 +263,8 @@ def config_fields(config_dict: dict) -> dict:
     model_type = config_dict.get("model_type")
     if model_type not in ARCHITECTURES:
         raise HFError(
-            f"model_type {model_type!r} is not supported (only 'gpt2', 'llama', 'qwen3' and 'mixtral' "
-            f"convert exactly)"
+            f"model_type {model_type!r} is not supported (only 'gpt2', 'llama', 'qwen3', 'mixtral' and "
+            f"'qwen3_moe' convert exactly)"
         )
     cls = getattr(transformers_module(), CONFIG_CLASSES[model_type])
     try:
@@ -272,6 +298,7 @@ _MATCHED = {
     "model.rope_theta": lambda m: m.rope_theta if m.family in ROTARY else None,
     "model.n_experts": lambda m: m.n_experts,
     "model.top_k": lambda m: m.top_k,
+    "model.norm_topk_prob": lambda m: m.norm_topk_prob,
 }
 
 

@@ -1,6 +1,6 @@
 """Hugging Face weights both ways: our state_dict <-> GPT2LMHeadModel / LlamaForCausalLM /
-Qwen3ForCausalLM / MixtralForCausalLM's, and model directories (config.json, model.safetensors,
-generation_config.json).
+Qwen3ForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM's, and model directories (config.json,
+model.safetensors, generation_config.json).
 
 ``save_hf_dir(cfg, state_dict, dir)`` writes a directory ``AutoModelForCausalLM.from_pretrained``
 loads with no missing or unexpected keys; ``load_hf_dir(dir)`` returns the ModelConfig fields and
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.groups import HEAD_NORMS, ModelConfig
 from distlib.app.model import families
 from distlib.app.model.hf_config import (
     HFError,
@@ -28,7 +28,18 @@ from distlib.app.model.hf_config import (
 )
 
 # The base model's prefix inside the *ForCausalLM checkpoints (a bare base-model checkpoint lacks it).
-BASE_PREFIX = {"gpt2": "transformer.", "llama": "model.", "qwen3": "model.", "mixtral": "model."}
+BASE_PREFIX = {
+    "gpt2": "transformer.",
+    "llama": "model.",
+    "qwen3": "model.",
+    "mixtral": "model.",
+    "qwen3_moe": "model.",
+}
+# Where an MoE family's files put the router and the experts, and what they call w1, w2, w3.
+EXPERT_FILES = {
+    "mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+    "qwen3_moe": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+}
 # Buffers old checkpoints carry and transformers itself ignores on load (not weights).
 IGNORED = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
 
@@ -65,16 +76,20 @@ def _feed_forward_names(cfg: ModelConfig) -> list[tuple[str, str]]:
             ("mlp.up_proj", "mlp.up_proj"),
             ("mlp.down_proj", "mlp.down_proj"),
         ]
-    # Mixtral's files name each expert (save_pretrained writes these names; transformers 5 fuses the
+    # The files name each expert (save_pretrained writes these names; transformers 5 fuses the
     # experts into gate_up_proj/down_proj tensors in memory, from_pretrained converts).
+    where, called = EXPERT_FILES[cfg.family]
     experts = [
-        (f"experts.{e}.{w}", f"experts.{e}.{w}") for e in range(cfg.n_experts) for w in ("w1", "w2", "w3")
+        (f"experts.{e}.{w}", f"experts.{e}.{called[w]}")
+        for e in range(cfg.n_experts)
+        for w in ("w1", "w2", "w3")
     ]
-    return [(f"mlp.{ours}", f"block_sparse_moe.{theirs}") for ours, theirs in [("gate", "gate"), *experts]]
+    return [(f"mlp.{ours}", f"{where}.{theirs}") for ours, theirs in [("gate", "gate"), *experts]]
 
 
 def _llama_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
-    """Llama's, Qwen3's (with the head norms) and Mixtral's (the experts in place of the MLP)."""
+    """Llama's, Qwen3's (with the head norms), Mixtral's (the experts in place of the MLP) and
+    Qwen3-MoE's (both)."""
     norms = [("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm")]
     block = [
         ("ln1", "input_layernorm"),
@@ -82,7 +97,7 @@ def _llama_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
         ("attn.k_proj", "self_attn.k_proj"),
         ("attn.v_proj", "self_attn.v_proj"),
         ("attn.o_proj", "self_attn.o_proj"),
-        *(norms if cfg.family == "qwen3" else []),
+        *(norms if cfg.family in HEAD_NORMS else []),
         ("ln2", "post_attention_layernorm"),
         *_feed_forward_names(cfg),
     ]

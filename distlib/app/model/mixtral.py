@@ -46,12 +46,14 @@ LOG_LENGTH = 4096  # micro-batches of routing kept for the step record (more tha
 
 
 class Mixtral(CausalLM):
+    ATTENTION = llama.Attention  # Qwen3-MoE: Qwen3's (qwen3_moe.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, llama.rms_norm, llama.Attention, moe.MoE, index=i) for i in range(cfg.n_layers)
+            PreNormBlock(cfg, llama.rms_norm, self.ATTENTION, moe.MoE, index=i) for i in range(cfg.n_layers)
         )
         self.ln_f = llama.rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

@@ -4,7 +4,8 @@
 
     route      router logits = gate(x) (a Linear, no bias); probabilities = their softmax in
                float32; each token's top_k experts by probability, with those k probabilities
-               renormalised to sum to 1 (the routing weights)
+               renormalised to sum to 1 (the routing weights; ``model.norm_topk_prob=false``,
+               Qwen3-MoE's option: the probabilities themselves)
     dispatch   the (token, slot) pairs grouped by expert, in expert order (a stable sort of the
                flattened expert ids), and each expert's count: ``Dispatch``
     experts    expert e is a SwiGLU MLP, w2(silu(w1 x) * w3 x), no biases, run on its tokens only
@@ -103,7 +104,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.capacity_factor = cfg.capacity_factor
+        self.capacity_factor, self.norm_topk = cfg.capacity_factor, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
         # where the experts run: every one here, or (``hold_experts_``) over the expert group's ranks
@@ -119,7 +120,8 @@ class MoE(nn.Module):
         (tokens, n_experts) float32) of x (tokens, dim)."""
         probs = F.softmax(self.gate(x).float(), dim=-1)  # float32 whatever the dtype, as transformers
         top, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, top / top.sum(dim=-1, keepdim=True), probs
+        weights = top / top.sum(dim=-1, keepdim=True) if self.norm_topk else top
+        return ids, weights, probs
 
     def dispatch(self, ids: torch.Tensor, counts: list[int]) -> Dispatch:
         # A stable sort keeps each expert's pairs in token order.

@@ -57,12 +57,18 @@ class Qwen3(CausalLM):
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Llama's, with each block's two head norms (after its projections, in construction order)."""
-    shapes = {}
-    for name, shape in llama.param_shapes(cfg).items():
-        shapes[name] = shape
+    """Llama's, with each block's two head norms (``with_head_norms``)."""
+    return with_head_norms(llama.param_shapes(cfg), cfg)
+
+
+def with_head_norms(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with each block's q_norm and k_norm after its attention's projections (the order
+    the attention registers them in)."""
+    out = {}
+    for name, shape in shapes.items():
+        out[name] = shape
         if name.endswith(".attn.o_proj.weight"):
             block = name.removesuffix(".o_proj.weight")
-            shapes[f"{block}.q_norm.weight"] = (cfg.head_width,)
-            shapes[f"{block}.k_norm.weight"] = (cfg.head_width,)
-    return shapes
+            out[f"{block}.q_norm.weight"] = (cfg.head_width,)
+            out[f"{block}.k_norm.weight"] = (cfg.head_width,)
+    return out

@@ -1,0 +1,176 @@
+"""Qwen3-MoE (``model.family=qwen3_moe``): the model against transformers' Qwen3MoeForCausalLM (loss
+with the load-balancing term, the aux loss, logits and every gradient; routing weights
+renormalised or not: ``model.norm_topk_prob``), the Hugging Face directory both ways (its file
+names, a directory transformers' save_pretrained wrote, the refused layer schedules), and
+training: 20 steps at world size 1 fall, and expert parallelism (ep 2, ep 2 with tensor
+parallelism and ZeRO-3) stays within 1e-5 of them with the same tokens per expert. Offline
+(HF_HUB_OFFLINE=1)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from family_models import built, max_diff, quiet_transformers, tokens
+from multiproc import run_ranks
+from trainrun import compose_tree, train_with_margin, train_worlds
+
+from distlib.app.config.groups import ModelConfig
+from distlib.app.model import hf_config as hfc
+from distlib.app.model import hf_weights as hfw
+
+transformers = quiet_transformers()
+TOL = 1e-5
+# Qwen3's wide, normed heads (16 at dim 32) with 4 experts of width 40, each token to 2, the top-2
+# probabilities used as they are (transformers' Qwen3MoeConfig default) and an aux term that counts.
+QWEN3_MOE = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=64,
+    seq_len=16,
+    dim=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    n_layers=2,
+    mlp_hidden=40,
+    norm_eps=1e-6,
+    n_experts=4,
+    router_aux_loss_coef=0.02,
+    norm_topk_prob=False,
+)
+CONFIGS = {"raw-top2": QWEN3_MOE, "normalised-top1-tied": replace(
+    QWEN3_MOE, n_experts=3, top_k=1, norm_topk_prob=True, tie_embeddings=True, head_dim=None
+)}  # fmt: skip
+FILES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _pair(cfg: ModelConfig, out_dir: Path):
+    """(ours in training mode, transformers' eager model loaded from our exported directory)."""
+    ours = built(cfg, seed=3).train()
+    hfw.save_hf_dir(cfg, ours.state_dict(), out_dir)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out_dir, output_loading_info=True, attn_implementation="eager"
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"))
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    return ours, theirs.train()
+
+
+def _file_grads(theirs, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' gradients under its files' names (in memory it fuses each block's experts into
+    gate_up_proj (E, 2 x width, dim) and down_proj (E, dim, width))."""
+    out = {}
+    for name, p in theirs.named_parameters():
+        base = name.rpartition(".experts.")[0] + ".experts."
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = p.grad.chunk(2, dim=1)
+            for e in range(cfg.n_experts):
+                out |= {f"{base}{e}.gate_proj.weight": gate[e], f"{base}{e}.up_proj.weight": up[e]}
+        elif name.endswith("mlp.experts.down_proj"):
+            out |= {f"{base}{e}.down_proj.weight": p.grad[e] for e in range(cfg.n_experts)}
+        else:
+            out[name] = p.grad
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_aux_loss_logits_and_gradients_match_transformers(name, tmp_path):
+    """One training step's loss (cross-entropy + coef x load-balancing loss), the aux loss, every
+    gradient and the logits, within 1e-5 of Qwen3MoeForCausalLM(output_router_logits=True)."""
+    cfg = CONFIGS[name]
+    ours, theirs = _pair(cfg, tmp_path)
+    window = tokens(cfg, 3, cfg.seq_len + 1, 21)
+    x, y = window[:, :-1], window[:, 1:].contiguous()
+    loss = ours(x, y)
+    out = theirs(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
+    assert abs(loss.item() - out.loss.item()) <= TOL
+    assert abs(ours.step_fields(1)["aux_loss"] - out.aux_loss.item()) <= TOL
+    loss.backward()
+    out.loss.backward()
+    grads = hfw.to_hf_state_dict(cfg, {n: p.grad for n, p in ours.named_parameters()})
+    theirs_grads = _file_grads(theirs, cfg)
+    assert grads.keys() == theirs_grads.keys()
+    assert max(max_diff(grads[n], theirs_grads[n]) for n in grads) <= TOL
+    with torch.no_grad():
+        for seq in (cfg.seq_len, 5):
+            assert max_diff(ours(x[:, :seq]), theirs(x[:, :seq]).logits) <= TOL
+
+
+def test_the_routing_weights_are_renormalised_only_when_asked():
+    """norm_topk_prob=false keeps the top-k probabilities (summing to less than 1); true divides
+    them by their sum; the choice of experts is the same."""
+    raw = built(QWEN3_MOE, seed=1)
+    normalised = built(replace(QWEN3_MOE, norm_topk_prob=True), seed=1)
+    x = torch.randn(9, QWEN3_MOE.dim, generator=torch.Generator().manual_seed(4))
+    ids, weights, probs = raw.blocks[0].mlp.route(x)
+    ids2, weights2, _ = normalised.blocks[0].mlp.route(x)
+    assert torch.equal(ids, ids2) and torch.equal(weights, torch.gather(probs, 1, ids))
+    assert (weights.sum(dim=-1) < 1).all()
+    assert torch.allclose(weights2, weights / weights.sum(dim=-1, keepdim=True))
+
+
+def test_the_hugging_face_directory_both_ways(tmp_path):
+    """Export: Qwen3-MoE's config.json and file names (mlp.gate, mlp.experts.{e}.gate_proj/up_proj/
+    down_proj, the head norms); import: our directory back to the same config and bytes, and a
+    directory transformers' save_pretrained wrote to the same weights."""
+    ours, theirs = _pair(QWEN3_MOE, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    keys = ["model_type", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    keys.append("norm_topk_prob")
+    assert [config[k] for k in keys] == ["qwen3_moe", 4, 2, 40, False]
+    assert config["decoder_sparse_step"] == 1 and config["mlp_only_layers"] == []
+    names = {theirs for _, theirs, _ in hfw.name_map(QWEN3_MOE)}
+    layer = "model.layers.1."
+    assert {layer + "mlp.gate.weight", layer + "self_attn.q_norm.weight"} <= names
+    assert {f"{layer}mlp.experts.3.{w}.weight" for w in FILES.values()} <= names
+    mine = ours.state_dict()
+    theirs.save_pretrained(tmp_path / "theirs")
+    for directory in (tmp_path / "ours", tmp_path / "theirs"):
+        fields, state = hfw.load_hf_dir(directory)
+        assert ModelConfig(**fields) == QWEN3_MOE
+        assert state.keys() == mine.keys() and all(torch.equal(state[k], mine[k]) for k in mine)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 (every block sparse here)"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers=[0] (every block sparse here)"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
+    ],
+)
+def test_import_refuses_layer_schedules_it_does_not_compute(change, message):
+    with pytest.raises(hfc.HFError) as err:
+        hfc.config_fields(hfc.hf_config(QWEN3_MOE) | change)
+    assert str(err.value).startswith(f"cannot convert exactly: {message}")
+
+
+# -- training ------------------------------------------------------------------------------------------
+
+# seed 11: the reference's smallest top-k margin is 2.5e-6, checked (a near tie flips with rounding)
+BASE = ["model=qwen3_moe", "seed=11", "train.steps=20", "checkpoint.every_steps=0"]
+BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
+LAYOUTS = {2: [["dist.ep=2"]], 4: [["dist.ep=2", "dist.tp=2", "zero=stage3"]]}  # 4: dp 2 x tp 2
+MARGIN = 1e-6  # the smallest gap between a token's k-th and (k+1)-th router probability to accept
+
+
+@pytest.mark.slow
+def test_expert_parallelism_trains_one_ranks_losses(tmp_path):
+    """ep 2 over 2 data-parallel ranks, and ep 2 with 2 tensor-parallel ranks at ZeRO-3 (the head
+    norms' gradients summed over tp, each expert split by hidden units): 20 steps within 1e-5 of
+    one rank, the tokens per expert the same and the aux loss within 1e-5."""
+    tree = compose_tree([*BASE, "dist.world_size=1"])
+    ref = run_ranks(train_with_margin, 1, tree, str(tmp_path / "ref"))[0]
+    assert ref["margin"] > MARGIN, f"the reference has a near-tied routing choice ({ref['margin']:.1e})"
+    assert ref["losses"][-1] < 0.6 * ref["losses"][0]
+    runs = train_worlds(BASE, LAYOUTS, tmp_path)
+    for world, layouts in LAYOUTS.items():
+        for layout, run in zip(layouts, runs[world]):
+            worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"]))
+            assert len(run["losses"]) == 20 and worst <= TOL, (layout, worst)
+            for r, want in zip(run["records"], ref["records"]):
+                assert r["expert_tokens"] == want["expert_tokens"], (layout, r["step"])
+                assert r["aux_loss"] == pytest.approx(want["aux_loss"], rel=TOL)
