@@ -41,6 +41,7 @@ from pathlib import Path
 
 import doc_commands
 import pytest
+import text_demo_checks
 from e2e import ROOT, free_port
 from golden_runs import machine_key
 
@@ -240,6 +241,15 @@ class _Documents:
 
 class TestTextDocuments(_Documents):
     DOCS = GROUPS["Text"]
+
+    @pytest.mark.slow
+    def test_the_text_demo_learned_and_transformers_continues_it(self, runs, workspace):
+        """docs/beyond.md's `make text-demo`, read once more (tests/text_demo_checks.py): the demo
+        trains once per suite, here."""
+        cmd = next(c for c in RUNNABLE if c.doc in self.DOCS and c.key == text_demo_checks.COMMAND)
+        ran = runs[cmd.id]
+        assert ran.returncode == 0, f"{cmd.id}: exit status {ran.returncode} (test_doc_command says more)"
+        text_demo_checks.check(workspace[0], ran.output)
 
 
 class TestRunDocuments(_Documents):
