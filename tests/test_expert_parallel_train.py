@@ -23,7 +23,14 @@ import torch
 from forkrun import run_script
 from multiproc import run_ranks
 from safetensors.torch import load_file
-from trainrun import compose_tree, starving_router, train_each, train_with_margin, train_worlds
+from trainrun import (
+    compose_tree,
+    one_rank_reference,
+    starving_router,
+    train_each,
+    train_with_margin,
+    train_worlds,
+)
 
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.observe import summary
@@ -41,8 +48,8 @@ BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
 # Dropout on the attention weights (masks that do not depend on the layout): with it seed 12's
 # smallest top-k margin over the 20 steps is 2.3e-6 (trainrun.train_with_margin), seed 10's 5.5e-7.
 DROPOUT = ["seed=12", "model.dropout=0.1"]
-LAYOUTS = {
-    1: [[], DROPOUT],
+MARGIN = 1e-6  # the references' smallest top-k margin must exceed it (a near tie flips with rounding)
+LAYOUTS = {  # (world size 1: the references, without and with dropout, trainrun.one_rank_reference)
     2: [["dist.ep=2", *DROPOUT]],  # (ep 2 without dropout: over 4 ranks below)
     4: [
         ["dist.ep=4", "zero=stage0", "checkpoint.every_steps=5", "checkpoint.async_save=true"],
@@ -55,13 +62,15 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return train_worlds(BASE, LAYOUTS, tmp_path_factory.mktemp("ep"))
+    refs = [one_rank_reference(tmp_path_factory, BASE), one_rank_reference(tmp_path_factory, BASE + DROPOUT)]
+    return {1: refs} | train_worlds(BASE, LAYOUTS, tmp_path_factory.mktemp("ep"))
 
 
 @pytest.mark.slow
 def test_every_expert_parallel_layout_trains_to_one_ranks_losses(runs):
     for ref in runs[1]:
         assert ref["losses"][-1] < 0.5 * ref["losses"][0]
+        assert ref["margin"] > MARGIN, f"a reference has a near-tied routing choice ({ref['margin']:.1e})"
     assert max(abs(a - b) for a, b in zip(runs[1][0]["losses"], runs[1][1]["losses"])) > 1e-3
     for world in (2, 4):
         for layout, run in zip(LAYOUTS[world], runs[world]):

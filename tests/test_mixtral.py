@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from family_models import built, max_diff, perturb_, quiet_transformers, tokens
 from forkrun import run_script
 from multiproc import run_ranks
-from trainrun import compose_tree, train_each, train_worlds
+from trainrun import compose_tree, one_rank_reference, train_each, train_worlds
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
@@ -328,8 +328,7 @@ def test_train_py_refuses_before_any_worker(tmp_path):
 # measures it).
 BASE = ["model=mixtral_tiny", "seed=10", "train.steps=20", "checkpoint.every_steps=0"]
 BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
-LAYOUTS = {
-    1: [[]],
+LAYOUTS = {  # (world size 1: the session's shared reference, trainrun.one_rank_reference)
     2: [
         ["zero=stage0"],
         ["zero=stage3"],
@@ -345,7 +344,8 @@ _train = train_each
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{world size: [rank 0's view of each layout]}: one run_ranks call per world size."""
-    return train_worlds(BASE, LAYOUTS, tmp_path_factory.mktemp("mixtral"))
+    ref = one_rank_reference(tmp_path_factory, BASE)
+    return {1: [ref]} | train_worlds(BASE, LAYOUTS, tmp_path_factory.mktemp("mixtral"))
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -123,3 +124,23 @@ def starving_router(rules: dict, step, first_sample: int, seq_len: int):
         return logits.masked_fill(banned, float("-inf"))
 
     return mask
+
+
+def one_rank_reference(tmp_path_factory, base: list[str]) -> dict:
+    """``train_with_margin`` of ``base`` at world size 1 (its losses, step records and smallest
+    top-k margin), trained once per test session whichever module asks first: the pytest-xdist
+    workers of one session share it through a file beside their temporary directories (a lock
+    makes a second asker wait for the first). Several Mixtral modules compare with the same run."""
+    from filelock import FileLock
+    from multiproc import run_ranks
+
+    base_dir = tmp_path_factory.getbasetemp()
+    root = (base_dir.parent if os.environ.get("PYTEST_XDIST_WORKER") else base_dir) / "shared-references"
+    root.mkdir(exist_ok=True)
+    tree = compose_tree([*base, "dist.world_size=1"])
+    path = root / (hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            result = run_ranks(train_with_margin, 1, tree, str(path.with_suffix(".run")))[0]
+            path.write_text(json.dumps(result))
+    return json.loads(path.read_text())
