@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from family_models import built, max_diff, perturb_, quiet_transformers, tokens
 from forkrun import run_script
+from moe_against_hf import check_one_step, exported_pair
 from multiproc import run_ranks
 from trainrun import compose_tree, one_rank_reference, train_each, train_worlds
 
@@ -63,60 +64,14 @@ CONFIGS = {"gqa-top2": MIXTRAL, "tied-top1": MIXTRAL_TIED}
 
 
 def _pair(cfg: ModelConfig, out_dir: Path):
-    """(ours in training mode, transformers' eager model loaded from our exported directory)."""
-    ours = built(cfg, seed=3).train()
-    hfw.save_hf_dir(cfg, ours.state_dict(), out_dir)
-    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
-        out_dir, output_loading_info=True, attn_implementation="eager"
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"))
-    assert type(theirs).__name__ == "MixtralForCausalLM"
-    return ours, theirs.train()
-
-
-def _file_grads(theirs, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' gradients under the names its files use (it fuses each block's experts into
-    gate_up_proj (E, 2 x width, dim) and down_proj (E, dim, width) tensors in memory)."""
-    out = {}
-    for name, p in theirs.named_parameters():
-        base = name.rpartition(".mlp.")[0] + ".block_sparse_moe."
-        if name.endswith("mlp.experts.gate_up_proj"):
-            w1, w3 = p.grad.chunk(2, dim=1)
-            for e in range(cfg.n_experts):
-                out |= {f"{base}experts.{e}.w1.weight": w1[e], f"{base}experts.{e}.w3.weight": w3[e]}
-        elif name.endswith("mlp.experts.down_proj"):
-            out |= {f"{base}experts.{e}.w2.weight": p.grad[e] for e in range(cfg.n_experts)}
-        else:
-            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = p.grad
-    return out
+    return exported_pair(cfg, out_dir, transformers)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_aux_loss_logits_and_gradients_match_transformers(name, tmp_path):
     """One training step's loss (cross-entropy + coef x load-balancing loss), the aux loss itself,
     every gradient and the logits, within 1e-5 of MixtralForCausalLM(output_router_logits=True)."""
-    cfg = CONFIGS[name]
-    ours, theirs = _pair(cfg, tmp_path)
-    window = tokens(cfg, 3, cfg.seq_len + 1, 21)
-    x, y = window[:, :-1], window[:, 1:].contiguous()
-    loss = ours(x, y)
-    out = theirs(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
-    aux = ours.step_fields(1)["aux_loss"]
-    assert abs(loss.item() - out.loss.item()) <= TOL
-    assert abs(aux - out.aux_loss.item()) <= TOL
-    with torch.no_grad():
-        ce = F.cross_entropy(ours(x).reshape(-1, cfg.vocab_size), y.reshape(-1)).item()
-    assert cfg.router_aux_loss_coef * aux > 100 * TOL  # the term is really there
-    assert abs(loss.item() - ce - cfg.router_aux_loss_coef * aux) <= 1e-6
-    loss.backward()
-    out.loss.backward()
-    grads = hfw.to_hf_state_dict(cfg, {n: p.grad for n, p in ours.named_parameters()})
-    theirs_grads = _file_grads(theirs, cfg)
-    assert grads.keys() == theirs_grads.keys()
-    assert max(max_diff(grads[n], theirs_grads[n]) for n in grads) <= TOL
-    with torch.no_grad():
-        for seq in (cfg.seq_len, 5):
-            assert max_diff(ours(x[:, :seq]), theirs(x[:, :seq]).logits) <= TOL
+    check_one_step(CONFIGS[name], tmp_path, transformers)
 
 
 def test_the_hugging_face_directory_both_ways(tmp_path):

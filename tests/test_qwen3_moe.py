@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_models import built, max_diff, quiet_transformers, tokens
+from family_models import QWEN3_GQA, built, quiet_transformers
+from moe_against_hf import check_one_step, exported_pair
 from multiproc import run_ranks
 from trainrun import compose_tree, train_with_margin, train_worlds
 
@@ -24,22 +25,11 @@ from distlib.app.model import hf_weights as hfw
 
 transformers = quiet_transformers()
 TOL = 1e-5
-# Qwen3's wide, normed heads (16 at dim 32) with 4 experts of width 40, each token to 2, the top-2
-# probabilities used as they are (transformers' Qwen3MoeConfig default) and an aux term that counts.
-QWEN3_MOE = ModelConfig(
-    family="qwen3_moe",
-    vocab_size=64,
-    seq_len=16,
-    dim=32,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    n_layers=2,
-    mlp_hidden=40,
-    norm_eps=1e-6,
-    n_experts=4,
-    router_aux_loss_coef=0.02,
-    norm_topk_prob=False,
+# family_models' Qwen3 (wide, normed heads: 16 at dim 32) with 4 experts of width 40, each token to
+# 2, the top-2 probabilities used as they are (transformers' Qwen3MoeConfig default) and an aux
+# term that counts.
+QWEN3_MOE = replace(
+    QWEN3_GQA, family="qwen3_moe", mlp_hidden=40, n_experts=4, router_aux_loss_coef=0.02, norm_topk_prob=False
 )
 CONFIGS = {"raw-top2": QWEN3_MOE, "normalised-top1-tied": replace(
     QWEN3_MOE, n_experts=3, top_k=1, norm_topk_prob=True, tie_embeddings=True, head_dim=None
@@ -48,55 +38,14 @@ FILES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _pair(cfg: ModelConfig, out_dir: Path):
-    """(ours in training mode, transformers' eager model loaded from our exported directory)."""
-    ours = built(cfg, seed=3).train()
-    hfw.save_hf_dir(cfg, ours.state_dict(), out_dir)
-    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
-        out_dir, output_loading_info=True, attn_implementation="eager"
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"))
-    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
-    return ours, theirs.train()
-
-
-def _file_grads(theirs, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' gradients under its files' names (in memory it fuses each block's experts into
-    gate_up_proj (E, 2 x width, dim) and down_proj (E, dim, width))."""
-    out = {}
-    for name, p in theirs.named_parameters():
-        base = name.rpartition(".experts.")[0] + ".experts."
-        if name.endswith("mlp.experts.gate_up_proj"):
-            gate, up = p.grad.chunk(2, dim=1)
-            for e in range(cfg.n_experts):
-                out |= {f"{base}{e}.gate_proj.weight": gate[e], f"{base}{e}.up_proj.weight": up[e]}
-        elif name.endswith("mlp.experts.down_proj"):
-            out |= {f"{base}{e}.down_proj.weight": p.grad[e] for e in range(cfg.n_experts)}
-        else:
-            out[name] = p.grad
-    return out
+    return exported_pair(cfg, out_dir, transformers)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_aux_loss_logits_and_gradients_match_transformers(name, tmp_path):
     """One training step's loss (cross-entropy + coef x load-balancing loss), the aux loss, every
     gradient and the logits, within 1e-5 of Qwen3MoeForCausalLM(output_router_logits=True)."""
-    cfg = CONFIGS[name]
-    ours, theirs = _pair(cfg, tmp_path)
-    window = tokens(cfg, 3, cfg.seq_len + 1, 21)
-    x, y = window[:, :-1], window[:, 1:].contiguous()
-    loss = ours(x, y)
-    out = theirs(input_ids=x, labels=y, shift_labels=y, output_router_logits=True)
-    assert abs(loss.item() - out.loss.item()) <= TOL
-    assert abs(ours.step_fields(1)["aux_loss"] - out.aux_loss.item()) <= TOL
-    loss.backward()
-    out.loss.backward()
-    grads = hfw.to_hf_state_dict(cfg, {n: p.grad for n, p in ours.named_parameters()})
-    theirs_grads = _file_grads(theirs, cfg)
-    assert grads.keys() == theirs_grads.keys()
-    assert max(max_diff(grads[n], theirs_grads[n]) for n in grads) <= TOL
-    with torch.no_grad():
-        for seq in (cfg.seq_len, 5):
-            assert max_diff(ours(x[:, :seq]), theirs(x[:, :seq]).logits) <= TOL
+    check_one_step(CONFIGS[name], tmp_path, transformers)
 
 
 def test_the_routing_weights_are_renormalised_only_when_asked():
