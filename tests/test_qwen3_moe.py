@@ -3,7 +3,8 @@ with the load-balancing term, the aux loss, logits and every gradient; routing w
 renormalised or not: ``model.norm_topk_prob``), the Hugging Face directory both ways (its file
 names, a directory transformers' save_pretrained wrote, the refused layer schedules), and
 training: 20 steps at world size 1 fall, and expert parallelism (ep 2, ep 2 with tensor
-parallelism and ZeRO-3) stays within 1e-5 of them with the same tokens per expert. Offline
+parallelism and ZeRO-3) stays within 1e-5 of them with the same tokens per expert; an ep 2
+checkpoint resumes at one rank and exports to transformers. Offline
 (HF_HUB_OFFLINE=1)."""
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_models import QWEN3_GQA, built, quiet_transformers
+from family_models import QWEN3_GQA, built, max_diff, quiet_transformers, tokens
 from moe_against_hf import check_one_step, exported_pair
 from multiproc import run_ranks
-from trainrun import compose_tree, train_with_margin, train_worlds
+from trainrun import compose_tree, train_each, train_with_margin, train_worlds
 
+from distlib.app.checkpointing import hf_export
+from distlib.app.checkpointing.sampling import load_model
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model import hf_config as hfc
 from distlib.app.model import hf_weights as hfw
@@ -102,15 +105,26 @@ def test_import_refuses_layer_schedules_it_does_not_compute(change, message):
 # seed 11: the reference's smallest top-k margin is 2.5e-6, checked (a near tie flips with rounding)
 BASE = ["model=qwen3_moe", "seed=11", "train.steps=20", "checkpoint.every_steps=0"]
 BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
-LAYOUTS = {2: [["dist.ep=2"]], 4: [["dist.ep=2", "dist.tp=2", "zero=stage3"]]}  # 4: dp 2 x tp 2
+# 2: ep 2, saving at step 10 (resumed at one rank and exported below); 4: ep 2 x dp 2 x tp 2
+LAYOUTS = {2: [["dist.ep=2", "checkpoint.every_steps=10"]], 4: [["dist.ep=2", "dist.tp=2", "zero=stage3"]]}
 MARGIN = 1e-6  # the smallest gap between a token's k-th and (k+1)-th router probability to accept
 
 
+def _follows(run: dict, ref: dict, what) -> None:
+    worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"][-len(run["losses"]) :]))
+    assert worst <= TOL, (what, worst)
+    for r, want in zip(run["records"], ref["records"][-len(run["records"]) :]):
+        assert r["expert_tokens"] == want["expert_tokens"], (what, r["step"])
+        assert r["aux_loss"] == pytest.approx(want["aux_loss"], rel=TOL)
+
+
 @pytest.mark.slow
-def test_expert_parallelism_trains_one_ranks_losses(tmp_path):
+def test_expert_parallelism_trains_one_ranks_losses_resumes_and_exports(tmp_path):
     """ep 2 over 2 data-parallel ranks, and ep 2 with 2 tensor-parallel ranks at ZeRO-3 (the head
     norms' gradients summed over tp, each expert split by hidden units): 20 steps within 1e-5 of
-    one rank, the tokens per expert the same and the aux loss within 1e-5."""
+    one rank, the tokens per expert the same and the aux loss within 1e-5. The ep 2 run's step-10
+    checkpoint (each rank's experts under their names) resumes at one rank for steps 11-20 as
+    the reference's, and exports to a directory transformers loads with our logits."""
     tree = compose_tree([*BASE, "dist.world_size=1"])
     ref = run_ranks(train_with_margin, 1, tree, str(tmp_path / "ref"))[0]
     assert ref["margin"] > MARGIN, f"the reference has a near-tied routing choice ({ref['margin']:.1e})"
@@ -118,8 +132,16 @@ def test_expert_parallelism_trains_one_ranks_losses(tmp_path):
     runs = train_worlds(BASE, LAYOUTS, tmp_path)
     for world, layouts in LAYOUTS.items():
         for layout, run in zip(layouts, runs[world]):
-            worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"]))
-            assert len(run["losses"]) == 20 and worst <= TOL, (layout, worst)
-            for r, want in zip(run["records"], ref["records"]):
-                assert r["expert_tokens"] == want["expert_tokens"], (layout, r["step"])
-                assert r["aux_loss"] == pytest.approx(want["aux_loss"], rel=TOL)
+            assert len(run["losses"]) == 20, layout
+            _follows(run, ref, layout)
+    ckpt = tmp_path / "ws2" / "0" / "checkpoints" / "step_00000010"
+    resumed = compose_tree([*BASE, "dist.world_size=1", f"checkpoint.resume={ckpt}"])
+    (again,) = run_ranks(train_each, 1, [resumed], str(tmp_path / "resumed"))[0]
+    assert len(again["losses"]) == 10
+    _follows(again, ref, "ep 2 -> 1 rank")
+    hf_export.export(ckpt, tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = load_model(ckpt)
+    x = tokens(ours.cfg, 2, ours.cfg.seq_len, 9)
+    with torch.no_grad():
+        assert max_diff(ours(x), theirs(x).logits) <= TOL
