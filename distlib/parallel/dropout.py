@@ -69,9 +69,9 @@ class Draws:
     def noise(self, site: str, p: float, full: Sequence[int], index: Sequence[Index], like: Tensor) -> Tensor:
         """(batch, *kept) factors, 0 or 1 / (1 - p), in ``like``'s dtype and device: for each row of
         the batch, its sample's mask over ``full`` kept at ``index`` (one entry per dimension)."""
-        rows = []
         if not self.samples:  # an empty batch: no rows, of the kept shape
             return _keep(torch.empty(tuple(full), dtype=like.dtype, device=like.device), index)[None][:0]
+        rows = []
         for sample in self.samples:
             generator = torch.Generator(device=like.device)
             generator.manual_seed(self.key(sample, site))
