@@ -76,8 +76,8 @@ class ModelConfig(Group):
     norm_topk_prob: qwen3_moe: renormalise a token's top_k router probabilities to sum to 1
         (transformers' norm_topk_prob; mixtral always does); false: the probabilities themselves
     dropout: dropout probability; every mask is a function of (seed, global sample, block, site), so
-        every layout and a resumed run draw the same ones (distlib/parallel/dropout.py); llama: on the
-        attention weights only, as transformers' attention_dropout
+        every layout and a resumed run draw the same ones (distlib/parallel/dropout.py); llama, qwen3,
+        mixtral, qwen3_moe: on the attention weights only, as transformers' attention_dropout
     activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
         backward (same losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes`
         line)

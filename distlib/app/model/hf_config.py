@@ -1,5 +1,5 @@
 """Hugging Face model configs both ways: GPT-2 <-> GPT2Config, Llama <-> LlamaConfig, Qwen3 <->
-Qwen3Config, Mixtral <-> MixtralConfig.
+Qwen3Config, Mixtral <-> MixtralConfig, Qwen3-MoE <-> Qwen3MoeConfig.
 
 Export: ``hf_config(cfg)`` is the config.json of a model directory that transformers'
 ``AutoModelForCausalLM.from_pretrained`` loads as the same model. Import: ``config_fields(config)``
@@ -26,8 +26,13 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-CONFIG_CLASSES = {family: name.replace("ForCausalLM", "Config") for family, name in ARCHITECTURES.items()}
-CONFIG_CLASSES["gpt2"] = "GPT2Config"
+CONFIG_CLASSES = {
+    "gpt2": "GPT2Config",
+    "llama": "LlamaConfig",
+    "qwen3": "Qwen3Config",
+    "mixtral": "MixtralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+}
 MISSING_EXTRA = "this needs the optional `hf` extra (transformers): pip install -e '.[hf]'"
 
 
@@ -55,7 +60,7 @@ def export_refusal(cfg: ModelConfig) -> str | None:
 
 
 def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None):
-    """transformers' GPT2Config / LlamaConfig / Qwen3Config / MixtralConfig for ``cfg``. Special
+    """transformers' config object of ``cfg``'s family (``CONFIG_CLASSES``). Special
     tokens default to None: the byte-level tokenizer has none (transformers' defaults, 50256 or 1/2,
     would be outside a small vocabulary or ordinary bytes that generate() would stop on)."""
     reason = export_refusal(cfg)

@@ -138,12 +138,14 @@ def rms_norm(cfg: ModelConfig) -> RMSNorm:
 
 
 class Llama(CausalLM):
+    ATTENTION = Attention  # Qwen3: its own, with the head norms (qwen3.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, rms_norm, Attention, MLP, index=i) for i in range(cfg.n_layers)
+            PreNormBlock(cfg, rms_norm, self.ATTENTION, MLP, index=i) for i in range(cfg.n_layers)
         )
         self.ln_f = rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

@@ -19,8 +19,6 @@ import torch.nn as nn
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model import llama
-from distlib.app.model.layers import CausalLM, PreNormBlock
-from distlib.parallel.dropout import Draws
 
 TENSOR_PARALLEL_PLAN = llama.TENSOR_PARALLEL_PLAN
 
@@ -40,20 +38,8 @@ class Attention(llama.Attention):
         return [self.q_norm.weight, self.k_norm.weight]
 
 
-class Qwen3(CausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, llama.rms_norm, Attention, llama.MLP, index=i) for i in range(cfg.n_layers)
-        )
-        self.ln_f = llama.rms_norm(cfg)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._init_and_tie()
-
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
-        return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
+class Qwen3(llama.Llama):
+    ATTENTION = Attention
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
