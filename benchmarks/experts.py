@@ -51,8 +51,7 @@ from distlib.comm import collectives as C
 from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.parallel.expert_parallel import expert_grad_scale
-from distlib.parallel.zero import make_optimizer
-from distlib.parallel.zero.groups import GroupedOptimizer, ParamGroup
+from distlib.parallel.zero import ParamGroup, ZeroOptimizer, make_optimizer
 
 MOE = ModelConfig(
     family="mixtral", vocab_size=64, seq_len=64, dim=64, n_heads=4, n_layers=2, mlp_hidden=128, n_experts=8
@@ -82,7 +81,7 @@ def _setup(comm, cfg: ModelConfig, ep: int, collectives: str = "ours"):
         ParamGroup("dense", dense, mesh.batch),
         ParamGroup("experts", experts, mesh.expert_dp, (mesh.ep,), expert_grad_scale(mesh.ep)),
     ]
-    return model, GroupedOptimizer(model, groups, 0, ADAMW, 1.0), group.stats
+    return model, ZeroOptimizer(model, groups, 0, ADAMW, 1.0), group.stats
 
 
 def _step(model, opt, batch) -> float:

@@ -47,12 +47,11 @@ def train_rank(comm: Comm, config: dict, run_dir: str, keep_state: bool = False)
         result = trainer.run()
     except CheckpointError as exc:
         return {"error": str(exc)}
-    numel = trainer.optimizer.layout.numel
     return {
         "error": None,
         "start": result.start_step,
         "losses": {s.step: s.loss for s in result.steps},
-        "params": trainer.optimizer.flat_params[:numel].numpy().copy(),  # tensors do not survive the queue
+        "params": trainer.optimizer.full_params().numpy().copy(),  # tensors do not survive the queue
         "resume_ok": None if result.resume_check is None else result.resume_check.ok,
     } | ({"state": state_of(trainer.optimizer)} if keep_state else {})
 

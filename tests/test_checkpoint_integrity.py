@@ -108,10 +108,10 @@ def test_damaged_checkpoint_loads_nothing(ckpt, tmp_path):
     shard = ckpt / "rank00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
     trainer = _fresh_trainer(tmp_path, checkpoint={"resume": str(ckpt)})
-    before = trainer.optimizer.flat_params.clone(), trainer.optimizer.state_shard()
+    before = trainer.optimizer.params_snapshot(), trainer.optimizer.state_shard()
     with pytest.raises(CheckpointError, match="rank00001.safetensors has 100 bytes"):
         trainer.run()
-    assert torch.equal(before[0], trainer.optimizer.flat_params)
+    assert torch.equal(before[0], trainer.optimizer.params_snapshot())
     assert all(torch.equal(before[1][k], v) for k, v in trainer.optimizer.state_shard().items())
 
 
@@ -152,7 +152,7 @@ def test_loading_never_unpickles(ckpt, tmp_path, monkeypatch):
 )
 def test_mismatched_run_lists_every_difference_and_loads_nothing(ckpt, tmp_path, override, expected):
     trainer = _fresh_trainer(tmp_path, checkpoint={"resume": str(ckpt)}, **override)
-    before = trainer.optimizer.flat_params.clone()
+    before = trainer.optimizer.params_snapshot()
     with pytest.raises(CheckpointError) as err:
         trainer.run()
     msg = str(err.value)
@@ -160,7 +160,7 @@ def test_mismatched_run_lists_every_difference_and_loads_nothing(ckpt, tmp_path,
     for line in expected:
         assert line in msg
     assert "lm_head.bias: checkpoint 64, model 64" not in msg  # unchanged shapes are not listed
-    assert torch.equal(before, trainer.optimizer.flat_params)
+    assert torch.equal(before, trainer.optimizer.params_snapshot())
 
 
 # -- invariant 4's RNG half can fail -----------------------------------------------------------------

@@ -77,14 +77,17 @@ def _run(comm, cfg: RunConfig, run_dir: Path, default_device: str | None, reload
         torch.set_default_device(None)
         relayout.load = read
     opt = trainer.optimizer
-    buffers = {
-        name: t
-        for name in ("flat_params", "flat_grads", "master", "exp_avg", "exp_avg_sq", "param_shard")
-        if isinstance(t := getattr(opt, name, None), torch.Tensor)
-    }
-    if hasattr(opt, "grads"):
-        buffers |= {f"grads.live[{i}]": t for i, t in enumerate(opt.grads.live())}
-    buffers |= {f"unit[{i}]": t for i, t in enumerate(getattr(opt, "_unit_buffers", []))}
+    buffers = {}
+    for group, stage in opt.groups.items():  # each parameter group's stage optimizer
+        buffers |= {
+            f"{group}.{name}": t
+            for name in ("flat_params", "flat_grads", "master", "exp_avg", "exp_avg_sq", "param_shard")
+            if isinstance(t := getattr(stage, name, None), torch.Tensor)
+        }
+        if hasattr(stage, "grads"):
+            buffers |= {f"{group}.grads.live[{i}]": t for i, t in enumerate(stage.grads.live())}
+        buffers |= {f"{group}.unit[{i}]": t for i, t in enumerate(getattr(stage, "_unit_buffers", []))}
+    assert any(k.endswith(".master") for k in buffers)  # the stage's state was found
     buffers |= {f"param {n}": p for n, p in trainer.model.named_parameters()}
     return {
         "losses": [s.loss.hex() for s in result.steps],

@@ -24,8 +24,7 @@ from distlib.comm import collectives
 from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.parallel.expert_parallel import Routing, expert_grad_scale, held_experts
-from distlib.parallel.zero import make_optimizer
-from distlib.parallel.zero.groups import GroupedOptimizer, ParamGroup
+from distlib.parallel.zero import ParamGroup, ZeroOptimizer, make_optimizer
 
 TOL = 1e-5
 STEPS = 20
@@ -55,7 +54,7 @@ def _optimizer(model, mesh, ep: int, stage: int):
         ParamGroup("dense", dense, mesh.batch),
         ParamGroup("experts", experts, mesh.expert_dp, (mesh.ep,), expert_grad_scale(mesh.ep)),
     ]
-    return GroupedOptimizer(model, groups, stage, ADAMW, CLIP)
+    return ZeroOptimizer(model, groups, stage, ADAMW, CLIP)
 
 
 # A router forced to starve experts (issue #37: an expert rank that receives no token must still

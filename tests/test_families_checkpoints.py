@@ -115,7 +115,8 @@ def _train(comm, runs: list[tuple[dict, str]]) -> list[dict]:
             trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
             result = trainer.run()
         opt = trainer.optimizer
-        flat = opt.full_params()[: opt.layout.numel]  # this rank's pieces (collective at ZeRO-3)
+        (group,) = opt.groups.values()  # a dense model: one parameter group
+        flat = opt.full_params()  # this rank's pieces (collective at ZeRO-3)
         out.append(
             {
                 "losses": {s.step: s.loss.hex() for s in result.steps},
@@ -123,7 +124,7 @@ def _train(comm, runs: list[tuple[dict, str]]) -> list[dict]:
                 # numpy, not tensors: torch pickles tensors through shared memory that dies with the rank
                 "params": {
                     s.name: flat[s.offset : s.offset + s.numel].view(s.shape).numpy().copy()
-                    for s in opt.layout.slots
+                    for s in group.layout.slots
                 },
                 "splits": {n: s.to_dict() for n, s in trainer.checkpointer.contents.tp_splits.items()},
             }

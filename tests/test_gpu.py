@@ -89,7 +89,7 @@ def _train(comm, run_dir: Path, device: str, resume: str | None = None, steps: i
     agree.all_true(True, comm)
     trainer = Trainer(_cfg(resume, steps), comm, run_dir, device=device)
     result = trainer.run()
-    opt = trainer.optimizer
+    (opt,) = trainer.optimizer.groups.values()  # a dense model: one parameter group
     devices = {
         str(t.device) for t in (opt.flat_params, opt.flat_grads, opt.master, opt.exp_avg, opt.exp_avg_sq)
     }

@@ -20,7 +20,7 @@ from distlib.comm.group import Comm
 from distlib.comm.p2p import CollectiveError
 from distlib.comm.progress import Progress
 from distlib.parallel.broadcast import broadcast_module_
-from distlib.parallel.zero import make_optimizer
+from distlib.parallel.zero.stages import stage_optimizer
 
 CFG = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=2, mlp_ratio=3)  # P = 7,201
 BUCKET = 700  # several buckets of whole modules
@@ -57,7 +57,7 @@ def _ddp_grads(comm, accum, dtype=torch.float32):
 def _ours(comm, stage, accum, overlap, dtype=torch.float32, steps=3):
     model = build_model(CFG, seed=7)
     broadcast_module_(model, comm)
-    opt = make_optimizer(
+    opt = stage_optimizer(
         model,
         comm,
         stage,
@@ -123,7 +123,7 @@ def _launch_order(comm, accum):
     """Which buckets' syncs were handed to the thread when the first layer's gradient (the last one
     backward produces) was about to be accumulated, per micro-batch."""
     model = build_model(CFG, seed=7)
-    opt = make_optimizer(
+    opt = stage_optimizer(
         model, comm, 1, OptimizerConfig().adamw, bucket_numel=BUCKET, overlap=True, grad_accum=accum
     )
     seen = []
@@ -146,7 +146,7 @@ def test_sync_starts_during_the_last_backward_only():
 
 def _prefetch_log(comm):
     model = build_model(CFG, seed=7)
-    opt = make_optimizer(model, comm, 3, OptimizerConfig().adamw, overlap=True)
+    opt = stage_optimizer(model, comm, 3, OptimizerConfig().adamw, overlap=True)
     log, submit = [], opt.progress.submit
     opt.progress.submit = lambda fn, *a: (log.append((fn.__name__, a[0])), submit(fn, *a))[1]
     units = [model.tok_emb, model.pos_emb, *model.blocks, model.ln_f, model.lm_head]

@@ -42,7 +42,7 @@ from distlib.parallel.tensor_parallel import (
     parallelize_,
     shard_of,
 )
-from distlib.parallel.zero import make_optimizer
+from distlib.parallel.zero.stages import stage_optimizer
 
 # vocab 31 makes P = 5631 (3503 per tensor-parallel rank): odd, so every data-parallel split pads.
 CFG = ModelConfig(vocab_size=31, seq_len=8, dim=16, n_heads=4, n_layers=2, mlp_ratio=2)
@@ -88,7 +88,7 @@ def _train_case(comm, case: dict) -> dict:
     )  # dp and tp count the bytes they send
     model = build_model(CFG, SEED)
     splits = shard_model_(model, mesh.tp)
-    opt = make_optimizer(
+    opt = stage_optimizer(
         model,
         mesh.dp,
         stage,
@@ -420,7 +420,7 @@ def test_tensor_parallel_sends_four_activation_all_reduces_per_block(results):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_parameter_without_gradient_is_named_instead_of_hanging(stage):
     model = build_model(CFG, SEED)
-    opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
+    opt = stage_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
     model.tok_emb(DATA[0][:, :-1]).sum().backward()  # only the embedding gets a gradient
     with pytest.raises(RuntimeError, match=r"29 parameter\(s\) did not receive a gradient") as err:
         opt.step()
@@ -432,7 +432,7 @@ def test_every_stage_exposes_its_parameter_and_gradient_buffers():
     that must not assume the stage-0/1 flat buffers exist."""
     for stage in range(4):
         model = build_model(CFG, SEED)
-        opt = make_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
+        opt = stage_optimizer(model, Comm.world(), stage, ADAMW, bucket_numel=BUCKET)
         assert opt.param_buffer.numel() == opt.layout.padded_numel
         assert opt.grad_buffer.dtype == torch.float32 and opt.grad_buffer.numel() == opt.layout.padded_numel
         assert torch.equal(opt.params_snapshot(), opt.param_buffer)

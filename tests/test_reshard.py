@@ -65,9 +65,8 @@ def test_a_different_global_batch_is_refused_with_the_fix(tmp_path, four):
 def _load_params(comm, config: dict, run_dir: str) -> dict:
     trainer = Trainer(RunConfig.from_dict(config), comm, Path(run_dir))
     trainer.checkpointer.loader.load(Path(config["checkpoint"]["resume"]), trainer.model, trainer.optimizer)
-    numel = trainer.optimizer.layout.numel
     return {
-        "params": trainer.optimizer.flat_params[:numel].numpy().copy(),
+        "params": trainer.optimizer.full_params().numpy().copy(),
         "state": {k: v.numpy().copy() for k, v in trainer.optimizer.state_shard().items()},
         "rng": torch.get_rng_state().numpy().copy(),
     }

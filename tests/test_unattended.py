@@ -45,7 +45,7 @@ def _train(comm, tree, run_dir, clocks=None):
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {
         "losses": {s.step: s.loss.hex() for s in result.steps},
-        "params": hashlib.sha256(trainer.optimizer.flat_params.numpy().tobytes()).hexdigest(),
+        "params": hashlib.sha256(trainer.optimizer.full_params().numpy().tobytes()).hexdigest(),
         "rollbacks": result.rollbacks,
         "saved": [m["step"] for m in result.manifests],
         "stopped_by": result.stopped_by,

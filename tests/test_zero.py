@@ -8,7 +8,7 @@ from distlib.app.model.minigpt import build_model
 from distlib.comm.group import Comm
 from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.flat_layout import FlatLayout
-from distlib.parallel.zero import make_optimizer
+from distlib.parallel.zero.stages import stage_optimizer
 
 # P = 4001 for this model: not divisible by 2, 3 or 4, so padding is exercised.
 ODD = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=1, mlp_ratio=3)
@@ -17,7 +17,7 @@ ODD = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=1, mlp_r
 def _train(comm, stage, cfg, steps):
     model = build_model(cfg, seed=7)
     broadcast_module_(model, comm)
-    opt = make_optimizer(model, comm, stage, OptimizerConfig(lr=3e-3).adamw)
+    opt = stage_optimizer(model, comm, stage, OptimizerConfig(lr=3e-3).adamw)
     data = GlobalBatches(
         make_corpus(1, 4096, cfg.vocab_size), cfg.seq_len, BatchPlan(8, comm.size, 1), seed=3
     )
@@ -88,7 +88,7 @@ def test_stage1_matches_plain_torch_adamw_on_the_global_batch():
 
 def _memory(comm, stage):
     model = build_model(ODD, seed=0)
-    opt = make_optimizer(model, comm, stage, OptimizerConfig().adamw)
+    opt = stage_optimizer(model, comm, stage, OptimizerConfig().adamw)
     return opt.memory_bytes(), opt.layout.numel, opt.layout.padded_numel
 
 
@@ -104,7 +104,7 @@ def test_optimizer_bytes_are_12P_over_N_from_the_tensors(world):
 
 def test_layout_roundtrips_and_params_are_views_of_the_flat_buffer():
     model = build_model(ODD, seed=0)
-    opt = make_optimizer(model, Comm.world(), 1, OptimizerConfig().adamw)
+    opt = stage_optimizer(model, Comm.world(), 1, OptimizerConfig().adamw)
     layout = FlatLayout.from_dict(opt.layout.to_dict())
     assert layout == opt.layout
     for slot, p in zip(layout.slots, model.parameters()):
@@ -114,4 +114,4 @@ def test_layout_roundtrips_and_params_are_views_of_the_flat_buffer():
 
 def test_bad_stage_is_refused():
     with pytest.raises(ValueError, match="zero.stage"):
-        make_optimizer(build_model(ODD, seed=0), Comm.world(), 7, OptimizerConfig().adamw)
+        stage_optimizer(build_model(ODD, seed=0), Comm.world(), 7, OptimizerConfig().adamw)

@@ -1,7 +1,8 @@
-"""ZeRO over parameter groups (distlib/parallel/zero/groups.py): each group averaged and sharded over
-its own ranks, one global norm over every group and kind.
+"""ZeRO over parameter groups (distlib/parallel/zero/optimizer.py): each group averaged and sharded
+over its own ranks, one global norm over every group and kind.
 
-Two proofs on 4 gloo ranks, at every stage: the model's parameters split into two groups over
+Three proofs on 4 gloo ranks, at every stage: the one optimizer with one group (what a dense run
+uses) is its stage optimizer to the bit, clipping included; the model's parameters split into two groups over
 the same ranks train bit for bit like one group (same elementwise arithmetic; only the norm's
 additions regroup, so without clipping nothing else can differ); and an expert-like layout
 (dense parameters over all 4 ranks, an "expert" held by two ranks each, averaged over its
@@ -20,8 +21,8 @@ from distlib.comm.layout import Layout
 from distlib.comm.mesh import build_mesh
 from distlib.parallel.adamw import adamw_step_
 from distlib.parallel.broadcast import broadcast_module_
-from distlib.parallel.zero import make_optimizer
-from distlib.parallel.zero.groups import GroupedOptimizer, ParamGroup
+from distlib.parallel.zero import ParamGroup, ZeroOptimizer, make_optimizer
+from distlib.parallel.zero.stages import stage_optimizer
 
 ODD = ModelConfig(vocab_size=33, seq_len=8, dim=16, n_heads=2, n_layers=2, mlp_ratio=3)
 ADAMW = OptimizerConfig(lr=3e-3).adamw
@@ -38,18 +39,20 @@ def _values(groups: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train_transformer(comm, stage, grouped, clip, steps=4):
+def _train_transformer(comm, stage, groups, clip, steps=4):
+    """``groups``: 2 (attention and the rest), 1 (``make_optimizer``), 0 (the bare stage optimizer)."""
     model = build_model(ODD, seed=7)
     broadcast_module_(model, comm)
-    if grouped:
+    if groups == 2:
         names = [n for n, _ in model.named_parameters()]
         attn = tuple(n for n in names if ".attn." in n)
-        groups = [ParamGroup("attn", attn, comm), ParamGroup("rest", tuple(set(names) - set(attn)), comm)]
-        opt = GroupedOptimizer(model, groups, stage, ADAMW, clip)
-        parts = opt.groups
-    else:
+        halves = [ParamGroup("attn", attn, comm), ParamGroup("rest", tuple(set(names) - set(attn)), comm)]
+        opt = ZeroOptimizer(model, halves, stage, ADAMW, clip)
+    elif groups == 1:
         opt = make_optimizer(model, comm, stage, ADAMW, clip)
-        parts = {"all": opt}
+    else:
+        opt = stage_optimizer(model, comm, stage, ADAMW, clip)
+    parts = {"all": opt} if groups == 0 else opt.groups
     data = GlobalBatches(
         make_corpus(1, 4096, ODD.vocab_size), ODD.seq_len, BatchPlan(8, comm.size, 1), seed=3
     )
@@ -66,11 +69,16 @@ def _train_transformer(comm, stage, grouped, clip, steps=4):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_two_groups_over_the_same_ranks_train_like_one(stage):
-    one = run_ranks(_train_transformer, 4, stage, False, 0.0)
-    two = run_ranks(_train_transformer, 4, stage, True, 0.0)
-    clipped_one = run_ranks(_train_transformer, 4, stage, False, 0.05)
-    clipped_two = run_ranks(_train_transformer, 4, stage, True, 0.05)
+    one = run_ranks(_train_transformer, 4, stage, 1, 0.0)
+    two = run_ranks(_train_transformer, 4, stage, 2, 0.0)
+    clipped_one = run_ranks(_train_transformer, 4, stage, 1, 0.05)
+    clipped_two = run_ranks(_train_transformer, 4, stage, 2, 0.05)
+    bare = run_ranks(_train_transformer, 4, stage, 0, 0.05)
     for rank in range(4):
+        # one group is its stage optimizer: losses, norms and parameters to the bit, clipping active
+        assert clipped_one[rank][:3] == bare[rank][:3], f"stage {stage} rank {rank}: one group differs"
+        a, b = clipped_one[rank][3], bare[rank][3]
+        assert all(a[n].tobytes() == b[n].tobytes() for n in a) and a.keys() == b.keys()
         assert one[rank][0] == two[rank][0], f"stage {stage} rank {rank}: losses differ"
         a, b = one[rank][3], two[rank][3]
         assert a.keys() == b.keys()
@@ -146,7 +154,7 @@ def _train_toy(comm, stage, steps, clip, differs):
         ParamGroup("dense", tuple(n for n in names if n not in experts), mesh.batch),
         ParamGroup("experts", experts, mesh.expert_dp, (mesh.ep,) if differs else ()),
     ]
-    opt = GroupedOptimizer(model, groups, stage, ADAMW, clip)
+    opt = ZeroOptimizer(model, groups, stage, ADAMW, clip)
     norms = []
     for step in range(steps):
         model(_batch(comm.rank, step)).backward()
@@ -183,8 +191,8 @@ def test_groups_must_partition_the_parameters():
     names = [n for n, _ in model.named_parameters()]
     comm = None  # never reached: the partition is checked first
     with pytest.raises(ValueError, match="missing \\['head.weight'"):
-        GroupedOptimizer(model, [ParamGroup("a", tuple(names[:4]), comm)], 1, ADAMW)
+        ZeroOptimizer(model, [ParamGroup("a", tuple(names[:4]), comm)], 1, ADAMW)
     with pytest.raises(ValueError, match="'dense.bias' is in parameter groups 'a' and 'b'"):
-        GroupedOptimizer(
+        ZeroOptimizer(
             model, [ParamGroup("a", tuple(names), comm), ParamGroup("b", ("dense.bias",), comm)], 1, ADAMW
         )

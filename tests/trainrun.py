@@ -26,9 +26,7 @@ def train(comm, tree: dict, run_dir: str) -> dict:
     return {
         "losses": {s.step: s.loss.hex() for s in result.steps},
         "val": {s.step: s.val_loss for s in result.steps if s.val_loss is not None},
-        "params": trainer.optimizer.flat_params[: trainer.optimizer.layout.numel]
-        .numpy()
-        .copy(),  # numpy: a tensor would travel by shared memory
+        "params": trainer.optimizer.full_params().numpy().copy(),  # numpy: a tensor would use shared memory
         "resume_ok": None if result.resume_check is None else result.resume_check.ok,
     }
 

@@ -1,6 +1,6 @@
 """The optimizer a run's layout needs, built by the application (the model package builds none):
-ZeRO (``zero.stage``) over the batch ranks dp x cp, or, with expert parallelism (``dist.ep``), ZeRO
-over two parameter groups (``parallel.zero.groups``): the dense parameters over the batch ranks,
+ZeRO (``zero.stage``) over parameter groups (``parallel.zero.optimizer``), one group over the batch
+ranks dp x cp, or, with expert parallelism (``dist.ep``), two: the dense parameters over the batch ranks,
 the experts over the ranks holding the same ones, their gradients scaled by 1/ep
 (``expert_parallel``). Each rank's checkpoint shard holds what it holds (the dense partition, and
 its experts' under "experts."), and the manifest says where every expert is, so a checkpoint of
@@ -14,8 +14,7 @@ from distlib.app.model.layers import CausalLM
 from distlib.comm.mesh import Mesh
 from distlib.parallel.adamw import AdamWConfig
 from distlib.parallel.expert_parallel import expert_grad_scale
-from distlib.parallel.zero import make_optimizer
-from distlib.parallel.zero.groups import GroupedOptimizer, ParamGroup
+from distlib.parallel.zero import ParamGroup, ZeroOptimizer, make_optimizer
 
 DENSE, EXPERTS = "dense", "experts"  # the parameter groups' names (a checkpoint's "experts." keys)
 
@@ -40,7 +39,7 @@ def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits):
 
 def expert_parallel_optimizer(
     model: CausalLM, mesh: Mesh, stage: int, cfg: AdamWConfig, grad_clip: float, **options
-) -> GroupedOptimizer:
+) -> ZeroOptimizer:
     """Drop the experts other ranks of ``mesh.ep`` hold from ``model`` (built whole, the same on
     every rank) and return its optimizer; ``options`` as ``make_optimizer``'s."""
     ep, names = mesh.ep, [n for n, _ in model.named_parameters()]
@@ -49,4 +48,4 @@ def expert_parallel_optimizer(
         ParamGroup(DENSE, tuple(n for n in names if moe.expert_of(n) is None), mesh.batch),
         ParamGroup(EXPERTS, kept, mesh.expert_dp, (ep,), expert_grad_scale(ep)),
     ]
-    return GroupedOptimizer(model, groups, stage, cfg, grad_clip, **options)
+    return ZeroOptimizer(model, groups, stage, cfg, grad_clip, **options)

@@ -21,7 +21,7 @@ Autograd: each all-to-all's backward is the all-to-all with the splits swapped. 
 gradient on its rank then sums the loss gradients of every rank of the expert group; averaging it
 over its expert-data-parallel ranks (the ranks holding the same experts) therefore counts the
 batch group's ranks N times too few in the divisor: ``EXPERT_GRAD_SCALE`` (1/N, exact for N a
-power of two) is the factor ZeRO's parameter group applies first (``zero.groups.ParamGroup``).
+power of two) is the factor ZeRO's parameter group applies first (``zero.ParamGroup``).
 """
 
 from __future__ import annotations

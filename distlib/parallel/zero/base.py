@@ -6,7 +6,7 @@ multiple of the data-parallel size N; rank r owns partition r. ``step()`` replac
 norm) followed by ``apply_update(lr)`` (clip by that norm, AdamW on the fp32 master, publish the
 parameters), so a caller can look at the norm and the loss before deciding to update.
 
-A stage says where things live by implementing the hooks at the bottom of ``ZeroOptimizer``:
+A stage says where things live by implementing the hooks at the bottom of ``StageOptimizer``:
 its storage (``_init_storage``, which also names ``grad_home``, the fp32 tensor gradients land in),
 what it holds beyond that (``_param_storage``/``_grad_storage``), how the
 gradients are averaged (``_reduce_grads``) and how updated master weights reach the module
@@ -24,7 +24,7 @@ reduce-scatters without blocking the hook, and stage 3 prefetches the next unit'
 the main thread while any is in flight.
 
 The keywords: ``names``, the parameters it updates (default: the module's; a
-``groups.ParamGroup``'s); ``tp``/``tp_split``, the tensor-parallel group and the parameters split
+``optimizer.ParamGroup``'s); ``tp``/``tp_split``, the tensor-parallel group and the parameters split
 over it, ``differs_over``, any parameter -> the groups whose ranks hold other values of it, and
 ``pp``, the pipeline group: the global norms count such parameters on every rank of those groups
 and replicated ones once (``norms``).
@@ -53,7 +53,7 @@ from distlib.parallel.zero.overlap import OverlappedSync
 from distlib.parallel.zero.shard_state import ShardState
 
 
-class ZeroOptimizer(ShardState):
+class StageOptimizer(ShardState):
     """AdamW over the data-parallel group ``comm``; the stage subclasses decide what is sharded
     (the keywords: this module's docstring)."""
 
@@ -141,7 +141,7 @@ class ZeroOptimizer(ShardState):
     @torch.no_grad()
     def sync_squares(self) -> torch.Tensor:
         """``sync_grads`` short of the norm: average the gradients, return this stage's sum of their
-        squares (a group's share of ``groups.GroupedOptimizer``'s norm, which ``use_norm`` sets)."""
+        squares (a group's share of ``optimizer.ZeroOptimizer``'s norm, which ``use_norm`` sets)."""
         grads = self._reduce_grads()
         self._synced = (grads, None)
         return self.norms.squares_of_partition(self._mine(grads))

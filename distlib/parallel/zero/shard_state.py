@@ -1,6 +1,6 @@
 """What a ZeRO optimizer saves and loads: this rank's partition of the fp32 (master, exp_avg,
 exp_avg_sq), whatever the stage (at stage 0 a rank holds all of them and saves its partition), so
-the on-disk format does not depend on the stage. ``ShardState`` is the part of ``ZeroOptimizer``
+the on-disk format does not depend on the stage. ``ShardState`` is the part of ``StageOptimizer``
 that a checkpoint talks to; a stage that holds its state otherwise overrides ``_mine`` and
 ``_load_state``."""
 

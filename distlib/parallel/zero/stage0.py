@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from distlib.comm import collectives
-from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.base import StageOptimizer
 
 
-class Stage0Optimizer(ZeroOptimizer):
+class Stage0Optimizer(StageOptimizer):
     stage = 0
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from distlib.comm import collectives
-from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.base import StageOptimizer
 
 
-class Stage1Optimizer(ZeroOptimizer):
+class Stage1Optimizer(StageOptimizer):
     stage = 1
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from distlib.comm import collectives
-from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.base import StageOptimizer
 from distlib.parallel.zero.buckets import MAX_QUEUED, GradBuckets, buckets_by_size
 
 
-class Stage2Optimizer(ZeroOptimizer):
+class Stage2Optimizer(StageOptimizer):
     stage = 2
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:

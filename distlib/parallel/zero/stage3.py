@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from distlib.comm import collectives
-from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.base import StageOptimizer
 from distlib.parallel.zero.buckets import Bucket, GradBuckets, contiguous_bucket
 
 
@@ -96,7 +96,7 @@ def unit_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m, owner in unit_members(model) if owner is None]
 
 
-class Stage3Optimizer(ZeroOptimizer):
+class Stage3Optimizer(StageOptimizer):
     stage = 3
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:

@@ -1,21 +1,21 @@
-"""ZeRO over parameter groups: each group of parameters averaged, and sharded, over its own ranks.
+"""ZeRO over parameter groups, the one optimizer: each group of parameters averaged, and sharded,
+over its own ranks (a dense model is one group over the data-parallel ranks, ``make_optimizer``).
 
 One data-parallel group is not enough once parameters live on different sets of ranks: with
 context parallelism every parameter is averaged over dp x cp; with experts, the dense parameters
 over the batch group and an expert's over the ranks holding the same expert (its
 expert-data-parallel group), while the ranks of the expert group hold other experts. A
 ``ParamGroup`` names its parameters, the ``Comm`` they are averaged and sharded over, and the
-groups whose ranks hold different values of them; ``GroupedOptimizer`` runs one ZeRO stage
-optimizer per group (each with its own flat layout over its own ranks) and joins them where they
+groups whose ranks hold different values of them; ``ZeroOptimizer`` runs one ZeRO stage
+optimizer per group (``stages``) (each with its own flat layout over its own ranks) and joins them where they
 must agree: one global gradient norm over every group and kind (``norms``), so one clipping
 coefficient, and one ``sync_grads``/``apply_update`` protocol, the base's.
 
-It answers what the trainer, the guard and a checkpoint ask of any optimizer, as
-``ZeroOptimizer`` does; a checkpoint holds what each rank holds (``partitions``: every group's
-partition of its own flat layout, the first group's under the plain state names), and loading
-finds every element by parameter name at any layout (``checkpoint.relayout``). With one group over
-the data-parallel ranks it is the plain ``ZeroOptimizer`` (``make_optimizer``), which is what a
-run uses until a dimension needs more.
+It is what the trainer, the guard and a checkpoint talk to; a checkpoint holds what each rank
+holds (``partitions``: every group's partition of its own flat layout, the first group's under the
+plain state names, so a one-group checkpoint is the plain ZeRO one), and loading finds every
+element by parameter name at any layout (``checkpoint.relayout``). With one group every answer is
+that group's stage optimizer's, to the bit: the joined norm of one group is its own norm.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch.nn as nn
 from distlib.comm.group import Comm
 from distlib.parallel.adamw import STATE_KEYS, AdamWConfig
 from distlib.parallel.flat_layout import Partition
-from distlib.parallel.zero import STAGES
-from distlib.parallel.zero.base import ZeroOptimizer
+from distlib.parallel.zero.base import StageOptimizer
+from distlib.parallel.zero.stages import STAGES, check_stage
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class ParamGroup:
     grad_scale: float = 1.0
 
 
-class GroupedOptimizer:
+class ZeroOptimizer:
     """The ZeRO ``stage`` optimizer of every group of ``module``'s parameters (``groups`` partition
     them); ``tp``/``tp_split``/``pp`` and the other keywords as ``make_optimizer``'s."""
 
@@ -61,8 +61,9 @@ class GroupedOptimizer:
         **options,
     ):
         _check_partition(module, groups)
+        check_stage(stage)
         split = set(tp_split)
-        self.groups: dict[str, ZeroOptimizer] = {
+        self.groups: dict[str, StageOptimizer] = {
             g.name: STAGES[stage](
                 module,
                 g.comm,
@@ -70,7 +71,7 @@ class GroupedOptimizer:
                 grad_clip,
                 names=g.names,
                 tp=tp,
-                tp_split=split & set(g.names),
+                tp_split=tuple(n for n in g.names if n in split),  # in module order
                 differs_over={name: g.differs_over for name in g.names} if g.differs_over else None,
                 **options,
             )
@@ -127,7 +128,7 @@ class GroupedOptimizer:
 
     def partitions(self) -> list[Partition]:
         """What this rank holds, group by group: the first group's state under the plain state
-        names (one group saves what ``ZeroOptimizer`` saves), every other's under "<name>."."""
+        names (one group saves what its stage optimizer saves), every other's under "<name>."."""
         return [Partition(self.prefixes[n], g.layout, g.comm.rank) for n, g in self.groups.items()]
 
     def state_views(self) -> dict[str, torch.Tensor]:
@@ -155,11 +156,19 @@ class GroupedOptimizer:
         return parts
 
     def params_snapshot(self) -> torch.Tensor:
+        """A host copy of the parameter bytes this rank holds, group by group (restore checks)."""
         return torch.cat([g.params_snapshot() for g in self.groups.values()])
+
+    def full_params(self) -> torch.Tensor:
+        """Every parameter of this rank's model, flat, group by group in each one's layout order,
+        without padding (at stage 3 a gathered copy: collective over each group's ranks)."""
+        return torch.cat([g.full_params()[: g.layout.numel] for g in self.groups.values()])
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
         """Each category's formula: the groups' added (each with its own P and N, named)."""
         each = {n: g.memory_formula() for n, g in self.groups.items()}
+        if len(each) == 1:
+            return self._first.memory_formula()
         return {
             k: (
                 sum(f[k][0] for f in each.values()),
