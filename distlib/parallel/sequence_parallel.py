@@ -17,11 +17,11 @@ input; ``leave`` replaces the row-parallel layer's all-reduce. The head and loss
 sequence, replicated as with tensor parallelism alone, so the loss is the same number.
 
 A replicated parameter used on the shards (a norm's weight, a row-parallel bias added after the
-reduce-scatter) gets from each rank the gradient of that rank's tokens only; ``split_sequence_``
-hooks each one so that its gradient is summed over the group before it accumulates, and the
-replicas stay bitwise equal. Residual dropout keeps the whole sequence's mask at the positions
-this rank holds (``SequenceSplit.held``; ``distlib.parallel.dropout``): the masks of tensor
-parallelism alone, and of one rank.
+reduce-scatter) gets from each rank the gradient of that rank's tokens only; a module names them
+(``sequence_sharded_parameters``) and the optimizer sums their gradients over the group once per
+step (``parallel.zero.partial_sums``), so the replicas stay bitwise equal. Residual dropout keeps
+the whole sequence's mask at the positions this rank holds (``SequenceSplit.held``;
+``distlib.parallel.dropout``): the masks of tensor parallelism alone, and of one rank.
 
 The collectives are ours, on flat contiguous tensors: (batch, seq, dim) activations are made
 sequence-major, (seq, batch, dim), so that each rank's tokens are one contiguous piece.
@@ -38,7 +38,6 @@ import torch.nn as nn
 from distlib.comm import collectives
 from distlib.comm.group import Comm
 from distlib.parallel.collective_op import collective_function
-from distlib.parallel.tensor_parallel import sum_gradients_over
 
 
 def _own(full: torch.Tensor, tp: Comm) -> torch.Tensor:
@@ -113,20 +112,16 @@ class SequenceSplit:
         return positions[self.tp.rank * n : (self.tp.rank + 1) * n]
 
 
-def split_sequence_(model: nn.Module, split: SequenceSplit, tp_params: Iterable[str]) -> list[nn.Parameter]:
-    """Set every ``sequence`` slot of ``model``'s modules to ``split``, and sum over ``split.tp`` the
-    gradient of every parameter a module declares it uses on the shards (its
-    ``sequence_sharded_parameters()``); returns those parameters. ``tp_params``: the names of the
-    tensor-parallel parameters; each must belong to a layer with a ``sequence`` slot (a module that
-    declares its own split does its own communication, which knows no sequence split)."""
+def split_sequence_(model: nn.Module, split: SequenceSplit, tp_params: Iterable[str]) -> None:
+    """Set every ``sequence`` slot of ``model``'s modules to ``split``. ``tp_params``: the names of
+    the tensor-parallel parameters; each must belong to a layer with a ``sequence`` slot (a module
+    that declares its own split does its own communication, which knows no sequence split). The
+    parameters a module uses on the shards (its ``sequence_sharded_parameters()``) have gradients
+    that are this rank's tokens' only: the optimizer sums them over ``split.tp``."""
     owners = sorted({name.rpartition(".")[0] for name in tp_params})
     foreign = [path for path in owners if not hasattr(model.get_submodule(path), "sequence")]
     if foreign:
         raise ValueError(f"sequence parallelism needs column/row-parallel linear layers, not: {foreign}")
-    sharded: dict[int, nn.Parameter] = {}
     for module in model.modules():
         if hasattr(module, "sequence"):
             module.sequence = split
-            sharded.update((id(p), p) for p in getattr(module, "sequence_sharded_parameters", list)())
-    sum_gradients_over(sharded.values(), split.tp)
-    return list(sharded.values())

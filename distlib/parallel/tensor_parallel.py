@@ -33,7 +33,7 @@ parameter maps to the full one, which the checkpoint manifest stores and ``shard
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -263,23 +263,6 @@ def parallelize_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, Split]:
             setattr(owner, name, layer)  # replacing an existing child keeps its place: same parameter order
             splits.update({f"{path}.{p}": s for p, s in layer.splits.items()})
     return splits
-
-
-def sum_gradients_over(params: Iterable[nn.Parameter], tp: Comm) -> None:
-    """Sum each of ``params``' gradients over ``tp`` before it accumulates: a parameter every rank
-    holds whole but applies to its share of the work only (its heads, its tokens) gets from each
-    rank that share's gradient. A tensor hook runs before the gradient accumulates into .grad, so
-    ZeRO's post-accumulate hooks and buffers see only the sum; every rank runs it in the same graph
-    order, and the replicas stay bitwise equal."""
-    for p in params:
-        p.register_hook(_sum_over(tp))
-
-
-def _sum_over(tp: Comm):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        return collectives.all_reduce(grad.contiguous().clone(), tp, op="sum")
-
-    return hook
 
 
 def full_shape(local: tuple[int, ...], split: Split | None) -> tuple[int, ...]:

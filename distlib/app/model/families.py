@@ -29,7 +29,7 @@ from distlib.app.model import gpt2, llama, minigpt, mixtral, moe, qwen3, qwen3_m
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.comm.group import Comm
 from distlib.parallel.sequence_parallel import SequenceSplit, split_sequence_
-from distlib.parallel.tensor_parallel import Split, parallelize_, sum_gradients_over
+from distlib.parallel.tensor_parallel import Split, parallelize_
 
 CLASSES = {
     "minigpt": minigpt.MiniGPT,
@@ -64,19 +64,29 @@ def shard_model_(model: CausalLM, tp: Comm, sequence_parallel: bool = False) -> 
     of them (in place, keeping parameter names and order); returns each split parameter's Split
     (none with a tensor-parallel group of one). A dimension that does not split is a ConfigError.
     ``sequence_parallel`` (dist.sp, tp > 1): between those layers every rank holds only its share
-    of the tokens (``distlib.parallel.sequence_parallel``); the parameters are the same. A parameter
-    each rank applies to its own heads only (qwen3's q/k norms: a module's
-    ``head_shared_parameters()``) has its gradient summed over ``tp``."""
+    of the tokens (``distlib.parallel.sequence_parallel``); the parameters are the same. Some
+    parameters' gradients are then each rank's share only (``partial_over_tp``)."""
     check_tensor_parallel(model.cfg, tp.size)
     splits = parallelize_(model, tp, tensor_parallel_plan(model.cfg))
-    if tp.size > 1:
-        shared = [p for m in model.modules() for p in getattr(m, "head_shared_parameters", list)()]
-        sum_gradients_over(shared, tp)
     if sequence_parallel:
         if tp.size == 1:
             raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
         split_sequence_(model, SequenceSplit(tp), splits)
     return splits
+
+
+def partial_over_tp(model: CausalLM, tp: Comm, sequence_parallel: bool = False) -> tuple[str, ...]:
+    """The parameters every tensor-parallel rank holds whole but applies to its own share of the
+    work, so that each rank's gradient is that share's and the sum over ``tp`` is the gradient (the
+    optimizer takes it once per step, ``parallel.zero.partial_sums``): a module's
+    ``head_shared_parameters()`` (qwen3's q/k norms, each rank on its heads) and, with
+    ``sequence_parallel``, its ``sequence_sharded_parameters()`` (norms and row biases on the rank's
+    tokens). None at a tensor-parallel group of one."""
+    if tp.size == 1:
+        return ()
+    shares = ["head_shared_parameters"] + (["sequence_sharded_parameters"] if sequence_parallel else [])
+    ids = {id(p) for m in model.modules() for kind in shares for p in getattr(m, kind, list)()}
+    return tuple(n for n, p in model.named_parameters() if id(p) in ids)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

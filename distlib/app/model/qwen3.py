@@ -9,7 +9,7 @@ dim / n_heads (``model.head_dim``). No sliding window (transformers' default,
 
 Tensor parallelism splits the heads; the two norms' weights stay whole on every rank but each
 rank applies them to its own heads only, so their gradients are summed over the tensor-parallel
-group (``head_shared_parameters``, ``families.shard_model_``).
+group (``head_shared_parameters``, ``families.partial_over_tp``).
 """
 
 from __future__ import annotations

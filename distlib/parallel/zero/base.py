@@ -25,9 +25,10 @@ the main thread while any is in flight.
 
 The keywords: ``names``, the parameters it updates (default: the module's; a
 ``optimizer.ParamGroup``'s); ``tp``/``tp_split``, the tensor-parallel group and the parameters split
-over it, ``differs_over``, any parameter -> the groups whose ranks hold other values of it, and
-``pp``, the pipeline group: the global norms count such parameters on every rank of those groups
-and replicated ones once (``norms``).
+over it; ``tp_partial``, the parameters whose gradient each tensor-parallel rank computes a share
+of (summed over ``tp`` once per step, ``partial_sums``); ``differs_over``, any parameter -> the
+groups whose ranks hold other values of it, and ``pp``, the pipeline group: the global norms count
+such parameters on every rank of those groups and replicated ones once (``norms``).
 
 Device: every buffer (flat parameters, gradients, master weights, Adam state, buckets) is
 allocated on the device of the module's parameters (``self.device``); ``state_shard`` and
@@ -50,6 +51,7 @@ from distlib.parallel.zero.flat_grads import flat_grad_buffer
 from distlib.parallel.zero.memory import PeakMemory, Sizes
 from distlib.parallel.zero.norms import NormTerms
 from distlib.parallel.zero.overlap import OverlappedSync
+from distlib.parallel.zero.partial_sums import PartialSums
 from distlib.parallel.zero.shard_state import ShardState
 
 
@@ -58,6 +60,7 @@ class StageOptimizer(ShardState):
     (the keywords: this module's docstring)."""
 
     stage: int
+    whole_grads = False  # whether _reduce_grads returns every gradient (stage 0) or the partition's
     overlapped: OverlappedSync | None = None  # stages 0/1 with overlap: the sync started in backward
 
     def __init__(
@@ -70,6 +73,7 @@ class StageOptimizer(ShardState):
         tp: Comm | None = None,
         tp_split: Collection[str] = (),
         differs_over: Mapping[str, tuple[Comm, ...]] | None = None,
+        tp_partial: Collection[str] = (),
         names: Collection[str] | None = None,
         param_dtype: torch.dtype = torch.float32,
         bucket_numel: int = BUCKET_NUMEL,
@@ -92,6 +96,8 @@ class StageOptimizer(ShardState):
         self._synced: tuple[torch.Tensor, float] | None = None  # set by sync_grads, used by apply_update
         self.my_range = slice(*self.layout.shard_range(comm.rank))
         self.norms = NormTerms(self.layout, comm, differs_over, pp, tp=tp, tp_split=tp_split)
+        reduced = slice(0, self.layout.padded_numel) if self.whole_grads else self.my_range
+        self.partial = PartialSums(self.layout, tp, set(tp_partial), (reduced.start, reduced.stop))
         self._memory = PeakMemory()
         fp32_flat = self.layout.flatten(self.params, self.device)
         self._init_storage(fp32_flat)
@@ -143,6 +149,7 @@ class StageOptimizer(ShardState):
         """``sync_grads`` short of the norm: average the gradients, return this stage's sum of their
         squares (a group's share of ``optimizer.ZeroOptimizer``'s norm, which ``use_norm`` sets)."""
         grads = self._reduce_grads()
+        self.partial.sum_(grads)
         self._synced = (grads, None)
         return self.norms.squares_of_partition(self._mine(grads))
 

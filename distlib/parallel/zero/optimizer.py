@@ -58,11 +58,12 @@ class ZeroOptimizer:
         *,
         tp: Comm | None = None,
         tp_split: Collection[str] = (),
+        tp_partial: Collection[str] = (),
         **options,
     ):
         _check_partition(module, groups)
         check_stage(stage)
-        split = set(tp_split)
+        split, partial = set(tp_split), set(tp_partial)
         self.groups: dict[str, StageOptimizer] = {
             g.name: STAGES[stage](
                 module,
@@ -72,6 +73,7 @@ class ZeroOptimizer:
                 names=g.names,
                 tp=tp,
                 tp_split=tuple(n for n in g.names if n in split),  # in module order
+                tp_partial=tuple(n for n in g.names if n in partial),
                 differs_over={name: g.differs_over for name in g.names} if g.differs_over else None,
                 **options,
             )

@@ -21,6 +21,7 @@ from distlib.parallel.zero.base import StageOptimizer
 
 class Stage0Optimizer(StageOptimizer):
     stage = 0
+    whole_grads = True  # every rank updates everything from the all-reduced gradients
 
     def _init_storage(self, fp32_flat: torch.Tensor) -> None:
         self._replicated_params(fp32_flat)
