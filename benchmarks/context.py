@@ -9,8 +9,9 @@ the all-to-all the Ulysses route rides on against gloo's ``all_to_all_single``, 
 Model: Llama (``model.family=llama``), dim 64, 4 heads, 2 blocks, vocab 64, one sequence per step,
 built from seed 0 on every rank; rank r of cp holds chunks r and 2cp-1-r of it
 (``batches.held_tokens``, the trainer's split) and its attention reaches the others' tokens by
-``ContextSplit`` (``split_context_``, what the trainer sets). A step is forward + backward of the
-model: no optimizer and no gradient all-reduce (over dp x cp, the same bytes for both routes).
+``ContextSplit`` (the model built with it, ``strategies.Strategies``, as the trainer builds it). A
+step is forward + backward of the model: no optimizer and no gradient all-reduce (over dp x cp,
+the same bytes for both routes).
 
 * **memory**: the bytes autograd keeps from one forward for its backward on each rank
   (``ActivationMeter``, the trainer's ``activation_bytes``; parameters and buffers excluded), the
@@ -51,7 +52,8 @@ from multiproc import run_ranks
 from distlib.app.config.groups import ModelConfig
 from distlib.app.data.batches import held_tokens
 from distlib.app.model import families
-from distlib.app.model.attention import ContextSplit, split_context_
+from distlib.app.model.attention import ContextSplit
+from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.app.observe.activations import ActivationMeter
 
 SHAPE = dict(family="llama", vocab_size=64, dim=64, n_heads=4, n_layers=2)
@@ -61,11 +63,11 @@ ROUTES = {"alltoall": ("alltoall", "ours"), "ring": ("ring", "ours"), "alltoall 
 
 
 def _model(seq: int, comm, route: str | None):
-    model = families.build(ModelConfig(seq_len=seq, **SHAPE), 0)
-    if route is not None:
-        impl, collectives = ROUTES[route]
-        split_context_(model, ContextSplit(comm.instrumented(False, collectives), impl))
-    return model
+    if route is None:
+        return families.build(ModelConfig(seq_len=seq, **SHAPE), 0, LOCAL)
+    impl, collectives = ROUTES[route]
+    context = ContextSplit(comm.instrumented(False, collectives), impl)
+    return families.build(ModelConfig(seq_len=seq, **SHAPE), 0, Strategies(context=context))
 
 
 def _batch(seq: int, comm):
@@ -94,9 +96,9 @@ def kv_bytes(comm, seq: int) -> dict:
     out = {}
     for route in ("alltoall", "ring"):
         for name, kv in (("grouped", GQA_KV), ("repeated", SHAPE["n_heads"])):
-            model = families.build(ModelConfig(seq_len=seq, n_kv_heads=kv, **SHAPE), 0)
             cp = comm.instrumented(False)
-            split_context_(model, ContextSplit(cp, route))
+            split = Strategies(context=ContextSplit(cp, route))
+            model = families.build(ModelConfig(seq_len=seq, n_kv_heads=kv, **SHAPE), 0, split)
             _step(model, ActivationMeter(), _batch(seq, comm))
             out.setdefault(route, {})[name] = sum(cp.stats.bytes_sent.values())
     return out

@@ -129,7 +129,8 @@ def _logits(comm, impl: str) -> dict:
 
     from distlib.app.data.batches import held_tokens
     from distlib.app.model import families
-    from distlib.app.model.attention import ContextSplit, split_context_
+    from distlib.app.model.attention import ContextSplit
+    from distlib.app.model.strategies import Strategies
     from distlib.parallel.dropout import Draws
 
     out = {}
@@ -141,9 +142,10 @@ def _logits(comm, impl: str) -> dict:
         )
         draws = Draws(cfg.seed, (7, 8, 9))
         whole = model(tokens, draws=draws)
-        split_context_(model, ContextSplit(comm, impl))
+        split = families.build(cfg.model, 0, Strategies(context=ContextSplit(comm, impl)))  # same weights
+        split.load_state_dict(model.state_dict())
         mine, _, positions = held_tokens(tokens, tokens, comm, "cpu")
-        out[name] = float((model(mine, None, positions, draws) - whole[:, positions]).abs().max())
+        out[name] = float((split(mine, None, positions, draws) - whole[:, positions]).abs().max())
     return out
 
 

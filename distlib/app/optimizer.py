@@ -25,7 +25,7 @@ def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits):
     options = dict(
         tp=mesh.tp,
         tp_split=tp_splits,
-        tp_partial=families.partial_over_tp(model, mesh.tp, cfg.dist.sp),  # summed over tp per step
+        tp_partial=families.partial_over_tp(model, mesh.tp),  # summed over tp per step
         param_dtype=cfg.param_dtype,
         bucket_numel=z.bucket_numel,
         overlap=z.overlap,

@@ -45,8 +45,7 @@ from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import RunConfig
 from distlib.app.data import batches as data
-from distlib.app.model import families
-from distlib.app.model.attention import ContextSplit, split_context_
+from distlib.app.model import families, strategies
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep, split_model_
@@ -82,12 +81,11 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     """The model initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline
     stage, its Linear layers swapped for this rank's tensor-parallel shards, and its optimizer
     (``optimizer.build_optimizer``)."""
-    model = families.build(cfg.model, seed).to(device)  # model.family's class
+    layout = strategies.for_layout(mesh, cfg.dist.cp_impl, cfg.dist.sp)  # attention, sequence
+    model = families.build(cfg.model, seed, layout).to(device)  # model.family's class, for the layout
     broadcast_module_(model, comm)
     chunks = split_model_(model, cfg.dist, mesh)  # this pipeline rank's (None at pp=1)
-    tp_splits = families.shard_model_(model, mesh.tp, cfg.dist.sp)  # name -> Split (none at tp=1)
-    if mesh.cp is not None:  # every attention reaches the other context-parallel ranks' tokens
-        split_context_(model, ContextSplit(mesh.cp, cfg.dist.cp_impl))
+    tp_splits = families.shard_model_(model, mesh.tp)  # name -> Split (none at tp=1)
     families.join_batch_(model, mesh.batch)  # mixtral: experts' loads counted over the dp x cp ranks
     names = [n for n, _ in model.named_parameters()]
     optimizer = build_optimizer(cfg, model, mesh, tp_splits)  # ZeRO over its groups

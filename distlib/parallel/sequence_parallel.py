@@ -29,11 +29,9 @@ sequence-major, (seq, batch, dim), so that each rank's tokens are one contiguous
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
@@ -70,8 +68,8 @@ _Leave = collective_function("_Leave", _reduce_scatter, _all_gather)  # out of o
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """The residual stream split along the sequence over the tensor-parallel group ``tp``; set on
-    every module with a ``sequence`` slot by ``split_sequence_``."""
+    """The residual stream split along the sequence over the tensor-parallel group ``tp``: the
+    strategy a model built with ``dist.sp`` gives its blocks and tensor-parallel layers."""
 
     tp: Comm
 
@@ -110,18 +108,3 @@ class SequenceSplit:
         """The positions of the tokens this rank holds in the stream (its share of ``positions``)."""
         n = positions.shape[0] // self.tp.size
         return positions[self.tp.rank * n : (self.tp.rank + 1) * n]
-
-
-def split_sequence_(model: nn.Module, split: SequenceSplit, tp_params: Iterable[str]) -> None:
-    """Set every ``sequence`` slot of ``model``'s modules to ``split``. ``tp_params``: the names of
-    the tensor-parallel parameters; each must belong to a layer with a ``sequence`` slot (a module
-    that declares its own split does its own communication, which knows no sequence split). The
-    parameters a module uses on the shards (its ``sequence_sharded_parameters()``) have gradients
-    that are this rank's tokens' only: the optimizer sums them over ``split.tp``."""
-    owners = sorted({name.rpartition(".")[0] for name in tp_params})
-    foreign = [path for path in owners if not hasattr(model.get_submodule(path), "sequence")]
-    if foreign:
-        raise ValueError(f"sequence parallelism needs column/row-parallel linear layers, not: {foreign}")
-    for module in model.modules():
-        if hasattr(module, "sequence"):
-            module.sequence = split

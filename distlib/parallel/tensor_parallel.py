@@ -139,7 +139,7 @@ def _param(full: torch.Tensor, split: Split | None) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local: this rank's output features; input replicated."""
 
-    def __init__(self, full: nn.Linear, tp: Comm, groups: int = 1):
+    def __init__(self, full: nn.Linear, tp: Comm, groups: int = 1, sequence: object = None):
         super().__init__()
         self.tp = tp
         split = Split(dim=0, parts=tp.size, index=tp.rank, groups=groups)
@@ -148,7 +148,7 @@ class ColumnParallelLinear(nn.Module):
         self.splits = {"weight": split} | ({"bias": split} if full.bias is not None else {})
         # dist.sp (a SequenceSplit): the block hands the input gathered along the sequence (one
         # all-gather for q, k and v), whose backward reduce-scatter sums what copy_to_tp would.
-        self.sequence = REPLICATED
+        self.sequence = REPLICATED if sequence is None else sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.sequence.into_column(x, self.tp), self.weight, self.bias)
@@ -157,14 +157,15 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum over TP ranks of x_local W_local^T, plus the replicated bias once."""
 
-    def __init__(self, full: nn.Linear, tp: Comm):
+    def __init__(self, full: nn.Linear, tp: Comm, sequence: object = None):
         super().__init__()
         self.tp = tp
         split = Split(dim=1, parts=tp.size, index=tp.rank)
         self.weight = _param(full.weight, split)
         self.bias = _param(full.bias, None) if full.bias is not None else None
         self.splits = {"weight": split}
-        self.sequence = REPLICATED  # dist.sp: a SequenceSplit; the sum is reduce-scattered along the sequence
+        # dist.sp (a SequenceSplit): the sum is reduce-scattered along the sequence
+        self.sequence = REPLICATED if sequence is None else sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.sequence.out_of_row(F.linear(x, self.weight), self.tp)
@@ -229,7 +230,7 @@ def _planned(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
     return found
 
 
-def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str) -> nn.Module:
+def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str, sequence: object) -> nn.Module:
     column = isinstance(style, Column)
     features, parts = (full.out_features, tp.size * style.groups) if column else (full.in_features, tp.size)
     if features % parts:
@@ -237,19 +238,30 @@ def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str) -> nn.Mod
             f"{path}: {features} {'output' if column else 'input'} "
             f"features do not split into {parts} equal tensor-parallel parts"
         )
-    return ColumnParallelLinear(full, tp, style.groups) if column else RowParallelLinear(full, tp)
+    if column:
+        return ColumnParallelLinear(full, tp, style.groups, sequence)
+    return RowParallelLinear(full, tp, sequence)
 
 
-def parallelize_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, Split]:
+def parallelize_(module: nn.Module, tp: Comm, plan: Plan, sequence: object = None) -> dict[str, Split]:
     """Replace every submodule of ``module`` whose path matches a pattern of ``plan`` with this
     rank's shard of it (in place: names and order of the parameters are kept): an nn.Linear with
     its column- or row-parallel shard, a ``DeclaresSplit`` module with what its ``tp_shard``
     returns (a declaration wins over being an nn.Linear). Returns {parameter name: Split} of the
     parameters now split. A tensor-parallel group of one changes nothing (the layers stay plain
-    ``nn.Linear``: a row-parallel layer adds its bias after the matmul, which rounds differently)."""
+    ``nn.Linear``: a row-parallel layer adds its bias after the matmul, which rounds differently).
+    ``sequence``: how the stream meets the layers (``REPLICATED``, the default, or
+    ``sequence_parallel.SequenceSplit``, which a module that declares its own split, doing its own
+    communication, does not know: refused)."""
     found = _planned(module, plan)
     if tp.size == 1:
         return {}
+    if sequence is not None and sequence is not REPLICATED:
+        foreign = [
+            p for paths in found.values() for p in paths if isinstance(module.get_submodule(p), DeclaresSplit)
+        ]
+        if foreign:
+            raise ValueError(f"sequence parallelism needs column/row-parallel linear layers, not: {foreign}")
     splits = {}
     for pattern, paths in found.items():
         for path in paths:
@@ -259,7 +271,7 @@ def parallelize_(module: nn.Module, tp: Comm, plan: Plan) -> dict[str, Split]:
             if isinstance(full, DeclaresSplit):
                 layer = full.tp_shard(tp, plan[pattern])
             else:
-                layer = _shard_linear(full, tp, plan[pattern], path)
+                layer = _shard_linear(full, tp, plan[pattern], path, sequence)
             setattr(owner, name, layer)  # replacing an existing child keeps its place: same parameter order
             splits.update({f"{path}.{p}": s for p, s in layer.splits.items()})
     return splits

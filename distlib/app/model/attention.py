@@ -152,7 +152,7 @@ def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, drop, sdpa, sha
 class ContextSplit:
     """This rank's share of a sequence split over a context-parallel group (``dist.cp``): which
     tokens it holds (``distlib.parallel.context.chunks``) and how attention reaches the others'
-    (``impl``: alltoall or ring). Set on each attention module by ``split_context_``."""
+    (``impl``: alltoall or ring). Each attention module gets it when built (``strategies``)."""
 
     comm: Comm
     impl: str
@@ -181,12 +181,3 @@ class ContextSplit:
 
 
 Context = WholeSequence | ContextSplit  # how attention reaches the sequence's other tokens
-
-
-def split_context_(model: torch.nn.Module, split: ContextSplit) -> int:
-    """Make every attention module of ``model`` (those with a ``context`` slot) attend over the
-    context-parallel group; returns how many there are."""
-    found = [m for m in model.modules() if hasattr(m, "context")]
-    for m in found:
-        m.context = split
-    return len(found)

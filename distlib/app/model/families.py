@@ -20,6 +20,7 @@ load-balancing term) is told its batch group (``join_batch_``) and adds fields t
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch.nn as nn
 
@@ -27,8 +28,8 @@ from distlib.app.config.dimension_rules import check_tensor_parallel
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model import gpt2, llama, minigpt, mixtral, moe, qwen3, qwen3_moe
 from distlib.app.model.layers import CausalLM, seeded
+from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.comm.group import Comm
-from distlib.parallel.sequence_parallel import SequenceSplit, split_sequence_
 from distlib.parallel.tensor_parallel import Split, parallelize_
 
 CLASSES = {
@@ -49,42 +50,42 @@ PLANS = {
 }
 
 
-def build(cfg: ModelConfig, seed: int) -> CausalLM:
+def build(cfg: ModelConfig, seed: int, strategies: Strategies = LOCAL) -> CausalLM:
     """The model of ``cfg.family`` with weights depending only on ``seed`` (global RNG untouched),
-    drawn on the CPU whatever the default device."""
-    return seeded(CLASSES[cfg.family], cfg, seed)
+    drawn on the CPU whatever the default device, built for its layout (``strategies``: how its
+    layers reach what other ranks hold; the weights do not depend on them)."""
+    return seeded(partial(CLASSES[cfg.family], strategies=strategies), cfg, seed)
 
 
 def tensor_parallel_plan(cfg: ModelConfig) -> dict:
     return PLANS[cfg.family]
 
 
-def shard_model_(model: CausalLM, tp: Comm, sequence_parallel: bool = False) -> dict[str, Split]:
+def shard_model_(model: CausalLM, tp: Comm) -> dict[str, Split]:
     """Replace every block's attention and MLP Linear layers with this rank's tensor-parallel shard
-    of them (in place, keeping parameter names and order); returns each split parameter's Split
-    (none with a tensor-parallel group of one). A dimension that does not split is a ConfigError.
-    ``sequence_parallel`` (dist.sp, tp > 1): between those layers every rank holds only its share
-    of the tokens (``distlib.parallel.sequence_parallel``); the parameters are the same. Some
-    parameters' gradients are then each rank's share only (``partial_over_tp``)."""
+    of them (in place, keeping parameter names and order), following the model's sequence
+    strategy; returns each split parameter's Split (none with a tensor-parallel group of one). A
+    dimension that does not split is a ConfigError. With ``dist.sp`` (a model built with a
+    ``SequenceSplit`` over ``tp``) every rank holds only its share of the tokens between those
+    layers (``distlib.parallel.sequence_parallel``); the parameters are the same. Some parameters'
+    gradients are then each rank's share only (``partial_over_tp``)."""
     check_tensor_parallel(model.cfg, tp.size)
-    splits = parallelize_(model, tp, tensor_parallel_plan(model.cfg))
-    if sequence_parallel:
-        if tp.size == 1:
-            raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
-        split_sequence_(model, SequenceSplit(tp), splits)
-    return splits
+    if model.sequence.parts != 1 and tp.size == 1:
+        raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
+    return parallelize_(model, tp, tensor_parallel_plan(model.cfg), model.sequence)
 
 
-def partial_over_tp(model: CausalLM, tp: Comm, sequence_parallel: bool = False) -> tuple[str, ...]:
+def partial_over_tp(model: CausalLM, tp: Comm) -> tuple[str, ...]:
     """The parameters every tensor-parallel rank holds whole but applies to its own share of the
     work, so that each rank's gradient is that share's and the sum over ``tp`` is the gradient (the
     optimizer takes it once per step, ``parallel.zero.partial_sums``): a module's
-    ``head_shared_parameters()`` (qwen3's q/k norms, each rank on its heads) and, with
-    ``sequence_parallel``, its ``sequence_sharded_parameters()`` (norms and row biases on the rank's
-    tokens). None at a tensor-parallel group of one."""
+    ``head_shared_parameters()`` (qwen3's q/k norms, each rank on its heads) and, with the stream
+    split along the sequence (``dist.sp``), its ``sequence_sharded_parameters()`` (norms and row
+    biases on the rank's tokens). None at a tensor-parallel group of one."""
     if tp.size == 1:
         return ()
-    shares = ["head_shared_parameters"] + (["sequence_sharded_parameters"] if sequence_parallel else [])
+    split = model.sequence.parts > 1
+    shares = ["head_shared_parameters"] + (["sequence_sharded_parameters"] if split else [])
     ids = {id(p) for m in model.modules() for kind in shares for p in getattr(m, kind, list)()}
     return tuple(n for n, p in model.named_parameters() if id(p) in ids)
 

@@ -21,6 +21,7 @@ from distlib.app.config.groups import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask, split_heads
 from distlib.app.model.layers import CausalLM, PreNormBlock
+from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.parallel.dropout import Draws, dropout
 from distlib.parallel.tensor_parallel import Column, Row
 
@@ -51,7 +52,9 @@ class CausalSelfAttention(nn.Module):
     block drops the output, the residual branch). ``divide``: MiniGPT's scores / sqrt(head_dim)
     instead of transformers' * head_dim**-0.5."""
 
-    def __init__(self, cfg: ModelConfig, divide: bool = False):
+    def __init__(
+        self, cfg: ModelConfig, divide: bool = False, *, context: attention.Context = attention.WHOLE
+    ):
         super().__init__()
         self.head_dim = cfg.head_width
         self.divide = divide
@@ -60,7 +63,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
-        self.context: attention.Context = attention.WHOLE  # dist.cp > 1: attention.split_context_
+        self.context = context  # dist.cp > 1: attention.ContextSplit (strategies.py)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
@@ -103,15 +106,16 @@ class GPT2(CausalLM):
     HEAD_BIAS = False
     EMBEDDING_DROPOUT = True
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, strategies: Strategies = LOCAL):
+        super().__init__(cfg, strategies)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
         attention = partial(CausalSelfAttention, divide=self.DIVIDE_SCORES)
         mlp = partial(MLP, activation=self.ACTIVATION)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, layer_norm, attention, mlp, index=i, residual_dropout=True)
+            PreNormBlock(
+                cfg, layer_norm, attention, mlp, index=i, residual_dropout=True, strategies=strategies
+            )
             for i in range(cfg.n_layers)
         )
         self.ln_f = layer_norm(cfg)

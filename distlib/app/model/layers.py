@@ -10,10 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.app.observe import activations
 from distlib.parallel.dropout import Draws, dropout
-from distlib.parallel.sequence_parallel import SequenceSplit
-from distlib.parallel.tensor_parallel import REPLICATED, Replicated
 
 
 def positions_or_default(positions: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor:
@@ -33,18 +32,28 @@ class PreNormBlock(nn.Module):
     positions), and in ``residual_dropout`` (GPT-2's dropout on both branches; Llama has none).
     ``index``: the block's place in the whole model, which keys its dropout masks (``draws``).
     With ``model.activation_checkpointing=blocks`` ``_forward`` is recomputed in backward. With
-    ``dist.sp`` (``sequence``) x, the norms and the adds hold this rank's tokens only, and each branch
-    enters its tensor-parallel region through one all-gather along the sequence."""
+    ``dist.sp`` (``strategies.sequence``) x, the norms and the adds hold this rank's tokens only, and
+    each branch enters its tensor-parallel region through one all-gather along the sequence. The
+    attention factory also takes ``strategies.context``."""
 
-    sequence: Replicated | SequenceSplit = REPLICATED  # sequence_parallel.split_sequence_ sets a split
-
-    def __init__(self, cfg, norm, attention, mlp, *, index: int, residual_dropout: bool = False):
+    def __init__(
+        self,
+        cfg,
+        norm,
+        attention,
+        mlp,
+        *,
+        index: int,
+        residual_dropout: bool = False,
+        strategies: Strategies = LOCAL,
+    ):
         super().__init__()
         self.checkpointing = cfg.activation_checkpointing == "blocks"
         self.index, self.seq_len, self.dim = index, cfg.seq_len, cfg.dim
         self.dropout = cfg.dropout if residual_dropout else 0.0
+        self.sequence = strategies.sequence
         self.ln1 = norm(cfg)
-        self.attn = attention(cfg)
+        self.attn = attention(cfg, context=strategies.context)
         self.ln2 = norm(cfg)
         self.mlp = mlp(cfg)
 
@@ -96,9 +105,13 @@ class CausalLM(nn.Module):
 
     EMBEDDINGS: tuple[str, ...] = ("tok_emb",)
     HEAD: tuple[str, ...] = ("ln_f", "lm_head")
-    # dist.sp: the embedding's output is cut to this rank's tokens for the blocks, and gathered
-    # again for the head, which (like the embedding) runs replicated on the whole sequence.
-    sequence: Replicated | SequenceSplit = REPLICATED
+
+    def __init__(self, cfg, strategies: Strategies = LOCAL):
+        super().__init__()
+        self.cfg, self.strategies = cfg, strategies
+        # dist.sp: the embedding's output is cut to this rank's tokens for the blocks, and gathered
+        # again for the head, which (like the embedding) runs replicated on the whole sequence.
+        self.sequence = strategies.sequence
 
     def embed(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None

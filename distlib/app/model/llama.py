@@ -19,6 +19,7 @@ from distlib.app.config.groups import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask
 from distlib.app.model.layers import CausalLM, PreNormBlock, positions_or_default
+from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row
 
@@ -75,7 +76,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, context: attention.Context = attention.WHOLE):
         super().__init__()
         self.head_dim = cfg.head_width
         self.scale = self.head_dim**-0.5
@@ -86,7 +87,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, cfg.dim, bias=False)
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
-        self.context: attention.Context = attention.WHOLE  # dist.cp > 1: attention.split_context_
+        self.context = context  # dist.cp > 1: attention.ContextSplit (strategies.py)
         # Not cos/sin tables: transformers recomputes them from inv_freq in every forward, on the
         # model's device (precomputed fp32 tables did not match it after module.to(bf16)).
         self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
@@ -140,12 +141,12 @@ def rms_norm(cfg: ModelConfig) -> RMSNorm:
 class Llama(CausalLM):
     ATTENTION = Attention  # Qwen3: its own, with the head norms (qwen3.py)
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, strategies: Strategies = LOCAL):
+        super().__init__(cfg, strategies)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, rms_norm, self.ATTENTION, MLP, index=i) for i in range(cfg.n_layers)
+            PreNormBlock(cfg, rms_norm, self.ATTENTION, MLP, index=i, strategies=strategies)
+            for i in range(cfg.n_layers)
         )
         self.ln_f = rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

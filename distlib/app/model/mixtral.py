@@ -31,6 +31,7 @@ import torch.nn as nn
 from distlib.app.config.groups import ModelConfig
 from distlib.app.model import llama, moe
 from distlib.app.model.layers import CausalLM, PreNormBlock
+from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.comm.group import Comm
 from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row
@@ -48,12 +49,12 @@ LOG_LENGTH = 4096  # micro-batches of routing kept for the step record (more tha
 class Mixtral(CausalLM):
     ATTENTION = llama.Attention  # Qwen3-MoE: Qwen3's (qwen3_moe.py)
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, strategies: Strategies = LOCAL):
+        super().__init__(cfg, strategies)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, llama.rms_norm, self.ATTENTION, moe.MoE, index=i) for i in range(cfg.n_layers)
+            PreNormBlock(cfg, llama.rms_norm, self.ATTENTION, moe.MoE, index=i, strategies=strategies)
+            for i in range(cfg.n_layers)
         )
         self.ln_f = llama.rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 
 from distlib.app.config.groups import ModelConfig
-from distlib.app.model import llama
+from distlib.app.model import attention, llama
 
 TENSOR_PARALLEL_PLAN = llama.TENSOR_PARALLEL_PLAN
 
 
 class Attention(llama.Attention):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, *, context: attention.Context = attention.WHOLE):
+        super().__init__(cfg, context=context)
         self.q_norm = llama.RMSNorm(self.head_dim, cfg.norm_eps)
         self.k_norm = llama.RMSNorm(self.head_dim, cfg.norm_eps)
 
