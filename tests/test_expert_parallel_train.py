@@ -2,7 +2,8 @@
 ranks trains what one rank trains, and its checkpoints load at any ep (each rank saves what it holds).
 
 20 steps of model=mixtral_tiny at ep 2 and 4 over 4 ranks (ZeRO 0-3, overlap, activation checkpointing,
-async saves, context parallelism) and ep 2 over 2 ranks, some with dropout: every step's loss within 1e-5
+async saves, context parallelism, sequence parallelism with accumulation) and ep 2 over 2 ranks, some
+with dropout, and tp 2 with sequence parallelism over 2 ranks: every step's loss within 1e-5
 of world size 1's, its aux loss too, and the tokens per expert identical. A checkpoint saved at ep 2
 holds every rank's dense partition and its experts' (every expert once, its manifest saying where; it
 verifies with scripts/ckpt.py, consolidates into the ep 2 run's weights bit for bit, and exports to a
@@ -50,9 +51,10 @@ BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
 DROPOUT = ["seed=12", "model.dropout=0.1"]
 MARGIN = 1e-6  # the references' smallest top-k margin must exceed it (a near tie flips with rounding)
 LAYOUTS = {  # (world size 1: the references, without and with dropout, trainrun.one_rank_reference)
-    2: [["dist.ep=2", *DROPOUT]],  # (ep 2 without dropout: over 4 ranks below)
+    2: [["dist.ep=2", *DROPOUT], ["dist.tp=2", "dist.sp=true"]],  # (ep 2 without dropout: below)
     4: [
         ["dist.ep=4", "zero=stage0", "checkpoint.every_steps=5", "checkpoint.async_save=true"],
+        ["dist.tp=2", "dist.sp=true", "dist.ep=2", "train.grad_accum=2"],  # sequence parallelism, ep
         ["dist.ep=2", "zero=stage3", "model.activation_checkpointing=blocks"],
         ["dist.cp=2", "dist.ep=4", "zero=stage3", *DROPOUT],  # the expert group spans dp x cp
         ["dist.ep=4", "zero=stage2", "zero.overlap=true"],
@@ -356,8 +358,8 @@ def _train_forced(comm, tree: dict, run_dir: str, margin: bool) -> dict:
 
     built = moe.MoE.__init__
 
-    def init(self, cfg):
-        built(self, cfg)
+    def init(self, cfg, **strategy):
+        built(self, cfg, **strategy)
         self.gate.register_forward_hook(mask)
 
     moe.MoE.__init__ = init  # (in this forked rank only)

@@ -254,10 +254,6 @@ def test_contract_shapes_and_zero3_units():
             ["dist.world_size=2", "dist.pp=2", "train.grad_accum=2", "model.tie_embeddings=true"],
             "model.tie_embeddings=true is not supported with dist.pp=2",
         ),
-        (
-            ["dist.world_size=2", "dist.tp=2", "dist.sp=true"],
-            "dist.sp=true is not supported with model.family=mixtral yet",
-        ),
     ],
 )
 def test_bad_input_is_one_config_error(overrides, message):

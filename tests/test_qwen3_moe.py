@@ -105,8 +105,12 @@ def test_import_refuses_layer_schedules_it_does_not_compute(change, message):
 # seed 11: the reference's smallest top-k margin is 2.5e-6, checked (a near tie flips with rounding)
 BASE = ["model=qwen3_moe", "seed=11", "train.steps=20", "checkpoint.every_steps=0"]
 BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
-# 2: ep 2, saving at step 10 (resumed at one rank and exported below); 4: ep 2 x dp 2 x tp 2
-LAYOUTS = {2: [["dist.ep=2", "checkpoint.every_steps=10"]], 4: [["dist.ep=2", "dist.tp=2", "zero=stage3"]]}
+# 2: ep 2, saving at step 10 (resumed at one rank and exported below); 4: ep 2 x dp 2 x tp 2 with
+# sequence parallelism
+LAYOUTS = {
+    2: [["dist.ep=2", "checkpoint.every_steps=10"]],
+    4: [["dist.ep=2", "dist.tp=2", "dist.sp=true", "zero=stage3"]],
+}
 MARGIN = 1e-6  # the smallest gap between a token's k-th and (k+1)-th router probability to accept
 
 
@@ -120,8 +124,9 @@ def _follows(run: dict, ref: dict, what) -> None:
 
 @pytest.mark.slow
 def test_expert_parallelism_trains_one_ranks_losses_resumes_and_exports(tmp_path):
-    """ep 2 over 2 data-parallel ranks, and ep 2 with 2 tensor-parallel ranks at ZeRO-3 (the head
-    norms' gradients summed over tp, each expert split by hidden units): 20 steps within 1e-5 of
+    """ep 2 over 2 data-parallel ranks, and ep 2 with 2 tensor-parallel ranks and sequence
+    parallelism at ZeRO-3 (the head norms' and the block norms' gradients summed over tp, each
+    expert split by hidden units, the router on the gathered tokens): 20 steps within 1e-5 of
     one rank, the tokens per expert the same and the aux loss within 1e-5. The ep 2 run's step-10
     checkpoint (each rank's experts under their names) resumes at one rank for steps 11-20 as
     the reference's, and exports to a directory transformers loads with our logits."""

@@ -64,6 +64,9 @@ _Scatter = collective_function("_Scatter", _own, _all_gather)
 _Gather = collective_function("_Gather", _all_gather, _own)
 _Enter = collective_function("_Enter", _all_gather, _reduce_scatter)  # into a tensor-parallel region
 _Leave = collective_function("_Leave", _reduce_scatter, _all_gather)  # out of one
+# A computation every rank runs whole inside a region gives every rank the whole input gradient,
+# which the region's entry (its backward reduce-scatter) sums over the ranks: each brings 1/tp.
+_Share = collective_function("_Share", lambda x, tp: x, lambda grad, tp: grad / tp.size)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,16 @@ class SequenceSplit:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return _Enter.apply(x, self.tp)
+
+    def replicated_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of a computation every rank runs whole inside a region (an MoE router on the
+        gathered tokens): its gradient, the same on every rank, enters the region's sum as 1/tp."""
+        return _Share.apply(x, self.tp)
+
+    def replicated_out(self, x: torch.Tensor) -> torch.Tensor:
+        """A region's (batch, seq, dim) output every rank holds whole and complete (an MoE layer's
+        combined experts, whose rows were all-reduced): this rank's tokens (backward: all-gather)."""
+        return self.scatter(x)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:  # e.g. an expert's rows of routed tokens: no sequence to split

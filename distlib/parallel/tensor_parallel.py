@@ -128,6 +128,16 @@ class Replicated:
     def out_of_row(self, partial: torch.Tensor, tp: Comm) -> torch.Tensor:
         return _ReduceFromTP.apply(partial, tp)
 
+    def replicated_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of a computation every tensor-parallel rank runs whole inside a region (a
+        router): as it is."""
+        return x
+
+    def replicated_out(self, x: torch.Tensor) -> torch.Tensor:
+        """A region's output that every rank holds whole and complete (an MoE layer's combined
+        experts): as it is, the stream being whole too."""
+        return x
+
 
 REPLICATED = Replicated()
 
@@ -185,7 +195,12 @@ class Column:
 
 @dataclass(frozen=True)
 class Row:
-    """Split the input features; the outputs are summed over the group."""
+    """Split the input features; the outputs are summed over the group. ``routed``: the inputs are
+    rows of tokens routed to the layer (an expert's), not the residual stream, so the sums are
+    all-reduced whatever the stream's strategy (with ``dist.sp`` the MoE layer cuts its combined
+    output to the rank's tokens, ``Replicated.replicated_out``)."""
+
+    routed: bool = False
 
 
 # submodule path pattern (fnmatch, per dotted part) -> style: Column/Row for an nn.Linear, any
@@ -240,7 +255,7 @@ def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str, sequence:
         )
     if column:
         return ColumnParallelLinear(full, tp, style.groups, sequence)
-    return RowParallelLinear(full, tp, sequence)
+    return RowParallelLinear(full, tp, REPLICATED if style.routed else sequence)
 
 
 def parallelize_(module: nn.Module, tp: Comm, plan: Plan, sequence: object = None) -> dict[str, Split]:

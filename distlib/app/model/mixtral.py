@@ -24,6 +24,7 @@ rank's tokens.
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -41,7 +42,7 @@ from distlib.parallel.tensor_parallel import Column, Row
 TENSOR_PARALLEL_PLAN = {k: v for k, v in llama.TENSOR_PARALLEL_PLAN.items() if ".attn." in k} | {
     "blocks.*.mlp.experts.*.w1": Column(),
     "blocks.*.mlp.experts.*.w3": Column(),
-    "blocks.*.mlp.experts.*.w2": Row(),
+    "blocks.*.mlp.experts.*.w2": Row(routed=True),
 }
 LOG_LENGTH = 4096  # micro-batches of routing kept for the step record (more than any step holds)
 
@@ -52,8 +53,9 @@ class Mixtral(CausalLM):
     def __init__(self, cfg: ModelConfig, strategies: Strategies = LOCAL):
         super().__init__(cfg, strategies)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        experts = partial(moe.MoE, sequence=strategies.sequence)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, llama.rms_norm, self.ATTENTION, moe.MoE, index=i, strategies=strategies)
+            PreNormBlock(cfg, llama.rms_norm, self.ATTENTION, experts, index=i, strategies=strategies)
             for i in range(cfg.n_layers)
         )
         self.ln_f = llama.rms_norm(cfg)

@@ -61,6 +61,8 @@ from distlib.app.config.groups import ModelConfig
 from distlib.comm import collectives
 from distlib.comm.group import Comm
 from distlib.parallel import expert_parallel
+from distlib.parallel.sequence_parallel import SequenceSplit
+from distlib.parallel.tensor_parallel import REPLICATED, Replicated
 
 EXPERTS_AT = ".mlp.experts."  # an expert parameter's name: blocks.<b>.mlp.experts.<e>.<w>.weight
 
@@ -101,8 +103,9 @@ class Dispatch:
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, sequence: Replicated | SequenceSplit = REPLICATED):
         super().__init__()
+        self.sequence = sequence  # dist.sp: the block hands the tokens gathered; see forward
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.capacity_factor, self.norm_topk = cfg.capacity_factor, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
@@ -133,8 +136,12 @@ class MoE(nn.Module):
         out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (batch, seq, dim) or (tokens, dim). With ``dist.sp`` x is the block's gathered tokens:
+        every tensor-parallel rank routes all of them (``replicated_in``), each expert's rows are
+        all-reduced (``Row(routed=True)``), and the combined output is cut to the rank's tokens
+        (``replicated_out``)."""
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights, probs = self.route(flat)
+        ids, weights, probs = self.route(self.sequence.replicated_in(flat))
         # (one_hot, not bincount: deterministic on every device)
         counts = F.one_hot(ids, self.n_experts).sum(dim=(0, 1))
         self.last_counts, self.last_routing = counts, (probs, counts)
@@ -149,7 +156,7 @@ class MoE(nn.Module):
         self.placement.run(self, flat, ids, counts, weights, out)
         if self.step_balance is not None and torch.is_grad_enabled():
             out = self.step_balance.charge(out, probs)
-        return out.view(x.shape)
+        return self.sequence.replicated_out(out.view(x.shape))
 
     def within_capacity(self, ids: torch.Tensor, groups: int) -> torch.Tensor:
         """(tokens, top_k) bool: the assignments that fit their expert's capacity, GShard's way.
