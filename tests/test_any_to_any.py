@@ -1,8 +1,9 @@
 """Any layout resumes at any other, through the real Trainer (distlib/checkpoint/relayout.py).
 
-One Mixtral (so expert parallelism is among the layouts) saves step 5 at each of 11 layouts: one
+One Mixtral (so expert parallelism is among the layouts) saves step 5 at each of 12 layouts: one
 rank; ep 2 over 2 ranks; and over 4 ranks dp 4 (ZeRO 1), tp 2 x dp 2 (ZeRO 3), pp 2 x dp 2,
-cp 2 x dp 2, cp 4 (ZeRO 2), ep 2 (ZeRO 0) and ep 4 over dp 4, pp 2 x ep 2, cp 2 x tp 2. The layouts
+cp 2 x dp 2, cp 4 (ZeRO 2), ep 2 (ZeRO 0) and ep 4 over dp 4, pp 2 x ep 2, cp 2 x tp 2, and tp 2
+with sequence parallelism x dp 2 (ZeRO 2). The layouts
 form a cycle: each resumes from the checkpoint its predecessor saved (the first from the last's),
 so every layout is saved once and loaded once, each across a change of several dimensions and
 ZeRO stages. Steps 6-10 of every resumed run are within 1e-5 of one rank's uninterrupted run, as
@@ -37,6 +38,7 @@ CYCLE = [
     (4, ["dist.ep=4"]),
     (4, ["dist.pp=2", "dist.ep=2"]),
     (4, ["dist.cp=2", "dist.tp=2", "dist.cp_impl=ring"]),
+    (4, ["dist.tp=2", "dist.sp=true", "zero=stage2"]),
 ]
 
 
