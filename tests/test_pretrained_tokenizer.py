@@ -32,7 +32,7 @@ from trainrun import compose_tree
 
 from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.data import bpe_tokens, documents, pretrained, text_source
+from distlib.app.data import documents, pretrained, text_source, token_shards
 from distlib.app.data.batches import BatchPlan, GlobalBatches, check_source
 from distlib.app.data.tokens import DataError
 
@@ -111,9 +111,9 @@ def test_init_from_alone_trains_on_the_directorys_tokenizer_and_exports_it(user,
     cfg = RunConfig.from_dict(compose_tree(args))
     held = documents.held_out_count([len(d.encode()) for d in user["docs"]], cfg.data.val_fraction)
     train_ids = _expected_ids({**user, "docs": user["docs"][: len(user["docs"]) - held]})
-    (cached,) = (tmp_path / "cache").glob("*.tokens")
-    tokens, header = bpe_tokens.open_tokens(cached)
-    assert tokens.tolist() == _expected_ids(user) and header.val_start == len(train_ids) and held > 0
+    (cached,) = (tmp_path / "cache").glob("*.shards")
+    cache = token_shards.Cache(cached, json.loads((cached / "index.json").read_text()))
+    assert cache.tokens().tolist() == _expected_ids(user) and cache.val_start == len(train_ids) and held > 0
     # step 1's loss is transformers' on the same ids
     plan = BatchPlan(cfg.global_batch, 1, 1)
     ((x, y),) = GlobalBatches(np.asarray(train_ids), SEQ, plan, cfg.seed).step_batches(1, 0)
@@ -162,14 +162,14 @@ def test_init_from_alone_trains_on_the_directorys_tokenizer_and_exports_it(user,
 def test_held_out_documents_are_whole_and_from_the_end(user, tmp_path):
     d = DataConfig(kind="text", path=str(user["corpus"]), tokenizer=str(user["dir"]), val_fraction=0.1)
     tok = pretrained.PretrainedTokenizer(d.tokenizer)
-    target, built = pretrained.ensure(d, tok, 304)
+    cache, built = pretrained.ensure(d, tok, 304)
     assert built and not pretrained.ensure(d, tok, 304)[1]  # the second run reuses it
-    tokens, header = bpe_tokens.open_tokens(target)
+    tokens = cache.tokens()
     sizes = [len(t.encode()) for t in user["docs"]]
     held = documents.held_out_count(sizes, 0.1)
     assert sum(sizes[len(sizes) - held :]) >= int(sum(sizes) * 0.1) > sum(sizes[len(sizes) - held + 1 :])
     train_ids = [i for t in user["docs"][:-held] for i in tok.encode_document(t)]
-    assert tokens[: header.val_start].tolist() == train_ids and tokens.tolist() == _expected_ids(user)
+    assert tokens[: cache.val_start].tolist() == train_ids and tokens.tolist() == _expected_ids(user)
     assert documents.held_out_count([3, 0, 5], 0.0) == 0 and documents.held_out_count([], 0.5) == 0
 
 
@@ -203,8 +203,8 @@ def test_parquet_documents_are_the_jsonl_ones(user, tmp_path):
     path.parent.mkdir()
     _write_parquet(path, {"id": list(range(80)), "body": user["docs"]})
     d = DataConfig(kind="text", path=str(path.parent), tokenizer=str(user["dir"]), text_field="body")
-    target, _ = pretrained.ensure(d, pretrained.PretrainedTokenizer(d.tokenizer), 304)
-    assert bpe_tokens.open_tokens(target)[0].tolist() == _expected_ids(user)
+    cache, _ = pretrained.ensure(d, pretrained.PretrainedTokenizer(d.tokenizer), 304)
+    assert cache.tokens().tolist() == _expected_ids(user)
     for columns, problem in [
         ({"text": ["a"]}, "no column 'body' (data.text_field): it has ['text']"),
         ({"body": ["a", None]}, "row 1 of column 'body' is not a string: None"),

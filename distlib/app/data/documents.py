@@ -11,6 +11,7 @@ document is split between training and validation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -26,8 +27,22 @@ SUFFIXES = (".txt", *RECORDS)
 _ROOT = str(Path(__file__).resolve().parents[3])  # the repository root: where the child imports distlib
 
 
-def _jsonl(text: str, where: str, field: str) -> Iterator[str]:
-    for number, line in enumerate(text.splitlines(), 1):
+def _lines(path: Path, sha: str) -> Iterator[str]:
+    """The lines of a jsonl file, read as they are needed (memory: one line), and a DataError at
+    the end if the bytes read are not the ones ``scan`` hashed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for raw in f:
+            digest.update(raw)
+            yield raw.decode("utf-8")
+    if digest.hexdigest() != sha:
+        raise DataError(f"data.path {path} changed while it was being tokenized; run again")
+
+
+def _jsonl(lines: Iterator[str], where: str, field: str) -> Iterator[str]:
+    """Each record's ``field``. Lines end at "\n" only, as JSON Lines says (a U+2028 inside a
+    string is text, not a line break)."""
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -64,7 +79,7 @@ def documents(source: TextSource, text_field: str) -> Iterator[str]:
         if path.name.endswith(".parquet"):
             yield from _parquet(path, sha, str(path), text_field)
         elif path.name.endswith(".jsonl"):
-            yield from _jsonl(read_file(path, sha), str(path), text_field)
+            yield from _jsonl(_lines(path, sha), str(path), text_field)
         else:
             yield read_file(path, sha)
 

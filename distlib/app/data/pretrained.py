@@ -7,11 +7,12 @@ transformers' tokenizer does) and ends with its end-of-text token: tokenizer_con
 ``eos_token``, else the first of ``EOS_NAMES`` in its vocabulary; a tokenizer without one is
 refused, since nothing would mark where one document ends and the next begins.
 
-The tokens are cached as a version-2 token file (``bpe_tokens``' format: the source's and the
-tokenizer's sha256, where the held-out documents start) named by the tokenizer's sha256, next to
-the source or in ``data.cache_dir``; it is reused while the source, the tokenizer, the held-out
-document count and ``RECIPE`` match, and rebuilt (through a temp file and a rename) otherwise.
-Rank 0 builds it and copies the tokenizer's files into ``<run dir>/tokenizer/``, which every
+The tokens are cached in shards (``token_shards``: every rank encodes its block of the documents,
+the bytes the same at any world size, the directory renamed into place whole), named by the
+tokenizer's sha256, next to the source or in ``data.cache_dir``; the cache is reused while the
+source, the tokenizer, the document and held-out document counts and ``RECIPE`` match, and rebuilt
+otherwise. Rank 0 hashes the source and counts its documents first (the held-out ones are the
+last whole documents), and copies the tokenizer's files into ``<run dir>/tokenizer/``, which every
 checkpoint carries and the export copies; the data source it records names the tokenizer by its
 sha256, so a resume with another tokenizer is refused.
 """
@@ -23,15 +24,15 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from distlib.app.config.data_group import DataConfig, id_range, tokenizer_json
-from distlib.app.data import bpe, bpe_tokens, documents, parquet_column, text_source
-from distlib.app.data.tokens import DataError, built_by_rank0
+from distlib.app.data import bpe, bpe_tokens, documents, parquet_column, text_source, token_shards
+from distlib.app.data.tokens import DataError
 from distlib.comm import agree
 from distlib.comm.group import Comm
 
-RECIPE = 1  # bump when what a given source and tokenizer encode into changes
+ONE = Comm(ranks=(0,), rank=0)  # a single process's own world
+
+RECIPE = 2  # bump when what a given source and tokenizer encode into changes (2: jsonl lines end at \n only)
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 
 
@@ -82,37 +83,59 @@ class PretrainedTokenizer:
 
 def cache_path(source: Path, cache_dir: str | None, tokenizer_sha256: str) -> Path:
     directory = Path(cache_dir) if cache_dir else source.resolve().parent
-    return directory / f"{source.resolve().name}.tok-{tokenizer_sha256[:16]}.tokens"
+    return directory / f"{source.resolve().name}.tok-{tokenizer_sha256[:16]}.shards"
 
 
-def ensure(d: DataConfig, tokenizer: PretrainedTokenizer, vocab: int) -> tuple[Path, bool]:
-    """The token file of ``d``'s source, encoded unless an up-to-date one exists; whether built."""
+def _survey(d: DataConfig, tokenizer: PretrainedTokenizer) -> dict:
+    """Rank 0: the source hashed, its documents counted and sized (the held-out ones are the last
+    whole documents), and whether an up-to-date cache exists (else a fresh build directory)."""
     source = text_source.scan(d.path, documents.SUFFIXES)
-    target = cache_path(source.root, d.cache_dir, tokenizer.sha256)
-    texts = list(documents.documents(source, d.text_field))
-    held = documents.held_out_count([len(t.encode("utf-8")) for t in texts], d.val_fraction)
-    try:
-        h = bpe_tokens.read_header(target)
-        if (h.source_sha256, h.tokenizer_sha256, h.split_byte, h.recipe) == (
-            source.sha256,
-            tokenizer.sha256,
-            len(texts) - held,
-            RECIPE,
-        ):
-            return target, False
-    except (DataError, OSError):
-        pass  # missing, foreign or damaged: rebuild
-    train = [i for t in texts[: len(texts) - held] for i in tokenizer.encode_document(t)]
-    val = [i for t in texts[len(texts) - held :] for i in tokenizer.encode_document(t)]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    header = {
+    sizes = [len(t.encode("utf-8")) for t in documents.documents(source, d.text_field)]
+    held = documents.held_out_count(sizes, d.val_fraction)
+    key = {
         "source_sha256": source.sha256,
         "tokenizer_sha256": tokenizer.sha256,
-        "val_start": len(train),
-        "split_byte": len(texts) - held,  # the held-out documents start here
+        "recipe": RECIPE,
+        "documents": len(sizes),
+        "held_documents": held,
     }
-    bpe_tokens.write_token_file(target, np.asarray(train + val, dtype=np.int64), vocab, header, RECIPE)
-    return target, True
+    target = cache_path(source.root, d.cache_dir, tokenizer.sha256)
+    fresh = token_shards.open_cache(target, key) is None
+    tmp = str(token_shards.temporary_dir(target)) if fresh else None
+    files = [[rel, str(path), sha, size] for rel, path, sha, size in source.files]
+    return {"target": str(target), "key": key, "tmp": tmp, "source": [str(source.root), files, source.sha256]}
+
+
+def _source(survey: dict) -> text_source.TextSource:
+    root, files, sha = survey["source"]
+    listed = tuple((rel, Path(path), file_sha, size) for rel, path, file_sha, size in files)
+    return text_source.TextSource(Path(root), listed, sha, Path(root).is_dir())
+
+
+def ensure(
+    d: DataConfig, tokenizer: PretrainedTokenizer, vocab: int, comm: Comm = ONE, say=print
+) -> tuple[token_shards.Cache, bool]:
+    """The token cache of ``d``'s source (collective over ``comm``): reused if up to date, else
+    encoded by every rank in parallel (``token_shards``); whether it was built."""
+    survey = agree.agreed(lambda: _survey(d, tokenizer), comm, DataError, rank0_only=True)
+    target, key = Path(survey["target"]), survey["key"]
+    if survey["tmp"] is not None:
+        plan = token_shards.Plan(
+            target, Path(survey["tmp"]), key["documents"], key["held_documents"], key, vocab
+        )
+        docs = lambda: documents.documents(_source(survey), d.text_field)  # noqa: E731
+        token_shards.build(plan, docs, tokenizer.encode_document, comm, say)
+
+    def opened() -> token_shards.Cache:
+        cache = token_shards.open_cache(target, key)
+        if cache is None:
+            raise DataError(
+                f"token cache {target} is missing or stale on this node after rank 0 saw or built it "
+                f"(every node must see the data directory: a shared filesystem)"
+            )
+        return cache
+
+    return agree.agreed(opened, comm, DataError), survey["tmp"] is not None
 
 
 def precheck(d: DataConfig) -> None:
@@ -128,41 +151,36 @@ def precheck(d: DataConfig) -> None:
         )
 
 
-def _rank0_build(d: DataConfig, vocab: int, run_dir: Path | None) -> dict:
-    tokenizer = PretrainedTokenizer(d.tokenizer)
-    target, built = ensure(d, tokenizer, vocab)
-    if run_dir is not None:
-        tokenizer.save_dir(Path(run_dir) / "tokenizer")
-    header = bpe_tokens.read_header(target)
-    done = f"encoded data.path {d.path} into {target}" if built else f"reused {target}"
-    print(
-        f"data.tokenizer: {tokenizer.file} (sha256 {tokenizer.sha256[:12]}, end-of-text id "
-        f"{tokenizer.eos_id}); {done} ({header.count} tokens, held-out from token {header.val_start})",
-        flush=True,
-    )
-    return bpe_tokens.built_record(target, header)
-
-
 def load(d: DataConfig, seq_len: int, comm: Comm, run_dir: Path | None = None) -> tuple:
-    """Every rank's (training tokens, held-out tokens, source identity for the checkpoint), as
-    ``bpe_tokens.load``: rank 0 builds, the others check the header it built."""
+    """Every rank's (training tokens, held-out tokens, source identity for the checkpoint): the
+    token cache (``ensure``), its held-out tokens from the first held-out document on; rank 0 saves
+    the tokenizer into the run directory and says which it used."""
     vocab = id_range(d.tokenizer)
-
-    built = built_by_rank0(
-        lambda: _rank0_build(d, vocab, run_dir),
-        comm,
-        lambda exc: (
-            f"data.tokenizer={d.tokenizer}: encoding data.path {d.path} failed: {type(exc).__name__}: {exc}"
-        ),
-    )
-    tokens, header = agree.agreed(lambda: bpe_tokens.open_built(built), comm, DataError)
+    tokenizer = agree.agreed(lambda: PretrainedTokenizer(d.tokenizer), comm, DataError)
+    where = f"data.tokenizer={d.tokenizer}: encoding data.path {d.path}"
+    try:
+        cache, built = ensure(d, tokenizer, vocab, comm)
+    except DataError as exc:
+        raise DataError(f"{where} failed: {exc}") from exc
+    count = cache.index["count"]
+    if comm.rank == 0:
+        if run_dir is not None:
+            tokenizer.save_dir(Path(run_dir) / "tokenizer")
+        done = f"encoded data.path {d.path} into {cache.path}" if built else f"reused {cache.path}"
+        print(
+            f"data.tokenizer: {tokenizer.file} (sha256 {tokenizer.sha256[:12]}, end-of-text id "
+            f"{tokenizer.eos_id}); {done} ({count} tokens in {len(cache.index['shards'])} shard(s), "
+            f"held-out from token {cache.val_start})",
+            flush=True,
+        )
+    tokens = cache.tokens()
     source = {
         "kind": "text",
-        "sha256": header.source_sha256,
+        "sha256": cache.index["key"]["source_sha256"],
         "tokenizer": "pretrained",
-        "tokenizer_sha256": header.tokenizer_sha256,
+        "tokenizer_sha256": tokenizer.sha256,
     }
-    train, held = tokens[: header.val_start], tokens[header.val_start :]
+    train, held = tokens[: cache.val_start], tokens[cache.val_start :]
     bpe_tokens.check_lengths(
         len(train), len(held), d, seq_len, f"data.path {d.path} with data.tokenizer={d.tokenizer}"
     )
