@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from array import array
 from pathlib import Path
 
 from distlib.app.config.data_group import DataConfig, id_range, tokenizer_json
@@ -90,7 +91,7 @@ def _survey(d: DataConfig, tokenizer: PretrainedTokenizer) -> dict:
     """Rank 0: the source hashed, its documents counted and sized (the held-out ones are the last
     whole documents), and whether an up-to-date cache exists (else a fresh build directory)."""
     source = text_source.scan(d.path, documents.SUFFIXES)
-    sizes = [len(t.encode("utf-8")) for t in documents.documents(source, d.text_field)]
+    sizes = array("Q", (len(t.encode("utf-8")) for t in documents.documents(source, d.text_field)))
     held = documents.held_out_count(sizes, d.val_fraction)
     key = {
         "source_sha256": source.sha256,

@@ -45,7 +45,7 @@ from distlib.comm.group import Comm
 FORMAT = "distlib token shards"
 VERSION = 1
 INDEX = "index.json"
-SHARD_TOKENS = 1 << 24  # 32 MiB of uint16 ids: what one rank holds while it writes a shard
+SHARD_TOKENS = 1 << 24  # 32 MiB of uint16 ids a file (copied from the parts' maps, not held)
 BUFFER_TOKENS = 1 << 20  # a part file is written in pieces of this many ids
 PROGRESS_EVERY_S = 5.0  # rank 0 says how far it is when encoding takes longer than this
 
@@ -242,19 +242,18 @@ def _write_shards(plan: Plan, layout: dict, comm: Comm, dtype: np.dtype) -> list
     done = []
     for k in range(comm.rank, n_shards, comm.size):
         lo, hi = k * size, min(count, (k + 1) * size)
-        pieces = []
-        for r in range(len(starts) - 1):
-            a, b = max(lo, starts[r]), min(hi, starts[r + 1])
-            if a < b:
-                part = np.memmap(_part(plan, r), dtype=dtype, mode="r")
-                pieces.append(np.asarray(part[a - starts[r] : b - starts[r]]))
-        raw = (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)).tobytes()
-        name = f"shard_{k:05d}.bin"
+        name, digest = f"shard_{k:05d}.bin", hashlib.sha256()
         with open(plan.tmp / name, "wb") as f:
-            f.write(raw)
+            for r in range(len(starts) - 1):  # the parts' pieces, copied straight from their maps
+                a, b = max(lo, starts[r]), min(hi, starts[r + 1])
+                if a < b:
+                    piece = np.memmap(_part(plan, r), dtype=dtype, mode="r")[a - starts[r] : b - starts[r]]
+                    f.write(piece)
+                    digest.update(piece)
+                    del piece
             f.flush()
             os.fsync(f.fileno())
-        done.append({"file": name, "tokens": hi - lo, "sha256": hashlib.sha256(raw).hexdigest()})
+        done.append({"file": name, "tokens": hi - lo, "sha256": digest.hexdigest()})
     return done
 
 
