@@ -27,6 +27,7 @@ RUNS = {
     "context": ["benchmarks/context.py", "--quick"],
     "experts": ["benchmarks/experts.py", "--quick"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
+    "token_cache": ["benchmarks/token_cache.py", "--mb", "1"],
     # scripts/gpu_check.sh's step h (--model gpt2_124m) on the CPU, at the gpt2 preset's small shape
     "gpu_throughput": [
         "benchmarks/gpu_throughput.py",
@@ -214,6 +215,16 @@ def _check_gpu_throughput(d, tmp_path):
     assert fp32[0] == pytest.approx(fp32[1], rel=LOSS_RTOL), "same model, batches and AdamW"
 
 
+def _check_token_cache(d, tmp_path):
+    """Every variant encoded the same number of tokens (each document's ids and its end-of-text);
+    the caches of both world sizes are the same bytes."""
+    rows = d["rows"]
+    assert d["mb"] == 1 and set(rows) == {"ours 1", "ours 2", "tokenizers"} and d["same_bytes"]
+    assert len({r["tokens"] for r in rows.values()}) == 1 and rows["tokenizers"]["tokens"] > 0
+    assert _times(*(r["seconds"] for r in rows.values()))
+    assert len(rows["ours 2"]["rss_mb"]) == 2 and (tmp_path / "corpus1mb.jsonl").stat().st_size >= 1 << 20
+
+
 def _check_step(d, tmp_path):
     ours = [f"ours stage {s}{o}" for s in (1, 3) for o in ("", " overlap")]
     on_torch = [f"{v} (torch coll)" for v in ours]  # the same on torch's own collectives
@@ -245,6 +256,7 @@ CHECKS = {
     "pipeline": _check_pipeline,
     "gpu_throughput": _check_gpu_throughput,
     "step": _check_step,
+    "token_cache": _check_token_cache,
 }
 
 
@@ -261,7 +273,7 @@ def _files(folder) -> dict[str, tuple[int, int]]:
 def test_benchmark_runs_and_writes_the_documented_json_outside_the_repository(name, tmp_path):
     out = tmp_path / f"{name}.json"
     args = RUNS[name] + ["--json" if name == "gpu_throughput" else "--out", str(out)]
-    args += ["--dir", str(tmp_path)] if name == "checkpoint" else []  # its temporary checkpoints
+    args += ["--dir", str(tmp_path)] if name in ("checkpoint", "token_cache") else []  # its own files
     before = _files(ROOT / "benchmarks")
     proc = subprocess.run(
         [sys.executable, *args],
