@@ -1,15 +1,17 @@
 """Any layout resumes at any other, through the real Trainer (distlib/checkpoint/relayout.py).
 
-One Mixtral (so expert parallelism is among the layouts) saves step 5 at each of 12 layouts: one
+One Mixtral (so expert parallelism is among the layouts) saves step 3 at each of 12 layouts: one
 rank; ep 2 over 2 ranks; and over 4 ranks dp 4 (ZeRO 1), tp 2 x dp 2 (ZeRO 3), pp 2 x dp 2,
 cp 2 x dp 2, cp 4 (ZeRO 2), ep 2 (ZeRO 0) and ep 4 over dp 4, pp 2 x ep 2, cp 2 x tp 2, and tp 2
 with sequence parallelism x dp 2 (ZeRO 2). The layouts
 form a cycle: each resumes from the checkpoint its predecessor saved (the first from the last's),
 so every layout is saved once and loaded once, each across a change of several dimensions and
-ZeRO stages. Steps 6-10 of every resumed run are within 1e-5 of one rank's uninterrupted run, as
-every layout's own 20 steps are (tests/test_expert_parallel_train.py and the other dimensions'
-tests): at the exact data position and state, or its first step would differ by far more (a data
-position one batch off: 3.5e-2). Five steps: what resuming needs shown, at the fewest (issue 42).
+ZeRO stages. Steps 4 and 5 of every resumed run are within 1e-5 of one rank's uninterrupted run
+(the 20-step reference tests/test_expert_parallel_train.py shares, trainrun.one_rank_reference), as
+every layout's own 20 steps are (that module and the other dimensions' tests): at the exact data
+position and state, or its first step would differ by far more (a data position one batch off:
+3.5e-2). Two steps after the resume: the first shows the state and position, the second that the
+run goes on from them, at the fewest steps (issue 42).
 That the bytes move exactly between every pair is tests/test_relayout.py's, for 17 x 17 layouts."""
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainrun import train_worlds
+from trainrun import MIXTRAL_SEED10, one_rank_reference, train_worlds
 
 pytestmark = pytest.mark.slow
 
 REL = 1e-5
 # seed 10: no near-tied top-k router choice in 20 steps (tests/test_expert_parallel_train.py)
-SAVE, END = 5, 10  # every layout saves step SAVE; a resume trains on to END
+SAVE, END = 3, 5  # every layout saves step SAVE; a resume trains on to END
 BASE = ["model=mixtral_tiny", "seed=10", f"checkpoint.every_steps={SAVE}", "checkpoint.verify_resume=false"]
 BASE += ["metrics.progress_every=0"]
 CYCLE = [
@@ -56,13 +58,10 @@ def _checkpoint(root: Path, i: int) -> Path:
     return root / f"ws{world}" / str(index) / "checkpoints" / f"step_{SAVE:08d}"
 
 
-def test_every_layout_resumes_its_predecessors_checkpoint(tmp_path):
-    # every layout saves step SAVE; one rank also trains on to END: the reference
-    sources = [
-        (world, [*layout, f"train.steps={END if i == 0 else SAVE}"])
-        for i, (world, layout) in enumerate(CYCLE)
-    ]
-    reference = train_worlds(BASE, _by_world(sources), tmp_path / "saved")[1][0]["losses"]
+def test_every_layout_resumes_its_predecessors_checkpoint(tmp_path, tmp_path_factory):
+    reference = one_rank_reference(tmp_path_factory, MIXTRAL_SEED10)["losses"][:END]
+    sources = [(world, [*layout, f"train.steps={SAVE}"]) for world, layout in CYCLE]  # each saves SAVE
+    train_worlds(BASE, _by_world(sources), tmp_path / "saved")
     saved = [_checkpoint(tmp_path / "saved", (i - 1) % len(CYCLE)) for i in range(len(CYCLE))]
     resumes = [
         (w, [*layout, f"train.steps={END}", f"checkpoint.resume={p}"]) for (w, layout), p in zip(CYCLE, saved)

@@ -18,7 +18,7 @@ from family_models import built, max_diff, perturb_, quiet_transformers, tokens
 from forkrun import run_script
 from moe_against_hf import check_one_step, exported_pair
 from multiproc import run_ranks
-from trainrun import compose_tree, one_rank_reference, train_each, train_worlds
+from trainrun import MIXTRAL_SEED10, compose_tree, one_rank_reference, train_each, train_worlds
 
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
@@ -277,8 +277,7 @@ def test_train_py_refuses_before_any_worker(tmp_path):
 # are 4.5e-8 apart, within rounding, which cp 2 sends to the other expert on some machines (AMD
 # EPYC, AVX-512: 3% apart by step 20); seed 10's smallest margin is 3.3e-6 (tests/test_moe_pipeline.py
 # measures it).
-BASE = ["model=mixtral_tiny", "seed=10", "train.steps=20", "checkpoint.every_steps=0"]
-BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
+BASE = MIXTRAL_SEED10
 LAYOUTS = {  # (world size 1: the session's shared reference, trainrun.one_rank_reference)
     2: [
         ["zero=stage0"],

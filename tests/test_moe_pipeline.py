@@ -22,14 +22,13 @@ import pytest
 import torch
 from forkrun import run_script
 from multiproc import run_ranks
-from trainrun import compose_tree, one_rank_reference, train_each, train_worlds
+from trainrun import MIXTRAL_SEED10, compose_tree, one_rank_reference, train_each, train_worlds
 
 from distlib.app.model import moe
 
 REL = 1e-5
 MARGIN = 1e-6
-BASE = ["model=mixtral_tiny", "seed=10", "train.steps=20", "checkpoint.every_steps=0"]
-BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
+BASE = MIXTRAL_SEED10
 SAVED = ["dist.pp=2", "dist.ep=2", "train.grad_accum=2", "zero=stage1", "checkpoint.every_steps=10"]
 LAYOUTS = {
     1: [["train.grad_accum=4"]],

@@ -124,6 +124,12 @@ def starving_router(rules: dict, step, first_sample: int, seq_len: int):
     return mask
 
 
+# The 20-step Mixtral that several modules compare with at one rank (seed 10: no near-tied top-k
+# choice in 20 steps, tests/test_expert_parallel_train.py)
+MIXTRAL_SEED10 = ["model=mixtral_tiny", "seed=10", "train.steps=20", "checkpoint.every_steps=0"]
+MIXTRAL_SEED10 += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
+
+
 def one_rank_reference(tmp_path_factory, base: list[str]) -> dict:
     """``train_with_margin`` of ``base`` at world size 1 (its losses, step records and smallest
     top-k margin), trained once per test session whichever module asks first: the pytest-xdist
