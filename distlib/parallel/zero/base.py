@@ -90,7 +90,8 @@ class StageOptimizer(ShardState):
         self.bucket_numel, self.grad_accum = bucket_numel, grad_accum
         self.progress = Progress(comm) if overlap else None  # the communication thread's queue
         self.layout = FlatLayout.of(module, comm.size, names)
-        self.params = [dict(module.named_parameters())[s.name] for s in self.layout.slots]
+        named = dict(module.named_parameters())  # (once: per slot it was 0.09 s of a mixtral_tiny build)
+        self.params = [named[s.name] for s in self.layout.slots]
         self.device = self.params[0].device
         self.step_count = 0
         self._synced: tuple[torch.Tensor, float] | None = None  # set by sync_grads, used by apply_update
