@@ -5,7 +5,8 @@ Every rank encodes its block of the documents; the cache's bytes (every shard an
 the same at world sizes 1, 2 and 4, with shards small enough that the ranks' pieces cross shard
 edges, and with more ranks than documents (empty blocks); the stream is the tokenizer's own ids,
 document after document. A second run reuses it, a changed file rebuilds it, and a build that fails
-on any rank leaves no directory behind and the old cache as it was. The reading view equals the
+on any rank (a bad line it alone reads, a build directory it cannot see) is every rank's one error
+and leaves no directory behind and the old cache as it was. The reading view equals the
 concatenated shards for every slice, empty ones included."""
 
 from __future__ import annotations
@@ -153,3 +154,27 @@ def test_slices_of_the_shards_are_slices_of_the_stream(sizes):
             inner = view[lo:hi][1:]  # a slice of a slice
             assert np.asarray(inner, dtype=np.int64).tolist() == whole[lo:hi][1:].tolist()
     assert token_shards.block(3, 4, 0) == (0, 0) and token_shards.block(0, 2, 1) == (0, 0)
+
+
+def _build_unseen(comm, d: DataConfig) -> str:
+    """Rank 1 is handed a build directory it cannot see (a node without the shared filesystem)."""
+    if comm.rank == 1:
+        made = token_shards.Plan
+
+        def elsewhere(target, tmp, *rest):
+            return made(target, tmp.with_name(tmp.name + "-on-another-node"), *rest)
+
+        pretrained.token_shards.Plan = elsewhere
+    try:
+        _build(comm, d)
+        return "built"
+    except DataError as exc:
+        return str(exc)
+
+
+def test_a_rank_that_cannot_see_the_build_directory_says_so(tmp_path):
+    corpus, _ = _corpus(tmp_path, 6)
+    d = _config(corpus, _tokenizer(tmp_path), tmp_path / "cache")
+    errors = run_ranks(_build_unseen, 2, d)
+    assert errors[0] == errors[1] and "rank 1 cannot see" in errors[0] and "shared filesystem" in errors[0]
+    assert not any((tmp_path / "cache").iterdir())

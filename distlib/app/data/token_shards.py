@@ -192,6 +192,11 @@ def _part(plan: Plan, rank: int) -> Path:
 
 def _encode_part(plan: Plan, docs, encode, comm: Comm, dtype: np.dtype, say) -> dict:
     """Rank ``comm.rank``'s block into its part file: {tokens, where its held-out tokens start}."""
+    if not plan.tmp.is_dir():
+        raise DataError(
+            f"token cache: rank {comm.rank} cannot see {plan.tmp}, which rank 0 made for the build "
+            f"(every node must see the data directory: a shared filesystem, or data.cache_dir on one)"
+        )
     lo, hi = block(plan.documents, comm.size, comm.rank)
     val_doc = plan.documents - plan.held
     buffer, count, val_at = array("I"), 0, None  # 4 bytes an id: the write buffer stays small
