@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from distlib.comm import collectives
 from distlib.comm.group import Comm
+from distlib.parallel.sequence_parallel import SequenceSplit
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class Replicated:
 
 
 REPLICATED = Replicated()
+Stream = Replicated | SequenceSplit  # how the residual stream meets the layers
 
 
 def _param(full: torch.Tensor, split: Split | None) -> nn.Parameter:
@@ -149,7 +151,7 @@ def _param(full: torch.Tensor, split: Split | None) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local: this rank's output features; input replicated."""
 
-    def __init__(self, full: nn.Linear, tp: Comm, groups: int = 1, sequence: object = None):
+    def __init__(self, full: nn.Linear, tp: Comm, groups: int = 1, sequence: Stream = REPLICATED):
         super().__init__()
         self.tp = tp
         split = Split(dim=0, parts=tp.size, index=tp.rank, groups=groups)
@@ -158,7 +160,7 @@ class ColumnParallelLinear(nn.Module):
         self.splits = {"weight": split} | ({"bias": split} if full.bias is not None else {})
         # dist.sp (a SequenceSplit): the block hands the input gathered along the sequence (one
         # all-gather for q, k and v), whose backward reduce-scatter sums what copy_to_tp would.
-        self.sequence = REPLICATED if sequence is None else sequence
+        self.sequence = sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.sequence.into_column(x, self.tp), self.weight, self.bias)
@@ -167,7 +169,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum over TP ranks of x_local W_local^T, plus the replicated bias once."""
 
-    def __init__(self, full: nn.Linear, tp: Comm, sequence: object = None):
+    def __init__(self, full: nn.Linear, tp: Comm, sequence: Stream = REPLICATED):
         super().__init__()
         self.tp = tp
         split = Split(dim=1, parts=tp.size, index=tp.rank)
@@ -175,7 +177,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _param(full.bias, None) if full.bias is not None else None
         self.splits = {"weight": split}
         # dist.sp (a SequenceSplit): the sum is reduce-scattered along the sequence
-        self.sequence = REPLICATED if sequence is None else sequence
+        self.sequence = sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.sequence.out_of_row(F.linear(x, self.weight), self.tp)
@@ -245,7 +247,7 @@ def _planned(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
     return found
 
 
-def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str, sequence: object) -> nn.Module:
+def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str, sequence: Stream) -> nn.Module:
     column = isinstance(style, Column)
     features, parts = (full.out_features, tp.size * style.groups) if column else (full.in_features, tp.size)
     if features % parts:
@@ -258,7 +260,7 @@ def _shard_linear(full: nn.Linear, tp: Comm, style: object, path: str, sequence:
     return RowParallelLinear(full, tp, REPLICATED if style.routed else sequence)
 
 
-def parallelize_(module: nn.Module, tp: Comm, plan: Plan, sequence: object = None) -> dict[str, Split]:
+def parallelize_(module: nn.Module, tp: Comm, plan: Plan, sequence: Stream = REPLICATED) -> dict[str, Split]:
     """Replace every submodule of ``module`` whose path matches a pattern of ``plan`` with this
     rank's shard of it (in place: names and order of the parameters are kept): an nn.Linear with
     its column- or row-parallel shard, a ``DeclaresSplit`` module with what its ``tp_shard``
@@ -271,7 +273,7 @@ def parallelize_(module: nn.Module, tp: Comm, plan: Plan, sequence: object = Non
     found = _planned(module, plan)
     if tp.size == 1:
         return {}
-    if sequence is not None and sequence is not REPLICATED:
+    if sequence is not REPLICATED:
         foreign = [
             p for paths in found.values() for p in paths if isinstance(module.get_submodule(p), DeclaresSplit)
         ]

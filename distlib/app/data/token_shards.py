@@ -13,8 +13,8 @@ cut into shards of ``shard_tokens`` tokens (the last one shorter), raw little-en
 Building (``build``, collective over the world): rank r encodes a contiguous block of the
 documents (the r-th of ``world`` near-equal blocks, empty when there are more ranks than documents)
 into a part file, streaming, so memory holds one document's ids and a bounded write buffer; the
-ranks then exchange their token counts, and each writes the shards it is given (round robin) from
-the parts' pieces, one shard in memory at a time. The stream, and so every shard and index.json,
+ranks then exchange their token counts, and each writes the shards it is given (round robin),
+copying the parts' pieces straight from their memory maps. The stream, and so every shard and index.json,
 depends on the documents and the tokenizer only, never on the world size or the split. All of it
 happens in a temporary directory beside the target, renamed into place by rank 0 once every shard
 is written (a reader sees no cache or a whole one; a failed build leaves the old cache, if any).

@@ -108,7 +108,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg, strategies: Strategies = LOCAL):
         super().__init__()
-        self.cfg, self.strategies = cfg, strategies
+        self.cfg = cfg
         # dist.sp: the embedding's output is cut to this rank's tokens for the blocks, and gathered
         # again for the head, which (like the embedding) runs replicated on the whole sequence.
         self.sequence = strategies.sequence

@@ -7,8 +7,8 @@ over the batch group and an expert's over the ranks holding the same expert (its
 expert-data-parallel group), while the ranks of the expert group hold other experts. A
 ``ParamGroup`` names its parameters, the ``Comm`` they are averaged and sharded over, and the
 groups whose ranks hold different values of them; ``ZeroOptimizer`` runs one ZeRO stage
-optimizer per group (``stages``) (each with its own flat layout over its own ranks) and joins them where they
-must agree: one global gradient norm over every group and kind (``norms``), so one clipping
+optimizer per group (``stages``; each with its own flat layout over its own ranks) and joins them
+where they must agree: one global gradient norm over every group and kind (``norms``), so one clipping
 coefficient, and one ``sync_grads``/``apply_update`` protocol, the base's.
 
 It is what the trainer, the guard and a checkpoint talk to; a checkpoint holds what each rank
