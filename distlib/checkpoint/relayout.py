@@ -10,15 +10,15 @@ global indices of a piece's elements, in its order, are ``shard_of`` of the para
 
 Loading partition r of W of any flat layout, its pieces cut by any splits (another dp, cp, tp or
 pp degree, any ZeRO stage, or the whole model on one rank for the offline tools), is one plan
-(``plan``): for each element the partition needs, the (name, global index) it stands for, the
-holding and flat position that hold it (a replicated parameter is read from the loading rank's
-tensor rank if the checkpoint has it, else from tensor rank 0), and so the file and the offset
-there. Each needed file is then opened once and the
-span of offsets it serves is read (a safetensors slice, not the whole file unless the span is) and
-scattered into place (``read_partition``). Copies only: the loaded bits are the saved bits.
+(``plan``): for each parameter the partition needs, the global elements it wants as runs of
+consecutive elements (distlib/checkpoint/runs.py), matched with the runs each holding keeps (a
+replicated parameter is read from the loading rank's tensor rank if the checkpoint has it, else
+from tensor rank 0), and so the files and offsets there. Each needed file is then opened once and
+the span of offsets it serves is read (a safetensors slice, not the whole file unless the span is)
+and copied into place (``read_partition``). Copies only: the loaded bits are the saved bits.
 
-The planner builds index vectors of the parameter it plans (8 bytes an element, one parameter at
-a time): host memory a whole parameter's size, not the model's.
+The plan takes host memory in proportion to its runs (a few per parameter cut along dim 0, one
+per row cut along the last dim), not to elements.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from pathlib import Path
 import safetensors
 import torch
 
-from distlib.checkpoint import sharded
+from distlib.checkpoint import runs, sharded
+from distlib.checkpoint.runs import Runs
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm.layout import Layout
 from distlib.parallel.adamw import STATE_KEYS
 from distlib.parallel.flat_layout import FlatLayout, ParamSlot
-from distlib.parallel.tensor_parallel import Split, full_shape, shard_of
+from distlib.parallel.tensor_parallel import Split, full_shape
 
 HOST = torch.device("cpu")  # plans and reads are host work; the optimizer moves the state to its device
 
@@ -125,12 +126,6 @@ def whole_layout(manifest: dict, world: int = 1) -> FlatLayout:
     return FlatLayout(tuple(slots), world)
 
 
-def global_index(shape: Sequence[int], split: Split | None) -> torch.Tensor:
-    """The global (row-major) element index of each element of the piece ``split`` cuts from a
-    tensor of ``shape``, in the piece's own order."""
-    return shard_of(torch.arange(math.prod(shape), device=HOST).view(tuple(shape)), split).reshape(-1)
-
-
 class Sources:
     """Where a checkpoint keeps each parameter's elements."""
 
@@ -141,11 +136,11 @@ class Sources:
             for piece in holding.pieces:
                 self.pieces.setdefault(piece.name, []).append((h, piece))
 
-    def locate(self, name: str, shape: tuple[int, ...], wanted: torch.Tensor, tp_rank: int = 0):
-        """(holding, flat position there) of each global element ``wanted`` of parameter ``name``;
-        an element several holdings keep (a replicated parameter) is read from tensor rank
-        ``tp_rank``'s when it has one (the loading rank's own file at the same layout), else from
-        the first."""
+    def locate(self, name: str, shape: tuple[int, ...], wanted: Runs, tp_rank: int = 0) -> dict[int, Runs]:
+        """holding -> runs (start: flat position there, at: ``wanted``'s) of the global elements
+        ``wanted`` of parameter ``name``; an element several holdings keep (a replicated parameter)
+        is read from tensor rank ``tp_rank``'s when it has one (the loading rank's own file at the
+        same layout), else from the first."""
         if name not in self.pieces:
             raise CheckpointError(f"checkpoint {self.path} has no parameter {name}")
         theirs = self.pieces[name][0][1].full_shape
@@ -154,43 +149,37 @@ class Sources:
                 f"checkpoint {self.path}: parameter {name} has shape {list(theirs)}, "
                 f"the model's is {list(shape)}"
             )
-        holder = torch.full((math.prod(shape),), -1, dtype=torch.long, device=HOST)
-        position = torch.zeros_like(holder)
+        found: dict[int, list[Runs]] = {}
         pieces = sorted(self.pieces[name], key=lambda hp: self.held[hp[0]].tp_rank != tp_rank)
-        for h, piece in reversed(pieces):  # the first one's copy wins
-            index = global_index(shape, piece.split)
-            holder[index] = h
-            position[index] = piece.offset + torch.arange(index.numel(), device=HOST)
-        holder, position = holder[wanted], position[wanted]
-        if (holder < 0).any():
+        for h, piece in pieces:
+            if not len(wanted):
+                break
+            theirs = runs.piece_runs(shape, piece.split).shifted(piece.offset)
+            matched, wanted = runs.intersect(wanted, theirs)
+            found.setdefault(h, []).append(matched)
+        if len(wanted):
             raise CheckpointError(f"checkpoint {self.path}: no holding covers all of parameter {name}")
-        return holder, position
+        return {h: runs.concat(parts) for h, parts in found.items()}
 
 
-def plan(sources: Sources, place: Place) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(file rank, key prefix) -> (offsets in that file's vectors, positions in the partition) of
-    every real element of ``place``'s partition; the rest of the partition is padding."""
+def plan(sources: Sources, place: Place) -> dict[tuple[int, str], Runs]:
+    """(file rank, key prefix) -> runs (start: offset in that file's vectors, at: position in the
+    partition) of every real element of ``place``'s partition; the rest of the partition is padding."""
     layout = place.layout
     size = -(-layout.numel // place.world)
     lo, hi = place.rank * size, min((place.rank + 1) * size, layout.numel)
-    reads: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    reads: dict[tuple[int, str], list[Runs]] = {}
     for slot in layout.slots:
-        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if a >= b:
+        if max(lo, slot.offset) >= min(hi, slot.offset + slot.numel):
             continue
         split = place.splits.get(slot.name)
         shape = full_shape(slot.shape, split)
-        wanted = global_index(shape, split)[a - slot.offset : b - slot.offset]
-        holder, position = sources.locate(slot.name, shape, wanted, place.tp_rank)
-        dest = torch.arange(a - lo, b - lo, device=HOST)
-        for h in holder.unique().tolist():
-            held, mine = sources.held[h], holder == h
-            part = position[mine] // held.shard_numel
-            for d in part.unique().tolist():
-                at = part == d
-                offsets = position[mine][at] - d * held.shard_numel
-                reads.setdefault((held.files[d], held.prefix), []).append((offsets, dest[mine][at]))
-    return {f: (torch.cat([o for o, _ in r]), torch.cat([d for _, d in r])) for f, r in sorted(reads.items())}
+        wanted = runs.piece_runs(shape, split).shifted(slot.offset - lo).window(0, hi - lo)
+        for h, found in sources.locate(slot.name, shape, wanted, place.tp_rank).items():
+            held = sources.held[h]
+            for d, part in runs.by_partition(found, held.shard_numel).items():
+                reads.setdefault((held.files[d], held.prefix), []).append(part)
+    return {f: runs.concat(r) for f, r in sorted(reads.items())}
 
 
 def open_shard(path: Path, rank: int):
@@ -209,11 +198,11 @@ def read_partition(
     sources = sources or Sources(holdings(manifest), path)
     size = -(-place.layout.numel // place.world)
     state = {key: torch.zeros(size, dtype=torch.float32, device=HOST) for key in keys}
-    for (file, prefix), (offsets, dest) in plan(sources, place).items():
-        lo, hi = int(offsets.min()), int(offsets.max()) + 1
+    for (file, prefix), reads in plan(sources, place).items():
+        lo, hi = int(reads.start[0]), int((reads.start + reads.length).max())
         with open_shard(path, file) as f:
             for key in keys:
-                state[key][dest] = f.get_slice(prefix + key)[lo:hi][offsets - lo]
+                runs.copy(state[key], f.get_slice(prefix + key)[lo:hi], reads, base=lo)
     return state
 
 
