@@ -12,14 +12,28 @@ every layout's own 20 steps are (that module and the other dimensions' tests): a
 position and state, or its first step would differ by far more (a data position one batch off:
 3.5e-2). Two steps after the resume: the first shows the state and position, the second that the
 run goes on from them, at the fewest steps (issue 42).
-That the bytes move exactly between every pair is tests/test_relayout.py's, for 17 x 17 layouts."""
+
+And the whole 12 x 12 matrix: every layout loads every layout's checkpoint through the trainer's
+loader and then holds exactly the source's state cut for each of its ranks (loading only: 15 s for
+the 144 pairs, where resuming each and training a step would take minutes). That the bytes move
+exactly between 17 x 17 layouts of the checkpoint format itself is tests/test_relayout.py's."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import pytest
-from trainrun import MIXTRAL_SEED10, one_rank_reference, train_worlds
+import torch
+from trainrun import MIXTRAL_SEED10, compose_tree, one_rank_reference, train_worlds
+
+from distlib.app.config.run import RunConfig
+from distlib.app.trainer import Trainer
+from distlib.checkpoint import offline, relayout, sharded
+from distlib.launch.torchrun import use_deterministic_kernels
+from distlib.parallel.adamw import STATE_KEYS
+from distlib.parallel.tensor_parallel import shard_of
 
 pytestmark = pytest.mark.slow
 
@@ -58,13 +72,21 @@ def _checkpoint(root: Path, i: int) -> Path:
     return root / f"ws{world}" / str(index) / "checkpoints" / f"step_{SAVE:08d}"
 
 
-def test_every_layout_resumes_its_predecessors_checkpoint(tmp_path, tmp_path_factory):
-    reference = one_rank_reference(tmp_path_factory, MIXTRAL_SEED10)["losses"][:END]
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> list[Path]:
+    """Step SAVE of each layout of CYCLE, in CYCLE's order."""
+    root = tmp_path_factory.mktemp("saved")
     sources = [(world, [*layout, f"train.steps={SAVE}"]) for world, layout in CYCLE]  # each saves SAVE
-    train_worlds(BASE, _by_world(sources), tmp_path / "saved")
-    saved = [_checkpoint(tmp_path / "saved", (i - 1) % len(CYCLE)) for i in range(len(CYCLE))]
+    train_worlds(BASE, _by_world(sources), root)
+    return [_checkpoint(root, i) for i in range(len(CYCLE))]
+
+
+def test_every_layout_resumes_its_predecessors_checkpoint(saved, tmp_path, tmp_path_factory):
+    reference = one_rank_reference(tmp_path_factory, MIXTRAL_SEED10)["losses"][:END]
+    predecessor = [saved[(i - 1) % len(CYCLE)] for i in range(len(CYCLE))]
     resumes = [
-        (w, [*layout, f"train.steps={END}", f"checkpoint.resume={p}"]) for (w, layout), p in zip(CYCLE, saved)
+        (w, [*layout, f"train.steps={END}", f"checkpoint.resume={p}"])
+        for (w, layout), p in zip(CYCLE, predecessor)
     ]
     resumed = train_worlds(BASE, _by_world(resumes), tmp_path / "resumed")
     assert len(reference) == END and reference[-1] < reference[0]
@@ -73,3 +95,72 @@ def test_every_layout_resumes_its_predecessors_checkpoint(tmp_path, tmp_path_fac
             assert len(run["losses"]) == END - SAVE, (world, layout)
             worst = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference[SAVE:]))
             assert worst <= REL, (world, layout, worst)
+
+
+def _partition(whole: dict[str, torch.Tensor], layout, splits: dict, rank: int) -> torch.Tensor:
+    """Partition ``rank`` of ``layout`` of the whole tensors ``whole`` (name -> tensor), each cut by
+    its tensor-parallel split: what a rank at that place must hold (padding zero)."""
+    flat = torch.zeros(layout.padded_numel)
+    for slot in layout.slots:
+        piece = shard_of(whole[slot.name], splits.get(slot.name))
+        flat[slot.offset : slot.offset + slot.numel] = piece.reshape(-1)
+    return flat[slice(*layout.shard_range(rank))]
+
+
+def _load_each(comm, trees: list[dict], run_dirs: list[str], sources: list[str], wholes: list[dict]) -> list:
+    """Each layout (tree) built once, as a run builds it (in its run dir); each source loaded by its
+    checkpointer's loader (the resume path). Returns (layout, source, what) of each part that differs
+    from the source's whole state cut for this rank (none expected), then the number of comparisons."""
+    use_deterministic_kernels()
+    wrong, compared = [], 0
+    for t, (tree, run_dir) in enumerate(zip(trees, run_dirs)):
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir))
+            keeper, optimizer = trainer.checkpointer, trainer.optimizer
+            for s, source in enumerate(sources):
+                step = keeper.loader.load(Path(source), trainer.model, optimizer, verified=True)
+                held = optimizer.state_shard()
+                for part in optimizer.partitions():
+                    for key in STATE_KEYS:
+                        expected = _partition(wholes[s][key], part.layout, keeper.loader.splits, part.rank)
+                        compared += 1
+                        if not torch.equal(held[part.prefix + key], expected):
+                            wrong.append((t, s, part.prefix + key))
+                position = keeper.contents.meta(step)["data"]
+                if (step, optimizer.step_count, position) != (SAVE, SAVE, wholes[s]["data"]):
+                    wrong.append((t, s, (step, optimizer.step_count, position)))
+    return [*wrong, compared]
+
+
+def _whole(path: Path) -> dict:
+    """key -> parameter name -> its whole state, and "data" -> the data position, of the checkpoint
+    at ``path``."""
+    manifest = sharded.verify(path)
+    flat = offline.full_state(path, manifest)
+    slots = relayout.whole_layout(manifest).slots
+    out = {
+        k: {s.name: flat[k][s.offset : s.offset + s.numel].view(s.shape) for s in slots} for k in STATE_KEYS
+    }
+    return {**out, "data": manifest["data"]}
+
+
+def test_every_layout_loads_every_layouts_checkpoint_exactly(saved, tmp_path):
+    """The whole 12 x 12 matrix: each layout loads each layout's checkpoint through the trainer's
+    own loader, and then holds, on every rank, the weights and both Adam moments of the source (read
+    whole with relayout's reader, exact at 17 x 17 layouts in tests/test_relayout.py) cut for its
+    place bit for bit, at the source's step, optimizer step count and data position. The cycle above
+    shows that training goes on exactly from a loaded state at every layout; this, that every layout
+    loads every other's state."""
+    from multiproc import run_ranks
+
+    wholes = [_whole(p) for p in saved]
+    for world, group in _by_world([(w, [i]) for i, (w, _) in enumerate(CYCLE)]).items():
+        trees = [
+            compose_tree([*BASE, *CYCLE[i][1], f"train.steps={SAVE}", f"dist.world_size={world}"])
+            for (i,) in group
+        ]
+        run_dirs = [str(tmp_path / f"ws{world}" / str(i)) for i in range(len(trees))]
+        ranks = run_ranks(_load_each, world, trees, run_dirs, [str(p) for p in saved], wholes, timeout_s=600)
+        for rank, found in enumerate(ranks):
+            assert found[:-1] == [], (world, rank, found[:5])
+            assert found[-1] >= len(trees) * len(saved) * len(STATE_KEYS), (world, rank)

@@ -60,6 +60,15 @@ class Runs:
         return Runs.of(self.start + (a - self.at), a, b - a)
 
 
+def _none() -> Runs:
+    return Runs.of([], [], [])
+
+
+def _one(numel: int) -> Runs:
+    """A whole tensor of ``numel`` elements: one run (none if empty)."""
+    return Runs.of([0], [0], [numel])
+
+
 def _chunk_span(lo: int, size: int, parts: int, index: int) -> tuple[int, int]:
     """[start, end) of ``torch.chunk``'s ``index``-th of ``parts`` of ``size`` elements from ``lo``."""
     step = -(-size // parts) if size else 0
@@ -71,7 +80,7 @@ def piece_runs(shape: tuple[int, ...], split: Split | None) -> Runs:
     index, at = the position in the piece (``shard_of``'s order)."""
     numel = math.prod(shape)
     if split is None:
-        return Runs.of([0], [0], [numel])
+        return _one(numel)
     d, n = split.dim, shape[split.dim]
     outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1 :])
     spans = []
@@ -94,11 +103,19 @@ def _find(runs: Runs, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return safe, (k >= 0) & (points < runs.start[safe] + runs.length[safe])
 
 
+def _within(runs: Runs, lo: int, hi: int) -> bool:
+    """Whether every run lies in [lo, hi) (runs sorted by start)."""
+    return int(runs.start[0]) >= lo and int(runs.start[-1] + runs.length[-1]) <= hi
+
+
 def intersect(want: Runs, have: Runs) -> tuple[Runs, Runs]:
     """(matched, left): ``want``'s elements that ``have`` covers, as runs with start = their position
     in ``have`` and at = their position in ``want``; and the rest of ``want``, as ``want`` runs."""
     if not len(want) or not len(have):
-        return Runs.of([], [], []), want
+        return _none(), want
+    if len(have) == 1 and _within(want, int(have.start[0]), int(have.start[0] + have.length[0])):
+        # the common case (a whole parameter, or a piece holding all a rank wants): one shift
+        return Runs(want.start - have.start[0] + have.at[0], want.at, want.length), _none()
     points = torch.cat([want.start, want.start + want.length, have.start, have.start + have.length])
     points = points.unique(sorted=True)
     p, length = points[:-1], points[1:] - points[:-1]
@@ -116,6 +133,9 @@ def by_partition(runs: Runs, size: int) -> dict[int, Runs]:
     the parts' edges: part -> runs with start = the offset in that part."""
     if not len(runs):
         return {}
+    if _within(runs, size * (int(runs.start[0]) // size), size * (int(runs.start[0]) // size + 1)):
+        d = int(runs.start[0]) // size  # all in one part (the common case)
+        return {d: Runs(runs.start - d * size, runs.at, runs.length)}
     first = runs.start // size
     count = (runs.start + runs.length - 1) // size - first + 1
     k = torch.repeat_interleave(torch.arange(len(runs), device=HOST), count)
@@ -132,6 +152,8 @@ def by_partition(runs: Runs, size: int) -> dict[int, Runs]:
 
 def concat(parts: list[Runs]) -> Runs:
     """One list of runs from several (whose starts are disjoint); sorted by start."""
+    if len(parts) == 1:
+        return parts[0]
     start, at, length = (torch.cat([getattr(r, f) for r in parts]) for f in ("start", "at", "length"))
     order = start.argsort()
     return Runs(start[order], at[order], length[order])
