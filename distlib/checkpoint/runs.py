@@ -6,8 +6,8 @@ runs: one per group for a cut along dim 0 (the fused q|k|v: 3), one per row for 
 last dim. A rank's partition of a flat layout is one window of each piece's positions. So "which
 saved element goes where" is a short list of (global start, position, length) triples, and
 matching what a rank wants with what a holding has is an intersection of two sorted lists of
-intervals. Planning by element index instead took 8 bytes for each of several vectors per element:
-about 17 GB of host memory for one 8B model's 525M-element embedding.
+intervals. Planning by element index instead took 8 bytes an element for each of several index
+vectors: 4.2 GB apiece for one 8B model's 525M-element embedding.
 """
 
 from __future__ import annotations
