@@ -12,6 +12,7 @@ vectors: 4.2 GB apiece for one 8B model's 525M-element embedding.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,7 +40,10 @@ class Runs:
 
     @staticmethod
     def of(start, at, length) -> Runs:
+        """Runs from any int sequences, the empty ones left out."""
         start, at, length = _long(start), _long(at), _long(length)
+        if bool((length > 0).all()):
+            return Runs(start, at, length)
         keep = length > 0
         return Runs(start[keep], at[keep], length[keep])
 
@@ -75,9 +79,11 @@ def _chunk_span(lo: int, size: int, parts: int, index: int) -> tuple[int, int]:
     return lo + min(index * step, size), lo + min((index + 1) * step, size)
 
 
+@functools.lru_cache(maxsize=1024)  # a model has few distinct (shape, cut)s; its layers repeat them
 def piece_runs(shape: tuple[int, ...], split: Split | None) -> Runs:
     """The runs of the piece ``split`` cuts from a tensor of ``shape``: start = the global row-major
-    index, at = the position in the piece (``shard_of``'s order)."""
+    index, at = the position in the piece (``shard_of``'s order). (Shared: runs are never changed
+    in place.)"""
     numel = math.prod(shape)
     if split is None:
         return _one(numel)
