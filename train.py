@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from distlib.app.checkpointing import init_from
 from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.data import batches as data
+from distlib.app.data import corpus as data
 from distlib.app.data.tokens import DataError
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.launch import continuation, hydra_config, local, run_lock, slurm, worker

@@ -21,8 +21,8 @@ import train
 from distlib.app.checkpointing import fit_check
 from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.data import batches as data
-from distlib.app.data import bpe, bpe_tokens, text_source, tokens
+from distlib.app.data import bpe, bpe_tokens, corpus, text_source, tokens
+from distlib.app.data.batches import BatchPlan
 from distlib.app.data.tokens import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,7 +270,7 @@ def test_without_tokenizers_bpe_is_one_config_error_line_and_the_byte_path_still
 
 def _byte_source(comm, cfg: RunConfig) -> dict:
     assert sys.modules["tokenizers"] is None
-    return data.build(cfg, comm, data.BatchPlan(16, 2, 1))[0].source
+    return corpus.build(cfg, comm, BatchPlan(16, 2, 1))[0].source
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -312,12 +312,12 @@ def test_valid_bpe_config_and_unchanged_defaults(tmp_path):
     assert (_cfg([]).data.tokenizer, _cfg([]).data.vocab_size) == ("bytes", None)
     (tmp_path / "docs").mkdir()  # a directory passes the pre-launch check only with bpe
     (tmp_path / "docs" / "a.txt").write_text("text " * 100)
-    data.check_source(_cfg([*BPE_KEYS, f"data.path={tmp_path / 'docs'}"]))
+    corpus.check_source(_cfg([*BPE_KEYS, f"data.path={tmp_path / 'docs'}"]))
     with pytest.raises(DataError, match="not a regular file"):
-        data.check_source(_cfg([f"data.path={tmp_path / 'docs'}"]))
+        corpus.check_source(_cfg([f"data.path={tmp_path / 'docs'}"]))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="without any"):
-        data.check_source(_cfg([*BPE_KEYS, f"data.path={tmp_path / 'empty'}"]))
+        corpus.check_source(_cfg([*BPE_KEYS, f"data.path={tmp_path / 'empty'}"]))
 
 
 def _load_expect_error(comm, cfg: DataConfig) -> str:

@@ -33,7 +33,9 @@ from trainrun import compose_tree
 from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import documents, pretrained, text_source, token_shards
-from distlib.app.data.batches import BatchPlan, GlobalBatches, check_source
+from distlib.app.data.batches import BatchPlan, GlobalBatches
+from distlib.app.data.corpus import check_source
+from distlib.app.data.mixture import MixedBatches, SourceWindows
 from distlib.app.data.tokens import DataError
 
 pytestmark = pytest.mark.slow
@@ -157,6 +159,33 @@ def test_init_from_alone_trains_on_the_directorys_tokenizer_and_exports_it(user,
         for r in map(json.loads, (moved / "metrics.jsonl").read_text().splitlines())
         if r.get("type") == "step"
     ] == [3]
+
+
+def test_a_mixture_of_document_sources_trains_on_each_ones_tokens(user, tmp_path):
+    """data.mixture with model.init_from alone: each jsonl source encoded on its own with the
+    directory's tokenizer, and step 1's loss is transformers' on the batch the mixture draws from
+    those ids (tests/test_mixture.py checks the drawing itself)."""
+    other = {**user, "docs": _documents(60, 7)}
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in other["docs"]))
+    run, sources = tmp_path / "run", f"[{user['corpus']},{tmp_path / 'other.jsonl'}]"
+    args = [f"model.init_from={user['dir']}", "data=mixture", f"data.mixture={sources}", "data.weights=[1,2]"]
+    args += [f"data.cache_dir={tmp_path / 'cache'}", "dist.world_size=2", "train.steps=1"]
+    proc = train_py(run, *args, "checkpoint.every_steps=0", "metrics.progress_every=0")
+    assert proc.returncode == 0, proc.stderr
+    assert len(list((tmp_path / "cache").glob("*.shards"))) == 2
+    cfg = RunConfig.from_dict(compose_tree(args))
+    windows = [
+        SourceWindows(np.asarray(_expected_ids(u)), SEQ, cfg.seed, s) for s, u in enumerate([user, other])
+    ]
+    batches = MixedBatches(windows, cfg.data.shares, BatchPlan(cfg.global_batch, 1, 1), cfg.seed, {})
+    ((x, y),) = batches.step_batches(1, 0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(user["dir"], attn_implementation="eager")
+    with torch.no_grad():
+        want = float(model.eval()(input_ids=x, labels=y.contiguous(), shift_labels=y.contiguous()).loss)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in records if r.get("type") == "step"]
+    assert abs(float.fromhex(record["loss_hex"]) - want) <= 1e-5, (record["loss_hex"], want)
+    assert record["mixture"] == batches.step_fields(1)["mixture"] and record["mixture"][1] > 0
 
 
 def test_held_out_documents_are_whole_and_from_the_end(user, tmp_path):

@@ -17,8 +17,7 @@ from multiproc import run_ranks
 from trainrun import compose_tree, train
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.data import batches as data
-from distlib.app.data import tokens
+from distlib.app.data import corpus, tokens
 from distlib.app.data.batches import BatchPlan, GlobalBatches, HeldOut, split_heldout
 from distlib.app.data.tokens import ByteTokenizer, DataError
 from distlib.app.model.minigpt import build_model
@@ -189,7 +188,7 @@ def test_invalid_text_input_gets_a_clear_error(tmp_path, case, expect):
         path.write_text("x" * 100, encoding="utf-8")
     cfg = _cfg(["data=text", f"data.path={path}", "data.val_fraction=0.1"])
     with pytest.raises(DataError, match=re.escape(expect)):
-        data.check_source(cfg)
+        corpus.check_source(cfg)
 
 
 @pytest.mark.slow

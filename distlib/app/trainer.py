@@ -44,7 +44,8 @@ from distlib.app.checkpointing.checkpointer import Checkpointer, RunState
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import RunConfig
-from distlib.app.data import batches as data
+from distlib.app.data import corpus as data
+from distlib.app.data.batches import BatchPlan
 from distlib.app.model import families, strategies
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.local_step import LocalStep
@@ -113,7 +114,7 @@ class Trainer:
         # masks are keyed by the seed, the global sample and the site, for any layout.
         seed_process_rngs(cfg.seed, mesh.dp.rank)
         self.draws = Draws(cfg.seed, (), share=(mesh.tp.rank, mesh.tp.size))
-        plan = data.BatchPlan(cfg.global_batch, mesh.dp.size, cfg.train.grad_accum)
+        plan = BatchPlan(cfg.global_batch, mesh.dp.size, cfg.train.grad_accum)
         self.data, heldout = data.build(cfg, comm, plan, self.run_dir)  # run_dir: a BPE run's tokenizer
         self.model, self.optimizer, chunks, splits, names = build(cfg, comm, mesh, self.device, cfg.seed)
         model, optimizer = self.model, self.optimizer
@@ -255,7 +256,8 @@ class Trainer:
             memory=memory,
             val_loss=val_loss,
             rows=rows,
-            model_fields=self.model.step_fields(self.cfg.train.grad_accum),  # mixtral: its MoE
+            # mixtral: its MoE; a data.mixture: the samples per source
+            model_fields=self.model.step_fields(self.cfg.train.grad_accum) | self.data.step_fields(step),
         )
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         if self.replicas.due(step):

@@ -140,11 +140,14 @@ def data_config(data: DataConfig) -> dict:
     """The manifest's copy of the data config. A byte-level run leaves out the tokenizer keys, which
     hold their defaults then, and a run without an existing tokenizer leaves out data.text_field: its
     manifest stays byte for byte what it was before they existed (a missing key reads as its
-    default, ``manifest_config``)."""
-    record = dataclasses.asdict(data)
+    default, ``manifest_config``); and a run without data.mixture leaves out its keys."""
+    record = data.to_dict()
     if data.tokenizer == "bytes":
         record.pop("tokenizer")
         record.pop("vocab_size")
     if not data.pretrained:  # read with an existing tokenizer's documents only
         record.pop("text_field")
+    if data.mixture is None:
+        record.pop("mixture")
+        record.pop("weights")
     return record

@@ -32,14 +32,25 @@ def _tokenizer(source: dict) -> str:
 
 
 def _source_change(saved: dict | None, ours: dict | None) -> str:
-    """What differs between two data sources: the text, the tokenizer, or both."""
+    """What differs between two data sources: the text, the tokenizer, or both (of each source of a
+    mixture: which ones)."""
     saved, ours = saved or {}, ours or {}
+    if "mixture" in (saved.get("kind"), ours.get("kind")):
+        return _mixture_change(saved, ours)
     changes = []
     if (saved.get("kind"), saved.get("sha256")) != (ours.get("kind"), ours.get("sha256")):
         changes.append("the text file's content changed")
     if _tokenizer(saved) != _tokenizer(ours):
         changes.append(f"the tokenizer differs: checkpoint {_tokenizer(saved)}, this run {_tokenizer(ours)}")
     return "; ".join(changes) or "another corpus"
+
+
+def _mixture_change(saved: dict, ours: dict) -> str:
+    theirs, mine = saved.get("sources") or [saved], ours.get("sources") or [ours]
+    if len(theirs) != len(mine):
+        return f"data.mixture: the checkpoint read {len(theirs)} source(s), this run {len(mine)}"
+    changed = [f"source {i}: {_source_change(a, b)}" for i, (a, b) in enumerate(zip(theirs, mine)) if a != b]
+    return "data.mixture " + "; ".join(changed)
 
 
 # The model keys that decide the parameters' (full) shapes: what must agree to cut a checkpoint's
@@ -95,13 +106,14 @@ def _refuse_or_pass(path: Path, problems: list[str]) -> None:
 def _data_problems(manifest: dict, cfg: RunConfig, data: GlobalBatches) -> list[str]:
     """How the checkpoint's data stream differs from this run's (it must continue exactly)."""
     problems = []
-    data_config = dataclasses.asdict(cfg.data)
+    data_config = cfg.data.to_dict()  # (lists, as the manifest's JSON holds them)
     for key, value in manifest.get("data_config", {}).items():
         # A text file is identified by its sha256 (the position's "source"), not by where it
         # or its token file lives, so a moved file still resumes and a changed one does not; an
         # existing tokenizer too (the source records its sha256).
         moved = key == "tokenizer" and cfg.data.pretrained and value not in TOKENIZERS  # same sha256?
-        if key not in ("path", "cache_dir") and not moved and data_config.get(key) != value:
+        where = key in ("path", "cache_dir", "mixture")  # (a mixture's sources: by sha256 too)
+        if not where and not moved and data_config.get(key) != value:
             problems.append(
                 f"data.{key}: checkpoint {value}, this run {data_config.get(key)} (a different corpus)"
             )

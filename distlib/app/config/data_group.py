@@ -22,7 +22,7 @@ BPE_MAX_VOCAB = 1 << 32  # its token file stores ids as uint32
 TOKENIZER_JSON = "tokenizer.json"
 # Data keys that one corpus kind never reads: set with the other kind, they would change nothing.
 DATA_NOT_USED_BY = {
-    "synthetic": ("path", "cache_dir", "text_field"),
+    "synthetic": ("path", "cache_dir", "text_field", "mixture", "weights"),
     "text": ("seed", "total_tokens", "follow_prob"),
 }
 
@@ -50,6 +50,12 @@ class DataConfig(Group):
         end-of-text token; by default model.init_from's when that directory has one; docs/models.md
     vocab_size: bpe: the vocabulary to train (the model's follows it); null otherwise
     text_field: text with *.jsonl or *.parquet documents: the field (column) that holds each document's text
+    mixture: text: several sources in place of data.path, each what data.path may be for data.tokenizer
+        (bytes: a file; a tokenizer's path: documents too), each tokenized on its own; every global sample
+        comes from one of them, drawn by data.weights from the seed and the sample's number alone, so every
+        layout and a resume draw the same (docs/beyond.md); each step's record counts its samples per source
+    weights: data.mixture's sampling weights, one per source, any positive numbers (their shares of the
+        samples in expectation); null: equal
     """
 
     GROUP = "data"
@@ -63,6 +69,8 @@ class DataConfig(Group):
     tokenizer: str = key("bytes")
     vocab_size: int | None = key(None, ge=BPE_MIN_VOCAB, le=BPE_MAX_VOCAB)
     text_field: str = key("text")
+    mixture: tuple[str, ...] | None = key(None)
+    weights: tuple[float, ...] | None = key(None, gt=0)
 
     @property
     def pretrained(self) -> bool:
@@ -70,7 +78,7 @@ class DataConfig(Group):
         return self.tokenizer not in TOKENIZERS
 
     def check(self) -> None:
-        if self.kind == "text" and not self.path:
+        if self.kind == "text" and not self.path and self.mixture is None:
             raise ConfigError("data.kind=text needs data.path: the UTF-8 text file to train on")
         defaults = {s.name: s.default for s in specs(type(self))}
         for name in DATA_NOT_USED_BY[self.kind]:
@@ -98,11 +106,52 @@ class DataConfig(Group):
                 f"data.vocab_size={self.vocab_size} needs data.tokenizer=bpe; the byte tokenizer has "
                 f"{BYTE_VOCAB} tokens (leave data.vocab_size null)"
             )
+        self._check_mixture()
         if self.pretrained and self.vocab_size is not None:
             raise ConfigError(
                 f"data.vocab_size={self.vocab_size} needs data.tokenizer=bpe; data.tokenizer="
                 f"{self.tokenizer} has its own vocabulary (leave data.vocab_size null)"
             )
+
+    def _check_mixture(self) -> None:
+        if self.weights is not None and self.mixture is None:
+            raise ConfigError("data.weights weighs the sources of data.mixture, which is not set")
+        if self.mixture is None or self.kind != "text":
+            return
+        if self.path:
+            raise ConfigError(
+                f"data.mixture lists the sources in place of data.path={self.path}: set one of the two"
+            )
+        if not self.mixture or not all(self.mixture):
+            raise ConfigError(
+                f"data.mixture must list at least one source, each a path; got {list(self.mixture)}"
+            )
+        if self.tokenizer == "bpe":
+            raise ConfigError(
+                "data.mixture needs data.tokenizer=bytes or the path of a tokenizer: data.tokenizer=bpe "
+                "trains its tokenizer on one text"
+            )
+        if self.weights is not None and len(self.weights) != len(self.mixture):
+            raise ConfigError(
+                f"data.weights has {len(self.weights)} weight(s) for the {len(self.mixture)} source(s) "
+                f"of data.mixture: give one per source"
+            )
+        if self.val_fraction > 0:
+            raise ConfigError(
+                f"data.val_fraction={self.val_fraction} with data.mixture: a mixture has no held-out "
+                f"split yet; leave data.val_fraction at 0"
+            )
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The text sources a run reads: data.mixture's, or data.path alone."""
+        return self.mixture if self.mixture is not None else (self.path,)
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """Each source's sampling weight, normalised to sum to 1."""
+        weights = self.weights or (1.0,) * len(self.sources)
+        return tuple(w / sum(weights) for w in weights)
 
 
 def tokenizer_json(path: str | Path) -> Path:

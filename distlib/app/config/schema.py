@@ -9,7 +9,9 @@ a test). Hydra's defaults, the reference in docs/config.md and every error messa
 declarations; nothing repeats them.
 
 Types: ``int`` (not a bool), ``float`` (an int is accepted and stored as a float; non-finite values
-are refused), ``bool``, ``str``, ``tuple[int, ...]`` (given as a list), each optionally ``| None``.
+are refused), ``bool``, ``str``, ``tuple[int, int]`` (a list of that many) and ``tuple[T, ...]`` (a list
+of any length of one of the first four, each element under the key's bounds), each optionally
+``| None``.
 """
 
 from __future__ import annotations
@@ -116,17 +118,33 @@ def describe(spec: Spec) -> str:
     elif base is bool:
         what = "true or false"
     elif base is int or base is float:
-        bounds = [
-            f"{op} {_num(v)}"
-            for op, v in ((">=", rule.ge), (">", rule.gt), ("<=", rule.le), ("<", rule.lt))
-            if v is not None
-        ]
-        what = ("an integer" if base is int else "a number") + (" " + " and ".join(bounds) if bounds else "")
+        what = ("an integer" if base is int else "a number") + _bounds(rule)
     elif base is str:
         what = "a string"
+    elif _element(base) is not None:
+        what = f"a list of {_WORDS[_element(base)]}s" + _bounds(rule, " each")
     else:
         what = f"a list of {len(typing.get_args(base))} integers"
     return f"null or {what}" if spec.optional else what
+
+
+_WORDS = {int: "integer", float: "number", str: "string", bool: "boolean"}
+
+
+def _bounds(rule: Rule, lead: str = "") -> str:
+    """ " >= 1 and < 2" (after ``lead``), or "" without bounds."""
+    bounds = [
+        f"{op} {_num(v)}"
+        for op, v in ((">=", rule.ge), (">", rule.gt), ("<=", rule.le), ("<", rule.lt))
+        if v is not None
+    ]
+    return f"{lead} " + " and ".join(bounds) if bounds else ""
+
+
+def _element(base) -> type | None:
+    """T of a ``tuple[T, ...]`` (a list of any length), else None."""
+    args = typing.get_args(base)
+    return args[0] if len(args) == 2 and args[1] is Ellipsis else None
 
 
 def _num(v: float) -> str:
@@ -142,6 +160,8 @@ def _type_ok(value, base) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if base is str:
         return isinstance(value, str)
+    if _element(base) is not None:  # tuple[T, ...]
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, _element(base)) for v in value)
     args = typing.get_args(base)  # tuple[int, int]
     return (
         isinstance(value, (list, tuple))
@@ -172,10 +192,13 @@ def check_value(group: str, spec: Spec, value):
         value is None
         or not _type_ok(value, base)
         or (base in (int, float, str) and not _in_range(value, spec.rule))
+        or (_element(base) is not None and not all(_in_range(v, spec.rule) for v in value))
     ):
         raise ConfigError(f"{name} must be {describe(spec)}, got {value!r}")
     if base is float:
         return float(value)
+    if _element(base) is float:
+        return tuple(float(v) for v in value)
     if base not in (int, bool, str):
         return tuple(value)
     return value

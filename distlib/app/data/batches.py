@@ -21,20 +21,13 @@ memory-mapped: only the windows a rank uses are read. An optional held-out tail 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from distlib.app.data import bpe_tokens, documents, pretrained
-from distlib.app.data.tokens import DataError, load_text_tokens
 from distlib.comm.group import Comm
 from distlib.parallel.context import chunks
 from distlib.parallel.dropout import Draws
-
-if TYPE_CHECKING:
-    from distlib.app.config.run import RunConfig
 
 
 def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64, follow_prob: float = 0.9) -> np.ndarray:
@@ -137,12 +130,18 @@ class GlobalBatches:
         """This rank's micro-batches (inputs, targets) for ``step`` (0-based count of steps done)."""
         batches = []
         for samples in self.micro_samples(step, dp_rank):
-            rows = [self._window(k) * self.seq_len for k in samples]
-            windows = torch.from_numpy(
-                np.stack([np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64) for r in rows])
-            )
+            windows = torch.from_numpy(np.stack([self._sample(k) for k in samples]))
             batches.append((windows[:, :-1], windows[:, 1:]))
         return batches
+
+    def _sample(self, k: int) -> np.ndarray:
+        """Global sample k's seq_len + 1 tokens (a copy, int64)."""
+        start = self._window(k) * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def step_fields(self, step: int) -> dict:
+        """What the data adds to training step ``step``'s record (a mixture: its samples per source)."""
+        return {}
 
     def skip(self, batches: int) -> None:
         """Every later step reads ``batches`` batches further on (after a rollback)."""
@@ -205,79 +204,6 @@ class HeldOut:
             )
             out.append((windows[:, :-1], windows[:, 1:]))
         return out
-
-
-def _check_lengths(total: int, cfg: RunConfig, where: str) -> None:
-    d, seq = cfg.data, cfg.model.seq_len
-    train = total - int(total * d.val_fraction)
-    held = total - train
-    if train < seq + 1:
-        split = f" (its training split is {train} after data.val_fraction={d.val_fraction})" if held else ""
-        raise DataError(
-            f"{where} has {total} tokens{split}; a training sequence needs model.seq_len + 1 = "
-            f"{seq + 1}: use more data or a shorter model.seq_len"
-        )
-    if d.val_fraction > 0 and held < seq + 1:
-        raise DataError(
-            f"{where} has {total} tokens, so data.val_fraction={d.val_fraction} holds out {held}: "
-            f"fewer than one validation sequence of model.seq_len + 1 = {seq + 1} tokens; raise "
-            f"data.val_fraction or use more data"
-        )
-
-
-def check_source(cfg: RunConfig) -> None:
-    """Cheap checks before any process starts: the text file exists, is not empty and is long
-    enough for the sequence length and the held-out split. Raises DataError."""
-    d = cfg.data
-    if d.kind != "text":
-        _check_lengths(d.total_tokens, cfg, "the synthetic corpus (data.total_tokens)")
-        return
-    if not d.pretrained and Path(d.path).name.endswith(documents.RECORDS):
-        raise DataError(
-            f"data.path {d.path} holds documents as records: data.tokenizer={d.tokenizer} reads plain text "
-            f"and would train on their syntax; read them with an existing tokenizer, data.tokenizer=PATH "
-            f"(a directory with tokenizer.json; model.init_from=DIR's by default)"
-        )
-    if d.tokenizer == "bpe":  # token counts are known after training and encoding: bpe_tokens.load
-        bpe_tokens.precheck(d.path)
-        return
-    if d.pretrained:  # and after encoding: pretrained.load
-        pretrained.precheck(d)
-        return
-    path = Path(d.path).expanduser()
-    if not path.exists():
-        raise DataError(
-            f"data.path {path} does not exist (relative paths start at the launch directory {Path.cwd()})"
-        )
-    if not path.is_file():
-        raise DataError(f"data.path {path} is not a regular file")
-    size = path.stat().st_size
-    if size == 0:
-        raise DataError(f"data.path {path} is empty: there is nothing to train on")
-    _check_lengths(size, cfg, f"data.path {path}")
-
-
-def build(
-    cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None = None
-) -> tuple[GlobalBatches, HeldOut | None]:
-    """This run's training batches and (when data.val_fraction > 0) its held-out windows.
-    ``run_dir``: where rank 0 saves a BPE run's tokenizer (``<run_dir>/tokenizer``)."""
-    d, seq = cfg.data, cfg.model.seq_len
-    if d.kind == "text" and d.tokenizer != "bytes":  # bpe: split at a character; else by documents
-        read = pretrained.load if d.pretrained else bpe_tokens.load
-        train, held, source = read(d, seq, comm, run_dir)
-        heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
-        return GlobalBatches(train, seq, plan, cfg.seed, source), heldout
-    if d.kind == "text":
-        tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)
-        source, where = {"kind": "text", "sha256": sha}, f"data.path {d.path}"
-    else:
-        tokens = make_corpus(d.seed, d.total_tokens, cfg.model.vocab_size, d.follow_prob)
-        source, where = None, "the synthetic corpus (data.total_tokens)"
-    _check_lengths(len(tokens), cfg, where)
-    train, held = split_heldout(tokens, d.val_fraction)
-    heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
-    return GlobalBatches(train, seq, plan, cfg.seed, source), heldout
 
 
 def held_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: Comm | None, device) -> tuple:

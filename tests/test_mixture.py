@@ -1,0 +1,186 @@
+"""data.mixture (distlib/app/data/mixture.py): several sources, each global sample drawn from one by
+the weights, from the seed and the sample's number alone. Checked against a plain sequential
+drawing (blocks small, so the draws cross many of them; a source nearly never drawn, so blocks
+without it), for its shares, its windows, its independence of the world size; through the trainer,
+2 ranks against 1 and a resume at another world size at the exact data position, the step records'
+counts per source, and what a changed mixture or bad configuration says."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from multiproc import run_ranks
+from trainrun import compose_tree, train_each
+
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.data import mixture
+from distlib.app.data.batches import BatchPlan
+from distlib.app.data.mixture import MixedBatches, Mixture, SourceWindows
+from distlib.app.data.tokens import DataError
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARES = (0.6, 0.3, 0.0999, 0.0001)  # the last: most blocks of 64 never draw it
+
+
+def _sequential(shares: tuple[float, ...], seed: int, n: int) -> list[tuple[int, int]]:
+    """(source, number within it) of samples 0..n-1, drawn one after another (the definition)."""
+    out, taken = [], [0] * len(shares)
+    edges = np.cumsum(shares)[:-1]
+    for k in range(n):
+        b, i = divmod(k, mixture.BLOCK)
+        u = np.random.default_rng([seed, mixture.MIXTURE, b]).random(mixture.BLOCK)[i]
+        s = int(np.searchsorted(edges, u, side="right"))
+        out.append((s, taken[s]))
+        taken[s] += 1
+    return out
+
+
+def test_each_sample_is_the_sequential_drawings_in_any_order(monkeypatch):
+    monkeypatch.setattr(mixture, "BLOCK", 64)
+    expected = _sequential(SHARES, 3, 64 * 40)
+    mix = Mixture(SHARES, 3)
+    order = list(range(len(expected)))
+    random.Random(0).shuffle(order)  # blocks visited out of order, as a resume and the ranks do
+    assert {k: mix.locate(k) for k in order} == dict(enumerate(expected))
+    for first, stop in [(0, 0), (0, 1), (5, 64), (60, 200), (0, 64 * 40), (1000, 1000)]:
+        drawn = [s for s, _ in expected[first:stop]]
+        assert mix.counts(first, stop) == [drawn.count(s) for s in range(len(SHARES))]
+    assert Mixture((1.0,), 3).locate(12345) == (0, 12345)  # one source: every sample, in order
+
+
+def test_the_shares_drawn_follow_the_weights():
+    counts = Mixture((0.5, 0.3, 0.2), 0).counts(0, 200_000)
+    assert sum(counts) == 200_000
+    assert np.allclose(np.array(counts) / 200_000, (0.5, 0.3, 0.2), atol=0.005), counts
+
+
+def test_a_sources_samples_run_through_each_epoch_once():
+    tokens = np.arange(1 + 10 * 4)  # 10 windows of 4
+    src = SourceWindows(tokens, 4, seed=1, source=2)
+    firsts = [int(src.sample(j)[0]) for j in range(30)]
+    for epoch in range(3):
+        assert sorted(firsts[10 * epoch : 10 * epoch + 10]) == list(range(0, 40, 4))
+    assert firsts[:10] != firsts[10:20]  # another order each epoch
+    assert src.sample(3).tolist() == list(range(firsts[3], firsts[3] + 5))
+
+
+def test_the_ranks_read_the_global_batch_whatever_the_world_size():
+    sources = [np.arange(1000) % 50, 100 + np.arange(300) % 50]
+    batches = {
+        world: MixedBatches(
+            [SourceWindows(t, 8, 5, s) for s, t in enumerate(sources)],
+            (0.7, 0.3),
+            BatchPlan(8, world, 2 if world == 2 else 1),
+            5,
+            {"kind": "mixture"},
+        )
+        for world in (1, 2, 4)
+    }
+    for step in (0, 7, 300):  # step 300 runs the second source through more than one epoch
+        whole = torch.cat([x for x, _ in batches[1].micro_batches(step, 0)])
+        for world in (2, 4):
+            parts = [x for r in range(world) for x, _ in batches[world].micro_batches(step, r)]
+            assert torch.equal(torch.cat(parts), whole), (world, step)
+        from_second = int((whole[:, 0] >= 100).sum())
+        assert batches[1].step_fields(step + 1) == {"mixture": [8 - from_second, from_second]}
+
+
+# -- configuration ---------------------------------------------------------------------
+MIX = ["data=mixture", "data.mixture=[a.txt,b.txt]"]
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        ([*MIX, "data.weights=[1]"], "data.weights has 1 weight(s) for the 2 source(s) of data.mixture"),
+        ([*MIX, "data.weights=[0,1]"], "data.weights must be null or a list of numbers each > 0, got [0, 1]"),
+        (["data=text", "data.mixture=[a.txt]"], "data.mixture lists the sources in place of data.path="),
+        (["data=mixture", "data.mixture=[]"], "data.mixture must list at least one source"),
+        ([*MIX, "data.tokenizer=bpe", "data.vocab_size=300"], "data.mixture needs data.tokenizer=bytes or"),
+        ([*MIX, "data.val_fraction=0.1"], "a mixture has no held-out split yet"),
+        (["data.weights=[1,2]"], "data.weights=(1.0, 2.0) has no effect with data.kind=synthetic"),
+    ],
+)
+def test_a_bad_mixture_is_one_line_naming_the_key(overrides, line):
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        RunConfig.from_dict(compose_tree(overrides))
+
+
+def test_a_missing_source_is_named_before_any_worker_starts(tmp_path):
+    from distlib.app.data import corpus
+
+    (tmp_path / "a.txt").write_text("some text " * 100)
+    listed = f"data.mixture=[{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}]"
+    cfg = RunConfig.from_dict(compose_tree(["data=mixture", listed]))
+    with pytest.raises(DataError, match=f"data.path {tmp_path / 'b.txt'} does not exist"):
+        corpus.check_source(cfg)
+
+
+# -- through the trainer -------------------------------------------------------------------
+def _texts(root: Path) -> list[Path]:
+    """Two texts unlike each other: the bundled sample, and digits."""
+    shutil.copy(ROOT / "data" / "sample.txt", root / "prose.txt")
+    digits = "".join(random.Random(0).choice("0123456789 ") for _ in range(20_000))
+    (root / "digits.txt").write_text(digits)
+    return [root / "prose.txt", root / "digits.txt"]
+
+
+SMALL = ["model.seq_len=32", "model.dim=32"]
+
+
+def _common(paths: list[Path]) -> list[str]:
+    listed = ",".join(str(p) for p in paths)
+    return [
+        "data=mixture",
+        f"data.mixture=[{listed}]",
+        "data.weights=[3,1]",
+        "model.seq_len=32",
+        "model.dim=32",
+    ]
+
+
+def _run(world: int, overrides: list[str], run_dir: Path) -> dict:
+    tree = compose_tree([*overrides, f"dist.world_size={world}", "metrics.progress_every=0"])
+    return run_ranks(train_each, world, [tree], str(run_dir))[0][0]
+
+
+def test_a_mixture_trains_alike_at_every_world_size_and_resumes_elsewhere_exactly(tmp_path):
+    common = _common(_texts(tmp_path)) + ["train.steps=6", "checkpoint.verify_resume=false"]
+    one = _run(1, [*common, "checkpoint.every_steps=0"], tmp_path / "one")
+    two = _run(2, [*common, "checkpoint.every_steps=3"], tmp_path / "two")
+    counts = [r["mixture"] for r in one["records"]]
+    assert [r["mixture"] for r in two["records"]] == counts
+    assert all(sum(c) == 16 for c in counts) and 0 < sum(c[1] for c in counts) < sum(c[0] for c in counts)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(two["losses"], one["losses"]))
+    saved = tmp_path / "two" / "0" / "checkpoints" / "step_00000003"
+    moved = tmp_path / "moved"  # the sources are known by their content, not where they are
+    moved.mkdir()
+    common = _common(_texts(moved)) + ["train.steps=6", "checkpoint.verify_resume=false"]
+    again = _run(1, [*common, "checkpoint.every_steps=0", f"checkpoint.resume={saved}"], tmp_path / "again")
+    assert [r["step"] for r in again["records"]] == [4, 5, 6]
+    assert [r["mixture"] for r in again["records"]] == counts[3:]
+    # at the exact data position: a batch off would differ by far more than 1e-5
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(again["losses"], one["losses"][3:]))
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["data"]["source"]["kind"] == "mixture" and len(manifest["data"]["source"]["sources"]) == 2
+
+
+def test_resume_refuses_other_weights_and_a_changed_source_naming_them(tmp_path):
+    paths = _texts(tmp_path)
+    common = _common(paths) + ["train.steps=2", "checkpoint.verify_resume=false"]
+    _run(1, [*common, "checkpoint.every_steps=2"], tmp_path / "a")
+    saved = tmp_path / "a" / "0" / "checkpoints" / "step_00000002"
+    resume = [f"checkpoint.resume={saved}", "train.steps=3", "checkpoint.every_steps=0"]
+    reweighed = [o if not o.startswith("data.weights") else "data.weights=[1,1]" for o in common]
+    with pytest.raises(AssertionError, match=r"data.weights: checkpoint \[3.0, 1.0\], this run \[1.0, 1.0\]"):
+        _run(1, [*reweighed, *resume], tmp_path / "b")
+    paths[1].write_text(paths[1].read_text() + "9")
+    with pytest.raises(AssertionError, match="data.mixture source 1: the text file's content changed"):
+        _run(1, [*common, *resume], tmp_path / "c")
