@@ -22,7 +22,7 @@ from trainrun import compose_tree, train_each
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import mixture
 from distlib.app.data.batches import BatchPlan
-from distlib.app.data.mixture import MixedBatches, Mixture, SourceWindows
+from distlib.app.data.mixture import MixedBatches, MixedHeldOut, Mixture, SourceWindows
 from distlib.app.data.tokens import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +92,17 @@ def test_the_ranks_read_the_global_batch_whatever_the_world_size():
         assert batches[1].step_fields(step + 1) == {"mixture": [8 - from_second, from_second]}
 
 
+def test_the_held_out_windows_are_each_sources_first_by_its_weight():
+    helds = [np.arange(100), 1000 + np.arange(100), 2000 + np.arange(3)]  # the last: no window at all
+    held = MixedHeldOut(helds, 9, 10, (0.7, 0.3, 0.0))
+    firsts = [int(held.window(w)[0]) for w in range(held.num_windows)]
+    assert firsts == [0, 9, 18, 27, 36, 45, 54, 1000, 1009, 1018]  # 7 and 3 of 10; (max(1, 0): none there)
+    assert held.window(8).tolist() == list(range(1009, 1019))
+    everything = torch.cat([x for x, _ in held.batches(0, 1, 4)])
+    shared = torch.cat([x for r in range(3) for x, _ in held.batches(r, 3, 4)])
+    assert torch.equal(everything, shared) and everything[:, 0].tolist() == firsts
+
+
 # -- configuration ---------------------------------------------------------------------
 MIX = ["data=mixture", "data.mixture=[a.txt,b.txt]"]
 
@@ -104,7 +115,6 @@ MIX = ["data=mixture", "data.mixture=[a.txt,b.txt]"]
         (["data=text", "data.mixture=[a.txt]"], "data.mixture lists the sources in place of data.path="),
         (["data=mixture", "data.mixture=[]"], "data.mixture must list at least one source"),
         ([*MIX, "data.tokenizer=bpe", "data.vocab_size=300"], "data.mixture needs data.tokenizer=bytes or"),
-        ([*MIX, "data.val_fraction=0.1"], "a mixture has no held-out split yet"),
         (["data.weights=[1,2]"], "data.weights=(1.0, 2.0) has no effect with data.kind=synthetic"),
     ],
 )
@@ -152,7 +162,8 @@ def _run(world: int, overrides: list[str], run_dir: Path) -> dict:
 
 
 def test_a_mixture_trains_alike_at_every_world_size_and_resumes_elsewhere_exactly(tmp_path):
-    common = _common(_texts(tmp_path)) + ["train.steps=6", "checkpoint.verify_resume=false"]
+    held_out = ["data.val_fraction=0.1", "train.eval_every=3"]  # each source's tail
+    common = _common(_texts(tmp_path)) + ["train.steps=6", "checkpoint.verify_resume=false", *held_out]
     one = _run(1, [*common, "checkpoint.every_steps=0"], tmp_path / "one")
     two = _run(2, [*common, "checkpoint.every_steps=3"], tmp_path / "two")
     counts = [r["mixture"] for r in one["records"]]
@@ -162,12 +173,15 @@ def test_a_mixture_trains_alike_at_every_world_size_and_resumes_elsewhere_exactl
     saved = tmp_path / "two" / "0" / "checkpoints" / "step_00000003"
     moved = tmp_path / "moved"  # the sources are known by their content, not where they are
     moved.mkdir()
-    common = _common(_texts(moved)) + ["train.steps=6", "checkpoint.verify_resume=false"]
+    common = _common(_texts(moved)) + ["train.steps=6", "checkpoint.verify_resume=false", *held_out]
     again = _run(1, [*common, "checkpoint.every_steps=0", f"checkpoint.resume={saved}"], tmp_path / "again")
     assert [r["step"] for r in again["records"]] == [4, 5, 6]
     assert [r["mixture"] for r in again["records"]] == counts[3:]
     # at the exact data position: a batch off would differ by far more than 1e-5
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(again["losses"], one["losses"][3:]))
+    vals = [[r["val_loss"] for r in run["records"] if "val_loss" in r] for run in (one, two, again)]
+    assert len(vals[0]) == 2 and vals[0][1] < vals[0][0]
+    assert vals[1] == pytest.approx(vals[0], rel=1e-6) and vals[2] == pytest.approx(vals[0][1:], rel=1e-6)
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["data"]["source"]["kind"] == "mixture" and len(manifest["data"]["source"]["sources"]) == 2
 

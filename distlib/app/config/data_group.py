@@ -42,7 +42,8 @@ class DataConfig(Group):
         document a line, its data.text_field), *.parquet files (one a row, the `parquet` extra) and
         directories of them
     cache_dir: text: directory for the token file (and bpe's cached tokenizer); null = next to the source
-    val_fraction: held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none
+    val_fraction: held-out tail of the tokens for validation (train.eval_every), never trained on; 0 = none;
+        with data.mixture each source's tail, and the validation windows shared out by data.weights
     tokenizer: text: bytes (token i is byte value i, 256 tokens), bpe (a byte-level BPE of data.vocab_size
         tokens trained on the training split with Hugging Face tokenizers, the optional `hf` extra; saved in
         <run dir>/tokenizer and in every checkpoint; docs/beyond.md) or the path of an existing tokenizer (a
@@ -135,11 +136,6 @@ class DataConfig(Group):
             raise ConfigError(
                 f"data.weights has {len(self.weights)} weight(s) for the {len(self.mixture)} source(s) "
                 f"of data.mixture: give one per source"
-            )
-        if self.val_fraction > 0:
-            raise ConfigError(
-                f"data.val_fraction={self.val_fraction} with data.mixture: a mixture has no held-out "
-                f"split yet; leave data.val_fraction at 0"
             )
 
     @property

@@ -198,12 +198,15 @@ class HeldOut:
         last = (rank + 1) * self.num_windows // world_size
         out = []
         for start in range(first, last, batch_size):
-            rows = [w * self.seq_len for w in range(start, min(start + batch_size, last))]
             windows = torch.from_numpy(
-                np.stack([np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64) for r in rows])
+                np.stack([self.window(w) for w in range(start, min(start + batch_size, last))])
             )
             out.append((windows[:, :-1], windows[:, 1:]))
         return out
+
+    def window(self, w: int) -> np.ndarray:
+        """Held-out window w's seq_len + 1 tokens (a copy, int64)."""
+        return np.asarray(self.tokens[w * self.seq_len : (w + 1) * self.seq_len + 1], dtype=np.int64)
 
 
 def held_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: Comm | None, device) -> tuple:

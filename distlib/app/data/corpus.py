@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from distlib.app.data import bpe_tokens, documents, pretrained
 from distlib.app.data.batches import BatchPlan, GlobalBatches, HeldOut, make_corpus, split_heldout
-from distlib.app.data.mixture import MixedBatches, SourceWindows
+from distlib.app.data.mixture import MixedBatches, MixedHeldOut, SourceWindows
 from distlib.app.data.tokens import DataError, load_text_tokens
 from distlib.comm.group import Comm
 
@@ -91,7 +91,7 @@ def build(
     """This run's training batches and (when data.val_fraction > 0) its held-out windows.
     ``run_dir``: where rank 0 saves a BPE run's tokenizer (``<run_dir>/tokenizer``)."""
     if cfg.data.mixture is not None:
-        return _mixed(cfg, comm, plan, run_dir), None
+        return _mixed(cfg, comm, plan, run_dir)
     d, seq = cfg.data, cfg.model.seq_len
     if d.kind == "text" and d.tokenizer != "bytes":  # bpe: split at a character; else by documents
         read = pretrained.load if d.pretrained else bpe_tokens.load
@@ -110,18 +110,23 @@ def build(
     return GlobalBatches(train, seq, plan, cfg.seed, source), heldout
 
 
-def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) -> MixedBatches:
-    """data.mixture's batches: each source tokenized on its own (as data.path alone would be)."""
-    sources, identities = [], []
+def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) -> tuple:
+    """data.mixture's batches and held-out windows: each source tokenized and split on its own (as
+    data.path alone would be)."""
+    sources, helds, identities = [], [], []
     for s, one in enumerate(_each_source(cfg)):
         d, seq = one.data, one.model.seq_len
         if d.pretrained:
-            tokens, _, identity = pretrained.load(d, seq, comm, run_dir)
+            train, held, identity = pretrained.load(d, seq, comm, run_dir)
         else:
             tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)
             identity = {"kind": "text", "sha256": sha}
             _check_lengths(len(tokens), one, f"data.mixture source {d.path}")
-        sources.append(SourceWindows(tokens, seq, cfg.seed, s))
+            train, held = split_heldout(tokens, d.val_fraction)
+        sources.append(SourceWindows(train, seq, cfg.seed, s))
+        helds.append(held)
         identities.append(identity)
-    identity = {"kind": "mixture", "sources": identities}
-    return MixedBatches(sources, cfg.data.shares, plan, cfg.seed, identity)
+    d, seq = cfg.data, cfg.model.seq_len
+    batches = MixedBatches(sources, d.shares, plan, cfg.seed, {"kind": "mixture", "sources": identities})
+    heldout = MixedHeldOut(helds, seq, cfg.train.eval_windows, d.shares) if d.val_fraction > 0 else None
+    return batches, heldout

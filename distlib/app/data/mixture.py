@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distlib.app.data.batches import BatchPlan, GlobalBatches
+from distlib.app.data.batches import BatchPlan, GlobalBatches, HeldOut
 
 BLOCK = 1 << 16  # samples drawn together
 MIXTURE = 0x6D6978  # the generators' second key ("mix"), apart from the epoch permutations'
@@ -114,3 +114,22 @@ class MixedBatches(GlobalBatches):
         """``mixture``: how many of the step's global batch each source served (every rank's view)."""
         first = self.batch_index(step) * self.plan.global_batch
         return {"mixture": self.mixture.counts(first, first + self.plan.global_batch)}
+
+
+class MixedHeldOut(HeldOut):
+    """The held-out windows of a mixture: each source's first ones (``HeldOut`` of its held-out
+    tokens), as many as its share of ``train.eval_windows`` (at least one), source after source;
+    the validation loss is their mean per token, so each source weighs as it does in training."""
+
+    def __init__(self, helds: list[np.ndarray], seq_len: int, max_windows: int, shares: tuple[float, ...]):
+        # (not HeldOut.__init__: no one token array; these are every field it reads)
+        self.parts = [HeldOut(t, seq_len, max(1, round(max_windows * w))) for t, w in zip(helds, shares)]
+        self.seq_len = seq_len
+        self.num_windows = sum(p.num_windows for p in self.parts)
+
+    def window(self, w: int) -> np.ndarray:
+        for part in self.parts:
+            if w < part.num_windows:
+                return part.window(w)
+            w -= part.num_windows
+        raise IndexError(w)
