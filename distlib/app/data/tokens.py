@@ -24,6 +24,7 @@ carries the same source hash (a node that cannot see the file says so).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import os
 import struct
@@ -89,31 +90,50 @@ def _dtype_for(vocab_size: int) -> np.dtype:
 
 def write_token_file(path: Path, tokens: np.ndarray, vocab_size: int, source_sha256: str) -> None:
     """Write ``tokens`` with a header, atomically (a reader never sees half a file)."""
-    path = Path(path)
     dtype = _dtype_for(vocab_size)
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-    header = HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        vocab_size,
-        dtype.itemsize,
-        HEADER_BYTES,
-        tokens.size,
-        bytes.fromhex(source_sha256),
+    with _atomic(Path(path)) as f:
+        f.write(_header(vocab_size, tokens.size, source_sha256))
+        f.write(tokens.astype(dtype, copy=False).tobytes())
+
+
+def _header(vocab_size: int, count: int, source_sha256: str) -> bytes:
+    dtype = _dtype_for(vocab_size)
+    raw = HEADER.pack(
+        MAGIC, FORMAT_VERSION, vocab_size, dtype.itemsize, HEADER_BYTES, count, bytes.fromhex(source_sha256)
     )
+    return raw.ljust(HEADER_BYTES, b"\0")
+
+
+@contextlib.contextmanager
+def _atomic(path: Path):
+    """A file opened for writing that becomes ``path`` (synced, renamed) only if the block ends
+    without an error; a failure leaves no trace."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(header.ljust(HEADER_BYTES, b"\0"))
-            f.write(tokens.astype(dtype, copy=False).tobytes())
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _copy_byte_tokens(source: Path, target: Path, sha: str, count: int) -> None:
+    """The byte-level token file of ``source``: its bytes behind a header, copied a block at a time
+    (memory of one block, not of the text), checked against the sha256 the run hashed first."""
+    digest = hashlib.sha256()
+    with _atomic(target) as out, open(source, "rb") as f:
+        out.write(_header(BYTE_VOCAB, count, sha))
+        for block in iter(lambda: f.read(_READ_BLOCK), b""):
+            digest.update(block)
+            out.write(block)
+        if digest.hexdigest() != sha or out.tell() != HEADER_BYTES + count:
+            raise DataError(f"data.path {source} changed while it was being tokenized; run again")
 
 
 def read_start(path: Path, n: int) -> tuple[bytes, int]:
@@ -196,10 +216,7 @@ def ensure_token_file(source: Path, cache_dir: str | None = None) -> tuple[Path,
     except DataError:
         pass  # missing, foreign or damaged: rebuild it
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokens = np.fromfile(source, dtype=np.uint8)
-    if hashlib.sha256(tokens.tobytes()).hexdigest() != sha:
-        raise DataError(f"data.path {source} changed while it was being tokenized; run again")
-    write_token_file(target, tokens, BYTE_VOCAB, sha)
+    _copy_byte_tokens(source, target, sha, count)
     return target, sha, True
 
 
