@@ -123,7 +123,8 @@ class Trainer:
             self.program = PipelineStep(cfg, mesh, model, chunks, self.device)
         else:
             self.program = LocalStep(model, cfg.train.grad_accum, self.device)
-        # mixtral over micro-batches or stages: each step's routing is counted before its forwards
+        # mixtral over micro-batches or stages: each step's routing is counted before its forwards;
+        # with model.balance=bias the step's own forwards count and the biases move after the update
         # (otherwise a counter that counts nothing)
         self.routing = RoutingCount.for_run(cfg, model, mesh, self.program, self.device)
         hooks.check_model(names)  # (every parameter of the stage: another rank's expert too)
@@ -257,7 +258,9 @@ class Trainer:
             val_loss=val_loss,
             rows=rows,
             # mixtral: its MoE; a data.mixture: the samples per source
-            model_fields=self.model.step_fields(self.cfg.train.grad_accum) | self.data.step_fields(step),
+            model_fields=self.model.step_fields(self.cfg.train.grad_accum)
+            | self.routing.fields()
+            | self.data.step_fields(step),
         )
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         if self.replicas.due(step):
@@ -283,6 +286,7 @@ class Trainer:
         opt = self.optimizer
         opt.apply_update(lr)
         opt.zero_grad()
+        self.routing.update()  # model.balance=bias: the experts' biases move
         self.hooks.after_update(step, opt.param_parts())
         return lr
 

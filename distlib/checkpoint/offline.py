@@ -56,7 +56,8 @@ def check_new_output(out: Path | str) -> None:
 
 
 def consolidate(path: Path, out: Path, with_optimizer: bool = False) -> list[Path]:
-    """Write ``out/model.safetensors`` (full fp32 weights named as in ``MiniGPT.state_dict()``), if
+    """Write ``out/model.safetensors`` (full fp32 weights named as in ``MiniGPT.state_dict()``, and
+    the model state besides them: the expert biases of ``model.balance=bias``, by name), if
     asked ``out/optimizer.safetensors`` (exp_avg.NAME / exp_avg_sq.NAME), and the checkpoint's extra
     files at their own paths (``out/tokenizer/...``: what the weights need to be used). Verifies first."""
     path, out = Path(path), Path(out)
@@ -70,7 +71,8 @@ def consolidate(path: Path, out: Path, with_optimizer: bool = False) -> list[Pat
     header = {"step": str(manifest["step"]), "model": json.dumps(manifest["model"]), "source": str(path)}
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "model.safetensors"]
-    safetensors.torch.save_file(_by_parameter(state["master"], layout), str(written[0]), metadata=header)
+    weights = _by_parameter(state["master"], layout) | relayout.state_buffers(path, manifest)  # (and biases)
+    safetensors.torch.save_file(weights, str(written[0]), metadata=header)
     if with_optimizer:
         tensors = {
             **_by_parameter(state["exp_avg"], layout, "exp_avg."),
@@ -102,11 +104,14 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
     checkpoint.begin(out)
     partial = checkpoint.partial_dir(out)
     files = []
+    # the model state besides the parameters: replicated, so in the first file (and named there)
+    buffers = {relayout.STATE_BUFFER + n: t for n, t in relayout.state_buffers(path, manifest).items()}
     for rank in range(world_size):
         place = Place(layout, rank, world_size)
         tensors = relayout.read_partition(path, manifest, place)
         rank_state, rng = relayout.rank_state(path, manifest, place)
-        files.append(checkpoint.write_shard(partial, rank, {**tensors, **(rng or {})}, rank_state))
+        kept = buffers if rank == 0 else {}
+        files.append(checkpoint.write_shard(partial, rank, {**tensors, **(rng or {}), **kept}, rank_state))
     _copy_extras(path, manifest, partial)  # the same bytes: the entries carry over as they are
     new = {k: v for k, v in manifest.items() if k not in ("tp_layouts", "pp_layouts", "pp", "group_holdings")}
     new.update(
@@ -118,5 +123,7 @@ def reshard_checkpoint(path: Path, out: Path, world_size: int) -> Path:
         files=files,
         resharded_from={"path": str(path), "world_size": int(manifest["world_size"])},
     )
+    if "state_buffers" in manifest:
+        new["state_buffers"] = {n: 0 for n in manifest["state_buffers"]}
     checkpoint.commit(partial, out, new)
     return out

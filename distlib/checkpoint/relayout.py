@@ -232,6 +232,28 @@ def load(path: Path, manifest: dict, places: dict[str, Place]):
     return state, *rank_state(path, manifest, next(iter(places.values())))
 
 
+STATE_BUFFER = "buffer."  # a model state buffer's key in a shard (manifest ``state_buffers``)
+
+
+def state_buffers(path: Path, manifest: dict, names=None) -> dict[str, torch.Tensor]:
+    """The model state besides the parameters (the application's expert biases) of a verified
+    checkpoint: each of ``names`` (default: all) read from the file the manifest's
+    ``state_buffers`` names for it; {} for a checkpoint without any."""
+    where = manifest.get("state_buffers") or {}
+    names = list(where) if names is None else list(names)
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has no state for {missing[0]} (of {len(missing)} missing)")
+    by_file: dict[int, list[str]] = {}
+    for n in names:
+        by_file.setdefault(int(where[n]), []).append(n)
+    out = {}
+    for file, held in sorted(by_file.items()):
+        with open_shard(Path(path), file) as f:
+            out |= {n: f.get_tensor(STATE_BUFFER + n) for n in held}
+    return out
+
+
 def full_tensors(path: Path, manifest: dict, key: str = "master") -> dict[str, torch.Tensor]:
     """Every parameter of the whole model, fp32, named as the model names it, from the ``key``
     vector (one of STATE_KEYS: the weights, or an Adam moment) of a verified checkpoint."""

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from distlib.app.checkpointing import init_from
+from distlib.app.checkpointing import state_buffers as buffers
 from distlib.app.checkpointing.async_saver import (
     AsyncSaveFailed,
     AsyncSaver,
@@ -44,6 +45,7 @@ from distlib.app.checkpointing.resume_check import Kept, ResumeCheck, ResumeVeri
 from distlib.app.checkpointing.retention import Retention
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
+from distlib.app.model.bias_balance import state_buffers
 from distlib.app.runtime.hooks import StepHooks
 from distlib.app.unattended.rollback import RollbackPoint, RollbackSource
 from distlib.app.unattended.stopping import CheckpointClock, Decision
@@ -79,7 +81,10 @@ class Checkpointer(RollbackSource):
         self.cfg, self.comm, self.hooks, self.clock = cfg, comm, hooks, clock
         self.model, self.optimizer, self.data = state.model, state.optimizer, state.data
         self.root = Path(run_dir) / c.dir
-        self.contents = Contents(cfg, mesh, state.data, state.optimizer, state.tp_splits, run_dir)
+        self.buffers = state_buffers(state.model)  # model state besides the parameters
+        self.contents = Contents(
+            cfg, mesh, state.data, state.optimizer, state.tp_splits, run_dir, self.buffers
+        )
         self.loader = Loader(cfg, comm, mesh, state.data, self.root, self.say, state.tp_splits)
         self.retention = Retention(c.keep_last, cfg.guard.enabled, self.root, comm)
         self.verifier = ResumeVerifier(
@@ -254,6 +259,7 @@ class Checkpointer(RollbackSource):
             return
         tensors, rank_state = point.state
         self.optimizer.load_state_shard(tensors, rank_state["optimizer_steps"])
+        buffers.restore(tensors, self.buffers)
         rng_state.restore_rng(tensors, rank_state["rng"])
         rng_state.restore_device_rng(tensors, self.optimizer.device)
         self.data.skipped = rank_state.get("skipped_batches", 0)

@@ -15,10 +15,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
+from distlib.app.checkpointing import state_buffers
 from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.app.data.bpe import TOKENIZER_FILES
+from distlib.app.model.bias_balance import state_names
 from distlib.app.model.pipeline import stage_layouts
 from distlib.checkpoint import rng_state
 from distlib.checkpoint.staging import StagingBuffers
@@ -38,9 +42,14 @@ class Contents:
         optimizer: ZeroOptimizer,
         tp_splits: dict[str, Split],
         run_dir: Path | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ):
         self.cfg, self.mesh, self.data, self.optimizer, self.tp_splits = cfg, mesh, data, optimizer, tp_splits
         self.run_dir = run_dir
+        # model state besides the parameters (model.balance=bias), and which file keeps each
+        self.buffers = buffers or {}
+        names = state_names(cfg.model)
+        self.buffer_files = state_buffers.holders(self.buffers, names, mesh.world) if names else {}
         held = optimizer.partitions()
         self.layout = held[0].layout  # the first parameter group's: the manifest's "layout"
         self.pp_meta = stage_layouts(mesh, self.layout, tp_splits)  # (collective; {} at dist.pp=1)
@@ -66,7 +75,7 @@ class Contents:
         }
         if skipped:
             rank_state["skipped_batches"] = skipped
-        return {**shard, **rng_tensors}, rank_state
+        return {**shard, **rng_tensors, **state_buffers.captured(self.buffers)}, rank_state
 
     def meta(self, step: int) -> dict:
         """The manifest's run-wide part for a save after ``step``."""
@@ -81,6 +90,8 @@ class Contents:
         }
         if self.data.skipped:  # guard.skip_batches: part of the data position (docs/unattended.md)
             meta["skipped_batches"] = self.data.skipped
+        if self.buffer_files:
+            meta["state_buffers"] = self.buffer_files
         return meta
 
     def extras(self) -> dict[str, Path]:

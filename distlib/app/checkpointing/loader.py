@@ -15,11 +15,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from distlib.app.checkpointing import state_buffers as buffers
 from distlib.app.checkpointing.fit_check import check_fits
 from distlib.app.checkpointing.manifest_config import NO_RESUME, manifest_config
 from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
+from distlib.app.model.bias_balance import state_buffers, state_names
 from distlib.checkpoint import relayout, rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
@@ -117,6 +119,11 @@ class Loader:
             lambda: relayout.load(path, manifest, places), self.comm, checkpoint.CheckpointError
         )
         optimizer.load_state_shard(state, rank_state["optimizer_steps"])
+        found = agree.agreed(
+            lambda: buffers.load(path, manifest, state_buffers(model)), self.comm, checkpoint.CheckpointError
+        )
+        if not found and state_names(self.cfg.model):
+            self.say(f"{path} holds no expert biases (saved with model.balance=aux): they start at zero")
         if rng is not None:
             rng_state.restore_rng(rng, rank_state["rng"])
             rng_state.restore_device_rng(rng, optimizer.device)

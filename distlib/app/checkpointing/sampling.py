@@ -22,6 +22,7 @@ from distlib.app.checkpointing.manifest_config import manifest_config
 from distlib.app.config.groups import ModelConfig
 from distlib.app.config.schema import ConfigError
 from distlib.app.model import families
+from distlib.app.model.bias_balance import state_buffers
 from distlib.app.model.layers import CausalLM
 from distlib.checkpoint import relayout
 from distlib.checkpoint import sharded as checkpoint
@@ -39,6 +40,9 @@ def model_from_verified(path: Path, manifest: dict) -> CausalLM:
     """The model a verified checkpoint (``manifest``: what ``sharded.verify`` returned) holds."""
     model = families.build(manifest_config(manifest, path)[0], 0)
     _load_exactly(model, relayout.full_tensors(path, manifest), path)
+    buffers = state_buffers(model)  # model.balance=bias: the experts' biases choose the experts
+    for name, t in relayout.state_buffers(path, manifest, buffers).items():
+        buffers[name].copy_(t)
     return model
 
 
@@ -72,7 +76,13 @@ def model_from_safetensors(path: Path, n_heads: int | None = None) -> CausalLM:
     else:
         cfg = _infer_config(state, n_heads, path)
     model = families.build(cfg, 0)
-    _load_exactly(model, {k: v.float() for k, v in state.items()}, path)
+    buffers = state_buffers(model)  # model.balance=bias: the experts' biases, beside the weights
+    missing = sorted(set(buffers) - set(state))
+    if missing:
+        raise SampleError(f"{path} has no {missing[0]} for its model.balance=bias model")
+    _load_exactly(model, {k: v.float() for k, v in state.items() if k not in buffers}, path)
+    for name, t in buffers.items():
+        t.copy_(state[name])
     return model
 
 

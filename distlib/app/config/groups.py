@@ -22,7 +22,8 @@ SCHEDULES = ("constant", "cosine", "wsd")
 # model.family; app/model/families.py builds each
 FAMILIES = ("minigpt", "gpt2", "llama", "qwen3", "mixtral", "qwen3_moe")
 # mixtral's sparse MoE (model/moe.py)
-MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef", "capacity_factor", "norm_topk_prob")
+MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef", "capacity_factor", "norm_topk_prob", "balance")
+MOE_KEYS += ("bias_update_speed",)
 # The keys a family does not use, each with what it is to stay at (the default); docs/models.md.
 NOT_USED_BY = {
     "minigpt": ("mlp_hidden", "n_kv_heads", "head_dim", "tie_embeddings", "norm_eps", "rope_theta")
@@ -73,6 +74,13 @@ class ModelConfig(Group):
         transformers); a number: each expert takes at most ceil(capacity_factor x seq_len x top_k /
         n_experts) of one sequence's assignments (first choices first, in token order) and drops the
         rest (GShard); the dropped count per block is logged as dropped_tokens
+    balance: mixtral/qwen3_moe: how the experts' load is balanced: aux (the load-balancing loss of the
+        whole step, model.router_aux_loss_coef) or bias (DeepSeek-V3's auxiliary-loss-free rule: a
+        per-expert bias added to the router probabilities to choose the experts, not to weigh them,
+        moved after each step by model.bias_update_speed towards the mean load, from the step's counts
+        over the whole batch; no loss term, no counting forward; the biases are checkpointed state)
+    bias_update_speed: mixtral/qwen3_moe with model.balance=bias: how far each step moves an expert's
+        bias (up if it got fewer tokens than the mean, down if more; DeepSeek-V3's gamma)
     norm_topk_prob: qwen3_moe: renormalise a token's top_k router probabilities to sum to 1
         (transformers' norm_topk_prob; mixtral always does); false: the probabilities themselves
     dropout: dropout probability; every mask is a function of (seed, global sample, block, site), so
@@ -108,6 +116,8 @@ class ModelConfig(Group):
     top_k: int = key(2, ge=1)
     router_aux_loss_coef: float = key(0.001, ge=0)
     capacity_factor: float | None = key(None, gt=0)
+    balance: str = key("aux", choices=("aux", "bias"))
+    bias_update_speed: float = key(0.001, gt=0)
 
     def check(self) -> None:
         if self.head_dim is None and self.dim % self.n_heads:
@@ -132,6 +142,16 @@ class ModelConfig(Group):
             raise ConfigError(
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads} "
                 f"(each key/value head serves n_heads / n_kv_heads query heads)"
+            )
+        if self.balance == "aux" and self.bias_update_speed != defaults["bias_update_speed"]:
+            raise ConfigError(
+                f"model.bias_update_speed={self.bias_update_speed} moves the biases of model.balance=bias; "
+                f"set model.balance=bias or leave it out"
+            )
+        if self.balance == "bias" and self.capacity_factor is not None:
+            raise ConfigError(
+                f"model.capacity_factor={self.capacity_factor} with model.balance=bias: the bias rule "
+                f"balances a dropless router (DeepSeek-V3's); leave model.capacity_factor null"
             )
         if self.top_k > self.n_experts:
             raise ConfigError(

@@ -56,6 +56,11 @@ def export_refusal(cfg: ModelConfig) -> str | None:
             "(erf) GELU and its scores are divided by sqrt(head_dim); GPT-2's head has no bias, uses the "
             "tanh approximation and multiplies by head_dim**-0.5; train model.family=gpt2 to export"
         )
+    if cfg.has_experts and cfg.balance == "bias":
+        return (
+            f"model.balance=bias chooses the experts with biases that transformers' {cfg.family} router "
+            f"does not have: the exported model would send tokens to other experts"
+        )
     return None
 
 

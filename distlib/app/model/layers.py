@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from distlib.app.model import recompute
 from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.app.observe import activations
 from distlib.parallel.dropout import Draws, dropout
@@ -68,7 +69,9 @@ class PreNormBlock(nn.Module):
             # again (ZeRO-3's forward hook frees the parameters; its hook on the block's output has
             # gathered them before this runs).
             activations.keep(x)
-            return checkpoint(self._forward, x, positions, draws, use_reentrant=False)
+            return checkpoint(
+                self._forward, x, positions, draws, use_reentrant=False, context_fn=recompute.contexts
+            )
         return self._forward(x, positions, draws)
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, draws: Draws | None) -> torch.Tensor:

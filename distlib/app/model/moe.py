@@ -58,6 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlib.app.config.groups import ModelConfig
+from distlib.app.model.recompute import is_recomputing
 from distlib.comm import collectives
 from distlib.comm.group import Comm
 from distlib.parallel import expert_parallel
@@ -117,12 +118,22 @@ class MoE(nn.Module):
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
         self.step_balance: StepBalance | None = None  # the step's counts, when counted first
         self.tally: list | None = None  # while they are counted: (rows, counts, prob sums, dropped)
+        # model.balance=bias: the experts' selection biases (state a checkpoint keeps, not trained)
+        # and this step's training assignments per expert (``bias_balance``)
+        biased = cfg.balance == "bias"
+        self.register_buffer("score_bias", torch.zeros(cfg.n_experts) if biased else None, persistent=False)
+        counts = torch.zeros(cfg.n_experts, dtype=torch.int64) if biased else None
+        self.register_buffer("step_counts", counts, persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids (tokens, k) int64, routing weights (tokens, k) float32, router probabilities
         (tokens, n_experts) float32) of x (tokens, dim)."""
         probs = F.softmax(self.gate(x).float(), dim=-1)  # float32 whatever the dtype, as transformers
-        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.score_bias is None:
+            top, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:  # the bias chooses the experts; the probabilities alone weigh them (DeepSeek-V3)
+            ids = torch.topk(probs + self.score_bias, self.top_k, dim=-1).indices
+            top = probs.gather(-1, ids)
         weights = top / top.sum(dim=-1, keepdim=True) if self.norm_topk else top
         return ids, weights, probs
 
@@ -152,6 +163,8 @@ class MoE(nn.Module):
             counts = F.one_hot(ids, self.n_experts + 1).sum(dim=(0, 1))[: self.n_experts]
         if self.tally is not None:
             self.tally.append((flat.shape[0], self.last_counts, probs.sum(dim=0), self.last_dropped))
+        if self.score_bias is not None and self.training and torch.is_grad_enabled() and not is_recomputing():
+            self.step_counts += self.last_counts
         out = torch.zeros_like(flat)
         self.placement.run(self, flat, ids, counts, weights, out)
         if self.step_balance is not None and torch.is_grad_enabled():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from distlib.app.model import moe
+from distlib.app.model.bias_balance import BiasBalance
 from distlib.app.model.families import moe_blocks
 from distlib.app.model.layers import CausalLM
 from distlib.comm import collectives
@@ -35,11 +36,20 @@ class RoutingCount:
 
     @classmethod
     def for_run(cls, cfg, model: CausalLM, mesh: Mesh, program, device: torch.device):
-        """The counter a run's steps need (``cfg`` a ``RunConfig``): a Mixtral over several
-        micro-batches or pipeline stages counts; every other run gets ``NOTHING_TO_COUNT``."""
+        """The counter a run's steps need (``cfg`` a ``RunConfig``): with ``model.balance=bias`` the
+        biases' (``bias_balance``: the step's own forwards count); a Mixtral balanced by the loss over
+        several micro-batches or pipeline stages counts first; every other run gets ``NOTHING_TO_COUNT``."""
+        if cfg.model.has_experts and cfg.model.balance == "bias":
+            return BiasBalance(model, mesh, cfg.model.bias_update_speed)
         if cfg.model.has_experts and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1):
             return cls(model, mesh, program, cfg.train.grad_accum, device)
         return NOTHING_TO_COUNT
+
+    def update(self) -> None:
+        """After the step's update: nothing (the loss did the balancing)."""
+
+    def fields(self) -> dict:
+        return {}  # (the model's routing log holds the step's record)
 
     def count(self, batches: list) -> None:
         """Count the routing of the step's ``batches`` ((inputs, targets, positions, draws) each) and set
@@ -99,6 +109,12 @@ class NothingToCount:
 
     def count(self, batches: list) -> None:
         pass
+
+    def update(self) -> None:
+        pass
+
+    def fields(self) -> dict:
+        return {}
 
 
 NOTHING_TO_COUNT = NothingToCount()
