@@ -24,18 +24,28 @@ seed 0 on every rank; 4 sequences of 64 tokens per rank and step.
   over 8 experts in 4 blocks of 2 (skewed: the router favours low expert ids), counts known, our
   ``direct`` and ``pairwise`` against ``all_to_all_single``; ratio = torch ms / ours.
 
+* **balance** (one rank, the real trainer, ``model=mixtral_tiny train.grad_accum=4``): the
+  trainer's own step time (``step_time_s``, median over the timed steps of two rounds, variants
+  alternated) with ``model.balance=aux`` (the whole step's load-balancing loss: one forward without
+  gradients counts the step's routing first) against ``bias`` (no loss, no counting forward:
+  distlib/app/model/bias_balance.py); ``aux_over_bias`` = aux ms / bias ms, the counting forward's
+  cost; the last step's loss of each.
+
 JSON: benchmarks/results/experts.json (--out).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -153,6 +163,30 @@ def _routed_all_to_all(comm) -> list[dict]:
     return [{"bytes": rows.numel() * 4, "send": send, "recv": recv, **times}]
 
 
+def balance_steps(comm, steps: int) -> dict:
+    """The trainer's step times (s) and last loss at model.balance=aux and bias, two rounds each."""
+    from trainrun import compose_tree
+
+    from distlib.app.config.run import RunConfig
+    from distlib.app.trainer import Trainer
+
+    base = ["model=mixtral_tiny", "train.grad_accum=4", "dist.world_size=1", f"train.steps={steps + 2}"]
+    base += ["checkpoint.every_steps=0", "checkpoint.verify_resume=false", "metrics.progress_every=0"]
+    out = {"aux": [], "bias": []}
+    losses = {}
+    for _ in range(2):
+        for name in out:
+            tree = compose_tree([*base, f"model.balance={name}"])
+            with tempfile.TemporaryDirectory() as run_dir, open(os.devnull, "w") as quiet:
+                with contextlib.redirect_stdout(quiet):
+                    Trainer(RunConfig.from_dict(tree), comm, Path(run_dir)).run()
+                records = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+            timed = [r for r in records if r["type"] == "step"][2:]  # two warm-up steps
+            out[name] += [r["step_time_s"] for r in timed]
+            losses[name] = timed[-1]["loss"]
+    return {"seconds": out, "losses": losses}
+
+
 def _slowest(per_rank: list[list[float]]) -> float:
     return statistics.median(max(ts) * 1e3 for ts in zip(*per_rank))
 
@@ -203,12 +237,19 @@ def main() -> None:
                 ratio_pairwise=cell["torch"] / cell["pairwise"],
             )
         )
+    counted = run_ranks(balance_steps, 1, steps, timeout_s=600)[0]
+    aux_ms, bias_ms = (statistics.median(counted["seconds"][k]) * 1e3 for k in ("aux", "bias"))
+    balance = dict(aux_ms=aux_ms, bias_ms=bias_ms, aux_over_bias=aux_ms / bias_ms, losses=counted["losses"])
     _print(compare, layouts, a2a)
+    print("\nbalance, one rank, mixtral_tiny, train.grad_accum=4: the trainer's step ms (median)")
+    print(f"{'aux':>9}{'bias':>9}{'aux/bias':>10}")
+    print(f"{aux_ms:>9.1f}{bias_ms:>9.1f}{balance['aux_over_bias']:>10.2f}")
     load_after = os.getloadavg()[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     record = dict(quick=args.quick, torch=torch.__version__, cores=os.cpu_count())
     record.update(loadavg_1min=[load_before, load_after], moe=vars_of(MOE), dense=vars_of(DENSE))
     record.update(batch_per_rank=BATCH, steps=steps, moe_vs_dense=compare, layouts=layouts, all_to_all=a2a)
+    record.update(balance=balance)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(f"1-min load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores")

@@ -117,6 +117,10 @@ def _check_experts(d, tmp_path):
         assert _times(a["direct_ms"], a["pairwise_ms"], a["torch_ms"]) and len(a["send_rank0"]) == 4
         assert a["ratio_direct"] == pytest.approx(a["torch_ms"] / a["direct_ms"])
         assert a["bytes_rank0"] == sum(a["send_rank0"]) * moe["dim"] * 4
+    b = d["balance"]
+    assert _times(b["aux_ms"], b["bias_ms"])
+    assert b["aux_over_bias"] == pytest.approx(b["aux_ms"] / b["bias_ms"])
+    assert sorted(b["losses"]) == ["aux", "bias"] and all(0 < v < 10 for v in b["losses"].values())
 
 
 def _check_context(d, tmp_path):
