@@ -101,6 +101,10 @@ def test_the_held_out_windows_are_each_sources_first_by_its_weight():
     everything = torch.cat([x for x, _ in held.batches(0, 1, 4)])
     shared = torch.cat([x for r in range(3) for x, _ in held.batches(r, 3, 4)])
     assert torch.equal(everything, shared) and everything[:, 0].tolist() == firsts
+    for world in (1, 3, 11):  # (11 ranks: some hold no window)
+        for rank in range(world):
+            for source, x, _ in held.sourced_batches(rank, world, 4):  # a batch holds one source's
+                assert {int(t) // 1000 for t in x[:, 0]} == {source}
 
 
 # -- configuration ---------------------------------------------------------------------
@@ -182,6 +186,10 @@ def test_a_mixture_trains_alike_at_every_world_size_and_resumes_elsewhere_exactl
     vals = [[r["val_loss"] for r in run["records"] if "val_loss" in r] for run in (one, two, again)]
     assert len(vals[0]) == 2 and vals[0][1] < vals[0][0]
     assert vals[1] == pytest.approx(vals[0], rel=1e-6) and vals[2] == pytest.approx(vals[0][1:], rel=1e-6)
+    each = [[r["val_loss_by_source"] for r in run["records"] if "val_loss" in r] for run in (one, two)]
+    assert each[1] == [pytest.approx(v, rel=1e-6) for v in each[0]]
+    assert all(min(v) < total < max(v) for v, total in zip(each[0], vals[0]))  # their token mean
+    assert not any("val_loss_by_source" in r for r in one["records"] if "val_loss" not in r)
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["data"]["source"]["kind"] == "mixture" and len(manifest["data"]["source"]["sources"]) == 2
 

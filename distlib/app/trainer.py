@@ -257,10 +257,11 @@ class Trainer:
             memory=memory,
             val_loss=val_loss,
             rows=rows,
-            # mixtral: its MoE; a data.mixture: the samples per source
+            # mixtral: its MoE; a data.mixture: the samples per source (and validation per source)
             model_fields=self.model.step_fields(self.cfg.train.grad_accum)
             | self.routing.fields()
-            | self.data.step_fields(step),
+            | self.data.step_fields(step)
+            | self.validation.fields(),
         )
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         if self.replicas.due(step):

@@ -194,15 +194,29 @@ class HeldOut:
         self.num_windows = min(max(0, (len(tokens) - 1) // seq_len), max_windows)
 
     def batches(self, rank: int, world_size: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(x, y) for _, x, y in self.sourced_batches(rank, world_size, batch_size)]
+
+    def sourced_batches(self, rank: int, world_size: int, batch_size: int) -> list[tuple]:
+        """``batches`` as (source, inputs, targets), no batch across two sources (``spans``)."""
         first = rank * self.num_windows // world_size
         last = (rank + 1) * self.num_windows // world_size
         out = []
-        for start in range(first, last, batch_size):
-            windows = torch.from_numpy(
-                np.stack([self.window(w) for w in range(start, min(start + batch_size, last))])
-            )
-            out.append((windows[:, :-1], windows[:, 1:]))
+        for source, lo, hi in self.spans(first, last):
+            for start in range(lo, hi, batch_size):
+                windows = torch.from_numpy(
+                    np.stack([self.window(w) for w in range(start, min(start + batch_size, hi))])
+                )
+                out.append((source, windows[:, :-1], windows[:, 1:]))
         return out
+
+    def spans(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        """(source, start, stop) of the windows [first, last), cut where the source changes (one
+        source here)."""
+        return [(0, first, last)] if last > first else []
+
+    @property
+    def sources(self) -> int:
+        return 1
 
     def window(self, w: int) -> np.ndarray:
         """Held-out window w's seq_len + 1 tokens (a copy, int64)."""

@@ -127,6 +127,19 @@ class MixedHeldOut(HeldOut):
         self.seq_len = seq_len
         self.num_windows = sum(p.num_windows for p in self.parts)
 
+    @property
+    def sources(self) -> int:
+        return len(self.parts)
+
+    def spans(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        out, at = [], 0
+        for s, part in enumerate(self.parts):
+            lo, hi = max(first, at), min(last, at + part.num_windows)
+            if lo < hi:
+                out.append((s, lo, hi))
+            at += part.num_windows
+        return out
+
     def window(self, w: int) -> np.ndarray:
         for part in self.parts:
             if w < part.num_windows:
