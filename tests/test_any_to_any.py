@@ -14,7 +14,7 @@ position and state, or its first step would differ by far more (a data position 
 run goes on from them, at the fewest steps (issue 42).
 
 And the whole 12 x 12 matrix: every layout loads every layout's checkpoint through the trainer's
-loader and then holds exactly the source's state cut for each of its ranks (loading only: 15 s for
+loader and then holds exactly the source's state cut for each of its ranks (loading only: 14-21 s for
 the 144 pairs, where resuming each and training a step would take minutes). That the bytes move
 exactly between 17 x 17 layouts of the checkpoint format itself is tests/test_relayout.py's."""
 
