@@ -203,7 +203,6 @@ def _transformers_runs_the_export(ckpt: str, weights: dict, manifest: dict, tmp_
 # run is 6% from its fp32 run by step 20, ep 4's 9.5%).
 BF16_REL = 0.01
 MORE = [
-    ["dist.ep=1", "train.grad_accum=2", "train.steps=10"],
     ["dist.ep=2", "train.grad_accum=2", "train.steps=10"],
     ["dist.ep=4", "train.dtype=bf16", "zero=stage3", "train.steps=10"],
 ]
@@ -211,17 +210,18 @@ MORE = [
 
 @pytest.mark.slow
 def test_accumulation_and_bf16_under_expert_parallelism(runs, tmp_path):
-    accum_ref, accum, bf16 = run_ranks(
+    accum, bf16 = run_ranks(
         train_each,
         4,
         [compose_tree([*BASE, *layout, "dist.world_size=4"]) for layout in MORE],
         str(tmp_path),
         timeout_s=600,
     )[0]
-    worst = max(abs(a - b) / b for a, b in zip(accum["losses"], accum_ref["losses"]))
-    assert worst <= REL, f"ep 2 with accumulation: {worst:.2e} from ep 1's"
+    reference = runs[1][0]  # one rank, one micro-batch: the session's 20 steps (the first 10 here)
+    worst = max(abs(a - b) / b for a, b in zip(accum["losses"], reference["losses"]))
+    assert len(accum["losses"]) == 10 and worst <= REL, f"ep 2 with accumulation: {worst:.2e} from one rank's"
     assert [r["expert_tokens"] for r in accum["records"]] == [
-        r["expert_tokens"] for r in accum_ref["records"]
+        r["expert_tokens"] for r in reference["records"][:10]
     ]
     first, fp32 = bf16["losses"][0], runs[1][0]["losses"][0]
     assert 0 < abs(first - fp32) / fp32 <= BF16_REL, (first, fp32)
