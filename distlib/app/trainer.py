@@ -187,20 +187,8 @@ class Trainer:
         return result
 
     def _log_start(self, start: int, resume_path: Path | None) -> None:
-        cfg, comm = self.cfg, self.comm
-        attempt = launcher_env.attempt()
-        if resume_path is not None or attempt:
-            self.log.event(
-                "restart",
-                start,
-                say=f"resumed from {resume_path} (launcher attempt {attempt})",
-                checkpoint=str(resume_path) if resume_path else None,
-                attempt=attempt,
-                world_size=comm.size,
-                steps=cfg.train.steps,
-            )
-        else:
-            self.log.event("run_start", start, world_size=comm.size, steps=cfg.train.steps)
+        cfg = self.cfg
+        self.log.start_event(start, resume_path, launcher_env.attempt(), self.comm.size, cfg.train.steps)
         self.log.peak_event(start, self.peak_source)
         if cfg.guard.check_sync_every and not self.replicas.possible:
             self.checkpointer.say(f"guard.check_sync_every: {self.replicas.why_not}, so it does not run")

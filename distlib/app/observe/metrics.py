@@ -115,6 +115,22 @@ class MetricsLog:
         f.write(json.dumps(record) + "\n")
         f.flush()
 
+    def start_event(self, start: int, resume_path: Path | None, attempt: int, world_size: int, steps: int):
+        """The run's first event: ``run_start``, or ``restart`` when it resumed a checkpoint or the
+        launcher started it again (``attempt``)."""
+        if resume_path is None and not attempt:
+            self.event("run_start", start, world_size=world_size, steps=steps)
+            return
+        self.event(
+            "restart",
+            start,
+            say=f"resumed from {resume_path} (launcher attempt {attempt})",
+            checkpoint=str(resume_path) if resume_path else None,
+            attempt=attempt,
+            world_size=world_size,
+            steps=steps,
+        )
+
     def peak_event(self, step: int, source: str) -> None:
         """Which peak MFU is measured against, and where it came from (throughput.job_peak)."""
         say = f"MFU's peak {self.peak_flops:.3g} FLOP/s for the job ({source})"
