@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from distlib.app.config.data_group import BPE_MIN_VOCAB, BYTE_VOCAB, TOKENIZER_JSON, tokenizer_json
-from distlib.app.data.tokens import DataError
+from distlib.app.data.tokens import DataError, atomic_file
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS,)
@@ -154,16 +154,8 @@ def load_tokenizer(path: str | Path) -> BpeTokenizer:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """``data`` into ``path`` through a temp file and a rename: a reader sees old or new, whole."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(Path(path)) as f:
+        f.write(data)
 
 
 def save_tokenizer_dir(tokenizer: BpeTokenizer, out_dir: str | Path) -> Path:

@@ -5,8 +5,9 @@ from source s(k), drawn with probability ``data.weights`` from the seed and k al
 drawn in blocks of BLOCK, block b from its own generator (seed, MIXTURE, b), each sample a uniform
 number placed among the weights' cumulative sums. Its number within the source, j(k), is how many
 earlier samples drew the same source (the blocks' counts are kept as they are first drawn, so
-finding sample k after a resume at step t draws the t G / BLOCK blocks before it once: 0.2 ms a
-block). Source s then serves its j-th sample as a run of one source would its global sample j
+finding sample k after a resume at step t draws the t G / BLOCK blocks before it once: 1 ms a
+block, measured on 2 cores, so 0.2 s for a resume 13M samples in). Source s then serves its j-th
+sample as a run of one source would its global sample j
 (a seeded permutation of its windows per epoch, ``SourceWindows``). Nothing depends on the world
 size, the rank or what was read before, so every layout reads the same samples and a resume
 continues exactly; the position is the next global sample, as without a mixture.

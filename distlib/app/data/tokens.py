@@ -94,7 +94,7 @@ def write_token_file(path: Path, tokens: np.ndarray, vocab_size: int, source_sha
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-    with _atomic(Path(path)) as f:
+    with atomic_file(Path(path)) as f:
         f.write(_header(vocab_size, tokens.size, source_sha256))
         f.write(tokens.astype(dtype, copy=False).tobytes())
 
@@ -108,7 +108,7 @@ def _header(vocab_size: int, count: int, source_sha256: str) -> bytes:
 
 
 @contextlib.contextmanager
-def _atomic(path: Path):
+def atomic_file(path: Path):
     """A file opened for writing that becomes ``path`` (synced, renamed) only if the block ends
     without an error; a failure leaves no trace."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -127,7 +127,7 @@ def _copy_byte_tokens(source: Path, target: Path, sha: str, count: int) -> None:
     """The byte-level token file of ``source``: its bytes behind a header, copied a block at a time
     (memory of one block, not of the text), checked against the sha256 the run hashed first."""
     digest = hashlib.sha256()
-    with _atomic(target) as out, open(source, "rb") as f:
+    with atomic_file(target) as out, open(source, "rb") as f:
         out.write(_header(BYTE_VOCAB, count, sha))
         for block in iter(lambda: f.read(_READ_BLOCK), b""):
             digest.update(block)
