@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.data.batches import held_tokens
 from distlib.app.model import families
 from distlib.app.model.attention import ContextSplit

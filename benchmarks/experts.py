@@ -24,12 +24,12 @@ seed 0 on every rank; 4 sequences of 64 tokens per rank and step.
   over 8 experts in 4 blocks of 2 (skewed: the router favours low expert ids), counts known, our
   ``direct`` and ``pairwise`` against ``all_to_all_single``; ratio = torch ms / ours.
 
-* **balance** (one rank, the real trainer, ``model=mixtral_tiny train.grad_accum=4``): the
-  trainer's own step time (``step_time_s``, median over the timed steps of two rounds, variants
-  alternated) with ``model.balance=aux`` (the whole step's load-balancing loss: one forward without
-  gradients counts the step's routing first) against ``bias`` (no loss, no counting forward:
-  distlib/app/model/bias_balance.py); ``aux_over_bias`` = aux ms / bias ms, the counting forward's
-  cost; the last step's loss of each.
+* **balance** (one rank, the real trainer, ``model=mixtral_tiny`` and ``model=deepseek_v3_tiny``,
+  each at ``train.grad_accum=4``): the trainer's own step time (``step_time_s``, median over the
+  timed steps of two rounds, variants alternated) with ``model.balance=aux`` (the whole step's
+  load-balancing loss: one forward without gradients counts the step's routing first) against
+  ``bias`` (no loss, no counting forward: distlib/app/model/bias_balance.py); ``aux_over_bias`` =
+  aux ms / bias ms, the counting forward's cost; the last step's loss of each.
 
 JSON: benchmarks/results/experts.json (--out).
 """
@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 
-from distlib.app.config.groups import ModelConfig, OptimizerConfig
+from distlib.app.config.groups import OptimizerConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import families
 from distlib.comm import collectives as C
 from distlib.comm.layout import Layout
@@ -163,15 +164,17 @@ def _routed_all_to_all(comm) -> list[dict]:
     return [{"bytes": rows.numel() * 4, "send": send, "recv": recv, **times}]
 
 
-def balance_steps(comm, steps: int) -> dict:
-    """The trainer's step times (s) and last loss at model.balance=aux and bias, two rounds each."""
+def balance_steps(comm, steps: int, preset: str) -> dict:
+    """The trainer's step times (s) and last loss of ``model=preset`` at model.balance=aux and
+    bias, two rounds each."""
     from trainrun import compose_tree
 
     from distlib.app.config.run import RunConfig
     from distlib.app.trainer import Trainer
 
-    base = ["model=mixtral_tiny", "train.grad_accum=4", "dist.world_size=1", f"train.steps={steps + 2}"]
+    base = [f"model={preset}", "train.grad_accum=4", "dist.world_size=1", f"train.steps={steps + 2}"]
     base += ["checkpoint.every_steps=0", "checkpoint.verify_resume=false", "metrics.progress_every=0"]
+    base += ["optimizer.warmup_steps=0"]  # (deepseek_v3_tiny's 10 exceed --quick's steps; time is the same)
     out = {"aux": [], "bias": []}
     losses = {}
     for _ in range(2):
@@ -185,6 +188,14 @@ def balance_steps(comm, steps: int) -> dict:
             out[name] += [r["step_time_s"] for r in timed]
             losses[name] = timed[-1]["loss"]
     return {"seconds": out, "losses": losses}
+
+
+def _balance(preset: str, steps: int) -> dict:
+    counted = run_ranks(balance_steps, 1, steps, preset, timeout_s=600)[0]
+    aux_ms, bias_ms = (statistics.median(counted["seconds"][k]) * 1e3 for k in ("aux", "bias"))
+    return dict(
+        model=preset, aux_ms=aux_ms, bias_ms=bias_ms, aux_over_bias=aux_ms / bias_ms, losses=counted["losses"]
+    )
 
 
 def _slowest(per_rank: list[list[float]]) -> float:
@@ -237,13 +248,12 @@ def main() -> None:
                 ratio_pairwise=cell["torch"] / cell["pairwise"],
             )
         )
-    counted = run_ranks(balance_steps, 1, steps, timeout_s=600)[0]
-    aux_ms, bias_ms = (statistics.median(counted["seconds"][k]) * 1e3 for k in ("aux", "bias"))
-    balance = dict(aux_ms=aux_ms, bias_ms=bias_ms, aux_over_bias=aux_ms / bias_ms, losses=counted["losses"])
+    balance = [_balance(preset, steps) for preset in ("mixtral_tiny", "deepseek_v3_tiny")]
     _print(compare, layouts, a2a)
-    print("\nbalance, one rank, mixtral_tiny, train.grad_accum=4: the trainer's step ms (median)")
-    print(f"{'aux':>9}{'bias':>9}{'aux/bias':>10}")
-    print(f"{aux_ms:>9.1f}{bias_ms:>9.1f}{balance['aux_over_bias']:>10.2f}")
+    print("\nbalance, one rank, train.grad_accum=4: the trainer's step ms (median)")
+    print(f"{'model':<18}{'aux':>9}{'bias':>9}{'aux/bias':>10}")
+    for b in balance:
+        print(f"{b['model']:<18}{b['aux_ms']:>9.1f}{b['bias_ms']:>9.1f}{b['aux_over_bias']:>10.2f}")
     load_after = os.getloadavg()[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     record = dict(quick=args.quick, torch=torch.__version__, cores=os.cpu_count())

@@ -37,10 +37,8 @@ sys.path.insert(0, ROOT)
 import torch
 import torch.distributed as dist
 
-from distlib.app.config.groups import (
-    ModelConfig,
-    OptimizerConfig,
-)
+from distlib.app.config.groups import OptimizerConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.model.families import build
 from distlib.comm.group import Comm

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import families
 
 # Small, varied shapes: tied and untied heads, grouped-query (and multi-query) attention, an MLP

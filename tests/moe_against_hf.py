@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from family_models import built, max_diff, tokens
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import hf_config as hfc
 from distlib.app.model import hf_weights as hfw
 

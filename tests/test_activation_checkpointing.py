@@ -11,7 +11,7 @@ import torch
 from multiproc import run_ranks
 from trainrun import compose_tree
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.model.minigpt import build_model
 from distlib.app.observe import summary

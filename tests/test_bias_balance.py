@@ -19,7 +19,7 @@ from multiproc import run_ranks
 from trainrun import compose_tree, train_each, train_worlds
 
 from distlib.app.checkpointing import hf_export, sampling
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.model import moe
 from distlib.app.model.local_step import LocalStep

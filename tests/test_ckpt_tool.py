@@ -14,7 +14,7 @@ import torch
 from ckpt_util import train, tree
 from forkrun import run_script
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.data.batches import make_corpus
 from distlib.app.model.minigpt import MiniGPT
 from distlib.checkpoint import offline

@@ -1,7 +1,7 @@
 import torch
 from multiproc import run_ranks
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model.minigpt import MiniGPT
 from distlib.parallel.broadcast import broadcast_module_
 

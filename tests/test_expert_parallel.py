@@ -17,7 +17,8 @@ import torch
 from multiproc import run_ranks
 from trainrun import starving_router
 
-from distlib.app.config.groups import ModelConfig, OptimizerConfig
+from distlib.app.config.groups import OptimizerConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
 from distlib.app.model import families
 from distlib.comm import collectives

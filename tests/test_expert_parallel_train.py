@@ -153,7 +153,8 @@ def test_a_checkpoint_saved_at_ep2_holds_every_expert_once_and_exports(tmp_path)
     [
         (
             ["model=llama", "dist.ep=2"],
-            "dist.ep=2 needs a model with experts (model.family=mixtral or qwen3_moe), not llama",
+            "dist.ep=2 needs a model with experts (model.family=mixtral, qwen3_moe or deepseek_v3), "
+            "not llama",
         ),
         (
             ["model=mixtral_tiny", "dist.ep=4", "model.n_experts=6"],
@@ -181,7 +182,7 @@ def _transformers_runs_the_export(ckpt: str, weights: dict, manifest: dict, tmp_
     whose logits are our model's with the consolidated weights."""
     from family_models import max_diff, quiet_transformers, tokens
 
-    from distlib.app.config.groups import ModelConfig
+    from distlib.app.config.model_group import ModelConfig
     from distlib.app.model import families
 
     transformers = quiet_transformers()

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 
-from distlib.app.config.groups import ModelConfig, OptimizerConfig
+from distlib.app.config.groups import OptimizerConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.operation import GuardConfig
 from distlib.app.model.minigpt import build_model
 from distlib.app.unattended import guard

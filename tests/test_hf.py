@@ -24,7 +24,7 @@ from family_models import (
 )
 
 from distlib.app.checkpointing import sampling
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import families
 from distlib.app.model import hf_config as hfc
 from distlib.app.model import hf_weights as hfw

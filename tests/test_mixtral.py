@@ -20,7 +20,7 @@ from moe_against_hf import check_one_step, exported_pair
 from multiproc import run_ranks
 from trainrun import MIXTRAL_SEED10, compose_tree, one_rank_reference, train_each, train_worlds
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus, split_heldout
 from distlib.app.model import families, moe

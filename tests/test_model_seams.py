@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from family_models import GPT2_UNTIED, LLAMA_GQA, built, max_diff, tokens
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import attention, families
 from distlib.app.model.layers import PreNormBlock
 from distlib.comm.group import Comm
@@ -164,5 +164,6 @@ def test_the_plan_splits_a_module_that_declares_how():
     }
     one = _toy()
     assert parallelize_(one, Comm(ranks=(0,), rank=0), plan) == {} and one["experts"].styles == []
-    with pytest.raises(TypeError, match="down, a ReLU, neither an nn.Linear nor a module that declares"):
+    refused = "down, a ReLU, neither an nn.Linear, a SharedInput nor a module that declares"
+    with pytest.raises(TypeError, match=refused):
         parallelize_(nn.ModuleDict({"down": nn.ReLU()}), Comm(ranks=(0,), rank=0), {"down": Column()})

@@ -18,7 +18,7 @@ from family_models import max_diff, perturb_
 from multiproc import run_ranks
 from trainrun import compose_tree, train_with_margin, train_worlds
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.model import moe
 

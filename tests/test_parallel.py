@@ -23,7 +23,7 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.run import DTYPES
 from distlib.app.model.families import shard_model_
 from distlib.app.model.minigpt import TENSOR_PARALLEL_PLAN, build_model

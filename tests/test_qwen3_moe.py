@@ -22,7 +22,7 @@ from trainrun import compose_tree, train_each, train_with_margin, train_worlds
 
 from distlib.app.checkpointing import hf_export
 from distlib.app.checkpointing.sampling import load_model
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import hf_config as hfc
 from distlib.app.model import hf_weights as hfw
 

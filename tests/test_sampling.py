@@ -14,7 +14,7 @@ from multiproc import run_ranks
 from trainrun import compose_tree, train
 
 from distlib.app.checkpointing import sampling
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.data.tokens import ByteTokenizer
 from distlib.checkpoint import offline
 from distlib.checkpoint.sharded import CheckpointError

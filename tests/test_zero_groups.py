@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 from multiproc import run_ranks
 
-from distlib.app.config.groups import ModelConfig, OptimizerConfig
+from distlib.app.config.groups import OptimizerConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
 from distlib.app.model.minigpt import build_model
 from distlib.comm.layout import Layout

@@ -66,8 +66,9 @@ def train_each(comm, trees: list[dict], run_dir: str, hooks=None) -> list[dict]:
 
 
 def train_with_margin(comm, tree: dict, run_dir: str, hooks=None) -> dict:
-    """A Mixtral run at world size 1: ``train_each``'s view plus ``margin``, the smallest gap between
-    any token's k-th and (k+1)-th router probability in the run's training forwards. A gap within
+    """An MoE run at world size 1: ``train_each``'s view plus ``margin``, the smallest gap a routing
+    choice of the run's training forwards rests on (``routers``: a token's k-th and (k+1)-th choice
+    scores; DeepSeek-V3's groups too). A gap within
     rounding can send the token to another expert under another layout's rounding, after which two
     runs part: an equivalence test needs a reference whose margin is well above it."""
     import torch
@@ -78,11 +79,10 @@ def train_with_margin(comm, tree: dict, run_dir: str, hooks=None) -> dict:
     route = moe.MoE.route
 
     def measured(self, x):
-        ids, weights, probs = route(self, x)
-        if torch.is_grad_enabled():
-            top = torch.topk(probs.detach(), self.top_k + 1, dim=-1).values
-            margins.append(float((top[:, -2] - top[:, -1]).min()))
-        return ids, weights, probs
+        if torch.is_grad_enabled():  # (the router's own: DeepSeek-V3's counts its groups' gaps too)
+            with torch.no_grad():
+                margins.append(self.router.margin(self.router.logits(self.gate, x), self.score_bias))
+        return route(self, x)
 
     moe.MoE.route = measured  # (in this forked rank only)
     out = train_each(comm, [tree], run_dir, hooks)[0]

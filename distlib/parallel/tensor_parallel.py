@@ -11,7 +11,9 @@ split by the plan's style. With T tensor-parallel ranks,
   ``Column(groups=3)``  the same for a fused q|k|v projection: each of the 3 groups of output
                         rows is split, so rank t holds the q, k and v rows of its heads;
   ``Row()``             RowParallelLinear: rank t holds input features [t*F/T, (t+1)*F/T)
-                        (columns of the weight); the partial outputs are summed over the group.
+                        (columns of the weight); the partial outputs are summed over the group;
+  ``Shared()``          for a ``SharedInput`` (no parameters): an activation that enters the
+                        region the way a column layer's input does (MLA's rotary key).
 
 A column-parallel layer followed by a row-parallel one is one Megatron half (attention, MLP):
 the replicated input enters through ``copy_to_tp`` (identity forward, all-reduce of the input
@@ -205,8 +207,29 @@ class Row:
     routed: bool = False
 
 
-# submodule path pattern (fnmatch, per dotted part) -> style: Column/Row for an nn.Linear, any
-# value a DeclaresSplit module understands
+@dataclass(frozen=True)
+class Shared:
+    """For a ``SharedInput``: an activation every rank computes whole and reads for its own heads
+    only (MLA's rotary key), whose gradient is then summed over the group as a column layer's input."""
+
+
+class SharedInput(nn.Module):
+    """Identity on one rank; in a tensor-parallel region (the plan's ``Shared()``), the way into it
+    that a column layer's input takes (``into_column``: its backward all-reduces the gradient, or,
+    with ``dist.sp``, the block's gather sums it)."""
+
+    splits: dict = {}  # no parameters
+
+    def __init__(self, tp: Comm | None = None, sequence: Stream = REPLICATED):
+        super().__init__()
+        self.tp, self.sequence = tp, sequence
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.sequence.into_column(x, self.tp)
+
+
+# submodule path pattern (fnmatch, per dotted part) -> style: Column/Row for an nn.Linear, Shared
+# for a SharedInput, any value a DeclaresSplit module understands
 Plan = Mapping[str, object]
 
 
@@ -234,10 +257,10 @@ def _planned(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
         matched = [pattern for pattern in plan if _matches(path, pattern)]
         if len(matched) > 1:
             raise ValueError(f"{path} matches several tensor-parallel plan patterns: {matched}")
-        if matched and not isinstance(sub, (nn.Linear, DeclaresSplit)):
+        if matched and not isinstance(sub, (nn.Linear, DeclaresSplit, SharedInput)):
             raise TypeError(
                 f"tensor-parallel plan {matched[0]!r} matches {path}, a {type(sub).__name__}, "
-                f"neither an nn.Linear nor a module that declares its split (tp_shard)"
+                f"neither an nn.Linear, a SharedInput nor a module that declares its split (tp_shard)"
             )
         for pattern in matched:
             found[pattern].append(path)
@@ -287,6 +310,8 @@ def parallelize_(module: nn.Module, tp: Comm, plan: Plan, sequence: Stream = REP
             full = owner.get_submodule(name)
             if isinstance(full, DeclaresSplit):
                 layer = full.tp_shard(tp, plan[pattern])
+            elif isinstance(full, SharedInput):
+                layer = SharedInput(tp, sequence)
             else:
                 layer = _shard_linear(full, tp, plan[pattern], path, sequence)
             setattr(owner, name, layer)  # replacing an existing child keeps its place: same parameter order

@@ -123,7 +123,9 @@ class Checkpointer(RollbackSource):
             start = self.loader.load(path, self.model, self.optimizer, verified)
             self.say(f"resumed from {path} at step {start}")
         elif self.cfg.model.init_from:  # a fresh start only: a resume never reads the directory
-            init_from.start_from(self.cfg.model, self.comm, self.optimizer, self.contents.tp_splits)
+            init_from.start_from(
+                self.cfg.model, self.comm, self.optimizer, self.contents.tp_splits, self.buffers
+            )
             self.say(f"model.init_from: starting from the weights of {self.cfg.model.init_from}")
         if self.retention.guarded:  # no checkpoint holds a fresh start's state: kept in memory
             state = None if path else self.contents.state(start, self.optimizer)

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from distlib.app.config.data_group import TOKENIZERS
+from distlib.app.config.model_group import LATENT_KEYS
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.checkpoint import relayout
@@ -56,7 +57,15 @@ def _mixture_change(saved: dict, ours: dict) -> str:
 # The model keys that decide the parameters' (full) shapes: what must agree to cut a checkpoint's
 # whole tensors for another tensor-parallel degree (the cut pieces' shapes are checked again there).
 SHAPE_KEYS = ("family", "vocab_size", "dim", "n_heads", "n_layers", "mlp_ratio", "mlp_hidden", "n_kv_heads")
-SHAPE_KEYS += ("head_dim", "tie_embeddings", "n_experts")
+SHAPE_KEYS += (
+    "head_dim",
+    "tie_embeddings",
+    "n_experts",
+    *LATENT_KEYS,
+    "first_k_dense_replace",
+    "dense_mlp_hidden",
+)
+SHAPE_KEYS += ("n_shared_experts",)
 
 
 def check_fits(

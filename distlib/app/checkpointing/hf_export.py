@@ -86,7 +86,8 @@ def export(path: Path | str, out: Path | str) -> Exported:
     if reason:
         raise HFError(f"checkpoint {path}: {reason}")
     tokenizer = tokenizer_dir(path, manifest)
-    tensors = relayout.full_tensors(path, manifest)
+    # (DeepSeek-V3's selection biases, under model.balance=bias, become its routers' correction biases)
+    tensors = relayout.full_tensors(path, manifest) | relayout.state_buffers(path, manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -27,9 +27,10 @@ import torch
 
 from distlib.app.checkpointing.manifest_config import NO_RESUME
 from distlib.app.config.data_group import TOKENIZER_JSON
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import DEEPSEEK_KEYS, ModelConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.config.schema import ConfigError
+from distlib.app.model.bias_balance import STATE
 from distlib.app.model.hf_config import HFError, differences, positions_for
 from distlib.app.model.hf_weights import load_hf_dir, read_hf_config
 from distlib.comm import agree
@@ -38,8 +39,8 @@ from distlib.parallel.adamw import STATE_KEYS
 from distlib.parallel.tensor_parallel import Split, shard_of
 from distlib.parallel.zero import ZeroOptimizer
 
-# The model keys a directory's config.json gives (dropout and mixtral's router_aux_loss_coef are the
-# run's: training choices).
+# The model keys a directory's config.json gives (dropout, the MoE's router_aux_loss_coef and balance
+# are the run's: training choices).
 ADOPTED = (
     "family",
     "vocab_size",
@@ -57,6 +58,7 @@ ADOPTED = (
     "n_experts",
     "top_k",
     "norm_topk_prob",
+    *DEEPSEEK_KEYS,
 )
 _MLP_WIDTH = {"mlp_ratio", "mlp_hidden"}  # one width, two ways to write it: set one, both are the run's
 
@@ -136,13 +138,35 @@ def load(model: ModelConfig) -> dict[str, torch.Tensor]:
     except HFError as exc:
         raise ConfigError(f"model.init_from={model.init_from}: {exc}") from exc
     _matching(model, fields)
+    _check_biases(model, state)
     return positions_for(model, state)
 
 
-def start_from(model: ModelConfig, comm: Comm, optimizer: ZeroOptimizer, tp_splits: dict[str, Split]) -> None:
+def _check_biases(model: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """DeepSeek-V3's routers' correction biases choose experts: a run without selection biases
+    (model.balance=aux) would route otherwise than the directory's model, unless they are zeros."""
+    biased = [n for n in state if n.endswith(f".mlp.{STATE}") and state[n].any()]
+    if biased and model.balance != "bias":
+        raise ConfigError(
+            f"model.init_from={model.init_from}: its routers' e_score_correction_bias are not zero, and "
+            f"model.balance={model.balance} has no selection biases to keep them; set model.balance=bias"
+        )
+
+
+def start_from(
+    model: ModelConfig,
+    comm: Comm,
+    optimizer: ZeroOptimizer,
+    tp_splits: dict[str, Split],
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Load ``model.init_from``'s weights as this rank's optimizer state (collective over ``comm``,
-    the world: every rank raises the same ConfigError, or none does)."""
+    the world: every rank raises the same ConfigError, or none does), and into ``buffers`` (this
+    rank's model state buffers by name: DeepSeek-V3's selection biases) the directory's values."""
     state = agree.agreed(lambda: load(model), comm, ConfigError)
+    for name, buffer in (buffers or {}).items():
+        if name in state:  # (a Mixtral directory has none: its biases start at zero)
+            buffer.copy_(state[name])
     shard = {}
     for held in optimizer.partitions():  # each flat layout this rank holds a partition of
         layout = held.layout

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from distlib.app.config.data_group import DataConfig
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.checkpoint.sharded import MANIFEST, CheckpointError
 
 NO_RESUME = (None, "", "none", "null")  # checkpoint.resume values that start fresh

@@ -19,7 +19,7 @@ import safetensors
 import torch
 
 from distlib.app.checkpointing.manifest_config import manifest_config
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.schema import ConfigError
 from distlib.app.model import families
 from distlib.app.model.bias_balance import state_buffers

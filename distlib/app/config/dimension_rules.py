@@ -7,7 +7,7 @@ parallelism, checked in that order."""
 
 from __future__ import annotations
 
-from distlib.app.config.groups import ROTARY, ModelConfig
+from distlib.app.config.model_group import ROTARY, ModelConfig
 from distlib.app.config.schema import ConfigError
 from distlib.comm.layout import DIMENSIONS
 
@@ -24,13 +24,16 @@ def check(cfg) -> None:
 
 def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
     """Every dimension tensor parallelism splits divides by ``tp``: the attention heads, (llama,
-    mixtral) the key/value heads, the MLP's (each expert's) hidden units (``model.families.shard_model_``
-    checks the same)."""
+    mixtral) the key/value heads, the MLP's (each expert's) hidden units, (deepseek_v3) the dense
+    blocks' (``model.families.shard_model_`` checks the same)."""
     splits = [("model.n_heads", m.n_heads, "attention heads")]
     if m.family in ROTARY:
         splits.append(("model.n_kv_heads", m.kv_heads, "key/value heads"))
     width = "model.mlp_hidden" if m.mlp_hidden is not None else "the MLP width model.mlp_ratio x model.dim"
     splits.append((width, m.mlp_width, "MLP hidden units"))
+    if m.family == "deepseek_v3" and m.first_k_dense_replace:
+        dense = "model.dense_mlp_hidden" if m.dense_mlp_hidden is not None else "model.mlp_ratio x model.dim"
+        splits.append((dense, m.dense_width, "the dense blocks' MLP hidden units"))
     for name, value, what in splits:
         if value % tp:
             raise ConfigError(
@@ -144,7 +147,8 @@ def check_experts(cfg) -> None:
         return
     if not m.has_experts:
         raise ConfigError(
-            f"dist.ep={d.ep} needs a model with experts (model.family=mixtral or qwen3_moe), not {m.family}"
+            f"dist.ep={d.ep} needs a model with experts (model.family=mixtral, qwen3_moe or deepseek_v3), "
+            f"not {m.family}"
         )
     if m.n_experts % d.ep:
         raise ConfigError(

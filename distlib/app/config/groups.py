@@ -1,5 +1,5 @@
-"""The config groups of a training run: the model, the optimizer, ZeRO and the loop (the data's:
-``data_group``).
+"""The config groups of a training run: the optimizer, ZeRO, the loop and the metrics (the model's:
+``model_group``; the data's: ``data_group``).
 
 Each key is declared once, here (``schema.key``): default, meaning, allowed values. Rules between
 the keys of one group are the group's ``check``; rules across groups are in ``run.py``.
@@ -10,174 +10,13 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from distlib.app.config.schema import ConfigError, Group, key, specs
+from distlib.app.config.schema import ConfigError, Group, key
 from distlib.parallel.adamw import AdamWConfig
 from distlib.parallel.zero.buckets import BUCKET_NUMEL
 
 DTYPES = ("fp32", "bf16")  # train.dtype; distlib.app.config.run maps them to torch dtypes
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine", "wsd")
-
-
-# model.family; app/model/families.py builds each
-FAMILIES = ("minigpt", "gpt2", "llama", "qwen3", "mixtral", "qwen3_moe")
-# mixtral's sparse MoE (model/moe.py)
-MOE_KEYS = ("n_experts", "top_k", "router_aux_loss_coef", "capacity_factor", "norm_topk_prob", "balance")
-MOE_KEYS += ("bias_update_speed",)
-# The keys a family does not use, each with what it is to stay at (the default); docs/models.md.
-NOT_USED_BY = {
-    "minigpt": ("mlp_hidden", "n_kv_heads", "head_dim", "tie_embeddings", "norm_eps", "rope_theta")
-    + ("init_from", *MOE_KEYS),
-    "gpt2": ("n_kv_heads", "head_dim", "rope_theta", *MOE_KEYS),
-    "llama": MOE_KEYS,
-    "qwen3": MOE_KEYS,
-    "mixtral": ("head_dim", "norm_topk_prob"),
-    "qwen3_moe": (),
-}
-# Llama's attention: rotary positions, grouped-query key/value heads
-ROTARY = ("llama", "qwen3", "mixtral", "qwen3_moe")
-HEAD_NORMS = ("qwen3", "qwen3_moe")  # Qwen3's attention: an RMSNorm on every query and key head
-EXPERT_FAMILIES = ("mixtral", "qwen3_moe")  # a sparse mixture of experts for the MLP (model.n_experts, top_k)
-
-
-@dataclass(frozen=True)
-class ModelConfig(Group):
-    """The model: its family and shape (conf/model/; docs/models.md).
-
-    family: minigpt (the project's own model), gpt2 (computes what transformers' GPT2LMHeadModel computes),
-        llama (LlamaForCausalLM's arithmetic), qwen3 (Qwen3ForCausalLM's: Llama with an RMSNorm on each
-        query and key head), mixtral (MixtralForCausalLM's: Llama's attention, a sparse mixture of
-        experts for the MLP) or qwen3_moe (Qwen3MoeForCausalLM's: Qwen3's attention, Mixtral's
-        experts); docs/models.md
-    vocab_size: tokens in the vocabulary (the synthetic corpus uses the same); left unset, data=text's
-        tokenizer's (256 bytes, or data.vocab_size) or model.init_from's
-    seq_len: context length: tokens per training sequence (gpt2/llama: the largest position)
-    dim: embedding / residual width; must be divisible by n_heads unless head_dim is set
-    n_heads: attention heads per block
-    n_layers: transformer blocks
-    mlp_ratio: MLP hidden width = mlp_ratio x dim (unless mlp_hidden is set)
-    mlp_hidden: every family but minigpt: the MLP (mixtral, qwen3_moe: each expert's) hidden width
-        itself (intermediate_size, moe_intermediate_size); null = mlp_ratio x dim
-    n_kv_heads: llama/qwen3/mixtral/qwen3_moe: key/value heads (grouped-query attention; divides
-        n_heads); null = n_heads
-    head_dim: llama/qwen3/qwen3_moe: the width of one attention head (q/k/v project to n_heads x
-        head_dim, o_proj back to dim); null = dim / n_heads
-    tie_embeddings: every family but minigpt: the LM head is the token embedding (one parameter)
-    norm_eps: every family but minigpt: the LayerNorm / RMSNorm epsilon
-    rope_theta: llama/qwen3/mixtral/qwen3_moe: the rotary position embedding's base
-    n_experts: mixtral/qwen3_moe: experts per block (num_local_experts, num_experts)
-    top_k: mixtral/qwen3_moe: experts each token is sent to (num_experts_per_tok), their outputs
-        weighted by the router probabilities (renormalised: norm_topk_prob); at most n_experts
-    router_aux_loss_coef: mixtral/qwen3_moe: weight of the load-balancing loss added to the training
-        loss (transformers' default)
-    capacity_factor: mixtral/qwen3_moe: null = dropless (every token reaches its top_k experts, as
-        transformers); a number: each expert takes at most ceil(capacity_factor x seq_len x top_k /
-        n_experts) of one sequence's assignments (first choices first, in token order) and drops the
-        rest (GShard); the dropped count per block is logged as dropped_tokens
-    balance: mixtral/qwen3_moe: how the experts' load is balanced: aux (the load-balancing loss of the
-        whole step, model.router_aux_loss_coef) or bias (DeepSeek-V3's auxiliary-loss-free rule: a
-        per-expert bias added to the router probabilities to choose the experts, not to weigh them,
-        moved after each step by model.bias_update_speed towards the mean load, from the step's counts
-        over the whole batch; no loss term, no counting forward; the biases are checkpointed state)
-    bias_update_speed: mixtral/qwen3_moe with model.balance=bias: how far each step moves an expert's
-        bias (up if it got fewer tokens than the mean, down if more; DeepSeek-V3's gamma)
-    norm_topk_prob: qwen3_moe: renormalise a token's top_k router probabilities to sum to 1
-        (transformers' norm_topk_prob; mixtral always does); false: the probabilities themselves
-    dropout: dropout probability; every mask is a function of (seed, global sample, block, site), so
-        every layout and a resumed run draw the same ones (distlib/parallel/dropout.py); llama, qwen3,
-        mixtral, qwen3_moe: on the attention weights only, as transformers' attention_dropout
-    activation_checkpointing: blocks: keep only each block's input in forward and recompute the block in
-        backward (same losses, bit for bit; fewer activation bytes: the memory profile's `activation bytes`
-        line)
-    init_from: a Hugging Face GPT-2 or Llama directory (config.json, model.safetensors) whose weights a
-        fresh run starts from; its config.json gives the family and shape keys left unset (one set to another
-        value is refused); a resume ignores it
-    """
-
-    GROUP = "model"
-    family: str = key("minigpt", choices=FAMILIES)
-    vocab_size: int = key(64, ge=2)
-    seq_len: int = key(16, ge=1)
-    dim: int = key(32, ge=1)
-    n_heads: int = key(4, ge=1)
-    n_layers: int = key(2, ge=1)
-    mlp_ratio: int = key(4, ge=1)
-    mlp_hidden: int | None = key(None, ge=1)
-    n_kv_heads: int | None = key(None, ge=1)
-    head_dim: int | None = key(None, ge=1)
-    tie_embeddings: bool = key(False)
-    norm_eps: float = key(1e-5, gt=0)
-    rope_theta: float = key(10000.0, gt=0)
-    norm_topk_prob: bool = key(True)
-    dropout: float = key(0.0, ge=0, lt=1)
-    activation_checkpointing: str = key("none", choices=("none", "blocks"))
-    init_from: str | None = key(None)
-    n_experts: int = key(8, ge=1)
-    top_k: int = key(2, ge=1)
-    router_aux_loss_coef: float = key(0.001, ge=0)
-    capacity_factor: float | None = key(None, gt=0)
-    balance: str = key("aux", choices=("aux", "bias"))
-    bias_update_speed: float = key(0.001, gt=0)
-
-    def check(self) -> None:
-        if self.head_dim is None and self.dim % self.n_heads:
-            raise ConfigError(
-                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}), or "
-                f"model.head_dim set"
-            )
-        defaults = {s.name: s.default for s in specs(type(self))}
-        for name in NOT_USED_BY[self.family]:
-            if getattr(self, name) != defaults[name]:
-                raise ConfigError(
-                    f"model.{name}={getattr(self, name)!r} does not apply to model.family={self.family} "
-                    f"(used by {', '.join(f for f in FAMILIES if name not in NOT_USED_BY[f])}); "
-                    f"leave it at {defaults[name]!r}"
-                )
-        if self.mlp_hidden is not None and self.mlp_ratio != defaults["mlp_ratio"]:
-            raise ConfigError(
-                f"model.mlp_hidden={self.mlp_hidden} and model.mlp_ratio={self.mlp_ratio} both set the MLP "
-                f"width; set only one of them"
-            )
-        if self.family in ROTARY and self.n_heads % self.kv_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads} "
-                f"(each key/value head serves n_heads / n_kv_heads query heads)"
-            )
-        if self.balance == "aux" and self.bias_update_speed != defaults["bias_update_speed"]:
-            raise ConfigError(
-                f"model.bias_update_speed={self.bias_update_speed} moves the biases of model.balance=bias; "
-                f"set model.balance=bias or leave it out"
-            )
-        if self.balance == "bias" and self.capacity_factor is not None:
-            raise ConfigError(
-                f"model.capacity_factor={self.capacity_factor} with model.balance=bias: the bias rule "
-                f"balances a dropless router (DeepSeek-V3's); leave model.capacity_factor null"
-            )
-        if self.top_k > self.n_experts:
-            raise ConfigError(
-                f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts} (each token goes to "
-                f"top_k distinct experts)"
-            )
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP's hidden width (MiniGPT: always mlp_ratio x dim)."""
-        return self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * self.dim
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads (the families without rotary attention: one per query head)."""
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
-    @property
-    def head_width(self) -> int:
-        """The width of one attention head: model.head_dim, or dim / n_heads."""
-        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
-
-    @property
-    def has_experts(self) -> bool:
-        """Whether the MLPs are mixtures of experts: the one way the code asks it."""
-        return self.family in EXPERT_FAMILIES
 
 
 @dataclass(frozen=True)

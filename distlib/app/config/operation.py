@@ -44,9 +44,10 @@ class DistConfig(Group):
     sp: sequence parallelism inside tensor parallelism (Megatron's): between the tensor-parallel layers
         (norms, residual adds and dropout) each of the dist.tp ranks holds model.seq_len/tp tokens, not a
         copy of all of them (less activation memory); the same losses (needs dist.tp > 1)
-    ep: expert parallelism (model.family=mixtral or qwen3_moe): each block's experts split over this
-        many of the data x cp ranks (it divides them and model.n_experts), tokens sent to their experts'
-        ranks and back by an all-to-all; checkpoints are the same as without it (they resume at any ep)
+    ep: expert parallelism (model.family=mixtral, qwen3_moe or deepseek_v3): each block's (routed)
+        experts split over this many of the data x cp ranks (it divides them and model.n_experts), tokens
+        sent to their experts' ranks and back by an all-to-all; checkpoints are the same as without it
+        (they resume at any ep)
     """
 
     GROUP = "dist"

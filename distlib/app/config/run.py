@@ -14,13 +14,8 @@ import torch
 
 from distlib.app.config import dimension_rules
 from distlib.app.config.data_group import BYTE_VOCAB, DataConfig, id_range
-from distlib.app.config.groups import (
-    MetricsConfig,
-    ModelConfig,
-    OptimizerConfig,
-    TrainConfig,
-    ZeroConfig,
-)
+from distlib.app.config.groups import MetricsConfig, OptimizerConfig, TrainConfig, ZeroConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.operation import CheckpointConfig, DistConfig, GuardConfig
 from distlib.app.config.schema import ConfigError, Group, key, specs
 from distlib.app.runtime import devices

@@ -42,14 +42,15 @@ def state_names(cfg) -> list[str]:
     """Every state buffer's name in the whole model of ``cfg`` (a ``ModelConfig``), on any rank."""
     if not (cfg.has_experts and cfg.balance == "bias"):
         return []
-    return [f"blocks.{i}.mlp.{STATE}" for i in range(cfg.n_layers)]
+    return [f"blocks.{i}.mlp.{STATE}" for i in cfg.moe_layers]
 
 
 class BiasBalance:
     def __init__(self, model: CausalLM, mesh: Mesh, speed: float):
         self.model, self.mesh, self.speed = model, mesh, speed
         self.blocks = moe_blocks(model)
-        self.n_layers, self.n_experts = model.cfg.n_layers, model.cfg.n_experts
+        self.rows = {block: r for r, block in enumerate(model.cfg.moe_layers)}  # counts' row of each
+        self.n_experts = model.cfg.n_experts
         self.last: list[list[int]] | None = None
 
     def count(self, batches: list) -> None:
@@ -60,19 +61,19 @@ class BiasBalance:
 
     def update(self) -> None:
         """After the step's update: the step's counts over every rank, and each block's bias moved."""
-        counts = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64, device=self._device())
+        counts = torch.zeros(len(self.rows), self.n_experts, dtype=torch.float64, device=self._device())
         for i, m in self.blocks:
-            counts[i] = m.step_counts.double()
+            counts[self.rows[i]] = m.step_counts.double()
         for group in (self.mesh.batch, self.mesh.pp):
             if group is not None and group.size > 1:
                 collectives.all_reduce(counts, group, op="sum")
         for i, m in self.blocks:
-            mean = counts[i].sum() / self.n_experts
-            m.score_bias += self.speed * torch.sign(mean - counts[i]).float()
+            mean = counts[self.rows[i]].sum() / self.n_experts
+            m.score_bias += self.speed * torch.sign(mean - counts[self.rows[i]]).float()
         self.last = [[round(c) for c in row] for row in counts.tolist()]
 
     def fields(self) -> dict:
-        """The step record's ``expert_tokens`` (per block, the assignments each expert received)."""
+        """The step record's ``expert_tokens`` (per MoE block, the assignments each expert received)."""
         return {"expert_tokens": self.last} if self.last is not None else {}
 
     def _device(self) -> torch.device:

@@ -7,6 +7,8 @@
     qwen3     qwen3.Qwen3        transformers' Qwen3ForCausalLM (Llama with per-head q/k norms)
     mixtral   mixtral.Mixtral    transformers' MixtralForCausalLM (Llama with sparse MoE blocks)
     qwen3_moe qwen3_moe.Qwen3Moe transformers' Qwen3MoeForCausalLM (Qwen3's attention, Mixtral's MoE)
+    deepseek_v3 deepseek_v3.DeepseekV3 transformers' DeepseekV3ForCausalLM (latent attention,
+                                   dense first blocks, shared and routed experts)
 
 Every family follows one contract (``layers.CausalLM``; the trainer, ZeRO-3 and the pipeline
 stages rely on it): ``forward(tokens, targets=None, positions=None)`` = embed -> blocks -> head,
@@ -25,8 +27,8 @@ from functools import partial
 import torch.nn as nn
 
 from distlib.app.config.dimension_rules import check_tensor_parallel
-from distlib.app.config.groups import ModelConfig
-from distlib.app.model import gpt2, llama, minigpt, mixtral, moe, qwen3, qwen3_moe
+from distlib.app.config.model_group import ModelConfig
+from distlib.app.model import deepseek_v3, gpt2, llama, minigpt, mixtral, moe, qwen3, qwen3_moe
 from distlib.app.model.layers import CausalLM, seeded
 from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.comm.group import Comm
@@ -39,6 +41,7 @@ CLASSES = {
     "qwen3": qwen3.Qwen3,
     "mixtral": mixtral.Mixtral,
     "qwen3_moe": qwen3_moe.Qwen3Moe,
+    "deepseek_v3": deepseek_v3.DeepseekV3,
 }
 PLANS = {
     "minigpt": minigpt.TENSOR_PARALLEL_PLAN,
@@ -57,7 +60,10 @@ def build(cfg: ModelConfig, seed: int, strategies: Strategies = LOCAL) -> Causal
     return seeded(partial(CLASSES[cfg.family], strategies=strategies), cfg, seed)
 
 
-def tensor_parallel_plan(cfg: ModelConfig) -> dict:
+def tensor_parallel_plan(cfg: ModelConfig, blocks=None) -> dict:
+    """The family's plan for a model (or pipeline stage) holding ``blocks`` (indices; None: all)."""
+    if cfg.family == "deepseek_v3":  # its dense and MoE blocks split differently
+        return deepseek_v3.tensor_parallel_plan(cfg, range(cfg.n_layers) if blocks is None else blocks)
     return PLANS[cfg.family]
 
 
@@ -72,7 +78,8 @@ def shard_model_(model: CausalLM, tp: Comm) -> dict[str, Split]:
     check_tensor_parallel(model.cfg, tp.size)
     if model.sequence.parts != 1 and tp.size == 1:
         raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
-    return parallelize_(model, tp, tensor_parallel_plan(model.cfg), model.sequence)
+    plan = tensor_parallel_plan(model.cfg, held_blocks(model))
+    return parallelize_(model, tp, plan, model.sequence)
 
 
 def partial_over_tp(model: CausalLM, tp: Comm) -> tuple[str, ...]:
@@ -95,6 +102,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.family == "minigpt":  # GPT-2's layout at mlp_ratio x dim, plus the LM head's bias
         return gpt2.param_shapes(cfg) | {"lm_head.bias": (cfg.vocab_size,)}
     modules = {"gpt2": gpt2, "llama": llama, "qwen3": qwen3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+    modules["deepseek_v3"] = deepseek_v3
     return modules[cfg.family].param_shapes(cfg)
 
 
@@ -113,6 +121,13 @@ def hold_experts_(model: CausalLM, ep: Comm) -> tuple[str, ...]:
     for _, layer in moe_blocks(model):
         layer.hold_experts_(ep)
     return tuple(n for n, _ in model.named_parameters() if moe.expert_of(n) is not None)
+
+
+def held_blocks(model: CausalLM) -> list[int]:
+    """The indices (in the whole model) of the blocks this rank holds."""
+    if isinstance(model.blocks, nn.ModuleDict):  # a pipeline stage: its blocks by index
+        return [int(i) for i in model.blocks]
+    return list(range(len(model.blocks)))
 
 
 def moe_blocks(model: CausalLM) -> list[tuple[int, moe.MoE]]:

@@ -1,5 +1,6 @@
 """Hugging Face model configs both ways: GPT-2 <-> GPT2Config, Llama <-> LlamaConfig, Qwen3 <->
-Qwen3Config, Mixtral <-> MixtralConfig, Qwen3-MoE <-> Qwen3MoeConfig.
+Qwen3Config, Mixtral <-> MixtralConfig, Qwen3-MoE <-> Qwen3MoeConfig, DeepSeek-V3 <->
+DeepseekV3Config (``hf_deepseek``).
 
 Export: ``hf_config(cfg)`` is the config.json of a model directory that transformers'
 ``AutoModelForCausalLM.from_pretrained`` loads as the same model. Import: ``config_fields(config)``
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from distlib.app.config.groups import HEAD_NORMS, ROTARY, ModelConfig
+from distlib.app.config.model_group import DEEPSEEK_KEYS, HEAD_NORMS, ROPE, ModelConfig
 from distlib.app.config.schema import defaults
+from distlib.app.model import hf_deepseek
+from distlib.app.model.hf_common import HFError, refuse_if, rope_theta, transformers_module
 
 ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
@@ -25,6 +28,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 CONFIG_CLASSES = {
     "gpt2": "GPT2Config",
@@ -32,20 +36,8 @@ CONFIG_CLASSES = {
     "qwen3": "Qwen3Config",
     "mixtral": "MixtralConfig",
     "qwen3_moe": "Qwen3MoeConfig",
+    "deepseek_v3": "DeepseekV3Config",
 }
-MISSING_EXTRA = "this needs the optional `hf` extra (transformers): pip install -e '.[hf]'"
-
-
-class HFError(ValueError):
-    """A config or checkpoint that cannot be converted exactly, with the one-line reason."""
-
-
-def transformers_module():
-    try:
-        import transformers
-    except ImportError as exc:
-        raise HFError(MISSING_EXTRA) from exc
-    return transformers
 
 
 def export_refusal(cfg: ModelConfig) -> str | None:
@@ -56,7 +48,7 @@ def export_refusal(cfg: ModelConfig) -> str | None:
             "(erf) GELU and its scores are divided by sqrt(head_dim); GPT-2's head has no bias, uses the "
             "tanh approximation and multiplies by head_dim**-0.5; train model.family=gpt2 to export"
         )
-    if cfg.has_experts and cfg.balance == "bias":
+    if cfg.has_experts and cfg.balance == "bias" and cfg.family != "deepseek_v3":
         return (
             f"model.balance=bias chooses the experts with biases that transformers' {cfg.family} router "
             f"does not have: the exported model would send tokens to other experts"
@@ -79,7 +71,9 @@ def hf_config_object(cfg: ModelConfig, bos_token_id: int | None = None, eos_toke
         eos_token_id=eos_token_id,
         initializer_range=0.02,
     )
-    if cfg.family == "gpt2":
+    if cfg.family == "deepseek_v3":  # its router's correction biases are the selection biases
+        config = hf_deepseek.config(tf, cfg, common)
+    elif cfg.family == "gpt2":
         config = tf.GPT2Config(
             n_positions=cfg.seq_len,
             n_embd=cfg.dim,
@@ -147,7 +141,7 @@ def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: i
     and ignores."""
     config = hf_config_object(cfg, bos_token_id, eos_token_id)
     legacy = {"torch_dtype": "float32"}
-    if cfg.family in ROTARY:
+    if cfg.family in ROPE:
         legacy["rope_theta"] = float(cfg.rope_theta)
     return config.to_diff_dict() | legacy
 
@@ -161,23 +155,18 @@ def _mlp_fields(hidden: int, dim: int) -> dict:
     return {"mlp_ratio": defaults(ModelConfig)["mlp_ratio"], "mlp_hidden": hidden}
 
 
-def _refuse_if(condition: bool, reason: str) -> None:
-    if condition:
-        raise HFError(f"cannot convert exactly: {reason}")
-
-
 def _gpt2_fields(c) -> dict:
-    _refuse_if(
+    refuse_if(
         c.activation_function != "gelu_new",
         f"activation_function={c.activation_function!r} (only 'gelu_new' is implemented)",
     )
-    _refuse_if(not c.scale_attn_weights, "scale_attn_weights=false (our scores are scaled by head_dim**-0.5)")
-    _refuse_if(c.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx=true is not implemented")
-    _refuse_if(c.reorder_and_upcast_attn, "reorder_and_upcast_attn=true is not implemented")
-    _refuse_if(c.add_cross_attention, "add_cross_attention=true (our decoder has no cross-attention)")
-    _refuse_if(c.n_embd % c.n_head != 0, f"n_embd={c.n_embd} is not a multiple of n_head={c.n_head}")
+    refuse_if(not c.scale_attn_weights, "scale_attn_weights=false (our scores are scaled by head_dim**-0.5)")
+    refuse_if(c.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx=true is not implemented")
+    refuse_if(c.reorder_and_upcast_attn, "reorder_and_upcast_attn=true is not implemented")
+    refuse_if(c.add_cross_attention, "add_cross_attention=true (our decoder has no cross-attention)")
+    refuse_if(c.n_embd % c.n_head != 0, f"n_embd={c.n_embd} is not a multiple of n_head={c.n_head}")
     drops = {"resid_pdrop": c.resid_pdrop, "embd_pdrop": c.embd_pdrop, "attn_pdrop": c.attn_pdrop}
-    _refuse_if(len(set(drops.values())) > 1, f"dropouts differ {drops} (model.dropout is one probability)")
+    refuse_if(len(set(drops.values())) > 1, f"dropouts differ {drops} (model.dropout is one probability)")
     hidden = c.n_inner if c.n_inner is not None else 4 * c.n_embd
     return dict(
         family="gpt2",
@@ -194,10 +183,10 @@ def _gpt2_fields(c) -> dict:
 
 
 def _mixtral_fields(c) -> dict:
-    _refuse_if(
+    refuse_if(
         c.sliding_window is not None, f"sliding_window={c.sliding_window} (our attention sees every token)"
     )
-    _refuse_if(bool(c.router_jitter_noise), f"router_jitter_noise={c.router_jitter_noise} is not implemented")
+    refuse_if(bool(c.router_jitter_noise), f"router_jitter_noise={c.router_jitter_noise} is not implemented")
     return dict(
         n_experts=c.num_local_experts,
         top_k=c.num_experts_per_tok,
@@ -206,13 +195,13 @@ def _mixtral_fields(c) -> dict:
 
 
 def _qwen3_fields(c) -> dict:
-    _refuse_if(bool(c.use_sliding_window), "use_sliding_window=true (our attention sees every token)")
+    refuse_if(bool(c.use_sliding_window), "use_sliding_window=true (our attention sees every token)")
     if c.model_type != "qwen3_moe":
         return {}
-    _refuse_if(
+    refuse_if(
         c.decoder_sparse_step != 1, f"decoder_sparse_step={c.decoder_sparse_step} (every block sparse here)"
     )
-    _refuse_if(bool(c.mlp_only_layers), f"mlp_only_layers={c.mlp_only_layers} (every block sparse here)")
+    refuse_if(bool(c.mlp_only_layers), f"mlp_only_layers={c.mlp_only_layers} (every block sparse here)")
     return dict(
         n_experts=c.num_experts,
         top_k=c.num_experts_per_tok,
@@ -224,30 +213,21 @@ def _qwen3_fields(c) -> dict:
 def _llama_fields(c, raw: dict) -> dict:
     """Llama's fields, Qwen3's (Llama with per-head q/k norms) and Mixtral's (Llama's attention,
     experts for the MLP)."""
-    _refuse_if(
+    refuse_if(
         c.hidden_act not in ("silu", "swish"), f"hidden_act={c.hidden_act!r} (only 'silu' is implemented)"
     )
     # (MixtralConfig has neither bias key: its projections never have one)
-    _refuse_if(
-        bool(getattr(c, "attention_bias", False)), "attention_bias=true (our projections have no bias)"
-    )
-    _refuse_if(bool(getattr(c, "mlp_bias", False)), "mlp_bias=true (our MLP has no bias)")
+    refuse_if(bool(getattr(c, "attention_bias", False)), "attention_bias=true (our projections have no bias)")
+    refuse_if(bool(getattr(c, "mlp_bias", False)), "mlp_bias=true (our MLP has no bias)")
     heads, dim, kv = c.num_attention_heads, c.hidden_size, c.num_key_value_heads
     head_dim = c.head_dim or dim // heads  # MixtralConfig leaves it null for hidden_size // heads
     natural = dim % heads == 0 and head_dim == dim // heads  # model.head_dim null then
-    _refuse_if(
+    refuse_if(
         not natural and c.model_type == "mixtral",
         f"head_dim={c.head_dim} with hidden_size={dim} and num_attention_heads={heads} (mixtral's heads are "
         f"hidden_size // num_attention_heads wide here)",
     )
-    _refuse_if(heads % kv != 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
-    scaling = raw.get("rope_scaling")
-    _refuse_if(scaling is not None, f"rope_scaling={scaling!r} (only default RoPE, no scaling)")
-    rope = dict(c.rope_parameters or {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)})
-    _refuse_if(
-        rope.get("rope_type", "default") != "default" or bool(set(rope) - {"rope_type", "rope_theta"}),
-        f"rope_parameters={rope!r} (only default RoPE, no scaling)",
-    )
+    refuse_if(heads % kv != 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     return dict(
         family=c.model_type,
         vocab_size=c.vocab_size,
@@ -261,7 +241,7 @@ def _llama_fields(c, raw: dict) -> dict:
         head_dim=None if natural else head_dim,
         tie_embeddings=bool(c.tie_word_embeddings),
         norm_eps=float(c.rms_norm_eps),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta(c, raw),
         dropout=float(c.attention_dropout or 0.0),
         **(_mixtral_fields(c) if c.model_type == "mixtral" else {}),
         **(_qwen3_fields(c) if c.model_type in HEAD_NORMS else {}),
@@ -273,14 +253,16 @@ def config_fields(config_dict: dict) -> dict:
     model_type = config_dict.get("model_type")
     if model_type not in ARCHITECTURES:
         raise HFError(
-            f"model_type {model_type!r} is not supported (only 'gpt2', 'llama', 'qwen3', 'mixtral' and "
-            f"'qwen3_moe' convert exactly)"
+            f"model_type {model_type!r} is not supported (only 'gpt2', 'llama', 'qwen3', 'mixtral', "
+            f"'qwen3_moe' and 'deepseek_v3' convert exactly)"
         )
     cls = getattr(transformers_module(), CONFIG_CLASSES[model_type])
     try:
         config = cls.from_dict(dict(config_dict))
     except (TypeError, ValueError, KeyError) as exc:
         raise HFError(f"config.json is not a valid {model_type} config: {str(exc).splitlines()[0]}") from exc
+    if model_type == "deepseek_v3":
+        return hf_deepseek.fields(config, config_dict)
     return _gpt2_fields(config) if model_type == "gpt2" else _llama_fields(config, config_dict)
 
 
@@ -305,11 +287,14 @@ _MATCHED = {
     "model.head_dim": _head_dim_set,
     "model.tie_embeddings": lambda m: m.tie_embeddings,
     "model.norm_eps": lambda m: m.norm_eps,
-    "model.rope_theta": lambda m: m.rope_theta if m.family in ROTARY else None,
+    "model.rope_theta": lambda m: m.rope_theta if m.family in ROPE else None,
     "model.n_experts": lambda m: m.n_experts,
     "model.top_k": lambda m: m.top_k,
     "model.norm_topk_prob": lambda m: m.norm_topk_prob,
-}
+    "the dense blocks' MLP width (model.dense_mlp_hidden, or model.mlp_ratio x model.dim)": lambda m: (
+        m.dense_width if m.family == "deepseek_v3" else None
+    ),
+} | {f"model.{k}": lambda m, k=k: getattr(m, k) for k in DEEPSEEK_KEYS if k != "dense_mlp_hidden"}
 
 
 def differences(run: ModelConfig, theirs: ModelConfig) -> list[str]:
@@ -321,7 +306,7 @@ def differences(run: ModelConfig, theirs: ModelConfig) -> list[str]:
         for name, value in _MATCHED.items()
         if value(run) != value(theirs)
     ]
-    if run.family not in ROTARY and run.seq_len > theirs.seq_len:
+    if run.family not in ROPE and run.seq_len > theirs.seq_len:
         found.append(f"model.seq_len={run.seq_len} (the directory's learned positions: {theirs.seq_len})")
     return found
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from distlib.app.config.groups import HEAD_NORMS, ModelConfig
-from distlib.app.model import families
+from distlib.app.config.model_group import HEAD_NORMS, ModelConfig
+from distlib.app.model import families, hf_deepseek
+from distlib.app.model.bias_balance import state_names
 from distlib.app.model.hf_config import (
     HFError,
     config_fields,
@@ -34,11 +35,13 @@ BASE_PREFIX = {
     "qwen3": "model.",
     "mixtral": "model.",
     "qwen3_moe": "model.",
+    "deepseek_v3": "model.",
 }
 # Where an MoE family's files put the router and the experts, and what they call w1, w2, w3.
 EXPERT_FILES = {
     "mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
     "qwen3_moe": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+    "deepseek_v3": hf_deepseek.EXPERT_FILES,
 }
 # Buffers old checkpoints carry and transformers itself ignores on load (not weights).
 IGNORED = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
@@ -110,10 +113,21 @@ def _llama_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
     return pairs + [("ln_f.weight", "model.norm.weight", False), ("lm_head.weight", "lm_head.weight", False)]
 
 
+def _deepseek_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
+    pairs = [("tok_emb.weight", "model.embed_tokens.weight", False)]
+    for i in range(cfg.n_layers):
+        pairs += [
+            (f"blocks.{i}.{ours}.weight", f"model.layers.{i}.{theirs}.weight", False)
+            for ours, theirs in hf_deepseek.block_names(cfg, i)
+        ]
+    return pairs + [("ln_f.weight", "model.norm.weight", False), ("lm_head.weight", "lm_head.weight", False)]
+
+
 def name_map(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
     """Our name, transformers' name, whether the weight is transposed; a tied lm_head.weight is not
     listed (save_pretrained leaves it out, from_pretrained ties it to the embedding)."""
-    pairs = _gpt2_names(cfg) if cfg.family == "gpt2" else _llama_names(cfg)
+    names = {"gpt2": _gpt2_names, "deepseek_v3": _deepseek_names}
+    pairs = names.get(cfg.family, _llama_names)(cfg)
     return [p for p in pairs if not (cfg.tie_embeddings and p[0] == "lm_head.weight")]
 
 
@@ -132,6 +146,7 @@ def _host_copy(t: torch.Tensor, transpose: bool) -> torch.Tensor:
 def _check_ours(cfg: ModelConfig, state_dict: dict) -> None:
     expected = families.param_shapes(cfg)
     names = set(state_dict) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    names -= set(state_names(cfg))  # (model.balance=bias: the selection biases, beside the weights)
     if names != set(expected):
         raise HFError(
             f"state_dict does not match the {cfg.family} config: missing "
@@ -140,7 +155,7 @@ def _check_ours(cfg: ModelConfig, state_dict: dict) -> None:
     bad = [
         f"{k} {tuple(v.shape)} != {expected[k]}"
         for k, v in state_dict.items()
-        if tuple(v.shape) != expected[k]
+        if k in expected and tuple(v.shape) != expected[k]
     ]
     if bad:
         raise HFError(f"state_dict shapes do not match the {cfg.family} config: " + "; ".join(bad[:3]))
@@ -151,7 +166,19 @@ def to_hf_state_dict(cfg: ModelConfig, state_dict: dict) -> dict[str, torch.Tens
     as contiguous CPU copies: what save_pretrained saves."""
     hf_config_object(cfg)  # refuses MiniGPT
     _check_ours(cfg, state_dict)
-    return {theirs: _host_copy(state_dict[ours], transpose) for ours, theirs, transpose in name_map(cfg)}
+    out = {theirs: _host_copy(state_dict[ours], transpose) for ours, theirs, transpose in name_map(cfg)}
+    return out | _correction_biases(cfg, state_dict)
+
+
+def _correction_biases(cfg: ModelConfig, state_dict: dict) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's routers' e_score_correction_bias: the selection biases of model.balance=bias in
+    ``state_dict`` (under their buffer names), else zeros (transformers' router always adds one)."""
+    if cfg.family != "deepseek_v3":
+        return {}
+    zeros = torch.zeros(cfg.n_experts)
+    return {
+        theirs: _host_copy(state_dict.get(ours, zeros), False) for ours, theirs in hf_deepseek.bias_names(cfg)
+    }
 
 
 def _canonical_names(family: str, names) -> dict[str, str]:
@@ -166,11 +193,14 @@ def _canonical_names(family: str, names) -> dict[str, str]:
 
 
 def state_from_hf(cfg: ModelConfig, hf_state: dict) -> dict[str, torch.Tensor]:
-    """Our state_dict (fp32; a tied lm_head.weight is the embedding tensor) from transformers'."""
+    """Our state_dict (fp32; a tied lm_head.weight is the embedding tensor) from transformers';
+    DeepSeek-V3's with its routers' correction biases under the selection biases' names
+    (``blocks.<b>.mlp.score_bias``)."""
     tensors = {c: hf_state[n] for n, c in _canonical_names(cfg.family, hf_state).items()}
     pairs, expected = name_map(cfg), families.param_shapes(cfg)
     extra_head = cfg.tie_embeddings and "lm_head.weight" in tensors  # saved although tied: must be equal
     wanted = {theirs for _, theirs, _ in pairs} | ({"lm_head.weight"} if extra_head else set())
+    wanted |= {theirs for _, theirs in _bias_pairs(cfg)}
     missing, unexpected = wanted - set(tensors), set(tensors) - wanted
     if missing or unexpected:
         raise HFError(
@@ -191,7 +221,22 @@ def state_from_hf(cfg: ModelConfig, hf_state: dict) -> dict[str, torch.Tensor]:
         if extra_head and not torch.equal(tensors["lm_head.weight"].float(), state["tok_emb.weight"]):
             raise HFError("tie_word_embeddings is true but lm_head.weight differs from the token embedding")
         state["lm_head.weight"] = state["tok_emb.weight"]  # as a tied model's state_dict() lists it
-    return {k: state[k] for k in expected}
+    return {k: state[k] for k in expected} | _biases_from_hf(cfg, tensors)
+
+
+def _bias_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    return hf_deepseek.bias_names(cfg) if cfg.family == "deepseek_v3" else []
+
+
+def _biases_from_hf(cfg: ModelConfig, tensors: dict) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's correction biases under our selection biases' names (float32)."""
+    out = {}
+    for ours, theirs in _bias_pairs(cfg):
+        t = tensors[theirs].detach().to("cpu", torch.float32).contiguous()
+        if tuple(t.shape) != (cfg.n_experts,):
+            raise HFError(f"{theirs} has shape {tuple(t.shape)}, the config implies ({cfg.n_experts},)")
+        out[ours] = t
+    return out
 
 
 def from_hf(config_dict: dict, hf_state_dict: dict) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask
 from distlib.app.model.layers import CausalLM, PreNormBlock, positions_or_default
@@ -108,27 +108,35 @@ class Attention(nn.Module):
         q, k = (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
         # k and v keep their n_kv_heads (per rank: tp divides them): repeated to the query heads only
         # where attention is computed, so context parallelism moves the grouped heads
-        out = attention.causal_attention(
-            q,
-            k,
-            v,
-            self.causal_mask,
-            scale=self.scale,
-            softmax_dtype=torch.float32,
-            dropout=self.dropout,
-            training=self.training,
-            context=self.context,
-            draws=draws,
-        )
-        return self.o_proj(out)
+        return self.o_proj(eager_attention(self, q, k, v, draws))
+
+
+def eager_attention(module: nn.Module, q, k, v, draws: Draws | None) -> torch.Tensor:
+    """``attention.causal_attention`` as transformers' eager attention of the rotary families runs it
+    (scores x ``module.scale``, the softmax in float32, dropout on the weights), with the module's
+    mask, dropout, mode and context strategy (DeepSeek-V3's latent attention calls it too)."""
+    return attention.causal_attention(
+        q,
+        k,
+        v,
+        module.causal_mask,
+        scale=module.scale,
+        softmax_dtype=torch.float32,
+        dropout=module.dropout,
+        training=module.training,
+        context=module.context,
+        draws=draws,
+    )
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
+        """``width``: the hidden units (DeepSeek's dense and shared MLPs); None = model.mlp_width."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.mlp_width, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.mlp_width, bias=False)
-        self.down_proj = nn.Linear(cfg.mlp_width, cfg.dim, bias=False)
+        width = cfg.mlp_width if width is None else width
+        self.gate_proj = nn.Linear(cfg.dim, width, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import gpt2
 from distlib.app.model.layers import seeded
 

@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import llama, moe
 from distlib.app.model.layers import CausalLM, PreNormBlock
 from distlib.app.model.strategies import LOCAL, Strategies
@@ -53,9 +53,15 @@ class Mixtral(CausalLM):
     def __init__(self, cfg: ModelConfig, strategies: Strategies = LOCAL):
         super().__init__(cfg, strategies)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        experts = partial(moe.MoE, sequence=strategies.sequence)
         self.blocks = nn.ModuleList(
-            PreNormBlock(cfg, llama.rms_norm, self.ATTENTION, experts, index=i, strategies=strategies)
+            PreNormBlock(
+                cfg,
+                llama.rms_norm,
+                self.ATTENTION,
+                self.feed_forward(cfg, i, strategies),
+                index=i,
+                strategies=strategies,
+            )
             for i in range(cfg.n_layers)
         )
         self.ln_f = llama.rms_norm(cfg)
@@ -65,6 +71,10 @@ class Mixtral(CausalLM):
         # per training forward: [load-balancing loss, tokens per (block, expert)...], float64
         self.routing_log: deque[torch.Tensor] = deque(maxlen=LOG_LENGTH)
         self.step_balance: moe.StepBalance | None = None  # set by routing_count (each block holds it too)
+
+    def feed_forward(self, cfg: ModelConfig, index: int, strategies: Strategies):
+        """Block ``index``'s MLP factory: every block's a mixture of experts (DeepSeek-V3: not all)."""
+        return partial(moe.MoE, sequence=strategies.sequence)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
         return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
@@ -81,10 +91,9 @@ class Mixtral(CausalLM):
             return out
         if self.step_balance is not None:  # the blocks charged their shares to the backward
             return self.train_loss(out)
-        dropped = [b.mlp.last_dropped for b in self.blocks] if self.cfg.capacity_factor is not None else None
-        found = moe.balance(
-            [b.mlp.last_routing for b in self.blocks], self.cfg.n_experts, self.batch, dropped
-        )
+        layers = [b.mlp for b in self.blocks if isinstance(b.mlp, moe.MoE)]
+        dropped = [m.last_dropped for m in layers] if self.cfg.capacity_factor is not None else None
+        found = moe.balance([m.last_routing for m in layers], self.cfg.n_experts, self.batch, dropped)
         kept = [found.value.view(1), found.counts.flatten()] + ([found.dropped] if dropped else [])
         self.routing_log.append(torch.cat(kept))
         # transformers adds coef x aux to the cross-entropy in the same order: loss += coef * aux
@@ -102,14 +111,15 @@ class Mixtral(CausalLM):
         """The step record's MoE fields from the last ``micro_batches`` training forwards (older
         ones, e.g. of a step rolled back, are dropped): ``aux_loss``, their mean load-balancing loss
         (transformers' ``aux_loss``, before the coefficient), and ``expert_tokens``, per block the
-        tokens each expert received, summed over them and over the batch group."""
+        tokens each expert received, summed over them and over the batch group (per MoE block:
+        ``model.moe_layers``)."""
         kept = list(self.routing_log)[-micro_batches:]
         self.routing_log.clear()
         if not kept:
             return {}
         rows = torch.stack(kept).tolist()  # one read of the device
         sums = [sum(r[1 + i] for r in rows) for i in range(len(rows[0]) - 1)]
-        e, blocks = self.cfg.n_experts, self.cfg.n_layers  # every block's, on a pipeline stage too
+        e, blocks = self.cfg.n_experts, len(self.cfg.moe_layers)  # every block's, on a pipeline stage too
         fields = {
             "aux_loss": sum(r[0] for r in rows) / len(rows),
             "expert_tokens": [[round(c) for c in sums[b * e : (b + 1) * e]] for b in range(blocks)],

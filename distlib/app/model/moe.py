@@ -2,10 +2,11 @@
 
 ``MoE`` takes the place of a block's MLP. On the tokens of x, flattened to (tokens, dim):
 
-    route      router logits = gate(x) (a Linear, no bias); probabilities = their softmax in
-               float32; each token's top_k experts by probability, with those k probabilities
-               renormalised to sum to 1 (the routing weights; ``model.norm_topk_prob=false``,
-               Qwen3-MoE's option: the probabilities themselves)
+    route      router logits = gate(x) (a Linear, no bias); the family's router (``routers``)
+               chooses each token's top_k experts and their weights: Mixtral's, probabilities =
+               their softmax in float32, the top_k by probability, those k renormalised to sum to 1
+               (``model.norm_topk_prob=false``, Qwen3-MoE's option: the probabilities themselves);
+               DeepSeek-V3's, sigmoid scores chosen in groups (``routers.SigmoidGroupTopK``)
     dispatch   the (token, slot) pairs grouped by expert, in expert order (a stable sort of the
                flattened expert ids), and each expert's count: ``Dispatch``
     experts    expert e is a SwiGLU MLP, w2(silu(w1 x) * w3 x), no biases, run on its tokens only
@@ -57,7 +58,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
+from distlib.app.model import routers
 from distlib.app.model.recompute import is_recomputing
 from distlib.comm import collectives
 from distlib.comm.group import Comm
@@ -108,7 +110,8 @@ class MoE(nn.Module):
         super().__init__()
         self.sequence = sequence  # dist.sp: the block hands the tokens gathered; see forward
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.capacity_factor, self.norm_topk = cfg.capacity_factor, cfg.norm_topk_prob
+        self.capacity_factor = cfg.capacity_factor
+        self.router = routers.for_model(cfg)
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
         # where the experts run: every one here, or (``hold_experts_``) over the expert group's ranks
@@ -127,15 +130,9 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids (tokens, k) int64, routing weights (tokens, k) float32, router probabilities
-        (tokens, n_experts) float32) of x (tokens, dim)."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # float32 whatever the dtype, as transformers
-        if self.score_bias is None:
-            top, ids = torch.topk(probs, self.top_k, dim=-1)
-        else:  # the bias chooses the experts; the probabilities alone weigh them (DeepSeek-V3)
-            ids = torch.topk(probs + self.score_bias, self.top_k, dim=-1).indices
-            top = probs.gather(-1, ids)
-        weights = top / top.sum(dim=-1, keepdim=True) if self.norm_topk else top
-        return ids, weights, probs
+        (tokens, n_experts) float32: what the balance loss reads) of x (tokens, dim)."""
+        routed = self.router.route(self.router.logits(self.gate, x), self.score_bias)
+        return routed.ids, routed.weights, routed.probs
 
     def dispatch(self, ids: torch.Tensor, counts: list[int]) -> Dispatch:
         # A stable sort keeps each expert's pairs in token order.
@@ -277,7 +274,7 @@ class StepBalance:
     before its forwards (``routing_count``)."""
 
     fraction: torch.Tensor  # (n_experts,) float32: f, every block's counts over the batch's rows
-    blocks: int  # the model's MoE blocks (n_layers), on every stage
+    blocks: int  # the model's MoE blocks (len(model.moe_layers)), on every stage
     weight: float  # the gradient each share gets: router_aux_loss_coef / the step's micro-batches
     value: float  # the step's loss, as ``balance``'s ``value``
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import attention, llama
 
 TENSOR_PARALLEL_PLAN = llama.TENSOR_PARALLEL_PLAN

@@ -14,7 +14,7 @@ refused.
 
 from __future__ import annotations
 
-from distlib.app.config.groups import ModelConfig
+from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import mixtral, qwen3
 
 TENSOR_PARALLEL_PLAN = mixtral.TENSOR_PARALLEL_PLAN

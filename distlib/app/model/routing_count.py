@@ -70,16 +70,18 @@ class RoutingCount:
     def _parts(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of ``packed`` (after its total rows): counts (L, E), probability sums (L, E),
         dropped (L,)."""
-        L, E = self.cfg.n_layers, self.cfg.n_experts
+        L, E = len(self.cfg.moe_layers), self.cfg.n_experts
         return packed[1 : 1 + L * E].view(L, E), packed[1 + L * E : -L].view(L, E), packed[-L:]
 
     def _packed(self, blocks) -> torch.Tensor:
         """[rows, counts, probability sums, dropped] (``_parts``) of this rank's tallies, float64,
-        each block at its index (zeros for the blocks of other stages)."""
-        L, E = self.cfg.n_layers, self.cfg.n_experts
+        each MoE block at its place in ``model.moe_layers`` (zeros for the blocks of other stages)."""
+        L, E = len(self.cfg.moe_layers), self.cfg.n_experts
         packed = torch.zeros(1 + 2 * L * E + L, dtype=torch.float64, device=self.device)
         counts, probs, dropped = self._parts(packed)
-        for i, m in blocks:
+        row = {block: r for r, block in enumerate(self.cfg.moe_layers)}
+        for block, m in blocks:
+            i = row[block]
             for rows, c, p, d in m.tally:
                 packed[0] += rows
                 counts[i] += c
@@ -94,7 +96,7 @@ class RoutingCount:
         fraction, value = moe.balance_value(counts, probs, packed[0])
         value = float(value)
         weight = self.cfg.router_aux_loss_coef / self.grad_accum
-        balance = moe.StepBalance(fraction.float(), self.cfg.n_layers, weight, value)
+        balance = moe.StepBalance(fraction.float(), len(self.cfg.moe_layers), weight, value)
         for _, m in blocks:
             m.step_balance = balance
         self.model.step_balance = balance

@@ -27,6 +27,7 @@ dtype before ``@ v``. The backward works in that float dtype (its dp and delta i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -142,9 +143,27 @@ def _merge(state: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tup
     return run * torch.exp(run_lse - new) + out * torch.exp(lse - new), new
 
 
+class Pair:
+    """k and v (or their gradients) in one flat buffer, k's elements then v's: one message a step
+    whatever their widths (latent attention's values are narrower than its keys). For equal shapes
+    it is ``torch.stack([k, v])``'s memory, and the views have the same strides."""
+
+    def __init__(self, k_shape, v_shape):
+        self.k_shape, self.v_shape = tuple(k_shape), tuple(v_shape)
+        self.split = math.prod(self.k_shape)
+        self.numel = self.split + math.prod(self.v_shape)
+
+    def pack(self, k: Tensor, v: Tensor) -> Tensor:
+        return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+    def views(self, buf: Tensor) -> tuple[Tensor, Tensor]:
+        return buf[: self.split].view(self.k_shape), buf[self.split :].view(self.v_shape)
+
+
 def _forward(ar: Arith, lay: Layout, q: Tensor, k: Tensor, v: Tensor, dropout, stats: RingStats | None):
     p2p, n, me = P2P("ring_attention", lay.comm), lay.n, lay.me
-    cur = torch.stack([k, v])  # one message a step; sent from and received into two buffers
+    pair = Pair(k.shape, v.shape)
+    cur = pair.pack(k, v)  # one message a step; sent from and received into two buffers
     spare = torch.empty_like(cur)
     states: list = [None, None]
     for s in range(n):
@@ -154,7 +173,7 @@ def _forward(ar: Arith, lay: Layout, q: Tensor, k: Tensor, v: Tensor, dropout, s
         for blk in step_blocks(n, me, src):
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
-            kv = cur[0][..., keys, :], cur[1][..., keys, :]
+            kv = tuple(t[..., keys, :] for t in pair.views(cur))
             part = _partial(ar, q[..., qrows, :], *kv, lay.mask(blk, src), lay.factors(dropout, blk, src))
             states[a] = _merge(states[a], *part)
             if stats is not None:
@@ -197,11 +216,12 @@ class _Backward:
         self.dout = dout.to(ar.acc)
         self.delta = (self.dout.double() * out.double()).sum(-1, keepdim=True)  # _block_grads: why float64
         self.dq = torch.zeros(q.shape, dtype=ar.acc, device=q.device)
-        self.grad_shape = (2, *k.shape)
+        self.pair = Pair(k.shape, v.shape)
 
-    def contribution(self, kv: Tensor, src: int) -> Tensor:
-        """This rank's part of dk/dv (stacked) for ``src``'s block; dq accumulates in ring order."""
-        lay, mine = self.lay, torch.zeros(self.grad_shape, dtype=self.ar.acc, device=kv.device)
+    def contribution(self, packed: Tensor, src: int) -> Tensor:
+        """This rank's part of dk/dv (a ``Pair``) for ``src``'s block; dq accumulates in ring order."""
+        lay, flat = self.lay, torch.zeros(self.pair.numel, dtype=self.ar.acc, device=packed.device)
+        kv, mine = self.pair.views(packed), self.pair.views(flat)
         for blk in step_blocks(lay.n, lay.me, src):
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
@@ -221,17 +241,17 @@ class _Backward:
             mine[1][..., keys, :] += dv
             if self.stats is not None:
                 self.stats.backward_blocks += b1 - b0
-        return mine
+        return flat
 
     def run(self, k: Tensor, v: Tensor) -> Tensor:
-        """The ring; returns this rank's own dk/dv (stacked). Per step a rank sends the block,
+        """The ring; returns this rank's own dk/dv (a ``Pair``'s buffer). Per step a rank sends the block,
         then the block's summed dk/dv, and receives in the same order, so every message pairs
         with its own on the other side."""
         lay, n, me = self.lay, self.lay.n, self.lay.me
         if n == 1:  # no ring: the one contribution is our own
-            return self.contribution(torch.stack([k, v]), me)
+            return self.contribution(self.pair.pack(k, v), me)
         p2p = P2P("ring_attention_backward", lay.comm)
-        cur = torch.stack([k, v])
+        cur = self.pair.pack(k, v)
         spare = torch.empty_like(cur)
         incoming = sending = None  # (buffer, handle): the visiting block's dk/dv so far; ours out
         for s in range(n):
@@ -245,7 +265,7 @@ class _Backward:
                 p2p.wait(sending[1])
             sending = (total, p2p.send(total, me + 1))
             # after the last step, what arrives is our own block's, summed over the whole ring
-            buf = torch.empty(self.grad_shape, dtype=self.ar.acc, device=k.device)
+            buf = torch.empty(self.pair.numel, dtype=self.ar.acc, device=k.device)
             incoming = (buf, p2p.recv(buf, me - 1))
             p2p.wait(*handles)
             cur, spare = spare, cur
@@ -269,8 +289,8 @@ class _RingAttention(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: under activation checkpointing a second read fails
         q, k, v = saved[:3]
         ring = _Backward(ctx.ar, ctx.lay, saved, dout, ctx.stats)
-        dkv = ring.run(k, v)
-        return ring.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 7
+        dk, dv = ring.pair.views(ring.run(k, v))
+        return ring.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 7
 
 
 def ring_attention(

@@ -1,0 +1,462 @@
+"""DeepSeek-V3 (``model.family=deepseek_v3``): the model against transformers' DeepseekV3ForCausalLM
+(the loss, every gradient and the logits, with low-rank queries or one q_proj, dense first blocks,
+shared experts, group-limited sigmoid routing with the correction biases), its router against
+DeepSeek's rule written out here, the Hugging Face directory both ways (the biases included), the
+refusals, and training: 20 steps at one rank against a plain torch loop on transformers' model
+with the bias rule written out here; every layout within 1e-5 of one rank with the same tokens per
+expert; a checkpoint of a tensor x expert parallel run resumed at one rank and exported to
+transformers. Offline (HF_HUB_OFFLINE=1)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from family_models import built, max_diff, perturb_, quiet_transformers, tokens
+from forkrun import run_script
+from moe_against_hf import file_grads
+from multiproc import run_ranks
+from trainrun import compose_tree, train_each, train_with_margin, train_worlds
+
+from distlib.app.checkpointing import hf_export, init_from
+from distlib.app.checkpointing.sampling import load_model
+from distlib.app.config.model_group import ModelConfig
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.data import corpus
+from distlib.app.data.batches import BatchPlan
+from distlib.app.model import bias_balance, families, routers
+from distlib.app.model import hf_config as hfc
+from distlib.app.model import hf_weights as hfw
+from distlib.checkpoint import relayout, sharded
+
+transformers = quiet_transformers()
+TOL = 1e-5
+# Low-rank queries, heads of 8 + 4 rotary with values of 6, a dense first block of another width,
+# 8 experts in 4 groups (2 chosen), 2 shared experts, weights x 2.5, the selection biases on.
+LOW_RANK = ModelConfig(
+    family="deepseek_v3",
+    vocab_size=64,
+    seq_len=16,
+    dim=32,
+    n_heads=4,
+    n_layers=3,
+    mlp_hidden=24,
+    dense_mlp_hidden=40,
+    n_experts=8,
+    top_k=2,
+    n_group=4,
+    topk_group=2,
+    q_lora_rank=12,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    n_shared_experts=2,
+    routed_scaling_factor=2.5,
+    balance="bias",
+    norm_eps=1e-6,
+    rope_theta=500.0,
+)
+# One q_proj, every block MoE, a tied head, 3 of 4 experts weighed by their raw scores, no aux term
+# (transformers' model has none)
+FULL_QUERY = ModelConfig(
+    family="deepseek_v3",
+    vocab_size=50,
+    seq_len=12,
+    dim=24,
+    n_heads=2,
+    n_layers=2,
+    n_experts=4,
+    top_k=3,
+    norm_topk_prob=False,
+    first_k_dense_replace=0,
+    tie_embeddings=True,
+    router_aux_loss_coef=0.0,
+)
+CONFIGS = {"low-rank-biased": LOW_RANK, "full-query-tied": FULL_QUERY}
+
+
+def _ours(cfg: ModelConfig, seed: int = 3):
+    """Our model in training mode; with the selection biases, set to seeded non-zero values."""
+    ours = built(cfg, seed=seed).train()
+    gen = torch.Generator().manual_seed(seed)
+    for bias in bias_balance.state_buffers(ours).values():
+        bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
+    return ours
+
+
+def _theirs(cfg: ModelConfig, ours, out_dir: Path):
+    """transformers' eager model from our exported directory (the biases as its correction biases)."""
+    hfw.save_hf_dir(cfg, ours.state_dict() | bias_balance.state_buffers(ours), out_dir)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out_dir, output_loading_info=True, attn_implementation="eager"
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"))
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    return theirs.train()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_gradients_and_logits_match_transformers(name, tmp_path):
+    cfg = CONFIGS[name]
+    ours = _ours(cfg)
+    theirs = _theirs(cfg, ours, tmp_path / "hf")
+    window = tokens(cfg, 3, cfg.seq_len + 1, 21)
+    x, y = window[:, :-1], window[:, 1:].contiguous()
+    loss = ours(x, y)
+    out = theirs(input_ids=x, labels=y, shift_labels=y)
+    assert abs(loss.item() - out.loss.item()) <= TOL
+    loss.backward()
+    out.loss.backward()
+    grads = hfw.to_hf_state_dict(cfg, {n: p.grad for n, p in ours.named_parameters()})
+    theirs_grads = file_grads(theirs, cfg)
+    grads = {n: g for n, g in grads.items() if not n.endswith("e_score_correction_bias")}  # (buffers)
+    assert grads.keys() == theirs_grads.keys()
+    assert max(max_diff(grads[n], theirs_grads[n]) for n in grads) <= TOL
+    with torch.no_grad():
+        for seq in (cfg.seq_len, 5):
+            assert max_diff(ours(x[:, :seq]), theirs(x[:, :seq]).logits) <= TOL
+
+
+def _rule(logits, bias, n_group: int, topk_group: int, top_k: int, normalise: bool, scale: float):
+    """DeepSeek-V3's routing, token by token: (each token's expert ids, sorted; their weights)."""
+    chosen = []
+    for row, b in zip(logits.sigmoid().tolist(), [bias.tolist()] * len(logits)):
+        choice = [s + c for s, c in zip(row, b)]
+        size = len(row) // n_group
+        groups = [sorted(choice[g * size : (g + 1) * size], reverse=True) for g in range(n_group)]
+        best = sorted(range(n_group), key=lambda g: -(groups[g][0] + groups[g][1]))[:topk_group]
+        allowed = [e for e in range(len(row)) if e // size in best]
+        ids = sorted(sorted(allowed, key=lambda e: -choice[e])[:top_k])
+        weights = [row[e] for e in ids]
+        total = sum(weights) if normalise else 1.0
+        chosen.append((ids, [w / total * scale for w in weights]))
+    return chosen
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+def test_the_router_chooses_in_groups_with_the_biases_and_weighs_without_them(normalise):
+    router = routers.SigmoidGroupTopK(top_k=3, n_group=4, topk_group=2, normalise=normalise, scale=2.5)
+    gen = torch.Generator().manual_seed(7)
+    logits, bias = torch.randn(40, 12, generator=gen), torch.randn(12, generator=gen) * 0.3
+    routed = router.route(logits, bias)
+    order = routed.ids.argsort(dim=-1)
+    ids, weights = routed.ids.gather(1, order), routed.weights.gather(1, order)
+    for t, (want_ids, want_weights) in enumerate(_rule(logits, bias, 4, 2, 3, normalise, 2.5)):
+        assert ids[t].tolist() == want_ids
+        assert weights[t].tolist() == pytest.approx(want_weights, rel=1e-6)
+    assert not torch.equal(router.route(logits, None).ids.sort().values, routed.ids.sort().values)
+    scores = logits.sigmoid()
+    assert torch.allclose(routed.probs, scores / scores.sum(dim=-1, keepdim=True))
+
+
+def test_the_router_is_transformers_router():
+    cfg = LOW_RANK
+    ours = _ours(cfg)
+    moe_layer = ours.blocks[1].mlp
+    config = hfc.hf_config_object(cfg)
+    theirs = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        theirs.weight.copy_(moe_layer.gate.weight)
+        theirs.e_score_correction_bias.copy_(moe_layer.score_bias)
+    x = torch.randn(30, cfg.dim, generator=torch.Generator().manual_seed(2))
+    ids, weights, _ = moe_layer.route(x)
+    _, their_weights, their_ids = theirs(x)
+    order, their_order = ids.argsort(dim=-1), their_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), their_ids.gather(1, their_order))
+    assert max_diff(weights.gather(1, order), their_weights.gather(1, their_order)) <= 1e-7
+
+
+def test_the_hugging_face_directory_both_ways(tmp_path):
+    """Export: DeepseekV3's config.json and file names (the latent projections, the dense block's
+    MLP, mlp.experts.{e}.gate_proj/up_proj/down_proj, shared_experts, the correction biases);
+    import: our directory back to the same config, weights and biases, and a directory transformers'
+    save_pretrained wrote to the same."""
+    cfg = LOW_RANK
+    ours = _ours(cfg)
+    theirs = _theirs(cfg, ours, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    keys = ["model_type", "n_routed_experts", "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank"]
+    assert [config[k] for k in keys] == ["deepseek_v3", 8, 4, 2, 1, 12]
+    names = {theirs for _, theirs, _ in hfw.name_map(cfg)}
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+    layer = "model.layers.2."
+    assert {layer + "self_attn.kv_a_proj_with_mqa.weight", layer + "self_attn.q_a_layernorm.weight"} <= names
+    assert {f"{layer}mlp.experts.7.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj")} <= names
+    assert layer + "mlp.shared_experts.down_proj.weight" in names
+    mine = ours.state_dict() | bias_balance.state_buffers(ours)
+    theirs.save_pretrained(tmp_path / "theirs")
+    for directory in (tmp_path / "ours", tmp_path / "theirs"):
+        fields, state = hfw.load_hf_dir(directory)
+        assert ModelConfig(**fields) == replace(cfg, balance="aux")  # (balancing is the run's choice)
+        assert state.keys() == mine.keys() and all(torch.equal(state[k], mine[k]) for k in mine)
+    biases = [state[n] for n in bias_balance.state_names(cfg)]
+    assert len(biases) == 2 and all(b.any() for b in biases)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2 with num_attention_heads=4"),
+        ({"rope_interleave": False}, "rope_interleave=false"),
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling="),
+    ],
+)
+def test_import_refuses_what_it_does_not_compute(change, message):
+    with pytest.raises(hfc.HFError) as err:
+        hfc.config_fields(hfc.hf_config(LOW_RANK) | change)
+    assert str(err.value).startswith(f"cannot convert exactly: {message}")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.topk_group=5"], "model.topk_group=5 exceeds model.n_group=4"),
+        (["model.n_group=3"], "model.n_group=3 must divide model.n_experts=8 into groups of at least 2"),
+        (["model.n_group=8", "model.topk_group=1"], "model.n_group=8 must divide model.n_experts=8 into"),
+        (["model.top_k=5"], "model.top_k=5 exceeds the 4 experts of model.topk_group=2 groups of 2"),
+        (["model.first_k_dense_replace=2"], "model.first_k_dense_replace=2 leaves no MoE block"),
+        (["model.qk_rope_head_dim=5"], "model.qk_rope_head_dim=5 must be even"),
+        (["model.n_kv_heads=2"], "model.n_kv_heads=2 does not apply to model.family=deepseek_v3"),
+        (["model=llama", "model.q_lora_rank=8"], "model.q_lora_rank=8 does not apply to model.family=llama"),
+        (
+            ["dist.world_size=3", "dist.ep=3", "train.global_batch=15"],
+            "dist.ep=3 must divide model.n_experts",
+        ),
+        (
+            ["dist.world_size=2", "dist.tp=2", "model.dense_mlp_hidden=33"],
+            "invalid parallel layout: dist.tp=2",
+        ),
+    ],
+)
+def test_bad_input_is_one_config_error(overrides, message):
+    preset = [] if overrides[0].startswith("model=") else ["model=deepseek_v3"]
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(compose_tree([*preset, *overrides]))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_train_py_refuses_before_any_worker(tmp_path):
+    run = tmp_path / "refused"
+    proc = run_script("train.py", "model=deepseek_v3_tiny", "model.topk_group=6", f"hydra.run.dir={run}")
+    assert proc.returncode == 2 and not run.exists()
+    assert proc.stderr.splitlines() == ["config error: model.topk_group=6 exceeds model.n_group=4"]
+
+
+# -- training ------------------------------------------------------------------------------------------
+
+# seed 8: the reference's smallest routing margin (a token's k-th against (k+1)-th choice score, and
+# the last chosen group against the next) is 4.5e-6 (seeds 1-12 measured 1.2e-7 to 4.5e-6), far
+# above the layouts' rounding of the scores (about 6e-8)
+BASE = ["model=deepseek_v3_tiny", "seed=8", "train.steps=20", "checkpoint.every_steps=0"]
+BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
+MARGIN = 1e-6
+LAYOUTS = {
+    4: [
+        ["train.grad_accum=4"],  # dp 4 at ZeRO 1, 4 micro-batches
+        ["dist.tp=2"],  # tp 2 x dp 2: the shared rotary key's gradient all-reduced over tp
+        ["zero=stage3", "dist.ep=4"],
+        # tp 2 (the heads, the dense MLP, the shared and routed experts split; sequence parallel)
+        # x ep 2 over dp 2; its step 10 is resumed at one rank and exported below
+        ["dist.tp=2", "dist.sp=true", "dist.ep=2", "checkpoint.every_steps=10"],
+        ["dist.pp=2", "dist.ep=2", "train.grad_accum=2"],  # the dense block on stage 0
+        ["dist.cp=2", "dist.cp_impl=alltoall", "dist.ep=2"],
+        ["dist.cp=2", "dist.cp_impl=ring", "zero=stage2"],
+    ]
+}
+# bf16 at tp 2 x ep 2: step 1 within bf16 precision of one rank's fp32 step, and the loss falls (no
+# closer bound: a bf16 rounding flips near-tied choices, as tests/test_expert_parallel_train.py
+# measures for Mixtral)
+BF16 = ["train.dtype=bf16", "dist.tp=2", "dist.ep=2"]
+BF16_REL = 0.01
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek")
+    ref = run_ranks(train_with_margin, 1, compose_tree([*BASE, "dist.world_size=1"]), str(root / "ref"))[0]
+    return root, ref, train_worlds(BASE, {4: [*LAYOUTS[4], BF16]}, root)
+
+
+def _follows(run: dict, ref: dict, what) -> None:
+    worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"][-len(run["losses"]) :]))
+    assert worst <= TOL, (what, worst)
+    for r, want in zip(run["records"], ref["records"][-len(run["records"]) :]):
+        assert r["expert_tokens"] == want["expert_tokens"], (what, r["step"])
+
+
+def _lr(step: int, cfg) -> float:
+    """Warmup, then the cosine to min_lr_ratio x lr at the last step (the preset's schedule)."""
+    o, total = cfg.optimizer, cfg.train.steps
+    if step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    low, progress = o.lr * o.min_lr_ratio, (step - o.warmup_steps) / (total - o.warmup_steps)
+    return low + (o.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _plain_loop(cfg: RunConfig, out_dir: Path) -> tuple[list[float], list[list[list[int]]]]:
+    """transformers' model from the run's initial weights, trained by torch's AdamW on the run's
+    batches, the correction biases moved after each step by DeepSeek's rule: b += gamma x
+    sign(mean - c) per block, c the step's assignments per expert. (losses, tokens per expert)."""
+    ours = families.build(cfg.model, cfg.seed)
+    hfw.save_hf_dir(cfg.model, ours.state_dict(), out_dir)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager").train()
+    counts = {}
+
+    def count(block):
+        def hook(router, inputs, out):
+            counts[block] += torch.bincount(out[2].flatten(), minlength=cfg.model.n_experts)
+
+        return hook
+
+    routers_ = [(i, theirs.model.layers[i].mlp.gate) for i in cfg.model.moe_layers]
+    for i, router in routers_:
+        router.register_forward_hook(count(i))
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(
+        theirs.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+    )
+    plan = BatchPlan(cfg.global_batch, 1, 1)
+    data, _ = corpus.build(cfg, None, plan)
+    losses, tokens_per_expert = [], []
+    for step in range(cfg.train.steps):
+        counts.update({i: torch.zeros(cfg.model.n_experts, dtype=torch.int64) for i, _ in routers_})
+        ((x, y),) = data.micro_batches(step, 0)
+        y = y.contiguous()
+        for group in opt.param_groups:
+            group["lr"] = _lr(step + 1, cfg)
+        loss = theirs(input_ids=x, labels=y, shift_labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for i, router in routers_:
+                mean = counts[i].sum() / cfg.model.n_experts
+                step_ = cfg.model.bias_update_speed * torch.sign(mean - counts[i]).float()
+                router.e_score_correction_bias += step_
+        losses.append(loss.item())
+        tokens_per_expert.append([counts[i].tolist() for i, _ in routers_])
+    return losses, tokens_per_expert
+
+
+@pytest.mark.slow
+def test_twenty_steps_at_one_rank_follow_a_plain_loop_on_transformers(runs, tmp_path):
+    _, ref, _ = runs
+    assert ref["margin"] > MARGIN, f"the reference has a near-tied routing choice ({ref['margin']:.1e})"
+    cfg = RunConfig.from_dict(compose_tree([*BASE, "dist.world_size=1"]))
+    losses, tokens_per_expert = _plain_loop(cfg, tmp_path / "hf")
+    assert max(abs(a - b) / b for a, b in zip(ref["losses"], losses)) <= TOL
+    assert [r["expert_tokens"] for r in ref["records"]] == tokens_per_expert
+    assert ref["losses"][-1] < 0.6 * ref["losses"][0]
+
+
+@pytest.mark.slow
+def test_every_layout_follows_one_rank(runs):
+    """20 steps within 1e-5 of one rank, the tokens per expert of every MoE block the same; bf16
+    trains."""
+    _, ref, worlds = runs
+    for layout, run in zip(LAYOUTS[4], worlds[4]):
+        assert len(run["losses"]) == 20, layout
+        _follows(run, ref, layout)
+    bf16 = worlds[4][-1]["losses"]
+    assert 0 < abs(bf16[0] - ref["losses"][0]) / ref["losses"][0] <= BF16_REL, (bf16[0], ref["losses"][0])
+    assert bf16[-1] < 0.6 * bf16[0]
+
+
+@pytest.mark.slow
+def test_a_tensor_and_expert_parallel_checkpoint_resumes_at_one_rank_and_exports(runs, tmp_path):
+    """The tp 2 x ep 2 run's step-10 checkpoint (the selection biases in it, not zero) resumes at one
+    rank for steps 11-20 as the reference's, and exports to a directory transformers loads with our
+    logits and the checkpoint's biases as its correction biases."""
+    root, ref, _ = runs
+    ckpt = root / "ws4" / "3" / "checkpoints" / "step_00000010"
+    biases = relayout.state_buffers(ckpt, sharded.verify(ckpt))
+    assert sorted(biases) == bias_balance.state_names(RunConfig.from_dict(compose_tree(BASE)).model)
+    assert all(b.any() for b in biases.values())
+    resumed = compose_tree([*BASE, "dist.world_size=1", f"checkpoint.resume={ckpt}"])
+    (again,) = run_ranks(train_each, 1, [resumed], str(tmp_path / "resumed"))[0]
+    assert len(again["losses"]) == 10
+    _follows(again, ref, "tp 2 x ep 2 -> 1 rank")
+    hf_export.export(ckpt, tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    for name, bias in biases.items():
+        block = int(name.split(".")[1])
+        assert torch.equal(theirs.model.layers[block].mlp.gate.e_score_correction_bias, bias)
+    ours = load_model(ckpt)
+    x = tokens(ours.cfg, 2, ours.cfg.seq_len, 9)
+    with torch.no_grad():
+        assert max_diff(ours(x), theirs(x).logits) <= TOL
+
+
+def _transformers_saved(out_dir: Path) -> Path:
+    """A DeepSeek-V3 transformers built and saved itself (its own names and defaults), its
+    correction biases non-zero."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        max_position_embeddings=16,
+        num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = perturb_(transformers.DeepseekV3ForCausalLM(config), 1)
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_init_from_refuses_correction_biases_without_selection_biases(tmp_path):
+    hf = _transformers_saved(tmp_path / "hf")
+    tree = compose_tree([f"model.init_from={hf}", "model.balance=aux"])
+    with pytest.raises(ConfigError) as err:
+        init_from.load(RunConfig.from_dict(tree).model)
+    assert str(err.value) == (
+        f"model.init_from={hf}: its routers' e_score_correction_bias are not zero, and model.balance=aux "
+        f"has no selection biases to keep them; set model.balance=bias"
+    )
+
+
+@pytest.mark.slow
+def test_init_from_a_transformers_saved_deepseek_at_tensor_and_expert_parallel(tmp_path):
+    """`model.init_from=DIR model.balance=bias` takes the family and every shape key from a
+    directory transformers' save_pretrained wrote, and the correction biases as the selection
+    biases: at tp 2 x ep 2, step 1's loss is transformers' on that batch."""
+    hf = _transformers_saved(tmp_path / "hf")
+    overrides = [f"model.init_from={hf}", "model.balance=bias", "train.steps=1", "checkpoint.every_steps=0"]
+    tree = compose_tree(
+        [*overrides, "dist.world_size=4", "dist.tp=2", "dist.ep=2", "metrics.progress_every=0"]
+    )
+    cfg = RunConfig.from_dict(tree)
+    assert (cfg.model.family, cfg.model.q_lora_rank, cfg.model.n_group, cfg.model.mlp_hidden) == (
+        "deepseek_v3",
+        16,
+        2,
+        16,
+    )
+    first = run_ranks(train_each, 4, [tree], str(tmp_path / "run"))[0][0]["losses"][0]
+    plan = BatchPlan(cfg.global_batch, 1, 1)
+    ((x, y),) = corpus.build(cfg, None, plan)[0].micro_batches(0, 0)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager")
+    with torch.no_grad():
+        want = float(theirs(input_ids=x, labels=y.contiguous(), shift_labels=y.contiguous()).loss)
+    assert abs(first - want) <= TOL
