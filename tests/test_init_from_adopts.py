@@ -172,7 +172,7 @@ def test_a_key_set_against_the_directory_is_one_line(hf, tmp_path):
     ]
     assert _refused(hf["mistral"], tmp_path, "model=llama") == [
         f"config error: model.init_from={hf['mistral']}: model_type 'mistral' is not supported (only "
-        f"'gpt2', 'llama', 'qwen3', 'mixtral' and 'qwen3_moe' convert exactly)"
+        f"'gpt2', 'llama', 'qwen3', 'mixtral', 'qwen3_moe' and 'deepseek_v3' convert exactly)"
     ]
 
 
