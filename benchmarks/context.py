@@ -26,6 +26,10 @@ the same bytes for both routes).
   ``ring speed-up`` = alltoall ms / ring ms, ``vs torch coll`` = torch-coll ms / ours (> 1: ours faster).
 * **all-to-all**: N equal pieces, counts given (as Ulysses calls it), ``direct`` and ``pairwise``
   against ``all_to_all_single``; ratio = torch ms / ours (benchmarks/collectives.py's timing).
+* **key/value bytes** (exact counts): what rank 0 sends on the cp group in one step at the longest
+  S, per route: the Llama with its K/V repeated to the 4 query heads (4 key/value heads of 16),
+  grouped (1 key/value head), and DeepSeek-V3's latent attention of the same width and heads
+  (``MLA``: heads of 16 + 8 rotary, values of 16, a latent of 32 + 8), whose ring sends the latent.
 
 JSON: benchmarks/results/context.json (--out).
 """
@@ -88,6 +92,8 @@ def _step(model, meter: ActivationMeter, batch) -> float:
 # Grouped-query attention's key/value traffic: GQA_KV key/value heads for SHAPE's query heads,
 # against as many as query heads (the shapes K/V had when they were repeated before moving).
 GQA_KV = 1
+# Latent attention of SHAPE's width and heads (one dense block, one MoE block: no cp traffic)
+MLA = SHAPE | dict(family="deepseek_v3", kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16)
 
 
 def kv_bytes(comm, seq: int) -> dict:
@@ -101,6 +107,12 @@ def kv_bytes(comm, seq: int) -> dict:
             model = families.build(ModelConfig(seq_len=seq, n_kv_heads=kv, **SHAPE), 0, split)
             _step(model, ActivationMeter(), _batch(seq, comm))
             out.setdefault(route, {})[name] = sum(cp.stats.bytes_sent.values())
+        cp = comm.instrumented(False)
+        model = families.build(
+            ModelConfig(seq_len=seq, **MLA), 0, Strategies(context=ContextSplit(cp, route))
+        )
+        _step(model, ActivationMeter(), _batch(seq, comm))
+        out[route]["latent"] = sum(cp.stats.bytes_sent.values())
     return out
 
 
@@ -233,7 +245,7 @@ def main() -> None:
             a2a.append(row)
     kv = [
         dict(cp=cp, route=route, seq_len=seqs[-1], n_kv_heads=GQA_KV, **sent)
-        | {"ratio": sent["grouped"] / sent["repeated"]}
+        | {"ratio": sent["grouped"] / sent["repeated"], "latent_ratio": sent["latent"] / sent["repeated"]}
         for cp, per_rank in ranks.items()
         for route, sent in per_rank[0]["kv_bytes"].items()
     ]
@@ -256,6 +268,7 @@ def main() -> None:
                 cores=os.cpu_count(),
                 loadavg_1min=[load_before, load_after],
                 model=SHAPE,
+                latent_model=MLA,
                 batch=BATCH,
                 seqs=seqs,
                 steps=steps,
@@ -324,11 +337,16 @@ def _print_kv(kv: list[dict]) -> None:
         f"the cp group per step (forward + backward), K/V repeated to the query heads before they move "
         f"(as before) and grouped (now)"
     )
-    print(f"{'cp':>3} {'route':<9}{'seq':>6}{'repeated':>11}{'grouped':>11}{'ratio':>7}")
+    print(
+        "and DeepSeek-V3's latent attention of the same width and heads (latent: its ring sends the "
+        "compressed latent; the all-to-all moves expanded keys and values)"
+    )
+    head = f"{'cp':>3} {'route':<9}{'seq':>6}{'repeated':>11}{'grouped':>11}{'ratio':>7}"
+    print(head + f"{'latent':>11}{'ratio':>7}")
     for row in kv:
         print(
             f"{row['cp']:>3} {row['route']:<9}{row['seq_len']:>6}{row['repeated']:>11}{row['grouped']:>11}"
-            f"{row['ratio']:>7.3f}"
+            f"{row['ratio']:>7.3f}{row['latent']:>11}{row['latent_ratio']:>7.3f}"
         )
 
 

@@ -167,6 +167,18 @@ def _check_context(d, tmp_path):
         kv = k["n_kv_heads"] if k["route"] == "ring" else math.lcm(k["n_kv_heads"], k["cp"])
         share = kv / heads if k["route"] == "ring" else (2 * heads + 2 * kv) / (4 * heads)
         assert k["grouped"] == share * k["repeated"] > 0 and k["ratio"] == share, k
+        # latent attention: the ring sends the latent and its rotary key (kv_lora + rope a token, and
+        # their gradients) where Llama sends 2 x heads x head_dim; the all-to-all expands first and
+        # moves q, k (nope + rope), v and the output
+        m, width = d["latent_model"], d["model"]["dim"] // heads
+        latent = m["kv_lora_rank"] + 8  # (qk_rope_head_dim's default)
+        qk = m["qk_nope_head_dim"] + 8
+        mla = (
+            latent / (2 * heads * width)
+            if k["route"] == "ring"
+            else (2 * qk + 2 * m["v_head_dim"]) / (4 * width)
+        )
+        assert k["latent"] == mla * k["repeated"] and k["latent_ratio"] == mla, k
     for (cp, route, seq), m in ms.items():
         assert _times(m["ms"], m["cpu_ms"]) and m["ms_min"] <= m["ms"] <= m["ms_max"]
         if cp > 1 and route == "ring":

@@ -7,6 +7,10 @@ argument, not a copy of the code: MiniGPT divides the scores by sqrt(head_dim) w
 multiplies by its inverse (the two round differently), and Llama takes the softmax in float32.
 The other path is torch's fused ``scaled_dot_product_attention`` (``sdpa=True``): the same function
 within rounding (tests/test_model_seams.py), which no family selects yet -- it changes the bits.
+
+DeepSeek-V3's latent attention calls ``latent_causal_attention``: the same attention, its keys and
+values handed over as the latent they are expanded from, so that the context strategy expands them
+where it attends (the ring after the latent travelled: ``parallel.context.latent_ring``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import torch.nn.functional as F
 from distlib.comm.group import Comm
 from distlib.parallel import grouped_heads
 from distlib.parallel.context import chunks
+from distlib.parallel.context.latent_ring import latent_ring_attention
 from distlib.parallel.context.ring import ring_attention
+from distlib.parallel.context.travel import LatentKV
 from distlib.parallel.context.ulysses import ulysses_attention
 from distlib.parallel.dropout import Draws
 
@@ -93,6 +99,9 @@ class WholeSequence:
     def attend(self, q, k, v, whole: Callable, **kept) -> torch.Tensor:
         return whole(q, k, v)
 
+    def attend_latent(self, q, latent, k_rot, up: LatentKV, whole: Callable, **kept) -> torch.Tensor:
+        return whole(q, *up.expand(latent, k_rot))
+
 
 WHOLE = WholeSequence()
 
@@ -121,10 +130,37 @@ def causal_attention(
     the model's seq_len). ``context``: ``WHOLE``, or the sequence split over a context-parallel
     group (``ContextSplit``): q, k, v are this rank's tokens and so is the result."""
     drop = WeightsDropout(dropout if training else 0.0, draws, mask.shape[0])
+    whole, kept = _arithmetic(mask, scale, divide, softmax_dtype, drop, sdpa)
+    return merge_heads(context.attend(q, k, v, whole, **kept))
+
+
+def latent_causal_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    up: LatentKV,
+    mask: torch.Tensor,
+    *,
+    scale: float,
+    softmax_dtype: torch.dtype | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    context: Context = WHOLE,
+    draws: Draws | None = None,
+) -> torch.Tensor:
+    """``causal_attention`` with the keys and values given as the latent (batch, tokens, rank) and
+    shared rotary key (batch, 1, tokens, rope) ``up`` expands them from (multi-head latent
+    attention): the context expands them where it attends (the ring: after the latent travelled)."""
+    drop = WeightsDropout(dropout if training else 0.0, draws, mask.shape[0])
+    whole, kept = _arithmetic(mask, scale, False, softmax_dtype, drop, False)
+    return merge_heads(context.attend_latent(q, latent, k_rot, up, whole, **kept))
+
+
+def _arithmetic(mask, scale, divide, softmax_dtype, drop, sdpa) -> tuple[Callable, dict]:
+    """(one-rank attention of whole sequences, the arguments a context split keeps)."""
     kwargs = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop, sdpa=sdpa)
     whole = lambda *qkv, share=(0, 1): attend_heads(*qkv, mask, **kwargs, share=share)  # noqa: E731
-    kept = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop)
-    return merge_heads(context.attend(q, k, v, whole, **kept))
+    return whole, dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop)
 
 
 def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, drop, sdpa, share) -> torch.Tensor:
@@ -176,6 +212,26 @@ class ContextSplit:
             scale=scale,
             divide=divide,
             softmax_dtype=softmax_dtype,
+            dropout=drop.rows(q, where),
+        )
+
+    def attend_latent(self, q, latent, k_rot, up: LatentKV, whole: Callable, **kept) -> torch.Tensor:
+        """As ``attend``, the keys and values from a latent: the all-to-all expands them first (it
+        moves heads, which the latent does not have); the ring sends the latent and expands each
+        visiting block (``latent_ring``)."""
+        if self.impl == "alltoall":
+            return self.attend(q, *up.expand(latent, k_rot), whole, **kept)
+        where = self.positions(q.shape[2] * self.comm.size, q.device)
+        drop = kept["drop"]
+        return latent_ring_attention(
+            q,
+            latent,
+            k_rot,
+            up,
+            self.comm,
+            where,
+            scale=kept["scale"],
+            softmax_dtype=kept["softmax_dtype"],
             dropout=drop.rows(q, where),
         )
 

@@ -18,8 +18,13 @@
 The two latent RMSNorms use eps 1e-6 whatever ``model.norm_eps`` (transformers builds them with
 DeepseekV3RMSNorm's default). Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj
 by output rows, o_proj by input columns; the latent projections and norms run whole on every rank,
-and the shared rotary key enters the region as a column layer's input does (``rope_key``, a
-``SharedInput``), so each rank's heads' gradients meet in its backward.
+and the normed latent and the shared rotary key enter the region as a column layer's input does
+(``latent_in``, ``rope_key``: ``SharedInput``), so each rank's heads' gradients meet in its backward.
+
+The keys and values are expanded from the latent by kv_b_proj's weight where the context attends
+(``attention.latent_causal_attention``): in place on one rank and for the all-to-all route, after
+the latent travelled for the ring (``parallel.context.latent_ring``: kv_lora_rank + rope values a
+token instead of heads x (nope + rope + v)).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import attention, llama
 from distlib.app.model.attention import causal_mask
 from distlib.app.model.layers import positions_or_default
+from distlib.parallel.context.travel import LatentKV
 from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row, Shared, SharedInput
 
@@ -61,6 +67,7 @@ def tensor_parallel_plan(cfg: ModelConfig) -> dict:
         "blocks.*.attn.kv_b_proj": Column(),
         "blocks.*.attn.o_proj": Row(),
         "blocks.*.attn.rope_key": Shared(),
+        "blocks.*.attn.latent_in": Shared(),
     }
 
 
@@ -84,6 +91,9 @@ class Attention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora, heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, cfg.dim, bias=False)
         self.rope_key = SharedInput()
+        # the latent enters the tensor-parallel region here: kv_b_proj's module is not called, its
+        # (column-parallel) weight is (LatentKV), where the context attends
+        self.latent_in = SharedInput()
         self.dropout = cfg.dropout
         self.register_buffer("causal_mask", causal_mask(cfg.seq_len), persistent=False)
         self.context = context  # dist.cp > 1: attention.ContextSplit (strategies.py)
@@ -107,11 +117,23 @@ class Attention(nn.Module):
         cos, sin = cos[..., : self.rope // 2], sin[..., : self.rope // 2]  # one angle per pair
         q_rot = rotate_interleaved(q_rot, cos, sin)
         k_rot = self.rope_key(rotate_interleaved(k_rot.view(batch, 1, seq, self.rope), cos, sin))
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, -1, self.nope + self.v_dim)
-        k_pass, v = torch.split(kv.transpose(1, 2), [self.nope, self.v_dim], dim=-1)
-        q = torch.cat([q_pass, q_rot], dim=-1)
-        k = torch.cat([k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)], dim=-1)
-        return self.o_proj(llama.eager_attention(self, q, k, v, draws))
+        # the keys and values are expanded from the latent where the context attends (the ring
+        # sends the latent: attention.latent_causal_attention); kv_b_proj holds the up-projection
+        up = LatentKV(self.kv_b_proj.weight, self.nope, self.v_dim)
+        out = attention.latent_causal_attention(
+            torch.cat([q_pass, q_rot], dim=-1),
+            self.latent_in(self.kv_a_layernorm(latent)),
+            k_rot,
+            up,
+            self.causal_mask,
+            scale=self.scale,
+            softmax_dtype=torch.float32,
+            dropout=self.dropout,
+            training=self.training,
+            context=self.context,
+            draws=draws,
+        )
+        return self.o_proj(out)
 
     def sequence_sharded_parameters(self) -> list[nn.Parameter]:
         """With dist.sp the latent projections and norms see the gathered tokens whole, but the

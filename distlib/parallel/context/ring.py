@@ -10,7 +10,9 @@ zig-zag layout every rank computes 2N + 1 such pairs (``block_count``).
 
 The backward runs the same ring: the keys and values travel again, each rank computes dq for
 its queries and its contribution to the visiting block's dk/dv, and the contributions travel
-with it, summed in ring order starting at the owner, until they arrive back home.
+with it, summed in ring order starting at the owner, until they arrive back home. What travels is
+a ``travel`` object's: the keys and values themselves (``KeysValues``), or for latent attention the
+latent they are expanded from and its gradients (``Latent``, ``latent_ring``).
 
 Dropout on the attention weights comes in as factors (0 or 1 / (1 - p)) for this rank's query rows
 against every key position of the sequence; a block takes its columns. A block's weights are its
@@ -27,7 +29,6 @@ dtype before ``@ v``. The backward works in that float dtype (its dp and delta i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,9 @@ from distlib.comm.group import Comm
 from distlib.comm.p2p import P2P
 from distlib.parallel import grouped_heads
 from distlib.parallel.context import chunks
+from distlib.parallel.context.travel import KeysValues, Latent
+
+Traveller = KeysValues | Latent  # what travels around the ring (``travel``)
 
 # (local query chunk, first key chunk, end key chunk, needs a mask): key chunks in held order.
 Block = tuple[int, int, int, bool]
@@ -143,37 +147,20 @@ def _merge(state: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tup
     return run * torch.exp(run_lse - new) + out * torch.exp(lse - new), new
 
 
-class Pair:
-    """k and v (or their gradients) in one flat buffer, k's elements then v's: one message a step
-    whatever their widths (latent attention's values are narrower than its keys). For equal shapes
-    it is ``torch.stack([k, v])``'s memory, and the views have the same strides."""
-
-    def __init__(self, k_shape, v_shape):
-        self.k_shape, self.v_shape = tuple(k_shape), tuple(v_shape)
-        self.split = math.prod(self.k_shape)
-        self.numel = self.split + math.prod(self.v_shape)
-
-    def pack(self, k: Tensor, v: Tensor) -> Tensor:
-        return torch.cat([k.reshape(-1), v.reshape(-1)])
-
-    def views(self, buf: Tensor) -> tuple[Tensor, Tensor]:
-        return buf[: self.split].view(self.k_shape), buf[self.split :].view(self.v_shape)
-
-
-def _forward(ar: Arith, lay: Layout, q: Tensor, k: Tensor, v: Tensor, dropout, stats: RingStats | None):
+def _forward(ar: Arith, lay: Layout, q: Tensor, trav: Traveller, dropout, stats: RingStats | None):
     p2p, n, me = P2P("ring_attention", lay.comm), lay.n, lay.me
-    pair = Pair(k.shape, v.shape)
-    cur = pair.pack(k, v)  # one message a step; sent from and received into two buffers
+    cur = trav.message()  # one message a step; sent from and received into two buffers
     spare = torch.empty_like(cur)
     states: list = [None, None]
     for s in range(n):
         src = (me - s) % n
         # the next block travels while this one is attended
         handles = (p2p.send(cur, me + 1), p2p.recv(spare, me - 1)) if s < n - 1 else ()
+        k, v = trav.kv(cur)
         for blk in step_blocks(n, me, src):
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
-            kv = tuple(t[..., keys, :] for t in pair.views(cur))
+            kv = k[..., keys, :], v[..., keys, :]
             part = _partial(ar, q[..., qrows, :], *kv, lay.mask(blk, src), lay.factors(dropout, blk, src))
             states[a] = _merge(states[a], *part)
             if stats is not None:
@@ -209,19 +196,19 @@ def _block_grads(ar: Arith, q, k, v, dout, lse, delta, mask, drop):
 class _Backward:
     """The backward ring's state on one rank: dq for its queries, the visiting block's dk/dv."""
 
-    def __init__(self, ar: Arith, lay: Layout, saved, dout: Tensor, stats: RingStats | None):
-        q, k, v, out, lse, dropout = saved
-        self.ar, self.lay, self.q, self.lse, self.stats = ar, lay, q, lse, stats
+    def __init__(self, ar: Arith, lay: Layout, saved, trav: Traveller, dout: Tensor, stats: RingStats | None):
+        q, out, lse, dropout = saved
+        self.ar, self.lay, self.q, self.lse, self.stats, self.trav = ar, lay, q, lse, stats, trav
         self.dropout = dropout if dropout.numel() else None
         self.dout = dout.to(ar.acc)
         self.delta = (self.dout.double() * out.double()).sum(-1, keepdim=True)  # _block_grads: why float64
         self.dq = torch.zeros(q.shape, dtype=ar.acc, device=q.device)
-        self.pair = Pair(k.shape, v.shape)
 
     def contribution(self, packed: Tensor, src: int) -> Tensor:
-        """This rank's part of dk/dv (a ``Pair``) for ``src``'s block; dq accumulates in ring order."""
-        lay, flat = self.lay, torch.zeros(self.pair.numel, dtype=self.ar.acc, device=packed.device)
-        kv, mine = self.pair.views(packed), self.pair.views(flat)
+        """This rank's part of the gradient message for ``src``'s block (``packed``: its message);
+        dq accumulates in ring order."""
+        lay, kv = self.lay, self.trav.kv(packed)
+        mine = [torch.zeros(t.shape, dtype=self.ar.acc, device=t.device) for t in kv]
         for blk in step_blocks(lay.n, lay.me, src):
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
@@ -241,17 +228,17 @@ class _Backward:
             mine[1][..., keys, :] += dv
             if self.stats is not None:
                 self.stats.backward_blocks += b1 - b0
-        return flat
+        return self.trav.grad_message(*mine, packed)
 
-    def run(self, k: Tensor, v: Tensor) -> Tensor:
-        """The ring; returns this rank's own dk/dv (a ``Pair``'s buffer). Per step a rank sends the block,
-        then the block's summed dk/dv, and receives in the same order, so every message pairs
-        with its own on the other side."""
+    def run(self) -> Tensor:
+        """The ring; returns this rank's own gradient message, summed over the ring. Per step a
+        rank sends the block, then the block's summed gradient message, and receives in the same
+        order, so every message pairs with its own on the other side."""
         lay, n, me = self.lay, self.lay.n, self.lay.me
         if n == 1:  # no ring: the one contribution is our own
-            return self.contribution(self.pair.pack(k, v), me)
+            return self.contribution(self.trav.message(), me)
         p2p = P2P("ring_attention_backward", lay.comm)
-        cur = self.pair.pack(k, v)
+        cur = self.trav.message()
         spare = torch.empty_like(cur)
         incoming = sending = None  # (buffer, handle): the visiting block's dk/dv so far; ours out
         for s in range(n):
@@ -265,7 +252,7 @@ class _Backward:
                 p2p.wait(sending[1])
             sending = (total, p2p.send(total, me + 1))
             # after the last step, what arrives is our own block's, summed over the whole ring
-            buf = torch.empty(self.pair.numel, dtype=self.ar.acc, device=k.device)
+            buf = torch.empty(self.trav.grad_numel, dtype=self.ar.acc, device=cur.device)
             incoming = (buf, p2p.recv(buf, me - 1))
             p2p.wait(*handles)
             cur, spare = spare, cur
@@ -273,23 +260,32 @@ class _Backward:
         return incoming[0]
 
 
+def setup(q: Tensor, comm: Comm, positions: Tensor, scale: float, divide: bool, softmax_dtype) -> tuple:
+    """(Arith, Layout) of one ring attention call."""
+    acc = torch.promote_types(softmax_dtype or q.dtype, torch.float32)
+    return Arith(scale, divide, acc), Layout(comm, positions, q.shape[-2])
+
+
+def no_tensor(t: Tensor | None, like: Tensor) -> Tensor:
+    """``t``, or an empty tensor for None (save_for_backward takes tensors only)."""
+    return torch.empty(0, device=like.device) if t is None else t
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm, positions, scale, divide, softmax_dtype, dropout, stats):
-        acc = torch.promote_types(softmax_dtype or q.dtype, torch.float32)
-        ar, lay = Arith(scale, divide, acc), Layout(comm, positions, q.shape[-2])
-        out, lse = _forward(ar, lay, q, k, v, dropout, stats)
-        none = torch.empty(0, device=q.device)  # save_for_backward takes tensors only
-        ctx.save_for_backward(q, k, v, out, lse, none if dropout is None else dropout)
+        ar, lay = setup(q, comm, positions, scale, divide, softmax_dtype)
+        out, lse = _forward(ar, lay, q, KeysValues(k, v), dropout, stats)
+        ctx.save_for_backward(q, out, lse, no_tensor(dropout, q), k, v)
         ctx.ar, ctx.lay, ctx.stats = ar, lay, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):
         saved = ctx.saved_tensors  # once: under activation checkpointing a second read fails
-        q, k, v = saved[:3]
-        ring = _Backward(ctx.ar, ctx.lay, saved, dout, ctx.stats)
-        dk, dv = ring.pair.views(ring.run(k, v))
+        q, k, v = saved[0], saved[4], saved[5]
+        ring = _Backward(ctx.ar, ctx.lay, saved[:4], KeysValues(k, v), dout, ctx.stats)
+        dk, dv = ring.trav.owner_grads(ring.run())
         return ring.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 7
 
 
