@@ -57,15 +57,8 @@ def _mixture_change(saved: dict, ours: dict) -> str:
 # The model keys that decide the parameters' (full) shapes: what must agree to cut a checkpoint's
 # whole tensors for another tensor-parallel degree (the cut pieces' shapes are checked again there).
 SHAPE_KEYS = ("family", "vocab_size", "dim", "n_heads", "n_layers", "mlp_ratio", "mlp_hidden", "n_kv_heads")
-SHAPE_KEYS += (
-    "head_dim",
-    "tie_embeddings",
-    "n_experts",
-    *LATENT_KEYS,
-    "first_k_dense_replace",
-    "dense_mlp_hidden",
-)
-SHAPE_KEYS += ("n_shared_experts",)
+SHAPE_KEYS += ("head_dim", "tie_embeddings", "n_experts")
+SHAPE_KEYS += (*LATENT_KEYS, "first_k_dense_replace", "dense_mlp_hidden", "n_shared_experts")  # deepseek_v3
 
 
 def check_fits(

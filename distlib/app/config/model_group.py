@@ -252,3 +252,7 @@ class ModelConfig(Group):
             return ()
         first = self.first_k_dense_replace if self.family == "deepseek_v3" else 0
         return tuple(range(first, self.n_layers))
+
+    def moe_row(self, block: int) -> int:
+        """Block ``block``'s row among the MoE blocks (the step's routing counts are kept so)."""
+        return self.moe_layers.index(block)

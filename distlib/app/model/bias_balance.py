@@ -49,8 +49,7 @@ class BiasBalance:
     def __init__(self, model: CausalLM, mesh: Mesh, speed: float):
         self.model, self.mesh, self.speed = model, mesh, speed
         self.blocks = moe_blocks(model)
-        self.rows = {block: r for r, block in enumerate(model.cfg.moe_layers)}  # counts' row of each
-        self.n_experts = model.cfg.n_experts
+        self.cfg, self.n_experts = model.cfg, model.cfg.n_experts
         self.last: list[list[int]] | None = None
 
     def count(self, batches: list) -> None:
@@ -61,15 +60,16 @@ class BiasBalance:
 
     def update(self) -> None:
         """After the step's update: the step's counts over every rank, and each block's bias moved."""
-        counts = torch.zeros(len(self.rows), self.n_experts, dtype=torch.float64, device=self._device())
+        rows = len(self.cfg.moe_layers)
+        counts = torch.zeros(rows, self.n_experts, dtype=torch.float64, device=self._device())
         for i, m in self.blocks:
-            counts[self.rows[i]] = m.step_counts.double()
+            counts[self.cfg.moe_row(i)] = m.step_counts.double()
         for group in (self.mesh.batch, self.mesh.pp):
             if group is not None and group.size > 1:
                 collectives.all_reduce(counts, group, op="sum")
         for i, m in self.blocks:
-            mean = counts[self.rows[i]].sum() / self.n_experts
-            m.score_bias += self.speed * torch.sign(mean - counts[self.rows[i]]).float()
+            mine = counts[self.cfg.moe_row(i)]
+            m.score_bias += self.speed * torch.sign(mine.sum() / self.n_experts - mine).float()
         self.last = [[round(c) for c in row] for row in counts.tolist()]
 
     def fields(self) -> dict:

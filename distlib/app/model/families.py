@@ -78,7 +78,7 @@ def shard_model_(model: CausalLM, tp: Comm) -> dict[str, Split]:
     check_tensor_parallel(model.cfg, tp.size)
     if model.sequence.parts != 1 and tp.size == 1:
         raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
-    plan = tensor_parallel_plan(model.cfg, held_blocks(model))
+    plan = tensor_parallel_plan(model.cfg, [i for i, _ in held_blocks(model)])
     return parallelize_(model, tp, plan, model.sequence)
 
 
@@ -123,18 +123,16 @@ def hold_experts_(model: CausalLM, ep: Comm) -> tuple[str, ...]:
     return tuple(n for n, _ in model.named_parameters() if moe.expert_of(n) is not None)
 
 
-def held_blocks(model: CausalLM) -> list[int]:
-    """The indices (in the whole model) of the blocks this rank holds."""
-    if isinstance(model.blocks, nn.ModuleDict):  # a pipeline stage: its blocks by index
-        return [int(i) for i in model.blocks]
-    return list(range(len(model.blocks)))
+def held_blocks(model: CausalLM) -> list[tuple[int, nn.Module]]:
+    """(index in the whole model, block) of each block this rank holds (a pipeline stage keeps its
+    blocks in a ModuleDict by index)."""
+    blocks = model.blocks.items() if isinstance(model.blocks, nn.ModuleDict) else enumerate(model.blocks)
+    return [(int(i), b) for i, b in blocks]
 
 
 def moe_blocks(model: CausalLM) -> list[tuple[int, moe.MoE]]:
-    """(block index in the whole model, its MoE) for each block this rank holds (a pipeline stage
-    keeps its blocks in a ModuleDict by index)."""
-    blocks = model.blocks.items() if isinstance(model.blocks, nn.ModuleDict) else enumerate(model.blocks)
-    return [(int(i), b.mlp) for i, b in blocks if isinstance(b.mlp, moe.MoE)]
+    """(block index in the whole model, its MoE) for each MoE block this rank holds."""
+    return [(i, b.mlp) for i, b in held_blocks(model) if isinstance(b.mlp, moe.MoE)]
 
 
 def param_count(cfg: ModelConfig) -> int:

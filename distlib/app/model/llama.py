@@ -108,25 +108,19 @@ class Attention(nn.Module):
         q, k = (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
         # k and v keep their n_kv_heads (per rank: tp divides them): repeated to the query heads only
         # where attention is computed, so context parallelism moves the grouped heads
-        return self.o_proj(eager_attention(self, q, k, v, draws))
-
-
-def eager_attention(module: nn.Module, q, k, v, draws: Draws | None) -> torch.Tensor:
-    """``attention.causal_attention`` as transformers' eager attention of the rotary families runs it
-    (scores x ``module.scale``, the softmax in float32, dropout on the weights), with the module's
-    mask, dropout, mode and context strategy (DeepSeek-V3's latent attention calls it too)."""
-    return attention.causal_attention(
-        q,
-        k,
-        v,
-        module.causal_mask,
-        scale=module.scale,
-        softmax_dtype=torch.float32,
-        dropout=module.dropout,
-        training=module.training,
-        context=module.context,
-        draws=draws,
-    )
+        out = attention.causal_attention(
+            q,
+            k,
+            v,
+            self.causal_mask,
+            scale=self.scale,
+            softmax_dtype=torch.float32,
+            dropout=self.dropout,
+            training=self.training,
+            context=self.context,
+            draws=draws,
+        )
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):

@@ -57,7 +57,7 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 def tensor_parallel_plan(cfg: ModelConfig) -> dict:
-    """The heads split; the shared rotary key enters the region (``Shared``)."""
+    """The heads split; the normed latent and the shared rotary key enter the region (``Shared``)."""
     query = (
         {"blocks.*.attn.q_proj": Column()}
         if cfg.q_lora_rank is None

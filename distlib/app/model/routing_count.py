@@ -79,9 +79,8 @@ class RoutingCount:
         L, E = len(self.cfg.moe_layers), self.cfg.n_experts
         packed = torch.zeros(1 + 2 * L * E + L, dtype=torch.float64, device=self.device)
         counts, probs, dropped = self._parts(packed)
-        row = {block: r for r, block in enumerate(self.cfg.moe_layers)}
         for block, m in blocks:
-            i = row[block]
+            i = self.cfg.moe_row(block)
             for rows, c, p, d in m.tally:
                 packed[0] += rows
                 counts[i] += c
