@@ -32,6 +32,7 @@ from distlib.app.runtime.faults import step_hooks
 from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
 from distlib.app.unattended.guard import DesyncError, GuardError
+from distlib.app.unattended.stopping import StopSignals
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm import watchdog
 from distlib.comm.group import Comm
@@ -110,6 +111,16 @@ def _train(cfg: RunConfig, run_dir: str) -> list[str]:
     # Fault injection (distlib/app/runtime/faults.py) attaches from outside the loop; none: no-op hooks.
     hooks = step_hooks(cfg.fault, int(os.environ.get("RANK", "0")))
     _join(cfg, hooks, device)
+    # From here to this rank's exit a stop signal only asks the run to stop (StopSignals: it saves at
+    # a step boundary, or exits after its deadline). torchrun sends every worker SIGTERM once one has
+    # died; a survivor still naming the dead rank, between the trainer's own StopSignals and its line,
+    # was killed without saying why (1 run in ~8 on a loaded machine, tests/test_job_lifecycle.py).
+    with StopSignals(deadline_s=cfg.dist.timeout_s):
+        return _train_joined(cfg, run_dir, hooks, device)
+
+
+def _train_joined(cfg: RunConfig, run_dir: str, hooks: StepHooks, device: str) -> list[str]:
+    """Train in the formed process group and report; returns the broken invariants."""
     try:
         # NCCL moves messages between GPUs; gloo between hosts (CUDA tensors are staged through them).
         comm = Comm.world(device=device if cfg.dist.backend == "nccl" else "cpu")
