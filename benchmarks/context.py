@@ -339,7 +339,7 @@ def _print_kv(kv: list[dict]) -> None:
     )
     print(
         "and DeepSeek-V3's latent attention of the same width and heads (latent: its ring sends the "
-        "compressed latent; the all-to-all moves expanded keys and values)"
+        "compressed latent; the all-to-all gathers it, or moves the expanded keys and values where fewer)"
     )
     head = f"{'cp':>3} {'route':<9}{'seq':>6}{'repeated':>11}{'grouped':>11}{'ratio':>7}"
     print(head + f"{'latent':>11}{'ratio':>7}")

@@ -10,7 +10,8 @@ within rounding (tests/test_model_seams.py), which no family selects yet -- it c
 
 DeepSeek-V3's latent attention calls ``latent_causal_attention``: the same attention, its keys and
 values handed over as the latent they are expanded from, so that the context strategy expands them
-where it attends (the ring after the latent travelled: ``parallel.context.latent_ring``).
+where it attends (the ring after the latent travelled: ``parallel.context.latent_ring``; the
+all-to-all after the latent was gathered: ``ulysses_latent_attention``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from distlib.parallel.context import chunks
 from distlib.parallel.context.latent_ring import latent_ring_attention
 from distlib.parallel.context.ring import ring_attention
 from distlib.parallel.context.travel import LatentKV
-from distlib.parallel.context.ulysses import ulysses_attention
+from distlib.parallel.context.ulysses import gathering_sends_less, ulysses_attention, ulysses_latent_attention
 from distlib.parallel.dropout import Draws
 
 
@@ -216,10 +217,14 @@ class ContextSplit:
         )
 
     def attend_latent(self, q, latent, k_rot, up: LatentKV, whole: Callable, **kept) -> torch.Tensor:
-        """As ``attend``, the keys and values from a latent: the all-to-all expands them first (it
-        moves heads, which the latent does not have); the ring sends the latent and expands each
+        """As ``attend``, the keys and values from a latent: the all-to-all gathers the latent and
+        expands it for this rank's heads (``ulysses_latent_attention``), or expands first where that
+        moves fewer bytes (``gathering_sends_less``); the ring sends the latent and expands each
         visiting block (``latent_ring``)."""
         if self.impl == "alltoall":
+            width = latent.shape[-1] + k_rot.shape[-1]
+            if gathering_sends_less(q.shape[1], q.shape[-1], up.v_dim, width, self.comm.size):
+                return ulysses_latent_attention(q, latent, k_rot, up, self.comm, whole)
             return self.attend(q, *up.expand(latent, k_rot), whole, **kept)
         where = self.positions(q.shape[2] * self.comm.size, q.device)
         drop = kept["drop"]

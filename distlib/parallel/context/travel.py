@@ -78,6 +78,12 @@ class LatentKV:
         k_pass, v = torch.split(kv.transpose(1, 2), [self.nope, self.v_dim], dim=-1)
         return torch.cat([k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)], dim=-1), v
 
+    def heads(self, first: int, count: int) -> LatentKV:
+        """The up-projection of heads ``first`` to ``first + count`` only (their rows of ``weight``:
+        the all-to-all route expands a rank's share of the heads)."""
+        rows = self.nope + self.v_dim
+        return LatentKV(self.weight[first * rows : (first + count) * rows], self.nope, self.v_dim)
+
 
 class Latent:
     def __init__(self, latent: Tensor, k_rot: Tensor, up: LatentKV, acc: torch.dtype):

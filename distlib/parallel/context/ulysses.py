@@ -6,6 +6,17 @@ heads for every token of the sequence, which ``chunks.natural_order`` puts back 
 The attention itself is then the one-rank function, on whole sequences and fewer heads: the same
 arithmetic per head as a single rank's. The output goes back by the inverse all-to-all. Autograd:
 each all-to-all's backward is the other one.
+
+Multi-head latent attention (``ulysses_latent_attention``) has no key/value heads to move: every
+head's keys and values are expanded from one latent per token and a rotary key every head shares.
+So the latent and the rotary key are gathered over the group instead (all of the sequence's, in
+rank order), and each rank expands them for its share of the heads only (``LatentKV.heads``); the
+gather's backward sums the ranks' latent gradients (each from its own heads) and keeps each rank's
+tokens. A rank sends (cp - 1) x tokens x (rank + rope) where the expanded keys and values were
+(cp - 1) / cp x tokens x heads x (nope + rope + v): DeepSeek-V3's (512 + 64 against 128 x 320)
+71 / cp x fewer. Where the latent is the wider (few heads, many ranks: ``gathering_sends_less``)
+the keys and values are expanded first and moved as any attention's (benchmarks/context.py gives
+the bytes of each route).
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from distlib.comm.group import Comm
 from distlib.parallel import grouped_heads
 from distlib.parallel.collective_op import collective_function
 from distlib.parallel.context import chunks
+from distlib.parallel.context.travel import LatentKV
+from distlib.parallel.sequence_parallel import all_gather_tokens, reduce_scatter_tokens
 
 
 def _heads_for_every_rank(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -52,6 +65,15 @@ _SeqToHeads = collective_function(
 _HeadsToSeq = collective_function(
     "_HeadsToSeq", heads_to_seq, lambda g, comm: seq_to_heads(g.contiguous(), comm)
 )
+# every rank's tokens to every rank; each rank's gradient (from its heads) summed back to the owner
+_GatherTokens = collective_function("_GatherTokens", all_gather_tokens, reduce_scatter_tokens)
+
+
+def _split_heads(q: torch.Tensor, n: int) -> int:
+    """How many of q's heads each of ``n`` ranks attends."""
+    if q.shape[1] % n:
+        raise ValueError(f"{q.shape[1]} heads do not split over {n} context-parallel ranks")
+    return q.shape[1] // n
 
 
 def ulysses_attention(
@@ -71,8 +93,7 @@ def ulysses_attention(
     key/value heads j receives); otherwise they are repeated first, only to lcm(kv heads, N), which
     divides the query heads: the fewest that split over the ranks."""
     n, t_local = comm.size, q.shape[2]
-    if q.shape[1] % n:
-        raise ValueError(f"{q.shape[1]} heads do not split over {n} context-parallel ranks")
+    _split_heads(q, n)
     grouped_heads.repeats(q, k)  # q's heads a multiple of k's
     n_rep = math.lcm(k.shape[1], n) // k.shape[1]
     k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
@@ -81,4 +102,36 @@ def ulysses_attention(
     held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])  # sequence -> gathered
     full = [_SeqToHeads.apply(t.contiguous(), comm)[:, :, order] for t in (q, k, v)]
     out = attend(*full, share=(comm.rank, n))
+    return _HeadsToSeq.apply(out[:, :, held].contiguous(), comm)
+
+
+def gathering_sends_less(heads: int, key_width: int, v_width: int, latent_width: int, n: int) -> bool:
+    """Whether gathering a latent of ``latent_width`` (rank + rope) a token over ``n`` ranks sends
+    fewer bytes than the all-to-all of the ``heads`` keys (``key_width``) and values (``v_width``)
+    expanded from it: (n - 1) x latent_width against (n - 1) / n x heads x (key + v) a token."""
+    return n * latent_width < heads * (key_width + v_width)
+
+
+def ulysses_latent_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    up: LatentKV,
+    comm: Comm,
+    attend: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """``ulysses_attention`` with the keys and values given as the latent (batch, T_local, rank) and
+    the shared rotary key (batch, 1, T_local, rope) of this rank's tokens: gathered over ``comm``
+    and expanded by ``up`` for this rank's share of q's heads only. Returns (batch, heads, T_local,
+    v_dim)."""
+    n, t_local = comm.size, q.shape[2]
+    heads = _split_heads(q, n)
+    seq = n * t_local
+    order = chunks.natural_order(seq, n, q.device)
+    held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])
+    q_full = _SeqToHeads.apply(q.contiguous(), comm)[:, :, order]
+    latent_full = _GatherTokens.apply(latent.contiguous(), comm)[:, order]
+    rot_full = _GatherTokens.apply(k_rot[:, 0].contiguous(), comm)[:, order].unsqueeze(1)
+    k, v = up.heads(comm.rank * heads, heads).expand(latent_full, rot_full)
+    out = attend(q_full, k, v, share=(comm.rank, n))
     return _HeadsToSeq.apply(out[:, :, held].contiguous(), comm)
