@@ -18,6 +18,7 @@ from e2e import ROOT
 from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.model import families
+from distlib.parallel.context.ulysses import gathering_sends_less
 
 pytestmark = pytest.mark.slow
 
@@ -168,16 +169,20 @@ def _check_context(d, tmp_path):
         share = kv / heads if k["route"] == "ring" else (2 * heads + 2 * kv) / (4 * heads)
         assert k["grouped"] == share * k["repeated"] > 0 and k["ratio"] == share, k
         # latent attention: the ring sends the latent and its rotary key (kv_lora + rope a token, and
-        # their gradients) where Llama sends 2 x heads x head_dim; the all-to-all expands first and
-        # moves q, k (nope + rope), v and the output
+        # their gradients) where Llama sends 2 x heads x head_dim; the all-to-all moves q (nope +
+        # rope) and the output (v) and gathers the latent, cp x its width against (cp - 1) / cp of
+        # Llama's, or, where the latent is the wider (cp 4 here), expands first and moves k and v too
         m, width = d["latent_model"], d["model"]["dim"] // heads
         latent = m["kv_lora_rank"] + 8  # (qk_rope_head_dim's default)
-        qk = m["qk_nope_head_dim"] + 8
-        mla = (
-            latent / (2 * heads * width)
-            if k["route"] == "ring"
-            else (2 * qk + 2 * m["v_head_dim"]) / (4 * width)
-        )
+        qk, v = m["qk_nope_head_dim"] + 8, m["v_head_dim"]
+        gathers = gathering_sends_less(heads, qk, v, latent, k["cp"])
+        assert gathers == (k["cp"] == 2)
+        if k["route"] == "ring":
+            mla = latent / (2 * heads * width)
+        elif gathers:
+            mla = (heads * (qk + v) + k["cp"] * latent) / (4 * heads * width)
+        else:
+            mla = (2 * qk + 2 * v) / (4 * width)
         assert k["latent"] == mla * k["repeated"] and k["latent_ratio"] == mla, k
     for (cp, route, seq), m in ms.items():
         assert _times(m["ms"], m["cpu_ms"]) and m["ms_min"] <= m["ms"] <= m["ms_max"]
