@@ -220,6 +220,25 @@ def test_a_perturbed_parameter_is_named_under_expert_parallelism(tmp_path, zero,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zero,compared", [("stage1", None), ("stage3", 4)])
+def test_a_perturbed_expert_bias_is_named(tmp_path, zero, compared):
+    """model.balance=bias moves every MoE block's expert biases alike on every rank: one ulp on rank
+    3's is a desync. At ZeRO 3 with tp 1 no parameter is held twice: the 4 biases alone are compared."""
+    tree = compose_tree([*MIXTRAL_EP, "model.balance=bias", f"zero={zero}", "fault.perturb_rank=3"])
+    tree["fault"].update(perturb_step=2, perturb_param="blocks.1.mlp.score_bias")
+    results = run_ranks(_train, 4, tree, str(tmp_path))
+    assert len({r["error"] for r in results}) == 1
+    error = results[0]["error"]
+    assert error.startswith(
+        "DesyncError: desync at step 2: replicated parameters are not byte-identical "
+        "across 4 ranks: rank 3 differs in 1 of "
+    ), error
+    assert error.endswith(" parameter(s): blocks.1.mlp.score_bias") and error.count("differs") == 1, error
+    if compared is not None:  # the biases alone
+        assert f"differs in 1 of {compared} parameter(s)" in error, error
+
+
+@pytest.mark.slow
 def test_an_expert_a_rank_does_not_hold_is_not_perturbed_and_the_replicas_agree(tmp_path, capfd):
     tree = compose_tree([*MIXTRAL_EP, "fault.perturb_rank=1"])  # rank 1 holds experts 4-7
     tree["fault"].update(perturb_step=2, perturb_param="blocks.0.mlp.experts.0.w1.weight")

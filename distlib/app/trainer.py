@@ -47,6 +47,7 @@ from distlib.app.config.run import RunConfig
 from distlib.app.data import corpus as data
 from distlib.app.data.batches import BatchPlan
 from distlib.app.model import families, strategies
+from distlib.app.model.bias_balance import state_buffers
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep, split_model_
@@ -127,14 +128,16 @@ class Trainer:
         # with model.balance=bias the step's own forwards count and the biases move after the update
         # (otherwise a counter that counts nothing)
         self.routing = RoutingCount.for_run(cfg, model, mesh, self.program, self.device)
-        hooks.check_model(names)  # (every parameter of the stage: another rank's expert too)
+        # the state a run changes besides its parameters: model.balance=bias's expert biases
+        self.buffers = state_buffers(model)
+        hooks.check_model(names + list(self.buffers))  # (the stage's: another rank's expert too)
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
         self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)
         state = RunState(model, optimizer, self.data, splits)
         self.checkpointer = Checkpointer(cfg, mesh, self.run_dir, state, hooks, self.save_clock)
         self.rollback = Rollback(cfg.guard, self.checkpointer, self.data, cfg.optimizer.lr)
         self.replicas = guard.ReplicaCheck(
-            cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer
+            cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer, self.buffers
         )
         # the observers a step calls every time: each does nothing when its key is off
         every = cfg.train.eval_every  # 0: never due
@@ -276,7 +279,7 @@ class Trainer:
         opt.apply_update(lr)
         opt.zero_grad()
         self.routing.update()  # model.balance=bias: the experts' biases move
-        self.hooks.after_update(step, opt.param_parts())
+        self.hooks.after_update(step, opt.param_parts() + guard.buffer_parts(self.buffers))
         return lr
 
     def _gather_step_values(

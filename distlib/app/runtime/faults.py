@@ -61,7 +61,8 @@ class FaultConfig(Group):
     hang_step: ... at the start of this step (0: before joining the process group)
     perturb_rank: this rank adds one ulp to one element of a parameter ...
     perturb_step: ... after this step's update (the desync check must catch it)
-    perturb_param: the parameter to perturb; null: the last one
+    perturb_param: the parameter to perturb (or a state buffer: an MoE block's score_bias); null: the last
+        parameter
     sigterm_rank: this rank sends itself SIGTERM (a pre-emption that reaches one rank) ...
     sigterm_step: ... during this step
     slow_rank: this rank sleeps slow_seconds after every backward (a straggler on purpose, every step from
@@ -168,7 +169,8 @@ class Faults(StepHooks):
         name = self.cfg.perturb_param
         if name is not None and name not in names:  # a bad name fails now, not at the step
             raise ConfigError(
-                f"fault.perturb_param={name!r} is not a parameter of the model (known: {names})"
+                f"fault.perturb_param={name!r} is not a parameter of the model (known: {names}; "
+                f"with model.balance=bias also its experts' biases)"
             )
 
     def joining(self) -> None:

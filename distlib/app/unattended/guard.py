@@ -27,6 +27,7 @@ from distlib.app.config.operation import GuardConfig
 from distlib.comm import agree
 from distlib.comm.group import Comm
 from distlib.comm.layout import Layout
+from distlib.parallel.flat_layout import ParamSlot
 
 
 class GuardError(RuntimeError):
@@ -151,17 +152,29 @@ def check_replicas(
         )
 
 
+def buffer_parts(buffers: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, tuple[ParamSlot], int]]:
+    """State buffers a run changes (name -> tensor), each as a part of its own the way
+    ``param_parts`` gives parameters: (a flat view of the buffer, its one slot, flat start 0)."""
+    return [(t.view(-1), (ParamSlot(name, tuple(t.shape), 0),), 0) for name, t in buffers.items()]
+
+
 class ReplicaCheck:
     """Every ``guard.check_sync_every`` steps, ``check_replicas`` on what must be identical: every
     parameter within its data-parallel group (ranks with the same tensor-parallel shard) and the
-    non-split ones across all ranks; under dist.ep an expert's among the ranks holding it. At ZeRO
-    stage 3 the parameters are gathered first (collective over each group's ranks); with
-    dist.tp=1 there no parameter is held by two ranks, so there is nothing to compare."""
+    non-split ones across all ranks; under dist.ep an expert's among the ranks holding it; and the
+    state buffers a run changes (``buffers``: model.balance=bias's expert biases, which every rank
+    of a stage moves alike) across all ranks. At ZeRO stage 3 the parameters are gathered first
+    (collective over each group's ranks); with dist.tp=1 there no parameter is held by two ranks,
+    so only the buffers are compared, and without buffers there is nothing to compare."""
 
-    def __init__(self, every: int, zero_stage: int, mesh, tp_splits: dict, optimizer):
+    def __init__(
+        self, every: int, zero_stage: int, mesh, tp_splits: dict, optimizer, buffers: dict | None = None
+    ):
         self.every, self.mesh, self.optimizer = every, mesh, optimizer
         self.split = frozenset(tp_splits)
-        self.possible = zero_stage != 3 or mesh.tp.size > 1
+        self.buffers = buffers or {}
+        self.params_held_twice = zero_stage != 3 or mesh.tp.size > 1
+        self.possible = self.params_held_twice or bool(self.buffers)
         self.why_not = (
             "at ZeRO stage 3 with dist.tp=1 no parameter is held by two ranks, so the replica "
             "check has nothing to compare"
@@ -172,5 +185,6 @@ class ReplicaCheck:
 
     def check(self, step: int) -> None:
         """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ."""
-        parts = self.optimizer.replica_parts()
+        parts = self.optimizer.replica_parts() if self.params_held_twice else []
+        parts += [(flat, slots, False) for flat, slots, _ in buffer_parts(self.buffers)]
         check_replicas(parts, step, self.mesh.stage, self.mesh.layout.stage(), self.split)
