@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiproc import run_ranks
-from trainrun import compose_tree, train_each, train_worlds
+from trainrun import compose_tree, train, train_each, train_worlds
 
 from distlib.app.checkpointing import hf_export, sampling
 from distlib.app.config.model_group import ModelConfig
@@ -212,3 +212,15 @@ def test_bad_balancing_keys_are_one_line(overrides, line):
 def test_the_default_is_the_loss():
     cfg = RunConfig.from_dict(compose_tree(["model=mixtral_tiny"])).model
     assert (cfg.balance, math.isclose(cfg.bias_update_speed, 0.001)) == ("aux", True)
+
+
+@pytest.mark.parametrize("world,layout", [(1, []), (2, ["dist.ep=2"])])
+def test_the_resume_check_reloads_the_biases_into_its_fresh_model(tmp_path, world, layout):
+    """Invariant 4 with model.balance=bias: the step-5 checkpoint reloaded at the end of 12 steps
+    holds step 5's biases; the check reads them from the model it loaded into (the run's own have
+    moved on since: compared with those, every run failed it), and a load that skipped them fails."""
+    tree = compose_tree(
+        [*BASE, *layout, f"dist.world_size={world}", "train.steps=12", "checkpoint.every_steps=5"]
+        + ["checkpoint.verify_resume=true"]
+    )
+    assert [r["resume_ok"] for r in run_ranks(train, world, tree, str(tmp_path))] == [True] * world

@@ -61,9 +61,11 @@ class Contents:
         optimizer: ZeroOptimizer,
         skipped: int | None = None,
         staging: StagingBuffers | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict, dict]:
         """(tensors, rank_state) of this rank: ``optimizer``'s partition (fresh host copies, or copied
-        into ``staging``'s reused buffers), RNG, step and data position."""
+        into ``staging``'s reused buffers), the state buffers (``buffers``: another model's, as the
+        resume check's fresh one; None: the run's), RNG, step and data position."""
         skipped = self.data.skipped if skipped is None else skipped
         rng_tensors, rng_meta = rng_state.capture_rng(optimizer.device)
         shard = optimizer.state_shard() if staging is None else staging.stage(optimizer.state_views())
@@ -75,7 +77,8 @@ class Contents:
         }
         if skipped:
             rank_state["skipped_batches"] = skipped
-        return {**shard, **rng_tensors, **state_buffers.captured(self.buffers)}, rank_state
+        held = self.buffers if buffers is None else buffers
+        return {**shard, **rng_tensors, **state_buffers.captured(held)}, rank_state
 
     def meta(self, step: int) -> dict:
         """The manifest's run-wide part for a save after ``step``."""

@@ -20,6 +20,7 @@ import torch
 from distlib.app.checkpointing.contents import Contents
 from distlib.app.checkpointing.loader import Loader
 from distlib.app.checkpointing.rng import process_rng_draws, saved_rng_draws, seed_process_rngs
+from distlib.app.model.bias_balance import state_buffers
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
 from distlib.comm.group import Comm
@@ -93,8 +94,9 @@ class ResumeVerifier:
         seed_process_rngs(self.seed + 1, self.dp_rank)
         path = self.root / checkpoint.step_dir_name(kept.step)
         loaded_step = self.loader.load(path, model, optimizer, restores_data=False)
+        # the fresh model's buffers, as loaded (the run's own have moved on since the save)
         restored, restored_state = self.contents.state(
-            loaded_step, optimizer, kept.rank_state.get("skipped_batches", 0)
+            loaded_step, optimizer, kept.rank_state.get("skipped_batches", 0), buffers=state_buffers(model)
         )
         mismatches = [
             f"{key} differs"
