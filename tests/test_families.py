@@ -46,6 +46,24 @@ def test_param_count_and_shapes_match_the_built_model(cfg):
         assert untied == families.param_count(cfg) + cfg.vocab_size * cfg.dim
 
 
+@pytest.mark.parametrize(
+    "cfg", [*FAMILY_CONFIGS, *MINIGPT_CONFIGS, "mixtral_tiny", "qwen3_moe", "deepseek_v3_tiny", "deepseek_v3"]
+)
+def test_the_active_parameters_are_those_a_token_meets(cfg):
+    """MFU's P: all of a dense model's; of an MoE block's routed experts top_k (shared ones all)."""
+    if isinstance(cfg, str):  # a preset
+        cfg = RunConfig.from_dict(compose_tree([f"model={cfg}"])).model
+    model = families.build(cfg, 0)
+    unmet = sum(
+        p.numel()
+        for _, m in families.moe_blocks(model)
+        for e in m.experts[cfg.top_k :]
+        for p in e.parameters()
+    )
+    assert families.active_param_count(cfg) == sum(p.numel() for p in model.parameters()) - unmet
+    assert (unmet > 0) == cfg.has_experts
+
+
 def test_the_gpt2_124m_preset_is_gpt2_small():
     cfg = RunConfig.from_dict(compose_tree(["model=gpt2_124m"])).model
     assert (cfg.family, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.vocab_size, cfg.seq_len) == (

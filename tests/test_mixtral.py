@@ -299,6 +299,24 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_mfu_counts_the_experts_a_token_meets(runs):
+    """MFU's P is the parameters a token meets: the dense ones, the routers, and top_k of each
+    block's routed experts (counted here from the built model): 6 x P x tokens / step time / peak."""
+    cfg = RunConfig.from_dict(compose_tree([*BASE, "dist.world_size=1"]))
+    model, k = families.build(cfg.model, 0), cfg.model.top_k
+    unmet = sum(
+        p.numel() for _, m in families.moe_blocks(model) for e in m.experts[k:] for p in e.parameters()
+    )
+    met = sum(p.numel() for p in model.parameters()) - unmet
+    assert 0 < unmet and met < families.param_count(cfg.model)
+    tokens = cfg.global_batch * cfg.model.seq_len
+    steps = runs[1][0]["records"]
+    assert len(steps) == 20 and all(
+        r["mfu"] == pytest.approx(6 * met * tokens / r["step_time_s"] / r["peak_flops"]) for r in steps
+    )
+
+
+@pytest.mark.slow
 def test_trains_on_one_rank_and_every_layout_follows_it(runs):
     ref = runs[1][0]["losses"]
     assert len(ref) == 20 and ref[-1] < 0.5 * ref[0], ref

@@ -153,7 +153,7 @@ class Trainer:
         held = sum(p.layout.numel for p in self.optimizer.partitions())  # parameters on this rank
         result = RunResult(start_step=start, numel=held)
         tokens = cfg.global_batch * cfg.model.seq_len
-        flops = 6 * families.param_count(cfg.model) * tokens  # per step, for MFU
+        flops = 6 * families.active_param_count(cfg.model) * tokens  # per step, for MFU
         peak, self.peak_source = throughput.job_peak(
             comm, self.device, cfg.train.dtype, cfg.metrics.peak_flops
         )

@@ -146,3 +146,13 @@ def param_count(cfg: ModelConfig) -> int:
         for name, shape in param_shapes(cfg).items()
         if not (cfg.tie_embeddings and name == "lm_head.weight")
     )
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """The parameters a token meets (MFU's P): ``param_count`` less, in every MoE block, the routed
+    experts it is not sent to (n_experts - top_k of them; a shared expert meets every token). The
+    same as ``param_count`` for a dense model."""
+    if not cfg.has_experts:
+        return param_count(cfg)
+    routed = sum(math.prod(shape) for name, shape in param_shapes(cfg).items() if ".mlp.experts." in name)
+    return param_count(cfg) - routed // cfg.n_experts * (cfg.n_experts - cfg.top_k)

@@ -2,7 +2,8 @@
 
 Per step the model needs about 6 x P x tokens floating-point operations (2 per parameter and token
 forward, 4 backward; attention's score arithmetic is left out, as in the usual MFU), with P the
-whole model's parameter count (all tensor-parallel shards together, ``param_count``). The peak
+parameters a token meets (all tensor-parallel shards together; of a mixture of experts the routed
+experts it is sent to, not all of them: ``active_param_count``). The peak
 is measured once at start, on every rank at the same time (so ranks sharing cores see the share
 they get): the best of a few 256x256 fp32 matrix multiplies (2 x 256^3 operations each), summed over ranks::
 
