@@ -51,6 +51,7 @@ import collectives as coll_bench  # benchmarks/collectives.py: the same all-to-a
 import numpy as np
 import torch
 import torch.distributed as dist
+from context_tables import ONE, print_kv, print_tables
 from multiproc import run_ranks
 
 from distlib.app.config.model_group import ModelConfig
@@ -62,7 +63,6 @@ from distlib.app.observe.activations import ActivationMeter
 
 SHAPE = dict(family="llama", vocab_size=64, dim=64, n_heads=4, n_layers=2)
 BATCH = 1  # sequences per step: one long sequence is what context parallelism is for
-ONE = "one rank"
 ROUTES = {"alltoall": ("alltoall", "ours"), "ring": ("ring", "ours"), "alltoall torch": ("alltoall", "torch")}
 
 
@@ -256,8 +256,8 @@ def main() -> None:
         if s["route"] == "alltoall":
             s["ratio_vs_torch_collectives"] = ms[s["cp"], "alltoall torch", s["seq_len"]] / s["ms"]
 
-    _print(memory, fits, steps_out, a2a, seqs, args.budget_mib)
-    _print_kv(kv)
+    print_tables(f"Llama {SHAPE}, batch {BATCH}", memory, fits, steps_out, a2a, seqs, args.budget_mib)
+    print_kv(kv, SHAPE["n_heads"], GQA_KV)
     load_after = os.getloadavg()[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -284,70 +284,6 @@ def main() -> None:
         )
     print(f"1-min load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores")
     print(f"wrote {args.out}")
-
-
-def _print(memory, fits, steps_out, a2a, seqs, budget_mib) -> None:
-    mib = {(m["cp"], m["route"], m["seq_len"]): m["activation_bytes"] / 2**20 for m in memory}
-    worst = {}
-    for m in memory:
-        key = (m["cp"], m["route"])
-        worst[key] = max(worst.get(key, 0.0), m["loss_rel_vs_cp1"])
-    print(
-        f"Llama {SHAPE}, batch {BATCH}: activation MiB per rank (largest rank); "
-        f"longest seq in {budget_mib:g} MiB"
-    )
-    head = f"{'cp':>3} {'route':<9}" + "".join(f"{s:>9}" for s in seqs)
-    print(head + f"{'fit err':>9}{'longest':>10}{'+ masks':>9}{'loss vs cp1':>13}")
-    for f in fits:
-        cp, route = f["cp"], f["route"]
-        cells = "".join(f"{mib[cp, route, s]:>9.2f}" for s in seqs)
-        print(
-            f"{cp:>3} {route:<9}{cells}{f['max_rel_residual']:>9.0e}{f['longest_seq']:>10,}"
-            f"{f['longest_seq_with_masks']:>9,}{worst[cp, route]:>13.1e}"
-        )
-    print("\nforward + backward ms, median (min-max) of the slowest rank")
-    print(
-        f"{'cp':>3}{'seq':>6}{'1 rank':>9}{'alltoall':>18}{'ring':>18}{'ring speed-up':>15}"
-        f"{'CPU ms a2a':>12}{'CPU ms ring':>12}{'torch coll':>12}{'vs torch coll':>15}"
-    )
-    rows = {(s["cp"], s["route"], s["seq_len"]): s for s in steps_out}
-    for cp in sorted({s["cp"] for s in steps_out if s["cp"] > 1}):
-        for seq in seqs:
-            a, r, t = (rows[cp, k, seq] for k in ("alltoall", "ring", "alltoall torch"))
-            cell = lambda s: f"{s['ms']:>8.1f} ({s['ms_min']:.0f}-{s['ms_max']:.0f})"  # noqa: E731
-            print(
-                f"{cp:>3}{seq:>6}{rows[1, ONE, seq]['ms']:>9.1f}{cell(a):>18}{cell(r):>18}"
-                f"{r['ring_speedup']:>15.2f}{a['cpu_ms']:>12.0f}{r['cpu_ms']:>12.0f}"
-                f"{t['ms']:>12.1f}{a['ratio_vs_torch_collectives']:>15.2f}"
-            )
-    print("\nall-to-all, equal pieces: ms (median of the slowest rank); ratio = torch ms / ours")
-    print(f"{'world':>5}{'bytes':>8}{'direct':>9}{'pairwise':>10}{'torch':>9}{'direct':>9}{'pairwise':>10}")
-    for r in a2a:
-        b = r["bytes"]
-        size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
-        print(
-            f"{r['world']:>5}{size:>8}{r['direct_ms']:>9.3f}{r['pairwise_ms']:>10.3f}{r['torch_ms']:>9.3f}"
-            f"{r['ratio_direct']:>9.2f}{r['ratio_pairwise']:>10.2f}"
-        )
-
-
-def _print_kv(kv: list[dict]) -> None:
-    print(
-        f"\nLlama, {SHAPE['n_heads']} query heads and {GQA_KV} key/value head(s): bytes rank 0 sends on "
-        f"the cp group per step (forward + backward), K/V repeated to the query heads before they move "
-        f"(as before) and grouped (now)"
-    )
-    print(
-        "and DeepSeek-V3's latent attention of the same width and heads (latent: its ring sends the "
-        "compressed latent; the all-to-all gathers it, or moves the expanded keys and values where fewer)"
-    )
-    head = f"{'cp':>3} {'route':<9}{'seq':>6}{'repeated':>11}{'grouped':>11}{'ratio':>7}"
-    print(head + f"{'latent':>11}{'ratio':>7}")
-    for row in kv:
-        print(
-            f"{row['cp']:>3} {row['route']:<9}{row['seq_len']:>6}{row['repeated']:>11}{row['grouped']:>11}"
-            f"{row['ratio']:>7.3f}{row['latent']:>11}{row['latent_ratio']:>7.3f}"
-        )
 
 
 if __name__ == "__main__":
