@@ -40,7 +40,12 @@ def test_wsd_is_stable_until_its_decay_phase():
         ({"schedule": "wsd"}, "needs optimizer.decay_steps"),
         ({"schedule": "cosine", "decay_steps": 3}, "used by schedule=wsd only"),
         ({"warmup_steps": -1}, "optimizer.warmup_steps must be an integer >= 0, got -1"),
-        ({"schedule": "wsd", "warmup_steps": 15, "decay_steps": 6}, "exceed train.steps=20"),
+        (
+            {"schedule": "wsd", "warmup_steps": 15, "decay_steps": 6},
+            "optimizer.warmup_steps=15 \\+ optimizer.decay_steps=6 exceed train.steps=20: "
+            "pass train.steps >= 21 ",
+        ),
+        ({"warmup_steps": 25}, "optimizer.warmup_steps=25 exceeds train.steps=20: pass train.steps >= 25 "),
         ({"min_lr_ratio": 2.0}, "optimizer.min_lr_ratio must be a number >= 0 and <= 1"),
     ],
 )

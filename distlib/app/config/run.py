@@ -138,6 +138,18 @@ def _value(cfg: RunConfig, group: str, name: str):
     return getattr(getattr(cfg, group) if group else cfg, name)
 
 
+def _schedule_too_long(warmup: int, decay: int, steps: int) -> str:
+    if not decay:
+        return (
+            f"optimizer.warmup_steps={warmup} exceeds train.steps={steps}: pass train.steps >= {warmup} "
+            f"or a smaller optimizer.warmup_steps (a model preset may set it)"
+        )
+    return (
+        f"optimizer.warmup_steps={warmup} + optimizer.decay_steps={decay} exceed train.steps={steps}: pass "
+        f"train.steps >= {warmup + decay} or smaller ones (a model preset may set them)"
+    )
+
+
 def _check_across(cfg: RunConfig) -> None:
     """The rules that span groups, each naming the keys involved."""
     d, t = cfg.dist, cfg.train
@@ -149,7 +161,7 @@ def _check_across(cfg: RunConfig) -> None:
     _check_devices(cfg)
     opt = cfg.optimizer
     if opt.warmup_steps + opt.decay_steps > t.steps:
-        raise ConfigError(f"optimizer.warmup_steps + optimizer.decay_steps exceed train.steps={t.steps}")
+        raise ConfigError(_schedule_too_long(opt.warmup_steps, opt.decay_steps, t.steps))
     _check_data(cfg)
     cfg.fault.check_run(d.world_size, t.steps, cfg.zero.overlap)
 
