@@ -86,9 +86,11 @@ def run_ranks(
         )
     if failures:
         first = min(failures)
+        # the others' last lines too: the rank that failed first (a lost connection, say) need not
+        # be the lowest, whose own error may only be the wait for it
+        others = "".join(f"\nrank {r}: {_last_line(failures[r])}" for r in sorted(failures)[1:])
         raise AssertionError(
-            f"rank {first} failed:\n{failures[first]}"
-            + (f"\n(also failed: {sorted(failures)[1:]})" if len(failures) > 1 else "")
+            f"rank {first} failed:\n{failures[first]}" + (f"\nalso failed:{others}" if others else "")
         )
     return [results[r] for r in range(world_size)]
 
@@ -154,3 +156,8 @@ def _run_once(
                 p.join()
         del store
     return results, failures
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    return lines[-1][:400] if lines else "(no output)"
