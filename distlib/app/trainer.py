@@ -128,16 +128,18 @@ class Trainer:
         # with model.balance=bias the step's own forwards count and the biases move after the update
         # (otherwise a counter that counts nothing)
         self.routing = RoutingCount.for_run(cfg, model, mesh, self.program, self.device)
-        # the state a run changes besides its parameters: model.balance=bias's expert biases
-        self.buffers = state_buffers(model)
-        hooks.check_model(names + list(self.buffers))  # (the stage's: another rank's expert too)
+        # the state a run changes besides its parameters (model.balance=bias's expert biases), as
+        # parts beside the parameters' for the hooks (views: the biases move in place)
+        buffers = state_buffers(model)
+        self.buffer_parts = guard.buffer_parts(buffers)
+        hooks.check_model(names + list(buffers))  # (the stage's: another rank's expert too)
         # rank 0's clock decides checkpoint.every_minutes (the save/stop vote reads it)
         self.save_clock = stopping.CheckpointClock(cfg.checkpoint.every_minutes, clock or time.monotonic)
         state = RunState(model, optimizer, self.data, splits)
         self.checkpointer = Checkpointer(cfg, mesh, self.run_dir, state, hooks, self.save_clock)
         self.rollback = Rollback(cfg.guard, self.checkpointer, self.data, cfg.optimizer.lr)
         self.replicas = guard.ReplicaCheck(
-            cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer, self.buffers
+            cfg.guard.check_sync_every, cfg.zero.stage, mesh, splits, optimizer, buffers
         )
         # the observers a step calls every time: each does nothing when its key is off
         every = cfg.train.eval_every  # 0: never due
@@ -279,7 +281,7 @@ class Trainer:
         opt.apply_update(lr)
         opt.zero_grad()
         self.routing.update()  # model.balance=bias: the experts' biases move
-        self.hooks.after_update(step, opt.param_parts() + guard.buffer_parts(self.buffers))
+        self.hooks.after_update(step, opt.param_parts() + self.buffer_parts)
         return lr
 
     def _gather_step_values(

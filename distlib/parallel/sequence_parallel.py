@@ -44,7 +44,7 @@ def _own(full: torch.Tensor, tp: Comm) -> torch.Tensor:
     return full[:, tp.rank * n : (tp.rank + 1) * n].contiguous()
 
 
-def all_gather_tokens(shard: torch.Tensor, tp: Comm) -> torch.Tensor:
+def _all_gather(shard: torch.Tensor, tp: Comm) -> torch.Tensor:
     """(batch, seq/T, ...) on every rank -> (batch, seq, ...), the ranks' tokens in rank order."""
     major = shard.transpose(0, 1).contiguous()
     out = torch.empty((major.shape[0] * tp.size, *major.shape[1:]), dtype=shard.dtype, device=shard.device)
@@ -52,20 +52,20 @@ def all_gather_tokens(shard: torch.Tensor, tp: Comm) -> torch.Tensor:
     return out.transpose(0, 1).contiguous()
 
 
-def reduce_scatter_tokens(full: torch.Tensor, tp: Comm) -> torch.Tensor:
+def _reduce_scatter(full: torch.Tensor, tp: Comm) -> torch.Tensor:
     """(batch, seq, ...) partial sums on every rank -> this rank's tokens of their sum."""
     major = full.transpose(0, 1).contiguous()
     mine = collectives.reduce_scatter(major, tp, op="sum")
     return mine.view(major.shape[0] // tp.size, *major.shape[1:]).transpose(0, 1).contiguous()
 
 
-_Scatter = collective_function("_Scatter", _own, all_gather_tokens)
+_Scatter = collective_function("_Scatter", _own, _all_gather)
 # What follows a gather runs replicated, so every rank holds the same gradient: no sum to take.
-_Gather = collective_function("_Gather", all_gather_tokens, _own)
-_Enter = collective_function(
-    "_Enter", all_gather_tokens, reduce_scatter_tokens
-)  # into a tensor-parallel region
-_Leave = collective_function("_Leave", reduce_scatter_tokens, all_gather_tokens)  # out of one
+_Gather = collective_function("_Gather", _all_gather, _own)
+# Every rank's tokens to every rank, each rank's gradient summed back to the tokens' owner: into a
+# tensor-parallel region here; context parallelism gathers DeepSeek-V3's latent with it too.
+GatherTokens = collective_function("GatherTokens", _all_gather, _reduce_scatter)
+_Leave = collective_function("_Leave", _reduce_scatter, _all_gather)  # out of one
 # A computation every rank runs whole inside a region gives every rank the whole input gradient,
 # which the region's entry (its backward reduce-scatter) sums over the ranks: each brings 1/tp.
 _Share = collective_function("_Share", lambda x, tp: x, lambda grad, tp: grad / tp.size)
@@ -90,7 +90,7 @@ class SequenceSplit:
         return _Gather.apply(x, self.tp)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return _Enter.apply(x, self.tp)
+        return GatherTokens.apply(x, self.tp)
 
     def replicated_in(self, x: torch.Tensor) -> torch.Tensor:
         """The input of a computation every rank runs whole inside a region (an MoE router on the

@@ -169,8 +169,8 @@ class Faults(StepHooks):
         name = self.cfg.perturb_param
         if name is not None and name not in names:  # a bad name fails now, not at the step
             raise ConfigError(
-                f"fault.perturb_param={name!r} is not a parameter of the model (known: {names}; "
-                f"with model.balance=bias also its experts' biases)"
+                f"fault.perturb_param={name!r} is not a parameter of the model or a state buffer "
+                f"(known: {names})"
             )
 
     def joining(self) -> None:

@@ -172,9 +172,10 @@ class ReplicaCheck:
     ):
         self.every, self.mesh, self.optimizer = every, mesh, optimizer
         self.split = frozenset(tp_splits)
-        self.buffers = buffers or {}
+        # views of the buffers, which are only ever changed in place: made once
+        self.buffer_parts = [(flat, slots, False) for flat, slots, _ in buffer_parts(buffers or {})]
         self.params_held_twice = zero_stage != 3 or mesh.tp.size > 1
-        self.possible = self.params_held_twice or bool(self.buffers)
+        self.possible = self.params_held_twice or bool(self.buffer_parts)
         self.why_not = (
             "at ZeRO stage 3 with dist.tp=1 no parameter is held by two ranks, so the replica "
             "check has nothing to compare"
@@ -186,5 +187,5 @@ class ReplicaCheck:
     def check(self, step: int) -> None:
         """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ."""
         parts = self.optimizer.replica_parts() if self.params_held_twice else []
-        parts += [(flat, slots, False) for flat, slots, _ in buffer_parts(self.buffers)]
+        parts += self.buffer_parts
         check_replicas(parts, step, self.mesh.stage, self.mesh.layout.stage(), self.split)

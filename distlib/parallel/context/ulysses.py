@@ -10,13 +10,13 @@ each all-to-all's backward is the other one.
 Multi-head latent attention (``ulysses_latent_attention``) has no key/value heads to move: every
 head's keys and values are expanded from one latent per token and a rotary key every head shares.
 So the latent and the rotary key are gathered over the group instead (all of the sequence's, in
-rank order), and each rank expands them for its share of the heads only (``LatentKV.heads``); the
-gather's backward sums the ranks' latent gradients (each from its own heads) and keeps each rank's
-tokens. A rank sends (cp - 1) x tokens x (rank + rope) where the expanded keys and values were
-(cp - 1) / cp x tokens x heads x (nope + rope + v): DeepSeek-V3's (512 + 64 against 128 x 320)
-71 / cp x fewer. Where the latent is the wider (few heads, many ranks: ``gathering_sends_less``)
-the keys and values are expanded first and moved as any attention's (benchmarks/context.py gives
-the bytes of each route).
+rank order: sequence parallelism's ``GatherTokens``), and each rank expands them for its share of
+the heads only (``LatentKV.heads``); the gather's backward sums the ranks' latent gradients (each
+from its own heads) and keeps each rank's tokens. A rank sends (cp - 1) x tokens x (rank + rope)
+where the expanded keys and values were (cp - 1) / cp x tokens x heads x (nope + rope + v):
+DeepSeek-V3's (512 + 64 against 128 x 320) 71 / cp x fewer. Where the latent is the wider (few
+heads, many ranks: ``gathering_sends_less``) the keys and values are expanded first and moved as
+any attention's (benchmarks/context.py gives the bytes of each route).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from distlib.parallel import grouped_heads
 from distlib.parallel.collective_op import collective_function
 from distlib.parallel.context import chunks
 from distlib.parallel.context.travel import LatentKV
-from distlib.parallel.sequence_parallel import all_gather_tokens, reduce_scatter_tokens
+from distlib.parallel.sequence_parallel import GatherTokens
 
 
 def _heads_for_every_rank(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -65,8 +65,6 @@ _SeqToHeads = collective_function(
 _HeadsToSeq = collective_function(
     "_HeadsToSeq", heads_to_seq, lambda g, comm: seq_to_heads(g.contiguous(), comm)
 )
-# every rank's tokens to every rank; each rank's gradient (from its heads) summed back to the owner
-_GatherTokens = collective_function("_GatherTokens", all_gather_tokens, reduce_scatter_tokens)
 
 
 def _split_heads(q: torch.Tensor, n: int) -> int:
@@ -130,8 +128,8 @@ def ulysses_latent_attention(
     order = chunks.natural_order(seq, n, q.device)
     held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])
     q_full = _SeqToHeads.apply(q.contiguous(), comm)[:, :, order]
-    latent_full = _GatherTokens.apply(latent.contiguous(), comm)[:, order]
-    rot_full = _GatherTokens.apply(k_rot[:, 0].contiguous(), comm)[:, order].unsqueeze(1)
+    latent_full = GatherTokens.apply(latent.contiguous(), comm)[:, order]
+    rot_full = GatherTokens.apply(k_rot[:, 0].contiguous(), comm)[:, order].unsqueeze(1)
     k, v = up.heads(comm.rank * heads, heads).expand(latent_full, rot_full)
     out = attend(q_full, k, v, share=(comm.rank, n))
     return _HeadsToSeq.apply(out[:, :, held].contiguous(), comm)
