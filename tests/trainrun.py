@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import torch.distributed as dist
+
 from distlib.app.config.run import RunConfig
 from distlib.app.runtime.faults import step_hooks
 from distlib.app.trainer import Trainer
@@ -55,6 +57,10 @@ def train_each(comm, trees: list[dict], run_dir: str, hooks=None) -> list[dict]:
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir) / str(i), hooks=hooks)
             result = trainer.run()
+        # rank 0 writes the metrics file, to its end only as its run returns: the others read it
+        # after that (read sooner, a half-written last line failed ranks 1 and 3 in one suite run,
+        # and rank 0 then waited out the next layout's group)
+        dist.barrier()
         log = (Path(run_dir) / str(i) / "metrics.jsonl").read_text().splitlines()
         out.append(
             {
