@@ -1,5 +1,9 @@
 """Hand-written collectives (distlib.collectives) vs torch's gloo collectives, same run.
 
+Ours run twice: over gloo's pairs (``ours``) and over the shared-memory transport the training runs
+use on one host (``shm``: distlib/comm/shm.py); ``copy`` is the memory-copy bound measured alongside,
+every rank copying a tensor of the size at once (the least any collective must do: write its result).
+
     .venv/bin/python benchmarks/collectives.py            # full: 1 KB .. 64 MB, ~3-4 min on 2 cores
     .venv/bin/python benchmarks/collectives.py --quick    # 1 KB, 64 KB, 4 MB, 16 MB: < 1 min
     .venv/bin/python benchmarks/collectives.py --algos    # also time every forced algorithm of ours
@@ -17,6 +21,7 @@ ratio = torch ms / ours ms, so > 1 means ours is faster. JSON: benchmarks/result
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from multiproc import run_ranks
 
 from distlib.comm import collectives as C
+from distlib.comm import local
 from distlib.comm.algorithms import all_to_all as A2A
 from distlib.comm.cost_model import CANDIDATES
 
@@ -96,12 +102,18 @@ def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
 
 def _bench_rank(comm, sizes, with_algos, ops=OPS):
     torch.manual_seed(comm.rank)
+    shared = local.attach(comm, None, 600.0)  # forked on one host: the members share it
     rows = []
     for op in ops:
         for nbytes in sizes:
             x = torch.randn(nbytes // 4)
             ours, ref = _callables(op, x, comm, None)
-            fns = {"ours": ours, "torch": ref}
+            fns = {
+                "ours": ours,
+                "shm": _callables(op, x, shared, None)[0],
+                "torch": ref,
+                "copy": functools.partial(torch.empty_like(x).copy_, x),
+            }
             if with_algos:
                 fns.update({a: _callables(op, x, comm, a)[0] for a in ALGOS[op]})
             rows.append(
@@ -151,17 +163,22 @@ def main() -> None:
                 if key not in out:
                     out[key + "_ms"] = _median_of_slowest([r[i][key] for r in per_rank])
             out["ratio"] = out["torch_ms"] / out["ours_ms"]
+            out["shm_ratio"] = out["torch_ms"] / out["shm_ms"]
+            out["shm_vs_copy"] = out["shm_ms"] / out["copy_ms"]
             results.append(out)
 
     extra = list(dict.fromkeys(a for op in args.ops for a in ALGOS[op])) if args.algos else []
-    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}{'ours = ':>14}"
+    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}"
+    head += f"{'shm ms':>10}{'ratio':>8}{'copy ms':>10}{'shm/copy':>9}{'ours = ':>14}"
     print(head + "".join(f"{a + ' ms':>11}" for a in extra))
     for r in results:
         b = r["bytes"]
         size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
         line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}"
+        line += f"{r['ratio']:>8.2f}"
+        line += f"{r['shm_ms']:>10.3f}{r['shm_ratio']:>8.2f}{r['copy_ms']:>10.3f}{r['shm_vs_copy']:>9.1f}"
         print(
-            f"{line}{r['ratio']:>8.2f}{default_algorithm(r['op'], b, r['world']):>14}"
+            f"{line}{default_algorithm(r['op'], b, r['world']):>14}"
             + "".join(f"{r[a + '_ms']:>11.3f}" if a + "_ms" in r else f"{'-':>11}" for a in extra)
         )
     path = args.out
@@ -173,7 +190,8 @@ def main() -> None:
                 "torch": torch.__version__,
                 "cores": os.cpu_count(),
                 "loadavg_1min": [load_before, os.getloadavg()[0]],
-                "unit": "ms, median over iterations of the slowest rank; ratio = torch / ours",
+                "unit": "ms, median over iterations of the slowest rank; ratio = torch / ours (over gloo), "
+                "shm_ratio = torch / ours over shared memory, shm_vs_copy = shm / copy",
                 "results": results,
             },
             f,

@@ -26,6 +26,9 @@ coll)": the same stage and optimizer on a Comm with ``collectives="torch"``, wha
 ``dist.collectives=torch`` runs), and the ratio is that twin's ms / ours (> 1: our collectives are
 faster); ``--collectives ours`` skips the twins.
 
+``--transport``: what carries our collectives' messages: ``shm`` (the default, as training runs on one
+host: ``dist.transport``) or ``gloo``'s pairs; torch's variants and the "(torch coll)" twins always use gloo.
+
 ``--dropout P``: every variant's model drops with probability P (torch's ``F.dropout``, drawn from
 each rank's RNG), and each of our variants gets a twin "(keyed dropout)" whose masks are the
 trainer's, keyed by (seed, global sample, block, site) so that they do not depend on the layout
@@ -63,7 +66,8 @@ from distlib.app.config.groups import OptimizerConfig
 from distlib.app.config.model_group import ModelConfig
 from distlib.app.data.batches import BatchPlan, GlobalBatches, make_corpus
 from distlib.app.model.minigpt import build_model
-from distlib.comm.group import Comm
+from distlib.comm import local as one_host
+from distlib.comm.group import TRANSPORTS, Comm
 from distlib.parallel.broadcast import broadcast_module_
 from distlib.parallel.dropout import Draws
 from distlib.parallel.zero import make_optimizer
@@ -304,9 +308,12 @@ def _rank_main(
     exposed: bool,
     torch_collectives: bool,
     dropout: float,
+    transport: str = "shm",
 ) -> dict:
     cfg, batch = MODELS[model_name]
     cfg = dataclasses.replace(cfg, dropout=dropout)
+    if transport == "shm":  # forked on one host: the ranks share it
+        comm = one_host.attach(comm, None, 1800.0)
     variants = build_variants(cfg, comm, stages, torch_variants, overlaps, exposed, torch_collectives)
     return time_interleaved(variants, batches_for(cfg, batch, comm, warmup + steps), warmup)
 
@@ -459,6 +466,12 @@ def main() -> None:
         default=0.0,
         help="model dropout (default 0); > 0 adds our variants' keyed-dropout twins",
     )
+    ap.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=TRANSPORTS[0],
+        help="what carries our messages (default shm)",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "step.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -490,6 +503,7 @@ def main() -> None:
                 not args.no_exposed,
                 args.collectives == "both",
                 args.dropout,
+                args.transport,
                 timeout_s=1800,
             )
             rows += summarise(per_rank, model_name, world, args.dropout)
@@ -522,6 +536,7 @@ def main() -> None:
                 "overlap_bucket_numel": OVERLAP_BUCKET_NUMEL,
                 "collectives": args.collectives,
                 "dropout": args.dropout,
+                "transport": args.transport,
                 "results": rows,
             },
             f,

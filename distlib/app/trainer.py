@@ -63,7 +63,7 @@ from distlib.app.runtime import launcher_env
 from distlib.app.runtime.hooks import StepHooks
 from distlib.app.unattended import guard, stopping
 from distlib.app.unattended.rollback import Rollback
-from distlib.comm import agree, watchdog
+from distlib.comm import agree, local, watchdog
 from distlib.comm.group import Comm
 from distlib.comm.mesh import Mesh, build_mesh
 from distlib.parallel.broadcast import broadcast_module_
@@ -107,8 +107,10 @@ class Trainer:
         # Count traffic per collective kind, (dist.check_collectives) check every call's header, and
         # run dist.collectives' implementation (the mesh's groups inherit the last two).
         comm = comm.instrumented(check=cfg.dist.check_collectives, collectives=cfg.dist.collectives)
-        self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
         d = cfg.dist
+        if d.transport == "shm" and comm.transport is None:  # the ranks of one host: a shared segment
+            comm = local.attach(comm, local.host_keys(comm), d.timeout_s)
+        self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
         self.mesh = mesh = build_mesh(comm, cfg.layout_of(comm.size), d.timeout_s)
         self.hooks = hooks = hooks if hooks is not None else StepHooks()
         # Whatever draws from the process RNGs draws per data-parallel rank; dropout does not: its

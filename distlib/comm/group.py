@@ -32,6 +32,9 @@ import torch.distributed as dist
 KINDS = ("broadcast", "reduce_scatter", "all_gather", "all_reduce", "all_gather_bytes", "other", "all_to_all")
 # Whose collectives a Comm runs (the first is the default).
 COLLECTIVES = ("ours", "torch")
+# What carries our messages between the members of a group on one host (the first is the default):
+# a shared-memory segment (``shm``) or the process group's gloo pairs.
+TRANSPORTS = ("shm", "gloo")
 
 
 class CommStats:
@@ -63,6 +66,8 @@ class Comm:
     check: bool = False  # exchange a header before each collective (see module doc)
     device: str = "cpu"  # where messages travel: "cpu" (gloo) or "cuda:<k>" (NCCL)
     collectives: str = COLLECTIVES[0]  # whose collectives run (see module doc)
+    # the members' shared-memory segment (``shm.Transport``), where they share a host; None: gloo
+    transport: object | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.collectives not in COLLECTIVES:

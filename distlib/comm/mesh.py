@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from distlib.comm import local
 from distlib.comm.group import Comm, CommStats
 from distlib.comm.layout import BATCH, Layout, LayoutError
 
@@ -153,6 +154,10 @@ def build_mesh(world: Comm, layout: Layout, timeout_s: float | None = None) -> M
             if me in group_ranks:
                 base = Comm.subgroup(ranks, group) if group is not None else Comm(ranks=tuple(ranks), rank=0)
                 mine[kind] = dataclasses.replace(base, **riders())
+    if world.transport is not None:  # the world shares one host: so does each of its groups
+        for kind, comm in mine.items():  # in KINDS order on every rank: no two members wait apart
+            if comm.transport is None:
+                mine[kind] = local.attach(comm, None, world.transport.timeout_s)
     if layout.pp == 1:
         mine["stage"] = world
     return Mesh(world=world, layout=layout, **mine)

@@ -120,9 +120,15 @@ class P2P:
         return self.start(message)
 
     def start(self, message: Message) -> Message:
-        """Post ``message`` to gloo now."""
+        """Post ``message`` now: to the group's shared-memory transport where it has one, else to gloo."""
+        transport = self.comm.transport
         try:
-            message.work = message.fn(message.wire, self.comm.peer(message.peer), group=self.comm.group)
+            if transport is None:
+                message.work = message.fn(message.wire, self.comm.peer(message.peer), group=self.comm.group)
+            elif message.fn is dist.isend:
+                message.work = transport.send(message.wire, message.peer % self.comm.size)
+            else:
+                message.work = transport.recv(message.wire, message.peer % self.comm.size)
         except Exception as e:  # noqa: BLE001 - re-raised with context
             raise self._fail(message.peer, message.what, e) from e
         return message

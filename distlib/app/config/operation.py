@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlib.app.config.schema import ConfigError, Group, key
-from distlib.comm.group import COLLECTIVES
+from distlib.comm.group import COLLECTIVES, TRANSPORTS
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -30,6 +30,9 @@ class DistConfig(Group):
     collectives: whose collectives every group runs: ours (distlib/comm/algorithms, on point-to-point
         messages) or torch (torch.distributed's all_reduce, reduce_scatter, all_gather, broadcast on the
         group's process group, e.g. NCCL's on GPUs); pipeline send/recv is the same either way
+    transport: what carries our collectives' messages between the ranks of one host: shm (a shared-memory
+        segment per group, distlib/comm/shm.py) or gloo (its TCP pairs over loopback); groups that span
+        hosts, and the nccl backend, use the backend's own
     pp: pipeline stages: the blocks split into pp contiguous stages (embeddings with the first, the head and
         loss with the last); world_size = data x tp x pp
     pp_schedule: the order of the train.grad_accum micro-batches' forwards and backwards
@@ -57,6 +60,7 @@ class DistConfig(Group):
     tp: int = key(1, ge=1)
     check_collectives: bool = key(True)
     collectives: str = key("ours", choices=COLLECTIVES)
+    transport: str = key("shm", choices=TRANSPORTS)
     pp: int = key(1, ge=1)
     pp_schedule: str = key("1f1b", choices=PP_SCHEDULES)
     pp_virtual: int = key(1, ge=1)

@@ -1,0 +1,120 @@
+"""Which members of a group share a host, and giving such a group its shared-memory transport.
+
+A host is named by the rendezvous, not guessed: every rank publishes its host key (the host name,
+its boot id, and torchrun's node rank, so the simulated nodes of one machine stay apart) and the
+world gathers them once (``host_keys``). A group whose members all share a key gets a segment of
+its own (``attach``: collective over the group, through gloo, which the group keeps for what is
+not a message of ours: barriers, torch's own collectives); any other group keeps gloo's pairs.
+
+The segment is a file in ``/dev/shm`` (or ``DISTLIB_SHM_DIR``) that the group's first member creates
+and unlinks as soon as every member has mapped it: from then on it is memory the kernel frees with
+the last process, however it ends. A file that outlived its creator (killed between creating and
+unlinking it) is removed by the next ``create`` on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from distlib.comm import shm
+from distlib.comm.collectives import all_gather_bytes
+from distlib.comm.group import Comm
+
+PREFIX = "distlib-comm-"
+
+# Bytes per ring: 1 MiB up to 8 members (56 rings), then less, so a segment stays near 64 MiB, but
+# never under 128 KiB: every header-check message (72 B + 64 KiB inlined) must fit whole, or one
+# could still wait in its ring after its collective ended while its sender waits on another group.
+CAPACITY, MIN_CAPACITY, SEGMENT_BUDGET = 1 << 20, 128 << 10, 64 << 20
+
+
+def capacity_for(n: int) -> int:
+    """The ring size of a segment of ``n`` members (a multiple of 8)."""
+    return max(MIN_CAPACITY, min(CAPACITY, SEGMENT_BUDGET // max(1, n * (n - 1)))) // 8 * 8
+
+
+def host_key() -> str:
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    booted = boot.read_text().strip() if boot.exists() else ""
+    return f"{socket.gethostname()}/{booted}/node{os.environ.get('GROUP_RANK', '0')}"
+
+
+def host_keys(world: Comm) -> list[str]:
+    """Every rank's host key, by global rank (collective over ``world``)."""
+    bare = dataclasses.replace(world, stats=None, check=False, transport=None)
+    return [key.decode() for key in all_gather_bytes(host_key().encode(), bare)]
+
+
+def attach(comm: Comm, hosts: list[str] | None, timeout_s: float, capacity: int | None = None) -> Comm:
+    """``comm`` with a shared-memory transport when its members share a host and its messages
+    travel on the CPU; otherwise ``comm`` as it is. Collective over ``comm`` (call on every member);
+    ``hosts``: ``host_keys`` of the world, or None where the members are known to share one;
+    ``capacity``: bytes per ring (a longer message streams through it; default ``capacity_for``)."""
+    if comm.size == 1 or comm.device != "cpu" or not shm.supported():
+        return comm
+    if hosts is not None and len({hosts[r] for r in comm.ranks}) > 1:
+        return comm
+    bare = dataclasses.replace(comm, stats=None, check=False, transport=None)
+    capacity = capacity if capacity is not None else capacity_for(comm.size)
+    path = create(comm.size, capacity) if comm.rank == 0 else ""
+    path = all_gather_bytes(path.encode(), bare)[0].decode()
+    if not path:
+        return comm  # no room for the segment on this host: the group keeps gloo
+    transport = None
+    try:
+        transport = open_segment(path, comm.size, comm.rank, timeout_s, capacity)
+    finally:
+        mapped = all_gather_bytes(b"1" if transport is not None else b"", bare)
+        if comm.rank == 0:
+            Path(path).unlink(missing_ok=True)  # every member mapped it (or failed): nothing stays on disk
+    if not all(mapped):
+        return comm
+    return dataclasses.replace(comm, transport=transport)
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get("DISTLIB_SHM_DIR", "/dev/shm"))
+
+
+def create(n: int, capacity: int) -> str:
+    """Create a segment for ``n`` members (the group's first calls it); returns its path, or ""
+    where the memory cannot be reserved (the group then keeps gloo). Stale segments go first."""
+    if capacity < 8 or capacity % 8:
+        raise ValueError(f"ring capacity {capacity} must be a positive multiple of 8 bytes")
+    reap()
+    path = shm_dir() / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return ""
+    try:
+        os.posix_fallocate(fd, 0, shm.layout_bytes(n, capacity))  # ENOSPC here, not SIGBUS on first touch
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        return ""
+    os.close(fd)
+    return str(path)
+
+
+def open_segment(path: str, n: int, me: int, timeout_s: float, capacity: int) -> shm.Transport:
+    """Map the segment at ``path`` as member ``me`` of ``n``."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, shm.layout_bytes(n, capacity))
+    finally:
+        os.close(fd)
+    return shm.Transport(mm, n, me, capacity, timeout_s)
+
+
+def reap() -> None:
+    """Remove segments whose creator is gone: one killed between creating and unlinking its file."""
+    for path in shm_dir().glob(PREFIX + "*"):
+        pid = path.name[len(PREFIX) :].partition("-")[0]
+        if pid.isdigit() and shm.exited(int(pid)):
+            path.unlink(missing_ok=True)
