@@ -26,6 +26,8 @@ from distlib.comm import collectives as C
 from distlib.comm import local
 from distlib.comm.group import Comm
 from distlib.comm.header import HEADER_BYTES, INLINE_BYTES
+from distlib.comm.layout import Layout
+from distlib.comm.mesh import build_mesh
 from distlib.comm.p2p import P2P, CollectiveError
 from distlib.launch.hydra_config import compose_tree
 from distlib.launch.torchrun import use_deterministic_kernels
@@ -224,3 +226,17 @@ def test_ring_sizes_fit_every_header_message_and_keep_a_segment_near_its_budget(
     if capacity > local.MIN_CAPACITY:
         assert rings * capacity <= local.SEGMENT_BUDGET
     assert (capacity == local.CAPACITY) == (n <= 8)
+
+
+def _mesh_on_two_hosts(comm: Comm) -> dict:
+    mesh = build_mesh(comm, Layout.of(comm.size, tp=2), 60.0, hosts=["a", "a", "b", "b"])
+    x = torch.full((5,), float(comm.rank))
+    C.all_reduce(x, mesh.tp)  # over the node's segment
+    C.all_reduce(x, mesh.dp)  # across the two "hosts": gloo's pairs
+    return {"tp": mesh.tp.transport is not None, "dp": mesh.dp.transport is not None, "x": x.tolist()}
+
+
+def test_on_several_hosts_only_the_groups_inside_one_get_a_segment():
+    for got in run_ranks(_mesh_on_two_hosts, 4):
+        assert (got["tp"], got["dp"]) == (True, False)  # tp pairs {0, 1}, {2, 3}; dp pairs {0, 2}, {1, 3}
+        assert got["x"] == [6.0] * 5  # (0 + 1) + (2 + 3)

@@ -108,10 +108,12 @@ class Trainer:
         # run dist.collectives' implementation (the mesh's groups inherit the last two).
         comm = comm.instrumented(check=cfg.dist.check_collectives, collectives=cfg.dist.collectives)
         d = cfg.dist
+        hosts = None
         if d.transport == "shm" and comm.transport is None:  # the ranks of one host: a shared segment
-            comm = local.attach(comm, local.host_keys(comm), d.timeout_s)
+            hosts = local.host_keys(comm)
+            comm = local.attach(comm, hosts, d.timeout_s)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)
-        self.mesh = mesh = build_mesh(comm, cfg.layout_of(comm.size), d.timeout_s)
+        self.mesh = mesh = build_mesh(comm, cfg.layout_of(comm.size), d.timeout_s, hosts)
         self.hooks = hooks = hooks if hooks is not None else StepHooks()
         # Whatever draws from the process RNGs draws per data-parallel rank; dropout does not: its
         # masks are keyed by the seed, the global sample and the site, for any layout.

@@ -124,10 +124,14 @@ KINDS = {
 }
 
 
-def build_mesh(world: Comm, layout: Layout, timeout_s: float | None = None) -> Mesh:
+def build_mesh(
+    world: Comm, layout: Layout, timeout_s: float | None = None, hosts: list[str] | None = None
+) -> Mesh:
     """Create the data- and tensor-parallel groups of ``world`` (collective: call on every rank) for
     ``layout`` (``Layout.of``, over ``world``'s ranks), and the groups of each other dimension whose
-    degree is above 1; each waits at most ``timeout_s``."""
+    degree is above 1; each waits at most ``timeout_s``. With ``hosts`` (``local.host_keys``, by
+    global rank) every group whose members share a host gets a shared-memory segment, as does each
+    group of a world that has one; the others keep gloo's pairs."""
     if layout.world_size != world.size:
         raise MeshError(f"a layout of {layout.world_size} ranks for a group of {world.size}")
 
@@ -154,10 +158,14 @@ def build_mesh(world: Comm, layout: Layout, timeout_s: float | None = None) -> M
             if me in group_ranks:
                 base = Comm.subgroup(ranks, group) if group is not None else Comm(ranks=tuple(ranks), rank=0)
                 mine[kind] = dataclasses.replace(base, **riders())
-    if world.transport is not None:  # the world shares one host: so does each of its groups
-        for kind, comm in mine.items():  # in KINDS order on every rank: no two members wait apart
+    if world.transport is not None or hosts is not None:
+        # a world with a segment shares one host, so does each of its groups; otherwise the hosts
+        # say which do. In KINDS order on every rank: no two members wait in different groups.
+        wait_s = world.transport.timeout_s if world.transport is not None else timeout_s or 1800.0
+        shared = None if world.transport is not None else hosts
+        for kind, comm in mine.items():
             if comm.transport is None:
-                mine[kind] = local.attach(comm, None, world.transport.timeout_s)
+                mine[kind] = local.attach(comm, shared, wait_s)
     if layout.pp == 1:
         mine["stage"] = world
     return Mesh(world=world, layout=layout, **mine)
