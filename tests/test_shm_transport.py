@@ -240,3 +240,18 @@ def test_on_several_hosts_only_the_groups_inside_one_get_a_segment():
     for got in run_ranks(_mesh_on_two_hosts, 4):
         assert (got["tp"], got["dp"]) == (True, False)  # tp pairs {0, 1}, {2, 3}; dp pairs {0, 2}, {1, 3}
         assert got["x"] == [6.0] * 5  # (0 + 1) + (2 + 3)
+
+
+def _torch_collectives(comm: Comm) -> dict:
+    ours = dataclasses.replace(local.attach(comm, None, 60.0), collectives="torch")
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(comm.rank))
+    want = x.clone()
+    torch.distributed.all_reduce(want)
+    got = C.all_reduce(x.clone(), ours)
+    return {"equal": torch.equal(got, want), "messages": ours.transport.written}
+
+
+def test_torch_collectives_leave_the_segment_unused():
+    for got in run_ranks(_torch_collectives, 3):
+        assert got["equal"]  # torch's own all_reduce on the group's gloo process group: its bytes
+        assert set(got["messages"].values()) == {0}  # not a byte went through a ring
