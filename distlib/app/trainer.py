@@ -109,7 +109,8 @@ class Trainer:
         comm = comm.instrumented(check=cfg.dist.check_collectives, collectives=cfg.dist.collectives)
         d = cfg.dist
         hosts = None
-        if d.transport == "shm" and comm.transport is None:  # the ranks of one host: a shared segment
+        # the ranks of one host share a segment per group (messages on the CPU: gloo's, not NCCL's)
+        if d.transport == "shm" and comm.transport is None and comm.device == "cpu":
             hosts = local.host_keys(comm)
             comm = local.attach(comm, hosts, d.timeout_s)
         self.cfg, self.comm, self.run_dir, self.device = cfg, comm, Path(run_dir), torch.device(device)

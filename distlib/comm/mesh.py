@@ -162,10 +162,9 @@ def build_mesh(
         # a world with a segment shares one host, so does each of its groups; otherwise the hosts
         # say which do. In KINDS order on every rank: no two members wait in different groups.
         wait_s = world.transport.timeout_s if world.transport is not None else timeout_s or 1800.0
-        shared = None if world.transport is not None else hosts
         for kind, comm in mine.items():
             if comm.transport is None:
-                mine[kind] = local.attach(comm, shared, wait_s)
+                mine[kind] = local.attach(comm, hosts, wait_s)
     if layout.pp == 1:
         mine["stage"] = world
     return Mesh(world=world, layout=layout, **mine)

@@ -128,6 +128,28 @@ def _pad(n: int) -> int:
     return (n + 7) & ~7
 
 
+def _advance(op: _Op, word, step: int) -> int:
+    """Move ``op`` and our own count ``word`` (a ring's head as sender, its tail as receiver) on by
+    ``step`` stream bytes, after they were copied: that publishes them, or frees their room."""
+    word.value += step
+    op.pos += step
+    op.done = op.pos == op.total
+    return step
+
+
+def _stream(op: _Op, word, available: int, copy) -> bool:
+    """Move what ``available`` stream bytes allow of ``op``'s payload (and padding) through the
+    ring at ``word``'s position (``copy``: the ring's put or get); whether any moved."""
+    step = min(available, op.total - op.pos)
+    if step <= 0:
+        return False
+    a, b = op.pos - 8, min(op.pos - 8 + step, op.length)
+    if b > a:
+        copy(word.value, op.buf[a:b])
+    _advance(op, word, step)
+    return True
+
+
 class Work:
     """What ``send``/``recv`` return: ``wait()`` until the message is through (gloo's Work)."""
 
@@ -155,8 +177,6 @@ class Transport:
 
         self.out = {j: ring(me, j) for j in range(n) if j != me}
         self.into = {j: ring(j, me) for j in range(n) if j != me}
-        self.written = dict.fromkeys(self.out, 0)  # our own head words, kept here too
-        self.taken = dict.fromkeys(self.into, 0)  # our own tail words
         self.sends: dict[int, deque] = {j: deque() for j in self.out}
         self.recvs: dict[int, deque] = {j: deque() for j in self.into}
         self.lock = threading.Lock()
@@ -184,67 +204,41 @@ class Transport:
         ring, queue, moved = self.out[j], self.sends[j], False
         while queue:
             op = queue[0]
-            room = ring.capacity - (self.written[j] - ring.tail.value)
+            room = ring.capacity - (ring.head.value - ring.tail.value)
             if op.pos == 0:
                 if room < 8:
                     break
-                ring.length_word(self.written[j]).value = op.length
-                self._advance_out(j, op, 8)
-                room -= 8
+                ring.length_word(ring.head.value).value = op.length
+                room -= _advance(op, ring.head, 8)
                 moved = True
-            step = min(room, op.total - op.pos)
-            if step > 0:
-                a, b = op.pos - 8, min(op.pos - 8 + step, op.length)
-                if b > a:
-                    ring.put(self.written[j], op.buf[a:b])
-                self._advance_out(j, op, step)
-                moved = True
+            moved |= _stream(op, ring.head, room, ring.put)
             if not op.done:
                 break
             queue.popleft()
         return moved
-
-    def _advance_out(self, j: int, op: _Op, step: int) -> None:
-        self.written[j] += step
-        op.pos += step
-        op.done = op.pos == op.total
-        self.out[j].head.value = self.written[j]  # after the bytes: publishes them
 
     def _pull(self, j: int) -> bool:
         """Copy what arrived from peer ``j`` into the receives posted for it; whether any did."""
         ring, queue, moved = self.into[j], self.recvs[j], False
         while queue:
             op = queue[0]
-            ready = ring.head.value - self.taken[j]
+            ready = ring.head.value - ring.tail.value
             if op.pos == 0:
                 if ready < 8:
                     break
-                op.length = ring.length_word(self.taken[j]).value
+                op.length = ring.length_word(ring.tail.value).value
                 if op.length > op.buf.numel():
                     raise RuntimeError(
                         f"a message of {op.length} bytes arrived for a receive of {op.buf.numel()}"
                     )
                 op.total = 8 + _pad(op.length)
-                self._advance_in(j, op, 8)
-                ready -= 8
+                ready -= _advance(op, ring.tail, 8)
                 moved = True
-            step = min(ready, op.total - op.pos)
-            if step > 0:
-                a, b = op.pos - 8, min(op.pos - 8 + step, op.length)
-                if b > a:
-                    ring.get(self.taken[j], op.buf[a:b])
-                self._advance_in(j, op, step)
-                moved = True
+            moved |= _stream(op, ring.tail, ready, ring.get)
             if not op.done:
                 break
             queue.popleft()
         return moved
-
-    def _advance_in(self, j: int, op: _Op, step: int) -> None:
-        self.taken[j] += step
-        op.pos += step
-        op.done = op.pos == op.total
-        self.into[j].tail.value = self.taken[j]  # after the bytes are out: the room is free
 
     def _progress(self) -> bool:
         moved = False
