@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import os
 import signal
 import time
@@ -256,3 +257,30 @@ def test_torch_collectives_leave_the_segment_unused():
     for got in run_ranks(_torch_collectives, 3):
         assert got["equal"]  # torch's own all_reduce on the group's gloo process group: its bytes
         assert set(got["messages"].values()) == {0}  # not a byte went through a ring
+
+
+def _without_segment(comm: Comm, shm_dir: str, failing_rank: int) -> dict:
+    os.environ["DISTLIB_SHM_DIR"] = shm_dir
+    if comm.rank == failing_rank:  # this member alone cannot map the segment
+
+        def refuse(*_):
+            raise PermissionError(13, "Permission denied")
+
+        local.open_segment = refuse
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        got = local.attach(comm, None, 60.0)
+    x = torch.full((3,), float(comm.rank))
+    C.all_reduce(x, got)  # the group still works, over gloo
+    return {"segment": got.transport is not None, "said": said.getvalue(), "x": x.tolist()}
+
+
+@pytest.mark.parametrize("case", ["no directory", "one rank cannot map it"])
+def test_without_a_segment_the_group_keeps_gloo_and_says_why(tmp_path, case):
+    where = str(tmp_path / "missing") if case == "no directory" else str(tmp_path)
+    got = run_ranks(_without_segment, 3, where, -1 if case == "no directory" else 2)
+    assert [g["segment"] for g in got] == [False] * 3
+    assert all(g["x"] == [3.0] * 3 for g in got)
+    want = "no segment could be created in" if case == "no directory" else "rank 2 could not map"
+    assert want in got[0]["said"] and "group [0, 1, 2] uses gloo" in got[0]["said"], got[0]["said"]
+    assert os.listdir(tmp_path) == []  # (the directory case: nothing was made at all)

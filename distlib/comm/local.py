@@ -18,6 +18,7 @@ import dataclasses
 import mmap
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -64,17 +65,25 @@ def attach(comm: Comm, hosts: list[str] | None, timeout_s: float, capacity: int 
     path = create(comm.size, capacity) if comm.rank == 0 else ""
     path = all_gather_bytes(path.encode(), bare)[0].decode()
     if not path:
-        return comm  # no room for the segment on this host: the group keeps gloo
-    transport = None
+        return _keep_gloo(comm, f"no segment could be created in {shm_dir()}")
+    transport, problem = None, b""
     try:
         transport = open_segment(path, comm.size, comm.rank, timeout_s, capacity)
-    finally:
-        mapped = all_gather_bytes(b"1" if transport is not None else b"", bare)
-        if comm.rank == 0:
-            Path(path).unlink(missing_ok=True)  # every member mapped it (or failed): nothing stays on disk
-    if not all(mapped):
-        return comm
+    except OSError as exc:  # this member cannot map it: every member keeps gloo, and it says why
+        problem = f"rank {comm.peer(comm.rank)} could not map {path}: {exc}".encode()
+    mapped = all_gather_bytes(problem, bare)
+    if comm.rank == 0:
+        Path(path).unlink(missing_ok=True)  # every member mapped it (or failed): nothing stays on disk
+    if any(mapped):
+        return _keep_gloo(comm, next(p for p in mapped if p).decode())
     return dataclasses.replace(comm, transport=transport)
+
+
+def _keep_gloo(comm: Comm, why: str) -> Comm:
+    """The group without a segment (its messages go over gloo's pairs, slower, the same bytes)."""
+    if comm.rank == 0:
+        print(f"warning: dist.transport=shm: {why}; group {list(comm.ranks)} uses gloo", file=sys.stderr)
+    return comm
 
 
 def shm_dir() -> Path:
