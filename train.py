@@ -21,6 +21,12 @@ import gc
 # that garbage stays) and collection resumes for what the run allocates: 0.02 s per rank.
 gc.disable()
 import os
+
+# numpy's OpenBLAS starts a pool thread as it loads (torch imports numpy), which the run never uses
+# (its math is torch's); without it the launcher runs no thread until its agent starts, so the fork
+# server its workers come from can be a fork of it instead of a fresh interpreter importing torch
+# again (distlib/launch/prefork.py). A value already set is kept.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING

@@ -38,6 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # _trace_worker
 NPROC = 4
 GOAL = 1.2
+# The same capstone started by `python train.py` (its own launcher, distlib/launch/local.py): its
+# fork server a fork of the launcher (prefork.py), and multiprocessing's own fresh interpreter, which
+# a launcher gets when a thread runs in it (numpy's BLAS pool, kept here by OPENBLAS_NUM_THREADS=2).
+LAUNCHERS = {"python train.py": {}, "python train.py, exec'd server": {"OPENBLAS_NUM_THREADS": "2"}}
 
 FLOOR_SCRIPT = """\
 import gc, os, sys, time
@@ -86,6 +90,21 @@ def torchrun(script: str, args: list[str], env: dict, timeout: float) -> tuple[f
     if script.endswith("train.py") or "_trace_worker" in script:
         if "RESUME VERIFIED" not in proc.stdout:
             sys.exit(f"error: the capstone run did not print RESUME VERIFIED:\n{proc.stdout[-3000:]}")
+    return elapsed, cpu
+
+
+def launcher(args: list[str], env: dict, timeout: float) -> tuple[float, float]:
+    """Run ``python train.py args`` (its own launcher, 4 workers); wall and CPU seconds as
+    ``torchrun``'s (the launcher reaps the fork server, which reaped the workers)."""
+    cpu_before = _children_cpu()
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
+    began = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    elapsed, cpu = time.perf_counter() - began, _children_cpu() - cpu_before
+    if proc.returncode != 0 or "RESUME VERIFIED" not in proc.stdout:
+        sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
     return elapsed, cpu
 
 
@@ -175,12 +194,15 @@ def main() -> None:
         floor = floors["floor"]
         train = os.path.join(ROOT, "train.py")
         tracer = os.path.join(HERE, "_trace_worker.py")
-        kinds = ["floor", "paused floor", "capstone"]
+        kinds = ["floor", "paused floor", "capstone", *LAUNCHERS]
         walls, cpus = {k: [] for k in kinds}, {k: [] for k in kinds}
         for i in range(rounds):
-            for kind in kinds[i % 3 :] + kinds[: i % 3]:  # each kind first in turn
+            for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:  # each kind first in turn
                 if kind in floors:
                     wall, cpu = torchrun(floors[kind], [], env, args.timeout)
+                elif kind in LAUNCHERS:
+                    run_dir = f"hydra.run.dir={os.path.join(tmp, f'launcher{kinds.index(kind)}-{i}')}"
+                    wall, cpu = launcher([run_dir, *args.overrides], {**env, **LAUNCHERS[kind]}, args.timeout)
                 else:
                     wall, cpu = torchrun(
                         train,
@@ -209,6 +231,8 @@ def main() -> None:
         ("floor", "floor: torchrun x4, import torch, init gloo"),
         ("paused floor", "paused floor: the same, collector paused"),
         ("capstone", "capstone: torchrun x4 train.py"),
+        ("python train.py", "capstone: python train.py (forked server)"),
+        ("python train.py, exec'd server", "the same, server a fresh interpreter"),
     ):
         print(
             f"{label:<44}{med[kind]:>8.2f}{min(walls[kind]):>7.2f}{max(walls[kind]):>7.2f}{med_cpu[kind]:>8.2f}"
@@ -224,6 +248,9 @@ def main() -> None:
         f"{med_cpu['capstone'] / med_cpu['paused floor']:.2f} CPU (train.py pauses the collector for its "
         "imports; this floor does too)"
     )
+    (forked, execd), (forked_cpu, execd_cpu) = (med[k] for k in LAUNCHERS), (med_cpu[k] for k in LAUNCHERS)
+    ratios = f"{forked / execd:.2f} wall, {forked_cpu / execd_cpu:.2f} CPU"
+    print(f"python train.py, its fork server forked / exec'd: {ratios}")
     print_phases(f"floor, traced run ({floor_wall:.2f} s)", floor_rows, floor_wall)
     print_phases(f"capstone, traced run ({cap_wall:.2f} s)", cap_rows, cap_wall)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -243,6 +270,8 @@ def main() -> None:
                 "ratio": ratio,
                 "paused_floor_ratio": paused_ratio,
                 "paused_floor_cpu_ratio": med_cpu["capstone"] / med_cpu["paused floor"],
+                "launcher_wall_ratio": forked / execd,
+                "launcher_cpu_ratio": forked_cpu / execd_cpu,
                 "goal": GOAL,
                 "goal_met": ratio <= GOAL,
                 "traced": {

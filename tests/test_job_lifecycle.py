@@ -88,6 +88,7 @@ def test_a_launcher_killed_by_sigkill_leaves_no_worker_and_no_snapshot(tmp_path,
         time.sleep(0.05)
     workers, server = _workers(proc.pid)
     assert len(workers) == 2 and list(snapshots.glob("step*")), "the run did not get going"
+    assert bool(server) == (launcher == "python train.py"), "python train.py's server is no fork of it"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert _gone_within(workers + server, 2), "workers (or the fork server) outlived their launcher"
@@ -113,9 +114,9 @@ def _cmdline(pid: int) -> bytes:
 
 def _workers(launcher: int) -> tuple[list[int], list[int]]:
     """A launcher's workers, and the fork server that started them if any. torchrun's are its
-    children with torch's environment; python train.py's are forks of its fork server
-    (distlib/launch/local.py), whose command line they keep."""
-    servers = [c for c in _children(launcher) if b"forkserver" in _cmdline(c)]
+    children with torch's environment; python train.py's are forks of its fork server, itself a
+    fork of the launcher (distlib/launch/prefork.py), whose command line they all keep."""
+    servers = [c for c in _children(launcher) if _cmdline(c) == _cmdline(launcher)]
     if servers:
         return [w for w in _children(servers[0]) if _cmdline(w) == _cmdline(servers[0])], servers
     children = _children(launcher)

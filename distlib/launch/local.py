@@ -4,13 +4,13 @@ that has imported them already.
 The agent runs in this process, as torchrun's does in its own (``elastic_launch``: the same
 rendezvous, store and monitoring), and starts each worker as ``worker.start(tree, run_dir)``, the
 run's configuration as this process checked it, with torch's environment (RANK, WORLD_SIZE, ...).
-The workers are not forks of this process (it runs the agent's store server thread, and a fork of
-a process with threads can inherit a lock held forever): multiprocessing's fork server, a fresh
-interpreter started by fork + exec, imports ``distlib.launch.worker`` (torch, the trainer) once
-and forks each worker from there, single-threaded. So a worker starts without importing torch or
-composing the config again: measured on 2 cores (``perf stat``, every process of the job), a
-4-rank 1-step run takes 3.1 CPU-s and 2.9 s, against 6.5 and 4.5 with each worker a new
-``python train.py``; the fork server's one import is all the workers pay.
+The workers are not forks of this process once the agent runs (its store server thread could
+leave a child a lock held forever), but of multiprocessing's fork server, which ``prefork`` forks
+from this process just before, while it still runs no thread: it has torch and the trainer imported
+already, single-threaded, and forks each worker from there. So no process of the job imports torch
+after the launcher: measured on 2 cores (AMD EPYC, ``benchmarks/startup.py``), the capstone takes
+4.1 s and 4.9 CPU-s, against 6.9 s and 7.9 CPU-s with multiprocessing's own server, a fresh
+interpreter importing them again (what a launcher already running a thread gets).
 
 On SIGTERM/SIGINT the agent forwards the signal; the workers finish their step, save and stop,
 and this process exits 0 if the run's log says they did (1 otherwise). A failed worker's one-line
@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 from distlib.app.observe.metrics import last_event
+from distlib.launch import prefork
 
 # What the fork server imports before it forks a worker: first what makes it die with this process
 # (fork_server.py says why), then the worker's module and, through it, torch.
@@ -55,7 +56,8 @@ def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None
         monitor_interval=0.1,
         start_method="forkserver",
     )
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload(PRELOAD)  # for the server multiprocessing would start
+    prefork.start()  # the server as a fork of this process, before the agent's first thread
     # The workers print their own one-line errors; the agent's tracebacks would bury them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     started = time.time()
@@ -65,6 +67,8 @@ def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None
         _stopped(signal.Signals(exc.sigval).name, Path(run_dir), metrics_file, started)
     except ChildFailedError as exc:
         _failed(exc)
+    finally:
+        prefork.stop()  # the workers are gone: so is their server
 
 
 def _stopped(name: str, run_dir: Path, metrics_file: str, since: float) -> None:
