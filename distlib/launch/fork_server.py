@@ -1,5 +1,7 @@
-"""Imported first by ``python train.py``'s fork server (``local.PRELOAD``), the process that
-imports the workers' modules once and forks each worker from there: it dies with the launcher.
+"""Imported first by multiprocessing's own fork server (``local.PRELOAD``), the fresh interpreter
+that imports the workers' modules once and forks each worker from there, where ``python train.py``'s
+launcher could not fork one itself (``prefork.py``: a thread already ran in it): it dies with the
+launcher.
 
 The fork server outlives its launcher otherwise: multiprocessing hands every process it forks the
 pipe whose end tells the server its clients are gone, so the server stays while a worker runs,

@@ -31,8 +31,9 @@ from pathlib import Path
 from distlib.app.observe.metrics import last_event
 from distlib.launch import prefork
 
-# What the fork server imports before it forks a worker: first what makes it die with this process
-# (fork_server.py says why), then the worker's module and, through it, torch.
+# What multiprocessing's own fork server (where prefork cannot fork one) imports before it forks a
+# worker: first what makes it die with this process (fork_server.py says why), then the worker's
+# module and, through it, torch.
 PRELOAD = ["distlib.launch.fork_server", "distlib.launch.worker"]
 
 
