@@ -36,6 +36,7 @@ from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import corpus as data
 from distlib.app.data.tokens import DataError
+from distlib.app.runtime import launcher_env
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.launch import continuation, hydra_config, local, run_lock, slurm, worker
 from distlib.launch.torchrun import (
@@ -116,6 +117,15 @@ def _refuse_nothing_to_train(tree: dict, run_cfg: RunConfig, run_dir: Path) -> N
         _refuse(f"error: {busy}", 1) if busy else _refuse(done, 0)
 
 
+def _restart_resumes(tree: dict) -> dict:
+    """A torchrun restart resumes the job's own checkpoints (continuation.resumed_on_restart);
+    rank 0 says so in one line."""
+    tree, line = continuation.resumed_on_restart(tree, launcher_env.attempt())
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+    return tree
+
+
 def run_config(cfg: DictConfig) -> None:
     """Hydra's task: check, claim the run directory, then train (this rank) or start the workers."""
     from hydra.core.hydra_config import HydraConfig
@@ -129,6 +139,8 @@ def run_config(cfg: DictConfig) -> None:
     tree = resumed[0] if resumed else tree
     # a continuation's tree was also set by its record's overrides
     tree = completed(tree, overrides + (continuation.recorded_overrides(run_dir) if resumed else []), run_dir)
+    if UNDER_TORCHRUN:
+        tree = _restart_resumes(tree)
     run_cfg = checked_config(tree)
     problem = continuation.resume_path_problem(tree)
     if problem:
@@ -202,9 +214,10 @@ if __name__ == "__main__":
         sys.argv.append(hydra_config.NO_SUBDIR)
     restart = restart_config() if rank0_composes(sys.argv) else None
     if restart:  # a restart: the first start's config, no Hydra; rank 0 claims the run directory again
+        tree, run_dir = _restart_resumes(restart[0]), restart[1]
         if os.environ["RANK"] == "0":
-            _claim(RunConfig.from_dict(restart[0]), Path(restart[1]))
-        worker.run(*restart)
+            _claim(RunConfig.from_dict(tree), Path(run_dir))
+        worker.run(tree, run_dir)
     elif rank0_composes(sys.argv) and os.environ.get("RANK", "0") != "0":
         worker.run(*config_from_rank0())
     else:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from e2e import ROOT, free_port
 
+from distlib.launch import continuation
+
 pytestmark = pytest.mark.slow
 
 # None of these is the default (train.steps=20, lr 1e-3, 4 ranks): a continuation with conf/'s
@@ -146,3 +148,17 @@ def test_nothing_left_to_train_changes_nothing_and_an_override_is_recorded_besid
         "steps: 16" in (record / "config.yaml").read_text()
         and "monotone_until_step: 0" in (record / "config.yaml").read_text()
     )
+
+
+@pytest.mark.parametrize("attempt", [0, 1, 3])
+@pytest.mark.parametrize("resume", [None, "", "none", "null", "latest", "/runs/a/checkpoints/step_00000004"])
+def test_a_restart_resumes_the_latest_checkpoint_only_where_resume_was_unset(attempt, resume):
+    tree = {"checkpoint": {"resume": resume, "every_steps": 4}, "train": {"steps": 8}}
+    got, line = continuation.resumed_on_restart(tree, attempt)
+    unset = resume in (None, "", "none", "null")
+    want = "latest" if attempt and unset else resume
+    assert got["checkpoint"] == {"resume": want, "every_steps": 4} and got["train"] == {"steps": 8}
+    assert tree["checkpoint"]["resume"] == resume  # the caller's tree is left as it was
+    assert (line is not None) == bool(attempt and unset)
+    if line:
+        assert line.startswith(f"restart {attempt} of the job: checkpoint.resume was not set")

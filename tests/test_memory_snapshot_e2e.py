@@ -49,7 +49,7 @@ BENCH = [
 ]
 
 
-def _torchrun(run_dir: Path, restarts: int) -> subprocess.CompletedProcess:
+def _torchrun(run_dir: Path, restarts: int, run: list[str] = RUN) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -64,7 +64,7 @@ def _torchrun(run_dir: Path, restarts: int) -> subprocess.CompletedProcess:
         "localhost:0",
         "train.py",
         f"hydra.run.dir={run_dir}",
-        *RUN,
+        *run,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -148,6 +148,19 @@ def _final_files(run: Path) -> dict[str, tuple[int, str, bytes]]:
     ckpt = run / "checkpoints" / checkpoint.step_dir_name(8)
     manifest = checkpoint.verify(ckpt)
     return {f["path"]: (f["bytes"], f["sha256"], (ckpt / f["path"]).read_bytes()) for f in manifest["files"]}
+
+
+@pytest.mark.slow
+def test_a_restart_resumes_by_itself_when_checkpoint_resume_was_not_given(recovery, tmp_path):
+    """--max-restarts without checkpoint.resume=latest: the restart continues the job's own
+    checkpoints (before, it refused to start over them and the job exited 1)."""
+    run = tmp_path / "run"
+    proc = _torchrun(run, restarts=1, run=[a for a in RUN if a != "checkpoint.resume=latest"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = "restart 1 of the job: checkpoint.resume was not set, so it resumes from the latest checkpoint"
+    assert proc.stdout.count(said) == 1, proc.stdout[-3000:]  # rank 0's line, once
+    assert "resume: from the memory snapshot of step 6" in proc.stdout
+    assert _files(run) == _files(recovery["clean"])
 
 
 @pytest.mark.slow

@@ -144,3 +144,20 @@ def resume_path_problem(tree: dict) -> str | None:
             f"hydra.run.dir={resume}, or name one: checkpoint.resume={held[-1]}"
         )
     return f"checkpoint.resume={resume} is not a committed checkpoint: it has no {checkpoint.MANIFEST}"
+
+
+def resumed_on_restart(tree: dict, attempt: int) -> tuple[dict, str | None]:
+    """A restart of a torchrun job (``attempt`` > 0, the start number the ranks agreed) continues
+    the job's own checkpoints: with ``checkpoint.resume`` unset it resumes from the latest one (or,
+    where the first start saved none, starts fresh, as ``latest`` does). (the tree to run, the line
+    rank 0 prints, or None where nothing changed.) Without this, ``--max-restarts`` restarted
+    nothing once a checkpoint was saved: the restart found the first start's checkpoints, refused
+    to start a fresh run over them and exited 1. Its first start refuses to start over anything
+    older, so whatever a restart finds was saved by this job."""
+    if attempt == 0 or tree.get("checkpoint", {}).get("resume") not in NO_RESUME:
+        return tree, None
+    tree = {**tree, "checkpoint": {**tree["checkpoint"], "resume": "latest"}}
+    return tree, (
+        f"restart {attempt} of the job: {_RESUME} was not set, so it resumes from the latest "
+        f"checkpoint ({_RESUME}=latest)"
+    )

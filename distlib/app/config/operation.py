@@ -85,10 +85,10 @@ class CheckpointConfig(Group):
     every_steps: save after every K-th step; 0 disables step-based saving
     every_minutes: also save when this many minutes passed since the last save (rank 0's clock decides for
         all ranks); 0 disables. SIGTERM/SIGINT/SIGUSR2 always save
-    resume: null: start fresh; latest: the newest checkpoint in `dir` that verifies (damaged newer ones are
-        reported and moved aside; none at all: start fresh); or a checkpoint path, loaded exactly or the run
-        fails (the model and tokenization keys the command line leaves unset come from its manifest). Any
-        other layout or ZeRO stage is loaded by parameter name
+    resume: null: start fresh (a torchrun restart of the job: latest); latest: the newest checkpoint in
+        `dir` that verifies (damaged newer ones are reported and moved aside; none at all: start fresh);
+        or a checkpoint path, loaded exactly or the run fails (the model and tokenization keys the command
+        line leaves unset come from its manifest). Any other layout or ZeRO stage is loaded by parameter name
     verify_resume: at the end, reload the first checkpoint (with keep_last: the newest) into a fresh model
         and optimizer and compare every byte (invariant 4); null = on for a run with the capstone's model,
         data and learning (the demo's proof), off for others (it keeps a host copy of a shard and builds
