@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from multiprocessing import connection, forkserver, resource_tracker
 
@@ -53,6 +54,10 @@ def start() -> bool:
             listener.listen()
             # every client holds the write end; the server leaves when the read end sees them gone
             alive_r, alive_w = os.pipe()
+            # what this process printed and has not written yet would be written again by every
+            # worker forked from the copy (stdout to a pipe or file is block-buffered)
+            sys.stdout.flush()
+            sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 _serve(listener.fileno(), alive_r, alive_w)
