@@ -63,10 +63,25 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def torchrun(script: str, args: list[str], env: dict, timeout: float) -> tuple[float, float]:
-    """Run ``torchrun --nproc_per_node 4 script args`` on a free port; return its wall seconds and
-    the CPU seconds it and its workers used (torchrun reaps its workers, so their usage is counted)."""
+def timed(cmd: list[str], env: dict, timeout: float, capstone: bool) -> tuple[float, float]:
+    """Run ``cmd`` from the repository root; its wall seconds and the CPU seconds it and every
+    process it reaped used (torchrun reaps its workers; python train.py its fork server, which
+    reaped the workers). A capstone run must print RESUME VERIFIED."""
     cpu_before = _children_cpu()
+    began = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    elapsed, cpu = time.perf_counter() - began, _children_cpu() - cpu_before
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
+    if capstone and "RESUME VERIFIED" not in proc.stdout:
+        sys.exit(f"error: the capstone run did not print RESUME VERIFIED:\n{proc.stdout[-3000:]}")
+    return elapsed, cpu
+
+
+def torchrun(script: str, args: list[str], env: dict, timeout: float) -> tuple[float, float]:
+    """``torchrun --nproc_per_node 4 script args`` on a free port, ``timed``."""
     cmd = [
         sys.executable,
         "-m",
@@ -80,32 +95,12 @@ def torchrun(script: str, args: list[str], env: dict, timeout: float) -> tuple[f
         script,
         *args,
     ]
-    began = time.perf_counter()
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
-    )
-    elapsed, cpu = time.perf_counter() - began, _children_cpu() - cpu_before
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
-    if script.endswith("train.py") or "_trace_worker" in script:
-        if "RESUME VERIFIED" not in proc.stdout:
-            sys.exit(f"error: the capstone run did not print RESUME VERIFIED:\n{proc.stdout[-3000:]}")
-    return elapsed, cpu
+    return timed(cmd, env, timeout, capstone=script.endswith("train.py") or "_trace_worker" in script)
 
 
 def launcher(args: list[str], env: dict, timeout: float) -> tuple[float, float]:
-    """Run ``python train.py args`` (its own launcher, 4 workers); wall and CPU seconds as
-    ``torchrun``'s (the launcher reaps the fork server, which reaped the workers)."""
-    cpu_before = _children_cpu()
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
-    began = time.perf_counter()
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
-    )
-    elapsed, cpu = time.perf_counter() - began, _children_cpu() - cpu_before
-    if proc.returncode != 0 or "RESUME VERIFIED" not in proc.stdout:
-        sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
-    return elapsed, cpu
+    """``python train.py args`` (its own launcher, 4 workers), ``timed``."""
+    return timed([sys.executable, os.path.join(ROOT, "train.py"), *args], env, timeout, capstone=True)
 
 
 def read_marks(trace_dir: str, launched_at: float) -> dict[int, dict[str, tuple[float, float]]]:

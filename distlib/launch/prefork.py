@@ -36,11 +36,17 @@ def single_threaded() -> bool:
         return False
 
 
+def _server():
+    """multiprocessing's ForkServer, where it has the attributes used here; else None."""
+    server = getattr(forkserver, "_forkserver", None)
+    return server if all(hasattr(server, name) for name in _STATE) else None
+
+
 def start() -> bool:
     """Fork this process into multiprocessing's fork server, if it is safe here and none runs yet;
     True when one of ours serves this process."""
-    server = getattr(forkserver, "_forkserver", None)
-    if not all(hasattr(server, name) for name in _STATE) or not single_threaded():
+    server = _server()
+    if server is None or not single_threaded():
         return False
     with server._lock:
         if server._forkserver_pid is not None:
@@ -72,16 +78,19 @@ def stop(timeout_s: float = 2.0) -> None:
     """Once the workers are gone: tell the fork server (ours or multiprocessing's) that its clients
     are, and reap it within ``timeout_s`` (its CPU time then counts in this process's children's, and
     nothing outlives the run). One still there by then dies with this process."""
-    server = getattr(forkserver, "_forkserver", None)
-    if not all(hasattr(server, name) for name in _STATE) or server._forkserver_pid is None:
+    server = _server()
+    if server is None or server._forkserver_pid is None:
         return
     with server._lock:
         pid, alive_w = server._forkserver_pid, server._forkserver_alive_fd
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
         os.close(alive_w)
         deadline = time.monotonic() + timeout_s
-        while os.waitpid(pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        try:
+            while os.waitpid(pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except ChildProcessError:  # not this process's child (a server its parent started): not ours to reap
+            pass
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
