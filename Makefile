@@ -64,6 +64,7 @@ bench: bytecode
 	$(PY) benchmarks/checkpoint.py --params 10e6 --world-size 4
 	$(PY) benchmarks/recovery.py
 	$(PY) benchmarks/context.py
+	$(PY) benchmarks/ring_documents.py
 	$(PY) benchmarks/experts.py
 	$(PY) benchmarks/chaos.py
 	$(PY) benchmarks/pipeline.py --pp 2 4

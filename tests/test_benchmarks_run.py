@@ -29,6 +29,7 @@ RUNS = {
     "experts": ["benchmarks/experts.py", "--quick"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
     "token_cache": ["benchmarks/token_cache.py", "--mb", "1"],
+    "ring_documents": ["benchmarks/ring_documents.py", "--quick"],
     # scripts/gpu_check.sh's step h (--model gpt2_124m) on the CPU, at the gpt2 preset's small shape
     "gpu_throughput": [
         "benchmarks/gpu_throughput.py",
@@ -272,7 +273,30 @@ def _check_step(d, tmp_path):
         assert rows[name]["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL), name
 
 
+def _check_ring_documents(d, tmp_path):
+    """--quick's rows; a rank never attends more than causal attention's 2 cp + 1 blocks, one text
+    attends exactly those everywhere, documents fewer; the ratios are the counts'."""
+    rows = d["rows"]
+    assert (d["seq"], d["trials"]) == (512, 2)
+    assert sorted((r["cp"], r["mean_document"] or 0, r["batch"]) for r in rows) == sorted(
+        (cp, mean, batch) for cp in (2, 4) for mean in (64, 0) for batch in (1, 8)
+    )
+    for r in rows:
+        cp, causal = r["cp"], 2 * r["cp"] + 1
+        assert r["causal_blocks"] == causal and len(r["blocks"]) == 2
+        assert all(len(b) == cp and 0 < min(b) and max(b) <= causal for b in r["blocks"])
+        ratios = [max(b) * cp / sum(b) for b in r["blocks"]]
+        assert r["max_over_mean"] == pytest.approx(sum(ratios) / 2) and r["worst_max_over_mean"] == max(
+            ratios
+        )
+        if r["mean_document"] is None:
+            assert r["blocks"] == [[causal] * cp] * 2
+        else:
+            assert r["mean_blocks"] < causal
+
+
 CHECKS = {
+    "ring_documents": _check_ring_documents,
     "checkpoint": _check_checkpoint,
     "collectives": _check_collectives,
     "context": _check_context,

@@ -148,7 +148,9 @@ class Trainer:
         )
         # the observers a step calls every time: each does nothing when its key is off
         every = cfg.train.eval_every  # 0: never due
-        self.validation = Validation(every, heldout, model, mesh.dp, plan.micro_batch, self.device)
+        self.validation = Validation(
+            every, heldout, model, mesh.dp, plan.micro_batch, self.device, self.data.ends
+        )
         self.profiler = StepProfiler(cfg.train.profile_steps, self.run_dir, comm.rank)  # None: no window
         self.log: MetricsLog | None = None  # open while run() runs
 

@@ -22,7 +22,7 @@ BPE_MAX_VOCAB = 1 << 32  # its token file stores ids as uint32
 TOKENIZER_JSON = "tokenizer.json"
 # Data keys that one corpus kind never reads: set with the other kind, they would change nothing.
 DATA_NOT_USED_BY = {
-    "synthetic": ("path", "cache_dir", "text_field", "mixture", "weights"),
+    "synthetic": ("path", "cache_dir", "text_field", "mixture", "weights", "document_mask"),
     "text": ("seed", "total_tokens", "follow_prob"),
 }
 
@@ -57,6 +57,10 @@ class DataConfig(Group):
         layout and a resume draw the same (docs/beyond.md); each step's record counts its samples per source
     weights: data.mixture's sampling weights, one per source, any positive numbers (their shares of the
         samples in expectation); null: equal
+    document_mask: text with a tokenizer's path: each token attends only the tokens of its own document
+        in the packed training sequences (block-diagonal causal; a document ends with the end-of-text
+        token), and positions restart at 0 at each document, at every layout; false: one text
+        (docs/models.md)
     """
 
     GROUP = "data"
@@ -72,6 +76,7 @@ class DataConfig(Group):
     text_field: str = key("text")
     mixture: tuple[str, ...] | None = key(None)
     weights: tuple[float, ...] | None = key(None, gt=0)
+    document_mask: bool = key(False)
 
     @property
     def pretrained(self) -> bool:
@@ -85,8 +90,10 @@ class DataConfig(Group):
         for name in DATA_NOT_USED_BY[self.kind]:
             if getattr(self, name) != defaults[name]:
                 other = "data=text" if self.kind == "synthetic" else "the synthetic corpus (data=synthetic)"
+                value = getattr(self, name)
+                shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as typed
                 raise ConfigError(
-                    f"data.{name}={getattr(self, name)!r} has no effect with data.kind={self.kind}: it is "
+                    f"data.{name}={shown} has no effect with data.kind={self.kind}: it is "
                     f"used by {other}; " + ("add data=text" if self.kind == "synthetic" else "leave it out")
                 )
         if not self.tokenizer:
@@ -108,6 +115,12 @@ class DataConfig(Group):
                 f"{BYTE_VOCAB} tokens (leave data.vocab_size null)"
             )
         self._check_mixture()
+        if self.document_mask and not self.pretrained:
+            raise ConfigError(
+                f"data.document_mask=true needs documents that end with an end-of-text token: "
+                f"data.tokenizer=PATH (an existing tokenizer); data.tokenizer={self.tokenizer} has none "
+                f"(it joins documents with a blank line)"
+            )
         if self.pretrained and self.vocab_size is not None:
             raise ConfigError(
                 f"data.vocab_size={self.vocab_size} needs data.tokenizer=bpe; data.tokenizer="

@@ -27,6 +27,7 @@ import torch
 
 from distlib.comm.group import Comm
 from distlib.parallel.context import chunks
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 
 
@@ -99,12 +100,19 @@ class GlobalBatches:
     """Fixed-length windows of a token array, served as per-rank micro-batches."""
 
     def __init__(
-        self, tokens: np.ndarray, seq_len: int, plan: BatchPlan, seed: int, source: dict | None = None
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        plan: BatchPlan,
+        seed: int,
+        source: dict | None = None,
+        ends: int | None = None,
     ):
         if len(tokens) < seq_len + 1:
             raise ValueError(f"corpus has {len(tokens)} tokens; need at least seq_len+1 = {seq_len + 1}")
         self.tokens = tokens  # any integer numpy array, a read-only memmap included; windows are copied out
         self.source = source  # what the tokens are (e.g. a text file's sha256), checked on resume
+        self.ends = ends  # data.document_mask: the end-of-document token, else None (one text)
         self.seq_len = seq_len
         self.plan = plan
         self.seed = seed
@@ -156,12 +164,16 @@ class GlobalBatches:
         return self.micro_batches(self.batch_index(step), dp_rank)
 
     def held_batches(self, step: int, dp_rank: int, cp: Comm | None, device, draws: Draws) -> list[tuple]:
-        """``step_batches`` as (inputs, targets, positions, draws) of the tokens this rank holds, on
-        ``device`` (``held_tokens``: all of them without context parallelism), with the keys of
-        their dropout masks: ``draws`` (this rank's seed and share) for each micro-batch's samples."""
+        """``step_batches`` as (inputs, targets, positions, draws, documents) of the tokens this rank
+        holds, on ``device`` (``held_tokens``: all of them without context parallelism), with the
+        keys of their dropout masks: ``draws`` (this rank's seed and share) for each micro-batch's
+        samples, and the documents of its whole sequences (``documents_of``)."""
         samples = self.micro_samples(self.batch_index(step), dp_rank)
         pairs = self.step_batches(step, dp_rank)
-        return [(*held_tokens(x, y, cp, device), draws.of(k)) for (x, y), k in zip(pairs, samples)]
+        return [
+            (*held_tokens(x, y, cp, device), draws.of(k), documents_of(x, self.ends, device))
+            for (x, y), k in zip(pairs, samples)
+        ]
 
     def position(self, step: int, skipped: int | None = None) -> dict:
         """The data position after ``step`` steps (and ``skipped`` batches, default: this run's), as
@@ -221,6 +233,12 @@ class HeldOut:
     def window(self, w: int) -> np.ndarray:
         """Held-out window w's seq_len + 1 tokens (a copy, int64)."""
         return np.asarray(self.tokens[w * self.seq_len : (w + 1) * self.seq_len + 1], dtype=np.int64)
+
+
+def documents_of(inputs: torch.Tensor, ends: int | None, device) -> Documents | None:
+    """The packed documents of the whole sequences ``inputs`` (each ends with token ``ends``), on
+    ``device``; None without document masks (``ends`` None)."""
+    return None if ends is None else Documents.of_tokens(inputs, ends).to(device)
 
 
 def held_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: Comm | None, device) -> tuple:

@@ -93,9 +93,12 @@ def build(
     if cfg.data.mixture is not None:
         return _mixed(cfg, comm, plan, run_dir)
     d, seq = cfg.data, cfg.model.seq_len
-    if d.kind == "text" and d.tokenizer != "bytes":  # bpe: split at a character; else by documents
-        read = pretrained.load if d.pretrained else bpe_tokens.load
-        train, held, source = read(d, seq, comm, run_dir)
+    if d.pretrained:  # split by documents
+        train, held, source, end = pretrained.load(d, seq, comm, run_dir)
+        heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
+        return GlobalBatches(train, seq, plan, cfg.seed, source, _ends(d, end)), heldout
+    if d.kind == "text" and d.tokenizer == "bpe":  # split at a character
+        train, held, source = bpe_tokens.load(d, seq, comm, run_dir)
         heldout = HeldOut(held, seq, cfg.train.eval_windows) if d.val_fraction > 0 else None
         return GlobalBatches(train, seq, plan, cfg.seed, source), heldout
     if d.kind == "text":
@@ -113,11 +116,11 @@ def build(
 def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) -> tuple:
     """data.mixture's batches and held-out windows: each source tokenized and split on its own (as
     data.path alone would be)."""
-    sources, helds, identities = [], [], []
+    sources, helds, identities, end = [], [], [], None
     for s, one in enumerate(_each_source(cfg)):
         d, seq = one.data, one.model.seq_len
-        if d.pretrained:
-            train, held, identity = pretrained.load(d, seq, comm, run_dir)
+        if d.pretrained:  # one tokenizer for every source: one end-of-text id
+            train, held, identity, end = pretrained.load(d, seq, comm, run_dir)
         else:
             tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)
             identity = {"kind": "text", "sha256": sha}
@@ -127,6 +130,12 @@ def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) ->
         helds.append(held)
         identities.append(identity)
     d, seq = cfg.data, cfg.model.seq_len
-    batches = MixedBatches(sources, d.shares, plan, cfg.seed, {"kind": "mixture", "sources": identities})
+    identity = {"kind": "mixture", "sources": identities}
+    batches = MixedBatches(sources, d.shares, plan, cfg.seed, identity, _ends(d, end))
     heldout = MixedHeldOut(helds, seq, cfg.train.eval_windows, d.shares) if d.val_fraction > 0 else None
     return batches, heldout
+
+
+def _ends(d, end: int | None) -> int | None:
+    """The end-of-document token that packs the sequences' documents (data.document_mask), or None."""
+    return end if d.document_mask else None

@@ -100,9 +100,10 @@ class MixedBatches(GlobalBatches):
         plan: BatchPlan,
         seed: int,
         identity: dict,
+        ends: int | None = None,
     ):
         # (not GlobalBatches.__init__: there is no one token array; these are every field it reads)
-        self.sources, self.mixture = sources, Mixture(shares, seed)
+        self.sources, self.mixture, self.ends = sources, Mixture(shares, seed), ends
         self.source, self.seq_len, self.plan, self.seed = identity, sources[0].seq_len, plan, seed
         self.num_windows = [s.num_windows for s in sources]
         self.skipped = 0

@@ -153,9 +153,10 @@ def precheck(d: DataConfig) -> None:
 
 
 def load(d: DataConfig, seq_len: int, comm: Comm, run_dir: Path | None = None) -> tuple:
-    """Every rank's (training tokens, held-out tokens, source identity for the checkpoint): the
-    token cache (``ensure``), its held-out tokens from the first held-out document on; rank 0 saves
-    the tokenizer into the run directory and says which it used."""
+    """Every rank's (training tokens, held-out tokens, source identity for the checkpoint, the
+    end-of-text id that ends each document): the token cache (``ensure``), its held-out tokens from
+    the first held-out document on; rank 0 saves the tokenizer into the run directory and says which
+    it used."""
     vocab = id_range(d.tokenizer)
     tokenizer = agree.agreed(lambda: PretrainedTokenizer(d.tokenizer), comm, DataError)
     where = f"data.tokenizer={d.tokenizer}: encoding data.path {d.path}"
@@ -185,4 +186,4 @@ def load(d: DataConfig, seq_len: int, comm: Comm, run_dir: Path | None = None) -
     bpe_tokens.check_lengths(
         len(train), len(held), d, seq_len, f"data.path {d.path} with data.tokenizer={d.tokenizer}"
     )
-    return train, held, source
+    return train, held, source, tokenizer.eos_id

@@ -29,6 +29,7 @@ from distlib.parallel.context.latent_ring import latent_ring_attention
 from distlib.parallel.context.ring import ring_attention
 from distlib.parallel.context.travel import LatentKV
 from distlib.parallel.context.ulysses import gathering_sends_less, ulysses_attention, ulysses_latent_attention
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 
 
@@ -121,6 +122,7 @@ def causal_attention(
     sdpa: bool = False,
     context: Context = WHOLE,
     draws: Draws | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale, causal) @ v with heads merged: q, k, v (batch, heads, seq, head_dim),
     k and v with their own heads (grouped-query: each serves q.heads/k.heads query heads,
@@ -129,9 +131,10 @@ def causal_attention(
     the attention weights while ``training``, with the masks of ``draws`` (``WeightsDropout``).
     ``mask`` is ``causal_mask`` (the explicit path reads its top-left seq x seq corner; its size is
     the model's seq_len). ``context``: ``WHOLE``, or the sequence split over a context-parallel
-    group (``ContextSplit``): q, k, v are this rank's tokens and so is the result."""
+    group (``ContextSplit``): q, k, v are this rank's tokens and so is the result. ``documents``: the
+    sequences are packed documents, each attending only itself (``distlib.parallel.documents``)."""
     drop = WeightsDropout(dropout if training else 0.0, draws, mask.shape[0])
-    whole, kept = _arithmetic(mask, scale, divide, softmax_dtype, drop, sdpa)
+    whole, kept = _arithmetic(mask, scale, divide, softmax_dtype, drop, sdpa, documents)
     return merge_heads(context.attend(q, k, v, whole, **kept))
 
 
@@ -148,20 +151,25 @@ def latent_causal_attention(
     training: bool = False,
     context: Context = WHOLE,
     draws: Draws | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """``causal_attention`` with the keys and values given as the latent (batch, tokens, rank) and
     shared rotary key (batch, 1, tokens, rope) ``up`` expands them from (multi-head latent
     attention): the context expands them where it attends (the ring: after the latent travelled)."""
     drop = WeightsDropout(dropout if training else 0.0, draws, mask.shape[0])
-    whole, kept = _arithmetic(mask, scale, False, softmax_dtype, drop, False)
+    whole, kept = _arithmetic(mask, scale, False, softmax_dtype, drop, False, documents)
     return merge_heads(context.attend_latent(q, latent, k_rot, up, whole, **kept))
 
 
-def _arithmetic(mask, scale, divide, softmax_dtype, drop, sdpa) -> tuple[Callable, dict]:
-    """(one-rank attention of whole sequences, the arguments a context split keeps)."""
+def _arithmetic(mask, scale, divide, softmax_dtype, drop, sdpa, documents) -> tuple[Callable, dict]:
+    """(one-rank attention of whole sequences, the arguments a context split keeps); with
+    ``documents`` the whole sequences' mask is theirs (batch, 1, seq, seq), not the causal one."""
     kwargs = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop, sdpa=sdpa)
+    if documents is not None:
+        mask = documents.whole_mask()
     whole = lambda *qkv, share=(0, 1): attend_heads(*qkv, mask, **kwargs, share=share)  # noqa: E731
-    return whole, dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop)
+    kept = dict(scale=scale, divide=divide, softmax_dtype=softmax_dtype, drop=drop, documents=documents)
+    return whole, kept
 
 
 def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, drop, sdpa, share) -> torch.Tensor:
@@ -172,15 +180,22 @@ def attend_heads(q, k, v, mask, *, scale, divide, softmax_dtype, drop, sdpa, sha
     if sdpa:
         if drop.p and drop.draws is not None:
             raise ValueError("sdpa draws its own dropout masks; the explicit path keys them (sdpa=False)")
+        causal = mask.dim() == 2  # else documents' (batch, 1, seq, seq) mask
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=drop.p, is_causal=True, scale=1.0 / scale if divide else scale
+            q,
+            k,
+            v,
+            attn_mask=None if causal else mask,
+            dropout_p=drop.p,
+            is_causal=causal,
+            scale=1.0 / scale if divide else scale,
         )
     seq = q.shape[-2]
     scores = q @ k.transpose(-2, -1)
     scores = scores / scale if divide else scores * scale
     # transformers adds the dtype's minimum instead of writing -inf; after the softmax both give
     # exactly 0 there (exp underflows), and a causal row always keeps its diagonal.
-    scores = scores.masked_fill(~mask[:seq, :seq], float("-inf"))
+    scores = scores.masked_fill(~mask[..., :seq, :seq], float("-inf"))
     weights = F.softmax(scores, dim=-1, dtype=softmax_dtype).to(v.dtype)
     return drop(weights, share) @ v
 
@@ -197,7 +212,9 @@ class ContextSplit:
     def positions(self, seq_len: int, device) -> torch.Tensor:
         return chunks.positions(seq_len, self.comm.size, self.comm.rank, device)
 
-    def attend(self, q, k, v, whole: Callable, *, scale, divide, softmax_dtype, drop) -> torch.Tensor:
+    def attend(
+        self, q, k, v, whole: Callable, *, scale, divide, softmax_dtype, drop, documents
+    ) -> torch.Tensor:
         """This rank's rows of attention, unmerged; ``whole``: one-rank attention of whole sequences
         (alltoall); the ring computes its blocks itself, with the same arguments, and drops its
         rows' weights with the factors ``drop`` gives for them."""
@@ -214,6 +231,7 @@ class ContextSplit:
             divide=divide,
             softmax_dtype=softmax_dtype,
             dropout=drop.rows(q, where),
+            documents=documents,
         )
 
     def attend_latent(self, q, latent, k_rot, up: LatentKV, whole: Callable, **kept) -> torch.Tensor:
@@ -238,6 +256,7 @@ class ContextSplit:
             scale=kept["scale"],
             softmax_dtype=kept["softmax_dtype"],
             dropout=drop.rows(q, where),
+            documents=kept["documents"],
         )
 
 

@@ -20,8 +20,9 @@ import torch.nn as nn
 from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask, split_heads
-from distlib.app.model.layers import CausalLM, PreNormBlock
+from distlib.app.model.layers import CausalLM, PreNormBlock, in_documents
 from distlib.app.model.strategies import LOCAL, Strategies
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws, dropout
 from distlib.parallel.tensor_parallel import Column, Row
 
@@ -66,7 +67,11 @@ class CausalSelfAttention(nn.Module):
         self.context = context  # dist.cp > 1: attention.ContextSplit (strategies.py)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         # Learned positions entered with the embedding and the mask is relative: ``positions`` unused.
         # q|k|v of this rank's heads (all of them, or H/T with a column-parallel qkv): transformers' split.
@@ -82,6 +87,7 @@ class CausalSelfAttention(nn.Module):
             training=self.training,
             context=self.context,
             draws=draws,
+            documents=documents,
         )
         return self.proj(out)
 
@@ -122,8 +128,11 @@ class GPT2(CausalLM):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=self.HEAD_BIAS)
         self._init_and_tie()
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+    def _embed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None, documents
+    ) -> torch.Tensor:
+        # positions within documents embedded; the dropout masks stay keyed by the sequence's
+        x = self.tok_emb(tokens) + self.pos_emb(in_documents(positions, documents))
         if not self.EMBEDDING_DROPOUT:
             return x
         full = (self.cfg.seq_len, self.cfg.dim)  # the sequence's mask, kept at these positions

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from distlib.app.model import recompute
 from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.app.observe import activations
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws, dropout
 
 
@@ -24,6 +25,12 @@ def positions_or_default(positions: torch.Tensor | None, seq: int, device: torch
     if positions.shape != (seq,):
         raise ValueError(f"positions has shape {tuple(positions.shape)}; expected ({seq},), one per token")
     return positions
+
+
+def in_documents(positions: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+    """The positions a layer embeds or rotates by: ``positions`` (seq,), or with ``documents`` each
+    token's within its document, (batch, seq)."""
+    return positions if documents is None else documents.within(positions)
 
 
 class PreNormBlock(nn.Module):
@@ -59,7 +66,11 @@ class PreNormBlock(nn.Module):
         self.mlp = mlp(cfg)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         draws = None if draws is None else draws.at_layer(self.index)
         if self.checkpointing and torch.is_grad_enabled() and x.requires_grad:
@@ -70,13 +81,20 @@ class PreNormBlock(nn.Module):
             # gathered them before this runs).
             activations.keep(x)
             return checkpoint(
-                self._forward, x, positions, draws, use_reentrant=False, context_fn=recompute.contexts
+                self._forward,
+                x,
+                positions,
+                draws,
+                documents,
+                use_reentrant=False,
+                context_fn=recompute.contexts,
             )
-        return self._forward(x, positions, draws)
+        return self._forward(x, positions, draws, documents)
 
-    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, draws: Draws | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, positions, draws: Draws | None, documents) -> torch.Tensor:
         # transformers adds the branch to the residual as attn_output + residual: the same sum.
-        x = x + self._drop(self.attn(self._enter(self.ln1(x)), positions, draws), positions, draws, "attn")
+        attended = self.attn(self._enter(self.ln1(x)), positions, draws, documents)
+        x = x + self._drop(attended, positions, draws, "attn")
         return x + self._drop(self.mlp(self._enter(self.ln2(x))), positions, draws, "mlp")
 
     def _enter(self, h: torch.Tensor) -> torch.Tensor:
@@ -117,14 +135,20 @@ class CausalLM(nn.Module):
         self.sequence = strategies.sequence
 
     def embed(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.cfg.seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.cfg.seq_len}")
-        return self._embed(tokens, positions_or_default(positions, seq, tokens.device), draws)
+        return self._embed(tokens, positions_or_default(positions, seq, tokens.device), draws, documents)
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
+    def _embed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None, documents
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def step_fields(self, micro_batches: int) -> dict:
@@ -146,15 +170,18 @@ class CausalLM(nn.Module):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         draws: Draws | None = None,
+        documents: Documents | None = None,
     ):
         """Logits for ``tokens`` (batch, seq); with ``targets``, the mean cross-entropy loss.
         ``positions`` (seq,): where these tokens sit in their sequences (``positions_or_default``).
         ``draws``: the keys of the batch's dropout masks (``distlib.parallel.dropout``; the trainer
-        passes them); None: dropout draws from torch's RNG."""
-        x = self.embed(tokens, positions, draws)
+        passes them); None: dropout draws from torch's RNG. ``documents``: the sequences are packed
+        documents (``distlib.parallel.documents``, of the whole sequences): attention stays inside
+        each, and the positions the model sees restart at each; None: one text each."""
+        x = self.embed(tokens, positions, draws, documents)
         x = self.sequence.scatter(x)
         for block in self.blocks:
-            x = block(x, positions, draws)
+            x = block(x, positions, draws, documents)
         logits = self.head(self.sequence.gather(x))
         if targets is None:
             return logits

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import attention
 from distlib.app.model.attention import causal_mask
-from distlib.app.model.layers import CausalLM, PreNormBlock, positions_or_default
+from distlib.app.model.layers import CausalLM, PreNormBlock, in_documents, positions_or_default
 from distlib.app.model.strategies import LOCAL, Strategies
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row
 
@@ -64,9 +65,12 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, (seq, head_dim), at ``positions`` (seq,), as LlamaRotaryEmbedding.forward computes
     them: in float32 from the inv_freq buffer as it is (a module.to(bf16) rounds transformers' buffer
-    too), then cast to ``dtype``."""
-    freqs = positions.to(inv_freq.device).float()[:, None] * inv_freq.float()[None, :]
+    too), then cast to ``dtype``. Positions per sequence (batch, seq), as packed documents have:
+    (batch, 1, seq, head_dim), broadcast over the heads."""
+    freqs = positions.to(inv_freq.device).float()[..., None] * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
+    if positions.dim() == 2:
+        emb = emb[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -99,12 +103,16 @@ class Attention(nn.Module):
         return self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in self.heads(x))  # (batch, heads, seq, head_dim)
         # transformers casts cos/sin to the activations' dtype (bf16 with bf16 parameters) before rotating.
         positions = positions_or_default(positions, x.shape[1], x.device)
-        cos, sin = rope_tables(self.inv_freq, positions, q.dtype)
+        cos, sin = rope_tables(self.inv_freq, in_documents(positions, documents), q.dtype)
         q, k = (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
         # k and v keep their n_kv_heads (per rank: tp divides them): repeated to the query heads only
         # where attention is computed, so context parallelism moves the grouped heads
@@ -119,6 +127,7 @@ class Attention(nn.Module):
             training=self.training,
             context=self.context,
             draws=draws,
+            documents=documents,
         )
         return self.o_proj(out)
 
@@ -154,7 +163,9 @@ class Llama(CausalLM):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._init_and_tie()
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
+    def _embed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None, documents
+    ) -> torch.Tensor:
         return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
 
 

@@ -18,23 +18,23 @@ class LocalStep:
         self.activations = ActivationMeter()  # bytes kept for backward (the memory profile's activations)
 
     def run(self, batches) -> torch.Tensor:
-        """Forward and backward over ``batches`` ((inputs, targets, positions, draws) each); each
+        """Forward and backward over ``batches`` ((inputs, targets, positions, draws, documents) each); each
         micro-batch's loss divided by ``train.grad_accum`` before its backward."""
         self.model.train()
         # Summed in float64 on the device, read once: the same additions, in the same order, as adding
         # each micro-batch's float(loss) on the host, without a device sync per micro-batch.
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets, positions, draws in batches:
+        for inputs, targets, positions, draws, documents in batches:
             with self.activations.measure(self.model):
-                loss = self.model(inputs, targets, positions, draws) / self.grad_accum
+                loss = self.model(inputs, targets, positions, draws, documents) / self.grad_accum
             loss.backward()
             local_loss += loss.detach()
         return local_loss
 
     def forward_only(self, batches) -> None:
         """The micro-batches' forwards, without targets (call under ``torch.no_grad``)."""
-        for inputs, _, positions, draws in batches:
-            self.model(inputs, None, positions, draws)
+        for inputs, _, positions, draws, documents in batches:
+            self.model(inputs, None, positions, draws, documents)
 
     @property
     def activation_peak(self) -> int:

@@ -34,6 +34,7 @@ from distlib.app.model import llama, moe
 from distlib.app.model.layers import CausalLM, PreNormBlock
 from distlib.app.model.strategies import LOCAL, Strategies
 from distlib.comm.group import Comm
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row
 
@@ -76,7 +77,9 @@ class Mixtral(CausalLM):
         """Block ``index``'s MLP factory: every block's a mixture of experts (DeepSeek-V3: not all)."""
         return partial(moe.MoE, sequence=strategies.sequence)
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None) -> torch.Tensor:
+    def _embed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None, documents
+    ) -> torch.Tensor:
         return self.tok_emb(tokens)  # positions enter as rotary angles, in each attention
 
     def forward(
@@ -85,8 +88,9 @@ class Mixtral(CausalLM):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         draws: Draws | None = None,
+        documents: Documents | None = None,
     ):
-        out = super().forward(tokens, targets, positions, draws)
+        out = super().forward(tokens, targets, positions, draws, documents)
         if targets is None or not self.training or self.cfg.balance == "bias":  # (bias: no loss term)
             return out
         if self.step_balance is not None:  # the blocks charged their shares to the backward

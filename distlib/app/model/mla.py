@@ -35,8 +35,9 @@ import torch.nn as nn
 from distlib.app.config.model_group import ModelConfig
 from distlib.app.model import attention, llama
 from distlib.app.model.attention import causal_mask
-from distlib.app.model.layers import positions_or_default
+from distlib.app.model.layers import in_documents, positions_or_default
 from distlib.parallel.context.travel import LatentKV
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 from distlib.parallel.tensor_parallel import Column, Row, Shared, SharedInput
 
@@ -106,14 +107,18 @@ class Attention(nn.Module):
         return self.q_proj(x)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.queries(x).view(batch, seq, -1, self.nope + self.rope).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [self.nope, self.rope], dim=-1)
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora, self.rope], dim=-1)
         positions = positions_or_default(positions, seq, x.device)
-        cos, sin = llama.rope_tables(self.inv_freq, positions, q.dtype)
+        cos, sin = llama.rope_tables(self.inv_freq, in_documents(positions, documents), q.dtype)
         cos, sin = cos[..., : self.rope // 2], sin[..., : self.rope // 2]  # one angle per pair
         q_rot = rotate_interleaved(q_rot, cos, sin)
         k_rot = self.rope_key(rotate_interleaved(k_rot.view(batch, 1, seq, self.rope), cos, sin))
@@ -132,6 +137,7 @@ class Attention(nn.Module):
             training=self.training,
             context=self.context,
             draws=draws,
+            documents=documents,
         )
         return self.o_proj(out)
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 from distlib.app.model.layers import CausalLM
 from distlib.comm import agree
 from distlib.comm.mesh import Mesh
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
@@ -53,12 +54,16 @@ class Chunk(nn.Module):
         self.first, self.last = first, last
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, draws: Draws | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        draws: Draws | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         if self.first:
-            x = self._embed(x, positions, draws)
+            x = self._embed(x, positions, draws, documents)
         for block in self.blocks:
-            x = block(x, positions, draws)
+            x = block(x, positions, draws, documents)
         return self._head(x) if self.last else x
 
 

@@ -12,12 +12,16 @@ import torch
 
 from distlib.comm import agree
 from distlib.comm.group import Comm
+from distlib.parallel.documents import Documents
 
 
 class Validation:
-    def __init__(self, every: int, heldout, model: torch.nn.Module, dp: Comm, micro_batch: int, device):
+    def __init__(
+        self, every: int, heldout, model: torch.nn.Module, dp: Comm, micro_batch: int, device, ends=None
+    ):
         self.every, self.heldout, self.model, self.dp = every, heldout, model, dp
         self.micro_batch, self.device = micro_batch, device
+        self.ends = ends  # data.document_mask: the end-of-document token (the windows are packed too)
         self.by_source: list[float] = []
 
     def due(self, step: int) -> bool:
@@ -35,7 +39,12 @@ class Validation:
         try:
             for i in range(forwards):
                 source, inputs, targets = batches[i] if i < len(batches) else (None, idle, idle)
-                loss = float(self.model(inputs.to(self.device), targets.to(self.device)))
+                documents = (
+                    None if self.ends is None else Documents.of_tokens(inputs, self.ends).to(self.device)
+                )
+                loss = float(
+                    self.model(inputs.to(self.device), targets.to(self.device), None, None, documents)
+                )
                 if source is not None:
                     sums[2 * source] += loss * targets.numel()
                     sums[2 * source + 1] += targets.numel()

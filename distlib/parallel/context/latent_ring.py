@@ -13,12 +13,15 @@ from torch import Tensor
 from distlib.comm.group import Comm
 from distlib.parallel.context import ring
 from distlib.parallel.context.travel import Latent, LatentKV
+from distlib.parallel.documents import Documents
 
 
 class _LatentRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, latent, k_rot, weight, dims, comm, positions, scale, softmax_dtype, dropout, stats):
-        ar, lay = ring.setup(q, comm, positions, scale, False, softmax_dtype)
+    def forward(
+        ctx, q, latent, k_rot, weight, dims, comm, positions, scale, softmax_dtype, dropout, stats, docs
+    ):
+        ar, lay = ring.setup(q, comm, positions, scale, False, softmax_dtype, docs)
         out, lse = ring._forward(
             ar, lay, q, Latent(latent, k_rot, LatentKV(weight, *dims), ar.acc), dropout, stats
         )
@@ -34,7 +37,7 @@ class _LatentRing(torch.autograd.Function):
         rung = ring._Backward(ctx.ar, ctx.lay, saved[:4], trav, dout, ctx.stats)
         d_latent, d_rot = trav.owner_grads(rung.run())
         grads = (rung.dq.to(q.dtype), d_latent.to(latent.dtype), d_rot.to(k_rot.dtype))
-        return *grads, trav.weight_grad.to(weight.dtype), *(None,) * 7
+        return *grads, trav.weight_grad.to(weight.dtype), *(None,) * 8
 
 
 def latent_ring_attention(
@@ -49,11 +52,12 @@ def latent_ring_attention(
     softmax_dtype: torch.dtype | None = None,
     dropout: Tensor | None = None,
     stats: ring.RingStats | None = None,
+    documents: Documents | None = None,
 ) -> Tensor:
     """``ring.ring_attention`` of q (batch, heads, local tokens, nope + rope) against the keys and
     values ``up`` expands from ``latent`` (batch, local tokens, rank) and ``k_rot`` (batch, 1, local
-    tokens, rope); differentiable in q, latent, k_rot and ``up.weight``."""
+    tokens, rope); differentiable in q, latent, k_rot and ``up.weight``. ``documents``: as the ring's."""
     dims = (up.nope, up.v_dim)
     return _LatentRing.apply(
-        q, latent, k_rot, up.weight, dims, comm, positions, scale, softmax_dtype, dropout, stats
+        q, latent, k_rot, up.weight, dims, comm, positions, scale, softmax_dtype, dropout, stats, documents
     )

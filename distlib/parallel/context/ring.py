@@ -37,39 +37,13 @@ from torch import Tensor
 from distlib.comm.group import Comm
 from distlib.comm.p2p import P2P
 from distlib.parallel import grouped_heads
-from distlib.parallel.context import chunks
+from distlib.parallel.context.ring_blocks import Layout, RingStats, block_count, step_blocks
 from distlib.parallel.context.travel import KeysValues, Latent
+from distlib.parallel.documents import Documents
+
+__all__ = ["RingStats", "block_count", "ring_attention", "setup", "step_blocks"]
 
 Traveller = KeysValues | Latent  # what travels around the ring (``travel``)
-
-# (local query chunk, first key chunk, end key chunk, needs a mask): key chunks in held order.
-Block = tuple[int, int, int, bool]
-
-
-@dataclass
-class RingStats:
-    """(query chunk, key chunk) pairs this rank attended, forward and backward: the balance."""
-
-    forward_blocks: int = 0
-    backward_blocks: int = 0
-
-
-def step_blocks(cp: int, rank: int, src: int) -> list[Block]:
-    """The pairs ``rank``'s queries attend in ``src``'s keys. A key chunk before the query chunk
-    is entirely visible, the same chunk needs the causal mask, a later one is skipped; chunks are
-    held in increasing order, so the keys needed are always a prefix of the block."""
-    keys = chunks.rank_chunks(cp, src)
-    found = []
-    for a, qc in enumerate(chunks.rank_chunks(cp, rank)):
-        needed = [kc for kc in keys if kc <= qc]
-        if needed:
-            found.append((a, 0, len(needed), qc in needed))
-    return found
-
-
-def block_count(cp: int, rank: int) -> int:
-    """(query chunk, key chunk) pairs ``rank`` attends over the whole ring."""
-    return sum(b1 - b0 for s in range(cp) for _, b0, b1, _ in step_blocks(cp, rank, (rank - s) % cp))
 
 
 @dataclass(frozen=True)
@@ -90,61 +64,38 @@ class Arith:
         return g / self.scale if self.divide else g * self.scale
 
 
-class Layout:
-    """Where a rank's rows are: two chunks of ``chunk`` tokens; the positions of any rank's."""
-
-    def __init__(self, comm: Comm, positions: Tensor, local_len: int):
-        if local_len % 2 or positions.shape != (local_len,):
-            raise ValueError(f"ring_attention: {local_len} local tokens need 2 chunks and as many positions")
-        self.comm, self.n, self.me = comm, comm.size, comm.rank
-        self.chunk, self.positions = local_len // 2, positions
-
-    def rows(self, first: int, end: int) -> slice:
-        return slice(first * self.chunk, end * self.chunk)
-
-    def key_positions(self, blk: Block, src: int) -> Tensor:
-        """The sequence positions of ``blk``'s keys in ``src``'s block."""
-        seq_len = 2 * self.n * self.chunk
-        return chunks.positions(seq_len, self.n, src, self.positions.device)[self.rows(blk[1], blk[2])]
-
-    def mask(self, blk: Block, src: int) -> Tensor | None:
-        """True where the key may be attended (key position <= query position), for the pairs of
-        ``blk`` with ``src``'s keys; None where every pair is entirely visible."""
-        a, _, _, masked = blk
-        if not masked:
-            return None
-        return self.key_positions(blk, src)[None, :] <= self.positions[self.rows(a, a + 1)][:, None]
-
-    def factors(self, dropout: Tensor | None, blk: Block, src: int) -> Tensor | None:
-        """The dropout factors of ``blk``'s (query, key) pairs with ``src``'s keys (None: no dropout)."""
-        if dropout is None:
-            return None
-        a = blk[0]
-        return dropout[..., self.rows(a, a + 1), :].index_select(-1, self.key_positions(blk, src))
-
-
-def _partial(ar: Arith, q: Tensor, k: Tensor, v: Tensor, mask, drop) -> tuple[Tensor, Tensor]:
+def _partial(ar: Arith, q: Tensor, k: Tensor, v: Tensor, mask, drop, empty: bool) -> tuple[Tensor, Tensor]:
     """One block's attention, normalised within the block, and its rows' log-sum-exp (k and v
     travel with their grouped-query heads: repeated to q's here); ``drop``: the block's dropout
-    factors, applied to the weights after the normalisation (None: none)."""
+    factors, applied to the weights after the normalisation (None: none). ``empty``: a row may see
+    no key of the block (documents): its output is 0 and its log-sum-exp -inf."""
     n_rep = grouped_heads.repeats(q, k)
     k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     s = ar.scores(q, k, mask)
-    m = s.amax(-1, keepdim=True)  # every row sees its diagonal or a whole earlier chunk: finite
+    m = s.amax(-1, keepdim=True)  # causal alone: every row sees its diagonal or a whole earlier chunk
+    if empty:
+        m = finite(m)
     e = torch.exp(s - m)
     total = e.sum(-1, keepdim=True)
-    weights = (e / total).to(v.dtype)
+    weights = (e / (total.clamp_min(torch.finfo(total.dtype).tiny) if empty else total)).to(v.dtype)
     out = (weights if drop is None else weights * drop) @ v
     return out.to(ar.acc), m + total.log()
 
 
-def _merge(state: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Running (output, log-sum-exp) with one more block's: weighted by each side's share."""
+def finite(t: Tensor) -> Tensor:
+    """``t`` with -inf (a row that saw no key yet) as 0, to subtract without making NaN."""
+    return torch.where(torch.isneginf(t), torch.zeros_like(t), t)
+
+
+def _merge(state: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor, empty: bool) -> tuple:
+    """Running (output, log-sum-exp) with one more block's: weighted by each side's share
+    (``empty``: as ``_partial``'s; two empty sides stay empty)."""
     if state is None:
         return out, lse
     run, run_lse = state
     new = torch.logaddexp(run_lse, lse)
-    return run * torch.exp(run_lse - new) + out * torch.exp(lse - new), new
+    ref = finite(new) if empty else new
+    return run * torch.exp(run_lse - ref) + out * torch.exp(lse - ref), new
 
 
 def _forward(ar: Arith, lay: Layout, q: Tensor, trav: Traveller, dropout, stats: RingStats | None):
@@ -157,12 +108,15 @@ def _forward(ar: Arith, lay: Layout, q: Tensor, trav: Traveller, dropout, stats:
         # the next block travels while this one is attended
         handles = (p2p.send(cur, me + 1), p2p.recv(spare, me - 1)) if s < n - 1 else ()
         k, v = trav.kv(cur)
-        for blk in step_blocks(n, me, src):
+        for blk in lay.blocks(src):
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
             kv = k[..., keys, :], v[..., keys, :]
-            part = _partial(ar, q[..., qrows, :], *kv, lay.mask(blk, src), lay.factors(dropout, blk, src))
-            states[a] = _merge(states[a], *part)
+            empty = lay.documents is not None
+            part = _partial(
+                ar, q[..., qrows, :], *kv, lay.mask(blk, src), lay.factors(dropout, blk, src), empty
+            )
+            states[a] = _merge(states[a], *part, empty)
             if stats is not None:
                 stats.forward_blocks += b1 - b0
         p2p.wait(*handles)
@@ -209,7 +163,7 @@ class _Backward:
         dq accumulates in ring order."""
         lay, kv = self.lay, self.trav.kv(packed)
         mine = [torch.zeros(t.shape, dtype=self.ar.acc, device=t.device) for t in kv]
-        for blk in step_blocks(lay.n, lay.me, src):
+        for blk in lay.blocks(src):
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
             dq, dk, dv = _block_grads(
@@ -260,10 +214,12 @@ class _Backward:
         return incoming[0]
 
 
-def setup(q: Tensor, comm: Comm, positions: Tensor, scale: float, divide: bool, softmax_dtype) -> tuple:
+def setup(
+    q: Tensor, comm: Comm, positions: Tensor, scale: float, divide: bool, softmax_dtype, documents
+) -> tuple:
     """(Arith, Layout) of one ring attention call."""
     acc = torch.promote_types(softmax_dtype or q.dtype, torch.float32)
-    return Arith(scale, divide, acc), Layout(comm, positions, q.shape[-2])
+    return Arith(scale, divide, acc), Layout(comm, positions, q.shape[-2], documents)
 
 
 def no_tensor(t: Tensor | None, like: Tensor) -> Tensor:
@@ -273,8 +229,8 @@ def no_tensor(t: Tensor | None, like: Tensor) -> Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, positions, scale, divide, softmax_dtype, dropout, stats):
-        ar, lay = setup(q, comm, positions, scale, divide, softmax_dtype)
+    def forward(ctx, q, k, v, comm, positions, scale, divide, softmax_dtype, dropout, stats, documents):
+        ar, lay = setup(q, comm, positions, scale, divide, softmax_dtype, documents)
         out, lse = _forward(ar, lay, q, KeysValues(k, v), dropout, stats)
         ctx.save_for_backward(q, out, lse, no_tensor(dropout, q), k, v)
         ctx.ar, ctx.lay, ctx.stats = ar, lay, stats
@@ -286,7 +242,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v = saved[0], saved[4], saved[5]
         ring = _Backward(ctx.ar, ctx.lay, saved[:4], KeysValues(k, v), dout, ctx.stats)
         dk, dv = ring.trav.owner_grads(ring.run())
-        return ring.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 7
+        return ring.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 8
 
 
 def ring_attention(
@@ -301,6 +257,7 @@ def ring_attention(
     softmax_dtype: torch.dtype | None = None,
     dropout: Tensor | None = None,
     stats: RingStats | None = None,
+    documents: Documents | None = None,
 ) -> Tensor:
     """This rank's rows of causal attention over the whole sequence, split over ``comm`` in the
     ``chunks`` layout. q, k, v: (batch, heads, local tokens, head_dim), this rank's tokens in the
@@ -310,6 +267,9 @@ def ring_attention(
     tokens, head_dim), heads not merged. ``scale``, ``divide``, ``softmax_dtype``: as
     ``causal_attention``. ``dropout``: the attention weights' dropout factors for this rank's query
     rows against every key position, (batch, heads, local tokens, seq_len) (None: no dropout).
-    ``stats`` (if given) counts the pairs attended. Differentiable; the
+    ``stats`` (if given) counts the pairs attended. ``documents``: attention stays inside each
+    document of the sequences (``distlib.parallel.documents``; None: causal only). Differentiable; the
     backward is a ring too, so every rank must call backward as well."""
-    return _RingAttention.apply(q, k, v, comm, positions, scale, divide, softmax_dtype, dropout, stats)
+    return _RingAttention.apply(
+        q, k, v, comm, positions, scale, divide, softmax_dtype, dropout, stats, documents
+    )
