@@ -148,6 +148,15 @@ def test_a_checkpoint_resumes_into_another_layout_at_its_data_position(corpus, r
     want = runs["one"]["llama"]["losses"][10:]
     assert steps == list(range(11, 21))
     assert max(abs(a - b) / abs(b) for a, b in zip(after["losses"], want)) <= REL
+    # the key is not part of the data record: a resume may turn the masks off (they change
+    # attention, not the tokens read), and continues at the same data position
+    manifest = json.loads(
+        (tmp_path / "a" / "0" / "checkpoints" / "step_00000010" / "manifest.json").read_text()
+    )
+    assert "document_mask" not in manifest["data_config"]
+    off = _tree(corpus, "llama", [], 2, resume, "checkpoint.every_steps=0", "data.document_mask=false")
+    (plain,) = run_ranks(train_each, 2, [off], str(tmp_path / "c"), timeout_s=600)[0]
+    assert [r["step"] for r in plain["records"]] == steps and plain["losses"][0] != after["losses"][0]
 
 
 NO_END = "data.document_mask=true needs documents that end with an end-of-text token: data.tokenizer=PATH"

@@ -154,8 +154,11 @@ def data_config(data: DataConfig) -> dict:
     """The manifest's copy of the data config. A byte-level run leaves out the tokenizer keys, which
     hold their defaults then, and a run without an existing tokenizer leaves out data.text_field: its
     manifest stays byte for byte what it was before they existed (a missing key reads as its
-    default, ``manifest_config``); and a run without data.mixture leaves out its keys."""
+    default, ``manifest_config``); and a run without data.mixture leaves out its keys.
+    data.document_mask is never recorded: it changes attention, not which tokens are read, so a
+    resume may turn it on or off."""
     record = data.to_dict()
+    record.pop("document_mask")
     if data.tokenizer == "bytes":
         record.pop("tokenizer")
         record.pop("vocab_size")
