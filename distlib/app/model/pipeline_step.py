@@ -43,8 +43,8 @@ class PipelineStep:
 
     def run(self, batches) -> torch.Tensor:
         """This rank's share of the step over ``batches`` (the step's micro-batches, (inputs,
-        targets, positions, draws) each, on the device; positions None: all of each sequence); its summed
-        loss as a float64 scalar on the device (0 off the last stage)."""
+        targets, positions, draws, documents) each, on the device; positions None: all of each
+        sequence); its summed loss as a float64 scalar on the device (0 off the last stage)."""
         micro = list(batches)
         self.model.train()
         self.recorder = Recorder(self.mesh.pp.rank)
