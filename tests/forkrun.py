@@ -65,17 +65,24 @@ def _child(script: Path, args: list[str], env: dict | None, cwd: Path, out_fd: i
 
 
 def run_script(
-    script: str | Path, *args: str, env: dict | None = None, cwd: str | Path = ROOT, timeout: float = 120
+    script: str | Path,
+    *args: str,
+    env: dict | None = None,
+    cwd: str | Path = ROOT,
+    timeout: float = 120,
+    merged: bool = False,
 ) -> subprocess.CompletedProcess:
-    """``python <script> <args>`` (the script's path relative to the repository root) in a fork of
-    this process, from ``cwd`` (the repository root unless given)."""
+    """``python <script> <args>`` (the script's path relative to the repository root, or absolute)
+    in a fork of this process, from ``cwd`` (the repository root unless given). ``merged``: stdout
+    and stderr into one stream, in the order written, as a terminal shows them (returned as stdout;
+    stderr empty)."""
     script = (ROOT / script).resolve()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(script, list(args), env, Path(cwd), out.fileno(), err.fileno())
+            _child(script, list(args), env, Path(cwd), out.fileno(), (out if merged else err).fileno())
         try:
             os.setpgid(pid, pid)  # also here, so a kill right after the fork finds the group
         except OSError:
