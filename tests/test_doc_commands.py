@@ -13,10 +13,10 @@ Here:
   into the repository. Each group is a test class, so pytest-xdist (``--dist loadscope``) gives
   the groups to different workers: the documents' commands no longer hold one worker for five
   minutes while the other runs out of work. A command that is ``.venv/bin/python SCRIPT.py ARGS``
-  and nothing else (no shell syntax) runs in a fork of the test process, which has imported torch:
-  the same script, arguments, directory and environment, without a fresh interpreter's start
-  (measured on this file alone, 2 cores: 438 -> 376 CPU-s, 312 -> 262 s); every other command runs
-  in bash, and the README's commands keep starting interpreters. ``$HOME`` is
+  and nothing else (``_script_argv``: 32 of the 40) runs in a fork of the test process, which has
+  imported torch: the same script, words (as bash reads them), directory and environment, without a
+  fresh interpreter's start (measured on this file alone, 2 cores: 438 -> 302 CPU-s, 312 -> 210 s);
+  every other command runs in bash, and the README's commands keep starting interpreters. ``$HOME`` is
   a temporary directory holding the files the documents call the reader's own (``notes.txt`` and
   ``corpus/``: data/sample.txt's text). torchrun gets a free port through ``PET_MASTER_PORT``, its
   own environment default for ``--master-port``, so the command stays as written. A command that
@@ -107,14 +107,18 @@ def _home(home: Path) -> None:
 _SHELL = re.compile(r"[|&;<>()$`*?~\\\n]")
 
 
-def _script_argv(cmd: doc_commands.Command) -> list[str] | None:
+def _script_argv(cmd: doc_commands.Command, home: Path) -> list[str] | None:
     """[script, args...] of a command that is ``.venv/bin/python SCRIPT.py ARGS`` and nothing else
-    (no shell syntax, not a server the suite stops): such a command runs as written in a fork of
-    this process, which has imported torch already (tests/forkrun.py); any other runs in bash."""
+    (no shell syntax but bash's line continuations and ``$HOME`` outside single quotes, which are
+    read as bash reads them; not a server the suite stops): such a command runs as written in a fork
+    of this process, which has imported torch already (tests/forkrun.py); any other runs in bash."""
     if cmd.until is not None:
         return None
+    text = cmd.text.replace("\\\n", "")  # a backslash-newline is no character to bash
+    if "'" not in text:
+        text = text.replace("${HOME}", str(home)).replace("$HOME", str(home))
     try:
-        argv = shlex.split(cmd.text, comments=True)
+        argv = shlex.split(text, comments=True)
     except ValueError:  # a quote shlex cannot close: bash's to read
         return None
     if any(_SHELL.search(word) for word in argv):
@@ -126,7 +130,7 @@ def _script_argv(cmd: doc_commands.Command) -> list[str] | None:
 
 def _run(cmd: doc_commands.Command, cwd: Path, home: Path) -> Ran:
     env = {"HOME": str(home), "PYTHONUNBUFFERED": "1", "PET_MASTER_PORT": str(free_port())}
-    argv = _script_argv(cmd)
+    argv = _script_argv(cmd, home)
     if argv is not None:
         return _run_forked(argv, cwd, env)
     return _run_shell(cmd, cwd, {**os.environ, **env})
@@ -225,6 +229,20 @@ def test_documents_follow_the_rules():
     problems = [p for doc in DOCS.values() for p in doc.problems]
     assert not problems, "\n".join(problems)
     assert RUNNABLE, "no command of docs/ runs in the suite"
+
+
+def test_a_forked_command_reads_its_words_as_bash_does(tmp_path):
+    """The commands that run in a fork (``_script_argv``) get the words bash would give them: each
+    one's text with its program replaced by printf, run by bash with that HOME, prints the same."""
+    forked = [(c, _script_argv(c, tmp_path)) for c in RUNNABLE]
+    forked = [(c, argv) for c, argv in forked if argv is not None]
+    assert len(forked) >= 20, "the fork path runs most of the documents' python commands"
+    for cmd, argv in forked:
+        shown = cmd.text.replace(".venv/bin/python", "printf '%s\\0'", 1)
+        proc = subprocess.run(
+            ["bash", "-c", shown], capture_output=True, env={**os.environ, "HOME": str(tmp_path)}, check=True
+        )
+        assert proc.stdout.decode().split("\0")[:-1] == argv, cmd.id
 
 
 def test_every_document_is_in_one_group():
