@@ -42,6 +42,8 @@ def _child(script: Path, args: list[str], env: dict | None, cwd: Path, out_fd: i
         os.chdir(cwd)
         os.environ["PYTHONUNBUFFERED"] = "1"
         os.environ.update(env or {})
+        # read at an interpreter's start, which a fork has had: applied here as it would be there
+        sys.dont_write_bytecode = sys.dont_write_bytecode or bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
         sys.argv = [str(script), *args]
         sys.path[0] = str(script.parent)
         runpy.run_path(str(script), run_name="__main__")
