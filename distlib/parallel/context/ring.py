@@ -6,7 +6,10 @@ step attends the local queries to the visiting block and merges the partial resu
 running one by log-sum-exp, in ring order: the same order every run, whatever the arrival
 timing, so the output is deterministic. Blocks are split into the ``chunks`` layout's chunks and
 a (query chunk, key chunk) pair entirely in the query's future is never computed; with the
-zig-zag layout every rank computes 2N + 1 such pairs (``block_count``).
+zig-zag layout every rank computes 2N + 1 such pairs (``block_count``; which pairs, and their
+rows and masks: ``ring_blocks``). With packed documents (``distlib.parallel.documents``) a pair
+that no query of the chunk reaches is not computed either, and a row that sees no key of a
+computed block adds an empty partial to the merge (output 0, log-sum-exp -inf).
 
 The backward runs the same ring: the keys and values travel again, each rank computes dq for
 its queries and its contribution to the visiting block's dk/dv, and the contributions travel
