@@ -3,8 +3,9 @@ every length from one token (an empty text is its end token alone) to longer tha
 encoded by an existing tokenizer, packed into sequences whose attention stays inside each document.
 20 steps at every layout -- dp 2, gradient accumulation, tp 2 with sp, pp 2, cp 2 by both routes,
 the ring for GPT-2's learned positions and DeepSeek-V3's latent too, ep 2 for Mixtral -- within
-1e-5 of one rank; the masks change the run (off: other losses); a checkpoint resumes into another
-layout at the exact data position; and the run refuses the mask where nothing ends a document."""
+1e-5 of one rank, and recomputed blocks bitwise; the masks change the run (off: other losses); a
+checkpoint resumes into another layout at the exact data position; and the run refuses the mask
+where nothing ends a document."""
 
 from __future__ import annotations
 
@@ -103,7 +104,10 @@ def runs(corpus, tmp_path_factory) -> dict:
     names = [m for m in MODELS if m != "mixtral"]
     ones = [_tree(corpus, model, [], 1) for model in names]
     ones.append(_tree(corpus, "llama", [], 1, "data.document_mask=false", "checkpoint.every_steps=0"))
-    one = dict(zip([*names, "unmasked"], run_ranks(train_each, 1, ones, str(root / "ws1"), timeout_s=600)[0]))
+    recompute = ["model.activation_checkpointing=blocks", "checkpoint.every_steps=0"]
+    ones.append(_tree(corpus, "llama", [], 1, *recompute))
+    named = [*names, "unmasked", "recomputed"]
+    one = dict(zip(named, run_ranks(train_each, 1, ones, str(root / "ws1"), timeout_s=600)[0]))
     one["mixtral"] = run_ranks(train_with_margin, 1, _tree(corpus, "mixtral", [], 1), str(root / "moe"))[0]
     twos = [_tree(corpus, model, layout, 2) for model, layout in CASES]
     two = run_ranks(train_each, 2, twos, str(root / "ws2"), timeout_s=900)[0]
@@ -123,6 +127,12 @@ def test_every_layout_trains_to_one_ranks_losses(runs):
         print(f"{model} {layout}: {worst:.1e} from one rank")
         assert worst <= REL, f"{model} {layout}: {worst:.2e} from one rank"
         assert want[19] < 0.8 * want[0], f"{model}: the reference barely trains"
+
+
+def test_recomputed_blocks_keep_their_documents(runs):
+    """model.activation_checkpointing=blocks reruns each block's forward in the backward with the
+    same documents: the same arithmetic, so the same bits as without it."""
+    assert runs["one"]["recomputed"]["losses"] == runs["one"]["llama"]["losses"]
 
 
 def test_the_masks_change_the_run(runs):
