@@ -19,7 +19,7 @@ A rank that holds part of a sequence (context parallelism) keeps the starts of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -28,6 +28,10 @@ from torch import Tensor
 @dataclass(frozen=True)
 class Documents:
     starts: Tensor  # (batch, seq_len) int64: the position where each token's document starts
+    # what every layer of a forward derives alike (the whole mask, the chunks' first starts), kept
+    # once: otherwise each attention rebuilds the (batch, seq, seq) mask and the ring reads the
+    # chunks' starts back to the host again, per layer
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of_tokens(cls, tokens: Tensor, end: int) -> Documents:
@@ -38,6 +42,11 @@ class Documents:
         first = torch.zeros((batch, seq), dtype=torch.bool, device=tokens.device)
         first[:, 1:] = tokens[:, :-1] == end
         return cls(torch.cummax(torch.where(first, index, 0), dim=1).values)
+
+    @classmethod
+    def packed(cls, tokens: Tensor, end: int | None, device) -> Documents | None:
+        """``of_tokens`` on ``device``, or None without an end token (no document masks)."""
+        return None if end is None else cls.of_tokens(tokens, end).to(device)
 
     def to(self, device) -> Documents:
         return Documents(self.starts.to(device))
@@ -59,11 +68,16 @@ class Documents:
 
     def whole_mask(self) -> Tensor:
         """``mask`` of the whole sequences (every position against every position)."""
-        every = torch.arange(self.seq_len, device=self.starts.device)
-        return self.mask(every, every)
+        if "whole" not in self._derived:
+            every = torch.arange(self.seq_len, device=self.starts.device)
+            self._derived["whole"] = self.mask(every, every)
+        return self._derived["whole"]
 
     def chunk_starts(self, chunk: int) -> list[int]:
         """The first document start among the queries of each ``chunk``-token chunk of the sequence,
         over the batch (one host read): a key chunk that ends before it is seen by none of them."""
-        batch = self.starts.shape[0]
-        return self.starts.view(batch, -1, chunk).amin(dim=(0, 2)).tolist()
+        key = ("chunk_starts", chunk)
+        if key not in self._derived:
+            batch = self.starts.shape[0]
+            self._derived[key] = self.starts.view(batch, -1, chunk).amin(dim=(0, 2)).tolist()
+        return self._derived[key]

@@ -167,11 +167,11 @@ class GlobalBatches:
         """``step_batches`` as (inputs, targets, positions, draws, documents) of the tokens this rank
         holds, on ``device`` (``held_tokens``: all of them without context parallelism), with the
         keys of their dropout masks: ``draws`` (this rank's seed and share) for each micro-batch's
-        samples, and the documents of its whole sequences (``documents_of``)."""
+        samples, and the documents of its whole sequences (``Documents.packed``)."""
         samples = self.micro_samples(self.batch_index(step), dp_rank)
         pairs = self.step_batches(step, dp_rank)
         return [
-            (*held_tokens(x, y, cp, device), draws.of(k), documents_of(x, self.ends, device))
+            (*held_tokens(x, y, cp, device), draws.of(k), Documents.packed(x, self.ends, device))
             for (x, y), k in zip(pairs, samples)
         ]
 
@@ -233,12 +233,6 @@ class HeldOut:
     def window(self, w: int) -> np.ndarray:
         """Held-out window w's seq_len + 1 tokens (a copy, int64)."""
         return np.asarray(self.tokens[w * self.seq_len : (w + 1) * self.seq_len + 1], dtype=np.int64)
-
-
-def documents_of(inputs: torch.Tensor, ends: int | None, device) -> Documents | None:
-    """The packed documents of the whole sequences ``inputs`` (each ends with token ``ends``), on
-    ``device``; None without document masks (``ends`` None)."""
-    return None if ends is None else Documents.of_tokens(inputs, ends).to(device)
 
 
 def held_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: Comm | None, device) -> tuple:

@@ -39,9 +39,7 @@ class Validation:
         try:
             for i in range(forwards):
                 source, inputs, targets = batches[i] if i < len(batches) else (None, idle, idle)
-                documents = (
-                    None if self.ends is None else Documents.of_tokens(inputs, self.ends).to(self.device)
-                )
+                documents = Documents.packed(inputs, self.ends, self.device)
                 loss = float(
                     self.model(inputs.to(self.device), targets.to(self.device), None, None, documents)
                 )

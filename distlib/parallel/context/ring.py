@@ -115,11 +115,9 @@ def _forward(ar: Arith, lay: Layout, q: Tensor, trav: Traveller, dropout, stats:
             a, b0, b1, _ = blk
             keys, qrows = lay.rows(b0, b1), lay.rows(a, a + 1)
             kv = k[..., keys, :], v[..., keys, :]
-            empty = lay.documents is not None
-            part = _partial(
-                ar, q[..., qrows, :], *kv, lay.mask(blk, src), lay.factors(dropout, blk, src), empty
-            )
-            states[a] = _merge(states[a], *part, empty)
+            mask, drop = lay.mask(blk, src), lay.factors(dropout, blk, src)
+            part = _partial(ar, q[..., qrows, :], *kv, mask, drop, lay.empty_rows)
+            states[a] = _merge(states[a], *part, lay.empty_rows)
             if stats is not None:
                 stats.forward_blocks += b1 - b0
         p2p.wait(*handles)

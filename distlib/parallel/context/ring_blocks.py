@@ -58,6 +58,8 @@ class Layout:
         self.chunk, self.positions, self.documents = local_len // 2, positions, documents
         # documents: each chunk's first document start, which decides the blocks no query reaches
         self.firsts = None if documents is None else documents.chunk_starts(self.chunk)
+        # with documents a row may see no key of a computed block: its partial is empty (ring)
+        self.empty_rows = documents is not None
 
     def blocks(self, src: int) -> list[Block]:
         """The pairs this rank's queries attend in ``src``'s keys (``step_blocks``); with documents,
