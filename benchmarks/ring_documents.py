@@ -6,14 +6,16 @@
 A ring rank attends (query chunk, key chunk) blocks (``distlib/parallel/context/ring_blocks.py``):
 2 cp + 1 of them per sequence with causal attention alone, the same on every rank (the zig-zag
 layout). With documents, a key chunk that ends before every document of a query chunk starts is
-skipped, so the work falls, unevenly: rank 0's early chunk has no chunk before it. Nothing
-rebalances it (the tokens stay in the zig-zag layout).
+skipped, so the work falls, unevenly: rank 0's early chunk has no chunk before it. So the ranks
+then hold the chunks ``distlib/parallel/context/balance.py`` pairs for the micro-batch's documents.
 
 Each row: sequences of ``--seq`` tokens, ``--batch`` of them per micro-batch, cut into documents
 of geometric lengths with the given mean (``inf``: one text, no end token), ``--trials`` draws from
 seed 0. ``blocks`` is a rank's count over the whole ring (forward; the backward attends the same),
-``of`` the causal count 2 cp + 1, ``max/mean`` the busiest rank over the mean, averaged over the
-draws, ``worst`` its largest. Counts, not times: the same on every machine.
+``of`` the causal count 2 cp + 1; ``max/mean`` the busiest rank over the mean, averaged over the
+draws, ``worst`` its largest: for the ring as it runs (the balanced pairs; the ``Layout``'s own
+blocks) and, for comparison, for the zig-zag's pairs (the same chunks' work, summed as the
+zig-zag pairs them). Counts, not times: the same on every machine.
 
 JSON: benchmarks/results/ring_documents.json (--out).
 """
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from distlib.comm.group import Comm
-from distlib.parallel.context import chunks
+from distlib.parallel.context import balance, chunks
 from distlib.parallel.context.ring_blocks import Layout, block_count
 from distlib.parallel.documents import Documents
 
@@ -48,29 +50,47 @@ def documents(rng: np.random.Generator, batch: int, seq: int, mean: float) -> Do
 
 
 def blocks_per_rank(docs: Documents, cp: int) -> list[int]:
-    """Each rank's (query chunk, key chunk) blocks over the whole ring."""
-    seq = docs.seq_len
+    """Each rank's (query chunk, key chunk) blocks over the whole ring, as the ring runs."""
+    seq, owned = docs.seq_len, balance.owned(docs, cp)
     counts = []
     for r in range(cp):
-        lay = Layout(Comm(ranks=tuple(range(cp)), rank=r), chunks.positions(seq, cp, r), seq // cp, docs)
+        held = chunks.positions(seq, cp, r, owned=owned)
+        lay = Layout(Comm(ranks=tuple(range(cp)), rank=r), held, seq // cp, docs)
         counts.append(sum(b1 - b0 for s in range(cp) for _, b0, b1, _ in lay.blocks((r - s) % cp)))
     return counts
 
 
+def zigzag_blocks(docs: Documents, cp: int) -> list[int]:
+    """Each rank's blocks had it kept the zig-zag's chunks: the same chunks' work, paired so."""
+    chunk = docs.seq_len // (2 * cp)
+    work = balance.chunk_work(docs.chunk_starts(chunk), chunk)
+    return [work[a] + work[b] for a, b in chunks.zigzag(cp)]
+
+
+def imbalance(draws: list[list[int]]) -> tuple[float, float]:
+    """The busiest rank over the mean: averaged over the draws, and the largest."""
+    ratios = [max(d) / (sum(d) / len(d)) for d in draws]
+    return sum(ratios) / len(ratios), max(ratios)
+
+
 def row(seq: int, cp: int, mean: float, batch: int, trials: int) -> dict:
     rng = np.random.default_rng(0)
-    draws = [blocks_per_rank(documents(rng, batch, seq, mean), cp) for _ in range(trials)]
-    ratios = [max(d) / (sum(d) / cp) for d in draws]
+    docs = [documents(rng, batch, seq, mean) for _ in range(trials)]
+    draws, zigzag = [blocks_per_rank(d, cp) for d in docs], [zigzag_blocks(d, cp) for d in docs]
+    (mean_ratio, worst), (zz_mean, zz_worst) = imbalance(draws), imbalance(zigzag)
     return {
         "seq": seq,
         "cp": cp,
         "mean_document": mean if math.isfinite(mean) else None,
         "batch": batch,
         "blocks": draws,
+        "zigzag_blocks": zigzag,
         "causal_blocks": block_count(cp, 0),
         "mean_blocks": sum(map(sum, draws)) / (cp * trials),
-        "max_over_mean": sum(ratios) / trials,
-        "worst_max_over_mean": max(ratios),
+        "max_over_mean": mean_ratio,
+        "worst_max_over_mean": worst,
+        "zigzag_max_over_mean": zz_mean,
+        "zigzag_worst_max_over_mean": zz_worst,
     }
 
 
@@ -94,12 +114,17 @@ def main() -> None:
         for mean in args.means
         for batch in args.batches
     ]
-    print(f"{'cp':>3} {'mean doc':>9} {'batch':>5} {'blocks':>7} {'of':>4} {'max/mean':>9} {'worst':>6}")
+    print(f"{'':>32} {'balanced':>16} {'zig-zag':>16}")
+    print(
+        f"{'cp':>3} {'mean doc':>9} {'batch':>5} {'blocks':>7} {'of':>4} "
+        f"{'max/mean':>9} {'worst':>6} {'max/mean':>9} {'worst':>6}"
+    )
     for r in rows:
         mean = "inf" if r["mean_document"] is None else f"{r['mean_document']:.0f}"
         print(
             f"{r['cp']:>3} {mean:>9} {r['batch']:>5} {r['mean_blocks']:>7.1f} {r['causal_blocks']:>4} "
-            f"{r['max_over_mean']:>9.3f} {r['worst_max_over_mean']:>6.3f}"
+            f"{r['max_over_mean']:>9.3f} {r['worst_max_over_mean']:>6.3f} "
+            f"{r['zigzag_max_over_mean']:>9.3f} {r['zigzag_worst_max_over_mean']:>6.3f}"
         )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -276,7 +276,8 @@ def _check_step(d, tmp_path):
 
 def _check_ring_documents(d, tmp_path):
     """--quick's rows; a rank never attends more than causal attention's 2 cp + 1 blocks, one text
-    attends exactly those everywhere, documents fewer; the ratios are the counts'."""
+    attends exactly those everywhere, documents fewer; the ratios are the counts'; the zig-zag's
+    pairs of the same chunks attend as many blocks in all, their busiest rank no fewer."""
     rows = d["rows"]
     assert (d["seq"], d["trials"]) == (512, 2)
     assert sorted((r["cp"], r["mean_document"] or 0, r["batch"]) for r in rows) == sorted(
@@ -290,8 +291,10 @@ def _check_ring_documents(d, tmp_path):
         assert r["max_over_mean"] == pytest.approx(sum(ratios) / 2) and r["worst_max_over_mean"] == max(
             ratios
         )
+        for balanced, zigzag in zip(r["blocks"], r["zigzag_blocks"], strict=True):
+            assert sum(balanced) == sum(zigzag) and max(balanced) <= max(zigzag)
         if r["mean_document"] is None:
-            assert r["blocks"] == [[causal] * cp] * 2
+            assert r["blocks"] == r["zigzag_blocks"] == [[causal] * cp] * 2
         else:
             assert r["mean_blocks"] < causal
 

@@ -24,9 +24,8 @@ from distlib.app.model import hf_weights as hfw
 from distlib.app.model.attention import WeightsDropout, causal_attention, causal_mask
 from distlib.app.observe.validation import Validation
 from distlib.comm.group import Comm
-from distlib.parallel.context import chunks
+from distlib.parallel.context import balance, chunks
 from distlib.parallel.context.ring import RingStats, block_count, ring_attention
-from distlib.parallel.context.ring_blocks import Layout
 from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 
@@ -181,7 +180,8 @@ def _reference(opts: dict) -> list[np.ndarray]:
 
 
 def _ring(comm: Comm, opts: dict):
-    whole, pos = _whole(), chunks.positions(SEQ, comm.size, comm.rank)
+    owned = balance.owned(_documents(), comm.size)
+    whole, pos = _whole(), chunks.positions(SEQ, comm.size, comm.rank, owned=owned)
     q, k, v = (t[..., pos, :].clone().requires_grad_() for t in whole[:3])
     opts, stats = dict(opts), RingStats()
     p, training, draws = opts.pop("dropout", 0.0), opts.pop("training", False), opts.pop("draws", None)
@@ -218,16 +218,28 @@ def test_a_row_may_see_no_key_of_a_block():
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_blocks_no_query_reaches_are_skipped(cp):
-    """Every rank attends no more pairs than causal attention alone (2 cp + 1), and at cp 4 rank 0,
-    which holds chunk 7, skips the chunks 0-5 its queries do not reach (the same forward and
-    backward)."""
+    """Each rank attends exactly the pairs its query chunks reach (``balance.chunk_work``: at cp 4
+    chunk 7 reaches chunks 6 and 7 only), the same forward and backward, and the busiest rank no
+    more than causal attention's 2 cp + 1."""
     blocks = [b for *_, b in _results(cp, "multiply")]
-    assert all(f == b <= block_count(cp, r) for r, (f, b) in enumerate(blocks))
+    chunk = SEQ // (2 * cp)
+    work = balance.chunk_work(_documents().chunk_starts(chunk), chunk)
+    owned = balance.owned(_documents(), cp)
+    assert [tuple(b) for b in blocks] == [(work[x] + work[y],) * 2 for x, y in owned]
+    assert max(f for f, _ in blocks) <= block_count(cp, 0)
     if cp == 4:
-        lay = Layout(Comm(ranks=tuple(range(4)), rank=0), chunks.positions(SEQ, 4, 0), 4, _documents())
-        reached = {(a, s): (b0, b1) for s in range(4) for a, b0, b1, _ in lay.blocks(s)}
-        assert all(chunks.rank_chunks(4, s)[b0] >= 6 for (a, s), (b0, _) in reached.items() if a == 1)
-        assert blocks[0][0] < block_count(4, 0)
+        assert work[7] == 2
+
+
+def test_the_ring_balances_the_chunks_for_the_documents():
+    """At cp 4 the chunks' work is [1, 2, 3, 3, 4, 5, 6, 2]: the zig-zag's busiest rank attends 8
+    pairs (chunks 1 and 6, 2 and 5), the balanced pairs at most 7 (26 pairs over 4 ranks), and the
+    ring counts that many on each rank."""
+    work = balance.chunk_work(_documents().chunk_starts(2), 2)
+    assert work == [1, 2, 3, 3, 4, 5, 6, 2]
+    zigzag = [work[a] + work[b] for a, b in chunks.zigzag(4)]
+    counted = [f for *_, (f, _) in _results(4, "multiply")]
+    assert max(zigzag) == 8 and max(counted) == 7 and sum(counted) == sum(zigzag)
 
 
 def test_validation_scores_the_held_out_windows_as_packed_documents():

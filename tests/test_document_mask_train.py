@@ -1,11 +1,11 @@
 """data.document_mask=true through the real Trainer (issue 39 item 4): a jsonl corpus of documents of
 every length from one token (an empty text is its end token alone) to longer than a sequence,
 encoded by an existing tokenizer, packed into sequences whose attention stays inside each document.
-20 steps at every layout -- dp 2, gradient accumulation, tp 2 with sp, pp 2, cp 2 by both routes,
-the ring for GPT-2's learned positions and DeepSeek-V3's latent too, ep 2 for Mixtral -- within
-1e-5 of one rank, and recomputed blocks bitwise; the masks change the run (off: other losses); a
-checkpoint resumes into another layout at the exact data position; and the run refuses the mask
-where nothing ends a document."""
+20 steps at every layout -- dp 2, gradient accumulation, tp 2 with sp, pp 2, cp 2 by both routes
+(with chunks paired anew for the documents), the ring for GPT-2's learned positions and
+DeepSeek-V3's latent too, ep 2 for Mixtral -- within 1e-5 of one rank, and recomputed blocks
+bitwise; the masks change the run (off: other losses); a checkpoint resumes into another layout at
+the exact data position; and the run refuses the mask where nothing ends a document."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from distlib.app.config.schema import ConfigError
 from distlib.app.data import corpus as corpus_module
 from distlib.app.data.batches import BatchPlan
 from distlib.comm.group import Comm
+from distlib.parallel.context import balance, chunks
 from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 
@@ -38,18 +39,21 @@ MODELS = {
     "mixtral": ["model=mixtral", "seed=2"],
     "deepseek_v3": ["model=deepseek_v3"],  # latent attention: the latent travels the ring
 }
+CP = ["dist.cp=2"]
+# micro-batches of 4 sequences: the chunks of 12 of the 80 are paired anew for their documents
+# (test_the_cp_runs_hold_rebalanced_chunks); a micro-batch of 16 always keeps the zig-zag's pairs
 LAYOUTS = {
     "llama": [
         [],  # dp 2
         ["train.grad_accum=2"],
         ["dist.tp=2", "dist.sp=true"],
         ["dist.pp=2", "train.grad_accum=2"],
-        ["dist.cp=2"],
-        ["dist.cp=2", "dist.cp_impl=ring"],
+        [*CP, "train.grad_accum=4"],
+        [*CP, "dist.cp_impl=ring", "train.grad_accum=4"],
     ],
-    "gpt2": [["dist.cp=2", "dist.cp_impl=ring"]],
+    "gpt2": [[*CP, "dist.cp_impl=ring"]],
     "mixtral": [["dist.ep=2"]],
-    "deepseek_v3": [["dist.cp=2", "dist.cp_impl=ring"]],
+    "deepseek_v3": [[*CP, "dist.cp_impl=ring"]],
 }
 CASES = [(model, layout) for model, layouts in LAYOUTS.items() for layout in layouts]
 
@@ -117,6 +121,17 @@ def runs(corpus, tmp_path_factory) -> dict:
 def test_the_corpus_has_every_length_of_document(corpus):
     lengths = corpus["lengths"]
     assert lengths.min() == 0 and lengths.max() > 32 and (lengths == 1).any()
+
+
+def test_the_cp_runs_hold_rebalanced_chunks(corpus):
+    """The llama cp runs' micro-batches of 4 include some whose documents pair the chunks otherwise
+    than the zig-zag (``balance``): the runs prove the data split, the ring and the all-to-all
+    agree on them."""
+    cfg = RunConfig.from_dict(compose_tree([*corpus["base"], "dist.world_size=1"]))
+    batches, _ = corpus_module.build(cfg, Comm(ranks=(0,), rank=0), BatchPlan(cfg.global_batch, 1, 4))
+    held = [Documents.of_tokens(x, 1) for step in range(1, 21) for x, _ in batches.step_batches(step, 0)]
+    moved = sum(balance.owned(docs, 2) != chunks.zigzag(2) for docs in held)
+    assert len(held) == 80 and moved >= 10
 
 
 def test_every_layout_trains_to_one_ranks_losses(runs):

@@ -10,8 +10,9 @@ starts; everything a layer needs is derived from it:
   exactly the query's document up to the query);
 - the positions within documents (``within``): they restart at 0 at each document's first token,
   so a packed document computes what it would alone;
-- the first document start of any set of queries (``first_start``): the ring skips a block of keys
-  that ends before it (no query there reaches it).
+- the first document start among each chunk's queries (``chunk_starts``): the ring skips a block
+  of keys that ends before it (no query there reaches it), and pairs the chunks by what is left
+  (``distlib.parallel.context.balance``).
 
 A rank that holds part of a sequence (context parallelism) keeps the starts of the whole sequence
 (one integer per token), so any of its layers can index them by the positions it holds.

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from distlib.comm.group import Comm
-from distlib.parallel.context import chunks
+from distlib.parallel.context import balance, chunks
 from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 
@@ -170,10 +170,11 @@ class GlobalBatches:
         samples, and the documents of its whole sequences (``Documents.packed``)."""
         samples = self.micro_samples(self.batch_index(step), dp_rank)
         pairs = self.step_batches(step, dp_rank)
-        return [
-            (*held_tokens(x, y, cp, device), draws.of(k), Documents.packed(x, self.ends, device))
-            for (x, y), k in zip(pairs, samples)
-        ]
+        return [self._held(x, y, cp, device, draws.of(k)) for (x, y), k in zip(pairs, samples)]
+
+    def _held(self, inputs, targets, cp: Comm | None, device, draws: Draws) -> tuple:
+        documents = Documents.packed(inputs, self.ends, device)
+        return (*held_tokens(inputs, targets, cp, device, documents), draws, documents)
 
     def position(self, step: int, skipped: int | None = None) -> dict:
         """The data position after ``step`` steps (and ``skipped`` batches, default: this run's), as
@@ -235,12 +236,16 @@ class HeldOut:
         return np.asarray(self.tokens[w * self.seq_len : (w + 1) * self.seq_len + 1], dtype=np.int64)
 
 
-def held_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: Comm | None, device) -> tuple:
+def held_tokens(
+    inputs: torch.Tensor, targets: torch.Tensor, cp: Comm | None, device, documents: Documents | None = None
+) -> tuple:
     """(inputs, targets, positions) of the tokens this rank holds, on ``device``: all of them
     (positions None: 0..seq-1), or with context parallelism (``cp``, the group) its chunks r and
-    2cp-1-r of each sequence (``distlib.parallel.context.chunks``) with their positions; every cp
-    rank then holds as many tokens, so the mean of their mean losses is the sequence's."""
+    2cp-1-r of each sequence (``distlib.parallel.context.chunks``), with packed ``documents`` the
+    chunks balanced for them (``balance``), with their positions; every cp rank then holds as many
+    tokens, so the mean of their mean losses is the sequence's."""
     if cp is None:
         return inputs.to(device), targets.to(device), None
-    held = chunks.positions(inputs.shape[1], cp.size, cp.rank)
+    owned = balance.owned(documents, cp.size)
+    held = chunks.positions(inputs.shape[1], cp.size, cp.rank, owned=owned)
     return inputs[:, held].to(device), targets[:, held].to(device), held.to(device)

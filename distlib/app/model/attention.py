@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from distlib.comm.group import Comm
 from distlib.parallel import grouped_heads
-from distlib.parallel.context import chunks
+from distlib.parallel.context import balance, chunks
 from distlib.parallel.context.latent_ring import latent_ring_attention
 from distlib.parallel.context.ring import ring_attention
 from distlib.parallel.context.travel import LatentKV
@@ -209,8 +209,11 @@ class ContextSplit:
     comm: Comm
     impl: str
 
-    def positions(self, seq_len: int, device) -> torch.Tensor:
-        return chunks.positions(seq_len, self.comm.size, self.comm.rank, device)
+    def positions(self, seq_len: int, device, documents: Documents | None = None) -> torch.Tensor:
+        """The sequence positions of this rank's tokens: its chunks, balanced for ``documents``
+        (``distlib.parallel.context.balance``)."""
+        owned = balance.owned(documents, self.comm.size)
+        return chunks.positions(seq_len, self.comm.size, self.comm.rank, device, owned)
 
     def attend(
         self, q, k, v, whole: Callable, *, scale, divide, softmax_dtype, drop, documents
@@ -219,8 +222,8 @@ class ContextSplit:
         (alltoall); the ring computes its blocks itself, with the same arguments, and drops its
         rows' weights with the factors ``drop`` gives for them."""
         if self.impl == "alltoall":
-            return ulysses_attention(q, k, v, self.comm, whole)
-        where = self.positions(q.shape[2] * self.comm.size, q.device)
+            return ulysses_attention(q, k, v, self.comm, whole, balance.owned(documents, self.comm.size))
+        where = self.positions(q.shape[2] * self.comm.size, q.device, documents)
         return ring_attention(
             q,
             k,
@@ -242,9 +245,10 @@ class ContextSplit:
         if self.impl == "alltoall":
             width = latent.shape[-1] + k_rot.shape[-1]
             if gathering_sends_less(q.shape[1], q.shape[-1], up.v_dim, width, self.comm.size):
-                return ulysses_latent_attention(q, latent, k_rot, up, self.comm, whole)
+                owned = balance.owned(kept["documents"], self.comm.size)
+                return ulysses_latent_attention(q, latent, k_rot, up, self.comm, whole, owned)
             return self.attend(q, *up.expand(latent, k_rot), whole, **kept)
-        where = self.positions(q.shape[2] * self.comm.size, q.device)
+        where = self.positions(q.shape[2] * self.comm.size, q.device, kept["documents"])
         drop = kept["drop"]
         return latent_ring_attention(
             q,

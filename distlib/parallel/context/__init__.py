@@ -2,7 +2,8 @@
 
 Rank r of a group of N holds chunks r and 2N - 1 - r of every sequence cut into 2N equal chunks
 (``chunks``): causal attention gives later tokens more keys, so pairing an early chunk with a late
-one gives every rank the same work. Everything outside attention works token by token and runs on
+one gives every rank the same work (with packed documents the chunks are paired anew for each
+micro-batch's, ``balance``). Everything outside attention works token by token and runs on
 the rank's tokens as they are (positions handed to the model, ``chunks.positions``); attention
 needs the other ranks' keys and values, by one of two routes:
 

@@ -9,7 +9,8 @@ a (query chunk, key chunk) pair entirely in the query's future is never computed
 zig-zag layout every rank computes 2N + 1 such pairs (``block_count``; which pairs, and their
 rows and masks: ``ring_blocks``). With packed documents (``distlib.parallel.documents``) a pair
 that no query of the chunk reaches is not computed either, and a row that sees no key of a
-computed block adds an empty partial to the merge (output 0, log-sum-exp -inf).
+computed block adds an empty partial to the merge (output 0, log-sum-exp -inf); the ranks then hold
+the chunks ``balance`` pairs for the documents, which evens out what is left.
 
 The backward runs the same ring: the keys and values travel again, each rank computes dq for
 its queries and its contribution to the visiting block's dk/dv, and the contributions travel

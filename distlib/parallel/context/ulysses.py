@@ -2,7 +2,7 @@
 head shards through attention, sequence shards out.
 
 Before attention each rank holds every head of its own tokens; one all-to-all gives it 1/N of the
-heads for every token of the sequence, which ``chunks.natural_order`` puts back in sequence order.
+heads for every token of the sequence, which ``chunks.gathered``'s order puts back in sequence order.
 The attention itself is then the one-rank function, on whole sequences and fewer heads: the same
 arithmetic per head as a single rank's. The output goes back by the inverse all-to-all. Autograd:
 each all-to-all's backward is the other one.
@@ -80,13 +80,15 @@ def ulysses_attention(
     v: torch.Tensor,
     comm: Comm,
     attend: Callable[..., torch.Tensor],
+    owned: chunks.Owned | None = None,
 ) -> torch.Tensor:
     """This rank's rows of causal attention over the whole sequence: q, k, v (batch, heads, T_local,
     head_dim) of its tokens, k and v with their own (grouped-query) heads, q's divisible by N;
     ``attend`` the one-rank attention of whole sequences in order, (batch, h, T, d) for q and k/v with
     h's share of the key/value heads -> (batch, h, T, d), also given which share of the heads they
     are (``share``: (this rank, N): rank j holds the j-th N-th of them, in order; dropout keys its
-    masks by head). Returns (batch, heads, T_local, head_dim).
+    masks by head); ``owned``: which chunks each rank holds (``chunks``; None: the zig-zag). Returns
+    (batch, heads, T_local, head_dim).
     Key/value heads that divide over N travel as they are (rank j's query heads use exactly the
     key/value heads j receives); otherwise they are repeated first, only to lcm(kv heads, N), which
     divides the query heads: the fewest that split over the ranks."""
@@ -96,8 +98,7 @@ def ulysses_attention(
     n_rep = math.lcm(k.shape[1], n) // k.shape[1]
     k, v = grouped_heads.repeat_kv(k, n_rep), grouped_heads.repeat_kv(v, n_rep)
     seq = n * t_local
-    order = chunks.natural_order(seq, n, q.device)  # gathered -> sequence order
-    held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])  # sequence -> gathered
+    held, order = chunks.gathered(seq, n, q.device, owned)  # sequence -> gathered, and back
     full = [_SeqToHeads.apply(t.contiguous(), comm)[:, :, order] for t in (q, k, v)]
     out = attend(*full, share=(comm.rank, n))
     return _HeadsToSeq.apply(out[:, :, held].contiguous(), comm)
@@ -117,6 +118,7 @@ def ulysses_latent_attention(
     up: LatentKV,
     comm: Comm,
     attend: Callable[..., torch.Tensor],
+    owned: chunks.Owned | None = None,
 ) -> torch.Tensor:
     """``ulysses_attention`` with the keys and values given as the latent (batch, T_local, rank) and
     the shared rotary key (batch, 1, T_local, rope) of this rank's tokens: gathered over ``comm``
@@ -125,8 +127,7 @@ def ulysses_latent_attention(
     n, t_local = comm.size, q.shape[2]
     heads = _split_heads(q, n)
     seq = n * t_local
-    order = chunks.natural_order(seq, n, q.device)
-    held = torch.cat([chunks.positions(seq, n, r, q.device) for r in range(n)])
+    held, order = chunks.gathered(seq, n, q.device, owned)
     q_full = _SeqToHeads.apply(q.contiguous(), comm)[:, :, order]
     latent_full = GatherTokens.apply(latent.contiguous(), comm)[:, order]
     rot_full = GatherTokens.apply(k_rot[:, 0].contiguous(), comm)[:, order].unsqueeze(1)
