@@ -3,7 +3,7 @@ every length from one token (an empty text is its end token alone) to longer tha
 encoded by an existing tokenizer, packed into sequences whose attention stays inside each document.
 20 steps at every layout -- dp 2, gradient accumulation, tp 2 with sp, pp 2, cp 2 by both routes
 (with chunks paired anew for the documents), the ring for GPT-2's learned positions and
-DeepSeek-V3's latent too, ep 2 for Mixtral -- within 1e-5 of one rank, and recomputed blocks
+DeepSeek-V3's latent by both routes too, ep 2 for Mixtral -- within 1e-5 of one rank, and recomputed blocks
 bitwise; the masks change the run (off: other losses); a checkpoint resumes into another layout at
 the exact data position; and the run refuses the mask where nothing ends a document."""
 
@@ -53,7 +53,8 @@ LAYOUTS = {
     ],
     "gpt2": [[*CP, "dist.cp_impl=ring"]],
     "mixtral": [["dist.ep=2"]],
-    "deepseek_v3": [[*CP, "dist.cp_impl=ring"]],
+    # the all-to-all gathers the latent at cp 2 (ulysses_latent_attention)
+    "deepseek_v3": [[*CP, "dist.cp_impl=ring"], [*CP, "train.grad_accum=4"]],
 }
 CASES = [(model, layout) for model, layouts in LAYOUTS.items() for layout in layouts]
 
@@ -124,9 +125,9 @@ def test_the_corpus_has_every_length_of_document(corpus):
 
 
 def test_the_cp_runs_hold_rebalanced_chunks(corpus):
-    """The llama cp runs' micro-batches of 4 include some whose documents pair the chunks otherwise
-    than the zig-zag (``balance``): the runs prove the data split, the ring and the all-to-all
-    agree on them."""
+    """The cp runs' micro-batches of 4 (llama's, DeepSeek-V3's all-to-all) include some whose
+    documents pair the chunks otherwise than the zig-zag (``balance``): the runs prove the data
+    split, the ring and the all-to-all agree on them."""
     cfg = RunConfig.from_dict(compose_tree([*corpus["base"], "dist.world_size=1"]))
     batches, _ = corpus_module.build(cfg, Comm(ranks=(0,), rank=0), BatchPlan(cfg.global_batch, 1, 4))
     held = [Documents.of_tokens(x, 1) for step in range(1, 21) for x, _ in batches.step_batches(step, 0)]
