@@ -20,7 +20,7 @@ from multiproc import run_ranks
 from trainrun import compose_tree, train_each
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.data import mixture
+from distlib.app.data import bpe, bpe_tokens, mixture, text_source
 from distlib.app.data.batches import BatchPlan
 from distlib.app.data.mixture import MixedBatches, MixedHeldOut, Mixture, SourceWindows
 from distlib.app.data.tokens import DataError
@@ -118,7 +118,6 @@ MIX = ["data=mixture", "data.mixture=[a.txt,b.txt]"]
         ([*MIX, "data.weights=[0,1]"], "data.weights must be null or a list of numbers each > 0, got [0, 1]"),
         (["data=text", "data.mixture=[a.txt]"], "data.mixture lists the sources in place of data.path="),
         (["data=mixture", "data.mixture=[]"], "data.mixture must list at least one source"),
-        ([*MIX, "data.tokenizer=bpe", "data.vocab_size=300"], "data.mixture needs data.tokenizer=bytes or"),
         (["data.weights=[1,2]"], "data.weights=(1.0, 2.0) has no effect with data.kind=synthetic"),
     ],
 )
@@ -206,3 +205,61 @@ def test_resume_refuses_other_weights_and_a_changed_source_naming_them(tmp_path)
     paths[1].write_text(paths[1].read_text() + "9")
     with pytest.raises(AssertionError, match="data.mixture source 1: the text file's content changed"):
         _run(1, [*common, *resume], tmp_path / "c")
+
+
+# -- one BPE for every source --------------------------------------------------------------
+BPE = ["data.tokenizer=bpe", "data.vocab_size=300"]
+
+
+def test_a_bpe_mixture_trains_one_tokenizer_on_every_sources_training_text(tmp_path):
+    """data.tokenizer=bpe with data.mixture: one tokenizer learned from both training texts (the
+    held-out tails never reach it), each source encoded with it into its own token file, reused
+    while nothing changed; a source of the same name elsewhere keeps its own file, and a source's
+    own cache (bpe on it alone: another tokenizer) is left as it was."""
+    paths = _texts(tmp_path)
+    twin = tmp_path / "elsewhere"
+    twin.mkdir()
+    (twin / "prose.txt").write_text("other prose, other words. " * 300)
+    paths.append(twin / "prose.txt")
+    cache = str(tmp_path / "cache")
+    alone = bpe_tokens.ensure(paths[0], cache, 300, 0.1)
+    built, tok_path, fresh = bpe_tokens.ensure_many(paths, cache, 300, 0.1)
+    assert fresh and len({target for target, _ in built}) == 3
+    parts = [
+        text_source.split_text(
+            text_source.read_text(text_source.scan(p)), text_source.split_byte(text_source.scan(p), 0.1)
+        )
+        for p in paths
+    ]
+    want = bpe.train_tokenizer([train for train, _ in parts], 300)
+    assert bpe.tokenizer_sha256(tok_path) == want.sha256 != alone[2].tokenizer_sha256
+    for (target, header), (train, held) in zip(built, parts):
+        ids = bpe_tokens.open_tokens(target)[0]
+        assert ids.tolist() == want.encode(train) + want.encode(held)
+        assert header.val_start == len(want.encode(train)) and header.tokenizer_sha256 == want.sha256
+    again, _, rebuilt = bpe_tokens.ensure_many(paths, cache, 300, 0.1)
+    assert not rebuilt and [t for t, _ in again] == [t for t, _ in built]
+    assert bpe_tokens.ensure(paths[0], cache, 300, 0.1)[3] is False  # its own cache untouched
+    paths[1].write_text(paths[1].read_text() + "7")
+    assert bpe_tokens.ensure_many(paths, cache, 300, 0.1)[2]
+
+
+def test_a_bpe_mixture_trains_alike_at_two_ranks_and_resumes_at_one(tmp_path):
+    """2 ranks against 1 within 1e-5, the run's tokenizer saved, the checkpoint naming it for each
+    source; resumed by 1 rank at the exact data position, and refused once a source changed."""
+    paths = _texts(tmp_path)
+    common = _common(paths) + [*BPE, "train.steps=4", "checkpoint.verify_resume=false"]
+    one = _run(1, [*common, "checkpoint.every_steps=0"], tmp_path / "one")
+    two = _run(2, [*common, "checkpoint.every_steps=2"], tmp_path / "two")
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(two["losses"], one["losses"]))
+    saved = tmp_path / "two" / "0" / "checkpoints" / "step_00000002"
+    sources = json.loads((saved / "manifest.json").read_text())["data"]["source"]["sources"]
+    own = bpe.tokenizer_sha256(saved / "tokenizer")
+    assert [(s["tokenizer"], s["tokenizer_sha256"]) for s in sources] == [("bpe", own)] * 2
+    resume = [f"checkpoint.resume={saved}", "checkpoint.every_steps=0"]
+    again = _run(1, [*common, *resume], tmp_path / "again")
+    assert [r["step"] for r in again["records"]] == [3, 4]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(again["losses"], one["losses"][2:]))
+    paths[1].write_text(paths[1].read_text() + "9")
+    with pytest.raises(AssertionError, match="data.mixture source 1: the text file's content changed"):
+        _run(1, [*common, *resume], tmp_path / "changed")

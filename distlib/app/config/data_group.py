@@ -52,7 +52,8 @@ class DataConfig(Group):
     vocab_size: bpe: the vocabulary to train (the model's follows it); null otherwise
     text_field: text with *.jsonl or *.parquet documents: the field (column) that holds each document's text
     mixture: text: several sources in place of data.path, each what data.path may be for data.tokenizer
-        (bytes: a file; a tokenizer's path: documents too), each tokenized on its own; every global sample
+        (bytes: a file; bpe: a file or directory of text, one tokenizer trained on all their training text;
+        a tokenizer's path: documents too), each tokenized on its own; every global sample
         comes from one of them, drawn by data.weights from the seed and the sample's number alone, so every
         layout and a resume draw the same (docs/beyond.md); each step's record counts its samples per source
     weights: data.mixture's sampling weights, one per source, any positive numbers (their shares of the
@@ -139,11 +140,6 @@ class DataConfig(Group):
         if not self.mixture or not all(self.mixture):
             raise ConfigError(
                 f"data.mixture must list at least one source, each a path; got {list(self.mixture)}"
-            )
-        if self.tokenizer == "bpe":
-            raise ConfigError(
-                "data.mixture needs data.tokenizer=bytes or the path of a tokenizer: data.tokenizer=bpe "
-                "trains its tokenizer on one text"
             )
         if self.weights is not None and len(self.weights) != len(self.mixture):
             raise ConfigError(

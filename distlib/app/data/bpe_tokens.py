@@ -28,6 +28,8 @@ text encoded again (each file written through a temp file and a rename).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,34 +141,55 @@ def _reusable(target: Path, tok_path: Path, src_sha: str, vocab: int, cut: int) 
     return None
 
 
+def mixture_paths(
+    sources: list[text_source.TextSource], cuts: list[int], cache_dir: str | None, vocab_size: int
+):
+    """(each source's token file, the shared tokenizer) of a mixture's BPE: named by a key of every
+    source's sha256 and split, so no single source's cache (another tokenizer) is overwritten, and
+    by the source's place, so two sources of one name in data.cache_dir keep a file each."""
+    key = hashlib.sha256(json.dumps([[s.sha256, cut] for s, cut in zip(sources, cuts)]).encode()).hexdigest()
+    tag = f"mix-{key[:16]}"
+    files = [cache_paths(s.root, cache_dir, vocab_size)[0] for s in sources]
+    tokens = [f.with_name(f.name.replace(".tokens", f".{tag}.{i}.tokens")) for i, f in enumerate(files)]
+    directory = Path(cache_dir) if cache_dir else sources[0].root.resolve().parent
+    return tokens, directory / f"{tag}.bpe{vocab_size}.tokenizer.json"
+
+
 def ensure(
     path: str | Path, cache_dir: str | None, vocab_size: int, val_fraction: float
 ) -> tuple[Path, Path, BpeTokenHeader, bool]:
     """Train and encode unless an up-to-date cache exists. Returns (token file, cached tokenizer,
     header, whether they were (re)built)."""
-    source = text_source.scan(path)
-    cut = text_source.split_byte(source, val_fraction)
-    target, tok_path = cache_paths(source.root, cache_dir, vocab_size)
-    header = _reusable(target, tok_path, source.sha256, vocab_size, cut)
-    if header is not None:
-        return target, tok_path, header, False
-    train_text, val_text = text_source.split_text(text_source.read_text(source), cut)
-    tok = bpe.train_tokenizer([train_text], vocab_size)  # the held-out text never reaches it
-    train_ids, val_ids = (np.asarray(tok.encode(t), dtype=np.int64) for t in (train_text, val_text))
-    target.parent.mkdir(parents=True, exist_ok=True)
+    ((target, header),), tok_path, built = ensure_many([path], cache_dir, vocab_size, val_fraction)
+    return target, tok_path, header, built
+
+
+def ensure_many(
+    paths: list[str | Path], cache_dir: str | None, vocab_size: int, val_fraction: float
+) -> tuple[list[tuple[Path, BpeTokenHeader]], Path, bool]:
+    """``ensure`` for the sources of a mixture (one source: its own cache): one tokenizer trained on
+    every source's training text (in order, unweighted), each source encoded with it into its own
+    token file. Returns ([(token file, header)] per source, cached tokenizer, whether rebuilt)."""
+    sources = [text_source.scan(p) for p in paths]
+    cuts = [text_source.split_byte(source, val_fraction) for source in sources]
+    if len(sources) == 1:
+        target, tok_path = cache_paths(sources[0].root, cache_dir, vocab_size)
+        targets = [target]
+    else:
+        targets, tok_path = mixture_paths(sources, cuts, cache_dir, vocab_size)
+    headers = [_reusable(t, tok_path, s.sha256, vocab_size, c) for t, s, c in zip(targets, sources, cuts)]
+    if all(h is not None for h in headers):
+        return list(zip(targets, headers)), tok_path, False
+    texts = [text_source.split_text(text_source.read_text(s), cut) for s, cut in zip(sources, cuts)]
+    tok = bpe.train_tokenizer([train for train, _ in texts], vocab_size)  # held-out texts never reach it
+    tok_path.parent.mkdir(parents=True, exist_ok=True)
     bpe.write_atomic(tok_path, tok.serialized.encode("utf-8"))
-    write_token_file(
-        target,
-        np.concatenate([train_ids, val_ids]),
-        vocab_size,
-        {
-            "source_sha256": source.sha256,
-            "tokenizer_sha256": tok.sha256,
-            "val_start": len(train_ids),
-            "split_byte": cut,
-        },
-    )
-    return target, tok_path, read_header(target), True
+    for target, source, cut, parts in zip(targets, sources, cuts, texts):
+        train_ids, val_ids = (np.asarray(tok.encode(t), dtype=np.int64) for t in parts)
+        record = {"source_sha256": source.sha256, "tokenizer_sha256": tok.sha256}
+        record |= {"val_start": len(train_ids), "split_byte": cut}
+        write_token_file(target, np.concatenate([train_ids, val_ids]), vocab_size, record)
+    return [(t, read_header(t)) for t in targets], tok_path, True
 
 
 # -- every rank's view ------------------------------------------------------------------------
@@ -176,20 +199,27 @@ def precheck(path: str) -> None:
     text_source.list_files(path)
 
 
-def _rank0_build(d: DataConfig, run_dir: Path | None) -> dict:
-    """Rank 0: the cache up to date, and the tokenizer saved as <run dir>/tokenizer/."""
-    target, tok_path, header, built = ensure(d.path, d.cache_dir, d.vocab_size, d.val_fraction)
+def _rank0_build(ds: list[DataConfig], run_dir: Path | None) -> list[dict]:
+    """Rank 0: the caches up to date, and the tokenizer saved as <run dir>/tokenizer/."""
+    d = ds[0]
+    built_all, tok_path, built = ensure_many(
+        [one.path for one in ds], d.cache_dir, d.vocab_size, d.val_fraction
+    )
     tok = bpe.load_tokenizer(tok_path)
     if run_dir is not None:
         bpe.save_tokenizer_dir(tok, Path(run_dir) / "tokenizer")
     if built:
+        encoded = "; ".join(
+            f"data.path {one.path} into {target} ({header.count} tokens, held-out from token "
+            f"{header.val_start})"
+            for one, (target, header) in zip(ds, built_all)
+        )
         print(
             f"data.tokenizer=bpe: trained {tok_path} ({tok.vocab_size} tokens for data.vocab_size="
-            f"{d.vocab_size}) and encoded data.path {d.path} into {target} ({header.count} tokens, "
-            f"held-out from token {header.val_start})",
+            f"{d.vocab_size}) and encoded {encoded}",
             flush=True,
         )
-    return built_record(target, header)
+    return [built_record(target, header) for target, header in built_all]
 
 
 def built_record(target: Path, header: BpeTokenHeader) -> dict:
@@ -207,26 +237,36 @@ def load(
     """Every rank's (training tokens, held-out tokens, source identity for the checkpoint). Rank 0
     builds; the others wait for its verdict, then check the header carries the same sha256s (a
     node that cannot see the cache says so). Every rank raises the same DataError on failure."""
+    return load_many([d], seq_len, comm, run_dir)[0]
 
+
+def load_many(ds: list[DataConfig], seq_len: int, comm: Comm, run_dir: Path | None = None) -> list[tuple]:
+    """``load`` for each source of a mixture (``ds``: the run's data config once per source), all
+    encoded with one tokenizer trained on them together (``ensure_many``)."""
+    paths = ", ".join(str(d.path) for d in ds)
     built = v1.built_by_rank0(
-        lambda: _rank0_build(d, run_dir),
+        lambda: _rank0_build(ds, run_dir),
         comm,
         lambda exc: (
-            f"data.tokenizer=bpe: building the token cache of data.path {d.path} failed: "
+            f"data.tokenizer=bpe: building the token cache of data.path {paths} failed: "
             f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)"
         ),
     )
-    tokens, header = agree.agreed(lambda: open_built(built), comm, DataError)
-    train, held = tokens[: header.val_start], tokens[header.val_start :]
-    where = f"data.path {d.path} with data.tokenizer=bpe (data.vocab_size={d.vocab_size})"
-    check_lengths(len(train), len(held), d, seq_len, where)
-    source = {
-        "kind": "text",
-        "sha256": header.source_sha256,
-        "tokenizer": "bpe",
-        "tokenizer_sha256": header.tokenizer_sha256,
-    }
-    return train, held, source
+    loaded = []
+    for d, record in zip(ds, built):
+        tokens, header = agree.agreed(lambda record=record: open_built(record), comm, DataError)
+        train, held = tokens[: header.val_start], tokens[header.val_start :]
+        named = f"data.path {d.path}" if len(ds) == 1 else f"data.mixture source {d.path}"
+        where = f"{named} with data.tokenizer=bpe (data.vocab_size={d.vocab_size})"
+        check_lengths(len(train), len(held), d, seq_len, where)
+        source = {
+            "kind": "text",
+            "sha256": header.source_sha256,
+            "tokenizer": "bpe",
+            "tokenizer_sha256": header.tokenizer_sha256,
+        }
+        loaded.append((train, held, source))
+    return loaded
 
 
 def open_built(built: dict) -> tuple[np.ndarray, BpeTokenHeader]:

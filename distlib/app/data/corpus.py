@@ -116,24 +116,29 @@ def build(
 def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) -> tuple:
     """data.mixture's batches and held-out windows: each source tokenized and split on its own (as
     data.path alone would be)."""
-    sources, helds, identities, end = [], [], [], None
-    for s, one in enumerate(_each_source(cfg)):
-        d, seq = one.data, one.model.seq_len
-        if d.pretrained:  # one tokenizer for every source: one end-of-text id
-            train, held, identity, end = pretrained.load(d, seq, comm, run_dir)
-        else:
-            tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)
-            identity = {"kind": "text", "sha256": sha}
-            _check_lengths(len(tokens), one, f"data.mixture source {d.path}")
-            train, held = split_heldout(tokens, d.val_fraction)
-        sources.append(SourceWindows(train, seq, cfg.seed, s))
-        helds.append(held)
-        identities.append(identity)
     d, seq = cfg.data, cfg.model.seq_len
+    ones, end = _each_source(cfg), None
+    if d.tokenizer == "bpe":  # one tokenizer trained on every source's training text
+        loaded = bpe_tokens.load_many([one.data for one in ones], seq, comm, run_dir)
+    else:
+        loaded = [_one_source(one, comm, run_dir) for one in ones]
+        end = loaded[0][3]  # one tokenizer for every source: one end-of-text id (None: bytes)
+    sources = [SourceWindows(train, seq, cfg.seed, s) for s, (train, *_) in enumerate(loaded)]
+    helds, identities = [one[1] for one in loaded], [one[2] for one in loaded]
     identity = {"kind": "mixture", "sources": identities}
     batches = MixedBatches(sources, d.shares, plan, cfg.seed, identity, _ends(d, end))
     heldout = MixedHeldOut(helds, seq, cfg.train.eval_windows, d.shares) if d.val_fraction > 0 else None
     return batches, heldout
+
+
+def _one_source(one: RunConfig, comm: Comm, run_dir: Path | None) -> tuple:
+    """(training tokens, held-out tokens, identity, end-of-text id or None) of a mixture's source."""
+    d = one.data
+    if d.pretrained:
+        return pretrained.load(d, one.model.seq_len, comm, run_dir)
+    tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)
+    _check_lengths(len(tokens), one, f"data.mixture source {d.path}")
+    return (*split_heldout(tokens, d.val_fraction), {"kind": "text", "sha256": sha}, None)
 
 
 def _ends(d, end: int | None) -> int | None:
