@@ -21,7 +21,7 @@ import train
 from distlib.app.checkpointing import fit_check
 from distlib.app.config.data_group import DataConfig
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.data import bpe, bpe_tokens, corpus, text_source, tokens
+from distlib.app.data import bpe, bpe_tokens, corpus, text_source
 from distlib.app.data.batches import BatchPlan
 from distlib.app.data.tokens import DataError
 
@@ -47,15 +47,16 @@ _BUILD = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from distlib.app.data import bpe_tokens
-target, tok, _, built = bpe_tokens.ensure(sys.argv[2], sys.argv[3], 512, 0.1)
+cache, tok, built = bpe_tokens.ensure(sys.argv[2], sys.argv[3], 512, 0.1)
 assert built
-print(target, tok)
+print(cache.path, tok)
 """
 
 
 def _build_in_fresh_processes(source: Path, caches: list[Path], envs: list[dict]) -> list[tuple[str, str]]:
-    """(tokenizer.json sha256, token file sha256) of a cache built in each of several fresh
-    interpreters, started together (each pays Python's and torch's start-up)."""
+    """(tokenizer.json sha256, index.json sha256) of a cache built in each of several fresh
+    interpreters, started together (each pays Python's and torch's start-up); the index holds
+    every shard's sha256."""
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _BUILD, str(ROOT), str(source), str(cache)],
@@ -71,7 +72,7 @@ def _build_in_fresh_processes(source: Path, caches: list[Path], envs: list[dict]
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
         target, tok = out.split()
-        shas.append((_sha(Path(tok)), _sha(Path(target))))
+        shas.append((_sha(Path(tok)), _sha(Path(target) / "index.json")))
     return shas
 
 
@@ -86,7 +87,7 @@ def test_training_is_deterministic_in_fresh_processes(tmp_path):
             {"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true"},
         ],
     )
-    assert one == two, "tokenizer.json or the token file differs between two fresh processes"
+    assert one == two, "tokenizer.json or the token cache differs between two fresh processes"
 
 
 def test_the_heldout_tail_does_not_influence_the_tokenizer(tmp_path):
@@ -100,67 +101,87 @@ def test_the_heldout_tail_does_not_influence_the_tokenizer(tmp_path):
     other.write_text(train_text + odd_tail, encoding="utf-8")
     a = bpe_tokens.ensure(SAMPLE, str(tmp_path / "a"), VOCAB, 0.1)
     b = bpe_tokens.ensure(other, str(tmp_path / "b"), VOCAB, 0.1)
-    assert a[2].source_sha256 != b[2].source_sha256 and a[2].split_byte == b[2].split_byte == cut
-    assert _sha(a[1]) == _sha(b[1]) == a[2].tokenizer_sha256, "the held-out text changed the tokenizer"
-    ta, tb = bpe_tokens.open_tokens(a[0])[0], bpe_tokens.open_tokens(b[0])[0]
-    assert a[2].val_start == b[2].val_start
-    assert np.array_equal(ta[: a[2].val_start], tb[: b[2].val_start]) and not np.array_equal(ta, tb)
+    ka, kb = a[0].index["key"], b[0].index["key"]
+    assert ka["source_sha256"] != kb["source_sha256"] and ka["split_byte"] == kb["split_byte"] == cut
+    assert _sha(a[1]) == _sha(b[1]) == ka["tokenizer_sha256"], "the held-out text changed the tokenizer"
+    ta, tb = np.asarray(a[0].tokens()), np.asarray(b[0].tokens())
+    assert a[0].val_start == b[0].val_start
+    assert np.array_equal(ta[: a[0].val_start], tb[: b[0].val_start]) and not np.array_equal(ta, tb)
 
 
 # -- the token cache -------------------------------------------------------------------------
 def test_train_and_heldout_parts_encode_their_own_text(sample):
-    target, tok_path, header, _ = bpe_tokens.ensure(sample, None, VOCAB, 0.1)
-    assert target == sample.parent / "sample.txt.bpe300.tokens"
-    text = sample.read_text(encoding="utf-8")
-    train_text, val_text = text_source.split_text(text, header.split_byte)
+    cache, tok_path, _ = bpe_tokens.ensure(sample, None, VOCAB, 0.1)
     tok = bpe.load_tokenizer(tok_path)
-    mapped, _ = bpe_tokens.open_tokens(target)
-    assert isinstance(mapped, np.memmap) and mapped.dtype == np.dtype("<u2")
-    assert list(mapped[: header.val_start]) == tok.encode(train_text)
-    assert list(mapped[header.val_start :]) == tok.encode(val_text)
-    assert header.split_byte == len(text.encode()) - int(len(text.encode()) * 0.1)  # an ASCII cut
+    assert tok_path == sample.parent / "sample.txt.bpe300.tokenizer.json"
+    assert cache.path == sample.parent / f"sample.txt.bpe300-{tok.sha256[:16]}.shards"
+    text, cut = sample.read_text(encoding="utf-8"), cache.index["key"]["split_byte"]
+    train_text, val_text = text_source.split_text(text, cut)
+    mapped = cache.tokens()
+    assert mapped.dtype == np.dtype("<u2") and cache.index["key"]["tokenizer_sha256"] == tok.sha256
+    assert mapped[: cache.val_start].tolist() == tok.encode(train_text)
+    assert mapped[cache.val_start :].tolist() == tok.encode(val_text)
+    assert cut == len(text.encode()) - int(len(text.encode()) * 0.1)  # an ASCII cut
+
+
+@pytest.mark.parametrize("chunk, val_fraction", [(2000, 0.1), (2000, 0.0), (10**9, 0.1)])
+def test_every_rank_encodes_a_share_and_the_cache_is_the_same_bytes_at_every_world_size(
+    tmp_path, monkeypatch, chunk, val_fraction
+):
+    """The text's safe pieces are the documents the ranks share (60-odd of 2,000 characters; or
+    two, so at 4 ranks two encode nothing; or no held-out piece at all): the shards are the same
+    bytes at world size 1, 2 and 4, and their ids the whole texts' encodings."""
+    monkeypatch.setattr(bpe, "CHUNK_CHARS", chunk)  # the forked ranks inherit it
+    indexes = {}
+    for world in (1, 2, 4):
+        cache_dir = str(tmp_path / f"ws{world}")
+        caches = run_ranks(_ensure_cache, world, (SAMPLE, cache_dir, val_fraction))
+        assert len({json.dumps(c, sort_keys=True) for c in caches}) == 1
+        indexes[world] = caches[0]
+        index_sha = _sha(Path(caches[0]["path"]) / "index.json")
+        shards = [_sha(Path(caches[0]["path"]) / s["file"]) for s in caches[0]["index"]["shards"]]
+        assert shards == [s["sha256"] for s in caches[0]["index"]["shards"]]
+        indexes[world]["bytes"] = (index_sha, shards)
+    assert indexes[1]["bytes"] == indexes[2]["bytes"] == indexes[4]["bytes"]
+    cache, tok_path, built = bpe_tokens.ensure(SAMPLE, str(tmp_path / "ws4"), VOCAB, val_fraction)
+    assert not built
+    tok, key = bpe.load_tokenizer(tok_path), cache.index["key"]
+    train_text, val_text = text_source.split_text(SAMPLE.read_text(encoding="utf-8"), key["split_byte"])
+    assert cache.tokens().tolist() == tok.encode(train_text) + tok.encode(val_text)
+    assert cache.val_start == len(tok.encode(train_text))
+
+
+def _ensure_cache(comm, args) -> dict:
+    source, cache_dir, val_fraction = args
+    cache, _, built = bpe_tokens.ensure(source, cache_dir, VOCAB, val_fraction, comm)
+    assert built
+    return {"path": str(cache.path), "index": cache.index}
 
 
 def test_cache_is_reused_unchanged_and_rebuilt_when_text_tokenizer_or_vocab_change(sample):
-    target, tok_path, header, built = bpe_tokens.ensure(sample, None, VOCAB, 0.1)
+    cache, tok_path, built = bpe_tokens.ensure(sample, None, VOCAB, 0.1)
     assert built
-    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in (target, tok_path)]
+    files = (cache.path / "index.json", tok_path)
+    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in files]
     again = bpe_tokens.ensure(sample, None, VOCAB, 0.1)
-    assert again == (target, tok_path, header, False)
-    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in (target, tok_path)] == before, "rewritten"
+    assert again == (cache, tok_path, False)
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in files] == before, "rewritten"
 
     bigger = bpe_tokens.ensure(sample, None, VOCAB + 20, 0.1)
-    assert bigger[3] and bigger[2].vocab_size == VOCAB + 20
+    assert bigger[2] and bigger[0].index["key"]["vocab_size"] == VOCAB + 20
     assert bpe.load_tokenizer(bigger[1]).vocab_size == VOCAB + 20
 
-    tok_path.write_text(tok_path.read_text() + " ")  # the cached tokenizer changed
-    assert bpe_tokens.ensure(sample, None, VOCAB, 0.1)[3]
-    assert bpe_tokens.ensure(sample, None, VOCAB, 0.2)[3]  # another split
+    tok_path.write_text(tok_path.read_text() + " ")  # the cached tokenizer changed: trained again
+    assert (
+        bpe_tokens.ensure(sample, None, VOCAB, 0.1)[2]
+        and _sha(tok_path) == cache.index["key"]["tokenizer_sha256"]
+    )
+    assert bpe_tokens.ensure(sample, None, VOCAB, 0.2)[2]  # another split
 
     sample.write_text(sample.read_text(encoding="utf-8") + "One more line.\n", encoding="utf-8")
     changed = bpe_tokens.ensure(sample, None, VOCAB, 0.2)
-    assert changed[3] and changed[2].source_sha256 == _sha(sample) != header.source_sha256
-
-
-def test_token_file_v2_widths_and_v1_files_still_read(tmp_path):
-    wide = np.array([0, 65535, 65536, 69999])
-    bpe_tokens.write_token_file(
-        tmp_path / "w.tokens",
-        wide,
-        70000,
-        {"source_sha256": "ab" * 32, "tokenizer_sha256": "cd" * 32, "val_start": 3, "split_byte": 9},
-    )
-    mapped, header = bpe_tokens.open_tokens(tmp_path / "w.tokens")
-    assert header.itemsize == 4 and list(mapped) == list(wide)
-    assert (header.val_start, header.split_byte) == (3, 9)
-    assert (tmp_path / "w.tokens").stat().st_size == bpe_tokens.HEADER_BYTES + 4 * 4
-    tokens.write_token_file(tmp_path / "v1.tokens", np.arange(10), 256, "ef" * 32)
-    mapped, header = bpe_tokens.open_tokens(tmp_path / "v1.tokens")
-    assert header.tokenizer_sha256 is None and header.itemsize == 1 and list(mapped) == list(range(10))
-    with open(tmp_path / "w.tokens", "r+b") as f:
-        f.truncate(bpe_tokens.HEADER_BYTES + 5)
-    with pytest.raises(DataError, match="header promises"):
-        bpe_tokens.open_tokens(tmp_path / "w.tokens")
+    assert changed[2] and changed[0].index["key"]["source_sha256"] == _sha(sample)
+    assert _sha(sample) != cache.index["key"]["source_sha256"]
 
 
 # -- directory sources -----------------------------------------------------------------------
@@ -182,8 +203,11 @@ def test_a_directory_is_its_sorted_txt_files_joined(tmp_path):
     assert source.sha256 == hashlib.sha256(listing.encode()).hexdigest() and source.nbytes == len(joined)
     assert text_source.scan(root / "a.txt").sha256 == _sha(root / "a.txt")  # a file: its bytes' sha256
 
-    target, _, header, _ = bpe_tokens.ensure(root, None, VOCAB, 0.1)
-    assert target == tmp_path / "corpus.bpe300.tokens" and header.source_sha256 == source.sha256
+    cache, tok_path, _ = bpe_tokens.ensure(root, None, VOCAB, 0.1)
+    assert tok_path == tmp_path / "corpus.bpe300.tokenizer.json" and cache.path.parent == tmp_path
+    assert (
+        cache.path.name.startswith("corpus.bpe300-") and cache.index["key"]["source_sha256"] == source.sha256
+    )
 
     (root / "sub" / "bad.txt").write_bytes(b"fine\n" + b"\xff broken")
     with pytest.raises(

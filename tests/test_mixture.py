@@ -224,22 +224,22 @@ def test_a_bpe_mixture_trains_one_tokenizer_on_every_sources_training_text(tmp_p
     cache = str(tmp_path / "cache")
     alone = bpe_tokens.ensure(paths[0], cache, 300, 0.1)
     built, tok_path, fresh = bpe_tokens.ensure_many(paths, cache, 300, 0.1)
-    assert fresh and len({target for target, _ in built}) == 3
-    parts = [
-        text_source.split_text(
-            text_source.read_text(text_source.scan(p)), text_source.split_byte(text_source.scan(p), 0.1)
+    assert fresh and len({c.path for c in built}) == 3
+    assert tok_path.name.startswith("mix-") and tok_path != alone[1]
+    parts = []
+    for p in paths:
+        source = text_source.scan(p)
+        parts.append(
+            text_source.split_text(text_source.read_text(source), text_source.split_byte(source, 0.1))
         )
-        for p in paths
-    ]
     want = bpe.train_tokenizer([train for train, _ in parts], 300)
-    assert bpe.tokenizer_sha256(tok_path) == want.sha256 != alone[2].tokenizer_sha256
-    for (target, header), (train, held) in zip(built, parts):
-        ids = bpe_tokens.open_tokens(target)[0]
-        assert ids.tolist() == want.encode(train) + want.encode(held)
-        assert header.val_start == len(want.encode(train)) and header.tokenizer_sha256 == want.sha256
+    assert bpe.tokenizer_sha256(tok_path) == want.sha256 != alone[0].index["key"]["tokenizer_sha256"]
+    for c, (train, held) in zip(built, parts):
+        assert c.tokens().tolist() == want.encode(train) + want.encode(held)
+        assert c.val_start == len(want.encode(train)) and c.index["key"]["tokenizer_sha256"] == want.sha256
     again, _, rebuilt = bpe_tokens.ensure_many(paths, cache, 300, 0.1)
-    assert not rebuilt and [t for t, _ in again] == [t for t, _ in built]
-    assert bpe_tokens.ensure(paths[0], cache, 300, 0.1)[3] is False  # its own cache untouched
+    assert not rebuilt and [c.path for c in again] == [c.path for c in built]
+    assert bpe_tokens.ensure(paths[0], cache, 300, 0.1) == (*alone[:2], False)  # its own cache untouched
     paths[1].write_text(paths[1].read_text() + "7")
     assert bpe_tokens.ensure_many(paths, cache, 300, 0.1)[2]
 

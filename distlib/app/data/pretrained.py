@@ -103,14 +103,7 @@ def _survey(d: DataConfig, tokenizer: PretrainedTokenizer) -> dict:
     target = cache_path(source.root, d.cache_dir, tokenizer.sha256)
     fresh = token_shards.open_cache(target, key) is None
     tmp = str(token_shards.temporary_dir(target)) if fresh else None
-    files = [[rel, str(path), sha, size] for rel, path, sha, size in source.files]
-    return {"target": str(target), "key": key, "tmp": tmp, "source": [str(source.root), files, source.sha256]}
-
-
-def _source(survey: dict) -> text_source.TextSource:
-    root, files, sha = survey["source"]
-    listed = tuple((rel, Path(path), file_sha, size) for rel, path, file_sha, size in files)
-    return text_source.TextSource(Path(root), listed, sha, Path(root).is_dir())
+    return {"target": str(target), "key": key, "tmp": tmp, "source": text_source.record(source)}
 
 
 def ensure(
@@ -124,7 +117,7 @@ def ensure(
         plan = token_shards.Plan(
             target, Path(survey["tmp"]), key["documents"], key["held_documents"], key, vocab
         )
-        docs = lambda: documents.documents(_source(survey), d.text_field)  # noqa: E731
+        docs = lambda: documents.documents(text_source.from_record(survey["source"]), d.text_field)  # noqa: E731
         token_shards.build(plan, docs, tokenizer.encode_document, comm, say)
 
     def opened() -> token_shards.Cache:

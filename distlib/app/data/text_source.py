@@ -42,6 +42,22 @@ class TextSource:
         return sum(f[3] for f in self.files) + len(SEPARATOR.encode()) * (len(self.files) - 1)
 
 
+def record(source: TextSource) -> list:
+    """``source`` as plain values (JSON, a collective's payload): ``from_record`` reads it back."""
+    return [
+        str(source.root),
+        [[rel, str(path), sha, size] for rel, path, sha, size in source.files],
+        source.sha256,
+    ]
+
+
+def from_record(listed: list) -> TextSource:
+    root, files, sha = listed
+    return TextSource(
+        Path(root), tuple((rel, Path(p), h, size) for rel, p, h, size in files), sha, Path(root).is_dir()
+    )
+
+
 def _text_files(root: Path, suffixes: tuple[str, ...]) -> list[tuple[str, Path]]:
     found = []
     for directory, subdirs, names in os.walk(root):  # followlinks=False: no cycles through symlinks
