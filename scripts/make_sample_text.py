@@ -1,6 +1,8 @@
 """Write data/sample.txt: the bundled training text for `data=text`, written for this project.
 
     python scripts/make_sample_text.py [OUTPUT]      # default: data/sample.txt
+    python scripts/make_sample_text.py --jsonl OUTPUT   # the same text as jsonl documents
+
 
 The text is hand-written prose about the project followed by generated
 paragraphs from a small grammar (deterministic: a fixed seed, no third-party
@@ -8,12 +10,17 @@ text, nothing downloaded). It is English with a narrow vocabulary and a lot of
 repeated structure, so a byte-level MiniGPT learns visible words within a few
 hundred steps. tests/test_text_data.py checks the committed file is exactly
 what this script writes.
+
+With --jsonl the text is written as documents, one JSON object a line (``{"text": ...}``, the
+form ``data.path=*.jsonl`` reads): the introduction, then each numbered chapter; joined they are
+the text again. A run with an existing tokenizer packs them (``data.document_mask``, docs/models.md).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
-import sys
 import textwrap
 from pathlib import Path
 
@@ -191,6 +198,11 @@ def log_block(rng: random.Random, start: int) -> str:
 
 
 def generate(seed: int = SEED, target_bytes: int = TARGET_BYTES) -> str:
+    return "".join(documents(seed, target_bytes))
+
+
+def documents(seed: int = SEED, target_bytes: int = TARGET_BYTES) -> list[str]:
+    """The text's documents: the introduction, then each chapter."""
     rng = random.Random(seed)
     parts, size, chapter, step = [INTRODUCTION], len(INTRODUCTION), 1, 1
     while size < target_bytes:
@@ -208,19 +220,28 @@ def generate(seed: int = SEED, target_bytes: int = TARGET_BYTES) -> str:
         parts.append(text)
         size += len(text.encode("utf-8"))
         chapter += 1
-    return "".join(parts)
+    return parts
 
 
 def main() -> None:
-    out = (
-        Path(sys.argv[1])
-        if len(sys.argv) > 1
-        else Path(__file__).resolve().parent.parent / "data" / "sample.txt"
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", nargs="?", default=None, help="default: data/sample.txt")
+    parser.add_argument("--jsonl", action="store_true", help="write the documents as jsonl")
+    args = parser.parse_args()
+    if args.jsonl and args.output is None:
+        parser.error("--jsonl needs OUTPUT (data/sample.txt stays the text)")
+    out = Path(args.output) if args.output else Path(__file__).resolve().parent.parent / "data" / "sample.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = generate()
+    parts = documents()
+    if args.jsonl:
+        text = "".join(json.dumps({"text": part}) + "\n" for part in parts)
+    else:
+        text = "".join(parts)
     out.write_text(text, encoding="utf-8")
-    print(f"wrote {out}: {len(text.encode('utf-8'))} bytes")
+    print(
+        f"wrote {out}: {len(text.encode('utf-8'))} bytes"
+        + (f", {len(parts)} documents" if args.jsonl else "")
+    )
 
 
 if __name__ == "__main__":

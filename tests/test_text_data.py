@@ -58,6 +58,23 @@ def test_bundled_sample_is_what_the_generator_writes(tmp_path):
     out.read_bytes().decode("utf-8")
 
 
+def test_the_sample_as_jsonl_documents_is_its_introduction_and_chapters(tmp_path):
+    """scripts/make_sample_text.py --jsonl (docs/models.md's documents): one {"text": ...} a line,
+    the introduction then each numbered chapter, which joined are data/sample.txt."""
+    out = tmp_path / "sample.jsonl"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_sample_text.py"), "--jsonl", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    texts = [r["text"] for r in records]
+    assert all(list(r) == ["text"] for r in records) and len(texts) > 100
+    assert "".join(texts) == SAMPLE.read_text(encoding="utf-8")
+    assert [t.split(".", 1)[0] for t in texts[1:]] == [str(c) for c in range(1, len(texts))]
+
+
 @pytest.mark.parametrize("vocab", [256, 1000])
 def test_token_file_header_and_memmap(tmp_path, vocab):
     ids = np.random.default_rng(0).integers(0, vocab, size=1001)
