@@ -138,6 +138,8 @@ def ensure_many(
         lambda exc: f"{type(exc).__name__}: {exc} (data.cache_dir names a writable directory for it)",
     )
     tok_path = Path(survey["tokenizer"])
+    if survey["trained"] and comm.rank == 0:
+        say(f"data.tokenizer=bpe: trained {tok_path} on the training text of {', '.join(map(str, paths))}")
     tok = agree.agreed(lambda: _same_tokenizer(tok_path, survey["tokenizer_sha256"]), comm, DataError)
     for one in survey["sources"]:
         if one["build"] is not None:
