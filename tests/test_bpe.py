@@ -71,7 +71,7 @@ def _build_in_fresh_processes(source: Path, caches: list[Path], envs: list[dict]
     for proc in procs:
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
-        target, tok = out.split()
+        target, tok = out.splitlines()[-1].split()  # after the line saying it trained
         shas.append((_sha(Path(tok)), _sha(Path(target) / "index.json")))
     return shas
 
