@@ -1,8 +1,8 @@
 """data.document_mask=true through the real Trainer (issue 39 item 4): a jsonl corpus of documents of
 every length from one token (an empty text is its end token alone) to longer than a sequence,
 encoded by an existing tokenizer, packed into sequences whose attention stays inside each document.
-20 steps at every layout -- dp 2, gradient accumulation, tp 2 with sp, pp 2, cp 2 by both routes
-(with chunks paired anew for the documents), the ring for GPT-2's learned positions and
+20 steps at every layout -- dp 2, gradient accumulation, tp 2 with sp, pp 2, cp 2 and 4 by both
+routes (with chunks paired anew for the documents), the ring for GPT-2's learned positions and
 DeepSeek-V3's latent by both routes too, ep 2 for Mixtral -- within 1e-5 of one rank, and recomputed blocks
 bitwise; the masks change the run (off: other losses); a checkpoint resumes into another layout at
 the exact data position; and the run refuses the mask where nothing ends a document."""
@@ -57,6 +57,11 @@ LAYOUTS = {
     "deepseek_v3": [[*CP, "dist.cp_impl=ring"], [*CP, "train.grad_accum=4"]],
 }
 CASES = [(model, layout) for model, layouts in LAYOUTS.items() for layout in layouts]
+# at world size 4, cp 4 by both routes: 58 of the 80 micro-batches pair their chunks anew
+FOURS = [
+    ("llama", ["dist.cp=4", "train.grad_accum=4"]),
+    ("llama", ["dist.cp=4", "dist.cp_impl=ring", "train.grad_accum=4"]),
+]
 
 
 def _words(rng: np.random.Generator, n: int) -> list[str]:
@@ -116,7 +121,9 @@ def runs(corpus, tmp_path_factory) -> dict:
     one["mixtral"] = run_ranks(train_with_margin, 1, _tree(corpus, "mixtral", [], 1), str(root / "moe"))[0]
     twos = [_tree(corpus, model, layout, 2) for model, layout in CASES]
     two = run_ranks(train_each, 2, twos, str(root / "ws2"), timeout_s=900)[0]
-    return {"one": one, "two": two}
+    fours = [_tree(corpus, model, layout, 4) for model, layout in FOURS]
+    four = run_ranks(train_each, 4, fours, str(root / "ws4"), timeout_s=900)[0]
+    return {"one": one, "layouts": two + four}
 
 
 def test_the_corpus_has_every_length_of_document(corpus):
@@ -125,18 +132,18 @@ def test_the_corpus_has_every_length_of_document(corpus):
 
 
 def test_the_cp_runs_hold_rebalanced_chunks(corpus):
-    """The cp runs' micro-batches of 4 (llama's, DeepSeek-V3's all-to-all) include some whose
-    documents pair the chunks otherwise than the zig-zag (``balance``): the runs prove the data
-    split, the ring and the all-to-all agree on them."""
+    """The cp runs' micro-batches of 4 (llama's at cp 2 and 4, DeepSeek-V3's all-to-all) include
+    some whose documents pair the chunks otherwise than the zig-zag (``balance``): the runs prove
+    the data split, the ring and the all-to-all agree on them."""
     cfg = RunConfig.from_dict(compose_tree([*corpus["base"], "dist.world_size=1"]))
     batches, _ = corpus_module.build(cfg, Comm(ranks=(0,), rank=0), BatchPlan(cfg.global_batch, 1, 4))
     held = [Documents.of_tokens(x, 1) for step in range(1, 21) for x, _ in batches.step_batches(step, 0)]
-    moved = sum(balance.owned(docs, 2) != chunks.zigzag(2) for docs in held)
-    assert len(held) == 80 and moved >= 10
+    moved = [sum(balance.owned(docs, cp) != chunks.zigzag(cp) for docs in held) for cp in (2, 4)]
+    assert len(held) == 80 and moved[0] >= 10 and moved[1] >= 40, moved
 
 
 def test_every_layout_trains_to_one_ranks_losses(runs):
-    for (model, layout), run in zip(CASES, runs["two"]):
+    for (model, layout), run in zip(CASES + FOURS, runs["layouts"], strict=True):
         want = runs["one"][model]["losses"]
         assert len(run["losses"]) == 20, (model, layout)
         worst = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], want))
