@@ -3,9 +3,10 @@ every length from one token (an empty text is its end token alone) to longer tha
 encoded by an existing tokenizer, packed into sequences whose attention stays inside each document.
 20 steps at every layout -- dp 2, gradient accumulation, tp 2 with sp, pp 2, cp 2 and 4 by both
 routes (with chunks paired anew for the documents), the ring for GPT-2's learned positions and
-DeepSeek-V3's latent by both routes too, ep 2 for Mixtral -- within 1e-5 of one rank, and recomputed blocks
-bitwise; the masks change the run (off: other losses); a checkpoint resumes into another layout at
-the exact data position; and the run refuses the mask where nothing ends a document."""
+DeepSeek-V3's latent by both routes too, ep 2 for Mixtral -- within 1e-5 of one rank, and
+recomputed blocks bitwise; the masks change the run (off: other losses); a checkpoint resumes into
+another layout at the exact data position; and the run refuses the mask where nothing ends a
+document."""
 
 from __future__ import annotations
 
