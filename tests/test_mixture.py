@@ -24,6 +24,7 @@ from distlib.app.data import bpe, bpe_tokens, mixture, text_source
 from distlib.app.data.batches import BatchPlan
 from distlib.app.data.mixture import MixedBatches, MixedHeldOut, Mixture, SourceWindows
 from distlib.app.data.tokens import DataError
+from distlib.comm.group import Comm
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARES = (0.6, 0.3, 0.0999, 0.0001)  # the last: most blocks of 64 never draw it
@@ -134,6 +135,28 @@ def test_a_missing_source_is_named_before_any_worker_starts(tmp_path):
     cfg = RunConfig.from_dict(compose_tree(["data=mixture", listed]))
     with pytest.raises(DataError, match=f"data.path {tmp_path / 'b.txt'} does not exist"):
         corpus.check_source(cfg)
+
+
+def test_sources_of_one_name_keep_a_cache_each_in_the_cache_dir(tmp_path):
+    """Two sources named alike, one data.cache_dir: each keeps its own token file (source-<i>/
+    there), so neither build replaces the other's and a second start reuses both."""
+    from distlib.app.data import corpus
+
+    for part in ("web", "code"):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "train.txt").write_text(f"{part} text, " * 400)
+    listed = f"data.mixture=[{tmp_path / 'web' / 'train.txt'},{tmp_path / 'code' / 'train.txt'}]"
+    cfg = RunConfig.from_dict(
+        compose_tree(["data=mixture", listed, f"data.cache_dir={tmp_path / 'c'}", *SMALL])
+    )
+    one = Comm(ranks=(0,), rank=0)
+    first, _ = corpus.build(cfg, one, BatchPlan(16, 1, 1))
+    files = [tmp_path / "c" / f"source-{i}" / "train.txt.u8.tokens" for i in (0, 1)]
+    stamps = [f.stat().st_mtime_ns for f in files]
+    again, _ = corpus.build(cfg, one, BatchPlan(16, 1, 1))
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # reused, not rebuilt
+    words = [bytes(np.asarray(s.tokens[:4], dtype=np.uint8)) for s in again.sources]
+    assert words == [b"web ", b"code"] and again.source == first.source
 
 
 # -- through the trainer -------------------------------------------------------------------

@@ -121,7 +121,8 @@ def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) ->
     if d.tokenizer == "bpe":  # one tokenizer trained on every source's training text
         loaded = bpe_tokens.load_many([one.data for one in ones], seq, comm, run_dir)
     else:
-        loaded = [_one_source(one, comm, run_dir) for one in ones]
+        own = [dataclasses.replace(one.data, cache_dir=c) for one, c in zip(ones, _cache_dirs(d))]
+        loaded = [_one_source(dataclasses.replace(one, data=o), comm, run_dir) for one, o in zip(ones, own)]
         end = loaded[0][3]  # one tokenizer for every source: one end-of-text id (None: bytes)
     sources = [SourceWindows(train, seq, cfg.seed, s) for s, (train, *_) in enumerate(loaded)]
     helds, identities = [one[1] for one in loaded], [one[2] for one in loaded]
@@ -129,6 +130,19 @@ def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) ->
     batches = MixedBatches(sources, d.shares, plan, cfg.seed, identity, _ends(d, end))
     heldout = MixedHeldOut(helds, seq, cfg.train.eval_windows, d.shares) if d.val_fraction > 0 else None
     return batches, heldout
+
+
+def _cache_dirs(d) -> list[str | None]:
+    """Each mixture source's cache directory: data.cache_dir, except that sources whose file names
+    clash there get ``source-<i>/`` in it (each cache is named after its source's file: one name
+    would make each source's build replace the other's, every run)."""
+    names = [Path(p).expanduser().resolve().name for p in d.mixture]
+    if d.cache_dir is None:
+        return [None] * len(names)
+    return [
+        str(Path(d.cache_dir) / f"source-{i}") if names.count(name) > 1 else d.cache_dir
+        for i, name in enumerate(names)
+    ]
 
 
 def _one_source(one: RunConfig, comm: Comm, run_dir: Path | None) -> tuple:
