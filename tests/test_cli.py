@@ -1,7 +1,10 @@
 """Hydra overrides: bad values fail fast with a clear message; sweeps run one job per value."""
 
 import re
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,7 +70,7 @@ def test_nccl_without_cuda_is_one_config_error(tmp_path):
     assert "Traceback" not in proc.stderr and "rendezvous" not in proc.stderr
 
 
-def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
+def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path, own_tmp):
     """An unexpected exception in a worker is a bug: `python train.py` names the failed rank and
     prints that rank's traceback (torch's agent records it), not only "training failed"."""
     inject = tmp_path / "inject"
@@ -79,11 +82,12 @@ def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
         "    raise RuntimeError(f'injected bug on rank {self.comm.rank}')\n"
         "trainer.Trainer.run = broken\n"
     )
-    env = {"PYTHONPATH": f"{inject}:{ROOT}"}
+    env = {"PYTHONPATH": f"{inject}:{ROOT}", "TMPDIR": str(own_tmp)}
     proc = run(
         [sys.executable, "train.py", "dist.world_size=2", f"hydra.run.dir={tmp_path / 'run'}"], 120, env
     )
     assert proc.returncode == 1
+    assert not list(own_tmp.glob("torchelastic_*"))  # the agent's error files, read and removed
     summary = re.search(r"error: training failed: (.*)", proc.stderr)
     assert summary, proc.stderr[-2000:]
     failed = {int(r) for r in re.findall(r"rank (\d) \(exit", summary.group(1))}
@@ -91,6 +95,25 @@ def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path):
     # the others after the first failure, so which rank that is varies)
     shown = {int(r) for r in re.findall(r"RuntimeError: injected bug on rank (\d)", proc.stderr)}
     assert shown & failed, proc.stderr[-2000:]
+
+
+def test_a_run_leaves_no_agent_directory_behind(tmp_path, monkeypatch, own_tmp):
+    """The launcher's agent keeps its workers' error files in a directory of its own (torch's
+    default: a new /tmp/torchelastic_* per launch, never removed), removed when the run ends."""
+    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))  # the forked run inherits it
+    proc = train(tmp_path / "run", "dist.world_size=2", "train.steps=1", "checkpoint.every_steps=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not list(own_tmp.glob("torchelastic_*"))
+
+
+@pytest.fixture
+def own_tmp():
+    """A temporary directory of the test's own with a short path (removed after): multiprocessing's
+    forkserver puts its socket there, and a socket's path has at most 107 bytes (pytest's tmp_path
+    can be longer)."""
+    own = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    yield own
+    shutil.rmtree(own, ignore_errors=True)
 
 
 def _tree_bytes(root):

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -40,13 +42,17 @@ PRELOAD = ["distlib.launch.fork_server", "distlib.launch.worker"]
 def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None:
     """Run ``world_size`` workers of the checked configuration ``tree`` in ``run_dir`` to the end;
     exits this process on failure."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from distlib.launch import worker
 
+    # the agent's per-attempt directory of the workers' error files: ours to remove once read
+    # (torch's own default is a fresh /tmp/torchelastic_* per launch, never removed)
+    logs = tempfile.mkdtemp(prefix="torchelastic_")
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
@@ -70,6 +76,7 @@ def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None
         _failed(exc)
     finally:
         prefork.stop()  # the workers are gone: so is their server
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _stopped(name: str, run_dir: Path, metrics_file: str, since: float) -> None:
