@@ -30,9 +30,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _child(script: Path, args: list[str], env: dict | None, cwd: Path, out_fd: int, err_fd: int) -> None:
+def _child(
+    script: Path, args: list[str], env: dict | None, cwd: Path, out_fd: int, err_fd: int, tmp: str
+) -> None:
     code = 1
     try:
+        # what the script leaves in the temporary directory (multiprocessing's pymp-* of a launcher,
+        # which an interpreter's exit would remove and os._exit does not) goes where the parent
+        # removes it
+        tempfile.tempdir = tmp
         os.setpgid(0, 0)  # its own group: a timeout kills whatever it started
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
@@ -79,12 +85,16 @@ def run_script(
     and stderr into one stream, in the order written, as a terminal shows them (returned as stdout;
     stderr empty)."""
     script = (ROOT / script).resolve()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.TemporaryDirectory(prefix="fork") as tmp,
+    ):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(script, list(args), env, Path(cwd), out.fileno(), (out if merged else err).fileno())
+            _child(script, list(args), env, Path(cwd), out.fileno(), (out if merged else err).fileno(), tmp)
         try:
             os.setpgid(pid, pid)  # also here, so a kill right after the fork finds the group
         except OSError:

@@ -97,13 +97,14 @@ def test_an_unexpected_worker_error_is_printed_with_its_rank(tmp_path, own_tmp):
     assert shown & failed, proc.stderr[-2000:]
 
 
-def test_a_run_leaves_no_agent_directory_behind(tmp_path, monkeypatch, own_tmp):
+def test_a_run_leaves_nothing_in_the_temporary_directory(tmp_path, own_tmp):
     """The launcher's agent keeps its workers' error files in a directory of its own (torch's
-    default: a new /tmp/torchelastic_* per launch, never removed), removed when the run ends."""
-    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))  # the forked run inherits it
-    proc = train(tmp_path / "run", "dist.world_size=2", "train.steps=1", "checkpoint.every_steps=0")
+    default: a new /tmp/torchelastic_* per launch, never removed), removed when the run ends; so is
+    everything else (a real interpreter: a fork's temporary files are tests/forkrun.py's)."""
+    args = ["dist.world_size=2", "train.steps=1", "checkpoint.every_steps=0", f"hydra.run.dir={tmp_path}"]
+    proc = run([sys.executable, "train.py", *args], 120, {"TMPDIR": str(own_tmp)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not list(own_tmp.glob("torchelastic_*"))
+    assert not list(own_tmp.iterdir())
 
 
 @pytest.fixture
