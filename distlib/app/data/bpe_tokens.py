@@ -151,7 +151,12 @@ def ensure_many(
             token_shards.build(
                 plan, lambda source=source, cut=cut: pieces(source, cut), tok.encode, comm, say
             )
-    caches = [agree.agreed(lambda one=one: _opened(one), comm, DataError) for one in survey["sources"]]
+    caches = [
+        agree.agreed(
+            lambda one=one: token_shards.open_built(Path(one["target"]), one["key"]), comm, DataError
+        )
+        for one in survey["sources"]
+    ]
     built = survey["trained"] or any(one["build"] is not None for one in survey["sources"])
     return caches, tok_path, built
 
@@ -164,16 +169,6 @@ def _same_tokenizer(path: Path, sha256: str) -> bpe.BpeTokenizer:
             f"must see the same cache directory"
         )
     return tok
-
-
-def _opened(one: dict) -> token_shards.Cache:
-    cache = token_shards.open_cache(Path(one["target"]), one["key"])
-    if cache is None:
-        raise DataError(
-            f"token cache {one['target']} is missing or stale on this node after rank 0 saw or built it "
-            f"(every node must see the data directory: a shared filesystem)"
-        )
-    return cache
 
 
 def ensure(

@@ -120,16 +120,8 @@ def ensure(
         docs = lambda: documents.documents(text_source.from_record(survey["source"]), d.text_field)  # noqa: E731
         token_shards.build(plan, docs, tokenizer.encode_document, comm, say)
 
-    def opened() -> token_shards.Cache:
-        cache = token_shards.open_cache(target, key)
-        if cache is None:
-            raise DataError(
-                f"token cache {target} is missing or stale on this node after rank 0 saw or built it "
-                f"(every node must see the data directory: a shared filesystem)"
-            )
-        return cache
-
-    return agree.agreed(opened, comm, DataError), survey["tmp"] is not None
+    opened = agree.agreed(lambda: token_shards.open_built(target, key), comm, DataError)
+    return opened, survey["tmp"] is not None
 
 
 def precheck(d: DataConfig) -> None:

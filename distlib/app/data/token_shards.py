@@ -135,6 +135,17 @@ def open_cache(path: Path, key: dict) -> Cache | None:
     return cache
 
 
+def open_built(path: Path, key: dict) -> Cache:
+    """``open_cache`` of a cache rank 0 saw or built: DataError if this node does not see it so."""
+    cache = open_cache(path, key)
+    if cache is None:
+        raise DataError(
+            f"token cache {path} is missing or stale on this node after rank 0 saw or built it "
+            f"(every node must see the data directory: a shared filesystem)"
+        )
+    return cache
+
+
 @dataclass(frozen=True)
 class Plan:
     """What every rank needs to build: the documents, the split, where to write."""
