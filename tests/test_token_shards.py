@@ -178,3 +178,20 @@ def test_a_rank_that_cannot_see_the_build_directory_says_so(tmp_path):
     errors = run_ranks(_build_unseen, 2, d)
     assert errors[0] == errors[1] and "rank 1 cannot see" in errors[0] and "shared filesystem" in errors[0]
     assert not any((tmp_path / "cache").iterdir())
+
+
+def _open_unseen(comm, d: DataConfig) -> str:
+    """Rank 1 sees no cache where rank 0 built one (a node without the shared filesystem)."""
+    if comm.rank == 1:
+        token_shards.open_cache = lambda path, key: None
+    try:
+        _build(comm, d)
+        return "opened"
+    except DataError as exc:
+        return str(exc)
+
+
+def test_a_rank_that_cannot_see_the_built_cache_says_so_on_every_rank(tmp_path):
+    corpus, _ = _corpus(tmp_path, 6)
+    errors = run_ranks(_open_unseen, 2, _config(corpus, _tokenizer(tmp_path), tmp_path / "cache"))
+    assert errors[0] == errors[1] and "is missing or stale on this node after rank 0" in errors[0]
