@@ -129,6 +129,7 @@ REMOVES_NO_COMMITTED_CHECKPOINT = {
     "distlib/checkpoint/memory_snapshot.py": "memory snapshots in /dev/shm",
     "distlib/app/checkpointing/hf_export.py": "an unfinished Hugging Face export directory",
     "distlib/app/data/token_shards.py": "a token cache's failed build or its stale predecessor",
+    "distlib/launch/local.py": "the launcher's own agent directory of error files, in the temp dir",
 }
 
 
