@@ -193,6 +193,8 @@ def main() -> None:
             "error: hydra/launcher=submitit_slurm needs the optional plugin, which is not installed: "
             'pip install hydra-submitit-launcher (docs/beyond.md, "SLURM")'
         )
+    if not UNDER_TORCHRUN and not slurm.is_rank_task(os.environ) and local.temp_dir_problem():
+        sys.exit(f"error: {local.temp_dir_problem()}")  # before anything is written
     import hydra
 
     global _RUN_DIR_GIVEN

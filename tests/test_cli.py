@@ -117,6 +117,18 @@ def own_tmp():
     shutil.rmtree(own, ignore_errors=True)
 
 
+def test_a_temporary_directory_too_long_for_a_socket_is_one_line(tmp_path, own_tmp):
+    """The workers' fork server listens on a socket in the temporary directory, whose path has at
+    most 107 bytes: a longer TMPDIR is one line before anything starts, not Python's "AF_UNIX path
+    too long" traceback once the run has begun."""
+    deep = own_tmp / ("d" * 80)
+    deep.mkdir()
+    proc = run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"], 60, {"TMPDIR": str(deep)})
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: the temporary directory {deep} (TMPDIR) is ")
+    assert "use a directory of at most 75 bytes" in proc.stderr and not (tmp_path / "run").exists()
+
+
 def _tree_bytes(root):
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

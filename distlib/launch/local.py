@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import shutil
 import signal
 import sys
@@ -37,6 +38,26 @@ from distlib.launch import prefork
 # worker: first what makes it die with this process (fork_server.py says why), then the worker's
 # module and, through it, torch.
 PRELOAD = ["distlib.launch.fork_server", "distlib.launch.worker"]
+
+
+# multiprocessing's fork server listens on <temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX, an AF_UNIX
+# path of at most 107 bytes: the temp dir (TMPDIR) may have 107 - 32 = 75
+SOCKET_PATH_BYTES = 107
+SOCKET_TAIL_BYTES = len("/pymp-12345678/listener-12345678")
+
+
+def temp_dir_problem() -> str | None:
+    """Why the workers' fork server could not listen in this temporary directory (too long a
+    path: Python would fail with "AF_UNIX path too long" after the run started), or None."""
+    tmp = tempfile.gettempdir()
+    room, size = SOCKET_PATH_BYTES - SOCKET_TAIL_BYTES, len(os.fsencode(tmp))
+    if size <= room:
+        return None
+    return (
+        f"the temporary directory {tmp} (TMPDIR) is {size} bytes long; the workers' fork server "
+        f"listens on a socket inside it, whose path may have {SOCKET_PATH_BYTES} bytes: use a "
+        f"directory of at most {room} bytes (TMPDIR=/tmp)"
+    )
 
 
 def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None:
