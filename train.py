@@ -193,8 +193,10 @@ def main() -> None:
             "error: hydra/launcher=submitit_slurm needs the optional plugin, which is not installed: "
             'pip install hydra-submitit-launcher (docs/beyond.md, "SLURM")'
         )
-    if not UNDER_TORCHRUN and not slurm.is_rank_task(os.environ) and local.temp_dir_problem():
-        sys.exit(f"error: {local.temp_dir_problem()}")  # before anything is written
+    own_launcher = not UNDER_TORCHRUN and not slurm.is_rank_task(os.environ)
+    problem = local.temp_dir_problem() if own_launcher else None
+    if problem:
+        sys.exit(f"error: {problem}")  # before anything is written
     import hydra
 
     global _RUN_DIR_GIVEN

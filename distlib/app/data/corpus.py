@@ -121,8 +121,7 @@ def _mixed(cfg: RunConfig, comm: Comm, plan: BatchPlan, run_dir: Path | None) ->
     if d.tokenizer == "bpe":  # one tokenizer trained on every source's training text
         loaded = bpe_tokens.load_many([one.data for one in ones], seq, comm, run_dir)
     else:
-        own = [dataclasses.replace(one.data, cache_dir=c) for one, c in zip(ones, _cache_dirs(d))]
-        loaded = [_one_source(dataclasses.replace(one, data=o), comm, run_dir) for one, o in zip(ones, own)]
+        loaded = [_one_source(one, cache_dir, comm, run_dir) for one, cache_dir in zip(ones, _cache_dirs(d))]
         end = loaded[0][3]  # one tokenizer for every source: one end-of-text id (None: bytes)
     sources = [SourceWindows(train, seq, cfg.seed, s) for s, (train, *_) in enumerate(loaded)]
     helds, identities = [one[1] for one in loaded], [one[2] for one in loaded]
@@ -145,9 +144,10 @@ def _cache_dirs(d) -> list[str | None]:
     ]
 
 
-def _one_source(one: RunConfig, comm: Comm, run_dir: Path | None) -> tuple:
-    """(training tokens, held-out tokens, identity, end-of-text id or None) of a mixture's source."""
-    d = one.data
+def _one_source(one: RunConfig, cache_dir: str | None, comm: Comm, run_dir: Path | None) -> tuple:
+    """(training tokens, held-out tokens, identity, end-of-text id or None) of a mixture's source,
+    cached in ``cache_dir`` (``_cache_dirs``)."""
+    d = dataclasses.replace(one.data, cache_dir=cache_dir)
     if d.pretrained:
         return pretrained.load(d, one.model.seq_len, comm, run_dir)
     tokens, sha = load_text_tokens(d.path, d.cache_dir, comm)

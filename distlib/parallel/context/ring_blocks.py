@@ -43,9 +43,10 @@ def step_blocks(cp: int, rank: int, src: int, owned: chunks.Owned | None = None)
     return found
 
 
-def block_count(cp: int, rank: int, owned: chunks.Owned | None = None) -> int:
-    """(query chunk, key chunk) pairs ``rank`` attends over the whole ring (causal attention)."""
-    return sum(b1 - b0 for s in range(cp) for _, b0, b1, _ in step_blocks(cp, rank, (rank - s) % cp, owned))
+def block_count(cp: int, rank: int) -> int:
+    """(query chunk, key chunk) pairs ``rank`` attends over the whole ring in the zig-zag layout
+    (causal attention)."""
+    return sum(b1 - b0 for s in range(cp) for _, b0, b1, _ in step_blocks(cp, rank, (rank - s) % cp))
 
 
 class Layout:
