@@ -1,17 +1,17 @@
 """Any layout resumes at any other, through the real Trainer (distlib/checkpoint/relayout.py).
 
-One Mixtral (so expert parallelism is among the layouts) saves step 3 at each of 12 layouts: one
-rank; ep 2 over 2 ranks; and over 4 ranks dp 4 (ZeRO 1), tp 2 x dp 2 (ZeRO 3), pp 2 x dp 2,
-cp 2 x dp 2, cp 4 (ZeRO 2), ep 2 (ZeRO 0) and ep 4 over dp 4, pp 2 x ep 2, cp 2 x tp 2, and tp 2
-with sequence parallelism x dp 2 (ZeRO 2). The layouts
-form a cycle: each resumes from the checkpoint its predecessor saved (the first from the last's),
-so every layout is saved once and loaded once, each across a change of several dimensions and
-ZeRO stages. Steps 4 and 5 of every resumed run are within 1e-5 of one rank's uninterrupted run
-(the 20-step reference tests/test_expert_parallel_train.py shares, trainrun.one_rank_reference), as
-every layout's own 20 steps are (that module and the other dimensions' tests): at the exact data
-position and state, or its first step would differ by far more (a data position one batch off:
-3.5e-2). Two steps after the resume: the first shows the state and position, the second that the
-run goes on from them, at the fewest steps (issue 42).
+One Mixtral (mixtral_tiny at 2 blocks, so expert parallelism is among the layouts) saves step 3 at
+each of 12 layouts: one rank; ep 2 over 2 ranks; and over 4 ranks dp 4 (ZeRO 1), tp 2 x dp 2 (ZeRO
+3), pp 2 x dp 2, cp 2 x dp 2, cp 4 (ZeRO 2), ep 2 (ZeRO 0) and ep 4 over dp 4, pp 2 x ep 2, cp 2 x
+tp 2, and tp 2 with sequence parallelism x dp 2 (ZeRO 2). The layouts form a cycle: each resumes
+from the checkpoint its predecessor saved (the first from the last's), so every layout is saved once
+and loaded once, each across a change of several dimensions and ZeRO stages. Steps 4 and 5 of every
+resumed run are within 1e-5 of one rank's uninterrupted run (the 20-step reference
+tests/test_expert_parallel_train.py shares, trainrun.one_rank_reference), as every layout's own 20
+steps are (that module and the other dimensions' tests): at the exact data position and state, or
+its first step would differ by far more (a data position one batch off: 3.5e-2). Two steps after the
+resume: the first shows the state and position, the second that the run goes on from them, at the
+fewest steps (issue 42).
 
 And the whole 12 x 12 matrix: every layout loads every layout's checkpoint through the trainer's
 loader and then holds exactly the source's state cut for each of its ranks (loading only: 14-21 s for
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainrun import MIXTRAL_SEED10, compose_tree, one_rank_reference, train_worlds
+from trainrun import MIXTRAL_2, QUIET_20, compose_tree, one_rank_reference, train_worlds
 
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
@@ -38,10 +38,10 @@ from distlib.parallel.tensor_parallel import shard_of
 pytestmark = pytest.mark.slow
 
 REL = 1e-5
-# seed 10: no near-tied top-k router choice in 20 steps (tests/test_expert_parallel_train.py)
 SAVE, END = 3, 5  # every layout saves step SAVE; a resume trains on to END
-BASE = ["model=mixtral_tiny", "seed=10", f"checkpoint.every_steps={SAVE}", "checkpoint.verify_resume=false"]
-BASE += ["metrics.progress_every=0"]
+# the shared reference's model and seed (no near-tied top-k router choice in 20 steps), saving at SAVE
+BASE = [o for o in MIXTRAL_2 if o not in QUIET_20]
+BASE += [f"checkpoint.every_steps={SAVE}", "checkpoint.verify_resume=false", "metrics.progress_every=0"]
 CYCLE = [
     (1, []),
     (2, ["dist.ep=2"]),
@@ -82,7 +82,7 @@ def saved(tmp_path_factory) -> list[Path]:
 
 
 def test_every_layout_resumes_its_predecessors_checkpoint(saved, tmp_path, tmp_path_factory):
-    reference = one_rank_reference(tmp_path_factory, MIXTRAL_SEED10)["losses"][:END]
+    reference = one_rank_reference(tmp_path_factory, MIXTRAL_2)["losses"][:END]
     predecessor = [saved[(i - 1) % len(CYCLE)] for i in range(len(CYCLE))]
     resumes = [
         (w, [*layout, f"train.steps={END}", f"checkpoint.resume={p}"])

@@ -220,9 +220,7 @@ LAYOUT_OWNER = "distlib/comm/layout.py"
 _SIZE = re.compile(r"^(\w+\.)*(old_)?(tp|dp|pp|cp|ep)(_size|\.size)?$|^per_stage$")
 _WORLD = re.compile(r"world")
 # file -> why its arithmetic on a size is not a rank (reviewed; a new entry needs a reason)
-NOT_RANKS = {
-    "distlib/app/model/pipeline.py": "c * pp + rank numbers an interleaved schedule's virtual stages",
-}
+NOT_RANKS: dict[str, str] = {}
 
 
 def _is_size(node: ast.AST) -> bool:

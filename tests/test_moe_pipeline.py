@@ -22,13 +22,14 @@ import pytest
 import torch
 from forkrun import run_script
 from multiproc import run_ranks
-from trainrun import MIXTRAL_SEED10, compose_tree, one_rank_reference, train_each, train_worlds
+from trainrun import QUIET_20, compose_tree, one_rank_reference, train_each, train_worlds
 
 from distlib.app.model import moe
 
 REL = 1e-5
 MARGIN = 1e-6
-BASE = MIXTRAL_SEED10
+# mixtral_tiny's 4 blocks: pp 2 x 2 virtual stages needs one each
+BASE = ["model=mixtral_tiny", "seed=10", *QUIET_20]
 SAVED = ["dist.pp=2", "dist.ep=2", "train.grad_accum=2", "zero=stage1", "checkpoint.every_steps=10"]
 LAYOUTS = {
     1: [["train.grad_accum=4"]],
@@ -45,7 +46,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_pp")
-    ref = one_rank_reference(tmp_path_factory, BASE)  # the session's, shared with the other Mixtral tests
+    ref = one_rank_reference(tmp_path_factory, BASE)  # 4 blocks: its own (the others share 2 blocks)
     return root, ref, train_worlds(BASE, LAYOUTS, root)
 
 

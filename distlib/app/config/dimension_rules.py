@@ -10,6 +10,7 @@ from __future__ import annotations
 from distlib.app.config.model_group import ROTARY, ModelConfig
 from distlib.app.config.schema import ConfigError
 from distlib.comm.layout import DIMENSIONS
+from distlib.parallel.pipeline.schedule import stage_block_ids
 
 
 def check(cfg) -> None:
@@ -155,3 +156,20 @@ def check_experts(cfg) -> None:
             f"dist.ep={d.ep} must divide model.n_experts={m.n_experts} (each rank of an expert group holds "
             f"n_experts / ep of every block's experts)"
         )
+    if d.pp > 1:
+        check_experts_on_every_stage(m, d.pp, d.pp_virtual, d.ep)
+
+
+def check_experts_on_every_stage(m: ModelConfig, pp: int, virtual: int, ep: int) -> None:
+    """With experts split over ep, each pipeline rank must hold some MoE block among the blocks its
+    chunks run, or its ranks would have no experts to split (a DeepSeek-V3 whose dense blocks fill a
+    stage)."""
+    for rank in range(pp):
+        held = [b for chunk in stage_block_ids(m.n_layers, pp, virtual, rank) for b in chunk]
+        if not set(m.moe_layers) & set(held):
+            raise ConfigError(
+                f"dist.ep={ep} with dist.pp={pp}: pipeline rank {rank} holds blocks {held}, none with "
+                f"experts (model.first_k_dense_replace={m.first_k_dense_replace} dense blocks first), "
+                f"so it has no experts to split; give every pipeline rank an MoE block (fewer dense "
+                f"blocks or pipeline stages) or set dist.ep=1"
+            )

@@ -30,13 +30,8 @@ from distlib.comm.mesh import Mesh
 from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.pipeline.schedule import stage_block_ids
 from distlib.parallel.tensor_parallel import Split, manifest_layouts
-
-
-def stage_block_ids(n_layers: int, pp: int, virtual: int, rank: int) -> list[list[int]]:
-    """The block indices of each of ``rank``'s chunks (chunk c is global stage c * pp + rank)."""
-    per = n_layers // (pp * virtual)
-    return [list(range((c * pp + rank) * per, (c * pp + rank + 1) * per)) for c in range(virtual)]
 
 
 class Chunk(nn.Module):

@@ -48,6 +48,13 @@ def stage_of(rank: int, chunk: int, P: int) -> int:
     return chunk * P + rank
 
 
+def stage_block_ids(n_layers: int, P: int, v: int, rank: int) -> list[list[int]]:
+    """The block indices of each of pipeline rank ``rank``'s ``v`` chunks: ``n_layers / (P v)``
+    consecutive blocks per global stage, in stage order."""
+    per = n_layers // (P * v)
+    return [list(range(stage_of(rank, c, P) * per, (stage_of(rank, c, P) + 1) * per)) for c in range(v)]
+
+
 def place_of(stage: int, P: int) -> tuple[int, int]:
     """(rank, chunk) that runs global stage ``stage``."""
     return stage % P, stage // P
