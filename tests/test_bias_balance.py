@@ -31,7 +31,10 @@ pytestmark = pytest.mark.slow
 
 REL = 1e-5
 STEPS = 20
-BASE = ["model=mixtral_tiny", "model.balance=bias", "seed=10", f"train.steps={STEPS}"]
+# mixtral_tiny at 2 blocks (issue 42: half the CPU of its 4), seed 21: its run's smallest top-k margin
+# with the biases is 5.0e-6 (trainrun.train_with_margin; seeds 10-24 measured 2.1e-7 to 5.0e-6), so
+# no near tie for a layout's rounding to flip
+BASE = ["model=mixtral_tiny", "model.n_layers=2", "model.balance=bias", "seed=21", f"train.steps={STEPS}"]
 BASE += ["checkpoint.verify_resume=false", "metrics.progress_every=0"]
 LAYOUTS = {
     1: [["checkpoint.every_steps=20"]],
@@ -83,7 +86,8 @@ def test_the_biases_follow_deepseeks_rule_from_the_logged_counts(runs):
         mean = counts.sum(dim=1, keepdim=True) / cfg.model.n_experts
         expected += gamma * torch.sign(mean - counts).float()  # up when under the mean, down when over
     saved = _biases(root / "ws1" / "0" / "checkpoints" / "step_00000020")
-    assert torch.equal(torch.stack([saved[f"blocks.{b}.mlp.score_bias"] for b in range(4)]), expected)
+    blocks = range(cfg.model.n_layers)
+    assert torch.equal(torch.stack([saved[f"blocks.{b}.mlp.score_bias"] for b in blocks]), expected)
     assert expected.abs().max() > 5 * gamma  # the rule did move them
     assert "aux_loss" not in reference["records"][0]  # no loss term
 
@@ -184,8 +188,9 @@ def test_the_offline_tools_keep_the_biases_and_the_export_refuses_them(runs, tmp
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     (weights, *_) = offline.consolidate(path, tmp_path / "full")
     for model in (sampling.load_model(path), sampling.load_model(weights), sampling.load_model(resharded)):
-        assert all(
-            torch.equal(model.blocks[b].mlp.score_bias, want[f"blocks.{b}.mlp.score_bias"]) for b in range(4)
+        assert len(model.blocks) == len(want) and all(
+            torch.equal(block.mlp.score_bias, want[f"blocks.{b}.mlp.score_bias"])
+            for b, block in enumerate(model.blocks)
         )
     with pytest.raises(hf_export.HFError, match="model.balance=bias chooses the experts with biases"):
         hf_export.export(path, tmp_path / "hf")
