@@ -36,6 +36,7 @@ TOL = 1e-5
 # rounding of the scores (about 6e-8)
 BASE = ["model=deepseek_v3_tiny", "model.n_layers=2", "seed=8", *QUIET_20]
 MARGIN = 1e-6
+FOUR = "model.n_layers=4"  # the preset's blocks (a later override wins over BASE's)
 LAYOUTS = {
     4: [
         ["train.grad_accum=4"],  # dp 4 at ZeRO 1, 4 micro-batches
@@ -46,8 +47,8 @@ LAYOUTS = {
         ["zero=stage3", "dist.ep=4"],
         ["dist.tp=2", "dist.sp=true", "dist.ep=2", "zero=stage3"],  # the latent gradients summed over tp
         # the dense block and an MoE one on stage 0 (its ranks need experts to split): the preset's
-        # 4 blocks, against one rank's 4 blocks (FOUR)
-        ["dist.pp=2", "dist.ep=2", "train.grad_accum=2", "model.n_layers=4"],
+        # 4 blocks, against one rank's 4 blocks
+        ["dist.pp=2", "dist.ep=2", "train.grad_accum=2", FOUR],
         ["dist.cp=2", "dist.cp_impl=alltoall", "dist.ep=2"],
         ["dist.cp=2", "dist.cp_impl=ring", "zero=stage2"],
     ]
@@ -59,19 +60,16 @@ BF16 = ["train.dtype=bf16", "dist.ep=4"]
 BF16_REL = 0.01
 
 
-FOUR = "model.n_layers=4"  # (a later override wins over BASE's)
-
-
-def _reference(layout: list[str], root: Path) -> dict:
-    tree = compose_tree([*BASE, *(o for o in layout if o == FOUR), "dist.world_size=1"])
-    return run_ranks(train_with_margin, 1, tree, str(root / ("ref4" if FOUR in layout else "ref")))[0]
+def _reference(extra: list[str], run_dir: Path) -> dict:
+    tree = compose_tree([*BASE, *extra, "dist.world_size=1"])
+    return run_ranks(train_with_margin, 1, tree, str(run_dir))[0]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(root, one rank's run of BASE, each layout's run); one rank's run of 4 blocks is ``ref4``."""
     root = tmp_path_factory.mktemp("deepseek")
-    ref, ref4 = _reference([], root), _reference([FOUR], root)
+    ref, ref4 = _reference([], root / "ref"), _reference([FOUR], root / "ref4")
     return root, ref, train_worlds(BASE, {4: [*LAYOUTS[4], BF16]}, root) | {"ref4": ref4}
 
 
