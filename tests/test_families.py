@@ -24,7 +24,7 @@ from distlib.app.model import families
 from distlib.app.model.minigpt import MiniGPT
 from distlib.launch.hydra_config import CONF_DIR, compose_tree
 from distlib.parallel.tensor_parallel import Column, Split, _matches, shard_of
-from distlib.parallel.zero.stage3 import unit_members, unit_modules
+from distlib.parallel.zero.units import unit_members, unit_modules
 
 FAMILY_CONFIGS = list(CONFIGS.values())
 IDS = list(CONFIGS)

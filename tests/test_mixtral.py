@@ -27,7 +27,7 @@ from distlib.app.model import families, moe
 from distlib.app.model import hf_config as hfc
 from distlib.app.model import hf_weights as hfw
 from distlib.parallel.tensor_parallel import shard_of
-from distlib.parallel.zero.stage3 import unit_members
+from distlib.parallel.zero.units import unit_members
 
 transformers = quiet_transformers()
 TOL = 1e-5

@@ -12,15 +12,15 @@ from distlib.app.config.run import RunConfig
 from distlib.app.model import families, moe
 from distlib.app.model.layers import CausalLM
 from distlib.comm.mesh import Mesh
-from distlib.parallel.adamw import AdamWConfig
 from distlib.parallel.expert_parallel import expert_grad_scale
-from distlib.parallel.zero import ParamGroup, ZeroOptimizer, make_optimizer
+from distlib.parallel.zero import PARAMS, ParamGroup, ZeroOptimizer
 
 DENSE, EXPERTS = "dense", "experts"  # the parameter groups' names (a checkpoint's "experts." keys)
 
 
-def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits):
-    """``model``'s optimizer (this rank's pipeline stage and tensor-parallel shards of it)."""
+def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits, segments=()):
+    """``model``'s optimizer (this rank's pipeline stage and tensor-parallel shards of it;
+    ``segments``: its chunks' parameter names, ``placement.chunk_segments``)."""
     z, opt = cfg.zero, cfg.optimizer
     options = dict(
         tp=mesh.tp,
@@ -28,25 +28,24 @@ def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits):
         tp_partial=families.partial_over_tp(model, mesh.tp),  # summed over tp per step
         param_dtype=cfg.param_dtype,
         bucket_numel=z.bucket_numel,
+        segments=segments,
         overlap=z.overlap,
         grad_accum=cfg.train.grad_accum,
         pp=mesh.pp,
     )
-    if mesh.ep is not None:  # this rank keeps its experts; ZeRO over the dense and expert groups
-        return expert_parallel_optimizer(model, mesh, z.stage, opt.adamw, opt.grad_clip, **options)
-    # gradients average over dp x cp; ZeRO shards there
-    return make_optimizer(model, mesh.batch, z.stage, opt.adamw, opt.grad_clip, **options)
+    return ZeroOptimizer(model, param_groups_(model, mesh), z.stage, opt.adamw, opt.grad_clip, **options)
 
 
-def expert_parallel_optimizer(
-    model: CausalLM, mesh: Mesh, stage: int, cfg: AdamWConfig, grad_clip: float, **options
-) -> ZeroOptimizer:
-    """Drop the experts other ranks of ``mesh.ep`` hold from ``model`` (built whole, the same on
-    every rank) and return its optimizer; ``options`` as ``make_optimizer``'s."""
-    ep, names = mesh.ep, [n for n, _ in model.named_parameters()]
+def param_groups_(model: CausalLM, mesh: Mesh) -> list[ParamGroup]:
+    """The groups ZeRO runs over: every parameter over the batch ranks dp x cp, or, with expert
+    parallelism, the dense ones there and this rank's experts over the ranks holding the same
+    ones (the other ranks' experts dropped from ``model``, built whole, the same on every rank)."""
+    names = tuple(n for n, _ in model.named_parameters())
+    if mesh.ep is None:  # gradients average over dp x cp; ZeRO shards there
+        return [ParamGroup(PARAMS, names, mesh.batch)]
+    ep = mesh.ep
     kept = families.hold_experts_(model, ep)
-    groups = [
+    return [
         ParamGroup(DENSE, tuple(n for n in names if moe.expert_of(n) is None), mesh.batch),
         ParamGroup(EXPERTS, kept, mesh.expert_dp, (ep,), expert_grad_scale(ep)),
     ]
-    return ZeroOptimizer(model, groups, stage, cfg, grad_clip, **options)

@@ -46,11 +46,12 @@ from distlib.app.config.lr_schedule import lr_at
 from distlib.app.config.run import RunConfig
 from distlib.app.data import corpus as data
 from distlib.app.data.batches import BatchPlan
-from distlib.app.model import families, strategies
+from distlib.app.model import families
 from distlib.app.model.bias_balance import state_buffers
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.local_step import LocalStep
-from distlib.app.model.pipeline_step import PipelineStep, split_model_
+from distlib.app.model.pipeline_step import PipelineStep
+from distlib.app.model.placement import chunk_segments, layout_model, place_model_
 from distlib.app.model.routing_count import RoutingCount
 from distlib.app.observe import throughput
 from distlib.app.observe.memory import memory_report
@@ -83,14 +84,13 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     """The model initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline
     stage, its Linear layers swapped for this rank's tensor-parallel shards, and its optimizer
     (``optimizer.build_optimizer``)."""
-    layout = strategies.for_layout(mesh, cfg.dist.cp_impl, cfg.dist.sp)  # attention, sequence
-    model = families.build(cfg.model, seed, layout).to(device)  # model.family's class, for the layout
+    model = layout_model(cfg, mesh, seed).to(device)  # model.family's class, for the layout
     broadcast_module_(model, comm)
-    chunks = split_model_(model, cfg.dist, mesh)  # this pipeline rank's (None at pp=1)
-    tp_splits = families.shard_model_(model, mesh.tp)  # name -> Split (none at tp=1)
-    families.join_batch_(model, mesh.batch)  # mixtral: experts' loads counted over the dp x cp ranks
+    chunks, tp_splits = place_model_(model, cfg, mesh)  # this rank's stage and shards
     names = [n for n, _ in model.named_parameters()]
-    optimizer = build_optimizer(cfg, model, mesh, tp_splits)  # ZeRO over its groups
+    optimizer = build_optimizer(
+        cfg, model, mesh, tp_splits, chunk_segments(model, chunks)
+    )  # ZeRO over its groups
     return Built(model, optimizer, chunks, tp_splits, names)
 
 

@@ -80,6 +80,8 @@ def expert_of(name: str) -> int | None:
 class Expert(nn.Module):
     """One expert: Mixtral's SwiGLU MLP (w1: gate, w3: up, w2: down)."""
 
+    PARAMETER_USE = ("w1", "w3", "w2")  # the forward's order (ZeRO's memory prediction reads it)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.mlp_width, bias=False)

@@ -24,6 +24,9 @@ TENSOR_PARALLEL_PLAN = llama.TENSOR_PARALLEL_PLAN
 
 
 class Attention(llama.Attention):
+    # the forward's order (ZeRO's memory prediction reads it): the norms act on q and k before o_proj
+    PARAMETER_USE = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj")
+
     def __init__(self, cfg: ModelConfig, *, context: attention.Context = attention.WHOLE):
         super().__init__(cfg, context=context)
         self.q_norm = llama.RMSNorm(self.head_dim, cfg.norm_eps)

@@ -28,7 +28,9 @@ The keywords: ``names``, the parameters it updates (default: the module's; a
 over it; ``tp_partial``, the parameters whose gradient each tensor-parallel rank computes a share
 of (summed over ``tp`` once per step, ``partial_sums``); ``differs_over``, any parameter -> the
 groups whose ranks hold other values of it, and ``pp``, the pipeline group: the global norms count
-such parameters on every rank of those groups and replicated ones once (``norms``).
+such parameters on every rank of those groups and replicated ones once (``norms``);
+``segments``, parameter names no stage-2 gradient bucket spans two of (an interleaved pipeline
+stage's chunks, ``buckets.buckets_by_size``).
 
 Device: every buffer (flat parameters, gradients, master weights, Adam state, buckets) is
 allocated on the device of the module's parameters (``self.device``); ``state_shard`` and
@@ -37,7 +39,7 @@ allocated on the device of the module's parameters (``self.device``); ``state_sh
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -46,6 +48,7 @@ from distlib.comm.group import Comm
 from distlib.comm.progress import Progress
 from distlib.parallel.adamw import AdamWConfig, adamw_step_
 from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.zero import predict
 from distlib.parallel.zero.buckets import BUCKET_NUMEL, buckets_by_size
 from distlib.parallel.zero.flat_grads import flat_grad_buffer
 from distlib.parallel.zero.memory import PeakMemory, Sizes
@@ -77,6 +80,7 @@ class StageOptimizer(ShardState):
         names: Collection[str] | None = None,
         param_dtype: torch.dtype = torch.float32,
         bucket_numel: int = BUCKET_NUMEL,
+        segments: Sequence[Collection[str]] = (),
         overlap: bool = False,
         grad_accum: int = 1,
         pp: Comm | None = None,
@@ -87,7 +91,7 @@ class StageOptimizer(ShardState):
             raise ValueError(f"parameter dtype must be float32 or bfloat16, got {param_dtype}")
         self.module, self.comm, self.cfg, self.grad_clip = module, comm, cfg, grad_clip
         self.param_dtype, self.low_precision = param_dtype, param_dtype != torch.float32
-        self.bucket_numel, self.grad_accum = bucket_numel, grad_accum
+        self.bucket_numel, self.segments, self.grad_accum = bucket_numel, segments, grad_accum
         self.progress = Progress(comm) if overlap else None  # the communication thread's queue
         self.layout = FlatLayout.of(module, comm.size, names)
         named = dict(module.named_parameters())  # (once: per slot it was 0.09 s of a mixtral_tiny build)
@@ -251,6 +255,13 @@ class StageOptimizer(ShardState):
 
     def _sizes(self) -> Sizes:
         return Sizes.of(self.layout, self.param_dtype)
+
+    def _predicted_peaks(self) -> predict.Peaks:
+        """What ``predict`` says this optimizer's tensors peak at (what ``PeakMemory`` measures)."""
+        overlap = self.progress is not None
+        return predict.peak_bytes(
+            self.stage, self.module, self.layout, self.param_dtype, self.bucket_numel, overlap, self.segments
+        )
 
     # -- what each stage implements -----------------------------------------------------
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:

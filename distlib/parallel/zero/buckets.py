@@ -23,7 +23,7 @@ unit (its gathered block), and is told when a bucket is reduced so it can free t
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,20 +77,29 @@ def contiguous_bucket(groups: list[tuple[int, ...]], slots: Sequence[ParamSlot])
 
 
 def buckets_by_size(
-    module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout, bucket_numel: int
+    module: nn.Module,
+    params: Sequence[torch.Tensor],
+    layout: FlatLayout,
+    bucket_numel: int,
+    segments: Sequence[Collection[str]] = (),
 ) -> list[Bucket]:
     """``params`` (laid out by ``layout``) by whole modules, in backward (reverse flat) order,
-    packed up to ``bucket_numel`` elements."""
+    packed up to ``bucket_numel`` elements; no bucket holds parameters of two ``segments`` (names:
+    the pipeline chunks of an interleaved stage, whose backwards run apart, one micro-batch at a
+    time: a bucket across two would see one chunk's gradients twice before the other's once)."""
     if bucket_numel < 1:
         raise ValueError(f"zero.bucket_numel must be >= 1, got {bucket_numel}")
-    buckets, current, size = [], [], 0
+    segment_of = {name: k for k, names in enumerate(segments) for name in names}
+    buckets, current, size, segment = [], [], 0, None
     for group in reversed(module_groups(module, params)):
         numel = sum(layout.slots[i].numel for i in group)
-        if current and size + numel > bucket_numel:
+        mine = segment_of.get(layout.slots[group[0]].name)
+        if current and (size + numel > bucket_numel or mine != segment):
             buckets.append(contiguous_bucket(current, layout.slots))
             current, size = [], 0
         current.append(group)
         size += numel
+        segment = mine
     if current:
         buckets.append(contiguous_bucket(current, layout.slots))
     return buckets

@@ -21,7 +21,7 @@ import torch
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import StageOptimizer
-from distlib.parallel.zero.buckets import MAX_QUEUED, GradBuckets, buckets_by_size
+from distlib.parallel.zero.buckets import GradBuckets, buckets_by_size
 
 
 class Stage2Optimizer(StageOptimizer):
@@ -34,7 +34,7 @@ class Stage2Optimizer(StageOptimizer):
             self.layout,
             self.params,
             self.comm,
-            buckets_by_size(self.module, self.params, self.layout, self.bucket_numel),
+            buckets_by_size(self.module, self.params, self.layout, self.bucket_numel, self.segments),
             self._sample_memory,
             progress=self.progress,
         )
@@ -53,13 +53,13 @@ class Stage2Optimizer(StageOptimizer):
         collectives.all_gather(self.flat_params, self.flat_params[self.my_range], self.comm)
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
-        """params bP, grads 4P/N (+ one fp32 bucket + one parameter's gradient in a hook), Adam
-        12P/N; allowances include the padded tail (< N elements). With overlap up to MAX_QUEUED
-        more buckets are queued or being reduced on the communication thread."""
+        """params bP, grads 4P/N, Adam 12P/N; the gradients' allowance is what ``predict`` says the
+        buckets and one parameter's gradient add at their peak (with the padded tail): the
+        buckets open at once in backward order, and with overlap the one still being reduced."""
         s = self._sizes()
-        live = 4 * self.grads.largest * (1 + (MAX_QUEUED if self.progress is not None else 0))
+        peaks = self._predicted_peaks()
         return {
             "params": (s.b * s.p, s.b * s.pad, f"{s.b}P"),
-            "grads": (4 * s.p / s.n, 4 * s.pad / s.n + live + s.b * s.largest_param, "4P/N + bucket"),
+            "grads": (4 * s.p / s.n, peaks.grads - 4 * s.p / s.n, "4P/N + bucket"),
             "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N"),
         }

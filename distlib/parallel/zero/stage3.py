@@ -39,61 +39,13 @@ survive the update.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 import torch
 import torch.nn as nn
 
 from distlib.comm import collectives
 from distlib.parallel.zero.base import StageOptimizer
 from distlib.parallel.zero.buckets import Bucket, GradBuckets, contiguous_bucket
-
-
-def unit_members(
-    model: nn.Module, params: Collection[nn.Parameter] | None = None
-) -> list[tuple[nn.Module, int | None]]:
-    """The model's top-level children that hold parameters (of ``params``, if given: a parameter
-    group's) (ModuleLists and ModuleDicts expanded), in order, each with None when it is a unit, or
-    else the index of the earlier unit all of whose parameters it uses (a tied LM head uses the
-    token embedding's unit)."""
-    ours = None if params is None else {id(p) for p in params}
-
-    def held(m: nn.Module) -> list[nn.Parameter]:
-        return [p for p in m.parameters() if ours is None or id(p) in ours]
-
-    if any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(
-            f"ZeRO-3 needs every parameter inside a child module; {type(model).__name__} holds some directly"
-        )
-    members = []
-    for child in model.children():
-        group = child.values() if isinstance(child, nn.ModuleDict) else child
-        members += (
-            list(group) if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else [child]
-        )
-    out, unit_of, count = [], {}, 0
-    for m in members:
-        owners = {unit_of.get(id(p)) for p in held(m)}
-        if not owners:
-            continue
-        if owners == {None}:
-            unit_of.update({id(p): count for p in held(m)})
-            out.append((m, None))
-            count += 1
-        elif len(owners) == 1:
-            out.append((m, owners.pop()))
-        else:
-            raise ValueError(
-                f"ZeRO-3: a {type(m).__name__} holds parameters of several units (or its own and an earlier "
-                f"unit's); only a whole module's parameters can be shared"
-            )
-    return out
-
-
-def unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The units: the top-level children (ModuleLists and ModuleDicts expanded) holding parameters
-    of their own."""
-    return [m for m, owner in unit_members(model) if owner is None]
+from distlib.parallel.zero.units import unit_members
 
 
 class Stage3Optimizer(StageOptimizer):
@@ -255,24 +207,14 @@ class Stage3Optimizer(StageOptimizer):
         return full
 
     def memory_formula(self) -> dict[str, tuple[float, float, str]]:
-        """params bP/N (+ one gathered unit), grads 4P/N (+ the unit's fp32 gradient bucket + one
-        parameter's gradient), Adam 12P/N; allowances include the padded tail (< N elements).
-        With overlap (prefetch) two units and two buckets; a unit shared by later modules (tied
-        weights) is gathered beside them (+ its size)."""
+        """params bP/N, grads 4P/N, Adam 12P/N; the allowances are what ``predict`` says the
+        gathered units (one, beside a unit shared by later modules: tied weights; with prefetch
+        the next one too) and the gradient buckets add at their peak, with the padded tail."""
         s = self._sizes()
-        unit = self.grads.largest
-        live = 2 if self.progress is not None else 1
-        shared = sum(self.units[b].numel for b in self._shared)  # gathered beside the others (tied weights)
+        peaks = self._predicted_peaks()
+        shared = " + shared unit" if self._shared else ""
         return {
-            "params": (
-                s.b * s.p / s.n,
-                s.b * s.pad / s.n + live * s.b * unit + s.b * shared,
-                f"{s.b}P/N + unit" + (" + shared unit" if shared else ""),
-            ),
-            "grads": (
-                4 * s.p / s.n,
-                4 * s.pad / s.n + live * 4 * unit + s.b * s.largest_param,
-                "4P/N + unit",
-            ),
+            "params": (s.b * s.p / s.n, peaks.params - s.b * s.p / s.n, f"{s.b}P/N + unit{shared}"),
+            "grads": (4 * s.p / s.n, peaks.grads - 4 * s.p / s.n, "4P/N + unit"),
             "optimizer": (12 * s.p / s.n, 12 * s.pad / s.n, "12P/N"),
         }

@@ -1,0 +1,136 @@
+"""Which layouts a model can run in over dist.world_size ranks, and what each rank will hold.
+
+    .venv/bin/python scripts/plan.py [OVERRIDES...] [plan.budget_gb=G] [--layout] [--json]
+
+OVERRIDES are train.py's Hydra overrides (the model, dist.world_size, the batch, train.dtype ...).
+Every layout of the searched keys (dist.tp, dist.pp with its schedule, dist.cp, dist.ep, zero.stage,
+zero.overlap; those the command line sets stay as set) that the configuration accepts is listed
+with its fullest rank's parameter, gradient and optimizer bytes -- the end-of-run memory table's
+figures, predicted without starting a process (docs/parallelism.md, "Planning") -- smallest
+first, and whether it fits plan.budget_gb per rank. --layout: only the command line's own layout,
+rank by rank. --json: the same as JSON on stdout. Activation memory and step time are not
+predicted yet: the budget verdict covers the model states only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
+from distlib.app.plan import candidates  # noqa: E402
+from distlib.app.plan.report import GB, Planned, plan, table  # noqa: E402
+from distlib.app.plan.states import model_states  # noqa: E402
+
+
+def parse(argv: list[str]) -> tuple[list[str], float | None, bool, bool]:
+    """(Hydra overrides, plan.budget_gb or None, --layout, --json)."""
+    budget, hydra = None, []
+    for arg in argv:
+        if arg.startswith("plan.budget_gb="):
+            budget = _budget(arg.split("=", 1)[1])
+        elif arg.startswith("plan."):
+            raise SystemExit(f"error: unknown planner key {arg.split('=', 1)[0]} (plan.budget_gb is the one)")
+        elif arg not in ("--layout", "--json"):
+            hydra.append(arg)
+    return hydra, budget, "--layout" in argv, "--json" in argv
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SystemExit(f"error: plan.budget_gb must be a positive number of GB per rank, got {text!r}")
+    return value
+
+
+def compose(hydra: list[str]) -> dict:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from distlib.launch.hydra_config import compose_tree
+
+    try:
+        return compose_tree(hydra)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise SystemExit(f"error: {str(exc).splitlines()[0]}") from None
+
+
+def one_layout(tree: dict, budget: float | None, as_json: bool) -> int:
+    try:
+        cfg = RunConfig.from_dict(tree)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    planned = Planned([], model_states(cfg))
+    if as_json:
+        print(json.dumps(planned.as_dict(budget), indent=1))
+    else:
+        print(f"{'rank':>4} {'params B':>12} {'grads B':>12} {'optim B':>12}")
+        for r in planned.ranks:
+            print(f"{r.rank:>4} {r.params:>12} {r.grads:>12} {r.optimizer:>12}")
+        print(_verdict(planned, budget))
+    return 0 if planned.fits(budget) else 1
+
+
+def _verdict(planned: Planned, budget: float | None) -> str:
+    needs = f"the fullest rank holds {planned.peak / GB:.6g} GB of model states"
+    bound = "" if planned.exact else " (at most: zero.overlap)"
+    if budget is None:
+        return f"{needs}{bound}"
+    word = "fits" if planned.fits(budget) else "does NOT fit"
+    return f"{word} plan.budget_gb={budget:g}: {needs}{bound}; activations not predicted yet"
+
+
+def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) -> int:
+    _check_base(tree, pinned)
+    planned, refused = plan(tree, pinned)
+    if not planned:
+        reason = refused[0][1] if refused else "no candidate"
+        raise SystemExit(
+            f"error: no layout of {tree['dist']['world_size']} ranks is accepted, e.g.: {reason}"
+        )
+    fitting = [p for p in planned if p.fits(budget)]
+    if as_json:
+        out = {"layouts": [p.as_dict(budget) for p in planned], "refused": len(refused), "budget_gb": budget}
+        print(json.dumps(out, indent=1))
+    else:
+        print("\n".join(table(planned, budget)))
+        print(f"{len(planned)} layouts accepted, {len(refused)} refused by the configuration")
+    if not fitting:
+        best = planned[0]
+        print(
+            f"error: no layout fits plan.budget_gb={budget:g}: the smallest holds {best.peak / GB:.6g} GB "
+            f"on its fullest rank ({' '.join(best.overrides)}); raise plan.budget_gb or dist.world_size",
+            file=sys.stderr,
+        )
+        return 1
+    if not as_json:
+        print(f"smallest that fits: {' '.join(fitting[0].overrides)}")
+    return 0
+
+
+def _check_base(tree: dict, pinned: set[str]) -> None:
+    """The command line's keys, checked with every searched dimension at 1: a bad value (a world
+    size of 0, a pinned degree that cannot be) is one line before any search."""
+    plain = {k: 1 for k in ("tp", "pp", "cp", "ep", "pp_virtual") if f"dist.{k}" not in pinned}
+    try:
+        RunConfig.from_dict({**tree, "dist": {**tree["dist"], **plain}})
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def main(argv: list[str]) -> int:
+    hydra, budget, layout_only, as_json = parse(argv)
+    tree = compose(hydra)
+    if layout_only:
+        return one_layout(tree, budget, as_json)
+    return search(tree, candidates.pinned(hydra), budget, as_json)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""scripts/plan.py as a user meets it: the ranked layouts (JSON and table), one layout's verdict
+against a budget, and one line (no traceback) for each kind of bad input. Run in process (the
+documented command itself runs in docs/parallelism.md's block, tests/test_doc_commands.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from distlib.app.config.run import RunConfig
+from distlib.app.plan.states import model_states
+from distlib.launch.hydra_config import compose_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+plan_script = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(plan_script)
+
+
+def run(capsys, *argv: str) -> tuple[int | str, str, str]:
+    """(exit status or SystemExit message, stdout, stderr) of the script's main."""
+    try:
+        status = plan_script.main(list(argv))
+    except SystemExit as exc:
+        status = exc.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
+    status, out, _ = run(capsys, "model=mixtral_tiny", "dist.world_size=4", "plan.budget_gb=0.004", "--json")
+    assert status == 0
+    report = json.loads(out)
+    layouts = report["layouts"]
+    peaks = [p["peak_bytes"] for p in layouts]
+    assert peaks == sorted(peaks) and len(layouts) > 50 and report["refused"] > 0
+    searched = {o.split("=")[0] for p in layouts for o in p["overrides"]}
+    assert {"dist.tp", "dist.pp", "dist.cp", "dist.ep", "zero.stage", "zero.overlap"} <= searched
+    for p in layouts[::7]:  # a sample, each composed as a user would type it
+        cfg = RunConfig.from_dict(compose_tree(["model=mixtral_tiny", "dist.world_size=4", *p["overrides"]]))
+        ranks = [{"rank": r.rank, **r.as_dict()} for r in model_states(cfg)]
+        assert p["ranks"] == ranks
+        assert p["peak_bytes"] == max(r["params"] + r["grads"] + r["optimizer"] for r in ranks)
+        assert p["fits"] == (p["peak_bytes"] <= 0.004e9)
+    assert any(p["fits"] for p in layouts) and not all(p["fits"] for p in layouts)
+
+
+def test_the_table_names_the_smallest_layout_that_fits(capsys):
+    status, out, _ = run(capsys, "model=llama", "dist.world_size=4", "zero=stage3", "plan.budget_gb=1")
+    assert status == 0
+    lines = out.splitlines()
+    rows = [line for line in lines if line.rstrip().endswith(("yes", "NO")) or "  yes  " in line]
+    assert rows and all("zero.stage" not in line for line in rows)  # zero=stage3 was pinned
+    chosen = lines[-1].removeprefix("smallest that fits: ").split()
+    assert lines[-1].startswith("smallest that fits: ")
+    first = rows[0].split("yes", 1)[1].split()
+    assert chosen == first
+
+
+def test_one_layout_gives_every_rank_and_a_verdict(capsys):
+    status, out, _ = run(capsys, "dist.world_size=4", "zero=stage2", "--layout", "plan.budget_gb=0.0002")
+    cfg = RunConfig.from_dict(compose_tree(["dist.world_size=4", "zero=stage2"]))
+    rows = [line.split() for line in out.splitlines()[1:5]]
+    assert rows == [[str(r.rank), str(r.params), str(r.grads), str(r.optimizer)] for r in model_states(cfg)]
+    assert status == 1 and "does NOT fit plan.budget_gb=0.0002" in out
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["dist.world_size=0"], "dist.world_size must be an integer >= 1, got 0"),
+        (["dist.world_size=4", "dist.tp=3"], "dist.tp=3 must be >= 1 and divide dist.world_size=4"),
+        (["plan.budget_gb=lots"], "plan.budget_gb must be a positive number of GB per rank, got 'lots'"),
+        (["plan.budget_gb=0"], "plan.budget_gb must be a positive number"),
+        (["plan.budget=1"], "unknown planner key plan.budget"),
+        (["modle=llama"], "error: "),
+        (
+            ["dist.world_size=3", "model.n_heads=4", "dist.tp=3", "--layout"],
+            "dist.tp=3 must divide model.n_heads=4",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(capsys, argv, says):
+    status, out, err = run(capsys, *argv)
+    assert isinstance(status, str) and status.startswith("error: ") and says in status
+    assert "\n" not in status and "Traceback" not in out + err
+
+
+def test_a_budget_nothing_fits_names_the_smallest(capsys):
+    status, out, err = run(capsys, "model=llama", "dist.world_size=2", "plan.budget_gb=0.00001")
+    assert status == 1
+    line = err.strip()
+    assert "\n" not in line and line.startswith("error: no layout fits plan.budget_gb=1e-05")
+    assert "raise plan.budget_gb or dist.world_size" in line
