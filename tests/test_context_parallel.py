@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from multiproc import run_ranks
+from plan_check import matrix_misses
 from trainrun import compose_tree, train_each
 
 from distlib.app.config.run import RunConfig
@@ -65,6 +66,8 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
             "losses": run["losses"],
             "logged": [r["loss"] for r in run["records"]],
             "tokens": {r["tokens"] for r in run["records"]},
+            "tree": run["tree"],
+            "memory": run["memory"],
         }
         for run in train_each(comm, trees, run_dir)
     ]
@@ -180,3 +183,8 @@ def test_grouped_query_keys_and_values_travel_before_they_are_repeated(tmp_path,
     trees = [compose_tree([*base, f"model.n_kv_heads={heads}"]) for heads in (kv, 4)]
     for grouped, whole in run_ranks(_cp_bytes, 2, trees, str(tmp_path)):
         assert grouped == share * whole, (impl, grouped, whole)
+
+
+def test_the_planner_gives_every_ranks_model_states(runs):
+    """scripts/plan.py's figures (tests/plan_check.py) for every layout above, rank by rank."""
+    assert matrix_misses([run for world in CASES for run in runs[world]]) == {}

@@ -15,6 +15,7 @@ import pytest
 import torch
 from family_models import max_diff, perturb_, quiet_transformers, tokens
 from multiproc import run_ranks
+from plan_check import matrix_misses
 from trainrun import QUIET_20, compose_tree, train_each, train_with_margin, train_worlds
 
 from distlib.app.checkpointing import hf_export, init_from, sampling
@@ -253,3 +254,9 @@ def test_init_from_a_transformers_saved_deepseek_at_tensor_and_expert_parallel(t
     with torch.no_grad():
         want = float(theirs(input_ids=x, labels=y.contiguous(), shift_labels=y.contiguous()).loss)
     assert abs(first - want) <= TOL
+
+
+def test_the_planner_gives_every_ranks_model_states(runs):
+    """scripts/plan.py's figures (tests/plan_check.py) for every layout and reference, rank by rank."""
+    _, ref, worlds = runs
+    assert matrix_misses([ref, worlds["ref4"], *worlds[4]]) == {}

@@ -24,6 +24,7 @@ import pytest
 import torch
 from forkrun import run_script
 from multiproc import run_ranks
+from plan_check import matrix_misses
 from safetensors.torch import load_file
 from trainrun import (
     MIXTRAL_2,
@@ -405,3 +406,9 @@ def test_the_trainer_with_starved_experts_trains_one_ranks_losses(tmp_path, layo
     assert [r["expert_tokens"] for r in run["records"]] == [r["expert_tokens"] for r in ref["records"]]
     worst = max(abs(a - b) / b for a, b in zip(run["losses"], ref["losses"]))
     assert len(run["losses"]) == 10 and worst <= REL, worst
+
+
+def test_the_planner_gives_every_ranks_model_states(runs):
+    """scripts/plan.py's figures (tests/plan_check.py) for every layout above and the references,
+    rank by rank: to the byte (zero.overlap at ZeRO-2: at most them)."""
+    assert matrix_misses([*runs[1], *runs[2], *runs[4]]) == {}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import run_ranks
+from plan_check import matrix_misses
 from trainrun import compose_tree
 
 from distlib.app.config.run import RunConfig
@@ -102,6 +103,8 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
                 "failures": summary.check_invariants(result, 0.0, 0),  # norms, memory (loss order: off)
                 "table": summary.memory_table(result, cfg.zero.stage),
                 "params": {str(p.dtype) for p in trainer.model.parameters()},
+                "tree": tree,
+                "memory": [row["measured"] for row in result.memory],
             }
         )
     return out
@@ -174,3 +177,9 @@ def test_mfu_counts_the_tied_weight_once(runs, tmp_path_factory):
     assert len(steps) == 20 and all(
         r["mfu"] == pytest.approx(6 * p * tokens / r["step_time_s"] / r["peak_flops"]) for r in steps
     )
+
+
+def test_the_planner_gives_every_ranks_model_states(runs):
+    """scripts/plan.py's figures (tests/plan_check.py) for every case, rank by rank: to the byte
+    (zero.overlap at ZeRO-3: at most them)."""
+    assert matrix_misses([run for world in CASES for run in runs[world]]) == {}

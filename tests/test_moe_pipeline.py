@@ -22,6 +22,7 @@ import pytest
 import torch
 from forkrun import run_script
 from multiproc import run_ranks
+from plan_check import matrix_misses
 from trainrun import QUIET_20, compose_tree, one_rank_reference, train_each, train_worlds
 
 from distlib.app.model import moe
@@ -111,3 +112,9 @@ def test_the_counting_forward_draws_the_training_forwards_dropout_masks(tmp_path
     tree = compose_tree([*BASE, *overrides])
     counted, routed = run_ranks(_counted_and_routed, 1, tree, str(tmp_path))[0]
     assert len(counted) == 3 and counted == routed
+
+
+def test_the_planner_gives_every_ranks_model_states(runs):
+    """scripts/plan.py's figures (tests/plan_check.py) for every layout and the reference, rank by rank."""
+    _, ref, worlds = runs
+    assert matrix_misses([ref, *(run for world in LAYOUTS for run in worlds[world])]) == {}

@@ -7,10 +7,10 @@ measurement, and the two facts the prediction rests on.
 - A stage-2 bucket never spans two pipeline chunks (``buckets_by_size``'s segments); one that did
   took one chunk's gradients twice before the other's once, and the run stopped with
   "incomplete gradient buckets" (found by this matrix: interleaved, ZeRO-2).
-- Every rank of 24 layouts (five dimensions, ZeRO 0-3, four families, bf16, pipeline schedules)
-  trained for one step: the end-of-run memory table's measured parameter, gradient and optimizer
-  bytes equal the prediction to the byte; with zero.overlap (a communication thread's timing
-  decides them) they stay at or under it.
+- The end-of-run memory table's measured parameter, gradient and optimizer bytes equal the
+  prediction to the byte on every rank (with zero.overlap at ZeRO-2/3, where a communication
+  thread's timing decides them, at or under it): here for the layouts no matrix trains, one step
+  each; every equivalence matrix checks its own layouts the same way (tests/plan_check.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from plan_check import matrix_misses
 
 from distlib.app.config.run import RunConfig
 from distlib.app.model import families
-from distlib.app.plan.states import model_states
 from distlib.launch.hydra_config import compose_tree
 from distlib.parallel.flat_layout import FlatLayout
 from distlib.parallel.zero.buckets import buckets_by_size, module_groups
@@ -102,33 +102,18 @@ def test_buckets_never_span_segments_and_keep_their_cuts_without_them(seed):
     assert buckets_by_size(model, params, layout, limit, plain_segments) == plain
 
 
-# Layouts over 4 ranks, one step each; every one on every rank (the first two words: the family).
+# The layouts over 4 ranks that no equivalence matrix trains (those check every one of theirs:
+# tests/plan_check.py), one step each: the bf16 gradient in a stage-0/1 hook, small buckets, bf16
+# units over 4 tensor-parallel ranks, ZeRO-2 over experts (two buckets open at once: an expert's
+# w1 shares one with the next expert's w3), and Qwen3's norms between stages.
 LAYOUTS = [
-    "zero=stage0",
+    "zero=stage0 train.dtype=bf16",
     "zero=stage1 train.dtype=bf16",
-    "zero=stage2",
-    "zero=stage3 train.dtype=bf16",
-    "model=gpt2 zero=stage3",
-    "model=gpt2 zero=stage2 dist.tp=2 dist.sp=true train.grad_accum=2",
-    "model=gpt2 zero=stage3 train.dtype=bf16 model.activation_checkpointing=blocks",
-    "model=llama zero=stage2 dist.tp=2",
-    "model=llama zero=stage3 dist.tp=4 train.dtype=bf16",
-    "model=llama zero=stage3 dist.cp=2",
-    "model=llama zero=stage2 dist.tp=2 dist.cp=2 dist.cp_impl=ring",
-    "model=llama zero=stage1 dist.pp=2 train.grad_accum=2",
-    "model=llama zero=stage3 dist.pp=2 dist.pp_schedule=gpipe train.grad_accum=2",
-    "model=llama model.n_layers=4 zero=stage2 dist.pp=2 dist.pp_schedule=interleaved dist.pp_virtual=2"
-    " train.grad_accum=4",
     "model=llama zero=stage2 zero.bucket_numel=300 train.dtype=bf16",
-    "model=qwen3_tiny zero=stage2 model.tie_embeddings=false dist.pp=2 dist.tp=2 train.grad_accum=2",
+    "model=llama zero=stage3 dist.tp=4 train.dtype=bf16",
     "model=mixtral_tiny zero=stage2 dist.ep=2",
-    "model=mixtral_tiny zero=stage3 dist.ep=4",
-    "model=mixtral_tiny zero=stage3 dist.ep=2 dist.pp=2 train.grad_accum=2",
-    "model=qwen3_moe zero=stage3 dist.ep=2 dist.tp=2",
     "model=deepseek_v3_tiny zero=stage2 dist.ep=2",
-    "model=deepseek_v3_tiny zero=stage2 dist.ep=4 train.dtype=bf16",
-    "zero=stage2 zero.overlap=true",
-    "model=llama zero=stage3 zero.overlap=true dist.tp=2",
+    "model=qwen3_tiny zero=stage2 model.tie_embeddings=false dist.pp=2 dist.tp=2 train.grad_accum=2",
 ]
 ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
 ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]
@@ -159,17 +144,4 @@ def measured(tmp_path_factory):
 
 def test_predicted_model_states_are_the_measured_bytes_on_every_rank(measured):
     trees, runs = measured
-    families_seen = set()
-    for layout, tree, ranks in zip(LAYOUTS, trees, runs):
-        cfg = RunConfig.from_dict(tree)
-        families_seen.add(cfg.model.family)
-        predicted = model_states(cfg)
-        assert [p.rank for p in predicted] == [0, 1, 2, 3]
-        for got, want in zip(ranks, predicted):
-            for category in ("params", "grads", "optimizer"):
-                if want.exact:
-                    assert got[category] == getattr(want, category), (layout, want.rank, category)
-                else:
-                    assert 0 < got[category] <= getattr(want, category), (layout, want.rank, category)
-        assert want.exact == (not cfg.zero.overlap or cfg.zero.stage < 2), layout
-    assert len(families_seen) >= 6
+    assert matrix_misses([{"tree": t, "memory": m} for t, m in zip(trees, runs)]) == {}

@@ -49,8 +49,8 @@ def small_tree(steps: int, every_steps: int, **groups) -> dict:
 
 def train_each(comm, trees: list[dict], run_dir: str, hooks=None) -> list[dict]:
     """Each tree trained in turn on these ranks (one run_ranks call for many layouts), quietly, in
-    ``run_dir``/i, with the trainer's ``hooks`` if given; per run its losses and its step records
-    from metrics.jsonl."""
+    ``run_dir``/i, with the trainer's ``hooks`` if given; per run its losses, its step records
+    from metrics.jsonl, its tree and every rank's measured memory (the end-of-run table's)."""
     use_deterministic_kernels()
     out = []
     for i, tree in enumerate(trees):
@@ -66,6 +66,8 @@ def train_each(comm, trees: list[dict], run_dir: str, hooks=None) -> list[dict]:
             {
                 "losses": [s.loss for s in result.steps],
                 "records": [r for r in map(json.loads, log) if r["type"] == "step"],
+                "tree": tree,  # (plan_check compares every rank's measured model states with the planner)
+                "memory": [row["measured"] for row in result.memory],
             }
         )
     return out

@@ -1,0 +1,46 @@
+"""The planner's prediction against a run's measurement: every matrix that trains layouts (the
+families', context, expert and pipeline parallelism's) hands its runs here, so every layout the
+suite trains checks ``scripts/plan.py``'s figures at no extra training (issue 42's rule)."""
+
+from __future__ import annotations
+
+from distlib.app.config.run import RunConfig
+from distlib.app.plan.states import model_states
+
+CATEGORIES = ("params", "grads", "optimizer")
+
+
+def planner_misses(tree: dict, measured: list[dict]) -> list[str]:
+    """Each rank and category where ``measured`` (the memory table's rows, rank order) is not the
+    planner's figure for ``tree``: equal to the byte, or, where the planner gives a bound
+    (zero.overlap at stages 2/3), above it or empty."""
+    predicted = model_states(RunConfig.from_dict(tree))
+    misses = (
+        []
+        if len(predicted) == len(measured)
+        else [f"{len(measured)} ranks measured, {len(predicted)} planned"]
+    )
+    for got, want in zip(measured, predicted):
+        for category in CATEGORIES:
+            m, p = got[category], getattr(want, category)
+            if (m != p) if want.exact else not 0 < m <= p:
+                bound = "" if want.exact else " at most"
+                misses.append(f"rank {want.rank} {category}: measured {m}, planned{bound} {p}")
+    return misses
+
+
+def matrix_misses(runs) -> dict[str, list[str]]:
+    """``planner_misses`` of every run of a matrix (each a ``trainrun.train_each`` view), by layout."""
+    out = {}
+    for i, run in enumerate(runs):
+        misses = planner_misses(run["tree"], run["memory"])
+        if misses:
+            out[f"run {i}: {_name(run['tree'])}"] = misses
+    return out
+
+
+def _name(tree: dict) -> str:
+    d, z = tree["dist"], tree["zero"]
+    dims = " ".join(f"{k}{d[k]}" for k in ("world_size", "tp", "pp", "cp", "ep"))
+    options = f"zero{z['stage']} overlap {z['overlap']} {tree['train']['dtype']}"
+    return f"{tree['model']['family']} {dims} {options}"
