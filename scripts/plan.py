@@ -8,8 +8,9 @@ zero.overlap; those the command line sets stay as set) that the configuration ac
 with its fullest rank's parameter, gradient and optimizer bytes -- the end-of-run memory table's
 figures, predicted without starting a process (docs/parallelism.md, "Planning") -- smallest
 first, and whether it fits plan.budget_gb per rank. --layout: only the command line's own layout,
-rank by rank. --json: the same as JSON on stdout. Activation memory and step time are not
-predicted yet: the budget verdict covers the model states only.
+rank by rank. --json: the same as JSON on stdout. The activations kept for backward are predicted
+for dense models without pipeline stages (elsewhere the verdict says it covers the model states
+only); step time is not predicted yet.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
 from distlib.app.plan import candidates  # noqa: E402
-from distlib.app.plan.report import GB, Planned, plan, table  # noqa: E402
-from distlib.app.plan.states import model_states  # noqa: E402
+from distlib.app.plan.report import GB, Planned, plan, planned, table  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[list[str], float | None, bool, bool]:
@@ -66,24 +66,29 @@ def one_layout(tree: dict, budget: float | None, as_json: bool) -> int:
         cfg = RunConfig.from_dict(tree)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
-    planned = Planned([], model_states(cfg))
+    layout = planned(cfg, [])
     if as_json:
-        print(json.dumps(planned.as_dict(budget), indent=1))
+        print(json.dumps(layout.as_dict(budget), indent=1))
     else:
-        print(f"{'rank':>4} {'params B':>12} {'grads B':>12} {'optim B':>12}")
-        for r in planned.ranks:
-            print(f"{r.rank:>4} {r.params:>12} {r.grads:>12} {r.optimizer:>12}")
-        print(_verdict(planned, budget))
-    return 0 if planned.fits(budget) else 1
+        print(f"{'rank':>4} {'params B':>12} {'grads B':>12} {'optim B':>12} {'activ B':>12} {'total B':>12}")
+        for r, kept in zip(layout.ranks, layout.activations):
+            shown, total = "?" if kept is None else kept, layout.total(r.rank)
+            print(f"{r.rank:>4} {r.params:>12} {r.grads:>12} {r.optimizer:>12} {shown:>12} {total:>12}")
+        print(_verdict(layout, budget))
+    return 0 if layout.fits(budget) else 1
 
 
-def _verdict(planned: Planned, budget: float | None) -> str:
-    needs = f"the fullest rank holds {planned.peak / GB:.6g} GB of model states"
-    bound = "" if planned.exact else " (at most: zero.overlap)"
+def _verdict(layout: Planned, budget: float | None) -> str:
+    what = "model states and activations" if layout.activations_known else "model states"
+    needs = f"the fullest rank holds {layout.peak / GB:.6g} GB of {what}"
+    if not layout.exact:
+        needs += " (at most: zero.overlap)"
+    if not layout.activations_known:
+        needs += "; activations not predicted for this layout (experts, pipeline stages or document masks)"
     if budget is None:
-        return f"{needs}{bound}"
-    word = "fits" if planned.fits(budget) else "does NOT fit"
-    return f"{word} plan.budget_gb={budget:g}: {needs}{bound}; activations not predicted yet"
+        return needs
+    word = "fits" if layout.fits(budget) else "does NOT fit"
+    return f"{word} plan.budget_gb={budget:g}: {needs}"
 
 
 def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) -> int:
@@ -110,7 +115,9 @@ def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) ->
         )
         return 1
     if not as_json:
-        print(f"smallest that fits: {' '.join(fitting[0].overrides)}")
+        best = fitting[0]
+        unknown = "" if best.activations_known else " (its activations not predicted)"
+        print(f"smallest that fits: {' '.join(best.overrides)}{unknown}")
     return 0
 
 

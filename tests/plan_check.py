@@ -5,6 +5,7 @@ suite trains checks ``scripts/plan.py``'s figures at no extra training (issue 42
 from __future__ import annotations
 
 from distlib.app.config.run import RunConfig
+from distlib.app.plan.activations import rank_activations
 from distlib.app.plan.states import model_states
 
 CATEGORIES = ("params", "grads", "optimizer")
@@ -13,8 +14,10 @@ CATEGORIES = ("params", "grads", "optimizer")
 def planner_misses(tree: dict, measured: list[dict]) -> list[str]:
     """Each rank and category where ``measured`` (the memory table's rows, rank order) is not the
     planner's figure for ``tree``: equal to the byte, or, where the planner gives a bound
-    (zero.overlap at stages 2/3), above it or empty."""
-    predicted = model_states(RunConfig.from_dict(tree))
+    (zero.overlap at stages 2/3), above it or empty; the activations kept for backward equal to the
+    byte where the planner predicts them."""
+    cfg = RunConfig.from_dict(tree)
+    predicted = model_states(cfg)
     misses = (
         []
         if len(predicted) == len(measured)
@@ -26,6 +29,9 @@ def planner_misses(tree: dict, measured: list[dict]) -> list[str]:
             if (m != p) if want.exact else not 0 < m <= p:
                 bound = "" if want.exact else " at most"
                 misses.append(f"rank {want.rank} {category}: measured {m}, planned{bound} {p}")
+    for rank, (got, kept) in enumerate(zip(measured, rank_activations(cfg))):
+        if kept is not None and got["activations"] != kept:
+            misses.append(f"rank {rank} activations: measured {got['activations']}, planned {kept}")
     return misses
 
 

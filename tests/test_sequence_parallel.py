@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import run_ranks
+from plan_check import matrix_misses
 from trainrun import compose_tree, train_each
 
 from distlib.app.config.run import RunConfig
@@ -63,6 +64,8 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
             "logged": [r["loss"] for r in run["records"]],
             "tokens": {r["tokens"] for r in run["records"]},
             "activations": {r["memory"]["activation_bytes"]["max"] for r in run["records"]},
+            "tree": run["tree"],
+            "memory": run["memory"],
         }
         for run in train_each(comm, trees, run_dir)
     ]
@@ -174,3 +177,8 @@ def test_unsupported_sequence_parallel_layouts_are_one_line(overrides, line):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(compose_tree(overrides))
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+def test_the_planner_gives_every_ranks_model_states_and_activations(runs):
+    """scripts/plan.py's figures (tests/plan_check.py) for every layout above, rank by rank."""
+    assert matrix_misses([run for world in CASES for run in runs[world]]) == {}

@@ -78,7 +78,13 @@ def choose_algorithm(collective: str, nbytes: int, world: int) -> str:
     return cost_model.choose_algorithm(collective, nbytes, world, MODEL)
 
 
+def _nothing(*args, **kwargs) -> None:
+    """A dry group's collective (``Comm.dry``): the output keeps what it holds."""
+
+
 def _pick(collective: str, algo: str | None, flat: Tensor, comm: Comm, table: dict):
+    if comm.dry:
+        return "dry", _nothing
     if comm.collectives == "torch":  # torch's own collective in place of our algorithms
         return "torch", native.RUNS[collective]
     name = algo or choose_algorithm(collective, flat.numel() * flat.element_size(), comm.size)
@@ -149,6 +155,8 @@ def _reduce_scatter(
     lo, hi = bounds[comm.rank]
     if comm.size == 1:
         return out.copy_(flat[lo:hi])
+    if comm.dry:
+        return out
     run = native.reduce_scatter if algo == "torch" else RS.ALGORITHMS[algo]
     run(flat, comm, op, out, bounds, SEGMENT_BYTES)
     if op == "avg":
@@ -297,6 +305,8 @@ def all_to_all(
     if n == 1:
         return tensor.clone()
     run = native.all_to_all if name == "torch" else A2A.ALGORITHMS[name]
+    if comm.dry:  # (a dry group's peers send what this rank sends, without saying so)
+        run, recv_splits = _nothing, list(send_splits) if recv_splits is None else recv_splits
     # A row's width from the trailing shape, never from the data: a rank sending no rows still
     # receives rows of that width (an expert rank that got no tokens gets its own tokens' outputs).
     width = math.prod(tensor.shape[1:])

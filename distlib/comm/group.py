@@ -68,6 +68,9 @@ class Comm:
     collectives: str = COLLECTIVES[0]  # whose collectives run (see module doc)
     # the members' shared-memory segment (``shm.Transport``), where they share a host; None: gloo
     transport: object | None = dataclasses.field(default=None, compare=False)
+    # a planning group (``mesh.shape_mesh``): its collectives and messages move nothing, and what
+    # they return has the shape a real group's would (the planner runs forwards on the meta device)
+    dry: bool = False
 
     def __post_init__(self) -> None:
         if self.collectives not in COLLECTIVES:

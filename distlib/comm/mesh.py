@@ -172,14 +172,14 @@ def build_mesh(
 
 def shape_mesh(layout: Layout, rank: int) -> Mesh:
     """The mesh global rank ``rank`` of ``layout`` builds, its groups naming their ranks only: no
-    process group, nothing can be sent. What a rank holds follows from it without starting any
-    process (the planner: ``distlib.app.plan``)."""
-    world = Comm(ranks=tuple(range(layout.world_size)), rank=rank)
+    process group, and dry (``Comm.dry``: a collective moves nothing). What a rank holds, and
+    what its forward keeps, follow from it without starting any process (``distlib.app.plan``)."""
+    world = Comm(ranks=tuple(range(layout.world_size)), rank=rank, dry=True)
     mine: dict[str, Comm] = {}
     for kind, (dims, degree) in KINDS.items():
         if degree is None or getattr(layout, degree) > 1:
             ranks = layout.group(rank, dims)
-            mine[kind] = Comm(ranks=tuple(ranks), rank=ranks.index(rank))
+            mine[kind] = Comm(ranks=tuple(ranks), rank=ranks.index(rank), dry=True)
     if layout.pp == 1:
         mine["stage"] = world
     return Mesh(world=world, layout=layout, **mine)

@@ -73,10 +73,11 @@ class Draws:
             return _keep(torch.empty(tuple(full), dtype=like.dtype, device=like.device), index)[None][:0]
         rows = []
         for sample in self.samples:
-            generator = torch.Generator(device=like.device)
-            generator.manual_seed(self.key(sample, site))
             keep = torch.empty(tuple(full), dtype=like.dtype, device=like.device)
-            keep.bernoulli_(1 - p, generator=generator)
+            if not keep.is_meta:  # (the planner's forward on the meta device draws nothing)
+                generator = torch.Generator(device=like.device)
+                generator.manual_seed(self.key(sample, site))
+                keep.bernoulli_(1 - p, generator=generator)
             rows.append(_keep(keep, index))
         return torch.stack(rows).div_(1 - p)
 

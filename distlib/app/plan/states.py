@@ -40,7 +40,7 @@ class RankStates:
     exact: bool  # False: an upper bound (zero.overlap's communication thread decides the rest)
 
     def as_dict(self) -> dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+        return {"rank": self.rank, "params": self.params, "grads": self.grads, "optimizer": self.optimizer}
 
 
 def model_states(cfg: RunConfig) -> list[RankStates]:
