@@ -9,7 +9,7 @@ with its fullest rank's parameter, gradient and optimizer bytes -- the end-of-ru
 figures, predicted without starting a process (docs/parallelism.md, "Planning") -- smallest
 first, and whether it fits plan.budget_gb per rank. --layout: only the command line's own layout,
 rank by rank. --json: the same as JSON on stdout. The activations kept for backward are predicted
-for dense models without pipeline stages (elsewhere the verdict says it covers the model states
+for dense models (with experts or document masks the verdict says it covers the model states
 only); step time is not predicted yet.
 """
 
@@ -84,7 +84,7 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     if not layout.exact:
         needs += " (at most: zero.overlap)"
     if not layout.activations_known:
-        needs += "; activations not predicted for this layout (experts, pipeline stages or document masks)"
+        needs += "; activations not predicted for this layout (experts or document masks)"
     if budget is None:
         return needs
     word = "fits" if layout.fits(budget) else "does NOT fit"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distlib.app.config.run import RunConfig
-from distlib.app.plan.activations import kept_bytes
+from distlib.app.plan.activations import rank_activations
 from distlib.app.plan.states import model_states
 from distlib.launch.hydra_config import compose_tree
 
@@ -64,11 +64,10 @@ def test_the_table_names_the_smallest_layout_that_fits(capsys):
 def test_one_layout_gives_every_rank_and_a_verdict(capsys):
     status, out, _ = run(capsys, "dist.world_size=4", "zero=stage2", "--layout", "plan.budget_gb=0.0002")
     cfg = RunConfig.from_dict(compose_tree(["dist.world_size=4", "zero=stage2"]))
-    kept = kept_bytes(cfg)
     rows = [line.split() for line in out.splitlines()[1:5]]
     want = [
         [r.rank, r.params, r.grads, r.optimizer, kept, r.params + r.grads + r.optimizer + kept]
-        for r in model_states(cfg)
+        for r, kept in zip(model_states(cfg), rank_activations(cfg))
     ]
     assert rows == [[str(x) for x in row] for row in want]
     assert (

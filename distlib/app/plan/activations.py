@@ -1,16 +1,18 @@
-"""The bytes a rank's forward keeps for its backward, predicted by running that forward on the
-meta device: the memory table's "activations" figure (``observe.activations.ActivationMeter``).
+"""The bytes a rank's step keeps for its backward, predicted by running the trainer's own step
+program on the meta device: the memory table's "activations" figure (the ``ActivationMeter`` of
+``LocalStep``, or at pp > 1 the pipeline ``Recorder``'s peak over the in-flight micro-batches).
 
-The planner builds the rank's model as ``states`` does, casts its parameters to the compute dtype as
-the optimizer does, and runs one micro-batch through it under the same meter, on the meta device
-(shapes only, no arithmetic) and over the mesh's dry groups (``Comm.dry``: a tensor-parallel
-all-reduce, a sequence-parallel gather, a context-parallel all-to-all or ring message moves nothing
-and returns what a real one's shape is), with the batch the trainer would hand it: the micro-batch's
-rows, the context-parallel rank's chunks and positions (``data.batches.held_tokens``), the dropout
-keys. The ranks of a layout hold the same shapes (at pp = 1), so one forward serves them all.
+The planner builds the rank's model as ``states`` does, gives its parameters the compute dtype as
+the optimizer does, and runs one step of ``LocalStep`` or ``PipelineStep`` (the stage's chunks and
+schedule) on the meta device (shapes only, no arithmetic) over the mesh's dry groups (``Comm.dry``:
+a tensor-parallel all-reduce, a sequence-parallel gather, a context-parallel all-to-all or ring
+message, a pipeline send moves nothing and a receive has a real one's shape), with the batches the
+trainer would hand it: the micro-batch's rows, the context-parallel rank's chunks and positions
+(``data.batches.held_tokens``), the dropout keys. The ranks of one pipeline stage hold the same
+shapes, so one step per stage serves them all.
 
 Not predicted (None) yet: models with experts (where the tokens go, and so what each expert keeps,
-depends on the routing), pipeline stages (their in-flight micro-batches), and document masking.
+depends on the routing) and document masking.
 """
 
 from __future__ import annotations
@@ -24,27 +26,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from distlib.app.config.groups import TrainConfig
 from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.operation import DistConfig
-from distlib.app.config.run import DTYPES, RunConfig
+from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import BatchPlan, held_tokens
+from distlib.app.model.local_step import LocalStep
+from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
-from distlib.app.observe.activations import ActivationMeter
 from distlib.comm.mesh import shape_mesh
 from distlib.parallel.dropout import Draws
 
 
 def rank_activations(cfg: RunConfig) -> list[int | None]:
-    """``kept_bytes`` per rank of the layout, in rank order."""
-    return [kept_bytes(cfg)] * cfg.dist.world_size
-
-
-def kept_bytes(cfg: RunConfig) -> int | None:
-    """What each rank's forward keeps for its backward (the largest micro-batch's), or None where
-    the planner cannot say yet (the module's docstring)."""
-    if cfg.model.has_experts or cfg.dist.pp > 1 or cfg.data.document_mask:
-        return None
+    """What each rank's step keeps for its backward, in rank order (None: not predicted, the
+    module's docstring). The ranks of one pipeline stage hold the same shapes."""
+    if cfg.model.has_experts or cfg.data.document_mask:
+        return [None] * cfg.dist.world_size
     micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
+    train = TrainConfig(dtype=cfg.train.dtype, grad_accum=cfg.train.grad_accum)
     cpu = cfg.device(0) == "cpu"
-    return _kept(cfg.model, cfg.dist, cfg.train.dtype, micro, cfg.seed, cpu)
+    stages = [_kept(cfg.model, cfg.dist, train, micro, cfg.seed, cpu, s) for s in range(cfg.dist.pp)]
+    layout = cfg.layout
+    return [stages[layout.coords(rank)["pp"]] for rank in range(layout.world_size)]
 
 
 class _CpuKernels(TorchDispatchMode):
@@ -60,21 +61,35 @@ class _CpuKernels(TorchDispatchMode):
 
 
 @functools.lru_cache(maxsize=1024)
-def _kept(model: ModelConfig, dist: DistConfig, dtype: str, micro: int, seed: int, cpu: bool) -> int:
-    cfg = RunConfig(model=model, dist=dist, train=TrainConfig(dtype=dtype))
-    mesh = shape_mesh(cfg.layout, 0)
+def _kept(
+    model: ModelConfig, dist: DistConfig, train: TrainConfig, micro: int, seed: int, cpu: bool, stage: int
+) -> int:
+    """One step of the trainer's own program (``LocalStep``, or ``PipelineStep`` over the stage's
+    chunks and schedule) on the first rank of pipeline stage ``stage``, on the meta device: its
+    activation peak, as the run measures it."""
+    cfg = RunConfig(model=model, dist=dist, train=train)
+    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
     module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
-    place_model_(module, cfg, mesh)
+    chunks, _ = place_model_(module, cfg, mesh)
     for p in module.parameters():  # the optimizer's flat buffer holds them in the compute dtype
-        p.data = torch.empty(p.shape, dtype=DTYPES[dtype], device="meta")
-    # The trainer's inputs and targets are views of one (micro, seq + 1) array of windows, which the
-    # meter counts whole, unless the context-parallel rank's chunks are copied out of it.
+        p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
+    batch = _micro_batch(model.seq_len, micro, mesh, seed)
+    program = (
+        PipelineStep(cfg, mesh, module, chunks, "meta")
+        if chunks
+        else LocalStep(module, train.grad_accum, "meta")
+    )
+    with _CpuKernels() if cpu else contextlib.nullcontext():
+        program.run([batch] * train.grad_accum)
+    return program.activation_peak
+
+
+def _micro_batch(seq_len: int, micro: int, mesh, seed: int) -> tuple:
+    """(inputs, targets, positions, draws, documents) as the trainer hands one micro-batch over.
+    Its inputs and targets are views of one (micro, seq + 1) array of windows, which the meters
+    count whole, unless the context-parallel rank's chunks are copied out of it."""
     on = "cpu" if mesh.cp is not None else "meta"
-    windows = torch.zeros((micro, model.seq_len + 1), dtype=torch.long, device=on)
+    windows = torch.zeros((micro, seq_len + 1), dtype=torch.long, device=on)
     inputs, targets, positions = held_tokens(windows[:, :-1], windows[:, 1:], mesh.cp, "meta")
     draws = Draws(seed, (), share=(mesh.tp.rank, mesh.tp.size)).of(range(micro))
-    meter = ActivationMeter()
-    module.train()
-    with meter.measure(module), _CpuKernels() if cpu else contextlib.nullcontext():
-        module(inputs, targets, positions, draws, None)
-    return meter.peak
+    return inputs, targets, positions, draws, None

@@ -40,12 +40,16 @@ class Recorder:
     def forward(self, micro: int, chunk: int, module: nn.Module, held: list):
         """Count what the forward inside saves for backward; ``held`` gets the tensors the
         executor keeps (input, output) appended before the block ends."""
-        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        seen: dict[int, int] = {}
+        # Tensors by where they start (storage, byte offset): what their addresses say, on the meta
+        # device too (every meta tensor's address is 0), where the planner runs this program.
+        params = {p.untyped_storage()._cdata for p in module.parameters()}
+        seen: dict[tuple[int, int], int] = {}
 
         def count(t: torch.Tensor) -> None:  # a view counts its own bytes, not its whole storage
-            if t.untyped_storage().data_ptr() not in params:
-                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+            storage = t.untyped_storage()._cdata
+            if storage not in params:
+                at = (storage, t.storage_offset() * t.element_size())
+                seen[at] = max(seen.get(at, 0), t.numel() * t.element_size())
 
         def pack(t: torch.Tensor):
             count(t)
