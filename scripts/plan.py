@@ -1,6 +1,6 @@
 """Which layouts a model can run in over dist.world_size ranks, and what each rank will hold.
 
-    .venv/bin/python scripts/plan.py [OVERRIDES...] [plan.budget_gb=G] [--layout] [--json]
+    .venv/bin/python scripts/plan.py [OVERRIDES...] [plan.budget_gb=G] [--layout] [--json] [--verify K]
 
 OVERRIDES are train.py's Hydra overrides (the model, dist.world_size, the batch, train.dtype ...).
 Every layout of the searched keys (dist.tp, dist.pp with its schedule, dist.cp, dist.ep, zero.stage,
@@ -10,7 +10,9 @@ figures, predicted without starting a process (docs/parallelism.md, "Planning") 
 first, and whether it fits plan.budget_gb per rank. --layout: only the command line's own layout,
 rank by rank. --json: the same as JSON on stdout. The activations kept for backward are predicted
 for dense models (with experts or document masks the verdict says it covers the model states
-only); step time is not predicted yet.
+only); step time is not predicted yet. --verify K: train the K smallest layouts and a seeded sample
+of K others (with --layout: the one) for 2 steps each with train.py, and say for each whether
+every rank measured what was planned (exit status 1 if any did not).
 """
 
 from __future__ import annotations
@@ -24,19 +26,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
 from distlib.app.plan import candidates  # noqa: E402
 from distlib.app.plan.report import GB, Planned, plan, planned, table  # noqa: E402
+from distlib.launch import plan_verify  # noqa: E402
 
 
-def parse(argv: list[str]) -> tuple[list[str], float | None, bool, bool]:
-    """(Hydra overrides, plan.budget_gb or None, --layout, --json)."""
-    budget, hydra = None, []
-    for arg in argv:
+def parse(argv: list[str]) -> tuple[list[str], float | None, dict]:
+    """(Hydra overrides, plan.budget_gb or None, the flags: layout, json, verify K or None)."""
+    budget, hydra, flags = None, [], {"layout": False, "json": False, "verify": None}
+    words = iter(argv)
+    for arg in words:
         if arg.startswith("plan.budget_gb="):
             budget = _budget(arg.split("=", 1)[1])
         elif arg.startswith("plan."):
             raise SystemExit(f"error: unknown planner key {arg.split('=', 1)[0]} (plan.budget_gb is the one)")
-        elif arg not in ("--layout", "--json"):
+        elif arg in ("--layout", "--json"):
+            flags[arg[2:]] = True
+        elif arg == "--verify":
+            flags["verify"] = _count(next(words, ""))
+        else:
             hydra.append(arg)
-    return hydra, budget, "--layout" in argv, "--json" in argv
+    return hydra, budget, flags
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise SystemExit(f"error: --verify takes how many layouts to run (a whole number >= 1), got {text!r}")
+    return int(text)
 
 
 def _budget(text: str) -> float:
@@ -61,7 +75,7 @@ def compose(hydra: list[str]) -> dict:
         raise SystemExit(f"error: {str(exc).splitlines()[0]}") from None
 
 
-def one_layout(tree: dict, budget: float | None, as_json: bool) -> int:
+def one_layout(tree: dict, budget: float | None, as_json: bool) -> tuple[int, list[Planned]]:
     try:
         cfg = RunConfig.from_dict(tree)
     except ConfigError as exc:
@@ -75,7 +89,7 @@ def one_layout(tree: dict, budget: float | None, as_json: bool) -> int:
             shown, total = "?" if kept is None else kept, layout.total(r.rank)
             print(f"{r.rank:>4} {r.params:>12} {r.grads:>12} {r.optimizer:>12} {shown:>12} {total:>12}")
         print(_verdict(layout, budget))
-    return 0 if layout.fits(budget) else 1
+    return (0 if layout.fits(budget) else 1), [layout]
 
 
 def _verdict(layout: Planned, budget: float | None) -> str:
@@ -91,7 +105,7 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     return f"{word} plan.budget_gb={budget:g}: {needs}"
 
 
-def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) -> int:
+def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) -> tuple[int, list[Planned]]:
     _check_base(tree, pinned)
     planned, refused = plan(tree, pinned)
     if not planned:
@@ -113,12 +127,12 @@ def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) ->
             f"on its fullest rank ({' '.join(best.overrides)}); raise plan.budget_gb or dist.world_size",
             file=sys.stderr,
         )
-        return 1
+        return 1, planned
     if not as_json:
         best = fitting[0]
         unknown = "" if best.activations_known else " (its activations not predicted)"
-        print(f"smallest that fits: {' '.join(best.overrides)}{unknown}")
-    return 0
+        print(f"smallest that fits: {' '.join(best.overrides) or '(as given)'}{unknown}")
+    return 0, planned
 
 
 def _check_base(tree: dict, pinned: set[str]) -> None:
@@ -132,11 +146,32 @@ def _check_base(tree: dict, pinned: set[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    hydra, budget, layout_only, as_json = parse(argv)
+    hydra, budget, flags = parse(argv)
     tree = compose(hydra)
-    if layout_only:
-        return one_layout(tree, budget, as_json)
-    return search(tree, candidates.pinned(hydra), budget, as_json)
+    if flags["layout"]:
+        status, layouts = one_layout(tree, budget, flags["json"])
+    else:
+        status, layouts = search(tree, candidates.pinned(hydra), budget, flags["json"])
+    if flags["verify"] is not None and layouts:
+        picked = layouts if flags["layout"] else plan_verify.chosen(layouts, flags["verify"])
+        status = max(status, report_verified(plan_verify.verify(hydra, picked), flags["json"]))
+    return status
+
+
+def report_verified(results: list[dict], as_json: bool) -> int:
+    """Print each verified layout's verdict (JSON: every rank's measured bytes too); 1 on a miss."""
+    if as_json:
+        print(json.dumps({"verified": results}, indent=1))
+    else:
+        print("verified on this machine (train.py, 2 steps each):")
+        for r in results:
+            what = " ".join(r["overrides"]) or "(as given)"
+            print(f"  {'as planned' if not r['misses'] else 'MISMATCH':<10}  {what}")
+            for miss in r["misses"]:
+                print(f"              {miss}")
+        good = sum(not r["misses"] for r in results)
+        print(f"{good} of {len(results)} layouts measured as planned")
+    return 0 if all(not r["misses"] for r in results) else 1
 
 
 if __name__ == "__main__":

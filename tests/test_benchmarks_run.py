@@ -29,6 +29,7 @@ RUNS = {
     "context": ["benchmarks/context.py", "--quick"],
     "experts": ["benchmarks/experts.py", "--quick"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
+    "plan": ["benchmarks/plan.py", "--quick", "--speed-world", "2"],
     "token_cache": ["benchmarks/token_cache.py", "--mb", "1"],
     "ring_documents": ["benchmarks/ring_documents.py", "--quick"],
     # scripts/gpu_check.sh's step h (--model gpt2_124m) on the CPU, at the gpt2 preset's small shape
@@ -299,7 +300,20 @@ def _check_ring_documents(d, tmp_path):
             assert r["mean_blocks"] < causal
 
 
+def _check_plan(d, tmp_path):
+    """Three layouts trained: no byte of any category off (activations: predicted for the dense two,
+    not for the experts'), and a search that planned layouts in positive times."""
+    rows = d["rows"]
+    assert len(rows) == 3 and all(r["misses"] == [] for r in rows)
+    for r in rows:
+        assert (r["params"], r["grads"], r["optimizer"]) == (0, 0, 0), r
+        assert r["activations"] == (None if "mixtral" in r["layout"] else 0), r
+    fast = d["speed"]
+    assert fast["world"] == 2 and fast["layouts"] > 0 and _times(fast["cold_s"], fast["again_s"])
+
+
 CHECKS = {
+    "plan": _check_plan,
     "ring_documents": _check_ring_documents,
     "checkpoint": _check_checkpoint,
     "collectives": _check_collectives,

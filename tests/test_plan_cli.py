@@ -13,6 +13,7 @@ import pytest
 from distlib.app.config.run import RunConfig
 from distlib.app.plan.activations import rank_activations
 from distlib.app.plan.states import model_states
+from distlib.launch import plan_verify
 from distlib.launch.hydra_config import compose_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,3 +105,42 @@ def test_a_budget_nothing_fits_names_the_smallest(capsys):
     line = err.strip()
     assert "\n" not in line and line.startswith("error: no layout fits plan.budget_gb=1e-05")
     assert "raise plan.budget_gb or dist.world_size" in line
+
+
+def test_verify_runs_the_smallest_and_a_sample_and_finds_them_as_planned(capsys):
+    status, out, _ = run(capsys, "dist.world_size=2", "zero=stage2", "--verify", "1")
+    lines = out.splitlines()
+    start = lines.index("verified on this machine (train.py, 2 steps each):")
+    verdicts = lines[start + 1 : -1]
+    table_rows = [line for line in lines[:start] if "  yes  " in line or line.rstrip().endswith("yes")]
+    smallest = table_rows[0].split("yes", 1)[1].strip() or "(as given)"
+    assert len(verdicts) == 2 and verdicts[0].split(None, 2)[2] == smallest
+    assert (
+        all(v.startswith("  as planned  ") for v in verdicts)
+        and lines[-1] == "2 of 2 layouts measured as planned"
+    )
+    assert status == 0
+
+
+def test_a_layout_measured_otherwise_is_named_with_its_rank_and_category():
+    cfg = RunConfig.from_dict(compose_tree(["dist.world_size=2", "zero=stage2"]))
+    layout = plan_script.planned(cfg, ["zero=stage2"])
+    truth = [{**r.as_dict(), "activations": a} for r, a in zip(layout.ranks, layout.activations)]
+    assert plan_verify.misses(layout, truth) == []
+    off = [dict(row) for row in truth]
+    off[1]["grads"] += 4
+    off[0]["activations"] -= 8
+    assert plan_verify.misses(layout, off) == [
+        f"rank 0 activations: measured {truth[0]['activations'] - 8}, planned {truth[0]['activations']}",
+        f"rank 1 grads: measured {truth[1]['grads'] + 4}, planned {truth[1]['grads']}",
+    ]
+
+
+def test_a_layout_train_py_refuses_is_its_one_line(tmp_path):
+    said = plan_verify._measure(["dist.world_size=2", "dist.tp=3"], tmp_path / "run")
+    assert said.startswith("train.py exited 2: ") and "dist.tp=3" in said and "\n" not in said
+
+
+def test_verify_needs_a_count(capsys):
+    status, _, _ = run(capsys, "--verify", "some")
+    assert status == "error: --verify takes how many layouts to run (a whole number >= 1), got 'some'"

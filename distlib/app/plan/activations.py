@@ -42,7 +42,7 @@ def rank_activations(cfg: RunConfig) -> list[int | None]:
         return [None] * cfg.dist.world_size
     micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
     train = TrainConfig(dtype=cfg.train.dtype, grad_accum=cfg.train.grad_accum)
-    cpu = cfg.device(0) == "cpu"
+    cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32  # (the kernels differ in bf16)
     stages = [_kept(cfg.model, cfg.dist, train, micro, cfg.seed, cpu, s) for s in range(cfg.dist.pp)]
     layout = cfg.layout
     return [stages[layout.coords(rank)["pp"]] for rank in range(layout.world_size)]

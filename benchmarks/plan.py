@@ -1,0 +1,128 @@
+"""The planner (scripts/plan.py) against the machine: its error per byte category on layouts it
+trains, and how long planning takes.
+
+    .venv/bin/python benchmarks/plan.py           # 24 layouts of 4 families, 2 steps each: ~4 min
+    .venv/bin/python benchmarks/plan.py --quick   # 3 layouts: ~30 s
+
+Errors: each layout trains 2 steps with train.py (``distlib/launch/plan_verify.py``, what
+``scripts/plan.py --verify`` runs) and every rank's measured parameter, gradient, optimizer and
+activation bytes (the end-of-run memory table) are set against the prediction: the table gives,
+per layout, the largest error of each category over its ranks, in bytes (``bound``: zero.overlap at
+ZeRO-2/3, where the prediction is the most the run can reach: the figure is how far under it the
+run stayed; ``?``: activations not predicted, models with experts). Speed: ``plan()`` over every
+layout of ``--speed-model`` at ``--speed-world`` ranks, cold (building each stage's model and
+running each step program on the meta device) and again (cached), in the same process.
+
+JSON: benchmarks/results/plan.json (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+
+from distlib.app.config.run import RunConfig  # noqa: E402
+from distlib.app.plan.report import plan, planned  # noqa: E402
+from distlib.launch import plan_verify  # noqa: E402
+from distlib.launch.hydra_config import compose_tree  # noqa: E402
+
+LAYOUTS = [  # world size 4 unless said; (the families, five dimensions, ZeRO 0-3, bf16, overlap)
+    "zero=stage0",
+    "zero=stage1 train.dtype=bf16",
+    "zero=stage2 zero.bucket_numel=2000",
+    "zero=stage3 model.activation_checkpointing=blocks",
+    "model=gpt2 dist.tp=2 dist.sp=true zero=stage2",
+    "model=gpt2 dist.pp=2 train.grad_accum=2 zero=stage1",
+    "model=gpt2 dist.cp=2 dist.cp_impl=ring zero=stage3 train.dtype=bf16",
+    "model=gpt2 zero=stage3 zero.overlap=true",
+    "model=llama dist.tp=2 zero=stage3",
+    "model=llama dist.tp=4 zero=stage2 train.dtype=bf16",
+    "model=llama dist.cp=2 dist.tp=2 zero=stage1",
+    "model=llama dist.pp=2 dist.tp=2 train.grad_accum=2 zero=stage2",
+    "model=llama model.n_layers=4 dist.pp=2 dist.pp_schedule=interleaved dist.pp_virtual=2"
+    " train.grad_accum=4",
+    "model=llama dist.pp=4 model.n_layers=4 train.grad_accum=4 dist.pp_schedule=gpipe",
+    "model=llama zero=stage2 zero.overlap=true",
+    "model=qwen3_tiny dist.tp=2 zero=stage2",
+    "model=mixtral_tiny dist.ep=4 zero=stage2",
+    "model=mixtral_tiny dist.ep=2 zero=stage3",
+    "model=mixtral_tiny dist.ep=2 dist.tp=2 dist.sp=true",
+    "model=mixtral_tiny dist.ep=2 dist.pp=2 train.grad_accum=2",
+    "model=deepseek_v3_tiny dist.ep=2 zero=stage2",
+    "model=qwen3_moe dist.ep=4 zero=stage3 train.dtype=bf16",
+    "model=gpt2 dist.world_size=2 zero=stage3 train.dtype=bf16",
+    "model=llama dist.world_size=1 zero=stage0",
+]
+QUICK = [LAYOUTS[2], LAYOUTS[9], LAYOUTS[16]]
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+def errors(hydra: list[str]) -> dict:
+    """One layout trained and compared: per category the largest |measured - planned| over ranks."""
+    words = hydra if any(w.startswith("dist.world_size=") for w in hydra) else [*hydra, "dist.world_size=4"]
+    layout = planned(RunConfig.from_dict(compose_tree(words)), [])
+    (result,) = plan_verify.verify(words, [layout])
+    row = {"layout": " ".join(hydra), "misses": result["misses"], "exact": layout.exact}
+    for c in CATEGORIES:
+        if c == "activations" and not layout.activations_known:
+            row[c] = None
+            continue
+        planned_of = [
+            a if c == "activations" else getattr(r, c) for r, a in zip(layout.ranks, layout.activations)
+        ]
+        row[c] = max(abs(m[c] - p) for m, p in zip(result["ranks"], planned_of))
+    return row
+
+
+def speed(model: str, world: int) -> dict:
+    tree = compose_tree([f"model={model}", f"dist.world_size={world}"])
+    t0 = time.perf_counter()
+    layouts, refused = plan(tree, set())
+    t1 = time.perf_counter()
+    plan(tree, set())
+    t2 = time.perf_counter()
+    return {
+        "model": model,
+        "world": world,
+        "layouts": len(layouts),
+        "refused": len(refused),
+        "cold_s": t1 - t0,
+        "again_s": t2 - t1,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--speed-model", default="llama")
+    parser.add_argument("--speed-world", type=int, default=8)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "plan.json"))
+    args = parser.parse_args()
+    rows = [errors(layout.split()) for layout in (QUICK if args.quick else LAYOUTS)]
+    head = " ".join(f"{c:>8}" for c in ("params", "grads", "optim", "activ"))
+    print(f"{head}  layout (the largest |measured - planned| bytes over its ranks)")
+    for r in rows:
+        cells = ["?" if r[c] is None else str(r[c]) for c in CATEGORIES]
+        bound = "" if r["exact"] else " (bound)"
+        print(
+            " ".join(f"{c:>8}" for c in cells)
+            + f"  {r['layout']}{bound}{'  MISS: ' + '; '.join(r['misses']) if r['misses'] else ''}"
+        )
+    fast = speed(args.speed_model, args.speed_world)
+    print(
+        f"planning {fast['model']} over {fast['world']} ranks: {fast['layouts']} layouts "
+        f"({fast['refused']} refused) in {fast['cold_s']:.2f} s cold, {fast['again_s']:.2f} s again"
+    )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "speed": fast}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
