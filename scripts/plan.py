@@ -75,14 +75,15 @@ def compose(hydra: list[str]) -> dict:
         raise SystemExit(f"error: {str(exc).splitlines()[0]}") from None
 
 
-def one_layout(tree: dict, budget: float | None, as_json: bool) -> tuple[int, list[Planned]]:
+def one_layout(tree: dict, budget: float | None, doc: dict | None) -> tuple[int, list[Planned]]:
+    """The command line's layout rank by rank and its verdict (into ``doc`` when JSON is asked for)."""
     try:
         cfg = RunConfig.from_dict(tree)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
     layout = planned(cfg, [])
-    if as_json:
-        print(json.dumps(layout.as_dict(budget), indent=1))
+    if doc is not None:
+        doc.update(layout.as_dict(budget))
     else:
         print(f"{'rank':>4} {'params B':>12} {'grads B':>12} {'optim B':>12} {'activ B':>12} {'total B':>12}")
         for r, kept in zip(layout.ranks, layout.activations):
@@ -105,7 +106,8 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     return f"{word} plan.budget_gb={budget:g}: {needs}"
 
 
-def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) -> tuple[int, list[Planned]]:
+def search(tree: dict, pinned: set[str], budget: float | None, doc: dict | None) -> tuple[int, list[Planned]]:
+    """Every accepted layout, smallest first, and the smallest that fits (into ``doc`` for JSON)."""
     _check_base(tree, pinned)
     planned, refused = plan(tree, pinned)
     if not planned:
@@ -114,9 +116,8 @@ def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) ->
             f"error: no layout of {tree['dist']['world_size']} ranks is accepted, e.g.: {reason}"
         )
     fitting = [p for p in planned if p.fits(budget)]
-    if as_json:
-        out = {"layouts": [p.as_dict(budget) for p in planned], "refused": len(refused), "budget_gb": budget}
-        print(json.dumps(out, indent=1))
+    if doc is not None:
+        doc.update(layouts=[p.as_dict(budget) for p in planned], refused=len(refused), budget_gb=budget)
     else:
         print("\n".join(table(planned, budget)))
         print(f"{len(planned)} layouts accepted, {len(refused)} refused by the configuration")
@@ -128,7 +129,7 @@ def search(tree: dict, pinned: set[str], budget: float | None, as_json: bool) ->
             file=sys.stderr,
         )
         return 1, planned
-    if not as_json:
+    if doc is None:
         best = fitting[0]
         unknown = "" if best.activations_known else " (its activations not predicted)"
         print(f"smallest that fits: {' '.join(best.overrides) or '(as given)'}{unknown}")
@@ -148,20 +149,24 @@ def _check_base(tree: dict, pinned: set[str]) -> None:
 def main(argv: list[str]) -> int:
     hydra, budget, flags = parse(argv)
     tree = compose(hydra)
+    doc = {} if flags["json"] else None  # one JSON document at the end, verification included
     if flags["layout"]:
-        status, layouts = one_layout(tree, budget, flags["json"])
+        status, layouts = one_layout(tree, budget, doc)
     else:
-        status, layouts = search(tree, candidates.pinned(hydra), budget, flags["json"])
+        status, layouts = search(tree, candidates.pinned(hydra), budget, doc)
     if flags["verify"] is not None and layouts:
         picked = layouts if flags["layout"] else plan_verify.chosen(layouts, flags["verify"])
-        status = max(status, report_verified(plan_verify.verify(hydra, picked), flags["json"]))
+        status = max(status, report_verified(plan_verify.verify(hydra, picked), doc))
+    if doc is not None:
+        print(json.dumps(doc, indent=1))
     return status
 
 
-def report_verified(results: list[dict], as_json: bool) -> int:
-    """Print each verified layout's verdict (JSON: every rank's measured bytes too); 1 on a miss."""
-    if as_json:
-        print(json.dumps({"verified": results}, indent=1))
+def report_verified(results: list[dict], doc: dict | None) -> int:
+    """Print each verified layout's verdict (JSON: into ``doc``, every rank's measured bytes too);
+    1 on a miss."""
+    if doc is not None:
+        doc["verified"] = results
     else:
         print("verified on this machine (train.py, 2 steps each):")
         for r in results:

@@ -144,3 +144,14 @@ def test_a_layout_train_py_refuses_is_its_one_line(tmp_path):
 def test_verify_needs_a_count(capsys):
     status, _, _ = run(capsys, "--verify", "some")
     assert status == "error: --verify takes how many layouts to run (a whole number >= 1), got 'some'"
+
+
+def test_json_with_verify_is_one_document_with_every_ranks_measurement(capsys):
+    status, out, _ = run(capsys, "dist.world_size=2", "zero=stage3", "--layout", "--json", "--verify", "1")
+    doc = json.loads(out)  # one document: the plan, and what was measured
+    (verified,) = doc["verified"]
+    assert status == 0 and doc["fits"] and verified["misses"] == []
+    for planned, measured in zip(doc["ranks"], verified["ranks"], strict=True):
+        assert {k: planned[k] for k in ("params", "grads", "optimizer", "activations")} == {
+            k: measured[k] for k in ("params", "grads", "optimizer", "activations")
+        }
