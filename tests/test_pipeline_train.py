@@ -13,6 +13,7 @@ import torch
 from ckpt_util import assert_same_files, assert_saved_final_state, state_of
 from e2e import torchrun
 from multiproc import run_ranks
+from plan_check import matrix_misses
 
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.runtime.faults import step_hooks
@@ -134,6 +135,8 @@ def _train(comm, trees: list[dict], run_dir: str) -> list[dict]:
                 "stopped_by": result.stopped_by,
                 "norms": [s.param_norms for s in result.steps],
                 "state": state_of(trainer.optimizer),  # this rank's partition at the end
+                "tree": t,  # (tests/plan_check.py)
+                "memory": [row["measured"] for row in result.memory],
             }
         )
     return out
@@ -186,6 +189,7 @@ def test_every_layout_and_schedule_trains_to_world_size_ones_losses(
     )
     want = world_one(n_layers)
     assert len(runs[0]) == len(schedules)
+    assert matrix_misses(runs[0]) == {}  # every rank's bytes as scripts/plan.py predicts them
     for schedule, run in zip(schedules, runs[0]):
         got = losses(run)
         assert sorted(got) == list(range(1, 21))
