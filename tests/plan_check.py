@@ -1,8 +1,7 @@
 """The planner's prediction against a run's measurement: every matrix that trains layouts (the
 families', the pipeline schedules', context, sequence and expert parallelism's, DeepSeek-V3's, the
-MoE pipeline's) hands its
-runs here, so every layout they train checks ``scripts/plan.py``'s figures at no extra training
-(issue 42's rule)."""
+MoE pipeline's) hands its runs here, so every layout they train checks ``scripts/plan.py``'s figures
+at no extra training (issue 42's rule)."""
 
 from __future__ import annotations
 
