@@ -17,10 +17,9 @@ from collections.abc import Iterator
 
 from distlib.app.config.run import ConfigError, RunConfig
 
+# the schedules tried at pp > 1 (interleaved with two chunks per rank)
 PIPELINE = ({"pp_schedule": "1f1b"}, {"pp_schedule": "gpipe"})
 PIPELINE += ({"pp_schedule": "interleaved", "pp_virtual": 2},)
-
-
 SEARCHED = ("dist.tp", "dist.pp", "dist.cp", "dist.ep", "dist.pp_schedule", "dist.pp_virtual")
 SEARCHED += ("zero.stage", "zero.overlap")
 
@@ -32,15 +31,15 @@ def pinned(overrides: list[str]) -> set[str]:
     return {key for key in SEARCHED if key in named or key.split(".")[0] in named}
 
 
-def candidates(base: dict, pinned: set[str]) -> Iterator[tuple[dict, RunConfig | ConfigError]]:
+def candidates(base: dict, fixed: set[str]) -> Iterator[tuple[dict, RunConfig | ConfigError]]:
     """Each candidate's changed keys ({"dist.tp": 2, ...}) with its checked configuration, or the
-    ConfigError refusing it; ``pinned``: the dotted keys the command line set (not searched)."""
+    ConfigError refusing it; ``fixed``: the dotted keys the command line set (``pinned``)."""
     world = base["dist"]["world_size"]
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     experts = RunConfig.from_dict({"model": base["model"]}).model.has_experts
 
     def choices(key: str, values) -> list[dict]:
-        return [{}] if key in pinned else [{key: v} for v in values]
+        return [{}] if key in fixed else [{key: v} for v in values]
 
     dims = [
         choices("dist.tp", divisors),
@@ -56,7 +55,7 @@ def candidates(base: dict, pinned: set[str]) -> Iterator[tuple[dict, RunConfig |
         if world % (degree["tp"] * degree["pp"] * degree["cp"]):
             continue  # not a grid of this world (no need to ask the configuration)
         pp = degree["pp"]
-        schedules = [{}] if pp == 1 or "dist.pp_schedule" in pinned else PIPELINE
+        schedules = [{}] if pp == 1 or "dist.pp_schedule" in fixed else PIPELINE
         for schedule in schedules:
             changed = keys | {f"dist.{k}": v for k, v in schedule.items()}
             yield changed, _checked(base, changed)
