@@ -108,13 +108,9 @@ def _verdict(layout: Planned, budget: float | None) -> str:
 
 def search(tree: dict, pinned: set[str], budget: float | None, doc: dict | None) -> tuple[int, list[Planned]]:
     """Every accepted layout, smallest first, and the smallest that fits (into ``doc`` for JSON)."""
-    _check_base(tree, pinned)
     planned, refused = plan(tree, pinned)
-    if not planned:
-        reason = refused[0][1] if refused else "no candidate"
-        raise SystemExit(
-            f"error: no layout of {tree['dist']['world_size']} ranks is accepted, e.g.: {reason}"
-        )
+    if not planned:  # the command line's own layout says why (a world size of 0, a pinned degree)
+        raise SystemExit(f"error: no layout is accepted: {_refusal(tree, refused)}")
     fitting = [p for p in planned if p.fits(budget)]
     if doc is not None:
         doc.update(layouts=[p.as_dict(budget) for p in planned], refused=len(refused), budget_gb=budget)
@@ -136,14 +132,13 @@ def search(tree: dict, pinned: set[str], budget: float | None, doc: dict | None)
     return 0, planned
 
 
-def _check_base(tree: dict, pinned: set[str]) -> None:
-    """The command line's keys, checked with every searched dimension at 1: a bad value (a world
-    size of 0, a pinned degree that cannot be) is one line before any search."""
-    plain = {k: 1 for k in ("tp", "pp", "cp", "ep", "pp_virtual") if f"dist.{k}" not in pinned}
+def _refusal(tree: dict, refused: list[tuple[list[str], str]]) -> str:
+    """Why the command line's own layout is refused, or else the first candidate's reason."""
     try:
-        RunConfig.from_dict({**tree, "dist": {**tree["dist"], **plain}})
+        RunConfig.from_dict(tree)
     except ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        return str(exc)
+    return refused[0][1] if refused else "no candidate"
 
 
 def main(argv: list[str]) -> int:

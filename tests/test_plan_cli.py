@@ -155,3 +155,47 @@ def test_json_with_verify_is_one_document_with_every_ranks_measurement(capsys):
         assert {k: planned[k] for k in ("params", "grads", "optimizer", "activations")} == {
             k: measured[k] for k in ("params", "grads", "optimizer", "activations")
         }
+
+
+def test_configs_transformers_made_plan_where_only_some_layouts_fit_their_batch(capsys, tmp_path):
+    """A Llama config.json (6 heads, 3 blocks) over 6 ranks: the 16 sequences of a step divide over
+    1 or 2 data-parallel ranks only, so the plan keeps just those layouts (the command line's own,
+    6 data-parallel ranks, is refused). A Mixtral config keeps transformers' 131,072-token context:
+    one line, no traceback; at 32 tokens it plans."""
+    from family_models import quiet_transformers
+
+    transformers = quiet_transformers()
+    llama = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    llama.save_pretrained(tmp_path / "llama")
+    base = [f"model.init_from={tmp_path / 'llama'}", "dist.world_size=6"]
+    status, out, _ = run(capsys, *base, "--json")
+    layouts = json.loads(out)["layouts"]
+    assert status == 0 and layouts
+    for p in layouts[::5]:
+        cfg = RunConfig.from_dict(compose_tree([*base, *p["overrides"]]))
+        assert cfg.dp_size in (1, 2) and cfg.model.n_heads == 6 and cfg.model.n_layers == 3
+    transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+    ).save_pretrained(tmp_path / "mixtral")
+    mixtral = [f"model.init_from={tmp_path / 'mixtral'}", "dist.world_size=2"]
+    status, _, _ = run(capsys, *mixtral)
+    assert (
+        isinstance(status, str) and status.startswith("error: no layout is accepted: ") and "\n" not in status
+    )
+    status, out, _ = run(capsys, *mixtral, "model.seq_len=32")
+    assert status == 0 and "smallest that fits: " in out

@@ -88,9 +88,8 @@ def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: in
     broadcast_module_(model, comm)
     chunks, tp_splits = place_model_(model, cfg, mesh)  # this rank's stage and shards
     names = [n for n, _ in model.named_parameters()]
-    optimizer = build_optimizer(
-        cfg, model, mesh, tp_splits, chunk_segments(model, chunks)
-    )  # ZeRO over its groups
+    segments = chunk_segments(model, chunks)  # (interleaved: no gradient bucket spans two chunks)
+    optimizer = build_optimizer(cfg, model, mesh, tp_splits, segments)  # ZeRO over its groups
     return Built(model, optimizer, chunks, tp_splits, names)
 
 

@@ -202,10 +202,11 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.is_meta:
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        return
+    if module.weight.is_meta:
         return  # shapes only (the planner's model): nothing to draw, and drawing costs 2 ms a weight
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
 

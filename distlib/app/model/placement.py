@@ -16,15 +16,17 @@ from distlib.comm.mesh import Mesh
 def layout_model(cfg: RunConfig, mesh: Mesh, seed: int) -> CausalLM:
     """The whole model of ``model.family``, built for the layout's attention and sequence strategies
     (the weights do not depend on them), initialised from ``seed`` on the CPU."""
-    chosen = strategies.for_layout(mesh, cfg.dist.cp_impl, cfg.dist.sp)
-    return families.build(cfg.model, seed, chosen)
+    return families.build(cfg.model, seed, _strategies(cfg, mesh))
 
 
 def shape_model(cfg: RunConfig, mesh: Mesh) -> CausalLM:
     """``layout_model``'s modules and parameter shapes on the meta device: no weights drawn."""
-    chosen = strategies.for_layout(mesh, cfg.dist.cp_impl, cfg.dist.sp)
     with torch.device("meta"):
-        return families.CLASSES[cfg.model.family](cfg.model, strategies=chosen)
+        return families.CLASSES[cfg.model.family](cfg.model, strategies=_strategies(cfg, mesh))
+
+
+def _strategies(cfg: RunConfig, mesh: Mesh) -> strategies.Strategies:
+    return strategies.for_layout(mesh, cfg.dist.cp_impl, cfg.dist.sp)
 
 
 def place_model_(model: CausalLM, cfg: RunConfig, mesh: Mesh) -> tuple[list | None, dict]:

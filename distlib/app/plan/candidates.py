@@ -15,6 +15,7 @@ import copy
 import itertools
 from collections.abc import Iterator
 
+from distlib.app.config.model_group import EXPERT_FAMILIES
 from distlib.app.config.run import ConfigError, RunConfig
 
 # the schedules tried at pp > 1 (interleaved with two chunks per rank)
@@ -36,7 +37,7 @@ def candidates(base: dict, fixed: set[str]) -> Iterator[tuple[dict, RunConfig | 
     ConfigError refusing it; ``fixed``: the dotted keys the command line set (``pinned``)."""
     world = base["dist"]["world_size"]
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    experts = RunConfig.from_dict({"model": base["model"]}).model.has_experts
+    experts = base["model"]["family"] in EXPERT_FAMILIES  # (the tree is checked per candidate)
 
     def choices(key: str, values) -> list[dict]:
         return [{}] if key in fixed else [{key: v} for v in values]
