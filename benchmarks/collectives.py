@@ -1,8 +1,11 @@
 """Hand-written collectives (distlib.collectives) vs torch's gloo collectives, same run.
 
-Ours run twice: over gloo's pairs (``ours``) and over the shared-memory transport the training runs
-use on one host (``shm``: distlib/comm/shm.py); ``copy`` is the memory-copy bound measured alongside,
-every rank copying a tensor of the size at once (the least any collective must do: write its result).
+Ours run three times: over gloo's pairs (``ours``), over the shared-memory segment's rings, one
+message at a time (``rings``: distlib/comm/shm.py), and read from its board (``shm``: every member
+writes its part once and reads the others' after a barrier, distlib/comm/board.py and
+algorithms/reads.py), which is what training runs on one host use; ``copy`` is the memory-copy
+bound measured alongside, every rank copying a tensor of the size at once (the least any
+collective must do: write its result).
 
     .venv/bin/python benchmarks/collectives.py            # full: 1 KB .. 64 MB, ~3-4 min on 2 cores
     .venv/bin/python benchmarks/collectives.py --quick    # 1 KB, 64 KB, 4 MB, 16 MB: < 1 min
@@ -103,6 +106,7 @@ def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
 def _bench_rank(comm, sizes, with_algos, ops=OPS):
     torch.manual_seed(comm.rank)
     shared = local.attach(comm, None, 600.0)  # forked on one host: the members share it
+    rings = local.attach(comm, None, 600.0, slot=0)  # the same, without a board
     rows = []
     for op in ops:
         for nbytes in sizes:
@@ -110,6 +114,7 @@ def _bench_rank(comm, sizes, with_algos, ops=OPS):
             ours, ref = _callables(op, x, comm, None)
             fns = {
                 "ours": ours,
+                "rings": _callables(op, x, rings, None)[0],
                 "shm": _callables(op, x, shared, None)[0],
                 "torch": ref,
                 "copy": functools.partial(torch.empty_like(x).copy_, x),
@@ -168,14 +173,14 @@ def main() -> None:
             results.append(out)
 
     extra = list(dict.fromkeys(a for op in args.ops for a in ALGOS[op])) if args.algos else []
-    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}"
+    head = f"{'op':<15}{'world':>6}{'bytes':>10}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}{'rings ms':>10}"
     head += f"{'shm ms':>10}{'ratio':>8}{'copy ms':>10}{'shm/copy':>9}{'ours = ':>14}"
     print(head + "".join(f"{a + ' ms':>11}" for a in extra))
     for r in results:
         b = r["bytes"]
         size = f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
         line = f"{r['op']:<15}{r['world']:>6}{size:>10}{r['ours_ms']:>10.3f}{r['torch_ms']:>10.3f}"
-        line += f"{r['ratio']:>8.2f}"
+        line += f"{r['ratio']:>8.2f}{r['rings_ms']:>10.3f}"
         line += f"{r['shm_ms']:>10.3f}{r['shm_ratio']:>8.2f}{r['copy_ms']:>10.3f}{r['shm_vs_copy']:>9.1f}"
         print(
             f"{line}{default_algorithm(r['op'], b, r['world']):>14}"
@@ -191,7 +196,8 @@ def main() -> None:
                 "cores": os.cpu_count(),
                 "loadavg_1min": [load_before, os.getloadavg()[0]],
                 "unit": "ms, median over iterations of the slowest rank; ratio = torch / ours (over gloo), "
-                "shm_ratio = torch / ours over shared memory, shm_vs_copy = shm / copy",
+                "rings = ours through the segment's rings, shm_ratio = torch / ours read from its board, "
+                "shm_vs_copy = shm / copy",
                 "results": results,
             },
             f,

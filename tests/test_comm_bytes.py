@@ -8,6 +8,7 @@ One count of traffic: the CommStats of the world, data-parallel and tensor-paral
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from multiproc import run_ranks
 
@@ -66,14 +67,17 @@ def _train(comm, tree: dict, run_dir: str) -> int:
     return sum(p.layout.padded_numel for p in trainer.optimizer.partitions())
 
 
-def test_stage0_comm_bytes_are_the_all_reduce_the_algorithm_sends_not_the_ring_figure(tmp_path):
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_stage0_comm_bytes_are_the_all_reduce_the_algorithm_sends_not_the_ring_figure(tmp_path, transport):
     """ZeRO-0 at 4 ranks: per step one all-reduce of the fp32 gradients (B = 4 x padded P) and one
-    all-gather of the grad norm's one term (no parameter is tensor-parallel), each with its 72-byte
-    header check (to each peer). The exchange all-reduce sends B to each of the N-1 peers: (N-1) B,
-    twice the ring algorithm's 2 (N-1)/N B that the optimizer used to report."""
+    all-gather of the grad norm's one term (no parameter is tensor-parallel), each with its header
+    check. Over gloo, the exchange all-reduce sends B to each of the N-1 peers: (N-1) B, twice the
+    ring algorithm's 2 (N-1)/N B that the optimizer used to report, and each header (72 bytes) goes
+    to each peer. On the shared-memory board a rank writes its B once, and each header (64 bytes)
+    once, for every peer to read."""
     n = 4
     tree = {
-        "dist": {"world_size": n},
+        "dist": {"world_size": n, "transport": transport},
         "zero": {"stage": 0},
         "train": {"steps": 3},
         "checkpoint": {"every_steps": 0, "every_minutes": 0},
@@ -81,8 +85,10 @@ def test_stage0_comm_bytes_are_the_all_reduce_the_algorithm_sends_not_the_ring_f
     }
     padded = run_ranks(_train, n, tree, str(tmp_path))[0]
     records = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["type"] == "step"]
-    b, header = 4 * padded, 9 * 8
-    expected = (n - 1) * b + (n - 1) * 4 + 2 * (n - 1) * header
+    b = 4 * padded
+    if transport == "gloo":
+        expected = (n - 1) * b + (n - 1) * 4 + 2 * (n - 1) * 9 * 8
+        assert expected != 2 * (n - 1) * b // n  # the ring figure
+    else:
+        expected = b + 4 + 2 * 8 * 8
     assert [r["comm_bytes"] for r in records] == [{"dp": expected, "tp": 0}] * 3
-    ring = 2 * (n - 1) * b // n
-    assert expected != ring

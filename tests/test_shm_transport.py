@@ -82,17 +82,25 @@ def _battery(comm: Comm) -> dict[str, str]:
     return out
 
 
+# Boards: none (every collective by messages through the rings), slots of 192 bytes (every
+# message of more than 48 floats in rounds; all_reduce above that in its two-barrier shape), and
+# the default (one round each here, all_reduce in its one-barrier shape).
+SLOTS = (0, 192, None)
+
+
 def _both_transports(comm: Comm, capacity: int) -> list[tuple[str, str, str]]:
-    """Cases whose bytes differ between gloo and the segment, with the header check off and on."""
+    """Cases whose bytes differ between gloo and the segment (its rings, its board), with the
+    header check off and on."""
     C.SEGMENT_BYTES = 256  # pipelined algorithms: many segments per message
     differ = []
-    for check in (False, True):
+    wants = {check: _battery(dataclasses.replace(comm, check=check)) for check in (False, True)}
+    for check, slot in [(c, s) for c in (False, True) for s in SLOTS]:
         gloo = dataclasses.replace(comm, check=check)
-        ours = local.attach(gloo, None, 60.0, capacity=capacity)
-        assert ours.transport is not None
-        want, got = _battery(gloo), _battery(ours)
+        ours = local.attach(gloo, None, 60.0, capacity=capacity, slot=slot)
+        assert ours.transport is not None and (ours.transport.board is None) == (slot == 0)
+        want, got = wants[check], _battery(ours)
         assert want.keys() == got.keys()
-        differ += [(str(check), case, got[case]) for case in want if got[case] != want[case]]
+        differ += [(f"{check} {slot}", case, got[case]) for case in want if got[case] != want[case]]
         assert ours.transport.pending() == 0  # every message posted went through
     return differ
 

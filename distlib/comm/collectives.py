@@ -51,6 +51,7 @@ from distlib.comm import cost_model, native
 from distlib.comm.algorithms import all_gather as AG
 from distlib.comm.algorithms import all_to_all as A2A
 from distlib.comm.algorithms import broadcast as BC
+from distlib.comm.algorithms import reads
 from distlib.comm.algorithms import reduce_scatter as RS
 from distlib.comm.algorithms.base import empty as _empty
 from distlib.comm.algorithms.base import fold
@@ -90,7 +91,15 @@ def _pick(collective: str, algo: str | None, flat: Tensor, comm: Comm, table: di
     name = algo or choose_algorithm(collective, flat.numel() * flat.element_size(), comm.size)
     if name not in table:
         raise ValueError(f"unknown {collective} algorithm {name!r}; expected one of {sorted(table)}")
-    return name, table[name]
+    return name, _execution(collective, name, comm, table)
+
+
+def _execution(collective: str, name: str, comm: Comm, table: dict):
+    """How algorithm ``name`` runs on ``comm``: read from the group's board where it has one (the
+    same sums in the same order: ``reads``), else by messages."""
+    if reads.board(comm) is not None:
+        return reads.runner(collective, name)
+    return table[name]
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -157,7 +166,10 @@ def _reduce_scatter(
         return out.copy_(flat[lo:hi])
     if comm.dry:
         return out
-    run = native.reduce_scatter if algo == "torch" else RS.ALGORITHMS[algo]
+    if algo == "torch":
+        run = native.reduce_scatter
+    else:
+        run = _execution("reduce_scatter", algo, comm, RS.ALGORITHMS)
     run(flat, comm, op, out, bounds, SEGMENT_BYTES)
     if op == "avg":
         out.div_(comm.size)  # once, on the owner, so every rank later gets the same bytes
@@ -304,7 +316,7 @@ def all_to_all(
         raise ValueError(f"unknown all_to_all algorithm {name!r}; expected one of {sorted(A2A.ALGORITHMS)}")
     if n == 1:
         return tensor.clone()
-    run = native.all_to_all if name == "torch" else A2A.ALGORITHMS[name]
+    run = native.all_to_all if name == "torch" else _execution("all_to_all", name, comm, A2A.ALGORITHMS)
     if comm.dry:  # (a dry group's peers send what this rank sends, without saying so)
         run, recv_splits = _nothing, list(send_splits) if recv_splits is None else recv_splits
     # A row's width from the trailing shape, never from the data: a rank sending no rows still

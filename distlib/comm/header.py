@@ -38,6 +38,7 @@ import zlib
 import torch
 from torch import Tensor
 
+from distlib.comm.algorithms.reads import meet
 from distlib.comm.group import KINDS, Comm
 from distlib.comm.header_codes import ALGOS, DTYPES, OPS, code, mismatch
 from distlib.comm.p2p import GATE, P2P, CollectiveMismatchError, Done, Message
@@ -260,6 +261,7 @@ def collective(
         else contextlib.nullcontext()
     )
     token = gate = None
+    board = getattr(comm.transport, "board", None) if not comm.dry else None
     try:
         with named:
             if comm.check and comm.size > 1:
@@ -276,19 +278,32 @@ def collective(
                 ]
                 if comm.batched or comm.collectives == "torch":
                     check_header(comm, kind, header)
+                elif board is not None:  # published at the algorithm's first barrier
+                    board.expect(header, lambda headers: mismatch(comm, kind, headers))
+                    if stats is not None:
+                        stats.bytes_sent[kind] += 8 * len(header)  # written once, read by all
                 else:
                     gate = Gate(comm, kind, header)
                     token = GATE.set(gate)
             yield
             if gate is not None:
                 gate.close()
+            if board is not None and board.expected is not None:
+                _board_round(board, comm, kind)  # the algorithm met nowhere: check on our own
     finally:
+        if board is not None:
+            board.expected = None
         if token is not None:
             GATE.reset(token)
         if stats is not None:
             stats.depth, stats.current = 0, "other"
             stats.calls[kind] += 1
             stats.seconds[kind] += time.perf_counter() - began
+
+
+def _board_round(board, comm: Comm, kind: str) -> None:
+    """A round of the board with nothing but the header: its barrier checks it."""
+    meet(board, board.begin(), f"{kind} (header check)", comm)
 
 
 RANGE_PREFIX = "collective:"

@@ -22,7 +22,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from distlib.comm import shm
+import torch
+
+from distlib.comm import board, shm
 from distlib.comm.collectives import all_gather_bytes
 from distlib.comm.group import Comm
 
@@ -51,24 +53,33 @@ def host_keys(world: Comm) -> list[str]:
     return [key.decode() for key in all_gather_bytes(host_key().encode(), bare)]
 
 
-def attach(comm: Comm, hosts: list[str] | None, timeout_s: float, capacity: int | None = None) -> Comm:
+def attach(
+    comm: Comm,
+    hosts: list[str] | None,
+    timeout_s: float,
+    capacity: int | None = None,
+    slot: int | None = None,
+) -> Comm:
     """``comm`` with a shared-memory transport when its members share a host and its messages
     travel on the CPU; otherwise ``comm`` as it is. Collective over ``comm`` (call on every member);
     ``hosts``: ``host_keys`` of the world, or None where the members are known to share one;
-    ``capacity``: bytes per ring (a longer message streams through it; default ``capacity_for``)."""
+    ``capacity``: bytes per ring (a longer message streams through it; default ``capacity_for``);
+    ``slot``: bytes per member on the board the collectives read from (default ``board.slot_for``;
+    0: no board, every collective goes through the rings)."""
     if comm.size == 1 or comm.device != "cpu" or not shm.supported():
         return comm
     if hosts is not None and len({hosts[r] for r in comm.ranks}) > 1:
         return comm
     bare = dataclasses.replace(comm, stats=None, check=False, transport=None)
     capacity = capacity if capacity is not None else capacity_for(comm.size)
-    path = create(comm.size, capacity) if comm.rank == 0 else ""
+    slot = slot if slot is not None else board.slot_for(comm.size)
+    path = create(comm.size, capacity, slot) if comm.rank == 0 else ""
     path = all_gather_bytes(path.encode(), bare)[0].decode()
     if not path:
         return _keep_gloo(comm, f"no segment could be created in {shm_dir()}")
     transport, problem = None, b""
     try:
-        transport = open_segment(path, comm.size, comm.rank, timeout_s, capacity)
+        transport = open_segment(path, comm.size, comm.rank, timeout_s, capacity, slot)
     except OSError as exc:  # this member cannot map it: every member keeps gloo, and it says why
         problem = f"rank {comm.peer(comm.rank)} could not map {path}: {exc}".encode()
     mapped = all_gather_bytes(problem, bare)
@@ -90,11 +101,23 @@ def shm_dir() -> Path:
     return Path(os.environ.get("DISTLIB_SHM_DIR", "/dev/shm"))
 
 
-def create(n: int, capacity: int) -> str:
+def board_offset(n: int, capacity: int) -> int:
+    """Where the board starts: after the rings, on a cache line of its own."""
+    return (shm.layout_bytes(n, capacity) + 63) // 64 * 64
+
+
+def segment_bytes(n: int, capacity: int, slot: int) -> int:
+    """The rings, then the board."""
+    return board_offset(n, capacity) + board.board_bytes(n, slot)
+
+
+def create(n: int, capacity: int, slot: int = 0) -> str:
     """Create a segment for ``n`` members (the group's first calls it); returns its path, or ""
     where the memory cannot be reserved (the group then keeps gloo). Stale segments go first."""
     if capacity < 8 or capacity % 8:
         raise ValueError(f"ring capacity {capacity} must be a positive multiple of 8 bytes")
+    if slot < 0 or slot % 64:
+        raise ValueError(f"board slot {slot} must be a multiple of 64 bytes (0: no board)")
     reap()
     path = shm_dir() / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
@@ -102,7 +125,7 @@ def create(n: int, capacity: int) -> str:
     except OSError:
         return ""
     try:
-        os.posix_fallocate(fd, 0, shm.layout_bytes(n, capacity))  # ENOSPC here, not SIGBUS on first touch
+        os.posix_fallocate(fd, 0, segment_bytes(n, capacity, slot))  # ENOSPC here, not SIGBUS on first touch
     except OSError:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -111,14 +134,18 @@ def create(n: int, capacity: int) -> str:
     return str(path)
 
 
-def open_segment(path: str, n: int, me: int, timeout_s: float, capacity: int) -> shm.Transport:
+def open_segment(path: str, n: int, me: int, timeout_s: float, capacity: int, slot: int = 0) -> shm.Transport:
     """Map the segment at ``path`` as member ``me`` of ``n``."""
     fd = os.open(path, os.O_RDWR)
     try:
-        mm = mmap.mmap(fd, shm.layout_bytes(n, capacity))
+        mm = mmap.mmap(fd, segment_bytes(n, capacity, slot))
     finally:
         os.close(fd)
-    return shm.Transport(mm, n, me, capacity, timeout_s)
+    transport = shm.Transport(mm, n, me, capacity, timeout_s)
+    if slot:
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+        transport.board = board.Board(transport, flat, board_offset(n, capacity), slot)
+    return transport
 
 
 def reap() -> None:

@@ -180,6 +180,7 @@ class Transport:
         self.sends: dict[int, deque] = {j: deque() for j in self.out}
         self.recvs: dict[int, deque] = {j: deque() for j in self.into}
         self.lock = threading.Lock()
+        self.board = None  # the members' slots (``board.Board``), where the segment has them
 
     # ---------------------------------------------------------------- posting
 

@@ -1,0 +1,286 @@
+"""The collectives of a group with a board (``board.Board``): each member writes its part into its
+own slot once, and reads what it needs from the others' slots after a barrier.
+
+A reduction's bits depend only on the order its additions take, never on who performs them or
+how the bytes travelled; so each reduction here evaluates, element by element, the same
+expression as the message algorithm the committed cost model chose (``order``): rank order
+0..N-1 (exchange, direct), around the ring ending at the element's owner (ring), or the
+recursive-halving tree (halving, rabenseifner). Every result therefore equals the message
+algorithm's bit for bit, and so gloo's path: the golden losses stay. Gathers, broadcasts and
+all-to-alls only copy.
+
+Shapes, for B bytes on N members (rounds of at most a slot; one barrier each):
+- all_reduce up to SMALL_BYTES: every member reduces the whole tensor from the N slots (one
+  barrier, N B read per member); above it, each reduces 1/N of each round into its own slot and
+  all copy the results after a second barrier (DeepSpeed's shape: B read, B/N reduced).
+- reduce_scatter: each member reduces its own chunk from the N slots.
+- all_gather, broadcast, all_to_all: one write, one barrier, the reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from distlib.comm.algorithms.base import combine
+from distlib.comm.board import Board, Stalled
+from distlib.comm.group import Comm
+from distlib.comm.p2p import CollectiveError, CollectiveMismatchError
+
+Bounds = list[tuple[int, int]]
+# Up to this many bytes an all_reduce is one barrier, every member reducing everything.
+SMALL_BYTES = 64 << 10
+
+
+def board(comm: Comm) -> Board | None:
+    """The group's board, where its collectives read from one (None: messages)."""
+    return getattr(comm.transport, "board", None)
+
+
+def runner(collective: str, algo: str):
+    """``algo`` of ``collective`` read from the board, called as the message algorithm is."""
+    if collective == "all_reduce":
+        return lambda flat, comm, op: all_reduce(flat, comm, op, algo)
+    if collective == "reduce_scatter":
+        return lambda flat, comm, op, out, bounds, seg: reduce_scatter(flat, comm, op, out, bounds, algo)
+    if collective == "all_gather":
+        return lambda flat, comm, bounds, seg: all_gather(flat, comm, bounds)
+    if collective == "broadcast":
+        return lambda flat, src, comm, seg, **_: broadcast(flat, src, comm)
+    return all_to_all  # copies only: every schedule delivers the same bytes
+
+
+def meet(b: Board, s: int, name: str, comm: Comm) -> None:
+    """The board's barrier; a member that never came is named as a failed message's peer is."""
+    try:
+        b.barrier(s)
+    except Stalled as e:
+        raise CollectiveError(
+            f"{name}: rank {comm.rank} (global {comm.peer(comm.rank)}) failed waiting on "
+            f"peer {e.peer} (global {comm.peer(e.peer)}) in group {list(comm.ranks)}: {e}",
+            name,
+            comm.peer(e.peer),
+        ) from e
+
+
+def _typed(slot: Tensor, dtype: torch.dtype, numel: int) -> Tensor:
+    return slot[: numel * dtype.itemsize].view(dtype)
+
+
+def _publish(b: Board, s: int, src: Tensor, comm: Comm) -> None:
+    """Copy ``src`` into this member's slot of set ``s`` (counted as bytes sent)."""
+    _typed(b.mine(s), src.dtype, src.numel()).copy_(src)
+    stats = comm.stats
+    if stats is not None:
+        stats.bytes_sent[stats.current] += src.numel() * src.element_size()
+
+
+def _rounds(numel: int, per: int) -> int:
+    return max(1, math.ceil(numel / per))
+
+
+# --------------------------------------------------------------------------- reduction orders
+
+
+def _fold(sequence: list[int]):
+    tree = sequence[0]
+    for j in sequence[1:]:
+        tree = (tree, j)
+    return tree
+
+
+def _halving(n: int):
+    """Recursive halving's tree (``base.Virtual``): leaves are virtual ranks (a folded pair
+    (2v, 2v + 1) below rem), combined lower + higher, the widest distance first."""
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+
+    def at(bit: int, v: int):
+        if (1 << bit) >= p:
+            return (2 * v, 2 * v + 1) if v < rem else v + rem
+        return (at(bit + 1, v), at(bit + 1, v + (1 << bit)))
+
+    return at(0, 0)
+
+
+ORDERS = {  # algorithm -> the order its sums take
+    "direct": "fold",
+    "exchange": "fold",
+    "ring": "ring",
+    "halving": "tree",
+    "rabenseifner": "tree",
+}
+
+
+def trees(algo: str, n: int) -> list:
+    """The expression each owner's chunk is reduced with, by owner."""
+    order = ORDERS[algo]
+    if order == "fold":
+        return [_fold(list(range(n)))] * n
+    if order == "tree":
+        return [_halving(n)] * n
+    return [_fold([(c + 1 + i) % n for i in range(n)]) for c in range(n)]
+
+
+def evaluate(tree, parts: list[Tensor], op: str, out: Tensor) -> None:
+    """out = the expression ``tree`` over ``parts`` (leaves are member indices)."""
+    if isinstance(tree, int):
+        out.copy_(parts[tree])
+        return
+    left, right = tree
+    if isinstance(left, int):
+        a = parts[left]
+    else:
+        evaluate(left, parts, op, out)
+        a = out
+    if isinstance(right, int):
+        b = parts[right]
+    else:
+        b = torch.empty_like(out)
+        evaluate(right, parts, op, b)
+    combine(a, b, op, out)
+
+
+def _reduce(
+    views: list[Tensor], w0: int, span: tuple[int, int], owners: Bounds, exprs: list, op: str, out, at: int
+):
+    """Reduce elements [lo, hi) = ``span`` of the round starting at element ``w0`` (``views``: the
+    members' slots), each by its owner's expression, into ``out``, whose first element is ``at``."""
+    lo, hi = span
+    for c, (a, b) in enumerate(owners):
+        x, y = max(a, lo), min(b, hi)
+        if y > x:
+            evaluate(exprs[c], [v[x - w0 : y - w0] for v in views], op, out[x - at : y - at])
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def reduce_scatter(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: Bounds, algo: str) -> None:
+    """This member's ``bounds`` chunk of the reduction into ``out`` (which may be that chunk of
+    ``flat``), in ``algo``'s order; rounds of one slot of ``flat``."""
+    b, me, n = board(comm), comm.rank, comm.size
+    per, exprs = b.slot // flat.element_size(), trees(algo, n)
+    mine = bounds[me]
+    for k in range(_rounds(flat.numel(), per)):
+        s = b.begin()
+        w0, w1 = k * per, min(flat.numel(), (k + 1) * per)
+        _publish(b, s, flat[w0:w1], comm)
+        meet(b, s, "reduce_scatter", comm)
+        views = [_typed(b.slots[s][j], flat.dtype, w1 - w0) for j in range(n)]
+        span = (max(w0, mine[0]), min(w1, mine[1]))
+        _reduce(views, w0, span, [mine], [exprs[me]], op, out, mine[0])
+
+
+def all_reduce(flat: Tensor, comm: Comm, op: str, algo: str) -> None:
+    """In place, in ``algo``'s order; see the module's docstring for the two shapes."""
+    b, n = board(comm), comm.size
+    per, exprs = b.slot // flat.element_size(), trees(algo, n)
+    owners = _even(flat.numel(), n)
+    whole = flat.numel() * flat.element_size() <= min(SMALL_BYTES, b.slot)
+    for k in range(_rounds(flat.numel(), per)):
+        s = b.begin()
+        w0, w1 = k * per, min(flat.numel(), (k + 1) * per)
+        _publish(b, s, flat[w0:w1], comm)
+        meet(b, s, "all_reduce", comm)
+        views = [_typed(b.slots[s][j], flat.dtype, w1 - w0) for j in range(n)]
+        if whole:
+            _reduce(views, w0, (w0, w1), owners, exprs, op, flat, 0)
+            if op == "avg":
+                flat[w0:w1].div_(n)
+            continue
+        share = [(w0 + x, w0 + y) for x, y in _even(w1 - w0, n)]
+        lo, hi = share[comm.rank]
+        # reduced into our own tensor (published already), then over our part of our slot, which
+        # only we read: reducing into the slot would overwrite our part before a fold reads it
+        _reduce(views, w0, (lo, hi), owners, exprs, op, flat, 0)
+        if op == "avg":
+            flat[lo:hi].div_(n)
+        views[comm.rank][lo - w0 : hi - w0].copy_(flat[lo:hi])
+        meet(b, s, "all_reduce", comm)
+        for j, (x, y) in enumerate(share):
+            if j != comm.rank:
+                flat[x:y].copy_(views[j][x - w0 : y - w0])
+
+
+def _even(numel: int, n: int) -> Bounds:
+    base, extra = divmod(numel, n)
+    ends = [0]
+    for i in range(n):
+        ends.append(ends[-1] + base + (1 if i < extra else 0))
+    return list(zip(ends[:-1], ends[1:]))
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def all_gather(flat: Tensor, comm: Comm, bounds: Bounds) -> None:
+    """In place: this member's ``bounds`` chunk to every member, in rounds of a slot."""
+    b, me = board(comm), comm.rank
+    per = b.slot // flat.element_size()
+    for k in range(_rounds(max(y - x for x, y in bounds), per)):
+        s = b.begin()
+        pieces = [(x + k * per, min(y, x + (k + 1) * per)) for x, y in bounds]
+        lo, hi = pieces[me]
+        _publish(b, s, flat[lo : max(lo, hi)], comm)
+        meet(b, s, "all_gather", comm)
+        for j, (x, y) in enumerate(pieces):
+            if j != me and y > x:
+                flat[x:y].copy_(_typed(b.slots[s][j], flat.dtype, y - x))
+
+
+def broadcast(flat: Tensor, src: int, comm: Comm) -> None:
+    """In place from member ``src``, in rounds of a slot."""
+    b = board(comm)
+    per = b.slot // flat.element_size()
+    for k in range(_rounds(flat.numel(), per)):
+        s = b.begin()
+        w0, w1 = k * per, min(flat.numel(), (k + 1) * per)
+        if comm.rank == src:
+            _publish(b, s, flat[w0:w1], comm)
+        meet(b, s, "broadcast", comm)
+        if comm.rank != src:
+            flat[w0:w1].copy_(_typed(b.slots[s][src], flat.dtype, w1 - w0))
+
+
+def all_to_all(send: Tensor, recv: Tensor, comm: Comm, send_bounds: Bounds, recv_bounds: Bounds) -> None:
+    """Piece j of ``send`` to member j. The first round's control block carries where each piece
+    starts in each member's ``send``, so a member reads its pieces without being told their sizes
+    and checks them against ``recv_bounds``; rounds of a slot of every member's ``send``."""
+    b, me, n = board(comm), comm.rank, comm.size
+    per = b.slot // send.element_size()
+    recv[slice(*recv_bounds[me])].copy_(send[slice(*send_bounds[me])])
+    starts = [x for x, _ in send_bounds] + [send.numel()]
+    rounds, where = 1, None
+    k = 0
+    while k < rounds:
+        s = b.begin()
+        w0, w1 = k * per, min(send.numel(), (k + 1) * per)
+        _publish(b, s, send[w0 : max(w0, w1)], comm)
+        if k == 0:
+            b.controls[s][me][-(n + 1) :].copy_(torch.tensor(starts, dtype=torch.int64))
+        meet(b, s, "all_to_all", comm)
+        if k == 0:
+            where = [b.controls[s][j][-(n + 1) :].tolist() for j in range(n)]
+            _check_pieces(where, recv_bounds, comm)
+            rounds = _rounds(max(w[-1] for w in where), per)
+        for j in range(n):
+            x, y = max(where[j][me], w0), min(where[j][me + 1], w0 + per)
+            if j != me and y > x:
+                at = recv_bounds[j][0] + x - where[j][me]
+                recv[at : at + y - x].copy_(_typed(b.slots[s][j], send.dtype, y - w0)[x - w0 :])
+        k += 1
+
+
+def _check_pieces(where: list[list[int]], recv_bounds: Bounds, comm: Comm) -> None:
+    me = comm.rank
+    for j, (x, y) in enumerate(recv_bounds):
+        sent = where[j][me + 1] - where[j][me]
+        if sent != y - x:
+            raise CollectiveMismatchError(
+                f"all_to_all: group rank {j} sends {sent} elements to rank {me}, which expects {y - x}",
+                "all_to_all",
+                comm.peer(j),
+            )
