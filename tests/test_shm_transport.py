@@ -194,6 +194,9 @@ def test_only_a_group_on_one_host_gets_a_segment():
 def test_bad_capacity_is_refused():
     with pytest.raises(ValueError, match="capacity"):
         local.create(2, 100)
+    for slot in (-64, 100, 64):  # negative, not whole lines, under 8 bytes for each of 9 members
+        with pytest.raises(ValueError, match="board slot"):
+            local.create(9, 64, slot)
 
 
 def _train_both(comm: Comm, root: str) -> dict:

@@ -116,8 +116,10 @@ def create(n: int, capacity: int, slot: int = 0) -> str:
     where the memory cannot be reserved (the group then keeps gloo). Stale segments go first."""
     if capacity < 8 or capacity % 8:
         raise ValueError(f"ring capacity {capacity} must be a positive multiple of 8 bytes")
-    if slot < 0 or slot % 64:
-        raise ValueError(f"board slot {slot} must be a multiple of 64 bytes (0: no board)")
+    if slot < 0 or slot % 64 or 0 < slot < 8 * n:
+        raise ValueError(
+            f"board slot {slot} must be a multiple of 64 bytes, at least 8 per member (0: no board)"
+        )
     reap()
     path = shm_dir() / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:

@@ -160,18 +160,34 @@ def _reduce(
 
 def reduce_scatter(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: Bounds, algo: str) -> None:
     """This member's ``bounds`` chunk of the reduction into ``out`` (which may be that chunk of
-    ``flat``), in ``algo``'s order; rounds of one slot of ``flat``."""
+    ``flat``), in ``algo``'s order. Each round carries a share of every member's chunk (``_post``),
+    so every member reduces in every round."""
     b, me, n = board(comm), comm.rank, comm.size
-    per, exprs = b.slot // flat.element_size(), trees(algo, n)
-    mine = bounds[me]
-    for k in range(_rounds(flat.numel(), per)):
+    q, expr = b.slot // flat.element_size() // n, trees(algo, n)[me]
+    length = bounds[me][1] - bounds[me][0]
+    for k in range(_rounds(max(y - x for x, y in bounds), q)):
         s = b.begin()
-        w0, w1 = k * per, min(flat.numel(), (k + 1) * per)
-        _publish(b, s, flat[w0:w1], comm)
+        _post(b, s, flat, bounds, k, q, comm)
         meet(b, s, "reduce_scatter", comm)
-        views = [_typed(b.slots[s][j], flat.dtype, w1 - w0) for j in range(n)]
-        span = (max(w0, mine[0]), min(w1, mine[1]))
-        _reduce(views, w0, span, [mine], [exprs[me]], op, out, mine[0])
+        t0, t1 = k * q, min(length, (k + 1) * q)
+        if t1 > t0:
+            parts = [_typed(b.slots[s][j], flat.dtype, n * q)[me * q : me * q + t1 - t0] for j in range(n)]
+            evaluate(expr, parts, op, out[t0:t1])
+
+
+def _post(b: Board, s: int, flat: Tensor, pieces: Bounds, k: int, q: int, comm: Comm, skip: int = -1) -> None:
+    """Round ``k``'s share of each piece of ``flat`` (its elements k q .. (k + 1) q) into part d of
+    this member's slot (q elements each), so that every reader has work in every round."""
+    slot = _typed(b.mine(s), flat.dtype, len(pieces) * q)
+    moved = 0
+    for d, (x, y) in enumerate(pieces):
+        lo, hi = x + k * q, min(y, x + (k + 1) * q)
+        if hi > lo and d != skip:
+            slot[d * q : d * q + hi - lo].copy_(flat[lo:hi])
+            moved += hi - lo
+    stats = comm.stats
+    if stats is not None:
+        stats.bytes_sent[stats.current] += moved * flat.element_size()
 
 
 def all_reduce(flat: Tensor, comm: Comm, op: str, algo: str) -> None:
@@ -179,6 +195,8 @@ def all_reduce(flat: Tensor, comm: Comm, op: str, algo: str) -> None:
     b, n = board(comm), comm.size
     per, exprs = b.slot // flat.element_size(), trees(algo, n)
     owners = _even(flat.numel(), n)
+    if ORDERS[algo] != "ring":  # one expression for every owner: one evaluation per span
+        owners, exprs = [(0, flat.numel())], exprs[:1]
     whole = flat.numel() * flat.element_size() <= min(SMALL_BYTES, b.slot)
     for k in range(_rounds(flat.numel(), per)):
         s = b.begin()
@@ -246,31 +264,30 @@ def broadcast(flat: Tensor, src: int, comm: Comm) -> None:
 
 
 def all_to_all(send: Tensor, recv: Tensor, comm: Comm, send_bounds: Bounds, recv_bounds: Bounds) -> None:
-    """Piece j of ``send`` to member j. The first round's control block carries where each piece
-    starts in each member's ``send``, so a member reads its pieces without being told their sizes
-    and checks them against ``recv_bounds``; rounds of a slot of every member's ``send``."""
+    """Piece j of ``send`` to member j, a share of every piece per round (``_post``). The first
+    round's control block carries where each piece starts in each member's ``send``, so a member
+    knows how many rounds there are and checks its pieces' sizes against ``recv_bounds``."""
     b, me, n = board(comm), comm.rank, comm.size
-    per = b.slot // send.element_size()
+    q = b.slot // send.element_size() // n
     recv[slice(*recv_bounds[me])].copy_(send[slice(*send_bounds[me])])
     starts = [x for x, _ in send_bounds] + [send.numel()]
-    rounds, where = 1, None
-    k = 0
+    rounds, where, k = 1, None, 0
     while k < rounds:
         s = b.begin()
-        w0, w1 = k * per, min(send.numel(), (k + 1) * per)
-        _publish(b, s, send[w0 : max(w0, w1)], comm)
+        _post(b, s, send, send_bounds, k, q, comm, skip=me)
         if k == 0:
-            b.controls[s][me][-(n + 1) :].copy_(torch.tensor(starts, dtype=torch.int64))
+            b.counts[s][me][:] = starts
         meet(b, s, "all_to_all", comm)
         if k == 0:
-            where = [b.controls[s][j][-(n + 1) :].tolist() for j in range(n)]
+            where = [b.counts[s][j][:] for j in range(n)]
             _check_pieces(where, recv_bounds, comm)
-            rounds = _rounds(max(w[-1] for w in where), per)
-        for j in range(n):
-            x, y = max(where[j][me], w0), min(where[j][me + 1], w0 + per)
-            if j != me and y > x:
-                at = recv_bounds[j][0] + x - where[j][me]
-                recv[at : at + y - x].copy_(_typed(b.slots[s][j], send.dtype, y - w0)[x - w0 :])
+            rounds = _rounds(max(w[d + 1] - w[d] for w in where for d in range(n)), q)
+        for j, (x, y) in enumerate(recv_bounds):
+            t0, t1 = k * q, min(y - x, (k + 1) * q)
+            if j != me and t1 > t0:
+                recv[x + t0 : x + t1].copy_(
+                    _typed(b.slots[s][j], send.dtype, n * q)[me * q : me * q + t1 - t0]
+                )
         k += 1
 
 
