@@ -53,8 +53,8 @@ from distlib.comm.algorithms import all_to_all as A2A
 from distlib.comm.algorithms import broadcast as BC
 from distlib.comm.algorithms import reads
 from distlib.comm.algorithms import reduce_scatter as RS
+from distlib.comm.algorithms.base import chunk_bounds, fold
 from distlib.comm.algorithms.base import empty as _empty
-from distlib.comm.algorithms.base import fold
 from distlib.comm.group import Comm
 from distlib.comm.header import collective
 from distlib.comm.header_codes import check_op
@@ -62,15 +62,6 @@ from distlib.comm.p2p import P2P
 
 SEGMENT_BYTES = 1 << 20  # pipeline granularity of ring / chain
 MODEL = cost_model.MEASURED  # what choose_algorithm prices the candidates with
-
-
-def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """(start, end) per part, tensor_split style: the first numel % parts parts get one extra."""
-    base, extra = divmod(numel, parts)
-    ends = [0]
-    for i in range(parts):
-        ends.append(ends[-1] + base + (1 if i < extra else 0))
-    return list(zip(ends[:-1], ends[1:]))
 
 
 def choose_algorithm(collective: str, nbytes: int, world: int) -> str:

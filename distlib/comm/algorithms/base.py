@@ -27,6 +27,15 @@ def fold(parts: list[Tensor], me: int, op: str, out: Tensor) -> Tensor:
     return out
 
 
+def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """(start, end) per part, tensor_split style: the first numel % parts parts get one extra."""
+    base, extra = divmod(numel, parts)
+    ends = [0]
+    for i in range(parts):
+        ends.append(ends[-1] + base + (1 if i < extra else 0))
+    return list(zip(ends[:-1], ends[1:]))
+
+
 def segments(n: int, itemsize: int, seg_bytes: int) -> list[tuple[int, int]]:
     """(start, end) pieces of at most ``seg_bytes`` covering n elements (one empty piece if n == 0)."""
     seg = max(1, seg_bytes // itemsize)

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from distlib.comm.algorithms.base import combine
+from distlib.comm.algorithms.base import chunk_bounds, combine
 from distlib.comm.board import Board, Stalled
 from distlib.comm.group import Comm
 from distlib.comm.p2p import CollectiveError, CollectiveMismatchError
@@ -194,7 +194,7 @@ def all_reduce(flat: Tensor, comm: Comm, op: str, algo: str) -> None:
     """In place, in ``algo``'s order; see the module's docstring for the two shapes."""
     b, n = board(comm), comm.size
     per, exprs = b.slot // flat.element_size(), trees(algo, n)
-    owners = _even(flat.numel(), n)
+    owners = chunk_bounds(flat.numel(), n)
     if ORDERS[algo] != "ring":  # one expression for every owner: one evaluation per span
         owners, exprs = [(0, flat.numel())], exprs[:1]
     whole = flat.numel() * flat.element_size() <= min(SMALL_BYTES, b.slot)
@@ -209,7 +209,7 @@ def all_reduce(flat: Tensor, comm: Comm, op: str, algo: str) -> None:
             if op == "avg":
                 flat[w0:w1].div_(n)
             continue
-        share = [(w0 + x, w0 + y) for x, y in _even(w1 - w0, n)]
+        share = [(w0 + x, w0 + y) for x, y in chunk_bounds(w1 - w0, n)]
         lo, hi = share[comm.rank]
         # reduced into our own tensor (published already), then over our part of our slot, which
         # only we read: reducing into the slot would overwrite our part before a fold reads it
@@ -221,14 +221,6 @@ def all_reduce(flat: Tensor, comm: Comm, op: str, algo: str) -> None:
         for j, (x, y) in enumerate(share):
             if j != comm.rank:
                 flat[x:y].copy_(views[j][x - w0 : y - w0])
-
-
-def _even(numel: int, n: int) -> Bounds:
-    base, extra = divmod(numel, n)
-    ends = [0]
-    for i in range(n):
-        ends.append(ends[-1] + base + (1 if i < extra else 0))
-    return list(zip(ends[:-1], ends[1:]))
 
 
 # --------------------------------------------------------------------------- copies
