@@ -10,8 +10,9 @@ step (steps 2..end, rank 0) it counts:
   * collectives: outermost calls, summed over the world's, the data- and tensor-parallel groups'
     CommStats (distlib/comm/group.py);
   * waits: ``P2P.wait`` calls that find a message still in flight -- a rank sleeping until its
-    peers' messages arrive, the synchronous rounds (the header check had one of its own per
-    collective; now it rides in the payload's messages);
+    peers' messages arrive -- and barriers of the shared-memory board (distlib/comm/board.py),
+    which the collectives of a group on one host use: the synchronous rounds (the header check had
+    one of its own per collective; now it rides in the payload's messages, or the board's barrier);
 and times the step (median over steps of the slowest rank). Variants check_collectives true and
 false run interleaved (round r: true, false, ...) so outside load hits both alike; the header's
 price is ratio = checked / unchecked step time. The baseline is torch's own ("torch" row): the
@@ -39,7 +40,7 @@ from trainrun import compose_tree
 from distlib.app.config.run import RunConfig
 from distlib.app.runtime.hooks import StepHooks
 from distlib.app.trainer import Trainer
-from distlib.comm import p2p
+from distlib.comm import board, p2p
 
 NPROC = 4
 
@@ -90,9 +91,18 @@ def _counting_wait(wait):
     return counted
 
 
+def _counting_barrier(barrier):
+    def counted(self, s):
+        WAITS[0] += 1
+        return barrier(self, s)
+
+    return counted
+
+
 def per_step(comm, tree: dict, run_dir: str) -> list[list[float]]:
     """One rank of a run; per step: [step, collectives, waits, seconds]."""
     p2p.P2P.wait = _counting_wait(p2p.P2P.wait)  # (a forked rank: patched for this run only)
+    board.Board.barrier = _counting_barrier(board.Board.barrier)
     hooks = StepCounter()
     trainer = Trainer(RunConfig.from_dict(tree), comm, Path(run_dir), hooks=hooks)
     hooks.trainer = trainer
