@@ -82,10 +82,10 @@ def _battery(comm: Comm) -> dict[str, str]:
     return out
 
 
-# Boards: none (every collective by messages through the rings), slots of 192 bytes (every
-# message of more than 48 floats in rounds; all_reduce above that in its two-barrier shape), and
-# the default (one round each here, all_reduce in its one-barrier shape).
-SLOTS = (0, 192, None)
+# (header check, board slot): no board (every collective by messages through the rings) checked
+# and not; slots of 192 bytes (every message of more than 48 floats in rounds, all_reduce above
+# that in its two-barrier shape); the default slot (one round each here, all_reduce in one barrier)
+CARRIERS = ((False, 0), (True, 0), (False, 192), (True, 192), (True, None))
 
 
 def _both_transports(comm: Comm, capacity: int) -> list[tuple[str, str, str]]:
@@ -94,7 +94,7 @@ def _both_transports(comm: Comm, capacity: int) -> list[tuple[str, str, str]]:
     C.SEGMENT_BYTES = 256  # pipelined algorithms: many segments per message
     differ = []
     wants = {check: _battery(dataclasses.replace(comm, check=check)) for check in (False, True)}
-    for check, slot in [(c, s) for c in (False, True) for s in SLOTS]:
+    for check, slot in CARRIERS:
         gloo = dataclasses.replace(comm, check=check)
         ours = local.attach(gloo, None, 60.0, capacity=capacity, slot=slot)
         assert ours.transport is not None and (ours.transport.board is None) == (slot == 0)
