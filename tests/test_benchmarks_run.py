@@ -97,7 +97,7 @@ def _check_collectives(d, tmp_path):
         for world in (2, 4)  # --sizes 1024, the default worlds 2 and 4
     )
     for r in rows:
-        assert _times(r["ours_ms"], r["torch_ms"], r["shm_ms"], r["copy_ms"])
+        assert _times(r["ours_ms"], r["torch_ms"], r["rings_ms"], r["shm_ms"], r["copy_ms"])
         assert r["ratio"] == pytest.approx(r["torch_ms"] / r["ours_ms"])  # > 1: ours faster
         assert r["shm_ratio"] == pytest.approx(r["torch_ms"] / r["shm_ms"])
         assert r["shm_vs_copy"] == pytest.approx(r["shm_ms"] / r["copy_ms"])

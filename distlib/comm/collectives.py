@@ -38,6 +38,9 @@ Underneath: ``p2p.P2P`` posts the messages and turns a failed wait (a peer that 
 died) into ``CollectiveError`` naming the collective, this rank and the peer; every outermost
 call runs in ``header.collective``, which counts it (``comm.stats``) and, with ``comm.check``,
 raises the same ``CollectiveMismatchError`` on every rank when ranks called different ones.
+A group whose members share a host has a board (``board``): there each algorithm runs as
+``algorithms.reads`` (parts written once, read by every member after a barrier), adding in the
+algorithm's own order, so the bytes are the same.
 """
 
 from __future__ import annotations
