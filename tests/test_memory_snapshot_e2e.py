@@ -170,3 +170,49 @@ def test_a_failed_job_leaves_nothing_in_shared_memory(tmp_path):
     assert proc.returncode != 0 and "fault: rank 1 kills itself after step 6" in proc.stderr
     assert "memory snapshot:" in proc.stdout  # snapshots were written
     assert _gone(shm.job_dir(run)), sorted(p.name for p in shm.job_dir(run).iterdir())
+
+
+def _files_at(run: Path, step: int) -> dict[str, bytes]:
+    ckpt = run / "checkpoints" / checkpoint.step_dir_name(step)
+    return {f["path"]: (ckpt / f["path"]).read_bytes() for f in checkpoint.verify(ckpt)["files"]}
+
+
+@pytest.fixture(scope="module")
+def begun(tmp_path_factory) -> dict:
+    """A checkpoint of step 4 another run saved, and a run of 12 steps that began from it uninterrupted."""
+    tmp = tmp_path_factory.mktemp("begun")
+    assert all(r["error"] is None for r in train(tree(2, steps=4, every=4), tmp / "before"))
+    start = tmp / "before" / "checkpoints" / checkpoint.step_dir_name(4)
+    clean = train(tree(2, steps=12, every=4, checkpoint={"resume": str(start)}), tmp / "clean")
+    assert all(r["error"] is None and r["start"] == 4 for r in clean)
+    return {"start": start, "clean": tmp / "clean"}
+
+
+@pytest.mark.slow
+def test_a_restart_of_a_job_begun_from_a_checkpoint_continues_its_own_steps(begun, tmp_path):
+    """checkpoint.resume=<path>: a restart continues from the job's own memory snapshot of the step
+    the kill ended, not from <path> again (which redid every step since and overwrote nothing
+    newer); the final checkpoint is the uninterrupted run's, byte for byte."""
+    run = tmp_path / "run"
+    argv = ["dist.world_size=2", "train.steps=12", "train.global_batch=16", "checkpoint.every_steps=4"]
+    argv += [f"checkpoint.resume={begun['start']}", "checkpoint.memory_every_steps=1"]
+    proc = _torchrun(run, restarts=1, run=[*argv, "fault.kill_rank=1", "fault.kill_at_step=10"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "fault: rank 1 kills itself after step 10" in proc.stderr
+    assert "resume: from the memory snapshot of step 10" in proc.stdout, proc.stdout[-3000:]
+    assert _files_at(run, 12) == _files_at(begun["clean"], 12)
+
+
+def test_without_snapshots_a_restart_continues_from_the_jobs_newest_checkpoint(begun, tmp_path, monkeypatch):
+    """The same on disk: a restart (DISTLIB_ATTEMPT=1, as train.py's ranks agree it) of a job begun
+    from <path> that saved step 8 starts at step 8 and says so; with nothing saved yet it begins from
+    <path> again."""
+    run, resume = tmp_path / "run", {"resume": str(begun["start"])}
+    first = train(tree(2, steps=8, every=4, checkpoint=resume), run)  # the first start saved step 8
+    assert [r["start"] for r in first] == [4, 4]
+    monkeypatch.setenv("DISTLIB_ATTEMPT", "1")
+    again = train(tree(2, steps=12, every=4, checkpoint=resume), run)
+    assert [r["start"] for r in again] == [8, 8]
+    assert _files_at(run, 12) == _files_at(begun["clean"], 12)
+    fresh = train(tree(2, steps=8, every=4, checkpoint=resume), tmp_path / "nothing saved")
+    assert [r["start"] for r in fresh] == [4, 4]

@@ -114,7 +114,8 @@ class Checkpointer(RollbackSource):
     def resume(self) -> tuple[int, Path | None]:
         """Load what checkpoint.resume names (if anything); (the step to continue after, its path).
         With the guard on, that state is the first rollback target."""
-        snapped = self.memory.resume(self.cfg.checkpoint.resume == "latest", self.root)  # a RollbackPoint
+        continuing = self.cfg.checkpoint.resume == "latest" or self.loader.restarting_from_path()
+        snapped = self.memory.resume(continuing, self.root)  # a RollbackPoint
         path, verified = (None, False) if snapped else self.loader.resolve()
         start = snapped.step if snapped else 0
         if snapped:

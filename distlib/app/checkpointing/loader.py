@@ -22,6 +22,7 @@ from distlib.app.checkpointing.rng import seed_process_rngs
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.app.model.bias_balance import state_buffers, state_names
+from distlib.app.runtime import launcher_env
 from distlib.checkpoint import relayout, rng_state
 from distlib.checkpoint import sharded as checkpoint
 from distlib.comm import agree
@@ -49,15 +50,11 @@ class Loader:
         """(checkpoint to resume from or None, whether it has been verified already). For "latest",
         the ranks verify the candidates together, newest first; damaged ones are moved aside."""
         resume = self.cfg.checkpoint.resume
+        if self.restarting_from_path():
+            return self._continued(Path(resume))
         if resume not in NO_RESUME and resume != "latest":
             return Path(resume), False
-        listing = agree.agreed(
-            lambda: [str(p) for p in checkpoint.list_committed(self.root)],
-            self.comm,
-            checkpoint.CheckpointError,
-            rank0_only=True,
-        )
-        candidates = [Path(p) for p in listing]
+        candidates = self._committed()
         if resume != "latest":
             if candidates:
                 raise fresh_run_collision(self.root, candidates[-1])
@@ -71,6 +68,11 @@ class Loader:
                 )
             self.say(f"resume: no checkpoint in {self.root}; starting fresh")
             return None, False
+        self._set_aside(damaged)
+        self.say(f"resume: latest valid checkpoint is {found}")
+        return found, True
+
+    def _set_aside(self, damaged: list[tuple[Path, str]]) -> None:
         if self.comm.rank == 0:
             for bad, problem in damaged:
                 # Moved aside, not deleted: kept for inspection, and the rerun can save that step again.
@@ -80,8 +82,38 @@ class Loader:
                     file=sys.stderr,
                     flush=True,
                 )
-        self.say(f"resume: latest valid checkpoint is {found}")
+
+    def restarting_from_path(self) -> bool:
+        """A restart of a job that began from an explicit checkpoint: it continues what the job itself
+        saved since (its memory snapshots, then its newest checkpoint), not that first checkpoint
+        again, which would throw away every step since."""
+        resume = self.cfg.checkpoint.resume
+        return launcher_env.attempt() > 0 and resume not in NO_RESUME and resume != "latest"
+
+    def _continued(self, begun: Path) -> tuple[Path, bool]:
+        """The job's newest sound checkpoint saved after ``begun``, else ``begun`` itself."""
+        try:
+            after = int(checkpoint.read_manifest(begun)["step"])  # (its name may be any)
+        except checkpoint.CheckpointError:  # gone since the first start: what the job saved still counts
+            after = -1
+        found, damaged = self._newest_sound([p for p in self._committed() if _step_of(p) > after])
+        self._set_aside(damaged)
+        if found is None:
+            return begun, False
+        self.say(
+            f"resume: restart {launcher_env.attempt()} of the job: continuing from its own {found} "
+            f"(checkpoint.resume={begun} is where its first start began)"
+        )
         return found, True
+
+    def _committed(self) -> list[Path]:
+        listing = agree.agreed(
+            lambda: [str(p) for p in checkpoint.list_committed(self.root)],
+            self.comm,
+            checkpoint.CheckpointError,
+            rank0_only=True,
+        )
+        return [Path(p) for p in listing]
 
     def _newest_sound(self, candidates: list[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
         """The newest candidate every rank verified, and the damaged ones newer than it."""
@@ -164,6 +196,11 @@ def _read_checked(path: Path) -> dict:
     manifest = checkpoint.read_manifest(path)
     manifest_config(manifest, path)
     return manifest
+
+
+def _step_of(path: Path) -> int:
+    """The step of one of the run's own checkpoints, by its name (``step_00000040``)."""
+    return int(path.name[len("step_") :])
 
 
 def fresh_run_collision(root: Path, newest: Path) -> checkpoint.CheckpointError:
