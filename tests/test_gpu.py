@@ -16,7 +16,7 @@ from multiproc import run_ranks
 
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
-from distlib.comm import agree
+from distlib.comm import agree, local
 from distlib.comm import collectives as C
 from distlib.launch.torchrun import use_deterministic_kernels
 
@@ -28,8 +28,11 @@ GPU = "cuda:0"
 MODEL = {"vocab_size": 30, "seq_len": 8, "dim": 16, "n_heads": 4, "n_layers": 2, "mlp_ratio": 2}
 
 
-def _collectives(comm):
+def _collectives(comm, board: bool):
     torch.cuda.set_device(0)
+    if board:  # the shared-memory board, as training on one host uses: parts staged through it
+        comm = local.attach(comm, None, 60.0)
+        assert comm.transport.board is not None
     C.SEGMENT_BYTES = 64
     out = []
     for numel in (1, 7, 1000):
@@ -62,8 +65,9 @@ def _collectives(comm):
     return out
 
 
-def test_collectives_on_cuda_tensors_over_gloo_match_the_cpu():
-    for rank_out in run_ranks(_collectives, 2):
+@pytest.mark.parametrize("board", [False, True])
+def test_collectives_on_cuda_tensors_over_gloo_match_the_cpu(board):
+    for rank_out in run_ranks(_collectives, 2, board):
         bad = [case for case in rank_out if not case[3] or case[4] != "cuda"]
         assert not bad, bad
 

@@ -148,6 +148,14 @@ def evaluate(tree, parts: list[Tensor], op: str, out: Tensor) -> None:
     combine(a, b, op, out)
 
 
+def _beside(parts: list[Tensor], out: Tensor) -> list[Tensor]:
+    """The parts on ``out``'s device: a CUDA tensor over gloo (ranks sharing a GPU) is reduced on
+    its GPU, as the message algorithms reduce it after staging, so the sums are theirs."""
+    if out.device == parts[0].device:
+        return parts
+    return [p.to(out.device) for p in parts]
+
+
 def _reduce(
     views: list[Tensor], w0: int, span: tuple[int, int], owners: Bounds, exprs: list, op: str, out, at: int
 ):
@@ -157,7 +165,7 @@ def _reduce(
     for c, (a, b) in enumerate(owners):
         x, y = max(a, lo), min(b, hi)
         if y > x:
-            evaluate(exprs[c], [v[x - w0 : y - w0] for v in views], op, out[x - at : y - at])
+            evaluate(exprs[c], _beside([v[x - w0 : y - w0] for v in views], out), op, out[x - at : y - at])
 
 
 # --------------------------------------------------------------------------- reductions
@@ -177,7 +185,7 @@ def reduce_scatter(flat: Tensor, comm: Comm, op: str, out: Tensor, bounds: Bound
         t0, t1 = k * q, min(length, (k + 1) * q)
         if t1 > t0:
             parts = [_typed(b.slots[s][j], flat.dtype, n * q)[me * q : me * q + t1 - t0] for j in range(n)]
-            evaluate(expr, parts, op, out[t0:t1])
+            evaluate(expr, _beside(parts, out), op, out[t0:t1])
 
 
 def _post(b: Board, s: int, flat: Tensor, pieces: Bounds, k: int, q: int, comm: Comm, skip: int = -1) -> None:
