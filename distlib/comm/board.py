@@ -103,7 +103,7 @@ class Board:
         self.arrived[self.me].value = count
         for j in range(self.n):
             if j != self.me:
-                t._ring(j)
+                t.wake(j)
         self._wait(count)
         if expected is not None:
             expected[1]([self.headers[s][j][:] for j in range(self.n)])
@@ -112,9 +112,7 @@ class Board:
         t, bell = self.transport, self.transport.bells[self.me]
         began = time.monotonic()
         while True:
-            with t.lock:
-                seen = bell.value
-                t._progress()  # a message still streaming to a peer may be what it waits for
+            seen = t.moved()  # a message still streaming to a peer may be what that peer waits for
             late = [j for j in range(self.n) if self.arrived[j].value < count]
             if not late:
                 return
@@ -125,4 +123,4 @@ class Board:
             if dead:
                 raise Stalled(f"peer process {t.pids[dead[0]].value} has exited", dead[0])
             nap = min(shm.PROBE_S, t.timeout_s - waited)
-            shm._futex(ctypes.addressof(bell), shm._FUTEX_WAIT, seen, shm._Timespec(0, int(nap * 1e9)))
+            shm.sleep_on(bell, seen, nap)

@@ -69,6 +69,12 @@ def _futex(addr: int, op: int, value: int, timeout: _Timespec | None) -> None:
     )
 
 
+def sleep_on(word, seen: int, seconds: float) -> None:
+    """Sleep until ``word`` (a c_uint32 in the segment) no longer holds ``seen``, a wake-up, or
+    ``seconds`` pass."""
+    _futex(ctypes.addressof(word), _FUTEX_WAIT, seen, _Timespec(0, int(seconds * 1e9)))
+
+
 def exited(pid: int) -> bool:
     """Whether process ``pid`` is gone or a zombie (dead, not yet reaped by its launcher)."""
     try:
@@ -252,6 +258,18 @@ class Transport:
                 moved = True
         return moved
 
+    def moved(self) -> int:
+        """Move what can move of the messages in flight (a wait elsewhere keeps them going); the
+        doorbell's value before, for ``sleep_on``."""
+        with self.lock:
+            seen = self.bells[self.me].value
+            self._progress()
+        return seen
+
+    def wake(self, j: int) -> None:
+        """Wake member ``j`` (it re-checks whatever it waits on)."""
+        self._ring(j)
+
     def _ring(self, j: int) -> None:
         """Bump peer ``j``'s doorbell and wake it if it sleeps on it."""
         bell = self.bells[j]
@@ -276,7 +294,7 @@ class Transport:
             if waited > PROBE_S and exited(self.pids[op.peer].value):
                 raise RuntimeError(f"peer process {self.pids[op.peer].value} has exited")
             nap = min(PROBE_S, self.timeout_s - waited)
-            _futex(ctypes.addressof(bell), _FUTEX_WAIT, seen, _Timespec(0, int(nap * 1e9)))
+            sleep_on(bell, seen, nap)
 
     def pending(self) -> int:
         """Messages posted and not yet through (every one is by the end of a collective)."""

@@ -20,6 +20,7 @@ Shapes, for B bytes on N members (rounds of at most a slot; one barrier each):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -119,14 +120,15 @@ ORDERS = {  # algorithm -> the order its sums take
 }
 
 
-def trees(algo: str, n: int) -> list:
+@functools.lru_cache(maxsize=256)
+def trees(algo: str, n: int) -> tuple:
     """The expression each owner's chunk is reduced with, by owner."""
     order = ORDERS[algo]
     if order == "fold":
-        return [_fold(list(range(n)))] * n
+        return (_fold(list(range(n))),) * n
     if order == "tree":
-        return [_halving(n)] * n
-    return [_fold([(c + 1 + i) % n for i in range(n)]) for c in range(n)]
+        return (_halving(n),) * n
+    return tuple(_fold([(c + 1 + i) % n for i in range(n)]) for c in range(n))
 
 
 def evaluate(tree, parts: list[Tensor], op: str, out: Tensor) -> None:
