@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiproc import run_ranks
-from trainrun import compose_tree, train, train_each, train_worlds
+from trainrun import compose_tree, train, train_each, train_with_margin, train_worlds
 
 from distlib.app.checkpointing import hf_export, sampling
 from distlib.app.config.model_group import ModelConfig
@@ -51,10 +51,17 @@ def _biases(path: Path) -> dict[str, torch.Tensor]:
     return relayout.state_buffers(path, sharded.verify(path))
 
 
+MARGIN = 1e-6  # the reference's smallest top-k margin must exceed it (a near tie flips with rounding)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every layout's run; the one-rank reference (in <root>/ws1/0) also measures its margin."""
     root = tmp_path_factory.mktemp("bias")
-    return root, train_worlds(BASE, LAYOUTS, root)
+    worlds = train_worlds(BASE, {4: LAYOUTS[4]}, root)
+    tree = compose_tree([*BASE, *LAYOUTS[1][0], "dist.world_size=1"])
+    worlds[1] = run_ranks(train_with_margin, 1, tree, str(root / "ws1"), timeout_s=600)
+    return root, worlds
 
 
 def test_route_chooses_with_the_bias_and_weighs_without_it():
@@ -96,6 +103,9 @@ def test_every_layout_trains_one_ranks_losses_tokens_and_biases(runs):
     root, worlds = runs
     (reference,) = worlds[1]
     assert reference["losses"][-1] < 0.5 * reference["losses"][0]
+    assert reference["margin"] > MARGIN, (
+        f"the reference has a near-tied routing choice ({reference['margin']:.1e})"
+    )
     for i, run in enumerate(worlds[4]):
         worst = max(abs(a - b) / b for a, b in zip(run["losses"], reference["losses"]))
         assert len(run["losses"]) == STEPS and worst <= REL, (LAYOUTS[4][i], worst)
