@@ -78,9 +78,14 @@ def _typed(slot: Tensor, dtype: torch.dtype, numel: int) -> Tensor:
 def _publish(b: Board, s: int, src: Tensor, comm: Comm) -> None:
     """Copy ``src`` into this member's slot of set ``s`` (counted as bytes sent)."""
     _typed(b.mine(s), src.dtype, src.numel()).copy_(src)
+    _sent(comm, src.numel() * src.element_size())
+
+
+def _sent(comm: Comm, nbytes: int) -> None:
+    """Count bytes written to the board for the peers as this rank's bytes sent (``comm.stats``)."""
     stats = comm.stats
     if stats is not None:
-        stats.bytes_sent[stats.current] += src.numel() * src.element_size()
+        stats.bytes_sent[stats.current] += nbytes
 
 
 def _rounds(numel: int, per: int) -> int:
@@ -200,9 +205,7 @@ def _post(b: Board, s: int, flat: Tensor, pieces: Bounds, k: int, q: int, comm: 
         if hi > lo and d != skip:
             slot[d * q : d * q + hi - lo].copy_(flat[lo:hi])
             moved += hi - lo
-    stats = comm.stats
-    if stats is not None:
-        stats.bytes_sent[stats.current] += moved * flat.element_size()
+    _sent(comm, moved * flat.element_size())
 
 
 def all_reduce(flat: Tensor, comm: Comm, op: str, algo: str) -> None:
