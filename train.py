@@ -36,6 +36,7 @@ from distlib.app.checkpointing.loader import refuse_fresh_run_over_checkpoints
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.data import corpus as data
 from distlib.app.data.tokens import DataError
+from distlib.app.model import recompute
 from distlib.app.runtime import launcher_env
 from distlib.checkpoint.sharded import CheckpointError
 from distlib.launch import continuation, hydra_config, local, run_lock, slurm, worker
@@ -172,7 +173,8 @@ def run_config(cfg: DictConfig) -> None:
         worker.run(tree, str(run_dir))
     else:
         # the workers train this checked config under torch's agent; Hydra's files are this process's
-        local.launch(tree, run_cfg.dist.world_size, str(run_dir), run_cfg.metrics.file)
+        preload = recompute.imports(run_cfg.model.activation_checkpointing)
+        local.launch(tree, run_cfg.dist.world_size, str(run_dir), run_cfg.metrics.file, preload)
 
 
 def _submitit_installed() -> bool:

@@ -103,7 +103,7 @@ def _time_interleaved(fns: dict, iters: int) -> dict[str, list[float]]:
     return times
 
 
-def _bench_rank(comm, sizes, with_algos, ops=OPS):
+def _bench_rank(comm, sizes, with_algos, ops=OPS, iters=None):
     torch.manual_seed(comm.rank)
     shared = local.attach(comm, None, 600.0)  # forked on one host: the members share it
     rings = local.attach(comm, None, 600.0, slot=0)  # the same, without a board
@@ -122,17 +122,24 @@ def _bench_rank(comm, sizes, with_algos, ops=OPS):
             if with_algos:
                 fns.update({a: _callables(op, x, comm, a)[0] for a in ALGOS[op]})
             rows.append(
-                {"op": op, "world": comm.size, "bytes": nbytes, **_time_interleaved(fns, _iters(nbytes))}
+                {
+                    "op": op,
+                    "world": comm.size,
+                    "bytes": nbytes,
+                    **_time_interleaved(fns, iters or _iters(nbytes)),
+                }
             )
     return rows
 
 
-def _run(world: int, sizes: list[int], with_algos: bool, timeout_s: float, tries: int = 3, ops=OPS):
+def _run(
+    world: int, sizes: list[int], with_algos: bool, timeout_s: float, tries: int = 3, ops=OPS, iters=None
+):
     """run_ranks, retried: forked ranks occasionally hang while connecting to the rendezvous
     store (before any collective runs), which run_ranks reports as a TimeoutError."""
     for attempt in range(1, tries + 1):
         try:
-            return run_ranks(_bench_rank, world, sizes, with_algos, ops, timeout_s=timeout_s)
+            return run_ranks(_bench_rank, world, sizes, with_algos, ops, iters, timeout_s=timeout_s)
         except TimeoutError as e:
             print(f"world {world}, attempt {attempt}: {e}; retrying", file=sys.stderr)
     raise RuntimeError(f"world {world}: every attempt timed out")
@@ -151,6 +158,9 @@ def main() -> None:
     ap.add_argument(
         "--sizes", type=int, nargs="+", help="bytes (multiples of 16) instead of the default list"
     )
+    ap.add_argument(
+        "--iters", type=int, help="timed iterations per variant (default: 100 for the smallest sizes .. 8)"
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "collectives.json"))
     args = ap.parse_args()
     sizes = args.sizes or (
@@ -161,7 +171,8 @@ def main() -> None:
     results = []
     for world in args.worlds:
         # 8 ranks on 2 shared cores at load ~20 needed more than 120 s for --quick
-        per_rank = _run(world, sizes, args.algos, timeout_s=(40 if args.quick else 100) * world, ops=args.ops)
+        timeout_s = (40 if args.quick else 100) * world
+        per_rank = _run(world, sizes, args.algos, timeout_s, ops=args.ops, iters=args.iters)
         for i, row in enumerate(per_rank[0]):
             out = {k: row[k] for k in ("op", "world", "bytes")}
             for key in row:
@@ -192,6 +203,7 @@ def main() -> None:
         json.dump(
             {
                 "quick": args.quick,
+                "iters": args.iters,
                 "torch": torch.__version__,
                 "cores": os.cpu_count(),
                 "loadavg_1min": [load_before, os.getloadavg()[0]],

@@ -18,8 +18,12 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-
 import pytest  # noqa: E402
+
+# torch.utils.checkpoint's recomputation imports torch._dynamo at its first call, 2.1 s a process: the
+# ranks forked from this process inherit it, as train.py's workers inherit it from their launcher
+# (distlib/app/model/recompute.py). Importing it starts no thread.
+import torch._dynamo  # noqa: E402, F401
 
 
 def _run_once(cmd: list[str], timeout: float, **env: str):

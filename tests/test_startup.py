@@ -1,5 +1,6 @@
 """Start-up costs that once were paid on every rank and must not come back."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,25 @@ def test_a_whole_capstone_never_imports_the_compiler_in_any_process(capstone_run
         }
     )
     assert heavy == [], heavy
+
+
+@pytest.mark.slow
+def test_recomputed_blocks_import_the_compiler_once_in_the_launcher_not_in_every_worker(tmp_path):
+    """torch.utils.checkpoint imports torch._dynamo at a block's first recomputation (2.1 s a
+    process); under `python train.py` the launcher imports it before forking the workers' server, so
+    a 2-rank job imports it once. A fresh interpreter: the suite's own process has it imported."""
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "model.activation_checkpointing=blocks"]
+        + ["dist.world_size=2", "train.steps=1", "checkpoint.every_steps=0"]
+        + ["checkpoint.verify_resume=false"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # one import log per process forked or started; torch._dynamo.config is imported by every
+    # process that imports torch._dynamo, and only once there
+    imported = [line.rpartition("|")[2].strip() for line in proc.stderr.splitlines()]
+    assert imported.count("torch._dynamo.config") == 1, imported.count("torch._dynamo.config")

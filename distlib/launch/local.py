@@ -20,6 +20,7 @@ of an unexpected exception, which is a bug).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import os
@@ -60,9 +61,12 @@ def temp_dir_problem() -> str | None:
     )
 
 
-def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None:
+def launch(
+    tree: dict, world_size: int, run_dir: str, metrics_file: str, preload: tuple[str, ...] = ()
+) -> None:
     """Run ``world_size`` workers of the checked configuration ``tree`` in ``run_dir`` to the end;
-    exits this process on failure."""
+    exits this process on failure. The modules ``preload`` names, which every worker would import
+    itself, are imported here once, before the workers are forked."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -84,7 +88,9 @@ def launch(tree: dict, world_size: int, run_dir: str, metrics_file: str) -> None
         monitor_interval=0.1,
         start_method="forkserver",
     )
-    multiprocessing.set_forkserver_preload(PRELOAD)  # for the server multiprocessing would start
+    for name in preload:
+        importlib.import_module(name)
+    multiprocessing.set_forkserver_preload([*PRELOAD, *preload])  # for the server multiprocessing would start
     prefork.start()  # the server as a fork of this process, before the agent's first thread
     # The workers print their own one-line errors; the agent's tracebacks would bury them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
