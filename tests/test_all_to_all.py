@@ -36,9 +36,13 @@ def _rank(comm: Comm) -> list[str]:
                     got = C.all_to_all(x, checked, send_splits, given, algo=algo)
                     if got.shape != ref.shape or got.view(torch.uint8).ne(ref.view(torch.uint8)).any():
                         failures.append(f"case {case} {dtype} {algo} given={given is not None}")
+                    into = torch.full_like(ref, 7)  # received into, in place of a new tensor
+                    back = C.all_to_all(x, checked, send_splits, given, algo=algo, out=into)
+                    if back is not into or into.view(torch.uint8).ne(ref.view(torch.uint8)).any():
+                        failures.append(f"case {case} {dtype} {algo} given={given is not None} out=")
             if not torch.equal(C.all_to_all(x, native, send_splits), ref):
                 failures.append(f"case {case} {dtype} through torch's")
-    if checked.stats.calls["all_to_all"] != 3 * len(DTYPES) * 4:
+    if checked.stats.calls["all_to_all"] != 3 * len(DTYPES) * 8:
         failures.append(f"counted {checked.stats.calls['all_to_all']} all_to_all calls")
     return failures
 
@@ -73,3 +77,32 @@ def test_bad_splits_are_one_line():
     with pytest.raises(ValueError, match="unknown all_to_all algorithm 'ring'"):
         C.all_to_all(torch.ones(3), solo, [3], algo="ring")
     assert torch.equal(C.all_to_all(torch.arange(3.0), solo, [3]), torch.arange(3.0))
+
+
+def _wrong_out_rank(comm: Comm) -> list[str]:
+    """Every rank passes an ``out`` of the wrong shape, then of the wrong dtype: each refused
+    before anything is sent, so the group's next all-to-all (with a right one) still works."""
+    checked, n = comm.instrumented(check=True), comm.size
+    x, lines = torch.arange(2.0 * n).view(n, 2) + 10 * comm.rank, []
+    for bad in (torch.empty(n + 1, 2), torch.empty(n, 2, dtype=torch.float64)):
+        try:
+            C.all_to_all(x, checked, [1] * n, [1] * n, out=bad)
+            lines.append("accepted")
+        except ValueError as err:
+            lines.append(str(err))
+    into = torch.empty(n, 2)
+    C.all_to_all(x, checked, [1] * n, [1] * n, out=into)
+    lines.append(str(into[:, 0].tolist()))
+    return lines
+
+
+def test_a_wrong_out_is_refused_before_anything_is_sent():
+    for rank, lines in enumerate(run_ranks(_wrong_out_rank, 2)):
+        assert "of shape [2, 2] on cpu; got torch.float32 [3, 2] on cpu" in lines[0], lines
+        assert "must be a torch.float32 tensor" in lines[1] and "got torch.float64" in lines[1], lines
+        assert lines[2] == str([float(2 * rank), 10.0 + 2 * rank]), lines  # row `rank` of each peer
+    solo = Comm((0,), 0)
+    into = torch.zeros(3)
+    assert C.all_to_all(torch.arange(3.0), solo, [3], out=into) is into and torch.equal(
+        into, torch.arange(3.0)
+    )

@@ -122,8 +122,12 @@ def _check_experts(d, tmp_path):
     ratio = rows["ep4 torch"]["torch_ms_over_ours"]
     assert ratio == pytest.approx(rows["ep4 torch"]["ms"] / rows["ep4"]["ms"])
     for a in d["all_to_all"]:
-        assert _times(a["direct_ms"], a["pairwise_ms"], a["torch_ms"]) and len(a["send_rank0"]) == 4
+        assert (
+            _times(a["direct_ms"], a["pairwise_ms"], a["board_ms"], a["torch_ms"])
+            and len(a["send_rank0"]) == 4
+        )
         assert a["ratio_direct"] == pytest.approx(a["torch_ms"] / a["direct_ms"])
+        assert a["ratio_board"] == pytest.approx(a["torch_ms"] / a["board_ms"])
         assert a["bytes_rank0"] == sum(a["send_rank0"]) * moe["dim"] * 4
     assert [b["model"] for b in d["balance"]] == ["mixtral_tiny", "deepseek_v3_tiny"]
     for b in d["balance"]:

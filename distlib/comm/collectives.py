@@ -45,19 +45,19 @@ algorithm's own order, so the bytes are the same.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from distlib.comm import cost_model, native
 from distlib.comm.algorithms import all_gather as AG
-from distlib.comm.algorithms import all_to_all as A2A
 from distlib.comm.algorithms import broadcast as BC
-from distlib.comm.algorithms import reads
 from distlib.comm.algorithms import reduce_scatter as RS
 from distlib.comm.algorithms.base import chunk_bounds, fold
 from distlib.comm.algorithms.base import empty as _empty
+from distlib.comm.exchange import all_to_all  # noqa: F401 - the collectives' one namespace
+from distlib.comm.execution import execution as _execution
+from distlib.comm.execution import flat as _flat
+from distlib.comm.execution import nothing as _nothing
 from distlib.comm.group import Comm
 from distlib.comm.header import collective
 from distlib.comm.header_codes import check_op
@@ -73,10 +73,6 @@ def choose_algorithm(collective: str, nbytes: int, world: int) -> str:
     return cost_model.choose_algorithm(collective, nbytes, world, MODEL)
 
 
-def _nothing(*args, **kwargs) -> None:
-    """A dry group's collective (``Comm.dry``): the output keeps what it holds."""
-
-
 def _pick(collective: str, algo: str | None, flat: Tensor, comm: Comm, table: dict):
     if comm.dry:
         return "dry", _nothing
@@ -86,20 +82,6 @@ def _pick(collective: str, algo: str | None, flat: Tensor, comm: Comm, table: di
     if name not in table:
         raise ValueError(f"unknown {collective} algorithm {name!r}; expected one of {sorted(table)}")
     return name, _execution(collective, name, comm, table)
-
-
-def _execution(collective: str, name: str, comm: Comm, table: dict):
-    """How algorithm ``name`` runs on ``comm``: read from the group's board where it has one (the
-    same sums in the same order: ``reads``), else by messages."""
-    if reads.board(comm) is not None:
-        return reads.runner(collective, name)
-    return table[name]
-
-
-def _flat(t: Tensor) -> Tensor:
-    if not t.is_contiguous():
-        raise ValueError("collectives need a contiguous tensor")
-    return t.view(-1)
 
 
 def _check_bounds(
@@ -270,61 +252,6 @@ def broadcast(tensor: Tensor, src: int, comm: Comm, *, algo: str | None = None) 
         with collective(comm, "broadcast", numel=flat.numel(), dtype=flat.dtype, src=src, algo=name):
             run(flat, src, comm, SEGMENT_BYTES, **extra)
     return tensor
-
-
-# --------------------------------------------------------------------------- all_to_all
-
-
-def _rows(splits: list[int], width: int) -> list[tuple[int, int]]:
-    """Consecutive pieces of ``splits[j]`` rows of ``width`` elements, as flat (start, end)."""
-    ends = [0]
-    for rows in splits:
-        ends.append(ends[-1] + rows * width)
-    return list(zip(ends[:-1], ends[1:]))
-
-
-def all_to_all(
-    tensor: Tensor,
-    comm: Comm,
-    send_splits: list[int],
-    recv_splits: list[int] | None = None,
-    *,
-    algo: str | None = None,
-) -> Tensor:
-    """Rows (dim 0) of ``tensor`` cut into N consecutive pieces of ``send_splits[j]`` rows, piece j
-    sent to group rank j; returns the pieces this rank received, rank 0's first, as a new tensor
-    of ``sum(recv_splits)`` rows (torch's ``all_to_all_single``). ``recv_splits``: the rows each
-    rank sends here, or None to exchange the counts first (one more all-to-all, of N integers), so
-    uneven splits (tokens routed to experts) always agree with what is sent. Copies only: the
-    bytes are those of any other algorithm. algo: "direct" (the default: one round) or "pairwise"."""
-    n, flat = comm.size, _flat(tensor)
-    if len(send_splits) != n or any(r < 0 for r in send_splits) or sum(send_splits) != tensor.shape[0]:
-        rows = tensor.shape[0]
-        raise ValueError(
-            f"all_to_all: send_splits {list(send_splits)} must be {n} counts >= 0 adding to {rows}"
-        )
-    if recv_splits is not None and len(recv_splits) != n:
-        raise ValueError(f"all_to_all: recv_splits {list(recv_splits)} must be {n} counts")
-    name = "torch" if comm.collectives == "torch" else algo or "direct"
-    if name != "torch" and name not in A2A.ALGORITHMS:
-        raise ValueError(f"unknown all_to_all algorithm {name!r}; expected one of {sorted(A2A.ALGORITHMS)}")
-    if n == 1:
-        return tensor.clone()
-    run = native.all_to_all if name == "torch" else _execution("all_to_all", name, comm, A2A.ALGORITHMS)
-    if comm.dry:  # (a dry group's peers send what this rank sends, without saying so)
-        run, recv_splits = _nothing, list(send_splits) if recv_splits is None else recv_splits
-    # A row's width from the trailing shape, never from the data: a rank sending no rows still
-    # receives rows of that width (an expert rank that got no tokens gets its own tokens' outputs).
-    width = math.prod(tensor.shape[1:])
-    with collective(comm, "all_to_all", dtype=flat.dtype, algo=name):
-        if recv_splits is None:
-            counts = torch.tensor(send_splits, dtype=torch.int64, device=tensor.device)
-            got = torch.empty(n, dtype=torch.int64, device=tensor.device)
-            run(counts, got, comm, _rows([1] * n, 1), _rows([1] * n, 1))
-            recv_splits = got.tolist()
-        out = torch.empty((sum(recv_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        run(flat, out.view(-1), comm, _rows(send_splits, width), _rows(recv_splits, width))
-    return out
 
 
 # --------------------------------------------------------------------------- bytes

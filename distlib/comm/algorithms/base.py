@@ -46,6 +46,22 @@ def empty(n: int, like: Tensor) -> Tensor:
     return torch.empty(n, dtype=like.dtype, device=like.device)
 
 
+def received_into(out: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Where a collective puts what it receives: ``out`` when given (checked: ``shape``, ``like``'s
+    dtype and device, contiguous), else a new tensor. A caller receiving the same shape again saves
+    the allocation: 64 MB fresh costs more than copying them (page faults, the kernel's zeroing)."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != tuple(shape) or (out.dtype, out.device) != (like.dtype, like.device):
+        raise ValueError(
+            f"out must be a {like.dtype} tensor of shape {list(shape)} on {like.device}; "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return out
+
+
 class Virtual:
     """Recursive halving / doubling on any N (Rabenseifner; Thakur et al. 2005): with p the largest
     power of two <= N and rem = N - p, ranks 2i and 2i+1 (i < rem) act as one virtual rank i (the
