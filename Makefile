@@ -63,6 +63,7 @@ bench: bytecode
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/checkpoint.py --params 10e6 --world-size 4
 	$(PY) benchmarks/recovery.py
+	$(PY) benchmarks/snapshots.py
 	$(PY) benchmarks/context.py
 	$(PY) benchmarks/ring_documents.py
 	$(PY) benchmarks/experts.py

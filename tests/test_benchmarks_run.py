@@ -31,6 +31,7 @@ RUNS = {
     "experts": ["benchmarks/experts.py", "--quick"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
     "plan": ["benchmarks/plan.py", "--quick", "--speed-world", "2"],
+    "snapshots": ["benchmarks/snapshots.py", "--quick", "--world-size", "2"],
     "token_cache": ["benchmarks/token_cache.py", "--mb", "1"],
     "ring_documents": ["benchmarks/ring_documents.py", "--quick"],
     # scripts/gpu_check.sh's step h (--model gpt2_124m) on the CPU, at the gpt2 preset's small shape
@@ -134,6 +135,18 @@ def _check_experts(d, tmp_path):
         assert _times(b["aux_ms"], b["bias_ms"])
         assert b["aux_over_bias"] == pytest.approx(b["aux_ms"] / b["bias_ms"])
         assert sorted(b["losses"]) == ["aux", "bias"] and all(0 < v < 10 for v in b["losses"].values())
+
+
+def _check_snapshots(d, tmp_path):
+    assert (d["world_size"], d["rounds"], d["steps"]) == (2, 1, 4)
+    rows = {r["variant"]: r for r in d["rows"]}
+    assert list(rows) == ["off", "own", "replica"] and rows["off"]["cost"] == 0
+    for r in rows.values():
+        assert _times(r["ms"]) and r["cost"] == pytest.approx(r["ms"] / rows["off"]["ms"] - 1)
+    own, replica = rows["own"]["held_bytes"], rows["replica"]["held_bytes"]
+    assert len(own) == 2 and all(b > 0 for b in own)
+    # two nodes of one rank: each holds its own shard and the other's, byte for byte the same sizes
+    assert replica == [own[0] + own[1]] * 2
 
 
 def _check_context(d, tmp_path):
@@ -327,6 +340,7 @@ CHECKS = {
     "experts": _check_experts,
     "pipeline": _check_pipeline,
     "gpu_throughput": _check_gpu_throughput,
+    "snapshots": _check_snapshots,
     "step": _check_step,
     "token_cache": _check_token_cache,
 }
