@@ -13,6 +13,7 @@ from multiproc import run_ranks
 
 from distlib.app.checkpointing.memory_snapshots import choose
 from distlib.checkpoint import memory_snapshot as shm
+from distlib.checkpoint import replica
 from distlib.checkpoint import sharded as checkpoint
 
 STEPS, EVERY = 8, 4  # disk checkpoints at 4 and 8; the kill comes after step 6
@@ -191,10 +192,25 @@ def _on_own_node(comm, config: dict, run_dir: str, memory: str) -> dict:
     return train_rank(comm, config, run_dir)
 
 
+def _garbled_in_transit(comm, config: dict, run_dir: str, memory: str) -> dict:
+    """``_on_own_node``, where the replica bytes this rank receives at a restore lose one bit on
+    the way (after the holder checked its file, before the receiver checks what came)."""
+    delivered = replica.deliver
+
+    def garbled(sends, receive, group):
+        data = delivered(sends, receive, group)
+        return None if data is None else data[:-1] + bytes([data[-1] ^ 1])  # a tensor's last byte
+
+    replica.deliver = garbled  # this forked rank's only
+    return _on_own_node(comm, config, run_dir, memory)
+
+
 @pytest.mark.slow
-def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, capfd, tmp_path):
+@pytest.mark.parametrize("transit", ["intact", "garbled"])
+def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, capfd, tmp_path, transit):
     # One rank per "node" (LOCAL_WORLD_SIZE=1), each node its own memory: rank r's replica is held
-    # by rank r+1 mod 2, on the other node.
+    # by rank r+1 mod 2, on the other node. Garbled on its way back, the replica is refused by the
+    # receiver's sha256 check, nothing is loaded from it, and the run resumes from disk.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     memory = tmp_path / "shm"
     config = tree(
@@ -214,10 +230,18 @@ def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, ca
     shm.clean(nodes[1])  # node 1 lost its memory
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     config["checkpoint"]["resume"] = "latest"
-    resumed = run_ranks(_on_own_node, 2, config, str(job), str(memory), timeout_s=60)
-    assert [r["start"] for r in resumed] == [6, 6]  # rank 1's state came from node 0
+    rank = _on_own_node if transit == "intact" else _garbled_in_transit
+    resumed = run_ranks(rank, 2, config, str(job), str(memory), timeout_s=60)
+    out = capfd.readouterr().out
+    if transit == "intact":
+        assert [r["start"] for r in resumed] == [6, 6]  # rank 1's state came from node 0
+        assert "(rank(s) [1] from peer replicas)" in out
+    else:
+        assert [r["start"] for r in resumed] == [4, 4]  # the disk checkpoint of step 4
+        assert "resume: the memory snapshot of step 6 could not be restored (memory snapshot bytes " in out
+        assert "; from disk" in out and "from peer replicas" not in out
+        assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 4}
     assert _files(job) == clean["files"]
-    assert "(rank(s) [1] from peer replicas)" in capfd.readouterr().out
     assert not nodes[0].exists() and not nodes[1].exists()
 
 
