@@ -1,7 +1,7 @@
 """What in-memory snapshots cost a step (``checkpoint.memory_every_steps=1``; issue #40 item 3).
 
-    .venv/bin/python benchmarks/snapshots.py            # 4 ranks, 3 rounds of 12 steps per variant: ~1.5 min
-    .venv/bin/python benchmarks/snapshots.py --quick    # 1 round of 4 steps
+    .venv/bin/python benchmarks/snapshots.py            # 4 ranks, 3 rounds of 12 steps per variant: ~75 s
+    .venv/bin/python benchmarks/snapshots.py --quick    # 1 round of 4 steps: ~15 s
 
 The trainer on ``--world-size`` forked ranks, the capstone's model at benchmarks/step.py's medium
 shape (2 blocks of dim 256, 8 heads, 128 tokens, 8 sequences per rank; ZeRO ``--stage``), three

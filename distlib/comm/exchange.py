@@ -54,7 +54,7 @@ def all_to_all(
     if name != "torch" and name not in A2A.ALGORITHMS:
         raise ValueError(f"unknown all_to_all algorithm {name!r}; expected one of {sorted(A2A.ALGORITHMS)}")
     if n == 1:
-        return received_into(out, tuple(tensor.shape), tensor).copy_(tensor)
+        return received_into(out, tuple(tensor.shape), tensor, "all_to_all").copy_(tensor)
     run = native.all_to_all if name == "torch" else execution("all_to_all", name, comm, A2A.ALGORITHMS)
     if comm.dry:  # (a dry group's peers send what this rank sends, without saying so)
         run, recv_splits = nothing, list(send_splits) if recv_splits is None else recv_splits
@@ -62,13 +62,13 @@ def all_to_all(
     # receives rows of that width (an expert rank that got no tokens gets its own tokens' outputs).
     width = math.prod(tensor.shape[1:])
     if recv_splits is not None:  # a wrong ``out`` is refused before anything is sent
-        out = received_into(out, (sum(recv_splits), *tensor.shape[1:]), tensor)
+        out = received_into(out, (sum(recv_splits), *tensor.shape[1:]), tensor, "all_to_all")
     with collective(comm, "all_to_all", dtype=flat.dtype, algo=name):
         if recv_splits is None:
             counts = torch.tensor(send_splits, dtype=torch.int64, device=tensor.device)
             got = torch.empty(n, dtype=torch.int64, device=tensor.device)
             run(counts, got, comm, _rows([1] * n, 1), _rows([1] * n, 1))
             recv_splits = got.tolist()
-            out = received_into(out, (sum(recv_splits), *tensor.shape[1:]), tensor)
+            out = received_into(out, (sum(recv_splits), *tensor.shape[1:]), tensor, "all_to_all")
         run(flat, out.view(-1), comm, _rows(send_splits, width), _rows(recv_splits, width))
     return out

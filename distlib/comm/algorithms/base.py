@@ -46,19 +46,20 @@ def empty(n: int, like: Tensor) -> Tensor:
     return torch.empty(n, dtype=like.dtype, device=like.device)
 
 
-def received_into(out: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """Where a collective puts what it receives: ``out`` when given (checked: ``shape``, ``like``'s
-    dtype and device, contiguous), else a new tensor. A caller receiving the same shape again saves
-    the allocation: 64 MB fresh costs more than copying them (page faults, the kernel's zeroing)."""
+def received_into(out: Tensor | None, shape: tuple[int, ...], like: Tensor, name: str) -> Tensor:
+    """Where collective ``name`` puts what it receives: ``out`` when given (checked: ``shape``,
+    ``like``'s dtype and device, contiguous), else a new tensor. A caller receiving the same shape
+    again saves the allocation: 64 MB fresh costs more than copying them (page faults, the kernel's
+    zeroing)."""
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     if tuple(out.shape) != tuple(shape) or (out.dtype, out.device) != (like.dtype, like.device):
         raise ValueError(
-            f"out must be a {like.dtype} tensor of shape {list(shape)} on {like.device}; "
+            f"{name}: out must be a {like.dtype} tensor of shape {list(shape)} on {like.device}; "
             f"got {out.dtype} {list(out.shape)} on {out.device}"
         )
     if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
+        raise ValueError(f"{name}: out must be contiguous")
     return out
 
 
