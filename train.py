@@ -127,6 +127,17 @@ def _restart_resumes(tree: dict) -> dict:
     return tree
 
 
+def _restarts_problem(run_cfg: RunConfig) -> str | None:
+    """dist.max_restarts is this launcher's; torchrun and srun restart (or not) by their own rules."""
+    if run_cfg.dist.max_restarts and (UNDER_TORCHRUN or slurm.is_rank_task(os.environ)):
+        launcher = "torchrun: pass --max-restarts" if UNDER_TORCHRUN else "srun: requeue the job"
+        return (
+            f"dist.max_restarts={run_cfg.dist.max_restarts} is python train.py's own launcher's "
+            f"(it replaces a lost worker while the others stay); under {launcher} instead"
+        )
+    return None
+
+
 def run_config(cfg: DictConfig) -> None:
     """Hydra's task: check, claim the run directory, then train (this rank) or start the workers."""
     from hydra.core.hydra_config import HydraConfig
@@ -143,7 +154,7 @@ def run_config(cfg: DictConfig) -> None:
     if UNDER_TORCHRUN:
         tree = _restart_resumes(tree)
     run_cfg = checked_config(tree)
-    problem = continuation.resume_path_problem(tree)
+    problem = continuation.resume_path_problem(tree) or _restarts_problem(run_cfg)
     if problem:
         _refuse(f"config error: {problem}", 2)
     try:
@@ -174,7 +185,10 @@ def run_config(cfg: DictConfig) -> None:
     else:
         # the workers train this checked config under torch's agent; Hydra's files are this process's
         preload = recompute.imports(run_cfg.model.activation_checkpointing)
-        local.launch(tree, run_cfg.dist.world_size, str(run_dir), run_cfg.metrics.file, preload)
+        d = run_cfg.dist
+        local.launch(
+            tree, d.world_size, str(run_dir), run_cfg.metrics.file, preload, d.max_restarts, d.timeout_s
+        )
 
 
 def _submitit_installed() -> bool:

@@ -63,6 +63,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -135,6 +141,10 @@ class Job:
 
     def workers(self) -> list[int]:
         return sorted(pid for pid in _children(self.proc.pid) if _alive(pid))
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid of the live workers (torchrun's each have RANK in their environment)."""
+        return {_rank_of(pid): pid for pid in self.workers()}
 
     def kill(self, pid: int) -> float:
         t = time.time()

@@ -1,16 +1,19 @@
 """A kill loop (torchft's punisher, in small): K SIGKILLs of random ranks at random moments of one job.
 
-    .venv/bin/python benchmarks/chaos.py [--kills 20] [--world-size 4] [--seed 0] [--keep DIR]
+    .venv/bin/python benchmarks/chaos.py [--kills 20] [--world-size 4] [--seed 0]
+                                         [--launchers torchrun,own] [--keep DIR]
 
-The capstone under ``torchrun --max-restarts K`` with snapshots every step and disk checkpoints
-every few steps (``checkpoint.resume=latest``). Each kill picks, from a seeded generator, a rank
-(every rank in turn of a shuffled order, so rank 0 is hit too) and a moment: inside a step, inside
-a disk save (its ``.partial`` directory exists), or inside a snapshot round (the job's /dev/shm
-directory holds two steps' files); the job is given 3 steps between kills. At the end: every kill
-survived (the job finished), steps lost per kill (<= 1 expected: snapshots every step), the final
-checkpoint byte-identical to an uninterrupted run's (every file's sha256), /dev/shm clean, and the
-recovery time from each kill to the next step (median and max). tests/test_chaos.py runs it small.
-JSON: benchmarks/results/chaos.json.
+The capstone with snapshots every step and disk checkpoints every few steps
+(``checkpoint.resume=latest``), under each launcher in turn: ``torchrun --max-restarts K`` (every
+worker restarts after a kill) and ``python train.py dist.max_restarts=K`` (own: the lost worker
+alone is replaced, the others stay in their processes; distlib/launch/agent.py). Each kill picks,
+from a seeded generator, a rank (every rank in turn of a shuffled order, so rank 0 is hit too) and
+a moment: inside a step, inside a disk save (its ``.partial`` directory exists), or inside a
+snapshot round (the job's /dev/shm directory holds two steps' files); the job is given 3 steps
+between kills. At the end, per launcher: every kill survived (the job finished), steps lost per
+kill (<= 1 expected: snapshots every step), the final checkpoint byte-identical to an
+uninterrupted run's (every file's sha256), /dev/shm clean, and the recovery time from each kill to
+the next step (median and max). tests/test_chaos.py runs it small. JSON: benchmarks/results/chaos.json.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _own_job import OwnJob  # noqa: E402
 from _torchrun_job import ROOT, Job  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -32,6 +36,7 @@ from distlib.checkpoint import memory_snapshot as shm  # noqa: E402
 from distlib.checkpoint import sharded as checkpoint  # noqa: E402
 
 MOMENTS = ("step", "save", "snapshot")
+LAUNCHERS = {"torchrun": Job, "own": OwnJob}
 
 
 def overrides(world_size: int, steps: int, every: int) -> list[str]:
@@ -44,12 +49,6 @@ def overrides(world_size: int, steps: int, every: int) -> list[str]:
         "checkpoint.verify_resume=false",
         "metrics.progress_every=0",
     ]
-
-
-def _rank_of(pid: int) -> int:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    return int(env[b"RANK"])
 
 
 def _in_save(job: Job) -> bool:
@@ -80,17 +79,42 @@ def final_files(run_dir: Path, steps: int) -> dict[str, str]:
     return {f["path"]: f["sha256"] for f in manifest["files"]}
 
 
-def run(base: Path, kills: int, world_size: int, seed: int, every: int = 5) -> dict:
-    """The reference job, then the chaos job with ``kills`` kills; everything to judge it by."""
-    # each kill may use 3 steps of its start, up to a save interval to catch a save, and a step lost
-    steps = every * (2 + ((3 + every + 1) * (kills + 1)) // every)
-    args = overrides(world_size, steps, every)
-    reference = Job(base / "reference", args, world_size).start()
+def _steps(kills: int, every: int) -> int:
+    """Enough steps that each kill may use 3 steps of its start, up to a save interval to catch a
+    save, and a step lost."""
+    return every * (2 + ((3 + every + 1) * (kills + 1)) // every)
+
+
+def reference_run(base: Path, kills: int, world_size: int, every: int = 5) -> Path:
+    """The uninterrupted job the kill loops' final checkpoints are compared with; its directory."""
+    reference = Job(
+        base / "reference", overrides(world_size, _steps(kills, every), every), world_size
+    ).start()
     if reference.finish() != 0:
         raise SystemExit(f"the uninterrupted run failed: {reference.tail()}")
+    return reference.run_dir
+
+
+def run(
+    base: Path,
+    kills: int,
+    world_size: int,
+    seed: int,
+    every: int = 5,
+    launcher: str = "torchrun",
+    reference: Path | None = None,
+) -> dict:
+    """The kill loop of ``kills`` kills under ``launcher`` (torchrun: every worker restarts; own:
+    python train.py's agent, the lost worker alone is replaced), after the uninterrupted job
+    (``reference``: its directory, if it ran already); everything to judge it by."""
+    steps = _steps(kills, every)
+    reference = reference or reference_run(base, kills, world_size, every)
     rng = random.Random(seed)
     order = []
-    job = Job(base / "chaos", args, world_size, max_restarts=kills).start()
+    job = LAUNCHERS[launcher](
+        base / f"chaos_{launcher}", overrides(world_size, steps, every), world_size, kills
+    )
+    job.start()
     rows = []
     for attempt in range(kills):
         if not order:
@@ -98,7 +122,7 @@ def run(base: Path, kills: int, world_size: int, seed: int, every: int = 5) -> d
         begun = job.last_step()
         job.wait_for(lambda b=begun: job.last_step() >= b + 3, what="3 steps of this start")
         moment = _wait_moment(job, MOMENTS[attempt % len(MOMENTS)], rng)
-        victims = {_rank_of(pid): pid for pid in job.workers()}
+        victims = job.ranks()
         rank = order.pop()
         t_kill = job.kill(victims[rank])
         job.wait_for(
@@ -114,15 +138,41 @@ def run(base: Path, kills: int, world_size: int, seed: int, every: int = 5) -> d
         row["steps_lost"] = done - restart["step"]
         row["phases_s"] = job.phases(row["t"], row["pid"], row["attempt"])
         row["first_step_s"] = row["phases_s"]["first step"]
-    same = code == 0 and final_files(job.run_dir, steps) == final_files(reference.run_dir, steps)
+    same = code == 0 and final_files(job.run_dir, steps) == final_files(reference, steps)
     return {
+        "launcher": launcher,
         "exit_code": code,
         "kills": rows,
         "byte_identical": same,
+        "worker_processes": len(job.seen),  # every worker process the job ran, the replacements too
         "steps": steps,
-        "shm_clean": not shm.job_dir(job.run_dir).exists() and not shm.job_dir(reference.run_dir).exists(),
+        "shm_clean": not shm.job_dir(job.run_dir).exists() and not shm.job_dir(reference).exists(),
         "stderr_tail": job.tail() if code else "",
     }
+
+
+def _report(result: dict, args) -> None:
+    kills = result["kills"]
+    times = [k["first_step_s"] for k in kills if k["first_step_s"] is not None]
+    moments = {m: sum(k["moment"] == m for k in kills) for m in MOMENTS}
+    lost = [k["steps_lost"] for k in kills]
+    print(f"{result['launcher']}: {LAUNCHER_WORDS[result['launcher']]}")
+    print(
+        f"  faults survived: {len(kills) if result['exit_code'] == 0 else 0} of {args.kills} "
+        f"(moments: {moments}; ranks hit: {sorted({k['rank'] for k in kills})})"
+    )
+    print(f"  steps lost: total {sum(lost)}, at most {max(lost)} per kill")
+    print(f"  kill -> next step: median {statistics.median(times):.2f} s, max {max(times):.2f} s")
+    print(
+        f"  final checkpoint byte-identical to an uninterrupted run: {result['byte_identical']}; "
+        f"/dev/shm clean: {result['shm_clean']}"
+    )
+
+
+LAUNCHER_WORDS = {
+    "torchrun": "torchrun --max-restarts, every worker restarts",
+    "own": "python train.py dist.max_restarts, the lost worker is replaced and the others stay",
+}
 
 
 def main() -> None:
@@ -130,31 +180,26 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--launchers", default="torchrun,own", help="comma-separated: torchrun, own")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
-    parser.add_argument("--keep", default=None, help="keep the two jobs' directories under this directory")
+    parser.add_argument("--keep", default=None, help="keep the jobs' directories under this directory")
     args = parser.parse_args()
+    launchers = args.launchers.split(",")
     with tempfile.TemporaryDirectory() as scratch:
-        result = run(Path(args.keep or scratch), args.kills, args.world_size, args.seed)
-    kills = result["kills"]
-    times = [k["first_step_s"] for k in kills if k["first_step_s"] is not None]
-    moments = {m: sum(k["moment"] == m for k in kills) for m in MOMENTS}
-    print(f"{args.kills} SIGKILLs, {args.world_size} ranks, seed {args.seed}, {result['steps']} steps")
-    print(
-        f"faults survived: {len(kills) if result['exit_code'] == 0 else 0} of {args.kills} "
-        f"(moments: {moments}; ranks hit: {sorted({k['rank'] for k in kills})})"
-    )
-    lost = [k["steps_lost"] for k in kills]
-    print(f"steps lost: total {sum(lost)}, at most {max(lost)} per kill")
-    print(f"kill -> next step: median {statistics.median(times):.2f} s, max {max(times):.2f} s")
-    print(
-        f"final checkpoint byte-identical to an uninterrupted run: {result['byte_identical']}; "
-        f"/dev/shm clean: {result['shm_clean']}"
-    )
+        base = Path(args.keep or scratch)
+        reference = reference_run(base, args.kills, args.world_size)
+        results = [
+            run(base, args.kills, args.world_size, args.seed, launcher=n, reference=reference)
+            for n in launchers
+        ]
+    print(f"{args.kills} SIGKILLs, {args.world_size} ranks, seed {args.seed}, {results[0]['steps']} steps")
+    for result in results:
+        _report(result, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), **result}, indent=2))
+    out.write_text(json.dumps({"config": vars(args), "launchers": results}, indent=2))
     print(f"wrote {out}")
-    if result["exit_code"] != 0 or not result["byte_identical"] or not result["shm_clean"]:
+    if any(r["exit_code"] != 0 or not r["byte_identical"] or not r["shm_clean"] for r in results):
         sys.exit(1)
 
 

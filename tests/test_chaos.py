@@ -1,7 +1,8 @@
-"""A seeded kill loop under torchrun --max-restarts: SIGKILLs of random ranks (rank 0 included) at
-random moments -- inside a step, inside a disk save, inside a snapshot round -- and the job still
-finishes with its final checkpoint byte-identical to an uninterrupted run's, at most one step lost
-per kill, and nothing left in /dev/shm (benchmarks/chaos.py, small: 2 ranks, 3 kills)."""
+"""A seeded kill loop: SIGKILLs of random ranks (rank 0 included) at random moments -- inside a step,
+inside a disk save, inside a snapshot round -- and the job still finishes with its final checkpoint
+byte-identical to an uninterrupted run's, at most one step lost per kill, and nothing left in
+/dev/shm (benchmarks/chaos.py, small): under torchrun --max-restarts (2 ranks, 3 kills), and under
+python train.py dist.max_restarts, where only the lost worker is replaced (4 ranks, 5 kills)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,16 @@ def test_three_kills_at_random_moments_lose_at_most_a_step_each_and_change_no_by
     assert 0 in {k["rank"] for k in kills}
     assert all(k["steps_lost"] <= 1 for k in kills), kills
     assert result["byte_identical"] and result["shm_clean"]
+
+
+def test_five_kills_under_the_own_launcher_replace_the_lost_worker_alone_and_change_no_byte(tmp_path):
+    kills = 5
+    result = chaos.run(tmp_path, kills=kills, world_size=4, seed=1, launcher="own")
+    assert result["exit_code"] == 0, result["stderr_tail"]
+    rows = result["kills"]
+    assert [k["moment"] for k in rows] == ["step", "save", "snapshot", "step", "save"], rows
+    assert 0 in {k["rank"] for k in rows}
+    assert all(k["steps_lost"] <= 1 for k in rows), rows
+    assert result["byte_identical"] and result["shm_clean"]
+    # one new process per kill: the survivors kept theirs (torchrun would start 4 per kill)
+    assert result["worker_processes"] == 4 + kills, result["worker_processes"]

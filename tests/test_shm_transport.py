@@ -24,7 +24,7 @@ from multiproc import run_ranks
 from distlib.app.config.run import RunConfig
 from distlib.app.trainer import Trainer
 from distlib.comm import collectives as C
-from distlib.comm import local
+from distlib.comm import local, shm
 from distlib.comm.group import Comm
 from distlib.comm.header import HEADER_BYTES, INLINE_BYTES
 from distlib.comm.layout import Layout
@@ -166,6 +166,27 @@ def test_a_rank_killed_mid_collective_is_named_at_once_and_nothing_is_left(tmp_p
         peers.append(int(peer))
     assert 1 in peers
     assert os.listdir(shm_dir) == []
+
+
+def _left(comm: Comm, out: str) -> None:
+    ours = local.attach(comm, None, 30.0)
+    if comm.rank == 1:
+        shm.leave_all()  # as a survivor of a lost peer does before it re-forms its groups
+        time.sleep(6.0)  # alive all along: only its mark tells the others it is gone
+        return
+    began = time.monotonic()
+    try:
+        C.all_reduce(torch.ones(1000), ours)
+    except CollectiveError as exc:
+        Path(out, f"rank{comm.rank}").write_text(f"{time.monotonic() - began}\n{exc}")
+
+
+def test_a_live_rank_that_left_its_segment_fails_its_peers_waits_at_once(tmp_path):
+    run_ranks(_left, 3, str(tmp_path), timeout_s=60)
+    for rank in (0, 2):
+        waited, message = (tmp_path / f"rank{rank}").read_text().split("\n", 1)
+        assert float(waited) < 5.0, message  # not the 30 s timeout, and before rank 1 exits
+        assert "left the group" in message, message
 
 
 def test_a_segment_whose_creator_died_is_reaped(tmp_path, monkeypatch):

@@ -121,6 +121,6 @@ class Board:
                 raise Stalled(f"no barrier for {t.timeout_s:g} s (shared-memory transport)", late[0])
             dead = [j for j in late if waited > shm.PROBE_S and shm.exited(t.pids[j].value)]
             if dead:
-                raise Stalled(f"peer process {t.pids[dead[0]].value} has exited", dead[0])
+                raise Stalled(shm.gone(t.pids[dead[0]].value), dead[0])
             nap = min(shm.PROBE_S, t.timeout_s - waited)
             shm.sleep_on(bell, seen, nap)

@@ -189,6 +189,12 @@ def deliver_sent() -> None:
     _UNWAITED.clear()
 
 
+def forget_sent() -> None:
+    """Drop the header sends this process holds without waiting on them: their groups are broken
+    (a peer was lost) and left for new ones, so no receive will ever be posted for them."""
+    _UNWAITED.clear()
+
+
 def unwaited_sends() -> int:
     """How many header sends this process holds, not yet waited on: at most one collective's per group."""
     return sum(len(sends) for sends in _UNWAITED.values())

@@ -32,6 +32,7 @@ import os
 import platform
 import threading
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -41,6 +42,7 @@ _LINE = 64  # one cache line per counter: the sender's and receiver's words neve
 _SYS_FUTEX = 202  # x86-64's futex system call
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 PROBE_S = 0.1  # how often a waiting rank checks that its peer is alive
+LEFT = -1  # a member's pid word once it has left the segment for good: its peers' waits read it as exited
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -76,12 +78,36 @@ def sleep_on(word, seen: int, seconds: float) -> None:
 
 
 def exited(pid: int) -> bool:
-    """Whether process ``pid`` is gone or a zombie (dead, not yet reaped by its launcher)."""
+    """Whether process ``pid`` is gone or a zombie (dead, not yet reaped by its launcher); a
+    member's pid word that says it ``LEFT`` reads as gone too."""
+    if pid == LEFT:
+        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+def gone(pid: int) -> str:
+    """What a wait on a member that ``exited`` says."""
+    return (
+        "peer left the group (a peer of its own was lost)"
+        if pid == LEFT
+        else f"peer process {pid} has exited"
+    )
+
+
+# every segment this process has mapped and not yet dropped (``leave_all``)
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def leave_all() -> None:
+    """Leave every segment this process has mapped: a rank that abandons its process groups (the
+    survivors of a lost rank re-form theirs, distlib/launch/generations.py) wakes the peers waiting
+    on it, which then fail as they would on a dead peer (within ``PROBE_S``), not after the timeout."""
+    for transport in list(_OPEN):
+        transport.leave()
 
 
 def layout_bytes(n: int, capacity: int) -> int:
@@ -187,6 +213,7 @@ class Transport:
         self.recvs: dict[int, deque] = {j: deque() for j in self.into}
         self.lock = threading.Lock()
         self.board = None  # the members' slots (``board.Board``), where the segment has them
+        _OPEN.add(self)
 
     # ---------------------------------------------------------------- posting
 
@@ -276,6 +303,13 @@ class Transport:
         bell.value = (bell.value + 1) & 0xFFFFFFFF
         _futex(ctypes.addressof(bell), _FUTEX_WAKE, 0x7FFFFFFF, None)
 
+    def leave(self) -> None:
+        """Tell the peers this member is gone for good (its pid word reads as an exited process)
+        and wake them, so that none waits out ``timeout_s`` on a live rank that left."""
+        self.pids[self.me].value = LEFT
+        for j in self.out:
+            self._ring(j)
+
     # ---------------------------------------------------------------- waiting
 
     def wait(self, op: _Op) -> None:
@@ -292,7 +326,7 @@ class Transport:
             if waited > self.timeout_s:
                 raise TimeoutError(f"no message for {self.timeout_s:g} s (shared-memory transport)")
             if waited > PROBE_S and exited(self.pids[op.peer].value):
-                raise RuntimeError(f"peer process {self.pids[op.peer].value} has exited")
+                raise RuntimeError(gone(self.pids[op.peer].value))
             nap = min(PROBE_S, self.timeout_s - waited)
             sleep_on(bell, seen, nap)
 

@@ -62,11 +62,21 @@ def temp_dir_problem() -> str | None:
 
 
 def launch(
-    tree: dict, world_size: int, run_dir: str, metrics_file: str, preload: tuple[str, ...] = ()
+    tree: dict,
+    world_size: int,
+    run_dir: str,
+    metrics_file: str,
+    preload: tuple[str, ...] = (),
+    max_restarts: int = 0,
+    timeout_s: float = 60.0,
 ) -> None:
     """Run ``world_size`` workers of the checked configuration ``tree`` in ``run_dir`` to the end;
     exits this process on failure. The modules ``preload`` names, which every worker would import
-    itself, are imported here once, before the workers are forked."""
+    itself, are imported here once, before the workers are forked. With ``max_restarts`` > 0 a
+    lost worker is replaced and the others stay (``agent.Agent``; ``timeout_s``: its store's)."""
+    if max_restarts > 0:
+        _launch_in_place(tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s)
+        return
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -88,10 +98,7 @@ def launch(
         monitor_interval=0.1,
         start_method="forkserver",
     )
-    for name in preload:
-        importlib.import_module(name)
-    multiprocessing.set_forkserver_preload([*PRELOAD, *preload])  # for the server multiprocessing would start
-    prefork.start()  # the server as a fork of this process, before the agent's first thread
+    _start_fork_server(preload)
     # The workers print their own one-line errors; the agent's tracebacks would bury them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     started = time.time()
@@ -104,6 +111,31 @@ def launch(
     finally:
         prefork.stop()  # the workers are gone: so is their server
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _start_fork_server(preload: tuple[str, ...]) -> None:
+    for name in preload:
+        importlib.import_module(name)
+    multiprocessing.set_forkserver_preload([*PRELOAD, *preload])  # for the server multiprocessing would start
+    prefork.start()  # the server as a fork of this process, before the agent's first thread
+
+
+def _launch_in_place(tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s) -> None:
+    """``launch`` under the agent that replaces a lost worker while the others stay."""
+    from distlib.launch.agent import Agent
+
+    _start_fork_server(preload)
+    started = time.time()
+    agent = Agent(tree, world_size, run_dir, max_restarts, timeout_s)
+    try:
+        stopped, failed = agent.run()
+    finally:
+        prefork.stop()
+    if stopped:
+        _stopped(stopped, Path(run_dir), metrics_file, started)
+    if failed:
+        print(agent.failure_line(failed), file=sys.stderr)
+        sys.exit(1)
 
 
 def _stopped(name: str, run_dir: Path, metrics_file: str, since: float) -> None:

@@ -156,17 +156,21 @@ def _start_key() -> str:
     return os.environ.get(START_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
-def init_process_group(backend: str, timeout: datetime.timedelta, device: str = "cpu") -> None:
+def init_process_group(
+    backend: str, timeout: datetime.timedelta, device: str = "cpu", store: dist.Store | None = None
+) -> None:
     """Join the group. torchrun's agent keeps one store for all restarts of a job and env://
     does not separate them (pytorch/pytorch#135712): a restarted group would read the dead
-    group's gloo addresses. So each start gets its own key prefix (join_job_start). With NCCL,
-    ``device_id`` creates the communicators now (and those of every later subgroup), so the
-    first batched point-to-point round of a group need not involve all its ranks."""
+    group's gloo addresses. So each start gets its own key prefix (join_job_start); a launcher
+    that prefixes its own passes its ``store``. With NCCL, ``device_id`` creates the
+    communicators now (and those of every later subgroup), so the first batched point-to-point
+    round of a group need not involve all its ranks."""
     bound = {"device_id": torch.device(device)} if backend == "nccl" else {}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout, **bound)
         return
-    store = dist.PrefixStore(f"distlib/attempt_{_start_key()}", _agent_store(timeout.total_seconds()))
+    if store is None:
+        store = dist.PrefixStore(f"distlib/attempt_{_start_key()}", _agent_store(timeout.total_seconds()))
     dist.init_process_group(
         backend,
         store=store,

@@ -8,7 +8,10 @@ Known failures print one line and exit 1: errors every rank agreed on are printe
 one a rank raised alone (``agreed`` false: a collective whose messages did not fit its call) by
 that rank, rank-prefixed; a stalled or lost peer is named by each rank that waited on it. Those
 ranks then leave at once (``os._exit``): a dead peer's group cannot be torn down cleanly, and the
-launcher is about to restart or stop the job. Anything else keeps its traceback (``@record``).
+launcher is about to restart or stop the job. Under the agent that replaces a lost worker
+(``serve``; ``dist.max_restarts``, distlib/launch/agent.py) such a rank stays instead: it leaves
+the broken group and trains on in the next generation's (``_stay``). Anything else keeps its
+traceback (``@record``).
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from distlib.app.trainer import Trainer
 from distlib.app.unattended.guard import DesyncError, GuardError
 from distlib.app.unattended.stopping import StopSignals
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.comm import watchdog
+from distlib.comm import header, shm, watchdog
 from distlib.comm.group import Comm
 from distlib.comm.header import deliver_sent
 from distlib.comm.p2p import CollectiveMismatchError
 from distlib.comm.watchdog import StallError
-from distlib.launch.parent import die_with_parent
+from distlib.launch import continuation, generations
+from distlib.launch.parent import die_with_parent, name_process
 from distlib.launch.torchrun import init_process_group, rank_error, use_cuda_device, use_deterministic_kernels
 
 # How long a fork-server worker waits, once its run is over, before it leaves without the agent's
@@ -73,6 +77,16 @@ def start(tree: dict, run_dir: str) -> None:
     timer.start()
 
 
+def serve(env: dict[str, str], tree: dict, run_dir: str) -> None:
+    """A worker of the agent that replaces a lost rank in place (``distlib.launch.agent``), forked
+    from the fork server with the rank's ``env``; its exit code is the run's."""
+    os.environ.update(env)
+    die_with_parent()
+    name_process(f"distlib-rank{env['RANK']}")  # ps tells the ranks apart (and who is lost)
+    gc.freeze()  # as in ``start``
+    _run(tree, run_dir)
+
+
 @record
 def run(tree: dict, run_dir: str) -> None:
     """This rank's whole run (torchrun's and srun's workers); exits non-zero when the run failed."""
@@ -80,16 +94,44 @@ def run(tree: dict, run_dir: str) -> None:
 
 
 def _run(tree: dict, run_dir: str) -> None:
-    """The run; exits non-zero when it failed."""
-    try:
-        failures = _train(RunConfig.from_dict(tree), run_dir)
-    except (ConfigError, CheckpointError, DataError) as exc:
-        rank_error(str(exc))
-        sys.exit(1)
-    except StallError as exc:  # the rendezvous did not form
-        _say_and_leave(exc)
-    if failures:
-        sys.exit(1)
+    """The run; exits non-zero when it failed. Under the agent that replaces a lost rank, a
+    survivor trains on in the next generation's group (``_stay``)."""
+    while True:
+        if generations.in_place():  # a replacement, or a survivor in a later generation, resumes
+            tree = continuation.resumed_on_restart(tree, generations.current())[0]
+        try:
+            failures = _train(RunConfig.from_dict(tree), run_dir)
+        except (ConfigError, CheckpointError, DataError) as exc:
+            rank_error(str(exc))
+            sys.exit(1)
+        except StallError as exc:  # the rendezvous did not form
+            _say_and_leave(exc)
+        except PeerLost as exc:
+            lost = str(exc)  # only the line: the exception's frames hold the broken generation
+        else:
+            if failures:
+                sys.exit(1)
+            return
+        _stay(tree, lost)
+
+
+class PeerLost(Exception):
+    """A peer was lost while this rank trained under the agent that replaces it; the message is
+    the diagnosed StallError's, said only if no generation follows."""
+
+
+def _stay(tree: dict, lost: str) -> None:
+    """Wait for the agent's next generation (the lost rank's replacement started) and enter it. If
+    none follows soon (``generations.WAIT_S``: the peer hung rather than died) or the agent says
+    none will, say the original error (``lost``) and leave."""
+    header.forget_sent()  # the broken group's: never to be delivered
+    # the broken generation's model, optimizer and segments are garbage in cycles (frames of the
+    # failed step): freed now, before the next generation builds its own beside them
+    gc.collect()
+    generation = generations.next_generation(RunConfig.from_dict(tree).dist.timeout_s)
+    if generation is None:
+        _say_and_leave(StallError(lost))
+    generations.enter(generation)
 
 
 def _say_and_leave(exc: Exception) -> None:
@@ -143,6 +185,9 @@ def _train_joined(cfg: RunConfig, run_dir: str, hooks: StepHooks, device: str) -
     except AGREED_ERRORS as exc:
         return _failed(exc)
     except StallError as exc:
+        if generations.in_place():
+            shm.leave_all()  # a live peer waiting on this rank fails now, as on a dead one
+            raise PeerLost(str(exc)) from exc
         _say_and_leave(exc)
     finally:
         if dist.is_initialized():
@@ -166,7 +211,9 @@ def _join(cfg: RunConfig, hooks: StepHooks, device: str = "cpu") -> None:
     (a bad address, a port in use) keeps its own message: it is not a rank that did not arrive."""
     hooks.joining()
     try:
-        init_process_group(cfg.dist.backend, datetime.timedelta(seconds=cfg.dist.timeout_s), device)
+        timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+        own = generations.store(cfg.dist.timeout_s) if generations.in_place() else None
+        init_process_group(cfg.dist.backend, timeout, device, own)
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
         # torch tells a timeout only in the text: DistStoreError "wait timeout after ...", "Timed out
         # initializing ...", a client socket that "has timed out"

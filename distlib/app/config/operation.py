@@ -22,6 +22,11 @@ class DistConfig(Group):
     backend: gloo (host transport; CUDA tensors are staged through pinned host memory) or nccl (needs CUDA
         and train.device cuda/auto)
     timeout_s: every collective and the rendezvous fail after this many seconds
+    max_restarts: `.venv/bin/python train.py` replaces up to this many workers lost to a signal (SIGKILL,
+        the OOM killer, a native crash) in one job: the other ranks keep their processes and re-form the
+        group with the new worker, and every rank resumes from the newest snapshot or checkpoint (with
+        checkpoint.memory_every_steps=1 no step is redone); 0: a lost worker ends the job. Under
+        torchrun, its --max-restarts restarts every worker instead
     tp: tensor-parallel degree: attention heads and the MLP split over this many ranks (divides world_size,
         model.n_heads, llama's model.n_kv_heads and the MLP width); ZeRO shards over the world_size / tp
         data-parallel ranks
@@ -57,6 +62,7 @@ class DistConfig(Group):
     world_size: int = key(4, ge=1)
     backend: str = key("gloo", choices=("gloo", "nccl"))
     timeout_s: float = key(60.0, gt=0)
+    max_restarts: int = key(0, ge=0)
     tp: int = key(1, ge=1)
     check_collectives: bool = key(True)
     collectives: str = key("ours", choices=COLLECTIVES)

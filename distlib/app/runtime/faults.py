@@ -7,12 +7,13 @@ attaches it (``step_hooks``) when a fault is configured; the trainer, the checkp
 fault. Users run these drills too (a SIGKILL mid-run, a crash inside a save, a full disk, a loss
 spike, a hang, a desynchronised replica, a pre-emption, a straggler).
 
-Under torchrun a kill fires only on the job's first start (``launcher_env.attempt()`` is 0, the
-same on every node), so the restarted group runs clean, as after a real one-off failure. The
-divergence, stall, desync and pre-emption faults fire once per process, the first time their step
-is reached; the record of what fired lives here, in memory and not in checkpoints, so a step
-re-run after a guard rollback runs clean, which is what lets a test compare the recovered run
-with an undisturbed one bit for bit. The straggler fault slows every step.
+Under a launcher that restarts (torchrun, or ``dist.max_restarts``) a kill fires only on the job's
+first start (``launcher_env.attempt()`` is 0, the same on every node), so the restarted group runs
+clean, as after a real one-off failure. The divergence, stall, desync and pre-emption faults fire
+once per process, the first time their step is reached; the record of what fired lives here, in
+memory and not in checkpoints, so a step re-run after a guard rollback runs clean, which is what
+lets a test compare the recovered run with an undisturbed one bit for bit. The straggler fault
+slows every step.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class FaultConfig(Group):
     """Faults injected on purpose (every key null: none).
 
     kill_rank: this rank SIGKILLs itself ...
-    kill_at_step: ... right after this step (under torchrun on the job's first start only)
+    kill_at_step: ... right after this step (on the job's first start only: not again after a restart)
     crash_in_save: every rank reaching this point of a save SIGKILLs itself: mid_shard (half its shard
         written), before_manifest (all shards fsynced), before_commit (manifest written, directory not
         renamed), after_commit

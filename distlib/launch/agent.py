@@ -1,0 +1,175 @@
+"""``python train.py``'s own agent where a lost worker is replaced and the others stay
+(``dist.max_restarts`` > 0).
+
+torch's elastic agent (``local.launch`` otherwise, and torchrun) restarts every worker when one
+dies: the ranks that were fine throw away their process, model and optimizer, and four fresh
+processes build them again (1.9-2.3 s from a kill to the next step here, most of it importing
+torch: benchmarks/recovery.py). This agent replaces only the worker that was lost. It hosts the
+job's TCPStore itself, forks each worker from the launcher's fork server (torch and the trainer
+imported already: a replacement costs a fork, not an interpreter), and watches their exit codes:
+
+- a worker killed by a signal (SIGKILL, the OOM killer, a crash in native code) while every other
+  worker still runs is replaced by a new worker of the same rank, up to ``max_restarts`` times in
+  the job; the survivors, whose collectives with it failed, leave the broken process group and
+  join the next generation's with the replacement (distlib/launch/generations.py), and every rank
+  resumes from the newest memory snapshot or checkpoint (``checkpoint.memory_every_steps=1``: no
+  step is redone);
+- any other failure (a worker exiting non-zero: an error it printed; a loss with no restart left,
+  or after the others have finished) ends the job: no generation follows, each survivor says why
+  it stopped, and this process names the failed ranks in one line and exits 1.
+
+The store lives in this process, not in a worker, so losing rank 0 is survived like any other.
+SIGTERM/SIGINT are forwarded to the workers (they save and stop) as under torch's agent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import signal
+import sys
+import time
+
+import torch.distributed as dist
+
+from distlib.launch import generations, worker
+from distlib.launch.torchrun import ATTEMPT_ENV
+
+POLL_S = 0.01  # how often the agent looks at its workers' exit codes (a wait, not CPU)
+SETTLE_S = 2.0  # how long survivors told that no generation follows get to say why and leave
+STOP_GRACE_S = 30.0  # then how long those still running get to stop on SIGTERM (a save included)
+
+
+def _describe(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+
+
+class Agent:
+    """The workers of one job on this host, replaced in place when lost (see the module's text)."""
+
+    def __init__(self, tree: dict, world_size: int, run_dir: str, max_restarts: int, timeout_s: float):
+        self.tree, self.world_size, self.run_dir = tree, world_size, run_dir
+        self.max_restarts, self.timeout_s = max_restarts, timeout_s
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.context = multiprocessing.get_context("forkserver")
+        self.workers: dict[int, multiprocessing.Process] = {}
+        self.generation = self.restarts = 0
+        self.stop_signal: int | None = None
+
+    # -- starting ---------------------------------------------------------------------------
+    def _env(self, rank: int) -> dict[str, str]:
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.store.port),
+            generations.ENV: str(self.generation),
+            ATTEMPT_ENV: str(self.generation),
+        }
+
+    def _spawn(self, rank: int) -> None:
+        process = self.context.Process(
+            target=worker.serve, args=(self._env(rank), self.tree, self.run_dir), name=f"rank {rank}"
+        )
+        process.start()
+        self.workers[rank] = process
+
+    def _replace(self, lost: dict[int, int]) -> None:
+        """A new generation: the lost ranks' new workers, then the survivors are told."""
+        self.generation += 1
+        self.restarts += len(lost)
+        for rank, code in sorted(lost.items()):
+            pid = self.workers[rank].pid
+            self._spawn(rank)
+            print(
+                f"rank {rank} was lost ({_describe(code)}, pid {pid}): a new worker takes its place and "
+                f"the other ranks stay (restart {self.restarts} of dist.max_restarts={self.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.store.set(generations.KEY, str(self.generation))
+
+    # -- watching ---------------------------------------------------------------------------
+    def run(self) -> tuple[str | None, dict[int, int]]:
+        """Run the job to its end: (the stop signal's name if one was forwarded, else None; the
+        failed ranks' exit codes, empty when every worker finished)."""
+        self.store.set(generations.KEY, "0")
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for rank in range(self.world_size):
+                self._spawn(rank)
+            failed = self._watch()
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+        name = signal.Signals(self.stop_signal).name if self.stop_signal else None
+        return name, failed
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            for process in self.workers.values():
+                if process.exitcode is None:
+                    os.kill(process.pid, signum)
+
+    def _watch(self) -> dict[int, int]:
+        while True:
+            codes = {rank: process.exitcode for rank, process in self.workers.items()}
+            if all(code == 0 for code in codes.values()):
+                return {}
+            ended = {rank: code for rank, code in codes.items() if code}
+            if ended and self._replaceable(ended, codes):
+                self._replace(ended)
+            elif ended:
+                return self._end(ended)
+            time.sleep(POLL_S)
+
+    def _replaceable(self, ended: dict[int, int], codes: dict[int, int | None]) -> bool:
+        """Whether the ended workers were all lost to a signal while every other one still runs,
+        with restarts left, and no stop asked for."""
+        if self.stop_signal is not None or any(code > 0 for code in ended.values()):
+            return False
+        others_run = all(code is None for rank, code in codes.items() if rank not in ended)
+        return others_run and self.restarts + len(ended) <= self.max_restarts
+
+    def _end(self, ended: dict[int, int]) -> dict[int, int]:
+        """No generation follows: the survivors leave with their own error. Those still running
+        after SETTLE_S (a rank that hangs, one whose peers all left) are asked to stop (SIGTERM:
+        as torch's agent does), then killed. The exit codes of the failures that ended the job."""
+        self.store.set(generations.KEY, generations.END)
+        self._wait_all(SETTLE_S)
+        self._signal_running(signal.SIGTERM)
+        self._wait_all(STOP_GRACE_S)
+        self._signal_running(signal.SIGKILL)
+        for process in self.workers.values():
+            process.join()
+        return ended
+
+    def _wait_all(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(p.exitcode is None for p in self.workers.values()):
+            time.sleep(POLL_S)
+
+    def _signal_running(self, signum: int) -> None:
+        for process in self.workers.values():
+            if process.exitcode is None:
+                os.kill(process.pid, signum)
+
+    def failure_line(self, failed: dict[int, int]) -> str:
+        """The launcher's line for the failures that ended the job (each survivor said its own)."""
+        ranks = ", ".join(f"rank {rank} ({_describe(code)})" for rank, code in sorted(failed.items()))
+        lost = all(code < 0 for code in failed.values())
+        if lost and self.stop_signal is None and self.restarts + len(failed) > self.max_restarts:
+            ranks += f"; no restart left (dist.max_restarts={self.max_restarts}, {self.restarts} used)"
+        elif lost and self.stop_signal is None:
+            ranks += "; the other ranks had ended, so no worker could take its place"
+        return f"error: training failed: {ranks}"

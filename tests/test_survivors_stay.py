@@ -1,0 +1,63 @@
+"""``python train.py dist.max_restarts=K``: a worker lost to a signal is replaced while the other
+ranks keep their processes (distlib/launch/agent.py). The kill loop that proves it recovers is in
+tests/test_chaos.py; here, what ends such a job: the restarts used up, and the key where another
+launcher restarts by its own rules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from forkrun import run_script
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _own_job import OwnJob  # noqa: E402
+
+STEPS = ["train.steps=400", "train.global_batch=12", "checkpoint.memory_every_steps=1"]
+
+
+@pytest.mark.slow
+def test_a_loss_past_the_restarts_ends_the_job_with_each_rank_saying_why(tmp_path):
+    job = OwnJob(tmp_path / "run", STEPS, nproc=3, max_restarts=1).start()
+    job.wait_for(lambda: job.last_step() >= 2, what="step 2")
+    first = job.ranks()
+    t_kill = job.kill(first[2])
+    job.wait_for(
+        lambda: any(r.get("event") == "restart" and r["time"] > t_kill for r in job.records()),
+        what="the restart",
+    )
+    job.wait_for(lambda: job.last_step() >= 5, what="two more steps")
+    second = job.ranks()
+    # the survivors are the same processes; rank 2 is a new one
+    assert {r: second[r] for r in (0, 1)} == {r: first[r] for r in (0, 1)} and second[2] != first[2]
+    job.kill(second[0])
+    code = job.finish(timeout=120)
+    err = job.output()[1].splitlines()
+    assert code == 1, err
+    assert err[-1] == (
+        "error: training failed: rank 0 (killed by SIGKILL); no restart left (dist.max_restarts=1, 1 used)"
+    ), err
+    assert any(line.startswith("rank 2 was lost (killed by SIGKILL, pid ") for line in err), err
+    for rank in (1, 2):  # each survivor names the rank it lost, in its own line
+        said = [line for line in err if line.startswith(f"error [rank {rank}]: ")]
+        assert len(said) == 1 and "rank(s) [0] did not arrive" in said[0], err
+    assert not any("Traceback" in line for line in err), err
+
+
+def test_dist_max_restarts_under_another_launcher_is_refused_in_one_line(tmp_path):
+    task = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "123",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_STEP_ID": "0",
+    }
+    proc = run_script("train.py", "dist.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}", env=task)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "config error: dist.max_restarts=1 is python train.py's own launcher's (it replaces a lost "
+        "worker while the others stay); under srun: requeue the job instead"
+    ]
