@@ -1,20 +1,44 @@
 """``python train.py dist.max_restarts=K``: a worker lost to a signal is replaced while the other
 ranks keep their processes (distlib/launch/agent.py). The kill loop that proves it recovers is in
-tests/test_chaos.py; here, what ends such a job: the restarts used up, and the key where another
-launcher restarts by its own rules."""
+tests/test_chaos.py; here, a kill while a generation forms (the replacement itself killed), and
+what ends such a job: the restarts used up, and the key where another launcher restarts by its own
+rules."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from forkrun import run_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import chaos  # noqa: E402
 from _own_job import OwnJob  # noqa: E402
 
 STEPS = ["train.steps=400", "train.global_batch=12", "checkpoint.memory_every_steps=1"]
+
+
+@pytest.mark.slow
+def test_a_replacement_killed_while_its_generation_forms_is_replaced_again_and_no_byte_changes(tmp_path):
+    steps = 25  # the last step is saved (every 5)
+    args = chaos.overrides(4, steps, 5)
+    reference = OwnJob(tmp_path / "reference", args, 4).start()
+    assert reference.finish() == 0, reference.tail()
+    # rank 1 joins 1.5 s late at every start: its replacement is killed while the survivors wait
+    # for it in the next generation (torch's rendezvous would wait dist.timeout_s for it)
+    late = ["fault.late_rank=1", "fault.late_seconds=1.5", "dist.timeout_s=30"]
+    job = OwnJob(tmp_path / "run", [*args, *late], 4, max_restarts=2).start()
+    job.wait_for(lambda: job.last_step() >= 3, what="step 3")
+    first = job.ranks()
+    job.kill(first[1])
+    job.wait_for(lambda: job.ranks().get(1, first[1]) != first[1], what="the replacement", timeout=30)
+    time.sleep(0.8)  # the survivors reach the new generation in ~0.3 s; the replacement is still late
+    job.kill(job.ranks()[1])
+    assert job.finish(timeout=200) == 0, job.tail()
+    assert chaos.final_files(job.run_dir, steps) == chaos.final_files(reference.run_dir, steps)
+    assert len(job.seen) == 4 + 2  # the survivors kept their processes through both
 
 
 @pytest.mark.slow

@@ -72,3 +72,24 @@ def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
             return int(value)
         time.sleep(poll_s)
     return None
+
+
+def assemble(world_size: int, timeout_s: float, poll_s: float = 0.005) -> bool:
+    """Wait until all ``world_size`` ranks of this worker's generation have arrived, before any of
+    them forms its process group: True then; False when a later generation started meanwhile (a
+    rank of this one was lost while it formed, and torch's rendezvous would have waited out the
+    timeout for it). Raises TimeoutError naming the count after ``timeout_s``, or when the agent
+    says no generation follows."""
+    base, mine = _base_store(timeout_s), current()
+    arrived = f"distlib/generation_{mine}/arrived"
+    count = base.add(arrived, 1)
+    deadline = time.monotonic() + timeout_s
+    while count < world_size:
+        value = base.get(KEY).decode()
+        if value != END and int(value) > mine:
+            return False
+        if value == END or time.monotonic() > deadline:
+            raise TimeoutError(f"{count} of {world_size} ranks of generation {mine} arrived")
+        time.sleep(poll_s)
+        count = base.add(arrived, 0)
+    return True

@@ -40,7 +40,7 @@ from distlib.checkpoint.sharded import CheckpointError
 from distlib.comm import header, shm, watchdog
 from distlib.comm.group import Comm
 from distlib.comm.header import deliver_sent
-from distlib.comm.p2p import CollectiveMismatchError
+from distlib.comm.p2p import CollectiveError, CollectiveMismatchError
 from distlib.comm.watchdog import StallError
 from distlib.launch import continuation, generations
 from distlib.launch.parent import die_with_parent, name_process
@@ -185,13 +185,24 @@ def _train_joined(cfg: RunConfig, run_dir: str, hooks: StepHooks, device: str) -
     except AGREED_ERRORS as exc:
         return _failed(exc)
     except StallError as exc:
-        if generations.in_place():
-            shm.leave_all()  # a live peer waiting on this rank fails now, as on a dead one
-            raise PeerLost(str(exc)) from exc
-        _say_and_leave(exc)
+        _lost(exc)
+    except CollectiveError as exc:  # a collective outside a step's watch: building the model
+        if not generations.in_place():
+            raise
+        _lost(exc)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _lost(exc: Exception) -> None:
+    """A peer stalled or died: under the agent that replaces lost workers this rank stays
+    (PeerLost, once its segments say it left: a live peer waiting on it fails now, as on a dead
+    one); otherwise it says so and leaves."""
+    if not generations.in_place():
+        _say_and_leave(exc)
+    shm.leave_all()
+    raise PeerLost(str(exc)) from exc
 
 
 def _failed(exc: Exception) -> list[str]:
@@ -206,14 +217,23 @@ def _failed(exc: Exception) -> list[str]:
     return [str(exc)]
 
 
+def _generation_store(cfg: RunConfig):
+    """Under the agent that replaces lost workers: this generation's store, once all its ranks
+    have arrived (a later generation meanwhile: PeerLost, to move on to it); otherwise None."""
+    if not generations.in_place():
+        return None
+    if not generations.assemble(cfg.dist.world_size, cfg.dist.timeout_s):
+        raise PeerLost(f"a rank of generation {generations.current()} was lost while it formed")
+    return generations.store(cfg.dist.timeout_s)
+
+
 def _join(cfg: RunConfig, hooks: StepHooks, device: str = "cpu") -> None:
     """The rendezvous, under dist.timeout_s; a rank that never arrives is named. Any other failure
     (a bad address, a port in use) keeps its own message: it is not a rank that did not arrive."""
     hooks.joining()
     try:
         timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
-        own = generations.store(cfg.dist.timeout_s) if generations.in_place() else None
-        init_process_group(cfg.dist.backend, timeout, device, own)
+        init_process_group(cfg.dist.backend, timeout, device, _generation_store(cfg))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; only a timeout is re-worded
         # torch tells a timeout only in the text: DistStoreError "wait timeout after ...", "Timed out
         # initializing ...", a client socket that "has timed out"

@@ -69,6 +69,9 @@ class FaultConfig(Group):
     slow_rank: this rank sleeps slow_seconds after every backward (a straggler on purpose, every step from
         the first) ...
     slow_seconds: ... this long
+    late_rank: this rank waits late_seconds before it joins the process group, at every start (a
+        worker slow to start: a replacement the others wait for) ...
+    late_seconds: ... this long
     """
 
     GROUP = "fault"
@@ -90,6 +93,8 @@ class FaultConfig(Group):
     sigterm_step: int | None = key(None, ge=1)
     slow_rank: int | None = key(None, ge=0)
     slow_seconds: float | None = key(None, gt=0)
+    late_rank: int | None = key(None, ge=0)
+    late_seconds: float | None = key(None, gt=0)
 
     # (rank key, step key): faults that target one rank at one step
     RANKED = (
@@ -103,6 +108,7 @@ class FaultConfig(Group):
         ("lr_spike_step", "lr_spike_factor"),
         *RANKED,
         ("slow_rank", "slow_seconds"),
+        ("late_rank", "late_seconds"),
     )
 
     def check(self) -> None:
@@ -122,7 +128,13 @@ class FaultConfig(Group):
 
     def check_run(self, world_size: int, steps: int, overlap: bool) -> None:
         """Faults must target an existing rank and a step the run reaches, or they test nothing."""
-        for rank_key in ("kill_rank", "disk_full_rank", "slow_rank", *(r for r, _ in self.RANKED)):
+        for rank_key in (
+            "kill_rank",
+            "disk_full_rank",
+            "slow_rank",
+            "late_rank",
+            *(r for r, _ in self.RANKED),
+        ):
             rank = getattr(self, rank_key)
             if rank is not None and rank >= world_size:
                 raise ConfigError(f"fault.{rank_key}={rank} is not a rank of dist.world_size={world_size}")
@@ -176,6 +188,7 @@ class Faults(StepHooks):
 
     def joining(self) -> None:
         self.hang(0)
+        self.arrive_late()
 
     def before_step(self, step: int) -> None:
         self.hang(step)
@@ -233,6 +246,12 @@ class Faults(StepHooks):
             self._say(f"hanging at step {step}" if step else "hanging before the rendezvous")
             while True:
                 time.sleep(3600)
+
+    def arrive_late(self) -> None:
+        """fault.late_rank / late_seconds: this rank joins the process group late, at every start."""
+        if self.cfg.late_rank == self.rank:
+            self._say(f"waiting {self.cfg.late_seconds:g} s before joining the process group")
+            time.sleep(self.cfg.late_seconds)
 
     def slow_down(self, step: int) -> None:
         """fault.slow_rank / slow_seconds: this rank computes slowly, every step: it sleeps after its
