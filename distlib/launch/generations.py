@@ -38,13 +38,23 @@ def current() -> int:
     return int(os.environ[ENV])
 
 
+_BASE: list[dist.TCPStore] = []  # this process's one client of the agent's store
+
+
 def _base_store(timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    """The agent's store, through one connection for the life of the process: a survivor asks it
+    for each generation (a new connection each time would pay TCPStore's connect, and its retries
+    when the agent is busy, on a recovery's critical path)."""
+    if not _BASE:
+        _BASE.append(
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        )
+    return _BASE[0]
 
 
 def store(timeout_s: float) -> dist.Store:
