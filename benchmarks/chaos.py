@@ -85,11 +85,10 @@ def _steps(kills: int, every: int) -> int:
     return every * (2 + ((3 + every + 1) * (kills + 1)) // every)
 
 
-def reference_run(base: Path, kills: int, world_size: int, every: int = 5) -> Path:
+def reference_run(base: Path, kills: int, world_size: int, every: int = 5, extra: tuple = ()) -> Path:
     """The uninterrupted job the kill loops' final checkpoints are compared with; its directory."""
-    reference = Job(
-        base / "reference", overrides(world_size, _steps(kills, every), every), world_size
-    ).start()
+    args = [*overrides(world_size, _steps(kills, every), every), *extra]
+    reference = Job(base / "reference", args, world_size).start()
     if reference.finish() != 0:
         raise SystemExit(f"the uninterrupted run failed: {reference.tail()}")
     return reference.run_dir
@@ -103,17 +102,18 @@ def run(
     every: int = 5,
     launcher: str = "torchrun",
     reference: Path | None = None,
+    extra: tuple = (),
 ) -> dict:
     """The kill loop of ``kills`` kills under ``launcher`` (torchrun: every worker restarts; own:
     python train.py's agent, the lost worker alone is replaced), after the uninterrupted job
-    (``reference``: its directory, if it ran already); everything to judge it by."""
+    (``reference``: its directory, if it ran already); ``extra``: overrides of both jobs.
+    Everything to judge it by."""
     steps = _steps(kills, every)
-    reference = reference or reference_run(base, kills, world_size, every)
+    reference = reference or reference_run(base, kills, world_size, every, extra)
     rng = random.Random(seed)
     order = []
-    job = LAUNCHERS[launcher](
-        base / f"chaos_{launcher}", overrides(world_size, steps, every), world_size, kills
-    )
+    args = [*overrides(world_size, steps, every), *extra]
+    job = LAUNCHERS[launcher](base / f"chaos_{launcher}", args, world_size, kills)
     job.start()
     rows = []
     for attempt in range(kills):

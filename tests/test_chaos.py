@@ -38,3 +38,14 @@ def test_five_kills_under_the_own_launcher_replace_the_lost_worker_alone_and_cha
     assert result["byte_identical"] and result["shm_clean"]
     # one new process per kill: the survivors kept theirs (torchrun would start 4 per kill)
     assert result["worker_processes"] == 4 + kills, result["worker_processes"]
+
+
+def test_kills_inside_a_step_and_an_async_save_under_the_own_launcher_change_no_byte(tmp_path):
+    # the survivors' background writer of the interrupted save runs on beside the next generation
+    result = chaos.run(
+        tmp_path, kills=2, world_size=4, seed=1, launcher="own", extra=("checkpoint.async_save=true",)
+    )
+    assert result["exit_code"] == 0, result["stderr_tail"]
+    assert [k["moment"] for k in result["kills"]] == ["step", "save"], result["kills"]
+    assert all(k["steps_lost"] <= 1 for k in result["kills"]), result["kills"]
+    assert result["byte_identical"] and result["shm_clean"]
