@@ -3,6 +3,7 @@ pre-emption signal, a stalled rank, a rank that never joins, a guard trip on the
 and the guard's stop. Each run is short; the bounds allow for a loaded machine."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,11 +45,30 @@ def popen(args: list[str]) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
 
-def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path):
+def _family(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize(
+    "whom, agent",
+    [("launcher", []), ("every process", []), ("every process", ["dist.max_restarts=1"])],
+    ids=["the launcher", "every process (pkill -f)", "every process, own agent"],
+)
+def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path, whom, agent):
     proc = popen(
         [
             sys.executable,
@@ -60,11 +80,14 @@ def test_sigterm_to_the_launcher_saves_the_current_step_and_exits_zero(tmp_path)
             # scheduled save would then be the one recorded (seen in CI).
             "checkpoint.every_steps=0",
             "metrics.progress_every=0",
+            *agent,
         ]
     )
     try:
         wait_for_step(tmp_path, 2, proc, timeout=120)
-        proc.send_signal(signal.SIGTERM)
+        # every process: what pkill -f, systemd's stop or a container's sends (the fork server too)
+        for pid in _family(proc.pid) if whom == "every process" else [proc.pid]:
+            os.kill(pid, signal.SIGTERM)
         signalled = time.monotonic()
         out, err = proc.communicate(timeout=60)
         took = time.monotonic() - signalled

@@ -18,6 +18,7 @@ own at the first worker, as before.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -99,6 +100,11 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
     try:
         os.close(alive_w)
         die_with_parent()
+        # A SIGTERM sent to every process of the job (pkill -f train.py, systemd's or a container's
+        # stop) would end the server at once, and with it every worker (their parent-death signal)
+        # before they saved: the launcher asks them to stop instead. The server goes with the
+        # launcher; its workers restore the default (worker.start, worker.serve).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         forkserver.main(listener_fd, alive_r, [])
         code = 0
     except SystemExit as exc:  # how it leaves once every client has gone

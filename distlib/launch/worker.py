@@ -20,6 +20,7 @@ import datetime
 import gc
 import os
 import re
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -62,6 +63,7 @@ def leave(code: int) -> None:
 def start(tree: dict, run_dir: str) -> None:
     """A worker of ``python train.py``'s own launcher (``local.launch``), forked from the fork
     server that imported this module; torch's agent records an unexpected error (``record``)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (prefork._serve)
     die_with_parent()
     # what the server imported stays for the whole run: never walked by the collector (train.py's
     # gc.freeze says what that walk cost each rank)
@@ -81,6 +83,7 @@ def serve(env: dict[str, str], tree: dict, run_dir: str) -> None:
     """A worker of the agent that replaces a lost rank in place (``distlib.launch.agent``), forked
     from the fork server with the rank's ``env``; its exit code is the run's."""
     os.environ.update(env)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (prefork._serve)
     die_with_parent()
     name_process(f"distlib-rank{env['RANK']}")  # ps tells the ranks apart (and who is lost)
     gc.freeze()  # as in ``start``
