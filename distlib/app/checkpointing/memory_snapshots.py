@@ -82,7 +82,7 @@ class MemorySnapshots:
         if (
             every
             and self.local_rank == 0
-            and "TORCHELASTIC_RUN_ID" in os.environ
+            and launcher_env.under_agent()
             and launcher_env.attempt() == 0
         ):
             shm.start_reaper(os.getppid(), self.dir)  # the launcher's exit removes the directory
