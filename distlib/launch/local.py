@@ -12,6 +12,9 @@ after the launcher: measured on 2 cores (AMD EPYC, ``benchmarks/startup.py``), t
 4.1 s and 4.9 CPU-s, against 6.9 s and 7.9 CPU-s with multiprocessing's own server, a fresh
 interpreter importing them again (what a launcher already running a thread gets).
 
+With ``dist.max_restarts`` > 0 the agent is this project's own (``agent.py``: a lost worker is
+replaced and the others stay), forking its workers from the same server.
+
 On SIGTERM/SIGINT the agent forwards the signal; the workers finish their step, save and stop,
 and this process exits 0 if the run's log says they did (1 otherwise). A failed worker's one-line
 error is its own; this process adds one line naming the ranks and exit codes (and the traceback
