@@ -85,3 +85,15 @@ def test_dist_max_restarts_under_another_launcher_is_refused_in_one_line(tmp_pat
         "config error: dist.max_restarts=1 is python train.py's own launcher's (it replaces a lost "
         "worker while the others stay); under srun: requeue the job instead"
     ]
+
+
+@pytest.mark.slow
+def test_a_lost_stage_and_shard_of_a_pipeline_and_tensor_parallel_run_is_replaced_byte_identically(tmp_path):
+    args = ["dist.pp=2", "dist.tp=2", "checkpoint.memory_every_steps=1", "train.steps=10"]
+    clean = run_script("train.py", f"hydra.run.dir={tmp_path / 'clean'}", *args)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    kill = ["dist.max_restarts=1", "fault.kill_rank=3", "fault.kill_at_step=4"]
+    lost = run_script("train.py", f"hydra.run.dir={tmp_path / 'lost'}", *args, *kill)
+    assert lost.returncode == 0, lost.stderr[-2000:]
+    assert "rank 3 was lost (killed by SIGKILL" in lost.stderr
+    assert chaos.final_files(tmp_path / "lost", 10) == chaos.final_files(tmp_path / "clean", 10)
