@@ -143,11 +143,19 @@ def _killed(comm: Comm, shm_dir: str, out: str) -> None:
     left = sorted(os.listdir(shm_dir))  # the creator's attach unlinked it: nothing on disk now
     if comm.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # dies before its part of the collective
+    waited, exc = _failed_all_reduce(ours)
+    if exc is not None:
+        Path(out, f"rank{comm.rank}").write_text(f"{waited}\n{exc.peer}\n{left}\n{exc}")
+
+
+def _failed_all_reduce(comm: Comm) -> tuple[float, CollectiveError | None]:
+    """An all_reduce over ``comm``: (seconds it took, the error it raised or None)."""
     began = time.monotonic()
     try:
-        C.all_reduce(torch.ones(1000), ours)
+        C.all_reduce(torch.ones(1000), comm)
     except CollectiveError as exc:
-        Path(out, f"rank{comm.rank}").write_text(f"{time.monotonic() - began}\n{exc.peer}\n{left}\n{exc}")
+        return time.monotonic() - began, exc
+    return time.monotonic() - began, None
 
 
 def test_a_rank_killed_mid_collective_is_named_at_once_and_nothing_is_left(tmp_path):
@@ -174,11 +182,9 @@ def _left(comm: Comm, out: str) -> None:
         shm.leave_all()  # as a survivor of a lost peer does before it re-forms its groups
         time.sleep(3.0)  # alive all along: only its mark tells the others it is gone
         return
-    began = time.monotonic()
-    try:
-        C.all_reduce(torch.ones(1000), ours)
-    except CollectiveError as exc:
-        Path(out, f"rank{comm.rank}").write_text(f"{time.monotonic() - began}\n{exc}")
+    waited, exc = _failed_all_reduce(ours)
+    if exc is not None:
+        Path(out, f"rank{comm.rank}").write_text(f"{waited}\n{exc}")
 
 
 def test_a_live_rank_that_left_its_segment_fails_its_peers_waits_at_once(tmp_path):
