@@ -117,9 +117,7 @@ class Agent:
     def _on_signal(self, signum: int, _frame) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
-            for process in self.workers.values():
-                if process.exitcode is None:
-                    os.kill(process.pid, signum)
+            self._signal_running(signum)
 
     def _watch(self) -> dict[int, int]:
         while True:
@@ -162,7 +160,10 @@ class Agent:
     def _signal_running(self, signum: int) -> None:
         for process in self.workers.values():
             if process.exitcode is None:
-                os.kill(process.pid, signum)
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:  # exited, and reaped by the fork server, since we looked
+                    pass
 
     def failure_line(self, failed: dict[int, int]) -> str:
         """The launcher's line for the failures that ended the job (each survivor said its own)."""
