@@ -79,12 +79,7 @@ class MemorySnapshots:
         self.local_rank = int(os.environ.get("LOCAL_RANK", comm.rank % self.local_world))
         self.offset = replica.peer_offset(self.local_world, comm.size)
         self.newest: int | None = None
-        if (
-            every
-            and self.local_rank == 0
-            and launcher_env.under_agent()
-            and launcher_env.attempt() == 0
-        ):
+        if every and self.local_rank == 0 and launcher_env.under_agent() and launcher_env.attempt() == 0:
             shm.start_reaper(os.getppid(), self.dir)  # the launcher's exit removes the directory
 
     @property
