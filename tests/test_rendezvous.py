@@ -15,7 +15,7 @@ CFG = RunConfig.from_dict({"dist": {"world_size": 2, "timeout_s": 5}})
 
 
 def _failing_join(monkeypatch, exc: Exception) -> None:
-    def init_process_group(backend, timeout, device="cpu"):
+    def init_process_group(backend, timeout, device="cpu", store=None):
         raise exc
 
     monkeypatch.setattr(worker, "init_process_group", init_process_group)
