@@ -4,9 +4,10 @@
 torch's elastic agent (``local.launch`` otherwise, and torchrun) restarts every worker when one
 dies: the ranks that were fine throw away their process, model and optimizer, and four fresh
 processes build them again (5.5-6.0 s from a kill to the next step on a 2-core AMD EPYC where
-``import torch`` alone takes 3 s; 0.26-0.28 s with this agent: benchmarks/chaos.py, recovery.py). This agent replaces only the worker that was lost. It hosts the
-job's TCPStore itself, forks each worker from the launcher's fork server (torch and the trainer
-imported already: a replacement costs a fork, not an interpreter), and watches their exit codes:
+``import torch`` alone takes 3 s; 0.26-0.28 s with this agent: benchmarks/chaos.py, recovery.py).
+This agent replaces only the worker that was lost. It hosts the job's TCPStore itself, forks each
+worker from the launcher's fork server (torch and the trainer imported already: a replacement costs
+a fork, not an interpreter), and watches their exit codes:
 
 - a worker killed by a signal (SIGKILL, the OOM killer, a crash in native code) while every other
   worker still runs is replaced by a new worker of the same rank, up to ``max_restarts`` times in
