@@ -63,6 +63,7 @@ class Agent:
         self.workers: dict[int, multiprocessing.Process] = {}
         self.generation = self.restarts = 0
         self.stop_signal: int | None = None
+        self.why_not: str | None = None  # why the failures that ended the job were not replaced
 
     # -- starting ---------------------------------------------------------------------------
     def _env(self, rank: int) -> dict[str, str]:
@@ -126,19 +127,25 @@ class Agent:
             if all(code == 0 for code in codes.values()):
                 return {}
             ended = {rank: code for rank, code in codes.items() if code}
-            if ended and self._replaceable(ended, codes):
-                self._replace(ended)
-            elif ended:
+            if not ended:
+                time.sleep(POLL_S)
+                continue
+            self.why_not = self._why_not_replaced(ended, codes)
+            if self.why_not is not None:
                 return self._end(ended)
-            time.sleep(POLL_S)
+            self._replace(ended)
 
-    def _replaceable(self, ended: dict[int, int], codes: dict[int, int | None]) -> bool:
-        """Whether the ended workers were all lost to a signal while every other one still runs,
-        with restarts left, and no stop asked for."""
+    def _why_not_replaced(self, ended: dict[int, int], codes: dict[int, int | None]) -> str | None:
+        """None when the ended workers were all lost to a signal while every other one still runs,
+        with restarts left and no stop asked for (they are replaced); else what the launcher's
+        last line adds to their exit codes (empty: an error, or a stop, said by the workers)."""
         if self.stop_signal is not None or any(code > 0 for code in ended.values()):
-            return False
-        others_run = all(code is None for rank, code in codes.items() if rank not in ended)
-        return others_run and self.restarts + len(ended) <= self.max_restarts
+            return ""
+        if any(code is not None for rank, code in codes.items() if rank not in ended):
+            return "; the other ranks had ended, so no worker could take its place"
+        if self.restarts + len(ended) > self.max_restarts:
+            return f"; no restart left (dist.max_restarts={self.max_restarts}, {self.restarts} used)"
+        return None
 
     def _end(self, ended: dict[int, int]) -> dict[int, int]:
         """No generation follows: the survivors leave with their own error. Those still running
@@ -169,9 +176,4 @@ class Agent:
     def failure_line(self, failed: dict[int, int]) -> str:
         """The launcher's line for the failures that ended the job (each survivor said its own)."""
         ranks = ", ".join(f"rank {rank} ({_describe(code)})" for rank, code in sorted(failed.items()))
-        lost = all(code < 0 for code in failed.values())
-        if lost and self.stop_signal is None and self.restarts + len(failed) > self.max_restarts:
-            ranks += f"; no restart left (dist.max_restarts={self.max_restarts}, {self.restarts} used)"
-        elif lost and self.stop_signal is None:
-            ranks += "; the other ranks had ended, so no worker could take its place"
-        return f"error: training failed: {ranks}"
+        return f"error: training failed: {ranks}{self.why_not or ''}"

@@ -68,6 +68,14 @@ def enter(generation: int) -> None:
     os.environ[ENV] = os.environ[ATTEMPT_ENV] = str(generation)
 
 
+def _newer(base: dist.TCPStore, mine: int) -> int | str | None:
+    """The agent's generation if it has moved past ``mine`` (or END), else None."""
+    value = base.get(KEY).decode()
+    if value == END:
+        return END
+    return int(value) if int(value) > mine else None
+
+
 def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
     """Wait until the agent starts a generation after this worker's own; its number, or None when
     the agent says none follows or none has started within WAIT_S (at most ``timeout_s``, the
@@ -75,11 +83,9 @@ def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
     base, mine = _base_store(timeout_s), current()
     deadline = time.monotonic() + min(WAIT_S, timeout_s)
     while time.monotonic() < deadline:
-        value = base.get(KEY).decode()
-        if value == END:
-            return None
-        if int(value) > mine:
-            return int(value)
+        newer = _newer(base, mine)
+        if newer is not None:
+            return None if newer == END else newer
         time.sleep(poll_s)
     return None
 
@@ -95,10 +101,10 @@ def assemble(world_size: int, timeout_s: float, poll_s: float = 0.005) -> bool:
     count = base.add(arrived, 1)
     deadline = time.monotonic() + timeout_s
     while count < world_size:
-        value = base.get(KEY).decode()
-        if value != END and int(value) > mine:
+        newer = _newer(base, mine)
+        if newer is not None and newer != END:
             return False
-        if value == END or time.monotonic() > deadline:
+        if newer == END or time.monotonic() > deadline:
             raise TimeoutError(f"{count} of {world_size} ranks of generation {mine} arrived")
         time.sleep(poll_s)
         count = base.add(arrived, 0)
