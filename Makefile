@@ -70,6 +70,7 @@ bench: bytecode
 	$(PY) benchmarks/chaos.py
 	$(PY) benchmarks/pipeline.py --pp 2 4
 	$(PY) benchmarks/plan.py
+	$(PY) benchmarks/plan_time.py
 
 # A small Llama on real text (docs/models.md, "The text demo"): a BPE tokenizer trained on data/sample.txt,
 # 4 ranks, ZeRO-1, validation every 50 steps; then exported as a Hugging Face directory and continued by

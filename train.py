@@ -138,6 +138,25 @@ def _restarts_problem(run_cfg: RunConfig) -> str | None:
     return None
 
 
+def _auto_layout(tree: dict, overrides: list[str]) -> dict:
+    """dist.layout=auto: the planner's layout in ``tree`` (distlib/launch/auto_layout.py), said in
+    one line; python train.py's launcher only (torchrun and srun start every rank as given)."""
+    if UNDER_TORCHRUN or slurm.is_rank_task(os.environ):
+        _refuse(
+            "config error: dist.layout=auto is chosen by python train.py's launcher before it starts the "
+            "workers; here every rank starts as given: run scripts/plan.py and pass its overrides",
+            2,
+        )
+    from distlib.launch import auto_layout
+
+    try:
+        tree, line = auto_layout.choose(tree, overrides)
+    except ConfigError as exc:
+        _refuse(f"config error: {exc}", 2)
+    print(line, flush=True)
+    return tree
+
+
 def run_config(cfg: DictConfig) -> None:
     """Hydra's task: check, claim the run directory, then train (this rank) or start the workers."""
     from hydra.core.hydra_config import HydraConfig
@@ -153,6 +172,8 @@ def run_config(cfg: DictConfig) -> None:
     tree = completed(tree, overrides + (continuation.recorded_overrides(run_dir) if resumed else []), run_dir)
     if UNDER_TORCHRUN:
         tree = _restart_resumes(tree)
+    if tree["dist"]["layout"] == "auto":
+        tree = _auto_layout(tree, overrides)
     run_cfg = checked_config(tree)
     problem = continuation.resume_path_problem(tree) or _restarts_problem(run_cfg)
     if problem:

@@ -7,12 +7,14 @@ Every layout of the searched keys (dist.tp, dist.pp with its schedule, dist.cp, 
 zero.overlap; those the command line sets stay as set) that the configuration accepts is listed
 with its fullest rank's parameter, gradient and optimizer bytes -- the end-of-run memory table's
 figures, predicted without starting a process (docs/parallelism.md, "Planning") -- smallest
-first, and whether it fits plan.budget_gb per rank. --layout: only the command line's own layout,
-rank by rank. --json: the same as JSON on stdout. The activations kept for backward are predicted
-for dense models (with experts or document masks the verdict says it covers the model states
-only); step time is not predicted yet. --verify K: train the K smallest layouts and a seeded sample
-of K others (with --layout: the one) for 2 steps each with train.py, and say for each whether
-every rank measured what was planned (exit status 1 if any did not).
+first, its predicted step time on this machine, and whether it fits plan.budget_gb per rank; then
+the smallest and the fastest that fit. --layout: only the command line's own layout, rank by rank.
+--json: the same as JSON on stdout. The activations kept for backward and the step time are
+predicted for dense models (with experts or document masks the verdict says it covers the model
+states only). --verify K: train the K smallest layouts and a seeded sample of K others (with
+--layout: the one) for a few steps each with train.py, and say for each whether every rank
+measured what was planned (exit status 1 if any did not), and its measured step time beside the
+predicted one, with the rank correlation of the two over the layouts.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
 from distlib.app.plan import candidates  # noqa: E402
-from distlib.app.plan.report import GB, Planned, plan, planned, table  # noqa: E402
+from distlib.app.plan.report import GB, Planned, fastest, plan, planned, table  # noqa: E402
+from distlib.app.plan.timing import Machine  # noqa: E402
 from distlib.launch import plan_verify  # noqa: E402
 
 
@@ -81,7 +84,7 @@ def one_layout(tree: dict, budget: float | None, doc: dict | None) -> tuple[int,
         cfg = RunConfig.from_dict(tree)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
-    layout = planned(cfg, [])
+    layout = planned(cfg, [], Machine.probe())
     if doc is not None:
         doc.update(layout.as_dict(budget))
     else:
@@ -90,6 +93,12 @@ def one_layout(tree: dict, budget: float | None, doc: dict | None) -> tuple[int,
             shown, total = "?" if kept is None else kept, layout.total(r.rank)
             print(f"{r.rank:>4} {r.params:>12} {r.grads:>12} {r.optimizer:>12} {shown:>12} {total:>12}")
         print(_verdict(layout, budget))
+        if layout.time is not None:
+            t = layout.time
+            print(
+                f"predicted step on this machine: {1e3 * t.total_s:.1f} ms ({1e3 * t.compute_s:.1f} compute, "
+                f"{1e3 * t.comm_s:.1f} communication, {1e3 * t.bubble_s:.1f} pipeline bubble)"
+            )
     return (0 if layout.fits(budget) else 1), [layout]
 
 
@@ -108,7 +117,7 @@ def _verdict(layout: Planned, budget: float | None) -> str:
 
 def search(tree: dict, pinned: set[str], budget: float | None, doc: dict | None) -> tuple[int, list[Planned]]:
     """Every accepted layout, smallest first, and the smallest that fits (into ``doc`` for JSON)."""
-    planned, refused = plan(tree, pinned)
+    planned, refused = plan(tree, pinned, Machine.probe())
     if not planned:  # the command line's own layout says why (a world size of 0, a pinned degree)
         raise SystemExit(f"error: no layout is accepted: {_refusal(tree, refused)}")
     fitting = [p for p in planned if p.fits(budget)]
@@ -129,6 +138,10 @@ def search(tree: dict, pinned: set[str], budget: float | None, doc: dict | None)
         best = fitting[0]
         unknown = "" if best.activations_known else " (its activations not predicted)"
         print(f"smallest that fits: {' '.join(best.overrides) or '(as given)'}{unknown}")
+        quick = fastest(planned, budget)
+        if quick is not None:
+            what, ms = " ".join(quick.overrides) or "(as given)", 1e3 * quick.time.total_s
+            print(f"fastest that fits (predicted {ms:.1f} ms a step): {what}")
     return 0, planned
 
 
@@ -158,20 +171,36 @@ def main(argv: list[str]) -> int:
 
 
 def report_verified(results: list[dict], doc: dict | None) -> int:
-    """Print each verified layout's verdict (JSON: into ``doc``, every rank's measured bytes too);
-    1 on a miss."""
+    """Print each verified layout's verdict and its measured and predicted step times, and the
+    rank correlation of the two (JSON: into ``doc``, every rank's measured bytes too); 1 on a miss."""
+    timed = [r for r in results if r.get("predicted_step_ms") is not None]
+    rho = plan_verify.spearman([r["predicted_step_ms"] for r in timed], [r["step_ms"] for r in timed])
     if doc is not None:
         doc["verified"] = results
+        doc["step_time_rank_correlation"] = rho
     else:
-        print("verified on this machine (train.py, 2 steps each):")
+        steps = plan_verify.STEPS
+        print(f"verified on this machine (train.py, {steps} steps each; step ms: measured / predicted):")
         for r in results:
             what = " ".join(r["overrides"]) or "(as given)"
-            print(f"  {'as planned' if not r['misses'] else 'MISMATCH':<10}  {what}")
+            ms = _times(r)
+            print(f"  {'as planned' if not r['misses'] else 'MISMATCH':<10}  {ms:>15}  {what}")
             for miss in r["misses"]:
                 print(f"              {miss}")
         good = sum(not r["misses"] for r in results)
         print(f"{good} of {len(results)} layouts measured as planned")
+        if rho is not None:
+            print(
+                f"step time: rank correlation of predicted and measured over {len(timed)} layouts {rho:.2f}"
+            )
     return 0 if all(not r["misses"] for r in results) else 1
+
+
+def _times(result: dict) -> str:
+    if "step_ms" not in result:
+        return "-"
+    predicted = result["predicted_step_ms"]
+    return f"{result['step_ms']:.1f} / {'?' if predicted is None else f'{predicted:.1f}'}"
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ RUNS = {
     "experts": ["benchmarks/experts.py", "--quick"],
     "pipeline": ["benchmarks/pipeline.py", "--quick"],
     "plan": ["benchmarks/plan.py", "--quick", "--speed-world", "2"],
+    "plan_time": ["benchmarks/plan_time.py", "--quick", "--world", "2"],
     "snapshots": ["benchmarks/snapshots.py", "--quick", "--world-size", "2"],
     "token_cache": ["benchmarks/token_cache.py", "--mb", "1"],
     "ring_documents": ["benchmarks/ring_documents.py", "--quick"],
@@ -331,8 +332,32 @@ def _check_plan(d, tmp_path):
     assert fast["world"] == 2 and fast["layouts"] > 0 and _times(fast["cold_s"], fast["again_s"])
 
 
+def _check_plan_time(d, tmp_path):
+    """The predicted fastest and three others trained: each measured and predicted, the fastest
+    predicted first, and the summary figures computed from the rows."""
+    (model,) = d["models"]
+    rows = model["rows"]
+    assert (model["model"], model["world"], len(rows)) == ("model=llama", 2, 4)
+    assert all(r["misses"] == [] and r["measured_ms"] > 0 for r in rows)
+    for r in rows:
+        assert (
+            r["step_ms"] == pytest.approx(r["compute_ms"] + r["comm_ms"] + r["bubble_ms"])
+            and r["step_ms"] > 0
+        )
+    predicted = [r["step_ms"] for r in rows]
+    assert predicted[0] == min(predicted) and model["predicted_fastest"] == rows[0]["layout"]
+    fastest = min(r["measured_ms"] for r in rows)
+    assert model["predicted_fastest_over_measured_fastest"] == pytest.approx(rows[0]["measured_ms"] / fastest)
+    from distlib.launch.plan_verify import spearman
+
+    measured = [r["measured_ms"] for r in rows]
+    assert model["rank_correlation"] == pytest.approx(spearman(predicted, measured))
+    assert d["machine"]["cores"] >= 1 and d["machine"]["flops"] > 0
+
+
 CHECKS = {
     "plan": _check_plan,
+    "plan_time": _check_plan_time,
     "ring_documents": _check_ring_documents,
     "checkpoint": _check_checkpoint,
     "collectives": _check_collectives,

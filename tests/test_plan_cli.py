@@ -50,16 +50,21 @@ def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
     assert any(p["fits"] for p in layouts) and not all(p["fits"] for p in layouts)
 
 
-def test_the_table_names_the_smallest_layout_that_fits(capsys):
+def test_the_table_names_the_smallest_and_the_fastest_layout_that_fit(capsys):
     status, out, _ = run(capsys, "model=llama", "dist.world_size=4", "zero=stage3", "plan.budget_gb=1")
     assert status == 0
     lines = out.splitlines()
     rows = [line for line in lines if line.rstrip().endswith(("yes", "NO")) or "  yes  " in line]
     assert rows and all("zero.stage" not in line for line in rows)  # zero=stage3 was pinned
-    chosen = lines[-1].removeprefix("smallest that fits: ").split()
-    assert lines[-1].startswith("smallest that fits: ")
+    assert lines[-2].startswith("smallest that fits: ")
     first = rows[0].split("yes", 1)[1].split()
-    assert chosen == first
+    assert lines[-2].removeprefix("smallest that fits: ").split() == first
+    # the fastest: the row whose predicted step (the column before "fits") is the least
+    ms = {tuple(row.split("yes", 1)[1].split()): float(row.split("yes", 1)[0].split()[-1]) for row in rows}
+    said, chosen = lines[-1].split(": ", 1)
+    quickest = min(ms.values())
+    assert said == f"fastest that fits (predicted {quickest:.1f} ms a step)"
+    assert ms[tuple(chosen.split())] == quickest and len(set(ms.values())) > 1
 
 
 def test_one_layout_gives_every_rank_and_a_verdict(capsys):
@@ -110,14 +115,20 @@ def test_a_budget_nothing_fits_names_the_smallest(capsys):
 def test_verify_runs_the_smallest_and_a_sample_and_finds_them_as_planned(capsys):
     status, out, _ = run(capsys, "dist.world_size=2", "zero=stage2", "--verify", "1")
     lines = out.splitlines()
-    start = lines.index("verified on this machine (train.py, 2 steps each):")
+    head = (
+        f"verified on this machine (train.py, {plan_verify.STEPS} steps each; step ms: measured / predicted):"
+    )
+    start = lines.index(head)
     verdicts = lines[start + 1 : -1]
     table_rows = [line for line in lines[:start] if "  yes  " in line or line.rstrip().endswith("yes")]
     smallest = table_rows[0].split("yes", 1)[1].strip() or "(as given)"
-    assert len(verdicts) == 2 and verdicts[0].split(None, 2)[2] == smallest
+    assert len(verdicts) == 2 and " ".join(verdicts[0].split()[5:]) == smallest
+    for verdict in verdicts:  # "as planned", the measured and the predicted step ms, the layout
+        measured, slash, predicted = verdict.split()[2:5]
+        assert slash == "/" and float(measured) > 0 and float(predicted) > 0
     assert (
         all(v.startswith("  as planned  ") for v in verdicts)
-        and lines[-1] == "2 of 2 layouts measured as planned"
+        and lines[-1] == "2 of 2 layouts measured as planned"  # (no rank correlation of 2 layouts)
     )
     assert status == 0
 

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from distlib.comm import native
+from distlib.comm import native, tally
 from distlib.comm.algorithms import all_to_all as A2A
 from distlib.comm.algorithms.base import received_into
 from distlib.comm.execution import execution, nothing
@@ -58,6 +58,7 @@ def all_to_all(
     run = native.all_to_all if name == "torch" else execution("all_to_all", name, comm, A2A.ALGORITHMS)
     if comm.dry:  # (a dry group's peers send what this rank sends, without saying so)
         run, recv_splits = nothing, list(send_splits) if recv_splits is None else recv_splits
+        tally.note(comm, "all_to_all", flat.numel() * flat.element_size())
     # A row's width from the trailing shape, never from the data: a rank sending no rows still
     # receives rows of that width (an expert rank that got no tokens gets its own tokens' outputs).
     width = math.prod(tensor.shape[1:])

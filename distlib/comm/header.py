@@ -38,6 +38,7 @@ import zlib
 import torch
 from torch import Tensor
 
+from distlib.comm import tally
 from distlib.comm.algorithms.reads import meet
 from distlib.comm.group import KINDS, Comm
 from distlib.comm.header_codes import ALGOS, DTYPES, OPS, code, mismatch
@@ -256,6 +257,8 @@ def collective(
                 stats.depth -= 1
         return
     kind = kind if kind in KINDS else "other"
+    if comm.dry and kind != "all_to_all":  # (all_to_all notes its own: its size is per rank)
+        tally.note(comm, kind, numel * dtype.itemsize if numel >= 0 and dtype is not None else 0)
     began = time.perf_counter()
     if stats is not None:
         stats.depth, stats.current = 1, kind

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distlib.comm import tally
 from distlib.comm.group import Comm
 
 
@@ -99,6 +100,8 @@ class P2P:
 
     def _post(self, fn, what, t, peer):
         if t.numel() == 0 or self.comm.dry:  # both sides know the sizes: empty messages are skipped
+            if fn is dist.isend and t.numel():
+                tally.note(self.comm, "send", t.numel() * t.element_size())
             return None  # (a dry group, the planner's, sends nothing)
         peer %= self.comm.size
         stats = self.comm.stats

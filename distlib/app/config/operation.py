@@ -56,6 +56,13 @@ class DistConfig(Group):
         experts split over this many of the data x cp ranks (it divides them and model.n_experts), tokens
         sent to their experts' ranks and back by an all-to-all; checkpoints are the same as without it
         (they resume at any ep)
+    layout: given (dist.tp, pp, cp, ep and zero.stage/overlap as set) or auto: `.venv/bin/python train.py`
+        asks the planner (scripts/plan.py) before any worker starts for the layout predicted fastest on
+        this machine among those that fit dist.budget_gb, searching the keys the command line leaves
+        unset, and prints it as the overrides that pin it (python train.py only: torchrun and srun start
+        every rank with the command line as given)
+    budget_gb: with dist.layout=auto, the bytes per rank (decimal GB) of model states and activations
+        kept for backward the layout must fit in; null: any
     """
 
     GROUP = "dist"
@@ -74,6 +81,8 @@ class DistConfig(Group):
     cp_impl: str = key("alltoall", choices=("alltoall", "ring"))
     sp: bool = key(False)
     ep: int = key(1, ge=1)
+    layout: str = key("given", choices=("given", "auto"))
+    budget_gb: float | None = key(None, gt=0)
 
     def check(self) -> None:
         if self.pp_virtual > 1 and self.pp_schedule != "interleaved":

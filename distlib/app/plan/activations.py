@@ -22,6 +22,7 @@ import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from distlib.app.config.groups import TrainConfig
 from distlib.app.config.model_group import ModelConfig
@@ -31,6 +32,8 @@ from distlib.app.data.batches import BatchPlan, held_tokens
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
+from distlib.app.plan.timing import Counted, OpCounter
+from distlib.comm import tally
 from distlib.comm.mesh import shape_mesh
 from distlib.parallel.dropout import Draws
 
@@ -40,10 +43,7 @@ def rank_activations(cfg: RunConfig) -> list[int | None]:
     module's docstring). The ranks of one pipeline stage hold the same shapes."""
     if cfg.model.has_experts or cfg.data.document_mask:
         return [None] * cfg.dist.world_size
-    micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
-    train = TrainConfig(dtype=cfg.train.dtype, grad_accum=cfg.train.grad_accum)
-    cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32  # (the kernels differ in bf16)
-    stages = [_kept(cfg.model, cfg.dist, train, micro, cfg.seed, cpu, s) for s in range(cfg.dist.pp)]
+    stages = [_dry_step(*_key(cfg), s)[0] for s in range(cfg.dist.pp)]
     layout = cfg.layout
     return [stages[layout.coords(rank)["pp"]] for rank in range(layout.world_size)]
 
@@ -60,13 +60,28 @@ class _CpuKernels(TorchDispatchMode):
         return out
 
 
+def stage_counts(cfg: RunConfig) -> list[Counted] | None:
+    """Per pipeline stage, what its first rank's step computes and sends (``timing.Counted``),
+    from the same dry step; None where the activations are not predicted."""
+    if cfg.model.has_experts or cfg.data.document_mask:
+        return None
+    return [_dry_step(*_key(cfg), s)[1] for s in range(cfg.dist.pp)]
+
+
+def _key(cfg: RunConfig) -> tuple:
+    micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
+    train = TrainConfig(dtype=cfg.train.dtype, grad_accum=cfg.train.grad_accum)
+    cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32  # (the kernels differ in bf16)
+    return cfg.model, cfg.dist, train, micro, cfg.seed, cpu
+
+
 @functools.lru_cache(maxsize=1024)
-def _kept(
+def _dry_step(
     model: ModelConfig, dist: DistConfig, train: TrainConfig, micro: int, seed: int, cpu: bool, stage: int
-) -> int:
+) -> tuple[int, Counted]:
     """One step of the trainer's own program (``LocalStep``, or ``PipelineStep`` over the stage's
     chunks and schedule) on the first rank of pipeline stage ``stage``, on the meta device: its
-    activation peak, as the run measures it."""
+    activation peak, as the run measures it, and what it computed and sent."""
     cfg = RunConfig(model=model, dist=dist, train=train)
     mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
     module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
@@ -79,9 +94,10 @@ def _kept(
         if chunks
         else LocalStep(module, train.grad_accum, "meta")
     )
-    with _CpuKernels() if cpu else contextlib.nullcontext():
+    ops, flops = OpCounter(), FlopCounterMode(display=False)
+    with _CpuKernels() if cpu else contextlib.nullcontext(), tally.tallied() as calls, flops, ops:
         program.run([batch] * train.grad_accum)
-    return program.activation_peak
+    return program.activation_peak, Counted(flops.get_total_flops(), ops.ops, ops.written, tuple(calls))
 
 
 def _micro_batch(seq_len: int, micro: int, mesh, seed: int) -> tuple:

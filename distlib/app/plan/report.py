@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 from distlib.app.config.run import RunConfig
 from distlib.app.plan import candidates
-from distlib.app.plan.activations import rank_activations
-from distlib.app.plan.states import RankStates, model_states
+from distlib.app.plan.activations import rank_activations, stage_counts
+from distlib.app.plan.states import RankStates, model_states, stage_groups
+from distlib.app.plan.timing import Counted, Machine, StepTime, step_time
+from distlib.parallel.zero.predict import sync_calls
 
 GB = 1e9  # plan.budget_gb is in decimal gigabytes (what a data sheet quotes)
 
@@ -19,6 +21,7 @@ class Planned:
     overrides: list[str]  # what to add to the command line for this layout
     ranks: list[RankStates]
     activations: list[int | None]  # per rank, bytes kept for backward (None: not predicted)
+    time: StepTime | None = None  # predicted (None: not asked for, or not predicted)
 
     def total(self, rank: int) -> int:
         """Rank ``rank``'s model states and (where predicted) activations, in bytes."""
@@ -52,15 +55,58 @@ class Planned:
             "exact": self.exact,
             "fits": self.fits(budget),
             "ranks": [{**r.as_dict(), "activations": a} for r, a in zip(self.ranks, self.activations)],
+            "time": None if self.time is None else self.time.as_dict(),
         }
 
 
-def planned(cfg: RunConfig, overrides: list[str]) -> Planned:
-    """``cfg``'s layout with every rank's predicted bytes."""
-    return Planned(overrides, model_states(cfg), rank_activations(cfg))
+def planned(cfg: RunConfig, overrides: list[str], machine: Machine | None = None) -> Planned:
+    """``cfg``'s layout with every rank's predicted bytes, and with ``machine`` its step time."""
+    time = None if machine is None else predicted_time(cfg, machine)
+    return Planned(overrides, model_states(cfg), rank_activations(cfg), time)
 
 
-def plan(base: dict, pinned: set[str]) -> tuple[list[Planned], list[tuple[list[str], str]]]:
+# the trainer's verdict on each step: one all-reduce of a few float64 values over the world
+VERDICT = ("all_reduce", 32)
+
+
+def predicted_time(cfg: RunConfig, machine: Machine) -> StepTime | None:
+    """``cfg``'s step on ``machine`` (``timing``): each stage's dry step with its ZeRO groups'
+    collectives and the verdict added; None where the dry step is not predicted."""
+    counts = stage_counts(cfg)
+    if counts is None:
+        return None
+    stages = []
+    for stage, counted in enumerate(counts):
+        calls, elements = list(counted.calls), 0
+        for module, flat, segments in stage_groups(cfg.model, cfg.dist, stage):
+            z = cfg.zero
+            synced = sync_calls(
+                z.stage,
+                module,
+                flat,
+                cfg.param_dtype,
+                z.bucket_numel,
+                z.overlap,
+                segments,
+                cfg.train.grad_accum,
+            )
+            if flat.world_size > 1:
+                calls += [(kind, n, flat.world_size) for kind, n in synced]
+                calls += [("handoff", 0, flat.world_size)] * (len(synced) if z.overlap else 0)
+            elements += flat.padded_numel if z.stage == 0 else flat.shard_numel
+        calls.append((*VERDICT, cfg.dist.world_size))
+        stages.append((Counted(counted.flops, counted.ops, counted.written, tuple(calls)), elements))
+    tokens = cfg.global_batch * cfg.model.seq_len
+    d = cfg.dist
+    stage_ranks = cfg.layout.stage().world_size
+    return step_time(
+        stages, d.world_size, stage_ranks, cfg.train.grad_accum, d.pp_virtual, tokens, machine, d.transport
+    )
+
+
+def plan(
+    base: dict, pinned: set[str], machine: Machine | None = None
+) -> tuple[list[Planned], list[tuple[list[str], str]]]:
     """Every accepted candidate of ``base`` (a composed tree), fullest rank smallest first (those
     whose activations are predicted before those whose are not), and every refused one with the
     configuration's reason."""
@@ -68,7 +114,7 @@ def plan(base: dict, pinned: set[str]) -> tuple[list[Planned], list[tuple[list[s
     for changed, cfg in candidates.candidates(base, pinned):
         named = candidates.overrides(base, changed)
         if isinstance(cfg, RunConfig):
-            kept.append(planned(cfg, named))
+            kept.append(planned(cfg, named, machine))
         else:
             refused.append((named, str(cfg)))
     # where the activations are predicted the whole is known: those first, each part smallest first
@@ -77,16 +123,24 @@ def plan(base: dict, pinned: set[str]) -> tuple[list[Planned], list[tuple[list[s
 
 
 def table(planned: list[Planned], budget: float | None) -> list[str]:
-    """One line per layout: the fullest rank's bytes by category, fits or not, the overrides."""
-    head = f"{'params B':>12} {'grads B':>12} {'optim B':>12} {'activ B':>12} {'total B':>12}  fits  layout"
-    lines = [head]
+    """One line per layout: the fullest rank's bytes by category, the predicted step time ("?":
+    not predicted), fits or not, the overrides."""
+    head = f"{'params B':>12} {'grads B':>12} {'optim B':>12} {'activ B':>12} {'total B':>12}"
+    lines = [f"{head} {'step ms':>8}  fits  layout"]
     for p in planned:
         r, kept = p.ranks[p.fullest], p.activations[p.fullest]
         mark = "" if p.exact else " (bound)"
         mark += "" if p.activations_known else " (activations not predicted)"
         fits = "yes" if p.fits(budget) else "NO"
+        ms = "?" if p.time is None else f"{1e3 * p.time.total_s:.1f}"
         lines.append(
             f"{r.params:>12} {r.grads:>12} {r.optimizer:>12} {'?' if kept is None else kept:>12} "
-            f"{p.peak:>12}  {fits:>4}  {' '.join(p.overrides) or '(as given)'}{mark}"
+            f"{p.peak:>12} {ms:>8}  {fits:>4}  {' '.join(p.overrides) or '(as given)'}{mark}"
         )
     return lines
+
+
+def fastest(planned: list[Planned], budget: float | None) -> Planned | None:
+    """The layout predicted fastest among those that fit (None: none fits, or none is timed)."""
+    timed = [p for p in planned if p.time is not None and p.fits(budget)]
+    return min(timed, key=lambda p: p.time.total_s) if timed else None

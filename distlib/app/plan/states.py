@@ -60,7 +60,7 @@ def _stage_states(
     param_dtype = DTYPES[dtype]
     peaks = [
         peak_bytes(zero.stage, module, flat, param_dtype, zero.bucket_numel, zero.overlap, segments)
-        for module, flat, segments in _stage_groups(model, dist, stage)
+        for module, flat, segments in stage_groups(model, dist, stage)
     ]
     return RankStates(
         rank=0,
@@ -72,7 +72,7 @@ def _stage_states(
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_groups(model: ModelConfig, dist: DistConfig, stage: int) -> list[tuple]:
+def stage_groups(model: ModelConfig, dist: DistConfig, stage: int) -> list[tuple]:
     """The module, flat layout and chunks' names (``chunk_segments``) of each parameter group the
     first rank of pipeline stage ``stage`` holds (the stage's other ranks hold the same shapes)."""
     module, segments = _placed(model, dist.tp, dist.pp, dist.pp_virtual, stage)

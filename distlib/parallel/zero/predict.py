@@ -151,3 +151,34 @@ def _gathered_peak(units: Sequence[Bucket], shared: set[int], overlap: bool) -> 
     if overlap:
         sizes = [a + z for a, z in zip(sizes, sizes[1:] + [0])]
     return held + max(sizes)
+
+
+def sync_calls(
+    stage: int,
+    module: nn.Module,
+    layout: FlatLayout,
+    param_dtype: torch.dtype,
+    bucket_numel: int,
+    overlap: bool,
+    segments: Sequence[Collection[str]] = (),
+    micro_batches: int = 1,
+) -> list[tuple[str, int]]:
+    """The collectives a ZeRO ``stage`` optimizer runs on its group per step of ``micro_batches``,
+    as (kind, bytes of the whole tensor), for the planner's step time: the fp32 gradients reduced
+    (stage 0 all-reduce, else reduce-scatter) once a step at stages 0/1 (by bucket with overlap),
+    by bucket after every micro-batch at stage 2 (the gradients live in partitions), by unit after
+    every micro-batch at stage 3; the parameters in the compute dtype gathered once a step (stages
+    1/2) or per unit in every micro-batch's forward and again in its backward (stage 3)."""
+    b = param_dtype.itemsize
+    params = _params_of(module, layout)
+    if stage == 3:
+        units, _ = _units(module, params, layout)
+        per_unit = (("all_gather", b), ("all_gather", b), ("reduce_scatter", 4))
+        return [(kind, size * u.numel) for u in units for kind, size in per_unit] * micro_batches
+    if stage < 2 and not overlap:
+        buckets = [Bucket(lo=0, hi=layout.padded_numel, params=())]
+    else:
+        buckets = buckets_by_size(module, params, layout, bucket_numel, segments)
+    kind = "all_reduce" if stage == 0 else "reduce_scatter"
+    calls = [(kind, 4 * bucket.numel) for bucket in buckets] * (micro_batches if stage == 2 else 1)
+    return calls + ([] if stage == 0 else [("all_gather", b * layout.padded_numel)])

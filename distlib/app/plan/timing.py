@@ -1,0 +1,248 @@
+"""A layout's step time, predicted: what one step of each pipeline stage computes and sends,
+priced by a few constants of this machine.
+
+What a step does comes from the dry step the activation prediction already runs (``activations``:
+the trainer's own step program on the meta device over dry groups), counted as it runs
+(``Counted``): the floating-point operations of every operator (torch's ``FlopCounterMode``),
+the operators dispatched, and every collective and pipeline send of the dry groups
+(``comm.tally``); to which the ZeRO stage's own collectives per parameter group
+(``zero.predict.sync_calls``), the trainer's verdict (one small all-reduce of the world) and the
+optimizer update (its elements) are added.
+
+What they cost (``Machine``, measured in this process by ``Machine.probe``): a matrix multiply's
+FLOP rate, the time an operator costs beyond its arithmetic (measured on a small MLP's forward and
+backward, whose arithmetic is negligible: the per-operator cost dominates this project's small
+models on a CPU), an AdamW element's update, and the cores: ranks beyond them share them, so a
+rank's own work stretches by ranks / cores. Collectives are priced by ``comm.cost_model`` (its
+committed constants, fitted on this kind of 2-core machine), each with the algorithm it would
+choose; a pipeline send as one message.
+
+    stage time  = (FLOPs / rate + operators x op cost + update elements x update cost) x stretch
+                  + the collectives' and sends' cost
+    step time   = the slowest stage + the pipeline bubble: its compute x (pp - 1) / (m x v)
+                  (m micro-batches, v chunks per rank)
+
+With ``zero.overlap`` each of the optimizer's collectives is handed to the communication thread:
+a wake-up more (``handoff``), and nothing credited for hiding (measured on 2 cores, the thread
+makes a 4-rank step slower, not faster: no core is idle to run it).
+
+What it leaves out: the hiding overlap gives where cores are idle, the CPU's caches, and GPUs (no
+data-sheet kinds yet); models with experts or document masks are not predicted (their dry step
+cannot route). ``benchmarks/plan_time.py`` measures how well it ranks real layouts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distlib.comm import cost_model
+
+
+@dataclass(frozen=True)
+class Counted:
+    """One dry step of a pipeline stage's first rank: its arithmetic, operators and messages."""
+
+    flops: int
+    ops: int
+    written: int  # bytes the operators wrote (new tensors and in-place results; views write none)
+    calls: tuple[tuple[str, int, int], ...]  # (kind, bytes, group size): collectives and sends
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched below it (every aten call of a forward and backward) and
+    the bytes they write: each result that is not a view of an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.written = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for spec, result in zip(func._schema.returns, results):
+            alias = spec.alias_info
+            if isinstance(result, torch.Tensor) and (alias is None or alias.is_write):
+                self.written += result.numel() * result.element_size()
+        return out
+
+
+@dataclass(frozen=True)
+class Machine:
+    flops: float  # FLOP/s of one process with a core to itself (fp32 matmul)
+    op_s: float  # seconds an operator costs beyond its arithmetic
+    byte_s: float  # seconds per byte an operator writes (reading its inputs included)
+    update_s: float  # seconds to update one optimizer element (AdamW, fp32 state)
+    cores: int  # the ranks beyond these share them
+    name: str = field(default="this machine", compare=False)
+
+    @staticmethod
+    def probe() -> Machine:
+        """This process's figures on one thread, as a rank runs (``train.py`` sets one per rank;
+        more would also start a thread pool in the launcher), the best of a few short runs each
+        (about 0.1 s in all)."""
+        from distlib.app.observe.throughput import probe_flops
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            rate = probe_flops(torch.device("cpu"))
+            return Machine(rate, _op_seconds(rate), _byte_seconds(), _update_seconds(), cores)
+        finally:
+            torch.set_num_threads(threads)
+
+    def stretch(self, world_size: int) -> float:
+        """How much longer a rank's own work takes when ``world_size`` ranks share the cores."""
+        return max(1.0, world_size / self.cores)
+
+    def collective_s(
+        self, kind: str, nbytes: int, size: int, world_size: int, transport: str = "shm"
+    ) -> float:
+        """One collective (or a send: one message of ``nbytes``) on a group of ``size`` ranks of a
+        job of ``world_size``, over the shared-memory board (``dist.transport=shm``) or gloo's
+        pairs (the cost model's)."""
+        if kind == "handoff":  # a collective handed to the communication thread (zero.overlap)
+            return BOARD_MEET_S * self.stretch(world_size)
+        if transport == "shm":
+            return self._board_s(kind, nbytes, size, world_size)
+        if kind == "send":
+            return cost_model.estimate("broadcast", "flat", nbytes, 2)
+        if kind not in cost_model.CANDIDATES:  # all_to_all, object gathers: messages to every peer
+            return cost_model.estimate("all_gather", "direct", nbytes, size)
+        algo = cost_model.choose_algorithm(kind, nbytes, size)
+        return cost_model.estimate(kind, algo, nbytes, size)
+
+    def _board_s(self, kind: str, nbytes: int, size: int, world_size: int) -> float:
+        """A board collective: a meeting of ``size`` ranks, each waking the others (where the
+        job's ranks outnumber the cores, a wake-up waits for a core: the job's stretch, not the
+        group's), then the bytes copied in and out (an all-reduce twice: its reduce-scatter and
+        its gather)."""
+        ranks = 2 if kind == "send" else size
+        stretch = self.stretch(world_size)
+        copies = 2 if kind == "all_reduce" else 1
+        return BOARD_MEET_S * ranks / 2 * stretch + nbytes * copies * BOARD_BYTE_S * stretch
+
+
+# The board's costs on a 2-core AMD EPYC (AVX-512), quiet (benchmarks/collectives.py --worlds 2 4,
+# 1 KB - 1 MB, the shm column): a collective of 2 ranks takes 0.11-0.14 ms at 1-64 KB, of 4
+# ranks (2 per core) 0.41-0.49 ms; 1 MB adds about 0.1 ms per copy of it at 2 ranks.
+BOARD_MEET_S = 0.13e-3
+BOARD_BYTE_S = 0.1e-9
+
+
+def _op_seconds(rate: float, repeats: int = 5) -> float:
+    """An operator's cost beyond its arithmetic: a small MLP's forward and backward (a few hundred
+    operators on 8 x 32 activations), its time less its FLOPs at ``rate``, per operator."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU()) for _ in range(8)])
+    x = torch.ones(8, 32)
+
+    def step() -> None:
+        mlp(x).sum().backward()
+
+    counter, flops = OpCounter(), FlopCounterMode(display=False)
+    with flops, counter:
+        step()
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - began)
+    return max(best - flops.get_total_flops() / rate, 0.0) / counter.ops
+
+
+def _byte_seconds(numel: int = 1 << 20, repeats: int = 5) -> float:
+    """A byte an elementwise operator writes: the sum of two 4 MB tensors into a third (8 MB read,
+    4 MB written; beyond the caches of most cores), the best of ``repeats``, per byte written."""
+    a, b, out = torch.full((numel,), 0.5), torch.full((numel,), 0.25), torch.empty(numel)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        torch.add(a, b, out=out)
+        best = min(best, time.perf_counter() - began)
+    return best / (4 * numel)
+
+
+def _update_seconds(numel: int = 1 << 16, repeats: int = 3) -> float:
+    """One AdamW element's update (``parallel.adamw``, fp32), the best of ``repeats``."""
+    from distlib.parallel.adamw import AdamWConfig, adamw_step_
+
+    cfg = AdamWConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    param, grad, m, v = (torch.full((numel,), 0.5) for _ in range(4))
+    best = float("inf")
+    for step in range(1, repeats + 1):
+        began = time.perf_counter()
+        adamw_step_(param, grad, m, v, step, cfg)
+        best = min(best, time.perf_counter() - began)
+    return best / numel
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float  # the slowest stage's own work, stretched by the ranks sharing cores
+    comm_s: float  # that stage's collectives and sends
+    bubble_s: float  # the pipeline's idle time
+    tokens: int  # per step, all ranks
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.bubble_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "step_ms": 1e3 * self.total_s,
+            "compute_ms": 1e3 * self.compute_s,
+            "comm_ms": 1e3 * self.comm_s,
+            "bubble_ms": 1e3 * self.bubble_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+def step_time(
+    stages: list[tuple[Counted, int]],
+    world_size: int,
+    stage_ranks: int,
+    micro_batches: int,
+    chunks: int,
+    tokens: int,
+    machine: Machine,
+    transport: str = "shm",
+) -> StepTime:
+    """The step of ``stages`` (per pipeline stage: its dry step's counts with the ZeRO and
+    verdict collectives added, and its optimizer elements) of ``world_size`` ranks, ``stage_ranks``
+    a stage, on ``machine``; ``micro_batches`` and ``chunks``: the pipeline's m and v (each 1
+    without a pipeline).
+
+    A rank's own work (forward, backward, update) takes at least its time alone; the ranks
+    together take at least all their work over the cores (ranks that wait, a pipeline's in its
+    bubble, leave their core to the others); the pipeline's critical path is its slowest stage's
+    forward and backward stretched by the bubble, (m v + pp - 1) / (m v), then the update. The
+    compute is the larger of the first two; what the critical path adds beyond it is the bubble."""
+    pp = len(stages)
+    own, forward_backward, sent = [], [], []
+    for counted, elements in stages:
+        work = counted.flops / machine.flops + counted.ops * machine.op_s + counted.written * machine.byte_s
+        forward_backward.append(work)
+        own.append(work + elements * machine.update_s)
+        sent.append(
+            sum(machine.collective_s(kind, n, size, world_size, transport) for kind, n, size in counted.calls)
+        )
+    slots = micro_batches * chunks
+    update = max(o - f for o, f in zip(own, forward_backward))
+    critical = max(forward_backward) * (slots + pp - 1) / slots + update
+    compute = max(max(own), sum(own) * stage_ranks / machine.cores)
+    return StepTime(compute, max(sent), max(0.0, critical - compute), tokens)

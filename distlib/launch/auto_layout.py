@@ -1,0 +1,72 @@
+"""``dist.layout=auto``: python train.py's launcher asks the planner (``scripts/plan.py``'s search)
+for the layout to run before any worker starts, and trains that.
+
+Every layout of the keys the command line leaves unset (dist.tp, pp with its schedule, cp, ep,
+zero.stage, zero.overlap: ``plan.candidates``) is planned with its per-rank bytes and its step time
+predicted on this machine (``plan.timing``); the fastest of those that fit ``dist.budget_gb`` is
+chosen (for models whose step time is not predicted, experts or document masks: the smallest that
+fits), written into the configuration with ``dist.layout=given`` -- so the run's record, and a
+continuation of it, hold the layout that ran -- and said in one line as the overrides that pin it.
+A budget nothing fits is one ``config error`` line naming the smallest layout's need.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from distlib.app.config.run import ConfigError
+from distlib.app.plan import candidates
+from distlib.app.plan.report import GB, Planned, fastest, plan
+from distlib.app.plan.timing import Machine
+
+
+def choose(tree: dict, overrides: list[str]) -> tuple[dict, str]:
+    """(``tree`` with the chosen layout's keys and ``dist.layout=given``, the line saying so);
+    ConfigError when no layout is accepted or none fits the budget."""
+    budget = tree["dist"]["budget_gb"]
+    planned, refused = plan(tree, candidates.pinned(overrides), Machine.probe())
+    if not planned:
+        reason = refused[0][1] if refused else "no candidate"
+        world = tree["dist"]["world_size"]
+        raise ConfigError(f"dist.layout=auto: no layout of dist.world_size={world} is accepted: {reason}")
+    fitting = [p for p in planned if p.fits(budget)]
+    if not fitting:
+        smallest = planned[0]
+        what = " ".join(smallest.overrides) or "as given"
+        raise ConfigError(
+            f"dist.layout=auto: no layout fits dist.budget_gb={budget:g}: the smallest holds "
+            f"{smallest.peak / GB:.6g} GB on its fullest rank ({what}); "
+            "raise dist.budget_gb or dist.world_size"
+        )
+    best = fastest(planned, budget)
+    chosen = best or fitting[0]
+    return pinned_tree(tree, chosen), said(chosen, best is not None, len(fitting), budget)
+
+
+def pinned_tree(tree: dict, chosen: Planned) -> dict:
+    """``tree`` with ``chosen``'s overrides set and the layout marked as given."""
+    out = copy.deepcopy(tree)
+    for override in chosen.overrides:
+        dotted, text = override.split("=", 1)
+        group, name = dotted.split(".")
+        out[group][name] = _value(text)
+    out["dist"]["layout"] = "given"
+    return out
+
+
+def _value(text: str) -> int | bool | str:
+    """A planner override's value as the configuration holds it (degrees, stages, switches, names)."""
+    if text in ("true", "false"):
+        return text == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def said(chosen: Planned, timed: bool, fitting: int, budget: float | None) -> str:
+    layout = " ".join(chosen.overrides) or "(the command line's own)"
+    within = "" if budget is None else f" within dist.budget_gb={budget:g}"
+    if timed:
+        ms = 1e3 * chosen.time.total_s
+        how = f"predicted fastest on this machine ({ms:.1f} ms a step) of {fitting} layouts{within}"
+    else:
+        how = f"the smallest of {fitting} layouts{within} (step time not predicted for this model)"
+    return f"dist.layout=auto: {layout}, {how}; add these overrides to pin it"

@@ -1,0 +1,118 @@
+"""dist.layout=auto (distlib/launch/auto_layout.py): python train.py runs the layout the planner
+predicts fastest among those that fit dist.budget_gb, says it as overrides, records it, and stays
+within the budget; a budget nothing fits, or another launcher, is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from forkrun import run_script
+
+from distlib.app.config.run import ConfigError, RunConfig
+from distlib.app.plan import candidates
+from distlib.app.plan.report import GB, plan
+from distlib.app.plan.timing import Machine
+from distlib.launch import auto_layout
+from distlib.launch.hydra_config import compose_tree
+
+FIXED = Machine(flops=1e10, op_s=2e-6, byte_s=1e-10, update_s=1e-9, cores=2)
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+@pytest.fixture
+def fixed_machine(monkeypatch):
+    """The same machine figures every time, so the test can recompute the planner's choice."""
+    monkeypatch.setattr(Machine, "probe", staticmethod(lambda: FIXED))
+
+
+def chosen(words: list[str]) -> tuple[dict, str]:
+    return auto_layout.choose(compose_tree(words), words)
+
+
+def test_the_fastest_layout_that_fits_is_chosen_and_written_as_given(fixed_machine):
+    words = ["model=llama", "dist.world_size=4", "dist.layout=auto", "dist.budget_gb=0.0009"]
+    tree, line = chosen(words)
+    layouts, _ = plan(compose_tree(words), set(), FIXED)
+    fitting = [p for p in layouts if p.peak <= 0.0009 * GB]
+    best = min(fitting, key=lambda p: p.time.total_s)
+    assert 0 < len(fitting) < len(layouts)  # the budget rules some out
+    assert line == (
+        f"dist.layout=auto: {' '.join(best.overrides)}, predicted fastest on this machine "
+        f"({1e3 * best.time.total_s:.1f} ms a step) of {len(fitting)} layouts within dist.budget_gb=0.0009; "
+        "add these overrides to pin it"
+    )
+    assert tree["dist"]["layout"] == "given"
+    pinned = RunConfig.from_dict(compose_tree([*words[:2], *best.overrides]))
+    assert (
+        RunConfig.from_dict(tree).layout == pinned.layout
+        and tree["zero"] == compose_tree(best.overrides)["zero"]
+    )
+
+
+def test_keys_the_command_line_sets_stay_as_set(fixed_machine):
+    words = ["model=llama", "dist.world_size=4", "dist.layout=auto", "dist.tp=2", "zero=stage3"]
+    tree, line = chosen(words)
+    assert tree["dist"]["tp"] == 2 and tree["zero"]["stage"] == 3 and tree["zero"]["overlap"] is False
+    assert "dist.tp" not in line and "zero." not in line
+
+
+def test_a_model_whose_step_is_not_predicted_gets_the_smallest_that_fits(fixed_machine):
+    words = ["model=mixtral_tiny", "dist.world_size=4", "dist.layout=auto"]
+    tree, line = chosen(words)
+    layouts, _ = plan(compose_tree(words), candidates.pinned(words), FIXED)
+    assert line == (
+        f"dist.layout=auto: {' '.join(layouts[0].overrides)}, the smallest of {len(layouts)} layouts "
+        "(step time not predicted for this model); add these overrides to pin it"
+    )
+
+
+def test_a_budget_nothing_fits_names_the_smallest_need(fixed_machine):
+    with pytest.raises(ConfigError) as caught:
+        chosen(["model=llama", "dist.world_size=4", "dist.layout=auto", "dist.budget_gb=0.0001"])
+    said = str(caught.value)
+    assert said.startswith("dist.layout=auto: no layout fits dist.budget_gb=0.0001: the smallest holds ")
+    assert said.endswith("; raise dist.budget_gb or dist.world_size") and "\n" not in said
+
+
+def test_train_py_runs_the_chosen_layout_within_the_budget_and_records_it(tmp_path):
+    run = tmp_path / "run"
+    budget = 0.0009
+    proc = run_script(
+        "train.py",
+        "model=llama",
+        "dist.layout=auto",
+        f"dist.budget_gb={budget}",
+        "train.steps=2",
+        f"hydra.run.dir={run}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.splitlines()[0]
+    assert line.startswith("dist.layout=auto: ") and line.endswith("; add these overrides to pin it")
+    overrides = line.removeprefix("dist.layout=auto: ").split(",")[0].split()
+    recorded = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    assert recorded["dist"]["layout"] == "given"
+    for override in overrides:  # the recorded configuration is the layout said
+        dotted, value = override.split("=")
+        group, key = dotted.split(".")
+        assert str(recorded[group][key]).lower() == value
+    memory = json.loads((run / "report.json").read_text())["memory"]
+    assert len(memory) == 4
+    for row in memory:  # every rank measured within the budget
+        assert sum(row["measured"][c] for c in CATEGORIES) <= budget * GB
+
+
+def test_train_py_refuses_a_budget_nothing_fits_and_another_launcher_in_one_line(tmp_path):
+    tight = run_script(
+        "train.py", "dist.layout=auto", "dist.budget_gb=1e-6", f"hydra.run.dir={tmp_path / 'a'}"
+    )
+    assert tight.returncode == 2 and len(tight.stderr.splitlines()) == 1
+    assert tight.stderr.startswith("config error: dist.layout=auto: no layout fits dist.budget_gb=1e-06")
+    task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"}
+    task |= {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_ID": "0"}
+    srun = run_script("train.py", "dist.layout=auto", f"hydra.run.dir={tmp_path / 'b'}", env=task)
+    assert srun.returncode == 2 and srun.stderr.splitlines() == [
+        "config error: dist.layout=auto is chosen by python train.py's launcher before it starts the "
+        "workers; here every rank starts as given: run scripts/plan.py and pass its overrides"
+    ]
