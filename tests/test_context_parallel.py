@@ -163,9 +163,9 @@ def test_the_all_to_all_route_gives_one_ranks_logits_bit_for_bit(world):
         assert all(d < 1e-5 for d in diffs.values()), (rank, diffs)
 
 
-def _cp_bytes(comm, trees: list[dict], run_dir: str) -> list[int]:
-    """The bytes this rank sent on its context-parallel group in each run's one step."""
-    return [run["records"][0]["comm_bytes"]["cp"] for run in train_each(comm, trees, run_dir)]
+def _sent(comm, trees: list[dict], run_dir: str) -> list[dict]:
+    """The bytes rank 0 sent on each group in each run's one step (``comm_bytes``)."""
+    return [run["records"][0]["comm_bytes"] for run in train_each(comm, trees, run_dir)]
 
 
 # Ulysses moves q, k, v forward and the output back (and as much in backward): 2H + 2KV' heads'
@@ -181,8 +181,10 @@ def test_grouped_query_keys_and_values_travel_before_they_are_repeated(tmp_path,
     base = ["model=llama", "model.n_heads=4", "train.steps=1", "dist.world_size=2", "dist.cp=2"]
     base += [f"dist.cp_impl={impl}", "dist.check_collectives=false", "metrics.progress_every=0"]
     trees = [compose_tree([*base, f"model.n_kv_heads={heads}"]) for heads in (kv, 4)]
-    for grouped, whole in run_ranks(_cp_bytes, 2, trees, str(tmp_path)):
-        assert grouped == share * whole, (impl, grouped, whole)
+    for grouped, whole in run_ranks(_sent, 2, trees, str(tmp_path)):
+        assert grouped["cp"] == share * whole["cp"], (impl, grouped, whole)
+        # the gradients' sync runs on the batch group (dp x cp), reported apart from the layers'
+        assert grouped["batch"] > 0 and whole["batch"] > grouped["batch"] and whole["dp"] == 0
 
 
 def test_the_planner_gives_every_ranks_model_states(runs):

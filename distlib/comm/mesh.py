@@ -97,8 +97,12 @@ class Mesh:
         raise ValueError(f"unknown mesh group {name!r}")
 
     def groups(self) -> dict[str, Comm]:
-        """The sub-groups by name (whose traffic the metrics report apart)."""
+        """The sub-groups by name (whose traffic the metrics report apart): each dimension's, and
+        where they are groups of their own the batch group (cp > 1: the gradients' sync) and the
+        stage (pp > 1: the replica check); at cp = 1 the batch group is dp, at pp = 1 the stage
+        the world, counted as such."""
         kinds = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "edp": self.edp}
+        kinds |= {"batch": self.batch_, "stage": self.stage if self.stage is not self.world else None}
         return {kind: comm for kind, comm in kinds.items() if comm is not None}
 
 
