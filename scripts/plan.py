@@ -1,18 +1,21 @@
 """Which layouts a model can run in over dist.world_size ranks, and what each rank will hold.
 
-    .venv/bin/python scripts/plan.py [OVERRIDES...] [plan.budget_gb=G] [--layout] [--json] [--verify K]
+    .venv/bin/python scripts/plan.py [OVERRIDES...] [plan.budget_gb=G] [plan.device=D] [--layout] [--json]
+                                     [--verify K]
 
 OVERRIDES are train.py's Hydra overrides (the model, dist.world_size, the batch, train.dtype ...).
 Every layout of the searched keys (dist.tp, dist.pp with its schedule, dist.cp, dist.ep, zero.stage,
-zero.overlap; those the command line sets stay as set) that the configuration accepts is listed
-with its fullest rank's parameter, gradient and optimizer bytes -- the end-of-run memory table's
-figures, predicted without starting a process (docs/parallelism.md, "Planning") -- smallest
-first, its predicted step time on this machine, and whether it fits plan.budget_gb per rank; then
-the smallest and the fastest that fit. --layout: only the command line's own layout, rank by rank.
---json: the same as JSON on stdout. The activations kept for backward and the step time are
-predicted for dense models (with experts or document masks the verdict says it covers the model
-states only). --verify K: train the K smallest layouts and a seeded sample of K others (with
---layout: the one) for a few steps each with train.py, and say for each whether every rank
+zero.overlap; those the command line sets stay as set) that the configuration accepts is listed with
+its fullest rank's parameter, gradient and optimizer bytes -- the end-of-run memory table's figures,
+predicted without starting a process (docs/parallelism.md, "Planning") -- smallest first, its
+predicted step time, and whether it fits plan.budget_gb per rank; then the smallest and the fastest
+that fit. The step is priced on this machine (plan.device=cpu, measured at start) or on a GPU kind's
+data sheet (plan.device=a100, h100 or h200: one GPU per rank; plan.budget_gb then defaults to its
+memory; distlib/app/plan/devices.py says what is assumed). --layout: only the command line's own
+layout, rank by rank. --json: the same as JSON on stdout. The activations kept for backward and the
+step time are predicted for dense models (with experts or document masks the verdict says it covers
+the model states only). --verify K: train the K smallest layouts and a seeded sample of K others
+(with --layout: the one) for a few steps each with train.py, and say for each whether every rank
 measured what was planned (exit status 1 if any did not), and its measured step time beside the
 predicted one, with the rank correlation of the two over the layouts.
 """
@@ -26,21 +29,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
-from distlib.app.plan import candidates  # noqa: E402
+from distlib.app.plan import candidates, devices  # noqa: E402
 from distlib.app.plan.report import GB, Planned, fastest, plan, planned, table  # noqa: E402
 from distlib.app.plan.timing import Machine  # noqa: E402
 from distlib.launch import plan_verify  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[list[str], float | None, dict]:
-    """(Hydra overrides, plan.budget_gb or None, the flags: layout, json, verify K or None)."""
-    budget, hydra, flags = None, [], {"layout": False, "json": False, "verify": None}
+    """(Hydra overrides, plan.budget_gb or None, the flags: layout, json, verify K or None, and
+    plan.device)."""
+    budget, hydra, flags = None, [], {"layout": False, "json": False, "verify": None, "device": "cpu"}
     words = iter(argv)
     for arg in words:
         if arg.startswith("plan.budget_gb="):
             budget = _budget(arg.split("=", 1)[1])
+        elif arg.startswith("plan.device="):
+            flags["device"] = _device(arg.split("=", 1)[1])
         elif arg.startswith("plan."):
-            raise SystemExit(f"error: unknown planner key {arg.split('=', 1)[0]} (plan.budget_gb is the one)")
+            key = arg.split("=", 1)[0]
+            raise SystemExit(
+                f"error: unknown planner key {key} (plan.budget_gb and plan.device are the planner's)"
+            )
         elif arg in ("--layout", "--json"):
             flags[arg[2:]] = True
         elif arg == "--verify":
@@ -54,6 +63,19 @@ def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise SystemExit(f"error: --verify takes how many layouts to run (a whole number >= 1), got {text!r}")
     return int(text)
+
+
+def _device(text: str) -> str:
+    if text not in devices.DEVICES:
+        raise SystemExit(f"error: plan.device must be one of {', '.join(devices.DEVICES)}, got {text!r}")
+    return text
+
+
+def _machine(tree: dict, device: str) -> Machine:
+    """What the step is priced on: this machine (measured), or a GPU kind's data sheet."""
+    if device == "cpu":
+        return Machine.probe()
+    return devices.machine(device, tree["train"]["dtype"], tree["dist"]["world_size"])
 
 
 def _budget(text: str) -> float:
@@ -78,13 +100,15 @@ def compose(hydra: list[str]) -> dict:
         raise SystemExit(f"error: {str(exc).splitlines()[0]}") from None
 
 
-def one_layout(tree: dict, budget: float | None, doc: dict | None) -> tuple[int, list[Planned]]:
+def one_layout(
+    tree: dict, budget: float | None, doc: dict | None, machine: Machine
+) -> tuple[int, list[Planned]]:
     """The command line's layout rank by rank and its verdict (into ``doc`` when JSON is asked for)."""
     try:
         cfg = RunConfig.from_dict(tree)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
-    layout = planned(cfg, [], Machine.probe())
+    layout = planned(cfg, [], machine)
     if doc is not None:
         doc.update(layout.as_dict(budget))
     else:
@@ -96,8 +120,8 @@ def one_layout(tree: dict, budget: float | None, doc: dict | None) -> tuple[int,
         if layout.time is not None:
             t = layout.time
             print(
-                f"predicted step on this machine: {1e3 * t.total_s:.1f} ms ({1e3 * t.compute_s:.1f} compute, "
-                f"{1e3 * t.comm_s:.1f} communication, {1e3 * t.bubble_s:.1f} pipeline bubble)"
+                f"predicted step on {machine.name}: {1e3 * t.total_s:.1f} ms ({1e3 * t.compute_s:.1f} "
+                f"compute, {1e3 * t.comm_s:.1f} communication, {1e3 * t.bubble_s:.1f} pipeline bubble)"
             )
     return (0 if layout.fits(budget) else 1), [layout]
 
@@ -115,9 +139,11 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     return f"{word} plan.budget_gb={budget:g}: {needs}"
 
 
-def search(tree: dict, pinned: set[str], budget: float | None, doc: dict | None) -> tuple[int, list[Planned]]:
+def search(
+    tree: dict, pinned: set[str], budget: float | None, doc: dict | None, machine: Machine
+) -> tuple[int, list[Planned]]:
     """Every accepted layout, smallest first, and the smallest that fits (into ``doc`` for JSON)."""
-    planned, refused = plan(tree, pinned, Machine.probe())
+    planned, refused = plan(tree, pinned, machine)
     if not planned:  # the command line's own layout says why (a world size of 0, a pinned degree)
         raise SystemExit(f"error: no layout is accepted: {_refusal(tree, refused)}")
     fitting = [p for p in planned if p.fits(budget)]
@@ -156,12 +182,20 @@ def _refusal(tree: dict, refused: list[tuple[list[str], str]]) -> str:
 
 def main(argv: list[str]) -> int:
     hydra, budget, flags = parse(argv)
+    device = flags["device"]
+    if device != "cpu" and flags["verify"] is not None:
+        raise SystemExit(f"error: --verify trains on this machine, not on plan.device={device}")
+    if device != "cpu" and budget is None:
+        budget = devices.KINDS[device].memory_gb  # the GPU's own memory
     tree = compose(hydra)
+    machine = _machine(tree, device)
     doc = {} if flags["json"] else None  # one JSON document at the end, verification included
+    if doc is not None:
+        doc["device"] = machine.name
     if flags["layout"]:
-        status, layouts = one_layout(tree, budget, doc)
+        status, layouts = one_layout(tree, budget, doc, machine)
     else:
-        status, layouts = search(tree, candidates.pinned(hydra), budget, doc)
+        status, layouts = search(tree, candidates.pinned(hydra), budget, doc, machine)
     if flags["verify"] is not None and layouts:
         picked = layouts if flags["layout"] else plan_verify.chosen(layouts, flags["verify"])
         status = max(status, report_verified(plan_verify.verify(hydra, picked), doc))

@@ -1,13 +1,15 @@
-"""``dist.layout=auto``: python train.py's launcher asks the planner (``scripts/plan.py``'s search)
-for the layout to run before any worker starts, and trains that.
+"""``dist.layout=auto``: python train.py's launcher asks the planner (``scripts/plan.py``'s search) for
+the layout to run before any worker starts, and trains that.
 
 Every layout of the keys the command line leaves unset (dist.tp, pp with its schedule, cp, ep,
 zero.stage, zero.overlap: ``plan.candidates``) is planned with its per-rank bytes and its step time
-predicted on this machine (``plan.timing``); the fastest of those that fit ``dist.budget_gb`` is
-chosen (for models whose step time is not predicted, experts or document masks: the smallest that
-fits), written into the configuration with ``dist.layout=given`` -- so the run's record, and a
-continuation of it, hold the layout that ran -- and said in one line as the overrides that pin it.
-A budget nothing fits is one ``config error`` line naming the smallest layout's need.
+predicted (``plan.timing``: on this machine for a CPU run; for a GPU run on the data sheet of the
+kind nvidia-smi names, ``plan.devices``, whose memory is then the default budget); the fastest of
+those that fit ``dist.budget_gb`` is chosen (where the step time is not predicted -- experts,
+document masks, a GPU not listed -- the smallest that fits), written into the configuration with
+``dist.layout=given`` -- so the run's record, and a continuation of it, hold the layout that ran --
+and said in one line as the overrides that pin it. A budget nothing fits is one ``config error``
+line naming the smallest layout's need.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ from __future__ import annotations
 import copy
 
 from distlib.app.config.run import ConfigError
-from distlib.app.plan import candidates
+from distlib.app.plan import candidates, devices
 from distlib.app.plan.report import GB, Planned, fastest, plan
 from distlib.app.plan.timing import Machine
+from distlib.app.runtime.devices import on_gpu
 
 
 def choose(tree: dict, overrides: list[str]) -> tuple[dict, str]:
     """(``tree`` with the chosen layout's keys and ``dist.layout=given``, the line saying so);
     ConfigError when no layout is accepted or none fits the budget."""
-    budget = tree["dist"]["budget_gb"]
-    planned, refused = plan(tree, candidates.pinned(overrides), Machine.probe())
+    machine, memory_gb, untimed = pricing(tree)
+    budget = tree["dist"]["budget_gb"] or memory_gb
+    planned, refused = plan(tree, candidates.pinned(overrides), machine)
     if not planned:
         reason = refused[0][1] if refused else "no candidate"
         world = tree["dist"]["world_size"]
@@ -40,7 +44,21 @@ def choose(tree: dict, overrides: list[str]) -> tuple[dict, str]:
         )
     best = fastest(planned, budget)
     chosen = best or fitting[0]
-    return pinned_tree(tree, chosen), said(chosen, best is not None, len(fitting), budget)
+    return pinned_tree(tree, chosen), said(chosen, best is not None, len(fitting), budget, machine, untimed)
+
+
+def pricing(tree: dict) -> tuple[Machine | None, float | None, str]:
+    """What the steps are priced on, the GPU's memory (GB) and why they are not: this machine
+    (measured now) for a CPU run; for a GPU run the data sheet of the kind ``nvidia-smi`` names,
+    or None for another GPU."""
+    if not on_gpu(tree["train"]["device"], tree["dist"]["backend"]):
+        return Machine.probe(), None, ""
+    kind = devices.local_kind()
+    if kind is None:
+        listed = ", ".join(devices.KINDS)
+        return None, None, f"step time not predicted for this GPU: nvidia-smi names none of {listed}"
+    machine = devices.machine(kind, tree["train"]["dtype"], tree["dist"]["world_size"])
+    return machine, devices.KINDS[kind].memory_gb, ""
 
 
 def pinned_tree(tree: dict, chosen: Planned) -> dict:
@@ -61,12 +79,15 @@ def _value(text: str) -> int | bool | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
-def said(chosen: Planned, timed: bool, fitting: int, budget: float | None) -> str:
+def said(
+    chosen: Planned, timed: bool, fitting: int, budget: float | None, machine: Machine | None, untimed: str
+) -> str:
     layout = " ".join(chosen.overrides) or "(the command line's own)"
     within = "" if budget is None else f" within dist.budget_gb={budget:g}"
     if timed:
         ms = 1e3 * chosen.time.total_s
-        how = f"predicted fastest on this machine ({ms:.1f} ms a step) of {fitting} layouts{within}"
+        how = f"predicted fastest on {machine.name} ({ms:.1f} ms a step) of {fitting} layouts{within}"
     else:
-        how = f"the smallest of {fitting} layouts{within} (step time not predicted for this model)"
+        why = untimed or "step time not predicted for this model"
+        how = f"the smallest of {fitting} layouts{within} ({why})"
     return f"dist.layout=auto: {layout}, {how}; add these overrides to pin it"

@@ -57,12 +57,12 @@ class DistConfig(Group):
         sent to their experts' ranks and back by an all-to-all; checkpoints are the same as without it
         (they resume at any ep)
     layout: given (dist.tp, pp, cp, ep and zero.stage/overlap as set) or auto: `.venv/bin/python train.py`
-        asks the planner (scripts/plan.py) before any worker starts for the layout predicted fastest on
-        this machine among those that fit dist.budget_gb, searching the keys the command line leaves
-        unset, and prints it as the overrides that pin it (python train.py only: torchrun and srun start
-        every rank with the command line as given)
+        asks the planner (scripts/plan.py) before any worker starts for the layout predicted fastest
+        (on this machine; on a GPU run, on the data sheet of the GPU nvidia-smi names) among those that fit
+        dist.budget_gb, searching the keys the command line leaves unset, and prints it as the overrides
+        that pin it (python train.py only: torchrun and srun start every rank with the command line as given)
     budget_gb: with dist.layout=auto, the bytes per rank (decimal GB) of model states and activations
-        kept for backward the layout must fit in; null: any
+        kept for backward the layout must fit in; null: any (on a GPU the planner knows: its memory)
     """
 
     GROUP = "dist"

@@ -26,9 +26,10 @@ With ``zero.overlap`` each of the optimizer's collectives is handed to the commu
 a wake-up more (``handoff``), and nothing credited for hiding (measured on 2 cores, the thread
 makes a 4-rank step slower, not faster: no core is idle to run it).
 
-What it leaves out: the hiding overlap gives where cores are idle, the CPU's caches, and GPUs (no
-data-sheet kinds yet); models with experts or document masks are not predicted (their dry step
-cannot route). ``benchmarks/plan_time.py`` measures how well it ranks real layouts.
+What it leaves out: the hiding overlap gives where cores are idle and the CPU's caches (a GPU
+kind is priced on its data sheet instead: ``devices``); models with experts or document masks
+are not predicted (their dry step cannot route). ``benchmarks/plan_time.py`` measures how well
+it ranks real layouts.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Machine:
     update_s: float  # seconds to update one optimizer element (AdamW, fp32 state)
     cores: int  # the ranks beyond these share them
     name: str = field(default="this machine", compare=False)
+    link: object | None = None  # a GPU kind's collectives (``devices.Link``); None: this host's
 
     @staticmethod
     def probe() -> Machine:
@@ -108,7 +110,9 @@ class Machine:
     ) -> float:
         """One collective (or a send: one message of ``nbytes``) on a group of ``size`` ranks of a
         job of ``world_size``, over the shared-memory board (``dist.transport=shm``) or gloo's
-        pairs (the cost model's)."""
+        pairs (the cost model's), or a GPU kind's links."""
+        if self.link is not None:
+            return self.link.collective_s(kind, nbytes, size)
         if kind == "handoff":  # a collective handed to the communication thread (zero.overlap)
             return BOARD_MEET_S * self.stretch(world_size)
         if transport == "shm":

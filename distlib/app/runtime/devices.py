@@ -24,8 +24,13 @@ def no_cuda_reason() -> str:
     return f"this machine has no usable CUDA GPU (torch {torch.__version__}, CUDA {cuda})"
 
 
+def on_gpu(train_device: str, backend: str) -> bool:
+    """Whether the ranks compute on GPUs (see the module doc)."""
+    return not (train_device == "cpu" or (train_device == "auto" and backend != "nccl"))
+
+
 def rank_device(train_device: str, backend: str, local_rank: int) -> str:
     """ "cpu" or "cuda:<k>" for the rank with this ``local_rank`` (see the module doc)."""
-    if train_device == "cpu" or (train_device == "auto" and backend != "nccl"):
+    if not on_gpu(train_device, backend):
         return "cpu"
     return f"cuda:{local_rank % cuda_devices()}"
