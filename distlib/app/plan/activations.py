@@ -22,7 +22,6 @@ import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from distlib.app.config.groups import TrainConfig
 from distlib.app.config.model_group import ModelConfig
@@ -94,10 +93,10 @@ def _dry_step(
         if chunks
         else LocalStep(module, train.grad_accum, "meta")
     )
-    ops, flops = OpCounter(), FlopCounterMode(display=False)
-    with _CpuKernels() if cpu else contextlib.nullcontext(), tally.tallied() as calls, flops, ops:
+    ops = OpCounter()
+    with _CpuKernels() if cpu else contextlib.nullcontext(), tally.tallied() as calls, ops:
         program.run([batch] * train.grad_accum)
-    return program.activation_peak, Counted(flops.get_total_flops(), ops.ops, ops.written, tuple(calls))
+    return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, tuple(calls))
 
 
 def _micro_batch(seq_len: int, micro: int, mesh, seed: int) -> tuple:
