@@ -10,8 +10,9 @@ activation bytes (the end-of-run memory table) are set against the prediction: t
 per layout, the largest error of each category over its ranks, in bytes (``bound``: zero.overlap at
 ZeRO-2/3, where the prediction is the most the run can reach: the figure is how far under it the
 run stayed; ``?``: activations not predicted, models with experts). Speed: ``plan()`` over every
-layout of ``--speed-model`` at ``--speed-world`` ranks, cold (building each stage's model and
-running each step program on the meta device) and again (cached), in the same process.
+layout of ``--speed-model`` at ``--speed-world`` ranks with their step times, cold (building each
+stage's model and running and counting each step program on the meta device) and again (cached),
+in the same process.
 
 JSON: benchmarks/results/plan.json (--out).
 """
@@ -29,6 +30,7 @@ sys.path[:0] = [ROOT]
 
 from distlib.app.config.run import RunConfig  # noqa: E402
 from distlib.app.plan.report import plan, planned  # noqa: E402
+from distlib.app.plan.timing import Machine  # noqa: E402
 from distlib.launch import plan_verify  # noqa: E402
 from distlib.launch.hydra_config import compose_tree  # noqa: E402
 
@@ -81,11 +83,14 @@ def errors(hydra: list[str]) -> dict:
 
 
 def speed(model: str, world: int) -> dict:
+    """Planning every layout of ``model`` at ``world`` ranks, bytes and step times (the machine
+    probed first, outside the time): cold, then again with the dry steps cached."""
     tree = compose_tree([f"model={model}", f"dist.world_size={world}"])
+    machine = Machine.probe()
     t0 = time.perf_counter()
-    layouts, refused = plan(tree, set())
+    layouts, refused = plan(tree, set(), machine)
     t1 = time.perf_counter()
-    plan(tree, set())
+    plan(tree, set(), machine)
     t2 = time.perf_counter()
     return {
         "model": model,
