@@ -124,6 +124,21 @@ def test_torchrun_restart_resumes_from_memory_byte_identical_and_cleans_up(recov
 
 
 @pytest.mark.slow
+def test_a_crash_inside_a_save_resumes_from_that_steps_snapshot(recovery, tmp_path):
+    """The snapshot of a step is taken before its disk save (Checkpointer.boundary): every rank
+    dying half-way through writing the step-4 checkpoint restarts from step 4's snapshot, not
+    step 3's, so no step is redone; the final checkpoint is the uninterrupted run's."""
+    run = tmp_path / "run"
+    crash = [a for a in RUN if not a.startswith("fault.")]
+    crash += ["fault.crash_in_save=mid_shard", "fault.save_fault_step=4", "checkpoint.verify_resume=false"]
+    proc = _torchrun(run, restarts=1, run=crash)
+    assert proc.returncode == 0, proc.stderr[-2500:]
+    assert "dies in the step-4 save at mid_shard" in proc.stderr
+    assert "resume: from the memory snapshot of step 4" in proc.stdout, proc.stdout[-2000:]
+    assert _files(run) == _files(recovery["clean"])
+
+
+@pytest.mark.slow
 def test_torchrun_restart_without_snapshots_resumes_from_disk_and_finishes_byte_identical(recovery):
     """docs/checkpoints.md "torchrun restarts": every rank resumes from the newest valid checkpoint
     and the final checkpoint is byte-identical to an uninterrupted run's (every shard compared)."""

@@ -3,8 +3,8 @@
     resume()           fresh start (from model.init_from's weights, if set), an explicit checkpoint, or
                        "latest" (a memory snapshot first, if newer); loads it; returns the step to
                        continue after
-    boundary(step, d)  the checkpoint part of a step boundary: commit an async save in flight, take
-                       the save the decision ``d`` asks for, keep the memory snapshot
+    boundary(step, d)  the checkpoint part of a step boundary: keep the memory snapshot, commit an
+                       async save in flight, take the save the decision ``d`` asks for
     step_passed()      the guard accepted the step after a save: that checkpoint is trusted
     finish(step)       the end of the run: an async save in flight is committed, snapshots removed
     verify_resume()    reload a checkpoint of this run into a fresh model and compare every byte
@@ -140,9 +140,12 @@ class Checkpointer(RollbackSource):
         return None if self.async_saver is None else self.async_saver.writing()
 
     def boundary(self, step: int, decision: Decision, log) -> list[Saved]:
-        """Commit the async save in flight once no rank is still writing (or, waiting for it, before a
-        new save or a stop), take the save ``decision`` asks for, then the memory snapshot. Returns
-        the saves committed here (each logged)."""
+        """The memory snapshot first (a rank lost in a save then resumes from this step, not the one
+        before), then commit the async save in flight once no rank is still writing (or, waiting
+        for it, before a new save or a stop), and take the save ``decision`` asks for. Returns the
+        saves committed here (each logged)."""
+        if self.memory.every:  # (off by default: a step never enters the snapshots' module)
+            self.memory.after_step(step, lambda: self.contents.state(step, self.optimizer))
         done = []
         if self.writing() is not None and (decision.writes_done or decision.save or decision.stop):
             done += self.settle(step, log, fatal=bool(decision.stop))
@@ -153,8 +156,6 @@ class Checkpointer(RollbackSource):
             report_saved(log, done[-1], step)
         if decision.stop:
             done += self.settle(step, log, fatal=True)
-        if self.memory.every:  # (off by default: a step never enters the snapshots' module)
-            self.memory.after_step(step, lambda: self.contents.state(step, self.optimizer))
         return done
 
     def _save(self, step: int, reason: str) -> Saved:
