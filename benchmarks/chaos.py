@@ -139,6 +139,7 @@ def run(
         row["phases_s"] = job.phases(row["t"], row["pid"], row["attempt"])
         row["first_step_s"] = row["phases_s"]["first step"]
     same = code == 0 and final_files(job.run_dir, steps) == final_files(reference, steps)
+    recorded = [r["step"] for r in records if r["type"] == "step"]
     return {
         "launcher": launcher,
         "exit_code": code,
@@ -146,6 +147,9 @@ def run(
         "byte_identical": same,
         "worker_processes": len(job.seen),  # every worker process the job ran, the replacements too
         "steps": steps,
+        # metrics.jsonl: steps never recorded, and records beyond one per step (a step run again)
+        "steps_unrecorded": sorted(set(range(1, steps + 1)) - set(recorded)),
+        "records_repeated": len(recorded) - len(set(recorded)),
         "shm_clean": not shm.job_dir(job.run_dir).exists() and not shm.job_dir(reference).exists(),
         "stderr_tail": job.tail() if code else "",
     }
@@ -162,6 +166,10 @@ def _report(result: dict, args) -> None:
         f"(moments: {moments}; ranks hit: {sorted({k['rank'] for k in kills})})"
     )
     print(f"  steps lost: total {sum(lost)}, at most {max(lost)} per kill")
+    print(
+        f"  metrics.jsonl: {len(result['steps_unrecorded'])} steps unrecorded, "
+        f"{result['records_repeated']} recorded twice"
+    )
     print(f"  kill -> next step: median {statistics.median(times):.2f} s, max {max(times):.2f} s")
     print(
         f"  final checkpoint byte-identical to an uninterrupted run: {result['byte_identical']}; "

@@ -16,8 +16,8 @@ Then one step::
     guard.check_step                       the collective verdict; a trip rolls back instead
     optimizer.apply_update                 (lr_at(step) x hooks.lr_factor), then hooks.after_update
     the step's values                      one gather: parameter norms, metrics row, save/stop votes
-    log                                    the metrics record; every guard.check_sync_every steps
-                                           the replica check
+    memory snapshot, log                   the snapshot round (every K steps), then the metrics record;
+                                           every guard.check_sync_every steps the replica check
     maybe save / stop                      stopping.decision (from the votes) -> checkpointer.boundary
     hooks.after_step
 
@@ -199,6 +199,7 @@ class Trainer:
 
     def _log_start(self, start: int, resume_path: Path | None) -> None:
         cfg = self.cfg
+        self.log.recover(self.checkpointer.recovered)  # the step resumed from, if its record was lost
         self.log.start_event(start, resume_path, launcher_env.attempt(), self.comm.size, cfg.train.steps)
         self.log.peak_event(start, self.peak_source)
         if cfg.guard.check_sync_every and not self.replicas.possible:
@@ -245,7 +246,7 @@ class Trainer:
         val_loss = self.validation.loss() if self.validation.due(step) else None
         memory = self.memory_bytes()
         norms, rows, votes = self._gather_step_values(seconds, memory, signals)
-        self.log.step(
+        record = self.log.step(
             step,
             loss=verdict.loss,
             local_loss=local_loss,
@@ -261,10 +262,13 @@ class Trainer:
             | self.routing.fields()
             | self.data.step_fields(step)
             | self.validation.fields(),
+            defer=True,
         )
+        self.checkpointer.snapshot(step, record)  # first: a recorded step is in every snapshot
+        self.log.emit(record)
         result.steps.append(StepLog(step, verdict.loss, grad_norm, norms, seconds, val_loss))
         if self.replicas.due(step):
-            self._check_replicas(step)
+            self.replicas.check(step, self.log)
         self._save_or_stop(
             step, result, signals, stopping.decision(step, self.cfg.checkpoint.every_steps, votes)
         )
@@ -299,13 +303,6 @@ class Trainer:
             [[self.optimizer.param_norm()], self.log.row(seconds, memory), vote], self.comm
         )
         return [row[0] for row in norms], rows, votes
-
-    def _check_replicas(self, step: int) -> None:
-        try:
-            self.replicas.check(step)
-        except guard.DesyncError as exc:
-            self.log.event("desync", step, say=str(exc), message=str(exc))
-            raise
 
     def _save_or_stop(
         self, step: int, result: RunResult, signals: stopping.StopSignals, decision: stopping.Decision

@@ -3,8 +3,9 @@
     resume()           fresh start (from model.init_from's weights, if set), an explicit checkpoint, or
                        "latest" (a memory snapshot first, if newer); loads it; returns the step to
                        continue after
-    boundary(step, d)  the checkpoint part of a step boundary: keep the memory snapshot, commit an
-                       async save in flight, take the save the decision ``d`` asks for
+    snapshot(step, r)  the memory snapshot, with the step's metrics record ``r`` (written after it)
+    boundary(step, d)  the checkpoint part of a step boundary: commit an async save in flight, take
+                       the save the decision ``d`` asks for
     step_passed()      the guard accepted the step after a save: that checkpoint is trusted
     finish(step)       the end of the run: an async save in flight is committed, snapshots removed
     verify_resume()    reload a checkpoint of this run into a fresh model and compare every byte
@@ -105,6 +106,7 @@ class Checkpointer(RollbackSource):
             lambda: fingerprint(self.contents.meta(0), comm.size),
             self.say,
         )
+        self.recovered: dict | None = None  # the resumed snapshot's metrics record (``snapshot``)
 
     def say(self, message: str) -> None:
         if self.comm.rank == 0:
@@ -120,6 +122,7 @@ class Checkpointer(RollbackSource):
         start = snapped.step if snapped else 0
         if snapped:
             self.restore(snapped)
+            self.recovered = snapped.state[1].get("record")
         elif path is not None:
             start = self.loader.load(path, self.model, self.optimizer, verified)
             self.say(f"resumed from {path} at step {start}")
@@ -139,13 +142,20 @@ class Checkpointer(RollbackSource):
         background write is still running."""
         return None if self.async_saver is None else self.async_saver.writing()
 
-    def boundary(self, step: int, decision: Decision, log) -> list[Saved]:
-        """The memory snapshot first (a rank lost in a save then resumes from this step, not the one
-        before), then commit the async save in flight once no rank is still writing (or, waiting
-        for it, before a new save or a stop), and take the save ``decision`` asks for. Returns the
-        saves committed here (each logged)."""
+    def snapshot(self, step: int, record: dict | None) -> None:
+        """The memory snapshot of ``step`` (collective, every K-th step), with the step's metrics
+        ``record`` (rank 0's, unwritten: ``MetricsLog.step(defer=True)``) in it: the trainer writes
+        the record after the round, so a recorded step is in every rank's snapshot, and a resume
+        from it writes a record the kill kept from the file (``recovered``)."""
         if self.memory.every:  # (off by default: a step never enters the snapshots' module)
-            self.memory.after_step(step, lambda: self.contents.state(step, self.optimizer))
+            self.memory.after_step(
+                step, lambda: _with_record(self.contents.state(step, self.optimizer), record)
+            )
+
+    def boundary(self, step: int, decision: Decision, log) -> list[Saved]:
+        """Commit the async save in flight once no rank is still writing (or, waiting for it, before
+        a new save or a stop), and take the save ``decision`` asks for. Returns the saves committed
+        here (each logged)."""
         done = []
         if self.writing() is not None and (decision.writes_done or decision.save or decision.stop):
             done += self.settle(step, log, fatal=bool(decision.stop))
@@ -280,3 +290,9 @@ class Checkpointer(RollbackSource):
     def verify_resume(self, build: Callable[[], tuple[torch.nn.Module, ZeroOptimizer]]) -> ResumeCheck | None:
         """Invariant 4 (``ResumeVerifier.verify``); ``build`` makes a fresh model and optimizer."""
         return self.verifier.verify(build)
+
+
+def _with_record(state: tuple[dict, dict], record: dict | None) -> tuple[dict, dict]:
+    """A snapshot's (tensors, rank_state) with the step's unwritten metrics record beside them."""
+    tensors, rank_state = state
+    return tensors, {**rank_state, "record": record}

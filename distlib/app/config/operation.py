@@ -25,7 +25,7 @@ class DistConfig(Group):
     max_restarts: `.venv/bin/python train.py` replaces up to this many workers lost to a signal (SIGKILL,
         the OOM killer, a native crash) in one job: the other ranks keep their processes and re-form the
         group with the new worker, and every rank resumes from the newest snapshot or checkpoint (with
-        checkpoint.memory_every_steps=1 at most one step is redone); 0: a lost worker ends the job. Under
+        checkpoint.memory_every_steps=1 no recorded step is redone); 0: a lost worker ends the job. Under
         torchrun, its --max-restarts restarts every worker instead
     tp: tensor-parallel degree: attention heads and the MLP split over this many ranks (divides world_size,
         model.n_heads, llama's model.n_kv_heads and the MLP width); ZeRO shards over the world_size / tp

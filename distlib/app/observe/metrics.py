@@ -31,6 +31,7 @@ from pathlib import Path
 
 from distlib.app.config.groups import MetricsConfig
 from distlib.app.config.operation import GuardConfig
+from distlib.app.observe import records
 from distlib.app.observe.stragglers import StragglerWatch, slowest
 from distlib.app.observe.throughput import mfu
 from distlib.comm import agree
@@ -88,7 +89,7 @@ class MetricsLog:
         self.run_dir = Path(run_dir)
         if comm.rank == 0 or cfg.per_rank:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.shared = open(self.run_dir / cfg.file, "a") if comm.rank == 0 else None
+        self.shared = records.appending(self.run_dir / cfg.file) if comm.rank == 0 else None
         self.own = open(self.run_dir / f"metrics.rank{comm.rank}.jsonl", "a") if cfg.per_rank else None
         self._comm_seen = [0.0] * (3 * len(KINDS))
         self._group_seen = dict.fromkeys(self.groups, 0)
@@ -187,11 +188,13 @@ class MetricsLog:
         val_loss: float | None = None,
         rows: list[list[float]] | None = None,
         model_fields: dict | None = None,
-    ) -> None:
+        defer: bool = False,
+    ) -> dict | None:
         """One step's record from every rank's ``row`` (``rows``, gathered by the caller with the
         step's other values), or, without them, through a gather of its own. Every rank calls it.
         ``model_fields``: what the model adds (the same on every rank; mixtral: ``aux_loss``,
-        ``expert_tokens``)."""
+        ``expert_tokens``). ``defer``: rank 0 returns the record, its line and first memory event
+        unwritten (a JSON value: ``emit`` writes it), for the caller to keep it first."""
         # Bytes this rank really sent on each group since begin_step (rank 0's go in the record).
         comm_bytes = {name: now - self._group_seen[name] for name, now in self._group_bytes_now().items()}
         rows = rows if rows is not None else agree.gather(self.row(seconds, memory), self.comm)
@@ -249,21 +252,43 @@ class MetricsLog:
         if val_loss is not None:
             record.update(val_loss=json_number(val_loss), val_loss_hex=val_loss.hex())
         record.update(model_fields or {})
-        self._write(self.shared, record)
-        if self.tensorboard:
-            self.tensorboard.write(record)
-        if not self._memory_logged:
-            self._memory_event(step, rows)
         every = self.cfg.progress_every
+        line = None
         if every and (step % every == 0 or step == self.total_steps):
             comm_ms = 1000 * sum(v["seconds"]["mean"] for v in record["comm"].values())
-            print(
+            line = (
                 f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:.6f}  "
                 f"grad norm {grad_norm:.4f}  lr {lr:.3g}  {1000 * seconds:.1f} ms  "
                 f"{(tokens_per_s or 0) / 1000:.1f}k tok/s  mfu {100 * (util or 0):.2f}%  "
-                f"comm {comm_ms:.1f} ms" + (f"  val loss {val_loss:.6f}" if val_loss is not None else ""),
-                flush=True,
+                f"comm {comm_ms:.1f} ms" + (f"  val loss {val_loss:.6f}" if val_loss is not None else "")
             )
+        pending = {"record": record, "line": line, "memory_rows": None if self._memory_logged else rows}
+        if defer:
+            return pending
+        self.emit(pending)
+        return None
+
+    def emit(self, pending: dict | None) -> None:
+        """Write a step's record held by ``step(defer=True)`` (rank 0; None elsewhere): the metrics
+        file, TensorBoard, the first step's memory event, the progress line."""
+        if pending is None:
+            return
+        record = pending["record"]
+        self._write(self.shared, record)
+        if self.tensorboard:
+            self.tensorboard.write(record)
+        if pending["memory_rows"] is not None and not self._memory_logged:
+            self._memory_event(record["step"], pending["memory_rows"])
+        if pending["line"]:
+            print(pending["line"], flush=True)
+
+    def recover(self, pending: dict | None) -> None:
+        """A resumed run's first act: the record of the step it resumed from, held in rank 0's memory
+        snapshot of it, written if the file does not end with it (the job lost a rank after the
+        snapshot round and before the record: the step is done, and recorded once)."""
+        if pending is not None and self.shared is not None:
+            if records.last_step(Path(self.shared.name)) != pending["record"]["step"]:
+                self.emit(pending)
 
     @staticmethod
     def _comm_fields(rows: list[list[float]]) -> dict:

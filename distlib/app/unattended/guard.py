@@ -184,8 +184,13 @@ class ReplicaCheck:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and self.possible
 
-    def check(self, step: int) -> None:
-        """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ."""
+    def check(self, step: int, log) -> None:
+        """Raise DesyncError (on every rank alike) naming the ranks and parameters that differ,
+        once ``log`` (the metrics) has a "desync" event saying so."""
         parts = self.optimizer.replica_parts() if self.params_held_twice else []
         parts += self.buffer_parts
-        check_replicas(parts, step, self.mesh.stage, self.mesh.layout.stage(), self.split)
+        try:
+            check_replicas(parts, step, self.mesh.stage, self.mesh.layout.stage(), self.split)
+        except DesyncError as exc:
+            log.event("desync", step, say=str(exc), message=str(exc))
+            raise
