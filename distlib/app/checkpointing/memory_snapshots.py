@@ -4,9 +4,10 @@ torchrun restart of the job resumes from the newest snapshot every rank can get 
 from disk. The Checkpointer calls this component at its three points: resume, each step
 boundary, the end of the run (and a rollback).
 
-At a snapshot step every rank writes its own shard (the bytes a disk checkpoint would hold) and
-its peer's replica, then one ``agree.all_true`` says whether every rank did: only then are the
-older snapshots removed, so a crash in the middle of a round leaves the previous round whole.
+At a snapshot step every rank writes its own shard (the bytes a disk checkpoint would hold, and
+the step's metrics record: ``Checkpointer.snapshot``) and its peer's replica, then one
+``agree.all_true`` says whether every rank did: only then are the older snapshots removed, so a
+crash in the middle of a round leaves the previous round whole.
 
 Resume (``checkpoint.resume=latest``): the ranks of a node hash the node's snapshots between
 them (damaged ones are named on stderr and removed), one ``agree.agreed_all`` gathers what every
