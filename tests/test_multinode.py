@@ -162,7 +162,8 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
     - one run directory, agreed through torchrun's store (no hydra.run.dir is passed), kept by the
       restart of the job;
     - every worker of node1 SIGKILLed and node1's /dev/shm emptied mid-run: the restarted job
-      resumes from the memory snapshots, node1's ranks from node0's replicas;
+      resumes from the memory snapshots, node1's ranks from node0's replicas, and redoes no
+      recorded step (metrics.jsonl holds each step once);
     - every loss (steps 1-20) bitwise equal to one host's 4 ranks, the final checkpoint's shards
       byte-identical to one host's, and the 2x2 step-10 checkpoint resumed on one host reproduces
       steps 11-20 bitwise."""
@@ -252,6 +253,9 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
     multi, single = _losses(runs[0] / "metrics.jsonl"), _losses(tmp_path / "single" / "metrics.jsonl")
     on_one_host = _losses(tmp_path / "resume" / "metrics.jsonl")
     assert sorted(multi) == list(range(1, 21)) and multi == single
+    # no step recorded before the loss of node1 was run again: each step has one record
+    recorded = [r["step"] for r in map(json.loads, (runs[0] / "metrics.jsonl").open()) if r["type"] == "step"]
+    assert recorded == list(range(1, 21)), recorded
     assert sorted(on_one_host) == list(range(11, 21))
     assert all(on_one_host[s] == multi[s] for s in on_one_host)
     manifest = json.loads((runs[0] / "checkpoints" / "step_00000010" / "manifest.json").read_text())
