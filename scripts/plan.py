@@ -23,6 +23,7 @@ predicted one, with the rank correlation of the two over the layouts.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -237,5 +238,21 @@ def _times(result: dict) -> str:
     return f"{result['step_ms']:.1f} / {'?' if predicted is None else f'{predicted:.1f}'}"
 
 
+def _quietly_closed() -> int:
+    """stdout's reader left (``| head``): stop without a traceback, and without Python's second
+    complaint when it flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        status = main(argv)
+        sys.stdout.flush()  # here, not at exit, where a closed reader is not this code's to catch
+    except BrokenPipeError:
+        return _quietly_closed()
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(_run(sys.argv[1:]))

@@ -210,3 +210,20 @@ def test_configs_transformers_made_plan_where_only_some_layouts_fit_their_batch(
     )
     status, out, _ = run(capsys, *mixtral, "model.seq_len=32")
     assert status == 0 and "smallest that fits: " in out
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``scripts/plan.py ... | head -3``: the table's reader leaves; the planner stops quietly."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "plan.py"), "model=llama", "dist.world_size=4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    proc.stdout.close()  # as head does after its lines: here before any, so the first write fails
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) != 0 and "Traceback" not in err and err == "", err
+
