@@ -226,4 +226,3 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     proc.stdout.close()  # as head does after its lines: here before any, so the first write fails
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) != 0 and "Traceback" not in err and err == "", err
-
