@@ -6,6 +6,7 @@ rules."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,25 @@ def test_a_loss_past_the_restarts_ends_the_job_with_each_rank_saying_why(tmp_pat
         said = [line for line in err if line.startswith(f"error [rank {rank}]: ")]
         assert len(said) == 1 and "rank(s) [0] did not arrive" in said[0], err
     assert not any("Traceback" in line for line in err), err
+
+
+def test_a_hung_rank_is_named_by_the_survivors_and_by_the_launcher(tmp_path):
+    """A rank that stops answering is no loss to replace: the others time out and say which rank
+    did not arrive, and the launcher's last line names it as the one it had to stop."""
+    args = ["dist.world_size=3", "train.global_batch=12", "dist.timeout_s=2", "dist.max_restarts=1"]
+    args += ["fault.hang_rank=1", "fault.hang_step=3", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_script("train.py", *args)
+    err = proc.stderr.splitlines()
+    assert proc.returncode == 1, err
+    # the failures the agent saw first (one survivor's timeout, or both), then the rank it stopped
+    assert re.fullmatch(
+        r"error: training failed: rank [02] \(exit 1\)(, rank 2 \(exit 1\))?; still running 2 s after, "
+        r"so stopped: rank\(s\) \[1\]",
+        err[-1],
+    ), err
+    for rank in (0, 2):
+        (said,) = [line for line in err if line.startswith(f"error [rank {rank}]: ")]
+        assert "rank(s) [1] did not arrive" in said, said
 
 
 def test_dist_max_restarts_under_another_launcher_is_refused_in_one_line(tmp_path):

@@ -64,6 +64,7 @@ class Agent:
         self.generation = self.restarts = 0
         self.stop_signal: int | None = None
         self.why_not: str | None = None  # why the failures that ended the job were not replaced
+        self.stopped: list[int] = []  # the ranks still running when the job ended (a hung one)
 
     # -- starting ---------------------------------------------------------------------------
     def _env(self, rank: int) -> dict[str, str]:
@@ -153,6 +154,7 @@ class Agent:
         as torch's agent does), then killed. The exit codes of the failures that ended the job."""
         self.store.set(generations.KEY, generations.END)
         self._wait_all(SETTLE_S)
+        self.stopped = sorted(rank for rank, p in self.workers.items() if p.exitcode is None)
         self._signal_running(signal.SIGTERM)
         self._wait_all(STOP_GRACE_S)
         self._signal_running(signal.SIGKILL)
@@ -176,4 +178,5 @@ class Agent:
     def failure_line(self, failed: dict[int, int]) -> str:
         """The launcher's line for the failures that ended the job (each survivor said its own)."""
         ranks = ", ".join(f"rank {rank} ({_describe(code)})" for rank, code in sorted(failed.items()))
-        return f"error: training failed: {ranks}{self.why_not or ''}"
+        hung = f"; still running {SETTLE_S:g} s after, so stopped: rank(s) {self.stopped}"
+        return f"error: training failed: {ranks}{self.why_not or ''}{hung if self.stopped else ''}"
