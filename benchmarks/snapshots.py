@@ -50,8 +50,8 @@ VARIANTS = ("off", "own", "replica")
 
 
 class _Holdings(StepHooks):
-    """Before the last step: the snapshot bytes this rank holds (files ``*.held<rank>.*`` in its
-    node's directory; the run's end removes them)."""
+    """Before the last step: the snapshot bytes this rank holds, by the rank whose shard each is
+    (files ``*.rank<owner>.held<rank>.*`` in its node's directory; the run's end removes them)."""
 
     def __init__(self, last: int, memory: Path, rank: int):
         self.last, self.memory, self.rank, self.held = last, memory, rank, None
@@ -59,11 +59,11 @@ class _Holdings(StepHooks):
     def before_step(self, step: int) -> None:
         if step == self.last:
             files = self.memory.rglob(f"*.held{self.rank:05d}.safetensors")
-            self.held = sum(f.stat().st_size for f in files)
+            self.held = {int(f.name.split(".rank")[1][:5]): f.stat().st_size for f in files}
 
 
-def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> int | None:
-    """One rank of one run (its node's snapshots in ``memory``/node<n>); the bytes it held."""
+def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> dict[int, int] | None:
+    """One rank of one run (its node's snapshots in ``memory``/node<n>); the bytes it held, by owner."""
     per_node = comm.size // nodes
     os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(per_node), str(comm.rank % per_node)
     # (the transport's segments go there too: every group's in its rank 0's node directory)
@@ -76,8 +76,8 @@ def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> int | None
     return hooks.held
 
 
-def _one(variant: str, world: int, stage: int, steps: int) -> tuple[list[float], list[int | None]]:
-    """Step intervals (s) of one run of ``variant``, and the snapshot bytes each rank held."""
+def _one(variant: str, world: int, stage: int, steps: int) -> tuple[list[float], list[dict | None]]:
+    """Step intervals (s) of one run of ``variant``, and the snapshot bytes each rank held, by owner."""
     every = 0 if variant == "off" else 1
     tree = compose_tree(
         [*MEDIUM, f"dist.world_size={world}", f"zero.stage={stage}", f"train.global_batch={8 * world}"]
@@ -116,7 +116,10 @@ def main() -> None:
     rows = []
     for v in VARIANTS:
         ms = statistics.median(intervals[v]) * 1e3
-        rows.append(dict(variant=v, ms=ms, cost=ms / (off * 1e3) - 1, held_bytes=held[v]))
+        total = [sum(h.values()) for h in held[v]]
+        rows.append(
+            dict(variant=v, ms=ms, cost=ms / (off * 1e3) - 1, held_bytes=total, held_by_owner=held[v])
+        )
     print(f"{args.world_size} ranks, ZeRO-{args.stage}, medium model: ms per step (median), /dev/shm held")
     print(f"{'variant':<9}{'ms':>8}{'cost':>8}  bytes held per rank")
     for r in rows:
