@@ -14,8 +14,6 @@ line naming the smallest layout's need.
 
 from __future__ import annotations
 
-import copy
-
 from distlib.app.config.run import ConfigError
 from distlib.app.plan import candidates, devices
 from distlib.app.plan.report import GB, Planned, fastest, plan
@@ -62,21 +60,10 @@ def pricing(tree: dict) -> tuple[Machine | None, float | None, str]:
 
 
 def pinned_tree(tree: dict, chosen: Planned) -> dict:
-    """``tree`` with ``chosen``'s overrides set and the layout marked as given."""
-    out = copy.deepcopy(tree)
-    for override in chosen.overrides:
-        dotted, text = override.split("=", 1)
-        group, name = dotted.split(".")
-        out[group][name] = _value(text)
+    """``tree`` with ``chosen``'s keys set and the layout marked as given."""
+    out = candidates.applied(tree, chosen.changes)
     out["dist"]["layout"] = "given"
     return out
-
-
-def _value(text: str) -> int | bool | str:
-    """A planner override's value as the configuration holds it (degrees, stages, switches, names)."""
-    if text in ("true", "false"):
-        return text == "true"
-    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def said(

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from distlib.app.observe import records
 from distlib.app.plan.report import Planned
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -83,11 +84,7 @@ def step_periods(path: Path) -> list[float]:
     """The seconds from each step's record to the next one's in a metrics file: the step as the
     job runs it, every rank's part and the logging included (a rank's own ``step_time_s`` starts
     when that rank begins, and ranks that finished logging sooner begin sooner)."""
-    times = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("type") == "step":
-            times[record["step"]] = record["time"]
+    times = {record["step"]: record["time"] for record in records.step_records(path)}
     ordered = [times[step] for step in sorted(times)]
     return [b - a for a, b in zip(ordered, ordered[1:])]
 

@@ -62,13 +62,18 @@ def candidates(base: dict, fixed: set[str]) -> Iterator[tuple[dict, RunConfig | 
             yield changed, _checked(base, changed)
 
 
-def _checked(base: dict, changed: dict) -> RunConfig | ConfigError:
+def applied(base: dict, changed: dict) -> dict:
+    """A copy of the tree ``base`` with a candidate's ``changed`` keys set."""
     tree = copy.deepcopy(base)
     for key, value in changed.items():
         group, name = key.split(".")
         tree.setdefault(group, {})[name] = value
+    return tree
+
+
+def _checked(base: dict, changed: dict) -> RunConfig | ConfigError:
     try:
-        return RunConfig.from_dict(tree)
+        return RunConfig.from_dict(applied(base, changed))
     except ConfigError as exc:
         return exc
 

@@ -4,7 +4,7 @@ per-rank budget."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distlib.app.config.run import RunConfig
 from distlib.app.plan import candidates
@@ -22,6 +22,7 @@ class Planned:
     ranks: list[RankStates]
     activations: list[int | None]  # per rank, bytes kept for backward (None: not predicted)
     time: StepTime | None = None  # predicted (None: not asked for, or not predicted)
+    changes: dict = field(default_factory=dict)  # the searched keys it sets ({"dist.tp": 2, ...})
 
     def total(self, rank: int) -> int:
         """Rank ``rank``'s model states and (where predicted) activations, in bytes."""
@@ -59,14 +60,18 @@ class Planned:
         }
 
 
-def planned(cfg: RunConfig, overrides: list[str], machine: Machine | None = None) -> Planned:
+def planned(
+    cfg: RunConfig, overrides: list[str], machine: Machine | None = None, changes: dict | None = None
+) -> Planned:
     """``cfg``'s layout with every rank's predicted bytes, and with ``machine`` its step time."""
     time = None if machine is None else predicted_time(cfg, machine)
-    return Planned(overrides, model_states(cfg), rank_activations(cfg), time)
+    return Planned(overrides, model_states(cfg), rank_activations(cfg), time, dict(changes or {}))
 
 
-# the trainer's verdict on each step: one all-reduce of a few float64 values over the world
-VERDICT = ("all_reduce", 32)
+# the trainer's verdict on each step: an all-gather of each rank's loss and grad norm (float64) over
+# the world (guard.check_step). Not counted: the grad norm's own all-gather of one sum of squares
+# per rank over the data-parallel group (one meeting more a step, in every layout)
+VERDICT_BYTES_PER_RANK = 16
 
 
 def predicted_time(cfg: RunConfig, machine: Machine) -> StepTime | None:
@@ -75,26 +80,26 @@ def predicted_time(cfg: RunConfig, machine: Machine) -> StepTime | None:
     counts = stage_counts(cfg)
     if counts is None:
         return None
-    stages = []
+    stages, z, world = [], cfg.zero, cfg.dist.world_size
     for stage, counted in enumerate(counts):
         calls, elements = list(counted.calls), 0
         for module, flat, segments in stage_groups(cfg.model, cfg.dist, stage):
-            z = cfg.zero
-            synced = sync_calls(
-                z.stage,
-                module,
-                flat,
-                cfg.param_dtype,
-                z.bucket_numel,
-                z.overlap,
-                segments,
-                cfg.train.grad_accum,
-            )
-            if flat.world_size > 1:
-                calls += [(kind, n, flat.world_size) for kind, n in synced]
-                calls += [("handoff", 0, flat.world_size)] * (len(synced) if z.overlap else 0)
+            n = flat.world_size
+            if n > 1:
+                synced = sync_calls(
+                    z.stage,
+                    module,
+                    flat,
+                    cfg.param_dtype,
+                    z.bucket_numel,
+                    z.overlap,
+                    segments,
+                    cfg.train.grad_accum,
+                )
+                calls += [(kind, nbytes, n) for kind, nbytes in synced]
+                calls += [("handoff", 0, n)] * (len(synced) if z.overlap else 0)
             elements += flat.padded_numel if z.stage == 0 else flat.shard_numel
-        calls.append((*VERDICT, cfg.dist.world_size))
+        calls.append(("all_gather", VERDICT_BYTES_PER_RANK * world, world))
         stages.append((Counted(counted.flops, counted.ops, counted.written, tuple(calls)), elements))
     tokens = cfg.global_batch * cfg.model.seq_len
     d = cfg.dist
@@ -114,7 +119,7 @@ def plan(
     for changed, cfg in candidates.candidates(base, pinned):
         named = candidates.overrides(base, changed)
         if isinstance(cfg, RunConfig):
-            kept.append(planned(cfg, named, machine))
+            kept.append(planned(cfg, named, machine, changed))
         else:
             refused.append((named, str(cfg)))
     # where the activations are predicted the whole is known: those first, each part smallest first

@@ -4,32 +4,35 @@ priced by a few constants of this machine.
 What a step does comes from the dry step the activation prediction already runs (``activations``:
 the trainer's own step program on the meta device over dry groups), counted as it runs
 (``Counted``): the floating-point operations of every operator (torch's formulas), the operators
-dispatched, and every collective and pipeline send of the dry groups
-(``comm.tally``); to which the ZeRO stage's own collectives per parameter group
-(``zero.predict.sync_calls``), the trainer's verdict (one small all-reduce of the world) and the
-optimizer update (its elements) are added.
+dispatched, the bytes they write, and every collective and pipeline send of the dry groups
+(``comm.tally``); to which ``report.predicted_time`` adds the ZeRO stage's own collectives per
+parameter group (``zero.predict.sync_calls``), the verdict's all-gather and the optimizer update
+(its elements).
 
 What they cost (``Machine``, measured in this process by ``Machine.probe``): a matrix multiply's
-FLOP rate, the time an operator costs beyond its arithmetic (measured on a small MLP's forward and
-backward, whose arithmetic is negligible: the per-operator cost dominates this project's small
-models on a CPU), an AdamW element's update, and the cores: ranks beyond them share them, so a
-rank's own work stretches by ranks / cores. Collectives are priced by ``comm.cost_model`` (its
-committed constants, fitted on this kind of 2-core machine), each with the algorithm it would
-choose; a pipeline send as one message.
+FLOP rate, the time an operator costs beyond its arithmetic (a small MLP's forward and backward,
+whose arithmetic is negligible: the per-operator cost dominates this project's small models on a
+CPU), a written byte (a 4 MB add), an AdamW element's update, and the cores. A collective over
+the shared-memory board costs a meeting of its ranks (``BOARD_MEET_S`` for two, more where the
+job's ranks outnumber the cores) and its bytes; over gloo's pairs, ``comm.cost_model``'s price
+for the algorithm it would choose; a pipeline send, one message. A GPU kind is priced on its data
+sheet instead (``devices``).
 
-    stage time  = (FLOPs / rate + operators x op cost + update elements x update cost) x stretch
-                  + the collectives' and sends' cost
-    step time   = the slowest stage + the pipeline bubble: its compute x (pp - 1) / (m x v)
-                  (m micro-batches, v chunks per rank)
+    own work  = FLOPs / rate + operators x op cost + bytes written x byte cost
+                + update elements x update cost                                 (per stage)
+    compute   = max(the slowest stage's own work, all ranks' own work / cores)
+    bubble    = what the critical path, the slowest stage's forward and backward x
+                (m v + pp - 1) / (m v), adds beyond the compute  (m micro-batches, v chunks a rank)
+    step      = compute + bubble + the slowest stage's collectives and sends
 
-With ``zero.overlap`` each of the optimizer's collectives is handed to the communication thread:
-a wake-up more (``handoff``), and nothing credited for hiding (measured on 2 cores, the thread
-makes a 4-rank step slower, not faster: no core is idle to run it).
+(ranks that wait, a pipeline's in its bubble, leave their core to the others). With
+``zero.overlap`` each of the optimizer's collectives is handed to the communication thread: a
+wake-up more (``handoff``), and nothing credited for hiding (measured on 2 cores, the thread makes
+a 4-rank step slower, not faster: no core is idle to run it).
 
-What it leaves out: the hiding overlap gives where cores are idle and the CPU's caches (a GPU
-kind is priced on its data sheet instead: ``devices``); models with experts or document masks
-are not predicted (their dry step cannot route). ``benchmarks/plan_time.py`` measures how well
-it ranks real layouts.
+What it leaves out: the hiding overlap gives where cores are idle, the CPU's caches, the grad
+norm's small all-gather; models with experts or document masks are not predicted (their dry step
+cannot route). ``benchmarks/plan_time.py`` measures how well it ranks real layouts.
 """
 
 from __future__ import annotations
