@@ -10,9 +10,8 @@ activation bytes (the end-of-run memory table) are set against the prediction: t
 per layout, the largest error of each category over its ranks, in bytes (``bound``: zero.overlap at
 ZeRO-2/3, where the prediction is the most the run can reach: the figure is how far under it the
 run stayed; ``?``: activations not predicted, models with experts). Speed: ``plan()`` over every
-layout of ``--speed-model`` at ``--speed-world`` ranks with their step times, cold (building each
-stage's model and running and counting each step program on the meta device) and again (cached),
-in the same process.
+layout of four searches (``SPEED_CASES``; --quick: llama at ``--speed-world`` ranks), bytes and step
+times, each in a new interpreter, so nothing is cached; --speed-only: just these.
 
 JSON: benchmarks/results/plan.json (--out).
 """
@@ -22,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -82,34 +82,68 @@ def errors(hydra: list[str]) -> dict:
     return row
 
 
-def speed(model: str, world: int) -> dict:
-    """Planning every layout of ``model`` at ``world`` ranks, bytes and step times (the machine
-    probed first, outside the time): cold, then again with the dry steps cached."""
-    tree = compose_tree([f"model={model}", f"dist.world_size={world}"])
+# the planning-time searches: the tiny presets' ~1,000 layouts, deeper and wider worlds, and an 8B
+# Llama's shape (32 blocks of 4,096, 32 heads over 8 KV heads, 4,096 tokens, 64 sequences a step)
+SPEED_CASES = [
+    "model=llama dist.world_size=4",
+    "model=llama dist.world_size=8",
+    "model=llama dist.world_size=16 model.n_layers=16",
+    "model=llama dist.world_size=8 model.n_layers=32 model.dim=4096 model.n_heads=32 model.n_kv_heads=8"
+    " model.seq_len=4096 model.vocab_size=32000 train.global_batch=64",
+]
+
+
+def speed(words: str) -> dict:
+    """Planning every layout of ``words`` in a new interpreter (nothing cached), bytes and step
+    times: ``plan()``'s time, the machine probed first and outside it."""
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--speed-case", words],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    return json.loads(out.stdout)
+
+
+def speed_case(words: str) -> dict:
+    tree = compose_tree(words.split())
     machine = Machine.probe()
     t0 = time.perf_counter()
     layouts, refused = plan(tree, set(), machine)
     t1 = time.perf_counter()
-    plan(tree, set(), machine)
-    t2 = time.perf_counter()
-    return {
-        "model": model,
-        "world": world,
-        "layouts": len(layouts),
-        "refused": len(refused),
-        "cold_s": t1 - t0,
-        "again_s": t2 - t1,
-    }
+    return {"search": words, "layouts": len(layouts), "refused": len(refused), "seconds": t1 - t0}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--speed-model", default="llama")
-    parser.add_argument("--speed-world", type=int, default=8)
+    parser.add_argument("--speed-only", action="store_true", help="only the planning times")
+    parser.add_argument("--speed-world", type=int, default=2, help="--quick: the one search's world size")
+    parser.add_argument("--speed-case", help=argparse.SUPPRESS)  # one search, in its own interpreter
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "plan.json"))
     args = parser.parse_args()
-    rows = [errors(layout.split()) for layout in (QUICK if args.quick else LAYOUTS)]
+    if args.speed_case:
+        print(json.dumps(speed_case(args.speed_case)))
+        return
+    rows = (
+        [] if args.speed_only else [errors(layout.split()) for layout in (QUICK if args.quick else LAYOUTS)]
+    )
+    if rows:
+        print_errors(rows)
+    cases = [f"model=llama dist.world_size={args.speed_world}"] if args.quick else SPEED_CASES
+    searches = [speed(words) for words in cases]
+    head = f"{'layouts':>8} {'refused':>8} {'seconds':>8} {'ms each':>8}"
+    print(f"{head}  search (plan(), cold, in a new process)")
+    for c in searches:
+        each = 1e3 * c["seconds"] / max(c["layouts"], 1)
+        print(f"{c['layouts']:>8} {c['refused']:>8} {c['seconds']:>8.2f} {each:>8.2f}  {c['search']}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "speed": searches}, f, indent=1)
+
+
+def print_errors(rows: list[dict]) -> None:
     head = " ".join(f"{c:>8}" for c in ("params", "grads", "optim", "activ"))
     print(f"{head}  layout (the largest |measured - planned| bytes over its ranks)")
     for r in rows:
@@ -119,14 +153,6 @@ def main() -> None:
             " ".join(f"{c:>8}" for c in cells)
             + f"  {r['layout']}{bound}{'  MISS: ' + '; '.join(r['misses']) if r['misses'] else ''}"
         )
-    fast = speed(args.speed_model, args.speed_world)
-    print(
-        f"planning {fast['model']} over {fast['world']} ranks: {fast['layouts']} layouts "
-        f"({fast['refused']} refused) in {fast['cold_s']:.2f} s cold, {fast['again_s']:.2f} s again"
-    )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "speed": fast}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
                                      [--verify K]
 
 OVERRIDES are train.py's Hydra overrides (the model, dist.world_size, the batch, train.dtype ...).
-Every layout of the searched keys (dist.tp, dist.pp with its schedule, dist.cp, dist.ep, zero.stage,
-zero.overlap; those the command line sets stay as set) that the configuration accepts is listed with
+Every layout of the searched keys (dist.tp, dist.pp with its schedule, dist.cp, dist.ep, dist.sp,
+train.grad_accum, model.activation_checkpointing, zero.stage, zero.overlap; those the command line
+sets stay as set) that the configuration accepts is listed with
 its fullest rank's parameter, gradient and optimizer bytes -- the end-of-run memory table's figures,
 predicted without starting a process (docs/parallelism.md, "Planning") -- smallest first, its
 predicted step time, and whether it fits plan.budget_gb per rank; then the smallest and the fastest

@@ -51,8 +51,8 @@ def test_pipeline_stages_split_the_arithmetic_and_send_one_message_per_micro_bat
     assert first.flops + last.flops == stage_counts(whole)[0].flops and min(first.flops, last.flops) > 0
     micro = cfg.global_batch // 2
     activation = micro * cfg.model.seq_len * cfg.model.dim * 4  # fp32
-    assert first.calls == (("send", activation, 2),) * 2  # forward activations
-    assert last.calls == (("send", activation, 2),) * 2  # their gradients, back
+    assert first.calls == (("send", activation, 2, 2),)  # forward activations, one per micro-batch
+    assert last.calls == (("send", activation, 2, 2),)  # their gradients, back
 
 
 def test_tensor_parallel_blocks_all_reduce_twice_forward_and_twice_backward():
@@ -60,7 +60,7 @@ def test_tensor_parallel_blocks_all_reduce_twice_forward_and_twice_backward():
     (counted,) = stage_counts(cfg)
     m = cfg.model
     activations = cfg.global_batch * m.seq_len * m.dim * 4
-    assert counted.calls == (("all_reduce", activations, 2),) * (4 * m.n_layers)
+    assert counted.calls == (("all_reduce", activations, 2, 4 * m.n_layers),)
     assert counted.flops < stage_counts(config("dist.world_size=1"))[0].flops
 
 
@@ -110,7 +110,7 @@ def test_operators_are_counted_with_the_bytes_they_write_and_views_write_none():
 
 
 def test_one_rank_a_core_takes_its_own_time_and_more_ranks_share_the_cores():
-    counted = Counted(int(4e8), 1000, 10**6, (("all_reduce", 1024, 2),))
+    counted = Counted(int(4e8), 1000, 10**6, (("all_reduce", 1024, 2, 1),))
     own = 4e8 / 1e10 + 1000 * 1e-6 + 10**6 * 1e-10 + 100 * 1e-9
     alone = step_time([(counted, 100)], 2, 2, 1, 1, 64, MACHINE)  # 2 ranks, 2 cores
     assert alone.compute_s == pytest.approx(own) and alone.bubble_s == 0

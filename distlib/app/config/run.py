@@ -8,6 +8,8 @@ defaults with Hydra, so conf/ holds only what a choice changes.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -114,14 +116,39 @@ class RunConfig(Group):
     @staticmethod
     def from_dict(tree: dict) -> RunConfig:
         """The checked configuration of a composed tree (Hydra's own ``hydra`` node is ignored)."""
+        cfg = RunConfig.groups_from_dict(tree)
+        _check_across(cfg)
+        return cfg
+
+    @staticmethod
+    def groups_from_dict(tree: dict) -> RunConfig:
+        """A composed tree with each group's own keys checked, not yet the rules across groups
+        (``from_dict``'s): a base for ``with_keys``, which the planner calls for each variant."""
         tree = {k: v for k, v in tree.items() if k != "hydra"}
         unknown = sorted(set(tree) - set(GROUPS) - {"seed"})
         if unknown:
             raise ConfigError(f"unknown top-level config key(s): {unknown}")
         groups = {name: cls.from_dict(tree.get(name)) for name, cls in GROUPS.items()}
-        cfg = RunConfig(**groups, **({"seed": tree["seed"]} if "seed" in tree else {}))
+        return RunConfig(**groups, **({"seed": tree["seed"]} if "seed" in tree else {}))
+
+    def with_keys(self, changed: dict) -> RunConfig:
+        """This configuration with dotted keys set (``{"dist.tp": 2}``), checked as ``from_dict``
+        checks the tree they would be set in."""
+        by_group: dict[str, dict] = {}
+        for dotted, value in changed.items():
+            group, name = dotted.split(".")
+            by_group.setdefault(group, {})[name] = value
+        groups = {group: _with(getattr(self, group), tuple(keys.items())) for group, keys in by_group.items()}
+        cfg = dataclasses.replace(self, **groups)
         _check_across(cfg)
         return cfg
+
+
+@functools.lru_cache(maxsize=1024)
+def _with(group: Group, keys: tuple) -> Group:
+    """``group`` with ``keys`` ((name, value) pairs) set and checked; a search sets the same few
+    values again and again."""
+    return dataclasses.replace(group, **dict(keys))
 
 
 # group -> the keys of it that decide the capstone's loss curve (None: all of them); "" the top level

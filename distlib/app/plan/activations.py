@@ -2,14 +2,22 @@
 program on the meta device: the memory table's "activations" figure (the ``ActivationMeter`` of
 ``LocalStep``, or at pp > 1 the pipeline ``Recorder``'s peak over the in-flight micro-batches).
 
-The planner builds the rank's model as ``states`` does, gives its parameters the compute dtype as
-the optimizer does, and runs one step of ``LocalStep`` or ``PipelineStep`` (the stage's chunks and
-schedule) on the meta device (shapes only, no arithmetic) over the mesh's dry groups (``Comm.dry``:
-a tensor-parallel all-reduce, a sequence-parallel gather, a context-parallel all-to-all or ring
-message, a pipeline send moves nothing and a receive has a real one's shape), with the batches the
-trainer would hand it: the micro-batch's rows, the context-parallel rank's chunks and positions
-(``data.batches.held_tokens``), the dropout keys. The ranks of one pipeline stage hold the same
-shapes, so one step per stage serves them all.
+The planner builds a rank's model as ``states`` does, gives its parameters the compute dtype as
+the optimizer does, and runs one micro-batch of ``LocalStep`` or ``PipelineStep`` on the meta
+device (shapes only, no arithmetic) over the mesh's dry groups (``Comm.dry``: a tensor-parallel
+all-reduce, a sequence-parallel gather, a context-parallel all-to-all or ring message, a pipeline
+send moves nothing and a receive has a real one's shape), with the batch the trainer would hand
+it: the micro-batch's rows, the context-parallel rank's chunks and positions
+(``data.batches.held_tokens``), the dropout keys.
+
+A step is composed of such units: every micro-batch of a step has the same shapes, so it keeps,
+computes and sends what the first does (``train.grad_accum`` times over), and a pipeline chunk's
+unit depends only on how many blocks it holds and whether it is the first global stage (the
+embeddings), the last (the head and the loss) or one between -- a dense model's blocks are alike --
+so a chunk of k blocks runs as one stage of an (n_layers / k)-stage pipeline, and layouts, stages
+and schedules share it. A pipeline rank's peak is its schedule's most in-flight chunk forwards at
+once, each holding its unit's bytes, as the ``Recorder`` adds them up; its sends are the
+schedule's. ``tests/test_plan_compose.py`` checks the composition against the whole step program.
 
 Not predicted (None) yet: models with experts (where the tokens go, and so what each expert keeps,
 depends on the routing) and document masking.
@@ -18,6 +26,7 @@ depends on the routing) and document masking.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -31,20 +40,100 @@ from distlib.app.data.batches import BatchPlan, held_tokens
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
-from distlib.app.plan.timing import Counted, OpCounter
+from distlib.app.plan.meta_memo import MetaMemo
+from distlib.app.plan.timing import Counted, OpCounter, grouped, merged, times
 from distlib.comm import tally
 from distlib.comm.mesh import shape_mesh
 from distlib.parallel.dropout import Draws
+from distlib.parallel.pipeline import schedule
+
+
+def predicted(cfg: RunConfig) -> bool:
+    """Whether the activations (and so the step time) of ``cfg`` are predicted."""
+    return not (cfg.model.has_experts or cfg.data.document_mask)
 
 
 def rank_activations(cfg: RunConfig) -> list[int | None]:
     """What each rank's step keeps for its backward, in rank order (None: not predicted, the
     module's docstring). The ranks of one pipeline stage hold the same shapes."""
-    if cfg.model.has_experts or cfg.data.document_mask:
+    if not predicted(cfg):
         return [None] * cfg.dist.world_size
-    stages = [_dry_step(*_key(cfg), s)[0] for s in range(cfg.dist.pp)]
+    stages = [stage_step(cfg, s)[0] for s in range(cfg.dist.pp)]
     layout = cfg.layout
     return [stages[layout.coords(rank)["pp"]] for rank in range(layout.world_size)]
+
+
+def stage_counts(cfg: RunConfig) -> list[Counted] | None:
+    """Per pipeline stage, what its first rank's step computes and sends (``timing.Counted``),
+    from the same units; None where the activations are not predicted."""
+    if not predicted(cfg):
+        return None
+    return [stage_step(cfg, s)[1] for s in range(cfg.dist.pp)]
+
+
+def stage_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
+    """Pipeline stage ``stage``'s activation peak and its step's counts, composed of its units."""
+    d = cfg.dist
+    return _stage(_key(cfg), d.pp, d.pp_virtual, d.pp_schedule, cfg.train.grad_accum, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage(key: tuple, P: int, v: int, name: str, m: int, stage: int) -> tuple[int, Counted]:
+    n_layers = key[0].n_layers
+    if P == 1:
+        peak, unit, grads = _chunk(*key, n_layers, "only")
+        return peak, _one_step([_times(unit, m, grads)], m)
+    per = n_layers // (P * v)
+    units = [_chunk(*key, per, _position(schedule.stage_of(stage, c, P), P * v)) for c in range(v)]
+    actions = schedule.build(name, P, m, v)[stage]
+    live = peak = 0
+    for a in actions:  # the Recorder's sum: each chunk forward's bytes, held until its backward
+        live += units[a.chunk][0] if a.kind == "F" else -units[a.chunk][0]
+        peak = max(peak, live)
+    counted = [_times(_without_sends(unit), m, grads) for _, unit, grads in units]
+    sent = _sends(actions, stage, P, v, _send_bytes(units))
+    return peak, _one_step(counted, v * m, sent)
+
+
+def _one_step(counted: list[Counted], runs: int, sent: tuple = ()) -> Counted:
+    """The sum of ``counted``, whose ``runs`` unit runs each made the step's loss accumulator
+    (a float64 zero) where one step makes one, with ``sent`` added to their calls."""
+    return Counted(
+        sum(c.flops for c in counted),
+        sum(c.ops for c in counted) - (runs - 1),
+        sum(c.written for c in counted) - 8 * (runs - 1),
+        merged(*(c.calls for c in counted), sent),
+    )
+
+
+def _position(stage: int, stages: int) -> str:
+    return "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
+
+
+def _times(unit: Counted, m: int, grads: int) -> Counted:
+    """``m`` micro-batches of ``unit``'s one: every one after the first adds its gradients to the
+    parameters' (``grads`` bytes written; the first's are kept as they are, one operator either
+    way)."""
+    return Counted(unit.flops * m, unit.ops * m, unit.written * m + grads * (m - 1), times(unit.calls, m))
+
+
+def _without_sends(unit: Counted) -> Counted:
+    return dataclasses.replace(unit, calls=tuple(c for c in unit.calls if c[0] != "send"))
+
+
+def _send_bytes(units: list[tuple[int, Counted]]) -> int:
+    """A pipeline message's bytes (activation and gradient alike), as a unit's send noted them."""
+    return next(n for _, unit, _ in units for kind, n, _, _ in unit.calls if kind == "send")
+
+
+def _sends(actions: list, rank: int, P: int, v: int, nbytes: int) -> tuple:
+    """The sends of pipeline rank ``rank``'s ``actions``: one per message to another rank."""
+    out = []
+    for a in actions:
+        key = schedule.message_out(a, rank, P, v)
+        if key is not None and schedule.destination(key, P) != rank:
+            out.append(("send", nbytes, P))
+    return grouped(out)
 
 
 class _CpuKernels(TorchDispatchMode):
@@ -59,44 +148,116 @@ class _CpuKernels(TorchDispatchMode):
         return out
 
 
-def stage_counts(cfg: RunConfig) -> list[Counted] | None:
-    """Per pipeline stage, what its first rank's step computes and sends (``timing.Counted``),
-    from the same dry step; None where the activations are not predicted."""
-    if cfg.model.has_experts or cfg.data.document_mask:
-        return None
-    return [_dry_step(*_key(cfg), s)[1] for s in range(cfg.dist.pp)]
-
-
 def _key(cfg: RunConfig) -> tuple:
+    """What a unit depends on: the model, the degrees that shape a rank's tensors (not the data
+    parallelism, the schedule or the transport), the dtype, the micro-batch's rows, the seed."""
     micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
-    train = TrainConfig(dtype=cfg.train.dtype, grad_accum=cfg.train.grad_accum)
     cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32  # (the kernels differ in bf16)
-    return cfg.model, cfg.dist, train, micro, cfg.seed, cpu
+    return cfg.model, _shape(cfg.dist), cfg.train.dtype, micro, cfg.seed, cpu
 
 
 @functools.lru_cache(maxsize=1024)
-def _dry_step(
-    model: ModelConfig, dist: DistConfig, train: TrainConfig, micro: int, seed: int, cpu: bool, stage: int
-) -> tuple[int, Counted]:
-    """One step of the trainer's own program (``LocalStep``, or ``PipelineStep`` over the stage's
-    chunks and schedule) on the first rank of pipeline stage ``stage``, on the meta device: its
-    activation peak, as the run measures it, and what it computed and sent."""
-    cfg = RunConfig(model=model, dist=dist, train=train)
+def _shape(d: DistConfig) -> DistConfig:
+    """The degrees of ``d`` that shape a rank's tensors, on one data-parallel rank."""
+    return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, world_size=d.tp * d.cp)
+
+
+def _chunk(
+    model: ModelConfig,
+    dist: DistConfig,
+    dtype: str,
+    micro: int,
+    seed: int,
+    cpu: bool,
+    blocks: int,
+    where: str,
+) -> tuple[int, Counted, int]:
+    """A chunk of ``blocks`` blocks at ``where`` with ``micro`` rows, as ``_run`` would give it:
+    from the runs of one and two blocks, each block more adding what the second added (every
+    byte, operator and call of a dense model's blocks is alike), so a deep model's chunks cost two
+    shallow runs."""
+    if blocks <= 2:
+        return _rows(model, dist, dtype, micro, seed, cpu, blocks, where)
+    one = _rows(model, dist, dtype, micro, seed, cpu, 1, where)
+    return _extended(one, _rows(model, dist, dtype, micro, seed, cpu, 2, where), blocks - 1, True)
+
+
+def _rows(
+    model: ModelConfig,
+    dist: DistConfig,
+    dtype: str,
+    micro: int,
+    seed: int,
+    cpu: bool,
+    blocks: int,
+    where: str,
+) -> tuple[int, Counted, int]:
+    """``_run`` with ``micro`` rows, from the runs of one and two: every row more adds what the
+    second added (each tensor holds the micro-batch's rows, or none: a row adds its bytes, FLOPs
+    and message bytes, never an operator), so every micro-batch size costs the same two runs."""
+    if micro <= 3:
+        return _run(model, dist, dtype, micro, seed, cpu, blocks, where)
+    two = _run(model, dist, dtype, 2, seed, cpu, blocks, where)
+    return _extended(two, _run(model, dist, dtype, 3, seed, cpu, blocks, where), micro - 2, False)
+
+
+def _extended(one: tuple, two: tuple, more: int, calls_added: bool) -> tuple[int, Counted, int]:
+    """``one`` and ``more`` times what ``two`` adds to it: calls added (a block's own), or else the
+    same calls with more bytes each (a row's)."""
+    a, b = one[1], two[1]
+    if calls_added:
+        before = {call[:3]: call[3] for call in a.calls}
+        added = tuple(
+            (kind, n, size, more * (t - before.get((kind, n, size), 0))) for kind, n, size, t in b.calls
+        )
+        calls = merged(a.calls, added)
+    else:
+        calls = tuple(
+            (kind, n + more * (m - n), size, t) for (kind, n, size, t), (_, m, _, _) in zip(a.calls, b.calls)
+        )
+    counted = Counted(
+        a.flops + more * (b.flops - a.flops),
+        a.ops + more * (b.ops - a.ops),
+        a.written + more * (b.written - a.written),
+        calls,
+    )
+    return one[0] + more * (two[0] - one[0]), counted, one[2] + more * (two[2] - one[2])
+
+
+@functools.lru_cache(maxsize=4096)
+def _run(
+    model: ModelConfig,
+    dist: DistConfig,
+    dtype: str,
+    micro: int,
+    seed: int,
+    cpu: bool,
+    blocks: int,
+    where: str,
+) -> tuple[int, Counted, int]:
+    """One micro-batch of the trainer's own step program through a chunk of ``blocks`` blocks at
+    ``where`` (first, middle or last global stage of a pipeline of such chunks; only: a whole
+    model of ``blocks`` blocks at pp = 1), on the meta device: the bytes it keeps for its
+    backward, as the run measures them, what it computed and sent, and its parameters' gradient
+    bytes."""
+    stages = {"only": 1, "first": 2, "last": 2, "middle": 3}[where]
+    model = dataclasses.replace(model, n_layers=blocks * stages)
+    if where != "only":
+        dist = dataclasses.replace(dist, pp=stages, pp_schedule="gpipe", world_size=dist.world_size * stages)
+    stage = {"only": 0, "first": 0, "middle": 1, "last": stages - 1}[where]
+    cfg = RunConfig(model=model, dist=dist, train=TrainConfig(dtype=dtype, grad_accum=1))
     mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
     module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
     chunks, _ = place_model_(module, cfg, mesh)
     for p in module.parameters():  # the optimizer's flat buffer holds them in the compute dtype
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
     batch = _micro_batch(model.seq_len, micro, mesh, seed)
-    program = (
-        PipelineStep(cfg, mesh, module, chunks, "meta")
-        if chunks
-        else LocalStep(module, train.grad_accum, "meta")
-    )
+    program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
     ops = OpCounter()
-    with _CpuKernels() if cpu else contextlib.nullcontext(), tally.tallied() as calls, ops:
-        program.run([batch] * train.grad_accum)
-    return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, tuple(calls))
+    with MetaMemo(), _CpuKernels() if cpu else contextlib.nullcontext(), tally.tallied() as calls, ops:
+        program.run([batch])
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
 
 
 def _micro_batch(seq_len: int, micro: int, mesh, seed: int) -> tuple:

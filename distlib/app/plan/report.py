@@ -4,14 +4,18 @@ per-rank budget."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-from distlib.app.config.run import RunConfig
+from distlib.app.config.groups import ZeroConfig
+from distlib.app.config.model_group import ModelConfig
+from distlib.app.config.operation import DistConfig
+from distlib.app.config.run import DTYPES, RunConfig
 from distlib.app.plan import candidates
 from distlib.app.plan.activations import rank_activations, stage_counts
-from distlib.app.plan.states import RankStates, model_states, stage_groups
-from distlib.app.plan.timing import Counted, Machine, StepTime, step_time
-from distlib.parallel.zero.predict import sync_calls
+from distlib.app.plan.states import RankStates, group_shape, model_states, stage_groups
+from distlib.app.plan.timing import Counted, Machine, StepTime, grouped, merged, step_time, times
+from distlib.parallel.zero.predict import sync_parts
 
 GB = 1e9  # plan.budget_gb is in decimal gigabytes (what a data sheet quotes)
 
@@ -80,33 +84,38 @@ def predicted_time(cfg: RunConfig, machine: Machine) -> StepTime | None:
     counts = stage_counts(cfg)
     if counts is None:
         return None
-    stages, z, world = [], cfg.zero, cfg.dist.world_size
+    stages, world = [], cfg.dist.world_size
     for stage, counted in enumerate(counts):
-        calls, elements = list(counted.calls), 0
-        for module, flat, segments in stage_groups(cfg.model, cfg.dist, stage):
-            n = flat.world_size
-            if n > 1:
-                synced = sync_calls(
-                    z.stage,
-                    module,
-                    flat,
-                    cfg.param_dtype,
-                    z.bucket_numel,
-                    z.overlap,
-                    segments,
-                    cfg.train.grad_accum,
-                )
-                calls += [(kind, nbytes, n) for kind, nbytes in synced]
-                calls += [("handoff", 0, n)] * (len(synced) if z.overlap else 0)
-            elements += flat.padded_numel if z.stage == 0 else flat.shard_numel
-        calls.append(("all_gather", VERDICT_BYTES_PER_RANK * world, world))
-        stages.append((Counted(counted.flops, counted.ops, counted.written, tuple(calls)), elements))
+        per_micro_batch, per_step, elements = _zero_calls(
+            cfg.model, group_shape(cfg.dist), cfg.zero, cfg.train.dtype, stage
+        )
+        verdict = (("all_gather", VERDICT_BYTES_PER_RANK * world, world, 1),)
+        calls = merged(counted.calls, times(per_micro_batch, cfg.train.grad_accum), per_step, verdict)
+        stages.append((Counted(counted.flops, counted.ops, counted.written, calls), elements))
     tokens = cfg.global_batch * cfg.model.seq_len
     d = cfg.dist
     stage_ranks = cfg.layout.stage().world_size
     return step_time(
         stages, d.world_size, stage_ranks, cfg.train.grad_accum, d.pp_virtual, tokens, machine, d.transport
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_calls(model: ModelConfig, dist: DistConfig, z: ZeroConfig, dtype: str, stage: int) -> tuple:
+    """Pipeline stage ``stage``'s ZeRO collectives, as grouped (kind, bytes, group size, times):
+    those of every micro-batch and those of the step, each with a wake-up of the communication
+    thread under ``zero.overlap``; and the optimizer's elements on its first rank (its update's
+    work)."""
+    per_micro_batch, per_step, elements = [], [], 0
+    for module, flat, segments in stage_groups(model, dist, stage):
+        n = flat.world_size
+        if n > 1:
+            parts = sync_parts(z.stage, module, flat, DTYPES[dtype], z.bucket_numel, z.overlap, segments)
+            for calls, synced in zip((per_micro_batch, per_step), parts):
+                calls += [(kind, nbytes, n) for kind, nbytes in synced]
+                calls += [("handoff", 0, n)] * (len(synced) if z.overlap else 0)
+        elements += flat.padded_numel if z.stage == 0 else flat.shard_numel
+    return grouped(per_micro_batch), grouped(per_step), elements
 
 
 def plan(

@@ -46,10 +46,20 @@ class RankStates:
 def model_states(cfg: RunConfig) -> list[RankStates]:
     """Per rank of ``cfg``'s layout, in rank order, its predicted model-state peak bytes."""
     layout = cfg.layout
-    stages = [_stage_states(cfg.model, cfg.dist, cfg.zero, cfg.train.dtype, s) for s in range(layout.pp)]
+    dist = group_shape(cfg.dist)
+    stages = [_stage_states(cfg.model, dist, cfg.zero, cfg.train.dtype, s) for s in range(layout.pp)]
     return [
         dataclasses.replace(stages[layout.coords(rank)["pp"]], rank=rank) for rank in range(layout.world_size)
     ]
+
+
+@functools.lru_cache(maxsize=1024)
+def group_shape(dist: DistConfig) -> DistConfig:
+    """``dist`` with what does not change a rank's parameter groups at its default -- the
+    pipeline's schedule (of its chunks per rank), sequence parallelism -- so the layouts a search
+    varies in those share one build."""
+    schedule = "interleaved" if dist.pp_virtual > 1 else DistConfig.pp_schedule
+    return dataclasses.replace(dist, pp_schedule=schedule, sp=False)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,4 +110,4 @@ def _placed(model: ModelConfig, tp: int, pp: int, virtual: int, stage: int) -> t
 def _whole(model: ModelConfig) -> nn.Module:
     """The whole model on the meta device, built for one rank (the layout's attention and sequence
     strategies hold no parameters)."""
-    return shape_model(RunConfig(model=model), shape_mesh(Layout.of(1), 0))
+    return shape_model(RunConfig(model=model), shape_mesh(Layout.of(1), 0)).to("meta")  # (buffers too)

@@ -56,7 +56,29 @@ class Counted:
     flops: int
     ops: int
     written: int  # bytes the operators wrote (new tensors and in-place results; views write none)
-    calls: tuple[tuple[str, int, int], ...]  # (kind, bytes, group size): collectives and sends
+    # (kind, bytes, group size, times): its collectives and sends, equal ones counted together
+    # (``grouped``: a deep model's ZeRO-3 step over many micro-batches makes thousands)
+    calls: tuple[tuple[str, int, int, int], ...]
+
+
+def grouped(calls) -> tuple[tuple[str, int, int, int], ...]:
+    """``calls`` ((kind, bytes, group size) each) with equal ones as one, and how many times, in
+    the order first seen."""
+    return merged(tuple((*call, 1) for call in calls))
+
+
+def times(calls: tuple, n: int) -> tuple[tuple[str, int, int, int], ...]:
+    """Grouped ``calls`` made ``n`` times."""
+    return tuple((kind, nbytes, size, t * n) for kind, nbytes, size, t in calls)
+
+
+def merged(*parts) -> tuple[tuple[str, int, int, int], ...]:
+    """Grouped calls of several ``parts`` as one, the times of equal calls added."""
+    times: dict = {}
+    for part in parts:
+        for kind, nbytes, size, n in part:
+            times[(kind, nbytes, size)] = times.get((kind, nbytes, size), 0) + n
+    return tuple((*call, n) for call, n in times.items())
 
 
 class OpCounter(TorchDispatchMode):
@@ -76,15 +98,26 @@ class OpCounter(TorchDispatchMode):
         self.ops += 1
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula, writes = _operator(func)
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
         results = out if isinstance(out, (tuple, list)) else (out,)
-        for spec, result in zip(func._schema.returns, results):
-            alias = spec.alias_info
-            if isinstance(result, torch.Tensor) and (alias is None or alias.is_write):
+        for writing, result in zip(writes, results):
+            if writing and isinstance(result, torch.Tensor):
                 self.written += result.numel() * result.element_size()
         return out
+
+
+_OPERATORS: dict = {}  # operator -> (its FLOP formula or None, which of its results it writes)
+
+
+def _operator(func) -> tuple:
+    """What ``OpCounter`` needs of an operator, looked up once (a quarter of its time otherwise)."""
+    known = _OPERATORS.get(func)
+    if known is None:
+        writes = tuple(r.alias_info is None or r.alias_info.is_write for r in func._schema.returns)
+        known = _OPERATORS[func] = (flop_registry.get(func._overloadpacket), writes)
+    return known
 
 
 @dataclass(frozen=True)
@@ -253,7 +286,10 @@ def step_time(
         forward_backward.append(work)
         own.append(work + elements * machine.update_s)
         sent.append(
-            sum(machine.collective_s(kind, n, size, world_size, transport) for kind, n, size in counted.calls)
+            sum(
+                times * machine.collective_s(kind, n, size, world_size, transport)
+                for kind, n, size, times in counted.calls
+            )
         )
     slots = micro_batches * chunks
     update = max(o - f for o, f in zip(own, forward_backward))

@@ -169,16 +169,33 @@ def sync_calls(
     by bucket after every micro-batch at stage 2 (the gradients live in partitions), by unit after
     every micro-batch at stage 3; the parameters in the compute dtype gathered once a step (stages
     1/2) or per unit in every micro-batch's forward and again in its backward (stage 3)."""
+    per_micro_batch, per_step = sync_parts(
+        stage, module, layout, param_dtype, bucket_numel, overlap, segments
+    )
+    return per_micro_batch * micro_batches + per_step
+
+
+def sync_parts(
+    stage: int,
+    module: nn.Module,
+    layout: FlatLayout,
+    param_dtype: torch.dtype,
+    bucket_numel: int,
+    overlap: bool,
+    segments: Sequence[Collection[str]] = (),
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """``sync_calls`` in two: the calls of every micro-batch, and those of the step once."""
     b = param_dtype.itemsize
     params = _params_of(module, layout)
     if stage == 3:
         units, _ = _units(module, params, layout)
         per_unit = (("all_gather", b), ("all_gather", b), ("reduce_scatter", 4))
-        return [(kind, size * u.numel) for u in units for kind, size in per_unit] * micro_batches
+        return [(kind, size * u.numel) for u in units for kind, size in per_unit], []
     if stage < 2 and not overlap:
         buckets = [Bucket(lo=0, hi=layout.padded_numel, params=())]
     else:
         buckets = buckets_by_size(module, params, layout, bucket_numel, segments)
     kind = "all_reduce" if stage == 0 else "reduce_scatter"
-    calls = [(kind, 4 * bucket.numel) for bucket in buckets] * (micro_batches if stage == 2 else 1)
-    return calls + ([] if stage == 0 else [("all_gather", b * layout.padded_numel)])
+    reduced = [(kind, 4 * bucket.numel) for bucket in buckets]
+    gathered = [] if stage == 0 else [("all_gather", b * layout.padded_numel)]
+    return (reduced, gathered) if stage == 2 else ([], reduced + gathered)

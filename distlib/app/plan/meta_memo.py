@@ -1,0 +1,88 @@
+"""Shape inference remembered: the meta device's kernels are functions of their inputs' shapes,
+strides and dtypes alone, but many run as Python (torch's reference implementations), and a dry
+step repeats the same operators on the same shapes -- every block like the one before, every
+layout like the last (a 2-block llama micro-batch's counted dry step: 24 ms, 10 ms remembered).
+``MetaMemo`` answers an operator it has seen with the same inputs with new tensors of the
+remembered shapes, strides and storage sizes.
+
+Only operators that make new tensors are answered so (their schema's results alias nothing): a
+view or an in-place result is the input's own storage, which the activation meters count by
+identity, so those always run. So do operators on any tensor not on the meta device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_SEEN: dict = {}  # (operator, its inputs' description) -> its results' description
+_LIMIT = 200_000  # entries (a few hundred bytes each); past it, nothing more is remembered
+
+
+class MetaMemo(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = _key(func, args, kwargs)
+        if key is not None and key in _SEEN:
+            return _made(_SEEN[key])
+        out = func(*args, **kwargs)
+        if key is not None and len(_SEEN) < _LIMIT:
+            described = _described(out)
+            if described is not None:
+                _SEEN[key] = described
+        return out
+
+
+def _key(func, args, kwargs):
+    """What the operator's meta kernel sees, hashable; None: not to be answered from memory."""
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return None
+    try:
+        parts = (func, _arg(args), _arg(tuple(sorted(kwargs.items()))))
+        hash(parts)
+    except _NotMeta:
+        return None
+    except TypeError:  # an argument that cannot be told apart by value
+        return None
+    return parts
+
+
+class _NotMeta(Exception):
+    pass
+
+
+def _arg(value):
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            raise _NotMeta
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_arg(v) for v in value))
+    return value
+
+
+def _described(out):
+    """The results' shapes, strides, dtypes, offsets and storage sizes (None: not remembered)."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type != "meta":
+            return None
+        storage = out.untyped_storage().nbytes()
+        return ("T", tuple(out.shape), out.stride(), out.dtype, out.storage_offset(), storage)
+    if isinstance(out, (tuple, list)):
+        parts = [_described(o) for o in out]
+        return None if any(p is None for p in parts) else (type(out).__name__, parts)
+    if out is None or isinstance(out, (int, float, bool)):
+        return ("V", out)
+    return None
+
+
+def _made(described):
+    kind = described[0]
+    if kind == "T":
+        _, shape, stride, dtype, offset, nbytes = described
+        storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+        return torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
+    if kind == "V":
+        return described[1]
+    made = [_made(p) for p in described[1]]
+    return tuple(made) if kind == "tuple" else made

@@ -1,0 +1,137 @@
+"""The planner's dry step, composed (distlib/app/plan/activations.py), against the whole step
+program it stands for: the activation peak of every rank and every pipeline stage's FLOPs,
+operators, written bytes and calls, equal -- not close -- on layouts of every dense family, every
+schedule and dimension, activation checkpointing, bf16, and micro-batches of 1 to 16 rows.
+
+The reference here runs what the planner ran before it composed: the trainer's step program
+(``LocalStep`` or ``PipelineStep`` over the stage's chunks and the real schedule) once over all
+``train.grad_accum`` micro-batches, on the meta device, with no shape memory (``MetaMemo``)
+beneath its counter. The planner instead runs one micro-batch of one or two blocks with one, two
+or three rows and extends them; where a block, a row or a micro-batch were not alike, the two
+would differ here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from distlib.app.config.run import RunConfig
+from distlib.app.data.batches import BatchPlan
+from distlib.app.model.attention import causal_mask
+from distlib.app.model.local_step import LocalStep
+from distlib.app.model.pipeline_step import PipelineStep
+from distlib.app.model.placement import place_model_, shape_model
+from distlib.app.plan import activations, candidates
+from distlib.app.plan.activations import rank_activations, stage_counts
+from distlib.app.plan.timing import Counted, OpCounter, grouped
+from distlib.comm import tally
+from distlib.comm.mesh import shape_mesh
+from distlib.launch.hydra_config import compose_tree
+
+
+def whole_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
+    """Pipeline stage ``stage``'s first rank: its whole step program on the meta device."""
+    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
+    module = shape_model(cfg, mesh).to("meta")
+    chunks, _ = place_model_(module, cfg, mesh)
+    for p in module.parameters():
+        p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
+    micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
+    batch = activations._micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed)
+    m = cfg.train.grad_accum
+    program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, m, "meta")
+    cpu = cfg.param_dtype != torch.float32
+    ops = OpCounter()
+    with activations._CpuKernels() if cpu else _nothing(), tally.tallied() as calls, ops:
+        program.run([batch] * m)
+    return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+LAYOUTS = [
+    "model=minigpt dist.world_size=1",
+    "model=minigpt dist.world_size=2 dist.pp=2 train.grad_accum=2",
+    "model=llama_small dist.world_size=1 train.grad_accum=2",
+    "model=llama_small dist.world_size=4 dist.pp=4 train.grad_accum=4 dist.pp_schedule=1f1b",
+    "model=llama_small dist.world_size=4 dist.pp=2 dist.tp=2 train.grad_accum=4 dist.pp_schedule=interleaved "
+    "dist.pp_virtual=2",
+    "model=llama_small dist.world_size=4 dist.pp=4 train.grad_accum=8 dist.pp_schedule=gpipe "
+    "model.activation_checkpointing=blocks",
+    "model=llama_small dist.world_size=2 dist.pp=2 model.activation_checkpointing=blocks train.grad_accum=4",
+    "model=gpt2 dist.world_size=4 dist.pp=2 dist.cp=2 train.grad_accum=2 train.dtype=bf16",
+    "model=gpt2_124m dist.world_size=3 dist.pp=3 model.tie_embeddings=false model.seq_len=32 "
+    "train.global_batch=6 train.grad_accum=3",
+    "model=qwen3_tiny dist.world_size=4 dist.tp=2 dist.sp=true train.grad_accum=2",
+    "model=qwen3_tiny dist.world_size=2 dist.cp=2 dist.cp_impl=ring model.activation_checkpointing=blocks",
+]
+
+
+def _sampled(words: list[str], count: int, seed: int) -> list[RunConfig]:
+    """A seeded sample of the planner's accepted candidates of ``words`` (its own search)."""
+    base = compose_tree(words)
+    accepted = [cfg for _, cfg in candidates.candidates(base, set()) if isinstance(cfg, RunConfig)]
+    return random.Random(seed).sample(accepted, count)
+
+
+SAMPLED = [
+    *_sampled(["model=llama_small", "dist.world_size=4", "train.global_batch=8"], 6, 0),
+    *_sampled(["model=gpt2", "dist.world_size=4"], 4, 1),
+]
+
+
+def _check(cfg: RunConfig) -> None:
+    wanted = [whole_step(cfg, s) for s in range(cfg.dist.pp)]
+    per_rank = [wanted[cfg.layout.coords(r)["pp"]][0] for r in range(cfg.dist.world_size)]
+    assert rank_activations(cfg) == per_rank
+    for (_, want), got in zip(wanted, stage_counts(cfg)):
+        assert (got.flops, got.ops, got.written) == (want.flops, want.ops, want.written)
+        assert sorted(got.calls) == sorted(want.calls)
+
+
+@pytest.mark.parametrize("words", LAYOUTS)
+def test_the_composed_step_is_the_whole_step_program(words):
+    _check(RunConfig.from_dict(compose_tree(words.split())))
+
+
+@pytest.mark.parametrize("index", range(len(SAMPLED)))
+def test_the_composed_step_is_the_whole_step_program_on_sampled_candidates(index):
+    _check(SAMPLED[index])
+
+
+@pytest.mark.parametrize(
+    "words",
+    [["model=llama", "dist.world_size=4"], ["model=gpt2", "dist.world_size=6", "train.global_batch=12"]],
+)
+def test_each_candidate_is_checked_as_its_whole_tree_would_be(words):
+    """``candidates`` checks a variant from the base's parsed groups (``RunConfig.with_keys``):
+    the same configuration, or the same refusal, as the whole tree with the keys set."""
+    base = compose_tree(words)
+    for changed, got in candidates.candidates(base, set()):
+        try:
+            want = RunConfig.from_dict(candidates.applied(base, changed))
+        except Exception as exc:  # noqa: BLE001 - compared by message
+            want = exc
+        if isinstance(want, Exception):
+            assert str(got) == str(want), changed
+        else:
+            assert got == want, changed
+
+
+def test_every_block_reads_one_causal_mask():
+    cfg = RunConfig.from_dict(compose_tree(["model=llama_small", "dist.world_size=1"]))
+    model = shape_model(cfg, shape_mesh(cfg.layout, 0))
+    masks = {
+        id(buf) for name, buf in model.named_buffers(remove_duplicate=False) if name.endswith("causal_mask")
+    }
+    seq = cfg.model.seq_len
+    assert len(masks) == 1 and torch.equal(causal_mask(seq), torch.ones(seq, seq, dtype=torch.bool).tril())
