@@ -105,7 +105,9 @@ def test_buckets_never_span_segments_and_keep_their_cuts_without_them(seed):
 # The layouts over 4 ranks that no equivalence matrix trains (those check every one of theirs:
 # tests/plan_check.py), one step each: the bf16 gradient in a stage-0/1 hook, small buckets, bf16
 # units over 4 tensor-parallel ranks, ZeRO-2 over experts (two buckets open at once: an expert's
-# w1 shares one with the next expert's w3), and Qwen3's norms between stages.
+# w1 shares one with the next expert's w3), Qwen3's norms between stages, and ZeRO-3's prefetch
+# under a pipeline's forwards in a row (the last unit, kept for a backward that did not come next,
+# was a third unit gathered: found by the planner's search, benchmarks/plan_time.py).
 LAYOUTS = [
     "zero=stage0 train.dtype=bf16",
     "zero=stage1 train.dtype=bf16",
@@ -114,6 +116,7 @@ LAYOUTS = [
     "model=mixtral_tiny zero=stage2 dist.ep=2",
     "model=deepseek_v3_tiny zero=stage2 dist.ep=2",
     "model=qwen3_tiny zero=stage2 model.tie_embeddings=false dist.pp=2 dist.tp=2 train.grad_accum=2",
+    "model=llama zero=stage3 zero.overlap=true dist.pp=2 train.grad_accum=4 dist.pp_schedule=gpipe",
 ]
 ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
 ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]

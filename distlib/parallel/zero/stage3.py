@@ -30,7 +30,9 @@ Prefetch (``overlap``): every collective of the group runs on the communication 
 waits for k's gather and queues k+1's (units are numbered in forward order: the model's children),
 so k+1's all-gather is in flight while k computes; in backward the hook on k's output waits for k
 and queues k-1's, and k's gradient reduce-scatter and its release are queued behind it; the last
-unit stays gathered from its forward to its backward, which comes next. Two units
+unit stays gathered from its forward to its backward where that comes next, and is released when
+another forward begins first (a pipeline stage running several micro-batches' forwards in a row:
+gpipe, 1f1b's warm-up; kept, it was a third unit beside the next forward's first two). Two units
 (and two gradient buckets) are live at a time instead of one. An all-gather copies values, so
 results are bitwise those without prefetch. ``sync_grads`` waits for the queue and then drops
 any unit still gathered (a prefetch that no forward or backward used), so no stale parameters
@@ -82,6 +84,7 @@ class Stage3Optimizer(StageOptimizer):
         self._gathered = [False] * len(self.units)  # gathered, or (overlap) its gather is queued
         self._gathering: list = [None] * len(self.units)  # (overlap) the queued gather's Ticket
         self._backward_seen: set[int] = set()  # units whose backward began since their forward
+        self._kept: int | None = None  # (overlap) the last unit, kept gathered for its backward
         self._unit_buffers = []
         for b, (unit, module) in enumerate(zip(self.units, units)):
             full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
@@ -147,20 +150,28 @@ class Stage3Optimizer(StageOptimizer):
 
     def _before_forward(self, b: int) -> None:
         self._backward_seen.discard(b)
+        if self._kept is not None and b != self._kept:  # another forward came before its backward
+            self._release(self._kept)
+            self._kept = None
         self._gather(b)
         if self.progress is not None:
             self._prefetch(b + 1)
 
     def _before_backward(self, b: int) -> None:
         self._backward_seen.add(b)
+        if b == self._kept:
+            self._kept = None
         self._gather(b)
         if self.progress is not None and b - 1 not in self._backward_seen:
             self._prefetch(b - 1)
 
     def _after_forward(self, b: int, out) -> None:
         grads = isinstance(out, torch.Tensor) and out.requires_grad
-        # (overlap: the last unit stays, its backward comes first; a shared unit stays for its later users)
-        if b not in self._shared and not (grads and self.progress is not None and b == len(self.units) - 1):
+        # (overlap: the last unit stays, its backward may come next; a shared unit stays for its later users)
+        keep = grads and self.progress is not None and b == len(self.units) - 1
+        if b not in self._shared and keep:
+            self._kept = b
+        elif b not in self._shared:
             self._release(b)
         if grads:
             out.register_hook(lambda grad: self._before_backward(b))
