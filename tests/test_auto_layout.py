@@ -92,7 +92,7 @@ def test_train_py_runs_the_chosen_layout_within_the_budget_and_records_it(tmp_pa
     assert line.startswith("dist.layout=auto: ") and line.endswith("; add these overrides to pin it")
     overrides = line.removeprefix("dist.layout=auto: ").split(",")[0].split()
     recorded = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
-    assert recorded["dist"]["layout"] == "given"
+    assert recorded["dist"]["layout"] == "given" and recorded["dist"]["budget_gb"] is None
     for override in overrides:  # the recorded configuration is the layout said
         dotted, value = override.split("=")
         group, key = dotted.split(".")
@@ -115,4 +115,13 @@ def test_train_py_refuses_a_budget_nothing_fits_and_another_launcher_in_one_line
     assert srun.returncode == 2 and srun.stderr.splitlines() == [
         "config error: dist.layout=auto is chosen by python train.py's launcher before it starts the "
         "workers; here every rank starts as given: run scripts/plan.py and pass its overrides"
+    ]
+
+
+def test_a_budget_without_auto_is_refused_as_one_line(tmp_path):
+    """A budget nothing reads would be a promise not kept: dist.budget_gb bounds dist.layout=auto."""
+    proc = run_script("train.py", "dist.budget_gb=1", f"hydra.run.dir={tmp_path / 'a'}")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "config error: dist.budget_gb=1 bounds the layout dist.layout=auto picks, and dist.layout is "
+        "given: add dist.layout=auto, or drop dist.budget_gb"
     ]

@@ -60,9 +60,10 @@ def pricing(tree: dict) -> tuple[Machine | None, float | None, str]:
 
 
 def pinned_tree(tree: dict, chosen: Planned) -> dict:
-    """``tree`` with ``chosen``'s keys set and the layout marked as given."""
+    """``tree`` with ``chosen``'s keys set and the layout marked as given (the budget, spent on the
+    choice, goes with it: a given layout has none)."""
     out = candidates.applied(tree, chosen.changes)
-    out["dist"]["layout"] = "given"
+    out["dist"]["layout"], out["dist"]["budget_gb"] = "given", None
     return out
 
 

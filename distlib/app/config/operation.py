@@ -62,7 +62,8 @@ class DistConfig(Group):
         dist.budget_gb, searching the keys the command line leaves unset, and prints it as the overrides
         that pin it (python train.py only: torchrun and srun start every rank with the command line as given)
     budget_gb: with dist.layout=auto, the bytes per rank (decimal GB) of model states and activations
-        kept for backward the layout must fit in; null: any (on a GPU the planner knows: its memory)
+        kept for backward the layout must fit in; null: any (on a GPU the planner knows: its memory); set
+        with a given layout, it is refused
     """
 
     GROUP = "dist"
@@ -85,6 +86,11 @@ class DistConfig(Group):
     budget_gb: float | None = key(None, gt=0)
 
     def check(self) -> None:
+        if self.budget_gb is not None and self.layout != "auto":
+            raise ConfigError(
+                f"dist.budget_gb={self.budget_gb:g} bounds the layout dist.layout=auto picks, and "
+                "dist.layout is given: add dist.layout=auto, or drop dist.budget_gb"
+            )
         if self.pp_virtual > 1 and self.pp_schedule != "interleaved":
             raise ConfigError(
                 f"dist.pp_virtual={self.pp_virtual} needs dist.pp_schedule=interleaved "
