@@ -6,19 +6,19 @@
 OVERRIDES are train.py's Hydra overrides (the model, dist.world_size, the batch, train.dtype ...).
 Every layout of the searched keys (dist.tp, dist.pp with its schedule, dist.cp, dist.ep, dist.sp,
 train.grad_accum, model.activation_checkpointing, zero.stage, zero.overlap; those the command line
-sets stay as set) that the configuration accepts is listed with
-its fullest rank's parameter, gradient and optimizer bytes -- the end-of-run memory table's figures,
-predicted without starting a process (docs/parallelism.md, "Planning") -- smallest first, its
-predicted step time, and whether it fits plan.budget_gb per rank; then the smallest and the fastest
-that fit. The step is priced on this machine (plan.device=cpu, measured at start) or on a GPU kind's
-data sheet (plan.device=a100, h100 or h200: one GPU per rank; plan.budget_gb then defaults to its
-memory; distlib/app/plan/devices.py says what is assumed). --layout: only the command line's own
-layout, rank by rank. --json: the same as JSON on stdout. The activations kept for backward and the
-step time are predicted for dense models (with experts or document masks the verdict says it covers
-the model states only). --verify K: train the K smallest layouts and a seeded sample of K others
-(with --layout: the one) for a few steps each with train.py, and say for each whether every rank
-measured what was planned (exit status 1 if any did not), and its measured step time beside the
-predicted one, with the rank correlation of the two over the layouts.
+sets stay as set) that the configuration accepts is listed with its fullest rank's parameter,
+gradient and optimizer bytes -- the end-of-run memory table's figures, predicted without starting a
+process (docs/parallelism.md, "Planning") -- smallest first, its predicted step time, and whether it
+fits plan.budget_gb per rank; then the smallest and the fastest that fit. The step is priced on this
+machine (plan.device=cpu, measured at start) or on a GPU kind's data sheet (plan.device=a100, h100
+or h200: one GPU per rank; plan.budget_gb then defaults to its memory; distlib/app/plan/devices.py
+says what is assumed). --layout: only the command line's own layout, rank by rank. --json: the same
+as JSON on stdout. The activations kept for backward and the step time are predicted for dense
+models (with experts, or document masks over context-parallel ranks, the verdict says it covers the
+model states only). --verify K: train the K smallest layouts and a seeded sample of K others (with
+--layout: the one) for a few steps each with train.py, and say for each whether every rank measured
+what was planned (exit status 1 if any did not), and its measured step time beside the predicted
+one, with the rank correlation of the two over the layouts.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     if not layout.exact:
         needs += " (at most: zero.overlap)"
     if not layout.activations_known:
-        needs += "; activations not predicted for this layout (experts or document masks)"
+        needs += "; activations not predicted for this layout (experts, or document masks at cp > 1)"
     if budget is None:
         return needs
     word = "fits" if layout.fits(budget) else "does NOT fit"

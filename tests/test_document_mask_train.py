@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 from multiproc import run_ranks
+from plan_check import matrix_misses
 from trainrun import compose_tree, train_each, train_with_margin
 
 from distlib.app.config.run import RunConfig
 from distlib.app.config.schema import ConfigError
 from distlib.app.data import corpus as corpus_module
 from distlib.app.data.batches import BatchPlan
+from distlib.app.plan.activations import rank_activations
 from distlib.comm.group import Comm
 from distlib.parallel.context import balance, chunks
 from distlib.parallel.documents import Documents
@@ -157,6 +159,21 @@ def test_recomputed_blocks_keep_their_documents(runs):
     """model.activation_checkpointing=blocks reruns each block's forward in the backward with the
     same documents: the same arithmetic, so the same bits as without it."""
     assert runs["one"]["recomputed"]["losses"] == runs["one"]["llama"]["losses"]
+
+
+def test_the_planner_predicts_every_run_as_measured(runs):
+    """Every run of the matrix against the planner (tests/plan_check.py): the model states of each,
+    and at cp = 1 the activations kept for backward too, which the masks' shapes decide (their
+    documents do not: ``plan.activations``); over context-parallel ranks the chunks a rank holds
+    follow the documents, and the planner says it does not predict them."""
+    everything = [*runs["one"].values(), *runs["layouts"]]
+    assert matrix_misses(everything) == {}
+    kept = [rank_activations(RunConfig.from_dict(r["tree"])) for r in everything]
+    masked = [k for k, r in zip(kept, everything) if r["tree"]["data"]["document_mask"]]
+    assert sum(None not in k for k in masked) >= 4  # (every family at cp = 1, recomputed blocks)
+    configs = [RunConfig.from_dict(r["tree"]) for r in everything]
+    dense = [(k, cfg.dist.cp) for k, cfg in zip(kept, configs) if not cfg.model.has_experts]
+    assert dense and all((None in k) == (cp > 1) for k, cp in dense)
 
 
 def test_the_masks_change_the_run(runs):

@@ -20,7 +20,9 @@ once, each holding its unit's bytes, as the ``Recorder`` adds them up; its sends
 schedule's. ``tests/test_plan_compose.py`` checks the composition against the whole step program.
 
 Not predicted (None) yet: models with experts (where the tokens go, and so what each expert keeps,
-depends on the routing) and document masking.
+depends on the routing) and document masks over context-parallel ranks (the chunks a rank holds
+follow the documents). At cp = 1 a mask's shape is all that counts: the dry step's documents are
+shapes only, and the document-mask matrix (tests/test_document_mask_train.py) checks them.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ from distlib.app.plan.meta_memo import MetaMemo
 from distlib.app.plan.timing import Counted, OpCounter, grouped, merged, times
 from distlib.comm import tally
 from distlib.comm.mesh import shape_mesh
+from distlib.parallel.documents import Documents
 from distlib.parallel.dropout import Draws
 from distlib.parallel.pipeline import schedule
 
 
 def predicted(cfg: RunConfig) -> bool:
-    """Whether the activations (and so the step time) of ``cfg`` are predicted."""
-    return not (cfg.model.has_experts or cfg.data.document_mask)
+    """Whether the activations (and so the step time) of ``cfg`` are predicted: not with experts,
+    nor document masks over context-parallel ranks (the chunks each holds follow the documents)."""
+    return not (cfg.model.has_experts or (cfg.data.document_mask and cfg.dist.cp > 1))
 
 
 def rank_activations(cfg: RunConfig) -> list[int | None]:
@@ -74,17 +78,18 @@ def stage_counts(cfg: RunConfig) -> list[Counted] | None:
 def stage_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
     """Pipeline stage ``stage``'s activation peak and its step's counts, composed of its units."""
     d = cfg.dist
-    return _stage(_key(cfg), d.pp, d.pp_virtual, d.pp_schedule, cfg.train.grad_accum, stage)
+    micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
+    return _stage(_Rank.of(cfg), micro, d.pp, d.pp_virtual, d.pp_schedule, cfg.train.grad_accum, stage)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage(key: tuple, P: int, v: int, name: str, m: int, stage: int) -> tuple[int, Counted]:
-    n_layers = key[0].n_layers
+def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: int) -> tuple[int, Counted]:
+    n_layers = rank.model.n_layers
     if P == 1:
-        peak, unit, grads = _chunk(*key, n_layers, "only")
+        peak, unit, grads = _chunk(rank, micro, n_layers, "only")
         return peak, _one_step([_times(unit, m, grads)], m)
     per = n_layers // (P * v)
-    units = [_chunk(*key, per, _position(schedule.stage_of(stage, c, P), P * v)) for c in range(v)]
+    units = [_chunk(rank, micro, per, _position(schedule.stage_of(stage, c, P), P * v)) for c in range(v)]
     actions = schedule.build(name, P, m, v)[stage]
     live = peak = 0
     for a in actions:  # the Recorder's sum: each chunk forward's bytes, held until its backward
@@ -148,12 +153,23 @@ class _CpuKernels(TorchDispatchMode):
         return out
 
 
-def _key(cfg: RunConfig) -> tuple:
-    """What a unit depends on: the model, the degrees that shape a rank's tensors (not the data
-    parallelism, the schedule or the transport), the dtype, the micro-batch's rows, the seed."""
-    micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
-    cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32  # (the kernels differ in bf16)
-    return cfg.model, _shape(cfg.dist), cfg.train.dtype, micro, cfg.seed, cpu
+@dataclasses.dataclass(frozen=True)
+class _Rank:
+    """What a run depends on besides its rows, blocks and place: the model, the degrees that shape
+    a rank's tensors (not the data parallelism, the schedule or the transport), the dtype, the seed
+    (the dropout keys), the CPU's kernels (in bf16 they keep otherwise), document masks."""
+
+    model: ModelConfig
+    dist: DistConfig
+    dtype: str
+    seed: int
+    cpu: bool
+    documents: bool
+
+    @staticmethod
+    def of(cfg: RunConfig) -> _Rank:
+        cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32
+        return _Rank(cfg.model, _shape(cfg.dist), cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -162,43 +178,26 @@ def _shape(d: DistConfig) -> DistConfig:
     return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, world_size=d.tp * d.cp)
 
 
-def _chunk(
-    model: ModelConfig,
-    dist: DistConfig,
-    dtype: str,
-    micro: int,
-    seed: int,
-    cpu: bool,
-    blocks: int,
-    where: str,
-) -> tuple[int, Counted, int]:
+def _chunk(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted, int]:
     """A chunk of ``blocks`` blocks at ``where`` with ``micro`` rows, as ``_run`` would give it:
     from the runs of one and two blocks, each block more adding what the second added (every
     byte, operator and call of a dense model's blocks is alike), so a deep model's chunks cost two
     shallow runs."""
     if blocks <= 2:
-        return _rows(model, dist, dtype, micro, seed, cpu, blocks, where)
-    one = _rows(model, dist, dtype, micro, seed, cpu, 1, where)
-    return _extended(one, _rows(model, dist, dtype, micro, seed, cpu, 2, where), blocks - 1, True)
+        return _rows(rank, micro, blocks, where)
+    one = _rows(rank, micro, 1, where)
+    return _extended(one, _rows(rank, micro, 2, where), blocks - 1, True)
 
 
-def _rows(
-    model: ModelConfig,
-    dist: DistConfig,
-    dtype: str,
-    micro: int,
-    seed: int,
-    cpu: bool,
-    blocks: int,
-    where: str,
-) -> tuple[int, Counted, int]:
-    """``_run`` with ``micro`` rows, from the runs of one and two: every row more adds what the
-    second added (each tensor holds the micro-batch's rows, or none: a row adds its bytes, FLOPs
-    and message bytes, never an operator), so every micro-batch size costs the same two runs."""
+def _rows(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted, int]:
+    """``_run`` with ``micro`` rows, from the runs of two and three: every row more adds what the
+    third added (its bytes, FLOPs, message bytes and its dropout draws' operators); one row runs
+    as itself (a single row reshapes by views where more copy), so every micro-batch size costs
+    at most three runs."""
     if micro <= 3:
-        return _run(model, dist, dtype, micro, seed, cpu, blocks, where)
-    two = _run(model, dist, dtype, 2, seed, cpu, blocks, where)
-    return _extended(two, _run(model, dist, dtype, 3, seed, cpu, blocks, where), micro - 2, False)
+        return _run(rank, micro, blocks, where)
+    two = _run(rank, 2, blocks, where)
+    return _extended(two, _run(rank, 3, blocks, where), micro - 2, False)
 
 
 def _extended(one: tuple, two: tuple, more: int, calls_added: bool) -> tuple[int, Counted, int]:
@@ -225,47 +224,40 @@ def _extended(one: tuple, two: tuple, more: int, calls_added: bool) -> tuple[int
 
 
 @functools.lru_cache(maxsize=4096)
-def _run(
-    model: ModelConfig,
-    dist: DistConfig,
-    dtype: str,
-    micro: int,
-    seed: int,
-    cpu: bool,
-    blocks: int,
-    where: str,
-) -> tuple[int, Counted, int]:
+def _run(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted, int]:
     """One micro-batch of the trainer's own step program through a chunk of ``blocks`` blocks at
     ``where`` (first, middle or last global stage of a pipeline of such chunks; only: a whole
     model of ``blocks`` blocks at pp = 1), on the meta device: the bytes it keeps for its
     backward, as the run measures them, what it computed and sent, and its parameters' gradient
     bytes."""
     stages = {"only": 1, "first": 2, "last": 2, "middle": 3}[where]
-    model = dataclasses.replace(model, n_layers=blocks * stages)
+    model, dist = dataclasses.replace(rank.model, n_layers=blocks * stages), rank.dist
     if where != "only":
         dist = dataclasses.replace(dist, pp=stages, pp_schedule="gpipe", world_size=dist.world_size * stages)
     stage = {"only": 0, "first": 0, "middle": 1, "last": stages - 1}[where]
-    cfg = RunConfig(model=model, dist=dist, train=TrainConfig(dtype=dtype, grad_accum=1))
+    cfg = RunConfig(model=model, dist=dist, train=TrainConfig(dtype=rank.dtype, grad_accum=1))
     mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
     module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
     chunks, _ = place_model_(module, cfg, mesh)
     for p in module.parameters():  # the optimizer's flat buffer holds them in the compute dtype
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
-    batch = _micro_batch(model.seq_len, micro, mesh, seed)
+    batch = _micro_batch(model.seq_len, micro, mesh, rank.seed, rank.documents)
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
     ops = OpCounter()
-    with MetaMemo(), _CpuKernels() if cpu else contextlib.nullcontext(), tally.tallied() as calls, ops:
+    with MetaMemo(), _CpuKernels() if rank.cpu else contextlib.nullcontext(), tally.tallied() as calls, ops:
         program.run([batch])
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
 
 
-def _micro_batch(seq_len: int, micro: int, mesh, seed: int) -> tuple:
+def _micro_batch(seq_len: int, micro: int, mesh, seed: int, documents: bool = False) -> tuple:
     """(inputs, targets, positions, draws, documents) as the trainer hands one micro-batch over.
     Its inputs and targets are views of one (micro, seq + 1) array of windows, which the meters
-    count whole, unless the context-parallel rank's chunks are copied out of it."""
+    count whole, unless the context-parallel rank's chunks are copied out of it. The documents'
+    starts (with masks) are shapes only: at cp = 1 what a forward keeps does not depend on them."""
     on = "cpu" if mesh.cp is not None else "meta"
     windows = torch.zeros((micro, seq_len + 1), dtype=torch.long, device=on)
     inputs, targets, positions = held_tokens(windows[:, :-1], windows[:, 1:], mesh.cp, "meta")
     draws = Draws(seed, (), share=(mesh.tp.rank, mesh.tp.size)).of(range(micro))
-    return inputs, targets, positions, draws, None
+    starts = Documents(torch.zeros((micro, seq_len), dtype=torch.int64, device="meta")) if documents else None
+    return inputs, targets, positions, draws, starts

@@ -30,9 +30,10 @@ sheet instead (``devices``).
 wake-up more (``handoff``), and nothing credited for hiding (measured on 2 cores, the thread makes
 a 4-rank step slower, not faster: no core is idle to run it).
 
-What it leaves out: the hiding overlap gives where cores are idle, the CPU's caches, the grad
-norm's small all-gather; models with experts or document masks are not predicted (their dry step
-cannot route). ``benchmarks/plan_time.py`` measures how well it ranks real layouts.
+What it leaves out: the hiding overlap gives where cores are idle, the CPU's caches, the grad norm's
+small all-gather; models with experts, and document masks over context-parallel ranks, are not
+predicted (where the tokens go follows the router or the documents). ``benchmarks/plan_time.py``
+measures how well it ranks real layouts.
 """
 
 from __future__ import annotations
