@@ -18,7 +18,7 @@ from distlib.comm.group import Comm
 from distlib.comm.p2p import P2P
 from distlib.launch import plan_verify
 from distlib.launch.hydra_config import compose_tree
-from distlib.parallel.zero.predict import sync_calls
+from distlib.parallel.zero.predict import sync_parts
 
 MACHINE = Machine(flops=1e10, op_s=1e-6, byte_s=1e-10, update_s=1e-9, cores=2)
 
@@ -68,7 +68,9 @@ def test_tensor_parallel_blocks_all_reduce_twice_forward_and_twice_backward():
 def test_zero_stages_reduce_every_gradient_once_and_gather_the_parameters(stage):
     cfg = config("dist.world_size=2", f"zero.stage={stage}", "zero.bucket_numel=2000", "train.dtype=bf16")
     ((module, flat, segments),) = stage_groups(cfg.model, cfg.dist, 0)
-    calls = sync_calls(stage, module, flat, torch.bfloat16, 2000, False, segments)
+    per_micro_batch, per_step = sync_parts(stage, module, flat, torch.bfloat16, 2000, False, segments)
+    assert (per_micro_batch == []) == (stage < 2)  # stages 2/3 reduce after every micro-batch
+    calls = per_micro_batch + per_step
     kinds = {kind for kind, _ in calls}
     reduced = sum(n for kind, n in calls if kind in ("all_reduce", "reduce_scatter"))
     gathered = sum(n for kind, n in calls if kind == "all_gather")

@@ -6,7 +6,7 @@ the trainer's own step program on the meta device over dry groups), counted as i
 (``Counted``): the floating-point operations of every operator (torch's formulas), the operators
 dispatched, the bytes they write, and every collective and pipeline send of the dry groups
 (``comm.tally``); to which ``report.predicted_time`` adds the ZeRO stage's own collectives per
-parameter group (``zero.predict.sync_calls``), the verdict's all-gather and the optimizer update
+parameter group (``zero.predict.sync_parts``), the verdict's all-gather and the optimizer update
 (its elements).
 
 What they cost (``Machine``, measured in this process by ``Machine.probe``): a matrix multiply's

@@ -153,28 +153,6 @@ def _gathered_peak(units: Sequence[Bucket], shared: set[int], overlap: bool) -> 
     return held + max(sizes)
 
 
-def sync_calls(
-    stage: int,
-    module: nn.Module,
-    layout: FlatLayout,
-    param_dtype: torch.dtype,
-    bucket_numel: int,
-    overlap: bool,
-    segments: Sequence[Collection[str]] = (),
-    micro_batches: int = 1,
-) -> list[tuple[str, int]]:
-    """The collectives a ZeRO ``stage`` optimizer runs on its group per step of ``micro_batches``,
-    as (kind, bytes of the whole tensor), for the planner's step time: the fp32 gradients reduced
-    (stage 0 all-reduce, else reduce-scatter) once a step at stages 0/1 (by bucket with overlap),
-    by bucket after every micro-batch at stage 2 (the gradients live in partitions), by unit after
-    every micro-batch at stage 3; the parameters in the compute dtype gathered once a step (stages
-    1/2) or per unit in every micro-batch's forward and again in its backward (stage 3)."""
-    per_micro_batch, per_step = sync_parts(
-        stage, module, layout, param_dtype, bucket_numel, overlap, segments
-    )
-    return per_micro_batch * micro_batches + per_step
-
-
 def sync_parts(
     stage: int,
     module: nn.Module,
@@ -184,7 +162,13 @@ def sync_parts(
     overlap: bool,
     segments: Sequence[Collection[str]] = (),
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """``sync_calls`` in two: the calls of every micro-batch, and those of the step once."""
+    """The collectives a ZeRO ``stage`` optimizer runs on its group, as (kind, bytes of the whole
+    tensor), for the planner's step time, in two lists: those of every micro-batch, and those of the
+    step once. The fp32 gradients are reduced (stage 0 all-reduce, else reduce-scatter) once a step
+    at stages 0/1 (by bucket with overlap), by bucket after every micro-batch at stage 2 (the
+    gradients live in partitions), by unit after every micro-batch at stage 3; the parameters in
+    the compute dtype gathered once a step (stages 1/2) or per unit in every micro-batch's forward
+    and again in its backward (stage 3)."""
     b = param_dtype.itemsize
     params = _params_of(module, layout)
     if stage == 3:
