@@ -18,6 +18,7 @@ import random
 import pytest
 import torch
 
+from distlib.app.config.model_group import EXPERT_FAMILIES, FAMILIES
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import BatchPlan
 from distlib.app.model.attention import causal_mask
@@ -98,6 +99,12 @@ def _check(cfg: RunConfig) -> None:
         assert sorted(got.calls) == sorted(want.calls)
 
 
+def test_every_dense_family_is_composed_here():
+    """The composition rests on a family's blocks being alike: a family added is checked here."""
+    chosen = {RunConfig.from_dict(compose_tree(words.split())).model.family for words in LAYOUTS}
+    assert chosen == set(FAMILIES) - set(EXPERT_FAMILIES)
+
+
 @pytest.mark.parametrize("words", LAYOUTS)
 def test_the_composed_step_is_the_whole_step_program(words):
     _check(RunConfig.from_dict(compose_tree(words.split())))
@@ -135,3 +142,28 @@ def test_every_block_reads_one_causal_mask():
     }
     seq = cfg.model.seq_len
     assert len(masks) == 1 and torch.equal(causal_mask(seq), torch.ones(seq, seq, dtype=torch.bool).tril())
+
+
+def test_the_shape_memory_answers_new_tensors_alike_and_never_a_view():
+    """``MetaMemo``: a second identical call is answered from memory with the kernel's shape,
+    strides, dtype and storage size; a view (said by its schema or not) and an in-place result are
+    the kernel's own, sharing their input's storage; a CPU tensor is computed."""
+    from distlib.app.plan import meta_memo
+
+    x = torch.empty((4, 6), device="meta").t()  # strided (1, 4): the answer keeps the strides
+    y = torch.empty((4, 6), device="meta")
+    with meta_memo.MetaMemo():
+        first, again = torch.ops.aten.mul.Tensor(x, 2.0), torch.ops.aten.mul.Tensor(x, 2.0)
+        made = torch.ops.aten.mul.Tensor(y, 3.0)
+        unsafe = [torch.ops.aten._unsafe_view(made, (24,)) for _ in range(2)]  # the second: seen
+        views = [*unsafe, made.view(24), made.view(24), made.t()]
+        grown = made.add_(1.0)
+        cpu = torch.ops.aten.mul.Tensor(torch.ones(3), 2.0)
+    assert again.untyped_storage()._cdata != first.untyped_storage()._cdata
+    described = [
+        (t.shape, t.stride(), t.dtype, t.storage_offset(), t.untyped_storage().nbytes())
+        for t in (first, again)
+    ]
+    assert described[0] == described[1] and first.stride() == x.stride()
+    assert all(v.untyped_storage()._cdata == made.untyped_storage()._cdata for v in views) and grown is made
+    assert torch.equal(cpu, torch.full((3,), 2.0))

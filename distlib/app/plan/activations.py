@@ -84,6 +84,8 @@ def stage_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
 
 @functools.lru_cache(maxsize=4096)
 def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: int) -> tuple[int, Counted]:
+    """Pipeline stage ``stage`` of ``P`` (``v`` chunks a rank, schedule ``name``, ``m``
+    micro-batches of ``micro`` rows): its activation peak and its step's counts."""
     n_layers = rank.model.n_layers
     if P == 1:
         peak, unit, grads = _chunk(rank, micro, n_layers, "only")
@@ -126,7 +128,7 @@ def _without_sends(unit: Counted) -> Counted:
     return dataclasses.replace(unit, calls=tuple(c for c in unit.calls if c[0] != "send"))
 
 
-def _send_bytes(units: list[tuple[int, Counted]]) -> int:
+def _send_bytes(units: list[tuple[int, Counted, int]]) -> int:
     """A pipeline message's bytes (activation and gradient alike), as a unit's send noted them."""
     return next(n for _, unit, _ in units for kind, n, _, _ in unit.calls if kind == "send")
 
@@ -185,8 +187,16 @@ def _chunk(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Count
     shallow runs."""
     if blocks <= 2:
         return _rows(rank, micro, blocks, where)
-    one = _rows(rank, micro, 1, where)
-    return _extended(one, _rows(rank, micro, 2, where), blocks - 1, True)
+    one, two = _rows(rank, micro, 1, where), _rows(rank, micro, 2, where)
+    if not _holds(two[1].calls, one[1].calls):
+        return _rows(rank, micro, blocks, where)  # the second block dropped a call: not alike
+    return _extended(one, two, blocks - 1, True)
+
+
+def _holds(more: tuple, fewer: tuple) -> bool:
+    """Whether grouped calls ``more`` make every call of ``fewer`` at least as many times."""
+    times = {call[:3]: call[3] for call in more}
+    return all(times.get(call[:3], 0) >= call[3] for call in fewer)
 
 
 def _rows(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted, int]:
@@ -196,8 +206,10 @@ def _rows(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counte
     at most three runs."""
     if micro <= 3:
         return _run(rank, micro, blocks, where)
-    two = _run(rank, 2, blocks, where)
-    return _extended(two, _run(rank, 3, blocks, where), micro - 2, False)
+    two, three = _run(rank, 2, blocks, where), _run(rank, 3, blocks, where)
+    if [c[:1] + c[2:] for c in two[1].calls] != [c[:1] + c[2:] for c in three[1].calls]:
+        return _run(rank, micro, blocks, where)  # a row more changed which calls run: not alike
+    return _extended(two, three, micro - 2, False)
 
 
 def _extended(one: tuple, two: tuple, more: int, calls_added: bool) -> tuple[int, Counted, int]:

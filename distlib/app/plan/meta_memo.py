@@ -5,9 +5,10 @@ layout like the last (a 2-block llama micro-batch's counted dry step: 24 ms, 10 
 ``MetaMemo`` answers an operator it has seen with the same inputs with new tensors of the
 remembered shapes, strides and storage sizes.
 
-Only operators that make new tensors are answered so (their schema's results alias nothing): a
-view or an in-place result is the input's own storage, which the activation meters count by
-identity, so those always run. So do operators on any tensor not on the meta device.
+Only operators that make new tensors are answered so (their schema's results alias nothing, and
+they are not among the few views whose schemas do not say so): a view or an in-place result is
+the input's own storage, which the activation meters count by identity, so those always run. So
+do operators on any tensor not on the meta device.
 """
 
 from __future__ import annotations
@@ -33,9 +34,19 @@ class MetaMemo(TorchDispatchMode):
         return out
 
 
+# operators whose results share their input's storage though their schemas do not say so
+UNSAID_VIEWS = {
+    "aten::_unsafe_view",
+    "aten::unsafe_split",
+    "aten::unsafe_split_with_sizes",
+    "aten::unsafe_chunk",
+}
+
+
 def _key(func, args, kwargs):
     """What the operator's meta kernel sees, hashable; None: not to be answered from memory."""
-    if any(r.alias_info is not None for r in func._schema.returns):
+    schema = func._schema
+    if schema.name in UNSAID_VIEWS or any(r.alias_info is not None for r in schema.returns):
         return None
     try:
         parts = (func, _arg(args), _arg(tuple(sorted(kwargs.items()))))
