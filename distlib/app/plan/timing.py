@@ -75,11 +75,11 @@ def times(calls: tuple, n: int) -> tuple[tuple[str, int, int, int], ...]:
 
 def merged(*parts) -> tuple[tuple[str, int, int, int], ...]:
     """Grouped calls of several ``parts`` as one, the times of equal calls added."""
-    times: dict = {}
+    counts: dict = {}
     for part in parts:
         for kind, nbytes, size, n in part:
-            times[(kind, nbytes, size)] = times.get((kind, nbytes, size), 0) + n
-    return tuple((*call, n) for call, n in times.items())
+            counts[(kind, nbytes, size)] = counts.get((kind, nbytes, size), 0) + n
+    return tuple((*call, n) for call, n in counts.items())
 
 
 class OpCounter(TorchDispatchMode):
@@ -113,7 +113,7 @@ _OPERATORS: dict = {}  # operator -> (its FLOP formula or None, which of its res
 
 
 def _operator(func) -> tuple:
-    """What ``OpCounter`` needs of an operator, looked up once (a quarter of its time otherwise)."""
+    """What ``OpCounter`` needs of an operator, looked up once per operator, not once per call."""
     known = _OPERATORS.get(func)
     if known is None:
         writes = tuple(r.alias_info is None or r.alias_info.is_write for r in func._schema.returns)
@@ -288,8 +288,8 @@ def step_time(
         own.append(work + elements * machine.update_s)
         sent.append(
             sum(
-                times * machine.collective_s(kind, n, size, world_size, transport)
-                for kind, n, size, times in counted.calls
+                count * machine.collective_s(kind, n, size, world_size, transport)
+                for kind, n, size, count in counted.calls
             )
         )
     slots = micro_batches * chunks

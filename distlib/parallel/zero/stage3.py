@@ -191,6 +191,7 @@ class Stage3Optimizer(StageOptimizer):
             if gathered:
                 self._gathered[b], self._gathering[b] = False, None
                 self._free(b)
+        self._kept = None
         self._sample_memory()
         return partition
 
