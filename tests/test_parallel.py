@@ -152,13 +152,14 @@ def _allocated_bytes(model: torch.nn.Module) -> int:
     the process's live objects rather than from the optimizer's own account, so a buffer it never
     lists counts too. Every parameter's ``.grad`` is added (autograd can hold one that has no
     Python object yet); the model's constant buffers (causal masks: no parameter, gradient or
-    optimizer state) are left out."""
+    optimizer state) are left out -- where one was made before the case (every block and model of
+    one sequence length shares one mask), it is not among them anyway."""
     gc.collect()
     tensors = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     for buffer in model.buffers():
-        storages.pop(buffer.untyped_storage().data_ptr())
+        storages.pop(buffer.untyped_storage().data_ptr(), None)
     return sum(storages.values())
 
 
