@@ -177,7 +177,7 @@ def test_grouped_query_heads_travel_grouped_and_match_the_reference(cp, kv_heads
         assert got[2].shape == (BATCH, kv_heads, len(pos), DIM)  # dk in the grouped heads
         # relative to each tensor's largest entry: a kv head's gradient sums 4/kv_heads heads' terms
         errors = [
-            _error(g, w.detach().double().numpy()[..., pos, :]) / float(w.abs().max())
+            _error(g, w.detach().double().numpy()[..., pos, :]) / float(w.detach().abs().max())
             for g, w in zip(got, want)
         ]
         assert max(errors) <= 1e-6, dict(zip(NAMES, errors))
