@@ -41,7 +41,8 @@ def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
     assert peaks == sorted(peaks) and len(layouts) > 50 and report["refused"] > 0
     searched = {o.split("=")[0] for p in layouts for o in p["overrides"]}
     assert {"dist.tp", "dist.pp", "dist.cp", "dist.ep", "zero.stage", "zero.overlap"} <= searched
-    for p in layouts[::7]:  # a sample, each composed as a user would type it
+    assert {"dist.sp", "train.grad_accum", "model.activation_checkpointing"} <= searched
+    for p in layouts[:: len(layouts) // 40]:  # 40 spread over them, each composed as a user would type it
         cfg = RunConfig.from_dict(compose_tree(["model=mixtral_tiny", "dist.world_size=4", *p["overrides"]]))
         ranks = [{**r.as_dict(), "activations": None} for r in model_states(cfg)]  # (experts: unknown)
         assert p["ranks"] == ranks
