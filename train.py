@@ -238,6 +238,9 @@ def main() -> None:
 
     global _RUN_DIR_GIVEN
     _RUN_DIR_GIVEN = hydra_config.given_run_dir(sys.argv[1:])
+    wrong = hydra_config.missing_choice(sys.argv[1:])
+    if wrong:
+        _refuse(f"config error: {wrong}", 2)
     hydra_config.register()  # every key's default, from the config dataclasses
     hydra.main(version_base="1.3", config_path="conf", config_name="config")(run_config)()
 

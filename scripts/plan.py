@@ -94,8 +94,11 @@ def compose(hydra: list[str]) -> dict:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from distlib.launch.hydra_config import compose_tree
+    from distlib.launch.hydra_config import compose_tree, missing_choice
 
+    wrong = missing_choice(hydra)
+    if wrong:
+        raise SystemExit(f"error: {wrong}")
     try:
         return compose_tree(hydra)
     except (HydraException, OmegaConfBaseException) as exc:

@@ -150,6 +150,15 @@ def test_a_refused_fresh_run_touches_nothing(tmp_path):
     assert _tree_bytes(tmp_path) == before  # metrics.jsonl included
 
 
+def test_a_choice_of_a_file_conf_does_not_hold_is_one_line(tmp_path):
+    proc = train(tmp_path / "run", "model=nonexistent", timeout=60)
+    names = ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"config error: model=nonexistent: conf/model/ has no nonexistent.yaml; model is one of {names}"
+    ]
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory
+
+
 def test_bad_override_on_the_command_line_fails_fast(tmp_path):
     proc = train(tmp_path, "zero.stage=7", timeout=60)
     assert proc.returncode == 2

@@ -93,6 +93,7 @@ def test_one_layout_gives_every_rank_and_a_verdict(capsys):
         (["plan.budget_gb=0"], "plan.budget_gb must be a positive number"),
         (["plan.budget=1"], "unknown planner key plan.budget"),
         (["modle=llama"], "error: "),
+        (["model=lama"], "model=lama: conf/model/ has no lama.yaml; model is one of deepseek_v3, "),
         (
             ["dist.world_size=3", "model.n_heads=4", "dist.tp=3", "--layout"],
             "dist.tp=3 must divide model.n_heads=4",

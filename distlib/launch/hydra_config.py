@@ -37,6 +37,24 @@ def register() -> None:
     ConfigStore.instance().store(name=DEFAULTS_NAME, node=defaults_tree())
 
 
+def missing_choice(overrides: list[str]) -> str | None:
+    """The first ``group=name`` override choosing a file conf/<group>/ does not hold, as one line
+    naming the files it does (Hydra's own error spans twenty lines); None: every choice exists.
+    Keys (``model.dim=8``), Hydra's own groups, deletions and sweeps (``model=gpt2,llama``) are
+    left to Hydra."""
+    for arg in overrides:
+        group, equals, name = arg.lstrip("+~").partition("=")
+        folder = CONF_DIR / group
+        if not equals or "." in group or "/" in group or group == "hydra" or not folder.is_dir():
+            continue
+        if not name or name == "null" or any(c in name for c in ",[]()*$"):
+            continue
+        if not (folder / f"{name}.yaml").is_file():
+            names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+            return f"{group}={name}: conf/{group}/ has no {name}.yaml; {group} is one of {names}"
+    return None
+
+
 def compose(overrides: list[str] | None = None, return_hydra_config: bool = False):
     """conf/ composed with ``overrides`` as train.py composes it (tests and tools)."""
     from hydra import compose as hydra_compose
