@@ -63,6 +63,7 @@ LAYOUTS = [
     "model=minigpt dist.world_size=1",
     "model=minigpt dist.world_size=2 dist.pp=2 train.grad_accum=2",
     "model=llama_small dist.world_size=1 train.grad_accum=2",
+    "model=llama_small dist.world_size=4 train.grad_accum=4",  # one row a micro-batch
     "model=llama_small dist.world_size=4 dist.pp=4 train.grad_accum=4 dist.pp_schedule=1f1b",
     "model=llama_small dist.world_size=4 dist.pp=2 dist.tp=2 train.grad_accum=4 dist.pp_schedule=interleaved "
     "dist.pp_virtual=2",
