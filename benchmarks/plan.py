@@ -6,10 +6,12 @@ trains, and how long planning takes.
 
 Errors: each layout trains 2 steps with train.py (``distlib/launch/plan_verify.py``, what
 ``scripts/plan.py --verify`` runs) and every rank's measured parameter, gradient, optimizer and
-activation bytes (the end-of-run memory table) are set against the prediction: the table gives,
-per layout, the largest error of each category over its ranks, in bytes (``bound``: zero.overlap at
-ZeRO-2/3, where the prediction is the most the run can reach: the figure is how far under it the
-run stayed; ``?``: activations not predicted, models with experts). Speed: ``plan()`` over every
+activation bytes (the end-of-run memory table) and its step peak (every tensor alive at once,
+``metrics.step_peak``) are set against the prediction: the table gives, per layout, the largest
+error of each over its ranks, in bytes (``bound``: zero.overlap at ZeRO-2/3, where the states'
+prediction is the most the run can reach: the figure is how far under it the run stayed, and the
+step peak is the dry step's, which the communication thread's timing can move; ``?``: activations
+and step peak not predicted, models with experts). Speed: ``plan()`` over every
 layout of four searches (``SPEED_CASES``; --quick: llama at ``--speed-world`` ranks), bytes and step
 times, each in a new interpreter, so nothing is cached; --speed-only: just these.
 
@@ -79,6 +81,13 @@ def errors(hydra: list[str]) -> dict:
             a if c == "activations" else getattr(r, c) for r, a in zip(layout.ranks, layout.activations)
         ]
         row[c] = max(abs(m[c] - p) for m, p in zip(result["ranks"], planned_of))
+    peaks = result["planned_step_peaks"]
+    if peaks is None or None in peaks:
+        row["step_peak"] = row["step_peak_pct"] = None
+    else:
+        misses = [abs(m["step_peak"] - p) for m, p in zip(result["ranks"], peaks)]
+        row["step_peak"] = max(misses)
+        row["step_peak_pct"] = max(100 * e / p for e, p in zip(misses, peaks))
     return row
 
 
@@ -144,10 +153,10 @@ def main() -> None:
 
 
 def print_errors(rows: list[dict]) -> None:
-    head = " ".join(f"{c:>8}" for c in ("params", "grads", "optim", "activ"))
+    head = " ".join(f"{c:>8}" for c in ("params", "grads", "optim", "activ", "step pk"))
     print(f"{head}  layout (the largest |measured - planned| bytes over its ranks)")
     for r in rows:
-        cells = ["?" if r[c] is None else str(r[c]) for c in CATEGORIES]
+        cells = ["?" if r[c] is None else str(r[c]) for c in (*CATEGORIES, "step_peak")]
         bound = "" if r["exact"] else " (bound)"
         print(
             " ".join(f"{c:>8}" for c in cells)

@@ -9,16 +9,19 @@ train.grad_accum, model.activation_checkpointing, zero.stage, zero.overlap; thos
 sets stay as set) that the configuration accepts is listed with its fullest rank's parameter,
 gradient and optimizer bytes -- the end-of-run memory table's figures, predicted without starting a
 process (docs/parallelism.md, "Planning") -- smallest first, its predicted step time, and whether it
-fits plan.budget_gb per rank; then the smallest and the fastest that fit. The step is priced on this
-machine (plan.device=cpu, measured at start) or on a GPU kind's data sheet (plan.device=a100, h100
-or h200: one GPU per rank; plan.budget_gb then defaults to its memory; distlib/app/plan/devices.py
-says what is assumed). --layout: only the command line's own layout, rank by rank. --json: the same
-as JSON on stdout. The activations kept for backward and the step time are predicted for dense
-models (with experts, or document masks over context-parallel ranks, the verdict says it covers the
-model states only). --verify K: train the K smallest layouts and a seeded sample of K others (with
---layout: the one) for a few steps each with train.py, and say for each whether every rank measured
-what was planned (exit status 1 if any did not), and its measured step time beside the predicted
-one, with the rank correlation of the two over the layouts.
+fits plan.budget_gb per rank; then the smallest and the fastest that fit, with their step peak:
+every tensor alive at once, from a whole step run on the meta device, held against the budget (the
+table's "fits" holds the states and activations kept against it; docs/parallelism.md, "The step's
+peak"). The step is priced on this machine (plan.device=cpu, measured at start) or on a GPU kind's
+data sheet (plan.device=a100, h100 or h200: one GPU per rank; plan.budget_gb then defaults to its
+memory; distlib/app/plan/devices.py says what is assumed). --layout: only the command line's own
+layout, rank by rank, with its step peak. --json: the same as JSON on stdout. The activations kept
+for backward, the step peak and the step time are predicted for dense models (with experts, or
+document masks over context-parallel ranks, the verdict says it covers the model states only).
+--verify K: train the K smallest layouts and a seeded sample of K others (with --layout: the one)
+for a few steps each with train.py, and say for each whether every rank measured what was planned
+(exit status 1 if any did not), and its measured step time and step peak beside the predicted
+ones, with the rank correlation of the step times over the layouts.
 """
 
 from __future__ import annotations
@@ -32,7 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
 from distlib.app.plan import candidates, devices  # noqa: E402
-from distlib.app.plan.report import GB, Planned, fastest, plan, planned, table  # noqa: E402
+from distlib.app.plan.report import (  # noqa: E402
+    GB,
+    Planned,
+    fastest,
+    first_fitting,
+    plan,
+    planned,
+    table,
+    with_step_peaks,
+)
 from distlib.app.plan.timing import Machine  # noqa: E402
 from distlib.launch import plan_verify  # noqa: E402
 
@@ -113,14 +125,16 @@ def one_layout(
         cfg = RunConfig.from_dict(tree)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
-    layout = planned(cfg, [], machine)
+    layout = with_step_peaks(planned(cfg, [], machine))
     if doc is not None:
         doc.update(layout.as_dict(budget))
     else:
-        print(f"{'rank':>4} {'params B':>12} {'grads B':>12} {'optim B':>12} {'activ B':>12} {'total B':>12}")
-        for r, kept in zip(layout.ranks, layout.activations):
+        head = f"{'params B':>12} {'grads B':>12} {'optim B':>12} {'activ B':>12} {'total B':>12}"
+        print(f"{'rank':>4} {head} {'step peak B':>12}")
+        for r, kept, peak in zip(layout.ranks, layout.activations, layout.step_peaks):
             shown, total = "?" if kept is None else kept, layout.total(r.rank)
-            print(f"{r.rank:>4} {r.params:>12} {r.grads:>12} {r.optimizer:>12} {shown:>12} {total:>12}")
+            row = f"{r.params:>12} {r.grads:>12} {r.optimizer:>12} {shown:>12} {total:>12}"
+            print(f"{r.rank:>4} {row} {'?' if peak is None else peak:>12}")
         print(_verdict(layout, budget))
         if layout.time is not None:
             t = layout.time
@@ -136,6 +150,11 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     needs = f"the fullest rank holds {layout.peak / GB:.6g} GB of {what}"
     if not layout.exact:
         needs += " (at most: zero.overlap)"
+    if layout.step_peak is not None:
+        peak = f"the fullest rank's step peaks at {layout.step_peak / GB:.6g} GB (every tensor at once)"
+        needs = f"{peak}; {needs}"
+    elif layout.step_peaks is not None:
+        needs += "; its step's peak not predicted (experts, or document masks)"
     if not layout.activations_known:
         needs += "; activations not predicted for this layout (experts, or document masks at cp > 1)"
     if budget is None:
@@ -165,15 +184,29 @@ def search(
             file=sys.stderr,
         )
         return 1, planned
+    best, tried = first_fitting(planned, budget)
+    if best is None:
+        print(
+            f"error: no layout fits plan.budget_gb={budget:g} in its step: the {tried} smallest by model "
+            f"states and activations peak above it (the first: {_peak_of(with_step_peaks(fitting[0]))}); "
+            "raise plan.budget_gb or dist.world_size",
+            file=sys.stderr,
+        )
+        return 1, planned
     if doc is None:
-        best = fitting[0]
         unknown = "" if best.activations_known else " (its activations not predicted)"
-        print(f"smallest that fits: {' '.join(best.overrides) or '(as given)'}{unknown}")
+        print(f"smallest that fits: {' '.join(best.overrides) or '(as given)'}{unknown}, {_peak_of(best)}")
         quick = fastest(planned, budget)
         if quick is not None:
             what, ms = " ".join(quick.overrides) or "(as given)", 1e3 * quick.time.total_s
-            print(f"fastest that fits (predicted {ms:.1f} ms a step): {what}")
+            print(f"fastest that fits (predicted {ms:.1f} ms a step): {what}, {_peak_of(quick)}")
     return 0, planned
+
+
+def _peak_of(layout: Planned) -> str:
+    if layout.step_peak is None:
+        return "its step's peak not predicted"
+    return f"its step peaking at {layout.step_peak / GB:.6g} GB"
 
 
 def _refusal(tree: dict, refused: list[tuple[list[str], str]]) -> str:
@@ -219,11 +252,14 @@ def report_verified(results: list[dict], doc: dict | None) -> int:
         doc["step_time_rank_correlation"] = rho
     else:
         steps = plan_verify.STEPS
-        print(f"verified on this machine (train.py, {steps} steps each; step ms: measured / predicted):")
+        print(
+            f"verified on this machine (train.py, {steps} steps each; step ms and the fullest rank's "
+            "step peak in bytes: measured / predicted):"
+        )
         for r in results:
             what = " ".join(r["overrides"]) or "(as given)"
-            ms = _times(r)
-            print(f"  {'as planned' if not r['misses'] else 'MISMATCH':<10}  {ms:>15}  {what}")
+            figures = f"{_times(r):>15}  {_peaks(r):>21}"
+            print(f"  {'as planned' if not r['misses'] else 'MISMATCH':<10}  {figures}  {what}")
             for miss in r["misses"]:
                 print(f"              {miss}")
         good = sum(not r["misses"] for r in results)
@@ -240,6 +276,14 @@ def _times(result: dict) -> str:
         return "-"
     predicted = result["predicted_step_ms"]
     return f"{result['step_ms']:.1f} / {'?' if predicted is None else f'{predicted:.1f}'}"
+
+
+def _peaks(result: dict) -> str:
+    if "ranks" not in result:
+        return "-"
+    planned = result["planned_step_peaks"]
+    predicted = "?" if planned is None or None in planned else str(max(planned))
+    return f"{max(r['step_peak'] for r in result['ranks'])} / {predicted}"
 
 
 def _quietly_closed() -> int:

@@ -1,6 +1,7 @@
 """dist.layout=auto (distlib/launch/auto_layout.py): python train.py runs the layout the planner
-predicts fastest among those that fit dist.budget_gb, says it as overrides, records it, and stays
-within the budget; a budget nothing fits, or another launcher, is one line."""
+predicts fastest among those whose step peak fits dist.budget_gb, says it as overrides, records it,
+and stays within the budget (every tensor alive at once, measured); a budget nothing fits, or
+another launcher, is one line."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from forkrun import run_script
 from distlib.app.config.run import ConfigError, RunConfig
 from distlib.app.plan import candidates
 from distlib.app.plan.report import GB, plan
+from distlib.app.plan.step_peak import rank_step_peaks, stage_step_peak
 from distlib.app.plan.timing import Machine
 from distlib.launch import auto_layout
 from distlib.launch.hydra_config import compose_tree
@@ -31,17 +33,25 @@ def chosen(words: list[str]) -> tuple[dict, str]:
     return auto_layout.choose(compose_tree(words), words)
 
 
-def test_the_fastest_layout_that_fits_is_chosen_and_written_as_given(fixed_machine):
+def _step_peak(layout) -> int:
+    """The fullest rank's step peak, every stage's dry step run here (not the planner's cache)."""
+    stage_step_peak.cache_clear()
+    return max(rank_step_peaks(layout.cfg))
+
+
+def test_the_fastest_layout_whose_step_fits_is_chosen_and_written_as_given(fixed_machine):
     words = ["model=llama", "dist.world_size=4", "dist.layout=auto", "dist.budget_gb=0.0009"]
     tree, line = chosen(words)
     layouts, _ = plan(compose_tree(words), set(), FIXED)
-    fitting = [p for p in layouts if p.peak <= 0.0009 * GB]
-    best = min(fitting, key=lambda p: p.time.total_s)
+    fitting = sorted((p for p in layouts if p.peak <= 0.0009 * GB), key=lambda p: p.time.total_s)
     assert 0 < len(fitting) < len(layouts)  # the budget rules some out
+    # the fastest whose states and activations fit peaks above the budget in its step: passed over
+    assert _step_peak(fitting[0]) > 0.0009 * GB
+    best = next(p for p in fitting if _step_peak(p) <= 0.0009 * GB)
     assert line == (
         f"dist.layout=auto: {' '.join(best.overrides)}, predicted fastest on this machine "
-        f"({1e3 * best.time.total_s:.1f} ms a step) of {len(fitting)} layouts within dist.budget_gb=0.0009; "
-        "add these overrides to pin it"
+        f"({1e3 * best.time.total_s:.1f} ms a step) of {len(fitting)} layouts within dist.budget_gb=0.0009, "
+        f"its step peaking at {_step_peak(best) / GB:.6g} GB; add these overrides to pin it"
     )
     assert tree["dist"]["layout"] == "given"
     pinned = RunConfig.from_dict(compose_tree([*words[:2], *best.overrides]))
@@ -65,6 +75,20 @@ def test_a_model_whose_step_is_not_predicted_gets_the_smallest_that_fits(fixed_m
     assert line == (
         f"dist.layout=auto: {' '.join(layouts[0].overrides)}, the smallest of {len(layouts)} layouts "
         "(step time not predicted for this model); add these overrides to pin it"
+    )  # (nor its step's peak: what the experts hold follows the routing)
+
+
+def test_a_budget_the_states_fit_but_no_step_names_the_smallest_step(fixed_machine):
+    words = ["model=llama", "dist.world_size=4", "dist.layout=auto"]
+    layouts, _ = plan(compose_tree(words), set(), FIXED)
+    budget = f"{layouts[0].peak / GB:.9g}"  # the smallest's states and activations fit exactly
+    with pytest.raises(ConfigError) as caught:
+        chosen([*words, f"dist.budget_gb={budget}"])
+    fitting = [p for p in layouts if p.peak <= float(budget) * GB]
+    assert str(caught.value) == (
+        f"dist.layout=auto: no layout fits dist.budget_gb={budget} in its step: the 20 smallest by model "
+        f"states and activations peak above it (the first at {_step_peak(fitting[0]) / GB:.6g} GB on its "
+        "fullest rank); raise dist.budget_gb or dist.world_size"
     )
 
 
@@ -85,6 +109,7 @@ def test_train_py_runs_the_chosen_layout_within_the_budget_and_records_it(tmp_pa
         "dist.layout=auto",
         f"dist.budget_gb={budget}",
         "train.steps=2",
+        "metrics.step_peak=true",
         f"hydra.run.dir={run}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -99,8 +124,9 @@ def test_train_py_runs_the_chosen_layout_within_the_budget_and_records_it(tmp_pa
         assert str(recorded[group][key]).lower() == value
     memory = json.loads((run / "report.json").read_text())["memory"]
     assert len(memory) == 4
-    for row in memory:  # every rank measured within the budget
+    for row in memory:  # every rank measured within the budget: every tensor alive at once
         assert sum(row["measured"][c] for c in CATEGORIES) <= budget * GB
+        assert 0 < row["measured"]["step_peak"] <= budget * GB
 
 
 def test_train_py_refuses_a_budget_nothing_fits_and_another_launcher_in_one_line(tmp_path):

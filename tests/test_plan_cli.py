@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from distlib.app.config.run import RunConfig
+from distlib.app.plan import step_peak
 from distlib.app.plan.activations import rank_activations
 from distlib.app.plan.states import model_states
 from distlib.launch import plan_verify
@@ -44,7 +45,8 @@ def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
     assert {"dist.sp", "train.grad_accum", "model.activation_checkpointing"} <= searched
     for p in layouts[:: len(layouts) // 40]:  # 40 spread over them, each composed as a user would type it
         cfg = RunConfig.from_dict(compose_tree(["model=mixtral_tiny", "dist.world_size=4", *p["overrides"]]))
-        ranks = [{**r.as_dict(), "activations": None} for r in model_states(cfg)]  # (experts: unknown)
+        # (experts: activations and step peak not predicted)
+        ranks = [{**r.as_dict(), "activations": None, "step_peak": None} for r in model_states(cfg)]
         assert p["ranks"] == ranks
         assert p["peak_bytes"] == max(r["params"] + r["grads"] + r["optimizer"] for r in ranks)
         assert p["fits"] == (p["peak_bytes"] <= 0.004e9)
@@ -59,27 +61,39 @@ def test_the_table_names_the_smallest_and_the_fastest_layout_that_fit(capsys):
     assert rows and all("zero.stage" not in line for line in rows)  # zero=stage3 was pinned
     assert lines[-2].startswith("smallest that fits: ")
     first = rows[0].split("yes", 1)[1].split()
-    assert lines[-2].removeprefix("smallest that fits: ").split() == first
+    smallest, peak = lines[-2].removeprefix("smallest that fits: ").split(", ")
+    assert smallest.split() == first and peak == _step_peak_said("model=llama", "zero=stage3", *first)
     # the fastest: the row whose predicted step (the column before "fits") is the least
     ms = {tuple(row.split("yes", 1)[1].split()): float(row.split("yes", 1)[0].split()[-1]) for row in rows}
     said, chosen = lines[-1].split(": ", 1)
+    chosen, peak = chosen.split(", ")
     quickest = min(ms.values())
     assert said == f"fastest that fits (predicted {quickest:.1f} ms a step)"
     assert ms[tuple(chosen.split())] == quickest and len(set(ms.values())) > 1
+    assert peak == _step_peak_said("model=llama", "zero=stage3", *chosen.split())
+
+
+def _step_peak_said(*words: str) -> str:
+    """How the planner says a layout's step peak: its fullest rank's, from the dry steps run here."""
+    cfg = RunConfig.from_dict(compose_tree(["dist.world_size=4", *words]))
+    step_peak.stage_step_peak.cache_clear()
+    return f"its step peaking at {max(step_peak.rank_step_peaks(cfg)) / 1e9:.6g} GB"
 
 
 def test_one_layout_gives_every_rank_and_a_verdict(capsys):
     status, out, _ = run(capsys, "dist.world_size=4", "zero=stage2", "--layout", "plan.budget_gb=0.0002")
     cfg = RunConfig.from_dict(compose_tree(["dist.world_size=4", "zero=stage2"]))
     rows = [line.split() for line in out.splitlines()[1:5]]
+    step_peak.stage_step_peak.cache_clear()
     want = [
-        [r.rank, r.params, r.grads, r.optimizer, kept, r.params + r.grads + r.optimizer + kept]
-        for r, kept in zip(model_states(cfg), rank_activations(cfg))
+        [r.rank, r.params, r.grads, r.optimizer, kept, r.params + r.grads + r.optimizer + kept, peak]
+        for r, kept, peak in zip(model_states(cfg), rank_activations(cfg), step_peak.rank_step_peaks(cfg))
     ]
     assert rows == [[str(x) for x in row] for row in want]
+    fullest = max(row[-1] for row in want)
     assert (
         status == 1
-        and "does NOT fit plan.budget_gb=0.0002" in out
+        and f"NOT fit plan.budget_gb=0.0002: the fullest rank's step peaks at {fullest / 1e9:.6g} GB" in out
         and "of model states and activations" in out
     )
 
@@ -106,6 +120,23 @@ def test_bad_input_is_one_line(capsys, argv, says):
     assert "\n" not in status and "Traceback" not in out + err
 
 
+def test_a_budget_the_states_fit_but_no_step_is_one_line(capsys):
+    words = ["model=llama", "dist.world_size=2"]
+    layouts = plan_script.plan(compose_tree(words), set())[0]
+    smallest = layouts[0]
+    budget = f"{smallest.peak / 1e9:.9g}"  # the smallest's states and activations fit exactly
+    tried = min(sum(p.peak <= smallest.peak for p in layouts), 20)  # (and those as small)
+    status, out, err = run(capsys, *words, f"plan.budget_gb={budget}")
+    step_peak.stage_step_peak.cache_clear()
+    peak = max(step_peak.rank_step_peaks(smallest.cfg))
+    assert status == 1 and peak > smallest.peak  # its step holds more than its states and activations
+    assert err.splitlines() == [
+        f"error: no layout fits plan.budget_gb={budget} in its step: the {tried} smallest by model "
+        f"states and activations peak above it (the first: its step peaking at {peak / 1e9:.6g} GB); "
+        "raise plan.budget_gb or dist.world_size"
+    ]
+
+
 def test_a_budget_nothing_fits_names_the_smallest(capsys):
     status, out, err = run(capsys, "model=llama", "dist.world_size=2", "plan.budget_gb=0.00001")
     assert status == 1
@@ -118,16 +149,21 @@ def test_verify_runs_the_smallest_and_a_sample_and_finds_them_as_planned(capsys)
     status, out, _ = run(capsys, "dist.world_size=2", "zero=stage2", "--verify", "1")
     lines = out.splitlines()
     head = (
-        f"verified on this machine (train.py, {plan_verify.STEPS} steps each; step ms: measured / predicted):"
+        f"verified on this machine (train.py, {plan_verify.STEPS} steps each; step ms and the fullest "
+        "rank's step peak in bytes: measured / predicted):"
     )
     start = lines.index(head)
     verdicts = lines[start + 1 : -1]
     table_rows = [line for line in lines[:start] if "  yes  " in line or line.rstrip().endswith("yes")]
     smallest = table_rows[0].split("yes", 1)[1].strip() or "(as given)"
-    assert len(verdicts) == 2 and " ".join(verdicts[0].split()[5:]) == smallest
-    for verdict in verdicts:  # "as planned", the measured and the predicted step ms, the layout
-        measured, slash, predicted = verdict.split()[2:5]
-        assert slash == "/" and float(measured) > 0 and float(predicted) > 0
+    assert len(verdicts) == 2 and " ".join(verdicts[0].split()[8:]) == smallest
+    for verdict in verdicts:  # "as planned", the step ms and step peaks measured / predicted, the layout
+        measured, slash, predicted, peak, slash_too, planned_peak = verdict.split()[2:8]
+        assert slash == slash_too == "/" and float(measured) > 0 and float(predicted) > 0
+        words = ["dist.world_size=2", "zero=stage2", *verdict.split()[8:]]
+        step_peak.stage_step_peak.cache_clear()
+        cfg = RunConfig.from_dict(compose_tree(words))
+        assert int(peak) == int(planned_peak) == max(step_peak.rank_step_peaks(cfg))
     assert (
         all(v.startswith("  as planned  ") for v in verdicts)
         and lines[-1] == "2 of 2 layouts measured as planned"  # (no rank correlation of 2 layouts)
@@ -138,14 +174,20 @@ def test_verify_runs_the_smallest_and_a_sample_and_finds_them_as_planned(capsys)
 def test_a_layout_measured_otherwise_is_named_with_its_rank_and_category():
     cfg = RunConfig.from_dict(compose_tree(["dist.world_size=2", "zero=stage2"]))
     layout = plan_script.planned(cfg, ["zero=stage2"])
-    truth = [{**r.as_dict(), "activations": a} for r, a in zip(layout.ranks, layout.activations)]
+    layout = plan_script.with_step_peaks(layout)
+    truth = [
+        {**r.as_dict(), "activations": a, "step_peak": s}
+        for r, a, s in zip(layout.ranks, layout.activations, layout.step_peaks)
+    ]
     assert plan_verify.misses(layout, truth) == []
     off = [dict(row) for row in truth]
     off[1]["grads"] += 4
     off[0]["activations"] -= 8
+    off[1]["step_peak"] += 1
     assert plan_verify.misses(layout, off) == [
         f"rank 0 activations: measured {truth[0]['activations'] - 8}, planned {truth[0]['activations']}",
         f"rank 1 grads: measured {truth[1]['grads'] + 4}, planned {truth[1]['grads']}",
+        f"rank 1 step peak: measured {truth[1]['step_peak'] + 1}, planned {truth[1]['step_peak']}",
     ]
 
 

@@ -41,7 +41,7 @@ def whole_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
     for p in module.parameters():
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
     micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
-    batch = activations._micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed)
+    batch = activations.micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed)
     m = cfg.train.grad_accum
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, m, "meta")
     cpu = cfg.param_dtype != torch.float32

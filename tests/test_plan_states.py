@@ -117,9 +117,21 @@ LAYOUTS = [
     "model=deepseek_v3_tiny zero=stage2 dist.ep=2",
     "model=qwen3_tiny zero=stage2 model.tie_embeddings=false dist.pp=2 dist.tp=2 train.grad_accum=2",
     "model=llama zero=stage3 zero.overlap=true dist.pp=2 train.grad_accum=4 dist.pp_schedule=gpipe",
+    # the step peak (metrics.step_peak, every layout here) over the dense dimensions the layouts
+    # above leave out: tensor-parallel ZeRO-3, context and sequence parallelism, an interleaved
+    # pipeline's ZeRO-2 buckets, recomputed blocks over micro-batches, ZeRO-2's overlap
+    "model=llama dist.tp=2 zero=stage3",
+    "model=llama dist.cp=2",
+    "model=gpt2 dist.cp=2 dist.cp_impl=ring zero=stage3 train.dtype=bf16",  # (its cp ranks differ)
+    "model=llama dist.tp=2 dist.sp=true train.dtype=bf16",
+    "model=llama model.n_layers=4 zero=stage2 dist.pp=2 dist.pp_virtual=2 dist.pp_schedule=interleaved"
+    " train.grad_accum=4",
+    "model=minigpt model.activation_checkpointing=blocks train.grad_accum=2",
+    "model=gpt2 zero=stage2 zero.overlap=true",
 ]
 ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
 ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]
+ONE_STEP += ["metrics.step_peak=true"]
 
 
 def _measure(comm, trees: list[dict], root: str) -> list[list[dict]]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -51,46 +50,24 @@ from distlib.app.model.bias_balance import state_buffers
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
-from distlib.app.model.placement import chunk_segments, layout_model, place_model_
 from distlib.app.model.routing_count import RoutingCount
 from distlib.app.observe import throughput
+from distlib.app.observe.live_bytes import StepMeter
 from distlib.app.observe.memory import memory_report
 from distlib.app.observe.metrics import MetricsLog
 from distlib.app.observe.profiling import StepProfiler
 from distlib.app.observe.results import RunResult, StepLog
 from distlib.app.observe.validation import Validation
-from distlib.app.optimizer import build_optimizer
+from distlib.app.rank_build import build
 from distlib.app.runtime import launcher_env
 from distlib.app.runtime.hooks import StepHooks
 from distlib.app.unattended import guard, stopping
 from distlib.app.unattended.rollback import Rollback
 from distlib.comm import agree, local, watchdog
 from distlib.comm.group import Comm
-from distlib.comm.mesh import Mesh, build_mesh
-from distlib.parallel.broadcast import broadcast_module_
+from distlib.comm.mesh import build_mesh
 from distlib.parallel.dropout import Draws
 from distlib.parallel.zero import ZeroOptimizer
-
-
-class Built(NamedTuple):
-    model: CausalLM
-    optimizer: ZeroOptimizer
-    chunks: list | None  # this pipeline rank's chunks (None at pp=1)
-    splits: dict  # tensor-parallel cuts, parameter name -> Split (none at tp=1)
-    names: list[str]  # every parameter of this stage, before expert parallelism keeps this rank's
-
-
-def build(cfg: RunConfig, comm: Comm, mesh: Mesh, device: torch.device, seed: int) -> Built:
-    """The model initialised from ``seed``, broadcast from rank 0, cut to this rank's pipeline
-    stage, its Linear layers swapped for this rank's tensor-parallel shards, and its optimizer
-    (``optimizer.build_optimizer``)."""
-    model = layout_model(cfg, mesh, seed).to(device)  # model.family's class, for the layout
-    broadcast_module_(model, comm)
-    chunks, tp_splits = place_model_(model, cfg, mesh)  # this rank's stage and shards
-    names = [n for n, _ in model.named_parameters()]
-    segments = chunk_segments(model, chunks)  # (interleaved: no gradient bucket spans two chunks)
-    optimizer = build_optimizer(cfg, model, mesh, tp_splits, segments)  # ZeRO over its groups
-    return Built(model, optimizer, chunks, tp_splits, names)
 
 
 class Trainer:
@@ -121,8 +98,9 @@ class Trainer:
         self.draws = Draws(cfg.seed, (), share=(mesh.tp.rank, mesh.tp.size))
         plan = BatchPlan(cfg.global_batch, mesh.dp.size, cfg.train.grad_accum)
         self.data, heldout = data.build(cfg, comm, plan, self.run_dir)  # run_dir: a BPE run's tokenizer
-        self.model, self.optimizer, chunks, splits, names = build(cfg, comm, mesh, self.device, cfg.seed)
-        model, optimizer = self.model, self.optimizer
+        self.meter = StepMeter(self.device, cfg.metrics.step_peak)  # every tensor alive, from the build on
+        model, optimizer, chunks, splits, names = build(cfg, comm, mesh, self.device, cfg.seed, self.meter)
+        self.model, self.optimizer = model, optimizer
         # the step program: every micro-batch through the whole model, or this stage's schedule
         if chunks:
             self.program = PipelineStep(cfg, mesh, model, chunks, self.device)
@@ -158,6 +136,7 @@ class Trainer:
         cfg, comm = self.cfg, self.comm
         with watchdog.watch("startup (resume)", comm, cfg.dist.timeout_s):
             start, resume_path = self.checkpointer.resume()
+        self.meter.begin(start)
         held = sum(p.layout.numel for p in self.optimizer.partitions())  # parameters on this rank
         result = RunResult(start_step=start, numel=held)
         tokens = cfg.global_batch * cfg.model.seq_len
@@ -227,20 +206,22 @@ class Trainer:
         self.hooks.before_step(step)
         began = time.perf_counter()
         self.log.begin_step()
-        summed = self._forward_backward(step)  # on the device, still being computed
-        self.hooks.after_backward(step, self.optimizer.grad_buffer)
-        grad_norm = self.optimizer.sync_grads()  # over the data- and tensor-parallel groups
-        local_loss = float(summed)  # reading the norm already waited for the device
-        recent = [s.loss for s in result.steps[-self.cfg.guard.spike_window :]]
-        # The loss is the mean over one data-parallel group (TP ranks of a group share a loss);
-        # every rank's loss and norm take part in the verdict.
-        verdict = guard.check_step(
-            local_loss, grad_norm, recent, self.cfg.guard, self.comm, loss_ranks=self.mesh.loss_ranks
-        )
+        with self.meter.watch(step):  # metrics.step_peak: every tensor from the batches to the update
+            summed = self._forward_backward(step)  # on the device, still being computed
+            self.hooks.after_backward(step, self.optimizer.grad_buffer)
+            grad_norm = self.optimizer.sync_grads()  # over the data- and tensor-parallel groups
+            local_loss = float(summed)  # reading the norm already waited for the device
+            recent = [s.loss for s in result.steps[-self.cfg.guard.spike_window :]]
+            # The loss is the mean over one data-parallel group (TP ranks of a group share a loss);
+            # every rank's loss and norm take part in the verdict.
+            verdict = guard.check_step(
+                local_loss, grad_norm, recent, self.cfg.guard, self.comm, loss_ranks=self.mesh.loss_ranks
+            )
+            if verdict.ok:
+                self.checkpointer.step_passed()
+                lr = self._apply_update(step)
         if not verdict.ok:
             return self._roll_back(step, verdict, grad_norm, result)
-        self.checkpointer.step_passed()
-        lr = self._apply_update(step)
         seconds = time.perf_counter() - began
         signals.deadline_s = max(signals.deadline_s, self.cfg.dist.timeout_s + 2 * seconds)
         val_loss = self.validation.loss() if self.validation.due(step) else None
@@ -333,8 +314,9 @@ class Trainer:
         return build(self.cfg, self.comm, self.mesh, self.device, self.cfg.seed + 1)[:2]
 
     def memory_bytes(self) -> dict[str, int]:
-        """The model states' peak bytes (the optimizer's accounting) and the activations'."""
+        """The model states' peak bytes (the optimizer's accounting), the activations', the step's."""
         return {
             **self.optimizer.memory_bytes(),
             "activations": self.program.activation_peak,
+            **self.meter.fields(),
         }

@@ -5,7 +5,8 @@ Every layout of the keys the command line leaves unset (dist.tp, pp with its sch
 zero.stage, zero.overlap: ``plan.candidates``) is planned with its per-rank bytes and its step time
 predicted (``plan.timing``: on this machine for a CPU run; for a GPU run on the data sheet of the
 kind nvidia-smi names, ``plan.devices``, whose memory is then the default budget); the fastest of
-those that fit ``dist.budget_gb`` is chosen (where the step time is not predicted -- experts,
+those whose step peak (every tensor alive at once: ``plan.step_peak``, run dry) fits
+``dist.budget_gb`` is chosen (where the step time is not predicted -- experts,
 document masks, a GPU not listed -- the smallest that fits), written into the configuration with
 ``dist.layout=given`` -- so the run's record, and a continuation of it, hold the layout that ran --
 and said in one line as the overrides that pin it. A budget nothing fits is one ``config error``
@@ -16,7 +17,15 @@ from __future__ import annotations
 
 from distlib.app.config.run import ConfigError
 from distlib.app.plan import candidates, devices
-from distlib.app.plan.report import GB, Planned, fastest, plan
+from distlib.app.plan.report import (
+    CONFIRM_AT_MOST,
+    GB,
+    Planned,
+    fastest,
+    first_fitting,
+    plan,
+    with_step_peaks,
+)
 from distlib.app.plan.timing import Machine
 from distlib.app.runtime.devices import on_gpu
 
@@ -41,7 +50,14 @@ def choose(tree: dict, overrides: list[str]) -> tuple[dict, str]:
             "raise dist.budget_gb or dist.world_size"
         )
     best = fastest(planned, budget)
-    chosen = best or fitting[0]
+    chosen = best or first_fitting(planned, budget)[0]
+    if chosen is None:
+        raise ConfigError(
+            f"dist.layout=auto: no layout fits dist.budget_gb={budget:g} in its step: the "
+            f"{CONFIRM_AT_MOST} smallest by model states and activations peak above it (the first at "
+            f"{with_step_peaks(fitting[0]).need / GB:.6g} GB on its fullest rank); "
+            "raise dist.budget_gb or dist.world_size"
+        )
     return pinned_tree(tree, chosen), said(chosen, best is not None, len(fitting), budget, machine, untimed)
 
 
@@ -78,4 +94,6 @@ def said(
     else:
         why = untimed or "step time not predicted for this model"
         how = f"the smallest of {fitting} layouts{within} ({why})"
-    return f"dist.layout=auto: {layout}, {how}; add these overrides to pin it"
+    peak = chosen.step_peak
+    step = "" if peak is None else f", its step peaking at {peak / GB:.6g} GB"
+    return f"dist.layout=auto: {layout}, {how}{step}; add these overrides to pin it"

@@ -1,9 +1,9 @@
 """``scripts/plan.py --verify K``: run some planned layouts on this machine, a few steps each, and
-set what every rank measured (the end-of-run memory table, ``report.json``) against the planner's
-figures: the K smallest layouts and a seeded random sample of K of the others. The step time
-measured (the lower quartile of the periods between step records after the first two steps,
-which warm up) is set beside the predicted one, and over the layouts the two rankings are
-compared (``spearman``)."""
+set what every rank measured (the end-of-run memory table, ``report.json``, with the step peak of
+every tensor alive at once, ``metrics.step_peak``) against the planner's figures: the K smallest
+layouts and a seeded random sample of K of the others. The step time measured (the lower quartile
+of the periods between step records after the first two steps, which warm up and are metered) is
+set beside the predicted one, and over the layouts the two rankings are compared (``spearman``)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ import tempfile
 from pathlib import Path
 
 from distlib.app.observe import records
-from distlib.app.plan.report import Planned
+from distlib.app.plan import step_peak
+from distlib.app.plan.report import Planned, with_step_peaks
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 # a few steps (the peaks of every category are reached in the first; the later ones repeat it, and
 # from the third on a step's time no longer includes warming up), quiet
 STEPS = 6
 QUIET = ["optimizer.warmup_steps=0", "checkpoint.every_steps=0", "checkpoint.verify_resume=false"]
-QUIET += ["metrics.progress_every=0"]
+QUIET += ["metrics.progress_every=0", "metrics.step_peak=true"]  # (metered: the first two steps)
 CATEGORIES = ("params", "grads", "optimizer")
 
 
@@ -40,6 +41,7 @@ def verify(hydra: list[str], layouts: list[Planned], steps: int = STEPS) -> list
     out = []
     with tempfile.TemporaryDirectory(prefix="plan-verify-") as tmp:
         for i, layout in enumerate(layouts):
+            layout = with_step_peaks(layout)
             measured = _measure(hydra + layout.overrides, Path(tmp) / str(i), steps)
             if isinstance(measured, str):
                 out.append({"overrides": layout.overrides, "misses": [measured]})
@@ -53,6 +55,7 @@ def verify(hydra: list[str], layouts: list[Planned], steps: int = STEPS) -> list
                     "misses": misses(layout, ranks),
                     "step_ms": step_ms,
                     "predicted_step_ms": predicted,
+                    "planned_step_peaks": layout.step_peaks,
                 }
             )
     return out
@@ -126,4 +129,16 @@ def misses(layout: Planned, measured: list[dict]) -> list[str]:
                 out.append(f"rank {planned.rank} {category}: measured {m}, planned {bound}{p}")
         if kept is not None and got["activations"] != kept:
             out.append(f"rank {planned.rank} activations: measured {got['activations']}, planned {kept}")
+    return out + _step_peak_misses(layout, measured)
+
+
+def _step_peak_misses(layout: Planned, measured: list[dict]) -> list[str]:
+    """Every rank's step peak as predicted: to the byte, or with zero.overlap at stages 2/3 (the
+    communication thread's timing) within 3%."""
+    out = []
+    to_the_byte = step_peak.exact(layout.cfg)
+    for rank, (got, want) in enumerate(zip(measured, layout.step_peaks or ())):
+        m = got.get("step_peak")
+        if want is not None and ((m != want) if to_the_byte else abs(m - want) > 0.03 * want):
+            out.append(f"rank {rank} step peak: measured {m}, planned {want}")
     return out

@@ -146,6 +146,11 @@ class MetricsConfig(Group):
     peak_flops: MFU's peak per rank in FLOP/s; null = the GPU's data-sheet figure for train.dtype
         (A100, H100, H200) or, on any other device, measured (a few 256x256 fp32 matmuls); the run prints
         which
+    step_peak: count every tensor alive on the rank over the model's build and the run's first two
+        steps (a dispatch mode: a Python call per operator; later steps run at full speed) and report
+        the most bytes alive at once in a step, from its batches to its update, in the step records'
+        memory (step_peak_bytes) and the memory profile: what `scripts/plan.py` predicts as the step
+        peak
     """
 
     GROUP = "metrics"
@@ -154,6 +159,7 @@ class MetricsConfig(Group):
     progress_every: int = key(1, ge=0)
     tensorboard: bool = key(False)
     peak_flops: float | None = key(None, gt=0)
+    step_peak: bool = key(False)
 
     def check(self) -> None:
         if not self.file or "/" in self.file:

@@ -1,5 +1,5 @@
 """A rank's part of the model: what its layout builds, cut to its pipeline chunks and its tensor-
-parallel shards. The trainer builds it with weights (``trainer.build``); the planner builds the same
+parallel shards. The trainer builds it with weights (``rank_build.build``); the planner builds the same
 on the meta device (shapes only, ``distlib.app.plan``), so both hold what the one function cut."""
 
 from __future__ import annotations

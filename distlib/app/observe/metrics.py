@@ -37,7 +37,14 @@ from distlib.app.observe.throughput import mfu
 from distlib.comm import agree
 from distlib.comm.group import KINDS, Comm
 
-MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes", "activation_bytes")
+MEMORY_KEYS = (
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "peak_rss_bytes",
+    "activation_bytes",
+    "step_peak_bytes",  # metrics.step_peak only (NaN in the row, left out of the records otherwise)
+)
 SECONDS = len(MEMORY_KEYS)  # index of step_time_s in a rank's gathered row; its comm figures follow
 ROW_WIDTH = SECONDS + 1 + 3 * len(KINDS)
 
@@ -49,7 +56,13 @@ def _memory_row(memory: dict[str, int]) -> list[float]:
         float(memory["optimizer"]),
         float(peak_rss_bytes()),
         float(memory.get("activations", 0)),
+        float(memory.get("step_peak", math.nan)),
     ]
+
+
+def _memory_fields(values: list[float]) -> dict[str, int]:
+    """A rank's memory bytes by key, the figures it did not measure left out."""
+    return {k: int(v) for k, v in zip(MEMORY_KEYS, values) if not math.isnan(v)}
 
 
 def peak_rss_bytes() -> int:
@@ -209,7 +222,7 @@ class MetricsLog:
                     "local_loss": json_number(local_loss),
                     "grad_norm": json_number(grad_norm),
                     "step_time_s": seconds,
-                    **dict(zip(MEMORY_KEYS, map(int, mine[:SECONDS]))),
+                    **_memory_fields(mine[:SECONDS]),
                     "comm": self._comm_fields([mine]),
                 },
             )
@@ -245,7 +258,11 @@ class MetricsLog:
             "peak_flops": self.peak_flops,
             "slowest": slow.fields(),
             "comm": self._comm_fields(rows),
-            "memory": {k: _stats([r[i] for r in rows]) for i, k in enumerate(MEMORY_KEYS)},
+            "memory": {
+                k: _stats([r[i] for r in rows])
+                for i, k in enumerate(MEMORY_KEYS)
+                if not math.isnan(rows[0][i])
+            },
         }
         if comm_bytes:
             record["comm_bytes"] = comm_bytes
@@ -302,9 +319,7 @@ class MetricsLog:
     def _memory_event(self, step: int, rows: list[list[float]]) -> None:
         """A "memory" event with every rank's bytes (for the per-rank chart); rank 0 only."""
         self._memory_logged = True
-        per_rank = [
-            {"rank": r, **dict(zip(MEMORY_KEYS, map(int, row[:SECONDS])))} for r, row in enumerate(rows)
-        ]
+        per_rank = [{"rank": r, **_memory_fields(row[:SECONDS])} for r, row in enumerate(rows)]
         self.event("memory", step, per_rank=per_rank)
 
     def final_memory(self, step: int, memory: dict[str, int]) -> None:

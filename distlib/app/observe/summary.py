@@ -93,6 +93,12 @@ def memory_table(result: RunResult, stage: int) -> str:
             f"activation bytes kept for backward (largest forward) per rank: {', '.join(map(str, kept))}; "
             f"max {max(kept)}, mean {sum(kept) / n:.1f}"
         )
+    peaks = [row["measured"].get("step_peak") for row in result.memory]
+    if None not in peaks:  # metrics.step_peak: every tensor alive at once (distlib/app/observe/live_bytes.py)
+        lines.append(
+            "step peak (every tensor alive at once, batches to update) per rank: "
+            f"{', '.join(map(str, peaks))}; max {max(peaks)}, mean {sum(peaks) / n:.1f}"
+        )
     return "\n".join(lines)
 
 

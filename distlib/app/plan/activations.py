@@ -155,6 +155,15 @@ class _CpuKernels(TorchDispatchMode):
         return out
 
 
+def cpu_kernels(cfg: RunConfig):
+    """``_CpuKernels`` where ``cfg`` runs on the CPU in a low precision, else nothing."""
+    return _cpu_kernels(_Rank.of(cfg).cpu)
+
+
+def _cpu_kernels(cpu: bool):
+    return _CpuKernels() if cpu else contextlib.nullcontext()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Rank:
     """What a run depends on besides its rows, blocks and place: the model, the degrees that shape
@@ -253,16 +262,16 @@ def _run(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted
     chunks, _ = place_model_(module, cfg, mesh)
     for p in module.parameters():  # the optimizer's flat buffer holds them in the compute dtype
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
-    batch = _micro_batch(model.seq_len, micro, mesh, rank.seed, rank.documents)
+    batch = micro_batch(model.seq_len, micro, mesh, rank.seed, rank.documents)
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
     ops = OpCounter()
-    with MetaMemo(), _CpuKernels() if rank.cpu else contextlib.nullcontext(), tally.tallied() as calls, ops:
+    with MetaMemo(), _cpu_kernels(rank.cpu), tally.tallied() as calls, ops:
         program.run([batch])
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
 
 
-def _micro_batch(seq_len: int, micro: int, mesh, seed: int, documents: bool = False) -> tuple:
+def micro_batch(seq_len: int, micro: int, mesh, seed: int, documents: bool = False) -> tuple:
     """(inputs, targets, positions, draws, documents) as the trainer hands one micro-batch over.
     Its inputs and targets are views of one (micro, seq + 1) array of windows, which the meters
     count whole, unless the context-parallel rank's chunks are copied out of it. The documents'

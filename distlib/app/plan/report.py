@@ -1,9 +1,11 @@
 """The planner's answer: every candidate layout with each rank's predicted model-state and
 activation bytes, ranked by its fullest rank, as a table and as JSON, and the verdict against a
-per-rank budget."""
+per-rank budget: held against the step's peak (every tensor at once, ``step_peak``) for the
+layouts shown alone or chosen, against the states and activations kept for the rest."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -14,6 +16,7 @@ from distlib.app.config.run import DTYPES, RunConfig
 from distlib.app.plan import candidates
 from distlib.app.plan.activations import rank_activations, stage_counts
 from distlib.app.plan.states import RankStates, group_shape, model_states, stage_groups
+from distlib.app.plan.step_peak import rank_step_peaks
 from distlib.app.plan.timing import Counted, Machine, StepTime, grouped, merged, step_time, times
 from distlib.parallel.zero.predict import sync_parts
 
@@ -27,6 +30,10 @@ class Planned:
     activations: list[int | None]  # per rank, bytes kept for backward (None: not predicted)
     time: StepTime | None = None  # predicted (None: not asked for, or not predicted)
     changes: dict = field(default_factory=dict)  # the searched keys it sets ({"dist.tp": 2, ...})
+    cfg: RunConfig | None = field(default=None, repr=False, compare=False)
+    # per rank, every tensor alive at once during the step (``step_peak``; None: not predicted);
+    # a whole dry step each, so only for the layouts shown alone or chosen (``with_step_peaks``)
+    step_peaks: list[int | None] | None = None
 
     def total(self, rank: int) -> int:
         """Rank ``rank``'s model states and (where predicted) activations, in bytes."""
@@ -43,6 +50,18 @@ class Planned:
         return self.total(self.fullest)
 
     @property
+    def step_peak(self) -> int | None:
+        """The fullest rank's step peak, where predicted for every rank."""
+        if self.step_peaks is None or None in self.step_peaks:
+            return None
+        return max(self.step_peaks)
+
+    @property
+    def need(self) -> int:
+        """What the budget is held against: the step peak where known, else states and activations."""
+        return self.peak if self.step_peak is None else self.step_peak
+
+    @property
     def exact(self) -> bool:
         return all(r.exact for r in self.ranks)
 
@@ -51,7 +70,7 @@ class Planned:
         return None not in self.activations
 
     def fits(self, budget: float | None) -> bool:
-        return budget is None or self.peak <= budget * GB
+        return budget is None or self.need <= budget * GB
 
     def as_dict(self, budget: float | None) -> dict:
         return {
@@ -59,7 +78,11 @@ class Planned:
             "peak_bytes": self.peak,
             "exact": self.exact,
             "fits": self.fits(budget),
-            "ranks": [{**r.as_dict(), "activations": a} for r, a in zip(self.ranks, self.activations)],
+            "step_peak_bytes": self.step_peak,
+            "ranks": [
+                {**r.as_dict(), "activations": a, "step_peak": None if self.step_peaks is None else s}
+                for r, a, s in zip(self.ranks, self.activations, self.step_peaks or self.activations)
+            ],
             "time": None if self.time is None else self.time.as_dict(),
         }
 
@@ -69,7 +92,34 @@ def planned(
 ) -> Planned:
     """``cfg``'s layout with every rank's predicted bytes, and with ``machine`` its step time."""
     time = None if machine is None else predicted_time(cfg, machine)
-    return Planned(overrides, model_states(cfg), rank_activations(cfg), time, dict(changes or {}))
+    return Planned(overrides, model_states(cfg), rank_activations(cfg), time, dict(changes or {}), cfg)
+
+
+def with_step_peaks(layout: Planned) -> Planned:
+    """``layout`` with every rank's step peak predicted (``step_peak``: a whole dry step per stage)."""
+    if layout.step_peaks is not None:
+        return layout
+    return dataclasses.replace(layout, step_peaks=rank_step_peaks(layout.cfg))
+
+
+# The most layouts whose step is run dry to find one that fits (0.1-0.3 s each for the presets).
+CONFIRM_AT_MOST = 20
+
+
+def first_fitting(ordered: list[Planned], budget: float | None) -> tuple[Planned | None, int]:
+    """The first of ``ordered`` whose step peak fits ``budget`` (where not predicted, its model
+    states and activations), trying those whose states and activations fit, at most
+    ``CONFIRM_AT_MOST`` of them; and how many were tried."""
+    tried = 0
+    for layout in ordered:
+        if tried == CONFIRM_AT_MOST:
+            break
+        if layout.fits(budget):
+            tried += 1
+            confirmed = with_step_peaks(layout)
+            if confirmed.fits(budget):
+                return confirmed, tried
+    return None, tried
 
 
 # the trainer's verdict on each step: an all-gather of each rank's loss and grad norm (float64) over
@@ -155,6 +205,7 @@ def table(planned: list[Planned], budget: float | None) -> list[str]:
 
 
 def fastest(planned: list[Planned], budget: float | None) -> Planned | None:
-    """The layout predicted fastest among those that fit (None: none fits, or none is timed)."""
-    timed = [p for p in planned if p.time is not None and p.fits(budget)]
-    return min(timed, key=lambda p: p.time.total_s) if timed else None
+    """The layout predicted fastest among those whose step peak fits (None: none fits, or none is
+    timed), from the fastest of those whose states and activations fit (``first_fitting``)."""
+    timed = sorted((p for p in planned if p.time is not None), key=lambda p: p.time.total_s)
+    return first_fitting(timed, budget)[0]

@@ -1,6 +1,6 @@
 """Every rank's model-state bytes for a configuration, predicted without starting a process.
 
-For each rank the planner builds what ``trainer.build`` builds there -- the layout's model, cut to
+For each rank the planner builds what ``rank_build.build`` builds there -- the layout's model, cut to
 the rank's pipeline chunks and tensor-parallel shards (``placement``), its experts dropped to the
 rank's own (``optimizer.param_groups_``) -- on the meta device, from a mesh that only names ranks
 (``comm.mesh.shape_mesh``), and asks ZeRO what each parameter group's stage will peak at

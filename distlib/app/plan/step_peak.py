@@ -1,0 +1,99 @@
+"""The most bytes of tensors a rank holds at once during a training step, predicted by running the
+whole step on the meta device: what ``metrics.step_peak`` measures (``observe.live_bytes``).
+
+The model states and the activations kept for backward (``states``, ``activations``) are what a
+step holds between its operators; its peak adds what lives only inside them -- the logits' and
+the loss's gradients, an attention's scores, a layer's output gradient beside its input's, a
+gradient bucket or a gathered ZeRO-3 unit, the optimizer update's temporary -- and where those meet
+depends on the order things run in. So nothing here is a formula: the rank's model and its ZeRO
+optimizer are built as ``rank_build.build`` builds them, on the meta device over the mesh's dry groups
+(``Comm.dry``: collectives move nothing, a receive has a real one's shape), and one step runs as
+the trainer runs it -- its micro-batches through ``LocalStep`` or the pipeline's schedule, the
+gradients' sync, the AdamW update, the gradients cleared -- under the same ``LiveBytes`` meter,
+from the build on. The run and the prediction count the same storages at the same moments.
+
+A whole step per layout costs a whole model's operators (the tiny presets: 0.1-0.3 s), so the
+search ranks by the composed figures and this settles the layouts it shows or picks
+(``--layout``, ``--verify``, ``dist.layout=auto``). Exact (``tests/test_plan_states.py``, to the
+byte) but with ``zero.overlap`` at stages 2/3, where the communication thread's timing decides
+when a bucket or a unit is freed (measured: 128 bytes above, 0.01%, on one rank of four). Not
+predicted (None): models with experts (what the experts hold follows the routing) and document
+masks (the run makes each micro-batch's documents where the dry step has shapes only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from distlib.app.config.run import RunConfig
+from distlib.app.data.batches import BatchPlan
+from distlib.app.model.local_step import LocalStep
+from distlib.app.model.pipeline_step import PipelineStep
+from distlib.app.model.placement import chunk_segments, place_model_, shape_model
+from distlib.app.observe.live_bytes import LiveBytes
+from distlib.app.optimizer import build_optimizer
+from distlib.app.plan.activations import cpu_kernels, micro_batch, predicted
+from distlib.app.plan.meta_memo import MetaMemo
+from distlib.comm.mesh import shape_mesh
+
+
+def rank_step_peaks(cfg: RunConfig) -> list[int | None]:
+    """Each rank's predicted step peak in bytes, in rank order (None: not predicted). The ranks of
+    one pipeline stage and context-parallel coordinate hold the same shapes at the same moments
+    (context-parallel ranks do not: a ring's causal steps differ by rank, 10,240 bytes at gpt2's
+    ring over two)."""
+    if not predicted(cfg) or cfg.data.document_mask:
+        return [None] * cfg.dist.world_size
+    layout = cfg.layout
+    places = [(c["pp"], c["cp"]) for c in map(layout.coords, range(layout.world_size))]
+    return [stage_step_peak(cfg, pp, cp) for pp, cp in places]
+
+
+def exact(cfg: RunConfig) -> bool:
+    """Whether the step peak is predicted to the byte (not with ``zero.overlap`` at stages 2/3)."""
+    return not (cfg.zero.overlap and cfg.zero.stage >= 2)
+
+
+@functools.lru_cache(maxsize=256)
+def stage_step_peak(cfg: RunConfig, stage: int, cp: int = 0) -> int:
+    """The first rank of pipeline stage ``stage`` at context-parallel coordinate ``cp``: the most
+    bytes alive at once in one step."""
+    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage, cp=cp))
+    meter = LiveBytes("meta")
+    with meter:
+        model = _on_meta(shape_model(cfg, mesh))
+        chunks, splits = place_model_(model, cfg, mesh)
+        optimizer = build_optimizer(cfg, model, mesh, splits, chunk_segments(model, chunks))
+    meter.restart()  # the build's temporaries are not a step's (nor are they the run's)
+    m = cfg.train.grad_accum
+    program = PipelineStep(cfg, mesh, model, chunks, "meta") if chunks else LocalStep(model, m, "meta")
+    micro = BatchPlan(cfg.global_batch, cfg.dp_size, m).micro_batch
+    documents = cfg.data.document_mask
+    batches = [micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed, documents) for _ in range(m)]
+    for batch in batches:  # the step's are made at once, as the trainer's ``held_batches``
+        held = [t for t in batch[:3] if t is not None]
+        if mesh.cp is None:  # the run's tokens are views of the corpus's windows on the CPU
+            meter.ignore(held)
+        else:  # a context-parallel rank's are copies of its chunks, with their positions
+            meter.hold(held)
+    with MetaMemo(), cpu_kernels(cfg), meter:  # (the meter sees what the others return)
+        program.run(batches)
+        for g in optimizer.groups.values():  # ZeroOptimizer.sync_grads short of reading the norm
+            g.sync_squares()
+            g.use_norm(1.0)
+        optimizer.apply_update(1e-3)
+        optimizer.zero_grad()
+    return meter.peak
+
+
+def _on_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s buffers (drawn on the CPU) on the meta device, one tensor shared by several
+    modules (the causal mask) still one, as in the run; ``Module.to`` would copy it for each."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = moved.setdefault(id(buffer), buffer.to("meta"))
+    return model
