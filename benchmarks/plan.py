@@ -1,10 +1,10 @@
 """The planner (scripts/plan.py) against the machine: its error per byte category on layouts it
 trains, and how long planning takes.
 
-    .venv/bin/python benchmarks/plan.py           # 24 layouts of 4 families, 2 steps each: ~4 min
+    .venv/bin/python benchmarks/plan.py           # 24 layouts of 7 families, 6 steps each: ~5 min
     .venv/bin/python benchmarks/plan.py --quick   # 3 layouts: ~30 s
 
-Errors: each layout trains 2 steps with train.py (``distlib/launch/plan_verify.py``, what
+Errors: each layout trains 6 steps with train.py (``distlib/launch/plan_verify.py``, what
 ``scripts/plan.py --verify`` runs) and every rank's measured parameter, gradient, optimizer and
 activation bytes (the end-of-run memory table) and its step peak (every tensor alive at once,
 ``metrics.step_peak``) are set against the prediction: the table gives, per layout, the largest

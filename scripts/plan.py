@@ -176,6 +176,11 @@ def search(
     else:
         print("\n".join(table(planned, budget)))
         print(f"{len(planned)} layouts accepted, {len(refused)} refused by the configuration")
+        if budget is not None:
+            print(
+                "fits: the total (model states and activations kept) within the budget; the layouts "
+                "below are held to it by their step's peak (every tensor alive at once)"
+            )
     if not fitting:
         best = planned[0]
         print(
