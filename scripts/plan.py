@@ -16,8 +16,10 @@ peak"). The step is priced on this machine (plan.device=cpu, measured at start) 
 data sheet (plan.device=a100, h100 or h200: one GPU per rank; plan.budget_gb then defaults to its
 memory; distlib/app/plan/devices.py says what is assumed). --layout: only the command line's own
 layout, rank by rank, with its step peak. --json: the same as JSON on stdout. The activations kept
-for backward, the step peak and the step time are predicted for dense models (with experts, or
-document masks over context-parallel ranks, the verdict says it covers the model states only).
+for backward, the step peak and the step time are predicted for dense models and, with balanced
+expert loads, for models with experts (an estimate over expert-parallel ranks; not where their
+routing is counted before the step, nor for document masks over context-parallel ranks: there the
+verdict says it covers the model states only).
 --verify K: train the K smallest layouts and a seeded sample of K others (with --layout: the one)
 for a few steps each with train.py, and say for each whether every rank measured what was planned
 (exit status 1 if any did not), and its measured step time and step peak beside the predicted
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
 from distlib.app.plan import candidates, devices  # noqa: E402
+from distlib.app.plan.activations import routing_estimated  # noqa: E402
 from distlib.app.plan.report import (  # noqa: E402
     GB,
     Planned,
@@ -154,9 +157,16 @@ def _verdict(layout: Planned, budget: float | None) -> str:
         peak = f"the fullest rank's step peaks at {layout.step_peak / GB:.6g} GB (every tensor at once)"
         needs = f"{peak}; {needs}"
     elif layout.step_peaks is not None:
-        needs += "; its step's peak not predicted (experts, or document masks)"
+        needs += "; its step's peak not predicted (document masks, or experts whose routing is counted first)"
     if not layout.activations_known:
-        needs += "; activations not predicted for this layout (experts, or document masks at cp > 1)"
+        needs += (
+            "; activations not predicted for this layout (document masks at cp > 1, experts whose routing "
+            "is counted first, or unlike blocks over pipeline stages)"
+        )
+    if layout.cfg is not None and layout.cfg.model.has_experts and layout.step_peak is not None:
+        needs += "; with experts the step peak is an estimate (balanced expert loads)"
+    if layout.cfg is not None and routing_estimated(layout.cfg) and layout.activations_known:
+        needs += "; the activations too (dist.ep > 1 or a capacity: the router decides them)"
     if budget is None:
         return needs
     word = "fits" if layout.fits(budget) else "does NOT fit"

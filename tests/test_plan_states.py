@@ -128,6 +128,10 @@ LAYOUTS = [
     " train.grad_accum=4",
     "model=minigpt model.activation_checkpointing=blocks train.grad_accum=2",
     "model=gpt2 zero=stage2 zero.overlap=true",
+    # experts with every expert on the rank: the dry step's balanced loads are the run's to the byte
+    # (what each expert keeps is its own rows'; they add up to the assignments)
+    "model=mixtral_tiny dist.tp=2 zero=stage3",
+    "model=qwen3_moe train.dtype=bf16 zero=stage1",
 ]
 ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
 ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]

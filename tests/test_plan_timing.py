@@ -133,8 +133,10 @@ def test_a_pipeline_is_its_critical_path_or_all_its_work_over_the_cores_whicheve
     assert bubbly.compute_s == pytest.approx(fb) and bubbly.total_s == pytest.approx(2 * fb)
 
 
-def test_layouts_with_experts_are_not_timed_and_dense_ones_are():
-    assert predicted_time(config("model=mixtral_tiny", "dist.world_size=2", "dist.ep=2"), MACHINE) is None
+def test_experts_are_timed_unless_their_routing_is_counted_first_and_dense_layouts_are():
+    experts = ["model=mixtral_tiny", "dist.world_size=2", "dist.ep=2"]
+    assert predicted_time(config(*experts, "train.grad_accum=2"), MACHINE) is None  # (counted first)
+    assert predicted_time(config(*experts), MACHINE).compute_s > 0
     timed = predicted_time(config("dist.world_size=4", "zero.stage=3"), MACHINE)
     plain = predicted_time(config("dist.world_size=4", "zero.stage=1"), MACHINE)
     assert timed.comm_s > plain.comm_s > 0 and timed.compute_s > 0

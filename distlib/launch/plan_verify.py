@@ -17,6 +17,7 @@ from pathlib import Path
 
 from distlib.app.observe import records
 from distlib.app.plan import step_peak
+from distlib.app.plan.activations import routing_estimated
 from distlib.app.plan.report import Planned, with_step_peaks
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -119,7 +120,9 @@ def _ranks(values: list[float]) -> list[float]:
 
 
 def misses(layout: Planned, measured: list[dict]) -> list[str]:
-    """Where ``measured`` (rank order) is not what ``layout`` planned."""
+    """Where ``measured`` (rank order) is not what ``layout`` planned (not compared: estimates, the
+    experts' activations over expert-parallel ranks, their step peaks)."""
+    estimated = layout.cfg is not None and routing_estimated(layout.cfg)
     out = []
     for got, planned, kept in zip(measured, layout.ranks, layout.activations):
         for category in CATEGORIES:
@@ -127,7 +130,7 @@ def misses(layout: Planned, measured: list[dict]) -> list[str]:
             if (m != p) if planned.exact else m > p:
                 bound = "" if planned.exact else "at most "
                 out.append(f"rank {planned.rank} {category}: measured {m}, planned {bound}{p}")
-        if kept is not None and got["activations"] != kept:
+        if kept is not None and not estimated and got["activations"] != kept:
             out.append(f"rank {planned.rank} activations: measured {got['activations']}, planned {kept}")
     return out + _step_peak_misses(layout, measured)
 
@@ -136,6 +139,8 @@ def _step_peak_misses(layout: Planned, measured: list[dict]) -> list[str]:
     """Every rank's step peak as predicted: to the byte, or with zero.overlap at stages 2/3 (the
     communication thread's timing) within 3%."""
     out = []
+    if step_peak.estimated(layout.cfg):
+        return out  # (experts: the router decides the peak's rows)
     to_the_byte = step_peak.exact(layout.cfg)
     for rank, (got, want) in enumerate(zip(measured, layout.step_peaks or ())):
         m = got.get("step_peak")

@@ -30,7 +30,7 @@ from functools import partial
 import torch
 
 from distlib.app.config.model_group import ModelConfig
-from distlib.app.model import llama, mixtral, mla, moe
+from distlib.app.model import expert_loads, llama, mixtral, mla, moe
 from distlib.app.model.strategies import Strategies
 from distlib.parallel.sequence_parallel import SequenceSplit
 from distlib.parallel.tensor_parallel import REPLICATED, Column, Replicated, Row
@@ -57,8 +57,13 @@ def tensor_parallel_plan(cfg: ModelConfig, blocks) -> dict:
 class MoE(moe.MoE):
     """The routed experts (``moe.MoE``, with the family's router) plus the shared ones."""
 
-    def __init__(self, cfg: ModelConfig, sequence: Replicated | SequenceSplit = REPLICATED):
-        super().__init__(cfg, sequence)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        sequence: Replicated | SequenceSplit = REPLICATED,
+        loads: expert_loads.Read | expert_loads.Balanced = expert_loads.READ,
+    ):
+        super().__init__(cfg, sequence, loads)
         self.shared_experts = llama.MLP(cfg, width=cfg.mlp_width * cfg.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +78,7 @@ class DeepseekV3(mixtral.Mixtral):
     def feed_forward(self, cfg: ModelConfig, index: int, strategies: Strategies):
         if index < cfg.first_k_dense_replace:
             return partial(llama.MLP, width=cfg.dense_width)
-        return partial(MoE, sequence=strategies.sequence)
+        return partial(MoE, sequence=strategies.sequence, loads=strategies.loads)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

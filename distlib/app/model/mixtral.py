@@ -75,7 +75,7 @@ class Mixtral(CausalLM):
 
     def feed_forward(self, cfg: ModelConfig, index: int, strategies: Strategies):
         """Block ``index``'s MLP factory: every block's a mixture of experts (DeepSeek-V3: not all)."""
-        return partial(moe.MoE, sequence=strategies.sequence)
+        return partial(moe.MoE, sequence=strategies.sequence, loads=strategies.loads)
 
     def _embed(
         self, tokens: torch.Tensor, positions: torch.Tensor, draws: Draws | None, documents

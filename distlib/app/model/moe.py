@@ -59,7 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlib.app.config.model_group import ModelConfig
-from distlib.app.model import routers
+from distlib.app.model import expert_loads, routers
 from distlib.app.model.recompute import is_recomputing
 from distlib.comm import collectives
 from distlib.comm.group import Comm
@@ -108,16 +108,22 @@ class Dispatch:
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, sequence: Replicated | SequenceSplit = REPLICATED):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        sequence: Replicated | SequenceSplit = REPLICATED,
+        loads: expert_loads.Read | expert_loads.Balanced = expert_loads.READ,
+    ):
         super().__init__()
         self.sequence = sequence  # dist.sp: the block hands the tokens gathered; see forward
+        self.loads = loads  # the experts' rows: read from the device, or (the planner's) balanced
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.capacity_factor = cfg.capacity_factor
         self.router = routers.for_model(cfg)
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
         # where the experts run: every one here, or (``hold_experts_``) over the expert group's ranks
-        self.placement: ExpertsHere | ExpertsOverRanks = ExpertsHere()
+        self.placement: ExpertsHere | ExpertsOverRanks = ExpertsHere(loads)
         self.last_counts: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None  # with a capacity: assignments dropped, () int64
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -187,16 +193,19 @@ class MoE(nn.Module):
     def hold_experts_(self, ep: Comm) -> None:
         """Keep only this rank's experts of the expert group ``ep`` (``expert_parallel``)."""
         self.experts = expert_parallel.keep_held_experts_(self.experts, ep)
-        self.placement = ExpertsOverRanks(ep)
+        self.placement = ExpertsOverRanks(ep, self.loads)
 
 
 class ExpertsHere:
     """Every expert of the layer on this rank: each runs its dispatched rows here."""
 
+    def __init__(self, loads: expert_loads.Read | expert_loads.Balanced):
+        self.loads = loads
+
     def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor) -> None:
         # One read of the counts (a device sync, as transformers' own loop takes) gives every
         # expert's share.
-        plan = moe.dispatch(ids, counts.tolist())
+        plan = moe.dispatch(ids, self.loads.here(counts, ids.numel()))
         for e, expert in enumerate(moe.experts):
             # An expert without tokens runs on zero rows all the same: its weights get a (zero)
             # gradient on every rank, as ZeRO's gradient buckets (one per block at stage 3) wait for.
@@ -209,11 +218,11 @@ class ExpertsOverRanks:
     dispatched rows go through the experts' ranks of ``ep`` and back (``expert_parallel.run_experts``),
     combined here in the one-rank order."""
 
-    def __init__(self, ep: Comm):
-        self.ep = ep
+    def __init__(self, ep: Comm, loads: expert_loads.Read | expert_loads.Balanced):
+        self.ep, self.loads = ep, loads
 
     def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor) -> None:
-        routing = expert_parallel.Routing.gather(counts, self.ep)  # the one read of the device
+        routing = self.loads.over(counts, ids.numel(), self.ep)  # the one read of the device
         plan = moe.dispatch(ids, routing.counts[self.ep.rank])
         held = {int(e): expert for e, expert in moe.experts.items()}
         sent = plan.token[: sum(plan.counts)]  # (dropped assignments sort last, to no expert)

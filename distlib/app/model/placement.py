@@ -4,10 +4,12 @@ on the meta device (shapes only, ``distlib.app.plan``), so both hold what the on
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from distlib.app.config.run import RunConfig
-from distlib.app.model import families, strategies
+from distlib.app.model import expert_loads, families, strategies
 from distlib.app.model.layers import CausalLM
 from distlib.app.model.pipeline_step import split_model_
 from distlib.comm.mesh import Mesh
@@ -20,9 +22,11 @@ def layout_model(cfg: RunConfig, mesh: Mesh, seed: int) -> CausalLM:
 
 
 def shape_model(cfg: RunConfig, mesh: Mesh) -> CausalLM:
-    """``layout_model``'s modules and parameter shapes on the meta device: no weights drawn."""
+    """``layout_model``'s modules and parameter shapes on the meta device: no weights drawn, and
+    the experts' loads (no values to read there) balanced (``expert_loads``)."""
+    shaped = dataclasses.replace(_strategies(cfg, mesh), loads=expert_loads.BALANCED)
     with torch.device("meta"):
-        return families.CLASSES[cfg.model.family](cfg.model, strategies=_strategies(cfg, mesh))
+        return families.CLASSES[cfg.model.family](cfg.model, strategies=shaped)
 
 
 def _strategies(cfg: RunConfig, mesh: Mesh) -> strategies.Strategies:

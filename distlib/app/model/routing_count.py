@@ -28,6 +28,14 @@ from distlib.comm import collectives
 from distlib.comm.mesh import Mesh
 
 
+def counted(cfg) -> bool:
+    """Whether a run's steps count their routing (``cfg`` a ``RunConfig``): a model with experts
+    balanced by its biases, or by the loss over several micro-batches or pipeline stages."""
+    model = cfg.model
+    several = cfg.train.grad_accum > 1 or cfg.dist.pp > 1
+    return model.has_experts and (model.balance == "bias" or several)
+
+
 class RoutingCount:
     def __init__(self, model: CausalLM, mesh: Mesh, program, grad_accum: int, device: torch.device):
         # program: the step program (local_step.LocalStep or pipeline_step.PipelineStep): its forwards
@@ -39,11 +47,11 @@ class RoutingCount:
         """The counter a run's steps need (``cfg`` a ``RunConfig``): with ``model.balance=bias`` the
         biases' (``bias_balance``: the step's own forwards count); a Mixtral balanced by the loss over
         several micro-batches or pipeline stages counts first; every other run gets ``NOTHING_TO_COUNT``."""
-        if cfg.model.has_experts and cfg.model.balance == "bias":
+        if not counted(cfg):
+            return NOTHING_TO_COUNT
+        if cfg.model.balance == "bias":
             return BiasBalance(model, mesh, cfg.model.bias_update_speed)
-        if cfg.model.has_experts and (cfg.train.grad_accum > 1 or cfg.dist.pp > 1):
-            return cls(model, mesh, program, cfg.train.grad_accum, device)
-        return NOTHING_TO_COUNT
+        return cls(model, mesh, program, cfg.train.grad_accum, device)
 
     def update(self) -> None:
         """After the step's update: nothing (the loss did the balancing)."""

@@ -10,6 +10,8 @@ strategy object at construction, and the step path calls it without asking which
                tensor-parallel rank holds all of it) or ``SequenceSplit`` (``dist.sp``: each holds
                its share of the tokens between the regions); the model, its blocks and the
                column/row-parallel layers ``families.shard_model_`` makes follow it
+    loads      how an MoE layer learns its experts' loads: read from the device (``READ``), or
+               ``BALANCED`` in the planner's dry step, which has no values (``expert_loads``)
 
 Where the experts run (``moe.ExpertsHere``, ``moe.ExpertsOverRanks``) is chosen when expert
 parallelism drops the experts a rank does not hold (``families.hold_experts_``), the step at which
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distlib.app.model import expert_loads
 from distlib.app.model.attention import WHOLE, Context, ContextSplit
 from distlib.comm.mesh import Mesh
 from distlib.parallel.sequence_parallel import SequenceSplit
@@ -30,6 +33,7 @@ from distlib.parallel.tensor_parallel import REPLICATED, Replicated
 class Strategies:
     context: Context = WHOLE
     sequence: Replicated | SequenceSplit = REPLICATED
+    loads: expert_loads.Read | expert_loads.Balanced = expert_loads.READ
 
 
 LOCAL = Strategies()  # one rank's model: whole sequences, the stream replicated

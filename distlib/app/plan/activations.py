@@ -19,10 +19,16 @@ and schedules share it. A pipeline rank's peak is its schedule's most in-flight 
 once, each holding its unit's bytes, as the ``Recorder`` adds them up; its sends are the
 schedule's. ``tests/test_plan_compose.py`` checks the composition against the whole step program.
 
-Not predicted (None) yet: models with experts (where the tokens go, and so what each expert keeps,
-depends on the routing) and document masks over context-parallel ranks (the chunks a rank holds
-follow the documents). At cp = 1 a mask's shape is all that counts: the dry step's documents are
-shapes only, and the document-mask matrix (tests/test_document_mask_train.py) checks them.
+Models with experts run with balanced loads (``expert_loads``: the meta device has no routing to
+read): to the byte with every expert on the rank (what each keeps is its own rows', and they add
+up to the assignments whatever the router chose), an estimate over expert-parallel ranks or with
+a capacity (``routing_estimated``). Not predicted (None): document masks over context-parallel
+ranks (the chunks a rank holds follow the documents), the pipeline stages of a model whose blocks
+differ (DeepSeek-V3's first dense ones), and experts whose routing is counted before the step
+(balanced by their biases, or by the loss over several micro-batches or stages: ``routing_count``
+reads the counts' values). At cp = 1 a mask's shape is all that counts: the
+dry step's documents are shapes only, and the document-mask matrix
+(tests/test_document_mask_train.py) checks them.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.operation import DistConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import BatchPlan, held_tokens
+from distlib.app.model import routing_count
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
@@ -52,9 +59,28 @@ from distlib.parallel.pipeline import schedule
 
 
 def predicted(cfg: RunConfig) -> bool:
-    """Whether the activations (and so the step time) of ``cfg`` are predicted: not with experts,
-    nor document masks over context-parallel ranks (the chunks each holds follow the documents)."""
-    return not (cfg.model.has_experts or (cfg.data.document_mask and cfg.dist.cp > 1))
+    """Whether the activations (and so the step time) of ``cfg`` are predicted: not with document
+    masks over context-parallel ranks (the chunks each holds follow the documents), nor over the
+    pipeline stages of a model whose blocks differ (DeepSeek-V3's first dense ones: a stage's
+    chunk is composed of alike blocks), nor where the experts' routing is counted before the step
+    (``routing_count``: its values are read, and the meta device has none)."""
+    if (cfg.data.document_mask and cfg.dist.cp > 1) or routing_count.counted(cfg):
+        return False
+    return cfg.dist.pp == 1 or blocks_alike(cfg.model)
+
+
+def routing_estimated(cfg: RunConfig) -> bool:
+    """Whether what the experts hold is an estimate: the dry step's loads are balanced
+    (``expert_loads``), which is the run's to the byte with every expert on the rank and nothing
+    dropped, and an estimate over expert-parallel ranks (a rank holds what the router sends its
+    experts) or with a capacity (the run drops what an unbalanced router sends over it)."""
+    model = cfg.model
+    return model.has_experts and (cfg.dist.ep > 1 or model.capacity_factor is not None)
+
+
+def blocks_alike(model: ModelConfig) -> bool:
+    """Whether every block of ``model`` is built alike (all or none of them mixtures of experts)."""
+    return len(model.moe_layers) in (0, model.n_layers)
 
 
 def rank_activations(cfg: RunConfig) -> list[int | None]:
@@ -180,12 +206,18 @@ class _Rank:
     @staticmethod
     def of(cfg: RunConfig) -> _Rank:
         cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32
-        return _Rank(cfg.model, _shape(cfg.dist), cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask)
+        dist = _shape(cfg.dist, cfg.model.has_experts)
+        return _Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask)
 
 
 @functools.lru_cache(maxsize=1024)
-def _shape(d: DistConfig) -> DistConfig:
-    """The degrees of ``d`` that shape a rank's tensors, on one data-parallel rank."""
+def _shape(d: DistConfig, experts: bool) -> DistConfig:
+    """The degrees of ``d`` that shape a rank's tensors and calls, on one data-parallel rank; with
+    experts on all of one stage's (the expert group, and the batch group their balance loss
+    all-reduces its counts over)."""
+    if experts:
+        world = d.world_size // d.pp
+        return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, ep=d.ep, world_size=world)
     return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, world_size=d.tp * d.cp)
 
 
@@ -194,7 +226,7 @@ def _chunk(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Count
     from the runs of one and two blocks, each block more adding what the second added (every
     byte, operator and call of a dense model's blocks is alike), so a deep model's chunks cost two
     shallow runs."""
-    if blocks <= 2:
+    if blocks <= 2 or not blocks_alike(rank.model):  # (unlike blocks: the whole model, at pp = 1)
         return _rows(rank, micro, blocks, where)
     one, two = _rows(rank, micro, 1, where), _rows(rank, micro, 2, where)
     if not _holds(two[1].calls, one[1].calls):

@@ -12,13 +12,16 @@ the trainer runs it -- its micro-batches through ``LocalStep`` or the pipeline's
 gradients' sync, the AdamW update, the gradients cleared -- under the same ``LiveBytes`` meter,
 from the build on. The run and the prediction count the same storages at the same moments.
 
-A whole step per layout costs a whole model's operators (the tiny presets: 0.1-0.3 s), so the
+A whole step per layout costs a whole model's operators (the tiny presets: 40-140 ms), so the
 search ranks by the composed figures and this settles the layouts it shows or picks
 (``--layout``, ``--verify``, ``dist.layout=auto``). Exact (``tests/test_plan_states.py``, to the
 byte) but with ``zero.overlap`` at stages 2/3, where the communication thread's timing decides
-when a bucket or a unit is freed (measured: 128 bytes above, 0.01%, on one rank of four). Not
-predicted (None): models with experts (what the experts hold follows the routing) and document
-masks (the run makes each micro-batch's documents where the dry step has shapes only).
+when a bucket or a unit is freed (measured: 128 bytes above, 0.01%, on one rank of four), and
+with experts, whose balanced loads make it an estimate even where the activations are exact: the
+peak's moment can hold one expert's rows, which the router decides (``estimated``; measured 0.4%
+under the run at mixtral_tiny's tp 2, 2-4% at ep 2-4). Not predicted (None): document masks (the run makes
+each micro-batch's documents where the dry step has shapes only) and experts whose routing is
+counted before the step (``routing_count``: it reads values, which the meta device has none of).
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import torch
 
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import BatchPlan
+from distlib.app.model import routing_count
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import chunk_segments, place_model_, shape_model
 from distlib.app.observe.live_bytes import LiveBytes
 from distlib.app.optimizer import build_optimizer
-from distlib.app.plan.activations import cpu_kernels, micro_batch, predicted
+from distlib.app.plan.activations import cpu_kernels, micro_batch
 from distlib.app.plan.meta_memo import MetaMemo
 from distlib.comm.mesh import shape_mesh
 
@@ -44,7 +48,7 @@ def rank_step_peaks(cfg: RunConfig) -> list[int | None]:
     one pipeline stage and context-parallel coordinate hold the same shapes at the same moments
     (context-parallel ranks do not: a ring's causal steps differ by rank, 10,240 bytes at gpt2's
     ring over two)."""
-    if not predicted(cfg) or cfg.data.document_mask:
+    if cfg.data.document_mask or routing_count.counted(cfg):
         return [None] * cfg.dist.world_size
     layout = cfg.layout
     places = [(c["pp"], c["cp"]) for c in map(layout.coords, range(layout.world_size))]
@@ -52,8 +56,15 @@ def rank_step_peaks(cfg: RunConfig) -> list[int | None]:
 
 
 def exact(cfg: RunConfig) -> bool:
-    """Whether the step peak is predicted to the byte (not with ``zero.overlap`` at stages 2/3)."""
-    return not (cfg.zero.overlap and cfg.zero.stage >= 2)
+    """Whether the step peak is predicted to the byte: not with ``zero.overlap`` at stages 2/3, nor
+    with experts (``estimated``)."""
+    return not (cfg.zero.overlap and cfg.zero.stage >= 2) and not estimated(cfg)
+
+
+def estimated(cfg: RunConfig) -> bool:
+    """With experts the step peak is an estimate: its moment can hold one expert's rows beside the
+    rest, and the run's router decides how many (the dry step's loads are balanced)."""
+    return cfg.model.has_experts
 
 
 @functools.lru_cache(maxsize=256)
