@@ -206,18 +206,17 @@ class _Rank:
     @staticmethod
     def of(cfg: RunConfig) -> _Rank:
         cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32
-        dist = _shape(cfg.dist, cfg.model.has_experts)
+        dist = _shape(cfg.dist, cfg.layout.stage().world_size if cfg.model.has_experts else None)
         return _Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask)
 
 
 @functools.lru_cache(maxsize=1024)
-def _shape(d: DistConfig, experts: bool) -> DistConfig:
+def _shape(d: DistConfig, stage_ranks: int | None) -> DistConfig:
     """The degrees of ``d`` that shape a rank's tensors and calls, on one data-parallel rank; with
-    experts on all of one stage's (the expert group, and the batch group their balance loss
-    all-reduces its counts over)."""
-    if experts:
-        world = d.world_size // d.pp
-        return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, ep=d.ep, world_size=world)
+    experts (``stage_ranks``: the ranks of one pipeline stage) on all of one stage's: the expert
+    group, and the batch group their balance loss all-reduces its counts over."""
+    if stage_ranks is not None:
+        return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, ep=d.ep, world_size=stage_ranks)
     return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, world_size=d.tp * d.cp)
 
 
