@@ -69,13 +69,15 @@ def test_keys_the_command_line_sets_stay_as_set(fixed_machine):
 
 
 def test_a_model_whose_step_is_not_predicted_gets_the_smallest_that_fits(fixed_machine):
-    # (balanced by its selection biases: every step counts its routing first, which the dry step cannot)
+    # (balanced by its selection biases: every step counts its routing first, whose collectives the
+    # units' step time does not compose)
     words = ["model=deepseek_v3_tiny", "dist.world_size=4", "dist.layout=auto"]
     tree, line = chosen(words)
     layouts, _ = plan(compose_tree(words), candidates.pinned(words), FIXED)
     assert line == (
         f"dist.layout=auto: {' '.join(layouts[0].overrides)}, the smallest of {len(layouts)} layouts "
-        "(step time not predicted for this model); add these overrides to pin it"
+        f"(step time not predicted for this model), its step peaking at {_step_peak(layouts[0]) / GB:.6g} "
+        "GB; add these overrides to pin it"
     )
 
 

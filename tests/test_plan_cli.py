@@ -34,7 +34,9 @@ def run(capsys, *argv: str) -> tuple[int | str, str, str]:
 
 
 def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
-    status, out, _ = run(capsys, "model=mixtral_tiny", "dist.world_size=4", "plan.budget_gb=0.005", "--json")
+    status, out, _ = run(
+        capsys, "model=deepseek_v3_tiny", "dist.world_size=4", "plan.budget_gb=0.004", "--json"
+    )
     assert status == 0
     report = json.loads(out)
     layouts = report["layouts"]
@@ -48,8 +50,10 @@ def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
     assert {"dist.tp", "dist.pp", "dist.cp", "dist.ep", "zero.stage", "zero.overlap"} <= searched
     assert {"dist.sp", "train.grad_accum", "model.activation_checkpointing"} <= searched
     for p in layouts[:: len(layouts) // 40]:  # 40 spread over them, each composed as a user would type it
-        cfg = RunConfig.from_dict(compose_tree(["model=mixtral_tiny", "dist.world_size=4", *p["overrides"]]))
-        # (experts: activations where the routing is not counted first; step peaks only when chosen)
+        cfg = RunConfig.from_dict(
+            compose_tree(["model=deepseek_v3_tiny", "dist.world_size=4", *p["overrides"]])
+        )
+        # (activations but over the stages of its unlike blocks; step peaks only when chosen)
         kept = rank_activations(cfg)
         ranks = [
             {**r.as_dict(), "activations": a, "step_peak": None} for r, a in zip(model_states(cfg), kept)
@@ -58,7 +62,7 @@ def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
         assert p["peak_bytes"] == max(
             r["params"] + r["grads"] + r["optimizer"] + (r["activations"] or 0) for r in ranks
         )
-        assert p["fits"] == (p["peak_bytes"] <= 0.005e9)
+        assert p["fits"] == (p["peak_bytes"] <= 0.004e9)
     assert any(p["fits"] for p in layouts) and not all(p["fits"] for p in layouts)
 
 

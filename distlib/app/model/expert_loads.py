@@ -2,10 +2,12 @@
 dispatched rows (and, with expert parallelism, the all-to-all's splits) into Python integers.
 
     READ       the run's: the counts its router produced, read from the device once per layer
-               (``Tensor.tolist``; with expert parallelism every rank's, all-gathered first)
+               (``Tensor.tolist``; with expert parallelism every rank's, all-gathered first), and
+               the load-balancing loss's value when the step's routing is counted first
+               (``routing_count``)
     BALANCED   the planner's dry step on the meta device, which has shapes and no values: every
                expert the same share of the layer's assignments (the first ones one more where they
-               do not divide), on every rank of the expert group
+               do not divide), on every rank of the expert group; the loss's value 0
 
 Chosen when the model is built (``strategies.Strategies.loads``): ``placement.shape_model``, the
 planner's builder, takes ``BALANCED``. What a rank keeps and computes with every expert on it is
@@ -30,6 +32,10 @@ def balanced(assignments: int, experts: int) -> list[int]:
 
 
 class Read:
+    def value(self, value: torch.Tensor) -> float:
+        """A value the step reads back (the load-balancing loss's, counted before the step)."""
+        return float(value)
+
     def here(self, counts: torch.Tensor, assignments: int) -> list[int]:
         """Rows per expert of this rank's ``counts`` ((n_experts,) on the device)."""
         return counts.tolist()
@@ -40,6 +46,9 @@ class Read:
 
 
 class Balanced:
+    def value(self, value: torch.Tensor) -> float:
+        return 0.0  # (the dry step's values are never read: only shapes count there)
+
     def here(self, counts: torch.Tensor, assignments: int) -> list[int]:
         return balanced(assignments, counts.numel())
 

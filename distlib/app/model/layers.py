@@ -133,6 +133,7 @@ class CausalLM(nn.Module):
         # dist.sp: the embedding's output is cut to this rank's tokens for the blocks, and gathered
         # again for the head, which (like the embedding) runs replicated on the whole sequence.
         self.sequence = strategies.sequence
+        self.loads = strategies.loads  # the experts' loads and the values the routing count reads
 
     def embed(
         self,

@@ -49,9 +49,14 @@ class RoutingCount:
         several micro-batches or pipeline stages counts first; every other run gets ``NOTHING_TO_COUNT``."""
         if not counted(cfg):
             return NOTHING_TO_COUNT
-        if cfg.model.balance == "bias":
-            return BiasBalance(model, mesh, cfg.model.bias_update_speed)
-        return cls(model, mesh, program, cfg.train.grad_accum, device)
+        return cls.counter(model, mesh, program, cfg.train.grad_accum, device)
+
+    @classmethod
+    def counter(cls, model: CausalLM, mesh: Mesh, program, grad_accum: int, device: torch.device):
+        """The counter of a model whose routing is counted (``counted``): its biases' or the loss's."""
+        if model.cfg.balance == "bias":
+            return BiasBalance(model, mesh, model.cfg.bias_update_speed)
+        return cls(model, mesh, program, grad_accum, device)
 
     def update(self) -> None:
         """After the step's update: nothing (the loss did the balancing)."""
@@ -101,7 +106,7 @@ class RoutingCount:
     def _set(self, packed: torch.Tensor, blocks) -> None:
         counts, probs, dropped = self._parts(packed)
         fraction, value = moe.balance_value(counts, probs, packed[0])
-        value = float(value)
+        value = self.model.loads.value(value)  # (the dry step's model has none to read)
         weight = self.cfg.router_aux_loss_coef / self.grad_accum
         balance = moe.StepBalance(fraction.float(), len(self.cfg.moe_layers), weight, value)
         for _, m in blocks:

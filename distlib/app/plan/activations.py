@@ -22,11 +22,13 @@ schedule's. ``tests/test_plan_compose.py`` checks the composition against the wh
 Models with experts run with balanced loads (``expert_loads``: the meta device has no routing to
 read): to the byte with every expert on the rank (what each keeps is its own rows', and they add
 up to the assignments whatever the router chose), an estimate over expert-parallel ranks or with
-a capacity (``routing_estimated``). Not predicted (None): document masks over context-parallel
-ranks (the chunks a rank holds follow the documents), the pipeline stages of a model whose blocks
-differ (DeepSeek-V3's first dense ones), and experts whose routing is counted before the step
-(balanced by their biases, or by the loss over several micro-batches or stages: ``routing_count``
-reads the counts' values). At cp = 1 a mask's shape is all that counts: the
+a capacity (``routing_estimated``). Where the experts' routing is counted before the step
+(balanced by their biases, or by the loss over several micro-batches or stages: ``routing_count``)
+each unit runs the count first, as the trainer does, and its blocks keep what the step's balance
+charges; the step time is not predicted there (the count's collectives come once a step, not once
+a unit). Not predicted (None): document masks over context-parallel ranks (the chunks a rank
+holds follow the documents) and the pipeline stages of a model whose blocks differ (DeepSeek-V3's
+first dense ones). At cp = 1 a mask's shape is all that counts: the
 dry step's documents are shapes only, and the document-mask matrix
 (tests/test_document_mask_train.py) checks them.
 """
@@ -49,6 +51,7 @@ from distlib.app.model import routing_count
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
+from distlib.app.model.routing_count import RoutingCount
 from distlib.app.plan.meta_memo import MetaMemo
 from distlib.app.plan.timing import Counted, OpCounter, grouped, merged, times
 from distlib.comm import tally
@@ -62,9 +65,8 @@ def predicted(cfg: RunConfig) -> bool:
     """Whether the activations (and so the step time) of ``cfg`` are predicted: not with document
     masks over context-parallel ranks (the chunks each holds follow the documents), nor over the
     pipeline stages of a model whose blocks differ (DeepSeek-V3's first dense ones: a stage's
-    chunk is composed of alike blocks), nor where the experts' routing is counted before the step
-    (``routing_count``: its values are read, and the meta device has none)."""
-    if (cfg.data.document_mask and cfg.dist.cp > 1) or routing_count.counted(cfg):
+    chunk is composed of alike blocks)."""
+    if cfg.data.document_mask and cfg.dist.cp > 1:
         return False
     return cfg.dist.pp == 1 or blocks_alike(cfg.model)
 
@@ -95,8 +97,9 @@ def rank_activations(cfg: RunConfig) -> list[int | None]:
 
 def stage_counts(cfg: RunConfig) -> list[Counted] | None:
     """Per pipeline stage, what its first rank's step computes and sends (``timing.Counted``),
-    from the same units; None where the activations are not predicted."""
-    if not predicted(cfg):
+    from the same units; None where the activations are not predicted, or the experts' routing is
+    counted before the step (its collectives, once a step, are not composed of the units')."""
+    if not predicted(cfg) or routing_count.counted(cfg):
         return None
     return [stage_step(cfg, s)[1] for s in range(cfg.dist.pp)]
 
@@ -194,7 +197,8 @@ def _cpu_kernels(cpu: bool):
 class _Rank:
     """What a run depends on besides its rows, blocks and place: the model, the degrees that shape
     a rank's tensors (not the data parallelism, the schedule or the transport), the dtype, the seed
-    (the dropout keys), the CPU's kernels (in bf16 they keep otherwise), document masks."""
+    (the dropout keys), the CPU's kernels (in bf16 they keep otherwise), document masks, whether
+    the experts' routing is counted before the step (its balance then charges every block)."""
 
     model: ModelConfig
     dist: DistConfig
@@ -202,12 +206,14 @@ class _Rank:
     seed: int
     cpu: bool
     documents: bool
+    counted: bool = False
 
     @staticmethod
     def of(cfg: RunConfig) -> _Rank:
         cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32
         dist = _shape(cfg.dist, cfg.layout.stage().world_size if cfg.model.has_experts else None)
-        return _Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask)
+        counted = routing_count.counted(cfg)
+        return _Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask, counted)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -297,9 +303,21 @@ def _run(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
     ops = OpCounter()
     with MetaMemo(), _cpu_kernels(rank.cpu), tally.tallied() as calls, ops:
+        _count_routing(rank, module, mesh, program, batch)
         program.run([batch])
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
+
+
+def _count_routing(rank: _Rank, module, mesh, program, batch) -> None:
+    """The routing count the trainer runs before a step whose experts' routing is counted
+    (``routing_count``): its forward, and the balance it sets, which each block's backward charges.
+    Its collectives (once a step) are left out of the unit's calls; the step time is not predicted
+    there (``stage_counts``)."""
+    if rank.counted:
+        counter = RoutingCount.counter(module, mesh, program, 1, torch.device("meta"))
+        with tally.tallied():
+            counter.count([batch])
 
 
 def micro_batch(seq_len: int, micro: int, mesh, seed: int, documents: bool = False) -> tuple:

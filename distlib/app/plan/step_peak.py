@@ -19,9 +19,9 @@ byte) but with ``zero.overlap`` at stages 2/3, where the communication thread's 
 when a bucket or a unit is freed (measured: 128 bytes above, 0.01%, on one rank of four), and
 with experts, whose balanced loads make it an estimate even where the activations are exact: the
 peak's moment can hold one expert's rows, which the router decides (``estimated``; measured 0.4%
-under the run at mixtral_tiny's tp 2, 2-4% at ep 2-4). Not predicted (None): document masks (the run makes
-each micro-batch's documents where the dry step has shapes only) and experts whose routing is
-counted before the step (``routing_count``: it reads values, which the meta device has none of).
+under the run at mixtral_tiny's tp 2, 2-4% at ep 2-4; where the routing is counted before the
+step, the count runs too, the biases' update after it does not). Not predicted (None): document
+masks (the run makes each micro-batch's documents where the dry step has shapes only).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def rank_step_peaks(cfg: RunConfig) -> list[int | None]:
     one pipeline stage and context-parallel coordinate hold the same shapes at the same moments
     (context-parallel ranks do not: a ring's causal steps differ by rank, 10,240 bytes at gpt2's
     ring over two)."""
-    if cfg.data.document_mask or routing_count.counted(cfg):
+    if cfg.data.document_mask:
         return [None] * cfg.dist.world_size
     layout = cfg.layout
     places = [(c["pp"], c["cp"]) for c in map(layout.coords, range(layout.world_size))]
@@ -89,7 +89,9 @@ def stage_step_peak(cfg: RunConfig, stage: int, cp: int = 0) -> int:
             meter.ignore(held)
         else:  # a context-parallel rank's are copies of its chunks, with their positions
             meter.hold(held)
+    counter = routing_count.RoutingCount.for_run(cfg, model, mesh, program, torch.device("meta"))
     with MetaMemo(), cpu_kernels(cfg), meter:  # (the meter sees what the others return)
+        counter.count(batches)  # (the step's routing, where counted first; its update after is not run)
         program.run(batches)
         for g in optimizer.groups.values():  # ZeroOptimizer.sync_grads short of reading the norm
             g.sync_squares()
