@@ -19,9 +19,10 @@ byte) but with ``zero.overlap`` at stages 2/3, where the communication thread's 
 when a bucket or a unit is freed (measured: 128 bytes above, 0.01%, on one rank of four), and
 with experts, whose balanced loads make it an estimate even where the activations are exact: the
 peak's moment can hold one expert's rows, which the router decides (``estimated``; measured 0.4%
-under the run at mixtral_tiny's tp 2, 2-4% at ep 2-4; where the routing is counted before the
-step, the count runs too, the biases' update after it does not). Not predicted (None): document
-masks (the run makes each micro-batch's documents where the dry step has shapes only).
+under the run at mixtral_tiny's tp 2, 0.8-4.2% off at ep 2-4 in benchmarks/plan.py; where the
+routing is counted before the step, the count runs too, the biases' update after it does not).
+Not predicted (None): document masks (the run makes each micro-batch's documents where the dry
+step has shapes only).
 """
 
 from __future__ import annotations
