@@ -80,6 +80,15 @@ def test_memory_the_rank_did_not_allocate_and_other_devices_are_not_counted():
     del part, ignored, fresh
 
 
+def test_a_device_named_without_its_index_is_every_one_of_its_kind():
+    meter = LiveBytes("cpu")
+    assert meter._on_device(torch.device("cpu")) and not meter._on_device(torch.device("meta"))
+    gpu, first = LiveBytes("cuda"), LiveBytes("cuda:0")
+    assert gpu._on_device(torch.device("cuda", 0)) and gpu._on_device(torch.device("cuda", 1))
+    assert first._on_device(torch.device("cuda", 0)) and not first._on_device(torch.device("cuda", 1))
+    assert not gpu._on_device(torch.device("cpu"))
+
+
 def test_the_step_meter_watches_the_build_and_the_first_two_steps_after_a_resume():
     off = StepMeter("cpu", False)
     with off.watch(1):

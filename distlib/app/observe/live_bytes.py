@@ -60,7 +60,7 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor) -> None:
-        if t.device != self.device:
+        if not self._on_device(t.device):
             return
         storage = t.untyped_storage()
         if not storage.resizable() or storage._cdata in self._ignored:
@@ -75,6 +75,12 @@ class LiveBytes(TorchDispatchMode):
             self._resized.add(key)
         self.now += nbytes - (known or 0)
         self._bytes[key] = nbytes
+
+    def _on_device(self, device: torch.device) -> bool:
+        """Whether ``device`` is the meter's (``cuda`` names whichever GPU the rank's tensors are on)."""
+        if device.type != self.device.type:
+            return False
+        return self.device.index is None or device.index == self.device.index
 
     def _reread(self) -> None:
         """A storage resized outside the dispatcher (``UntypedStorage.resize_``: ZeRO-3 frees and
