@@ -324,13 +324,17 @@ def _check_ring_documents(d, tmp_path):
 
 
 def _check_plan(d, tmp_path):
-    """Three layouts trained: no byte of any category off (activations and the step peak: predicted
-    for the dense two, not for the experts'), and a search that planned layouts in positive times."""
+    """Three layouts trained: no byte of any category off (activations and the step peak: to the
+    byte for the dense two, estimates for the experts' over four expert-parallel ranks, whose errors
+    are reported, not judged), and a search that planned layouts in positive times."""
     rows = d["rows"]
     assert len(rows) == 3 and all(r["misses"] == [] for r in rows)
     for r in rows:
         assert (r["params"], r["grads"], r["optimizer"]) == (0, 0, 0), r
-        assert r["activations"] == r["step_peak"] == (None if "mixtral" in r["layout"] else 0), r
+        if "mixtral" in r["layout"]:
+            assert r["activations"] >= 0 and 0 <= r["step_peak_pct"] < 100, r
+        else:
+            assert r["activations"] == r["step_peak"] == r["step_peak_pct"] == 0, r
     (fast,) = d["speed"]
     assert (
         fast["search"] == "model=llama dist.world_size=2" and fast["layouts"] > 0 and _times(fast["seconds"])

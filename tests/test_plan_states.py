@@ -128,6 +128,9 @@ LAYOUTS = [
     " train.grad_accum=4",
     "model=minigpt model.activation_checkpointing=blocks train.grad_accum=2",
     "model=gpt2 zero=stage2 zero.overlap=true",
+    # the update's peak, after the batches (eight micro-batches of a context-parallel rank's copies)
+    # are freed and beside the loss's accumulator, as the trainer holds them
+    "model=llama dist.cp=2 train.grad_accum=8 zero=stage0",
     # experts with every expert on the rank: the dry step's balanced loads are the run's to the byte
     # (what each expert keeps is its own rows'; they add up to the assignments)
     "model=mixtral_tiny dist.tp=2 zero=stage3",

@@ -81,25 +81,38 @@ def stage_step_peak(cfg: RunConfig, stage: int, cp: int = 0) -> int:
     meter.restart()  # the build's temporaries are not a step's (nor are they the run's)
     m = cfg.train.grad_accum
     program = PipelineStep(cfg, mesh, model, chunks, "meta") if chunks else LocalStep(model, m, "meta")
-    micro = BatchPlan(cfg.global_batch, cfg.dp_size, m).micro_batch
-    documents = cfg.data.document_mask
-    batches = [micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed, documents) for _ in range(m)]
-    for batch in batches:  # the step's are made at once, as the trainer's ``held_batches``
-        held = [t for t in batch[:3] if t is not None]
-        if mesh.cp is None:  # the run's tokens are views of the corpus's windows on the CPU
-            meter.ignore(held)
-        else:  # a context-parallel rank's are copies of its chunks, with their positions
-            meter.hold(held)
+    batches = _batches(cfg, mesh, meter)
     counter = routing_count.RoutingCount.for_run(cfg, model, mesh, program, torch.device("meta"))
     with MetaMemo(), cpu_kernels(cfg), meter:  # (the meter sees what the others return)
         counter.count(batches)  # (the step's routing, where counted first; its update after is not run)
-        program.run(batches)
+        summed = program.run(batches)  # (the loss's accumulator lives to the step's end, as the trainer's)
+        # The trainer's batches die when its forward and backward return, before the update (at
+        # many micro-batches of one row a context-parallel rank's copies are 3 KB of a step's peak).
+        del batches
         for g in optimizer.groups.values():  # ZeroOptimizer.sync_grads short of reading the norm
             g.sync_squares()
             g.use_norm(1.0)
         optimizer.apply_update(1e-3)
         optimizer.zero_grad()
+    del summed
     return meter.peak
+
+
+def _batches(cfg: RunConfig, mesh, meter: LiveBytes) -> list[tuple]:
+    """The step's micro-batches, made at once as the trainer's ``held_batches`` makes them, and
+    counted as the run counts them."""
+    micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
+    documents = cfg.data.document_mask
+    batches = [
+        micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed, documents) for _ in range(cfg.train.grad_accum)
+    ]
+    for batch in batches:
+        held = [t for t in batch[:3] if t is not None]
+        if mesh.cp is None:  # the run's tokens are views of the corpus's windows on the CPU
+            meter.ignore(held)
+        else:  # a context-parallel rank's are copies of its chunks, with their positions
+            meter.hold(held)
+    return batches
 
 
 def _on_meta(model: torch.nn.Module) -> torch.nn.Module:
