@@ -131,6 +131,8 @@ LAYOUTS = [
     # the update's peak, after the batches (eight micro-batches of a context-parallel rank's copies)
     # are freed and beside the loss's accumulator, as the trainer holds them
     "model=llama dist.cp=2 train.grad_accum=8 zero=stage0",
+    # ZeRO-3's data-parallel ranks differ: a unit ends inside one rank's partition and not another's
+    "model=qwen3_tiny dist.tp=2 train.grad_accum=8 model.activation_checkpointing=blocks zero=stage3",
     # experts with every expert on the rank: the dry step's balanced loads are the run's to the byte
     # (what each expert keeps is its own rows'; they add up to the assignments)
     "model=mixtral_tiny dist.tp=2 zero=stage3",

@@ -46,14 +46,18 @@ from distlib.comm.mesh import shape_mesh
 
 def rank_step_peaks(cfg: RunConfig) -> list[int | None]:
     """Each rank's predicted step peak in bytes, in rank order (None: not predicted). The ranks of
-    one pipeline stage and context-parallel coordinate hold the same shapes at the same moments
-    (context-parallel ranks do not: a ring's causal steps differ by rank, 10,240 bytes at gpt2's
-    ring over two)."""
+    one pipeline stage hold the same shapes at the same moments but where their context-parallel
+    coordinate differs (a ring's causal steps differ by rank: 10,240 bytes at gpt2's ring over two)
+    or, at ZeRO-2/3, their data-parallel one (a bucket or a unit ends inside one rank's partition
+    and not another's: 12,288 bytes at qwen3_tiny's ZeRO-3 over two), so each such place runs."""
     if cfg.data.document_mask:
         return [None] * cfg.dist.world_size
     layout = cfg.layout
-    places = [(c["pp"], c["cp"]) for c in map(layout.coords, range(layout.world_size))]
-    return [stage_step_peak(cfg, pp, cp) for pp, cp in places]
+    by_dp = cfg.zero.stage >= 2
+    places = [
+        (c["pp"], c["cp"], c["dp"] if by_dp else 0) for c in map(layout.coords, range(layout.world_size))
+    ]
+    return [stage_step_peak(cfg, pp, cp, dp) for pp, cp, dp in places]
 
 
 def exact(cfg: RunConfig) -> bool:
@@ -69,10 +73,10 @@ def estimated(cfg: RunConfig) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def stage_step_peak(cfg: RunConfig, stage: int, cp: int = 0) -> int:
-    """The first rank of pipeline stage ``stage`` at context-parallel coordinate ``cp``: the most
-    bytes alive at once in one step."""
-    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage, cp=cp))
+def stage_step_peak(cfg: RunConfig, stage: int, cp: int = 0, dp: int = 0) -> int:
+    """The first rank of pipeline stage ``stage`` at context-parallel coordinate ``cp`` and
+    data-parallel ``dp``: the most bytes alive at once in one step."""
+    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage, cp=cp, dp=dp))
     meter = LiveBytes("meta")
     with meter:
         model = _on_meta(shape_model(cfg, mesh))
