@@ -78,6 +78,17 @@ def test_memory_the_rank_did_not_allocate_and_other_devices_are_not_counted():
         fresh = torch.ones(4, device="meta")
         meta.ignore([fresh])
     del part, ignored, fresh
+    windows = torch.zeros(8, device="meta")  # made unseen, as the dry step's batches
+    dry = LiveBytes("meta")
+    dry.ignore([windows])
+    with dry:
+        windows.view(2, 4)
+        assert dry.now == 0
+        del windows  # its key is free again: a storage made next may take it, and counts
+        for _ in range(20):
+            kept = torch.ones(8, device="meta")
+            assert dry.now == 32
+            del kept
 
 
 def test_a_device_named_without_its_index_is_every_one_of_its_kind():

@@ -34,7 +34,7 @@ class LiveBytes(TorchDispatchMode):
         self._bytes: dict[int, int] = {}  # storage key -> bytes counted for it
         self._refs: dict[int, weakref.ref] = {}
         self._resized: set[int] = set()  # storages seen at two sizes, re-read after every operator
-        self._ignored: set[int] = set()
+        self._ignored: dict[int, weakref.ref] = {}  # storage key -> a weak reference to it
 
     def hold(self, tensors) -> None:
         """Count ``tensors`` (allocated before the meter saw them) as alive until they are freed."""
@@ -43,8 +43,12 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.now)
 
     def ignore(self, tensors) -> None:
-        """Never count the storages of ``tensors`` (not the rank's allocation, as a NumPy array's)."""
-        self._ignored.update(t.untyped_storage()._cdata for t in tensors)
+        """Never count the storages of ``tensors`` (not the rank's allocation, as a NumPy array's)
+        while they live: a storage made after one dies may take its key."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            self._ignored[key] = weakref.ref(storage, lambda _, key=key: self._ignored.pop(key, None))
 
     def restart(self) -> None:
         """Forget the peak so far: from now on it is the most alive at once from here."""
