@@ -169,3 +169,21 @@ def measured(tmp_path_factory):
 def test_predicted_model_states_are_the_measured_bytes_on_every_rank(measured):
     trees, runs = measured
     assert matrix_misses([{"tree": t, "memory": m} for t, m in zip(trees, runs)]) == {}
+
+
+def test_a_gpus_step_holds_its_own_copies_of_the_tokens(monkeypatch):
+    """On a GPU each rank copies its micro-batches' inputs and targets to the device (two int64
+    tensors of rows x seq each, all the step's micro-batches at once); on the CPU they are views of
+    the corpus's windows, no allocation of the rank's. The dry step's peak (in backward, beside them)
+    differs by exactly those copies."""
+    from distlib.app.plan import step_peak
+
+    cfg = RunConfig.from_dict(compose_tree(["model=llama", "dist.world_size=1", "train.grad_accum=2"]))
+    step_peak.stage_step_peak.cache_clear()
+    on_cpu = step_peak.stage_step_peak(cfg, 0)
+    monkeypatch.setattr(RunConfig, "device", lambda self, local_rank: "cuda:0")
+    step_peak.stage_step_peak.cache_clear()
+    on_gpu = step_peak.stage_step_peak(cfg, 0)
+    step_peak.stage_step_peak.cache_clear()
+    rows = cfg.global_batch // cfg.train.grad_accum
+    assert on_gpu - on_cpu == cfg.train.grad_accum * 2 * rows * cfg.model.seq_len * 8

@@ -110,11 +110,14 @@ def _batches(cfg: RunConfig, mesh, meter: LiveBytes) -> list[tuple]:
     batches = [
         micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed, documents) for _ in range(cfg.train.grad_accum)
     ]
+    on_gpu = cfg.device(0) != "cpu"  # (a GPU's tokens are copies of the windows, each its own)
+    if on_gpu and mesh.cp is None:
+        batches = [(batch[0].clone(), batch[1].clone(), *batch[2:]) for batch in batches]
     for batch in batches:
         held = [t for t in batch[:3] if t is not None]
-        if mesh.cp is None:  # the run's tokens are views of the corpus's windows on the CPU
+        if mesh.cp is None and not on_gpu:  # the run's tokens are views of the corpus's windows
             meter.ignore(held)
-        else:  # a context-parallel rank's are copies of its chunks, with their positions
+        else:  # copies: a context-parallel rank's chunks with their positions, or on a GPU
             meter.hold(held)
     return batches
 
