@@ -11,6 +11,8 @@
 #   f  ZeRO-3 with 2-way tensor parallelism on the GPU (4 ranks): RESUME VERIFIED
 #   g  tests/test_gpu.py (pytest)
 #   h  the gpt2_124m preset (GPT-2 small) on one GPU: tokens/s and MFU, ours vs torch DDP (gpu_throughput.py)
+#   i  the step peak on the GPU (4 ranks, ZeRO-3, 2 steps, metrics.step_peak): every rank's measured
+#      bytes against the planner's dry step (scripts/plan.py's), within 3%
 # Python: $PYTHON or python3 (the machine's torch; nothing installs torch). hydra-core, omegaconf,
 # antlr4 (and PyYAML, numpy, safetensors, pytest if missing) come from the wheels in .gpu_wheels/
 # and go into a temporary directory on PYTHONPATH. Everything is logged to $OUT (if set, else a
@@ -57,6 +59,26 @@ EOF
        grep -q " passed" "$LOG/g_pytest.log" && ! grep -qE "skipped|failed|error" "$LOG/g_pytest.log" ;;
     h) $PY benchmarks/gpu_throughput.py --model gpt2_124m --batch 8 --steps 10 --device "$DEV" \
          --json "$LOG/gpu_throughput_gpt2_124m.json" ;;
+    i) $PY train.py train.device=$DEV zero=stage3 train.steps=2 metrics.step_peak=true checkpoint.every_steps=0 \
+         checkpoint.verify_resume=false hydra.run.dir="$LOG/i_step_peak" > "$LOG/i_step_peak.log" 2>&1 \
+         || { tail -n 20 "$LOG/i_step_peak.log"; exit 1; }
+       $PY - "$LOG/i_step_peak" <<'EOF'
+import json, sys, yaml
+from distlib.app.config.run import RunConfig
+from distlib.app.plan.step_peak import rank_step_peaks
+run = sys.argv[1]
+with open(f"{run}/.hydra/config.yaml") as f:
+    cfg = RunConfig.from_dict(yaml.safe_load(f))
+with open(f"{run}/report.json") as f:
+    measured = [row["measured"]["step_peak"] for row in json.load(f)["memory"]]
+planned = rank_step_peaks(cfg)
+worst = max(abs(m - p) / p for m, p in zip(measured, planned))
+for rank, (m, p) in enumerate(zip(measured, planned)):
+    print(f"rank {rank}  step peak measured {m}  planned {p}  off {m - p:+d} B")
+print(f"largest relative difference: {worst:.2e} (limit 3e-2)")
+sys.exit(0 if worst <= 0.03 else 1)
+EOF
+       ;;
   esac
   exit $?
 fi
@@ -105,9 +127,9 @@ export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 
 # step:seconds -- a 4-rank capstone here takes ~10-20 s (CUDA start-up per rank included)
 results=()
-for spec in a:90 b:60 c:90 d:90 e:90 f:60 g:90 h:180; do
+for spec in a:90 b:60 c:90 d:90 e:90 f:60 g:90 h:180 i:90; do
   step=${spec%%:*} limit=${spec##*:}
-  [[ " ${GPU_CHECK_STEPS:-a b c d e f g h} " == *" $step "* ]] || continue
+  [[ " ${GPU_CHECK_STEPS:-a b c d e f g h i} " == *" $step "* ]] || continue
   echo
   echo "=== step $step (limit ${limit}s)"
   t0=$(date +%s)
