@@ -78,11 +78,7 @@ def stage_step_peak(cfg: RunConfig, stage: int, cp: int = 0, dp: int = 0) -> int
     data-parallel ``dp``: the most bytes alive at once in one step."""
     mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage, cp=cp, dp=dp))
     meter = LiveBytes("meta")
-    with meter:
-        model = _on_meta(shape_model(cfg, mesh))
-        chunks, splits = place_model_(model, cfg, mesh)
-        optimizer = build_optimizer(cfg, model, mesh, splits, chunk_segments(model, chunks))
-    meter.restart()  # the build's temporaries are not a step's (nor are they the run's)
+    model, chunks, optimizer = _built(cfg, mesh, meter)
     m = cfg.train.grad_accum
     program = PipelineStep(cfg, mesh, model, chunks, "meta") if chunks else LocalStep(model, m, "meta")
     batches = _batches(cfg, mesh, meter)
@@ -100,6 +96,18 @@ def stage_step_peak(cfg: RunConfig, stage: int, cp: int = 0, dp: int = 0) -> int
         optimizer.zero_grad()
     del summed
     return meter.peak
+
+
+def _built(cfg: RunConfig, mesh, meter: LiveBytes) -> tuple:
+    """The rank's model, its pipeline chunks and its ZeRO optimizer, as ``rank_build.build`` makes
+    them, under ``meter``; what the build leaves alive is counted, its temporaries are not a
+    step's (nor are they the run's)."""
+    with meter:
+        model = _on_meta(shape_model(cfg, mesh))
+        chunks, splits = place_model_(model, cfg, mesh)
+        optimizer = build_optimizer(cfg, model, mesh, splits, chunk_segments(model, chunks))
+    meter.restart()
+    return model, chunks, optimizer
 
 
 def _batches(cfg: RunConfig, mesh, meter: LiveBytes) -> list[tuple]:
@@ -128,6 +136,9 @@ def _on_meta(model: torch.nn.Module) -> torch.nn.Module:
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = moved.setdefault(id(buffer), buffer.to("meta"))
+            if buffer is None:
+                continue
+            if id(buffer) not in moved:
+                moved[id(buffer)] = buffer.to("meta")
+            module._buffers[name] = moved[id(buffer)]
     return model
