@@ -83,6 +83,18 @@ def test_the_meter_counts_each_saved_storage_once_and_no_parameters():
     z.backward()
 
 
+def test_what_a_dropped_branch_saved_is_not_kept_for_the_backward():
+    x = torch.randn(4, 8, requires_grad=True)
+    lin = torch.nn.Linear(8, 8)
+    meter = ActivationMeter()
+    with meter.measure(lin):
+        unused = x.exp()  # saves its output; nothing uses it, so its graph (and what it saved) goes
+        del unused
+        y = lin(x)  # saves x
+    assert meter.peak == x.nbytes
+    y.sum().backward()
+
+
 def test_checkpointed_model_matches_in_isolation_including_dropout():
     tokens = torch.randint(0, 64, (2, 16))
     grads = []

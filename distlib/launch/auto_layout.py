@@ -19,7 +19,6 @@ from __future__ import annotations
 from distlib.app.config.run import ConfigError
 from distlib.app.plan import candidates, devices
 from distlib.app.plan.report import (
-    CONFIRM_AT_MOST,
     GB,
     Planned,
     fastest,
@@ -51,11 +50,11 @@ def choose(tree: dict, overrides: list[str]) -> tuple[dict, str]:
             "raise dist.budget_gb or dist.world_size"
         )
     best = fastest(planned, budget)
-    chosen = best or first_fitting(planned, budget)[0]
+    chosen, tried = (best, 0) if best is not None else first_fitting(planned, budget)
     if chosen is None:
         raise ConfigError(
             f"dist.layout=auto: no layout fits dist.budget_gb={budget:g} in its step: the "
-            f"{CONFIRM_AT_MOST} smallest by model states and activations peak above it (the first at "
+            f"{tried} smallest by model states and activations peak above it (the first at "
             f"{with_step_peaks(fitting[0]).need / GB:.6g} GB on its fullest rank); "
             "raise dist.budget_gb or dist.world_size"
         )

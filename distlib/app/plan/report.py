@@ -75,6 +75,7 @@ class Planned:
         return budget is None or self.need <= budget * GB
 
     def as_dict(self, budget: float | None) -> dict:
+        peaks = self.step_peaks or [None] * len(self.ranks)
         return {
             "overrides": self.overrides,
             "peak_bytes": self.peak,
@@ -82,8 +83,8 @@ class Planned:
             "fits": self.fits(budget),
             "step_peak_bytes": self.step_peak,
             "ranks": [
-                {**r.as_dict(), "activations": a, "step_peak": None if self.step_peaks is None else s}
-                for r, a, s in zip(self.ranks, self.activations, self.step_peaks or self.activations)
+                {**r.as_dict(), "activations": a, "step_peak": s}
+                for r, a, s in zip(self.ranks, self.activations, peaks)
             ],
             "time": None if self.time is None else self.time.as_dict(),
         }
@@ -104,7 +105,7 @@ def with_step_peaks(layout: Planned) -> Planned:
     return dataclasses.replace(layout, step_peaks=rank_step_peaks(layout.cfg))
 
 
-# The most layouts whose step is run dry to find one that fits (0.1-0.3 s each for the presets).
+# The most layouts whose step is run dry to find one that fits (40-140 ms each for the presets).
 CONFIRM_AT_MOST = 20
 
 
