@@ -216,3 +216,14 @@ def test_starved_experts_train_to_one_ranks_losses(starved_one_rank, ep, stage, 
         assert losses == pytest.approx(ref_losses, abs=TOL, rel=0), rank
         assert aux == pytest.approx(ref_aux, abs=TOL, rel=0), rank
         assert norms == pytest.approx(ref_norms, abs=TOL, rel=0), rank
+
+
+@pytest.mark.parametrize("assignments, experts", [(0, 4), (3, 8), (16, 4), (17, 5), (1, 1), (7, 3)])
+def test_balanced_loads_deal_every_assignment_and_differ_by_one_at_most(assignments, experts):
+    """The planner's dry step's loads (expert_loads.balanced): every assignment dealt, none lost or
+    made up, the shares as even as they go (the first ones one more), empty shares included."""
+    from distlib.app.model.expert_loads import balanced
+
+    loads = balanced(assignments, experts)
+    assert len(loads) == experts and sum(loads) == assignments and min(loads) >= 0
+    assert max(loads) - min(loads) <= 1 and loads == sorted(loads, reverse=True)

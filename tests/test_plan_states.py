@@ -137,6 +137,8 @@ LAYOUTS = [
     # (what each expert keeps is its own rows'; they add up to the assignments)
     "model=mixtral_tiny dist.tp=2 zero=stage3",
     "model=qwen3_moe train.dtype=bf16 zero=stage1",
+    # fewer assignments than experts (2 tokens, top 2, 8 experts): experts with no rows at all
+    "model=mixtral_tiny model.seq_len=2 train.global_batch=4",
 ]
 ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
 ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]

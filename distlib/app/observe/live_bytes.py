@@ -104,7 +104,8 @@ class StepMeter:
     """``metrics.step_peak`` in a run: a ``LiveBytes`` over the model's build and the run's first
     two steps (the first makes what later ones reuse, the causal mask; the second allocates as
     every later one does). Later steps run at full speed: the meter costs a Python call per
-    operator (20 steps of the capstone's model took 5.0 s instead of 3.7). Off, it does nothing."""
+    operator (the llama preset over 4 ranks, every one of 20 steps metered: 5.0 s instead of 3.7 s
+    end to end). Off, it does nothing."""
 
     def __init__(self, device, on: bool) -> None:
         self.live = LiveBytes(device) if on else None

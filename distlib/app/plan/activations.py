@@ -20,17 +20,16 @@ once, each holding its unit's bytes, as the ``Recorder`` adds them up; its sends
 schedule's. ``tests/test_plan_compose.py`` checks the composition against the whole step program.
 
 Models with experts run with balanced loads (``expert_loads``: the meta device has no routing to
-read): to the byte with every expert on the rank (what each keeps is its own rows', and they add
-up to the assignments whatever the router chose), an estimate over expert-parallel ranks or with
-a capacity (``routing_estimated``). Where the experts' routing is counted before the step
-(balanced by their biases, or by the loss over several micro-batches or stages: ``routing_count``)
-each unit runs the count first, as the trainer does, and its blocks keep what the step's balance
-charges; the step time is not predicted there (the count's collectives come once a step, not once
-a unit). Not predicted (None): document masks over context-parallel ranks (the chunks a rank
-holds follow the documents) and the pipeline stages of a model whose blocks differ (DeepSeek-V3's
-first dense ones). At cp = 1 a mask's shape is all that counts: the
-dry step's documents are shapes only, and the document-mask matrix
-(tests/test_document_mask_train.py) checks them.
+read): to the byte with every expert on the rank (what each keeps is its own rows', and they add up
+to the assignments whatever the router chose), an estimate over expert-parallel ranks or with a
+capacity (``routing_estimated``). Where the experts' routing is counted before the step (balanced by
+their biases, or by the loss over several micro-batches or stages: ``routing_count``) each unit runs
+the count first, as the trainer does, and its blocks keep what the step's balance charges; the step
+time is not predicted there (the count's collectives come once a step, not once a unit). Not
+predicted (None): document masks over context-parallel ranks (the chunks a rank holds follow the
+documents) and the pipeline stages of a model whose blocks differ (DeepSeek-V3's first dense ones).
+At cp = 1 a mask's shape is all that counts: the dry step's documents are shapes only, and the
+document-mask matrix (tests/test_document_mask_train.py) checks them.
 """
 
 from __future__ import annotations
@@ -186,7 +185,11 @@ class _CpuKernels(TorchDispatchMode):
 
 def cpu_kernels(cfg: RunConfig):
     """``_CpuKernels`` where ``cfg`` runs on the CPU in a low precision, else nothing."""
-    return _cpu_kernels(_Rank.of(cfg).cpu)
+    return _cpu_kernels(_low_precision_on_cpu(cfg))
+
+
+def _low_precision_on_cpu(cfg: RunConfig) -> bool:
+    return cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32
 
 
 def _cpu_kernels(cpu: bool):
@@ -210,7 +213,7 @@ class _Rank:
 
     @staticmethod
     def of(cfg: RunConfig) -> _Rank:
-        cpu = cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32
+        cpu = _low_precision_on_cpu(cfg)
         dist = _shape(cfg.dist, cfg.layout.stage().world_size if cfg.model.has_experts else None)
         counted = routing_count.counted(cfg)
         return _Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask, counted)
