@@ -85,6 +85,17 @@ def _steps(kills: int, every: int) -> int:
     return every * (2 + ((3 + every + 1) * (kills + 1)) // every)
 
 
+def steps_lost(records: list[dict], t_kill: float) -> int:
+    """Steps recorded before the kill that the restart after it runs again: the newest step whose
+    record rank 0 made before ``t_kill``, less the step the restart resumed from. Never below 0:
+    the restart may resume from a step rank 0 recorded only after ``t_kill`` (the kill reached its
+    rank after ``t_kill`` was read, or rank 0 lagged the killed rank, whose snapshot of the step was
+    already written: on a loaded machine both happen), and then no step is run again."""
+    done = max(r["step"] for r in records if r["type"] == "step" and r["time"] < t_kill)
+    restart = next(r for r in records if r.get("event") == "restart" and r["time"] > t_kill)
+    return max(0, done - restart["step"])
+
+
 def reference_run(base: Path, kills: int, world_size: int, every: int = 5, extra: tuple = ()) -> Path:
     """The uninterrupted job the kill loops' final checkpoints are compared with; its directory."""
     args = [*overrides(world_size, _steps(kills, every), every), *extra]
@@ -133,9 +144,7 @@ def run(
     code = job.finish()
     records = job.records()
     for row in rows:
-        done = max(r["step"] for r in records if r["type"] == "step" and r["time"] < row["t"])
-        restart = next(r for r in records if r.get("event") == "restart" and r["time"] > row["t"])
-        row["steps_lost"] = done - restart["step"]
+        row["steps_lost"] = steps_lost(records, row["t"])
         row["phases_s"] = job.phases(row["t"], row["pid"], row["attempt"])
         row["first_step_s"] = row["phases_s"]["first step"]
     same = code == 0 and final_files(job.run_dir, steps) == final_files(reference, steps)

@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _own_job import OwnJob  # noqa: E402
 from _torchrun_job import PHASES, ROOT, Job  # noqa: E402
+from chaos import steps_lost  # noqa: E402
 
 KEYS = ("steps_lost", *PHASES)
 
@@ -65,11 +66,6 @@ def _keep_output(job: Job) -> None:
 
 def _restart_after(job: Job, t_kill: float) -> dict:
     return next(r for r in job.records() if r.get("event") == "restart" and r["time"] > t_kill)
-
-
-def _lost(job: Job, t_kill: float) -> int:
-    done = max(r["step"] for r in job.records() if r["type"] == "step" and r["time"] < t_kill)
-    return done - _restart_after(job, t_kill)["step"]
 
 
 def fault_run(run_dir: Path, args, memory: int) -> dict:
@@ -118,7 +114,8 @@ def external_run(run_dir: Path, args, rng: random.Random, launcher=Job) -> list[
     _keep_output(job)
     if code != 0:
         raise SystemExit(f"run failed ({code}): {job.tail()}")
-    return [{"steps_lost": _lost(job, t), **job.phases(t, v, a)} for t, v, a in kills]
+    records = job.records()
+    return [{"steps_lost": steps_lost(records, t), **job.phases(t, v, a)} for t, v, a in kills]
 
 
 def _median(rows: list[dict]) -> dict:
