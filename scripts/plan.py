@@ -211,11 +211,21 @@ def search(
     if doc is None:
         unknown = "" if best.activations_known else " (its activations not predicted)"
         print(f"smallest that fits: {' '.join(best.overrides) or '(as given)'}{unknown}, {_peak_of(best)}")
-        quick = fastest(planned, budget)
-        if quick is not None:
-            what, ms = " ".join(quick.overrides) or "(as given)", 1e3 * quick.time.total_s
-            print(f"fastest that fits (predicted {ms:.1f} ms a step): {what}, {_peak_of(quick)}")
+        print(_fastest_line(planned, budget))
     return 0, planned
+
+
+def _fastest_line(planned: list[Planned], budget: float | None) -> str:
+    quick, tried = fastest(planned, budget)
+    if quick is not None:
+        what, ms = " ".join(quick.overrides) or "(as given)", 1e3 * quick.time.total_s
+        return f"fastest that fits (predicted {ms:.1f} ms a step): {what}, {_peak_of(quick)}"
+    if tried == 0:
+        return "fastest that fits: not predicted (no layout that fits has a predicted step time)"
+    return (
+        f"fastest that fits: none of the {tried} fastest whose model states and activations fit fits "
+        "in its step; the smallest that fits is the one to run"
+    )
 
 
 def _peak_of(layout: Planned) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distlib.app.config.run import RunConfig
-from distlib.app.plan import step_peak
+from distlib.app.plan import report, step_peak
 from distlib.app.plan.activations import rank_activations
 from distlib.app.plan.states import model_states
 from distlib.launch import plan_verify
@@ -84,6 +84,48 @@ def test_the_table_names_the_smallest_and_the_fastest_layout_that_fit(capsys):
     assert said == f"fastest that fits (predicted {quickest:.1f} ms a step)"
     assert ms[tuple(chosen.split())] == quickest and len(set(ms.values())) > 1
     assert peak == _step_peak_said("model=llama", "zero=stage3", *chosen.split())
+
+
+def test_the_fastest_line_says_so_when_none_it_tried_fits_in_its_step(capsys, monkeypatch):
+    words = ("model=llama", "dist.world_size=4", "zero=stage3")
+    _, out, _ = run(capsys, *words, "plan.budget_gb=1")
+    fastest = out.splitlines()[-1].split(": ", 1)[1].split(", ")[0].split()
+    smallest = out.splitlines()[-2].split(": ", 1)[1].split(", ")[0].split()
+    assert fastest != smallest
+    # a budget the fastest's model states and activations fit but its step does not, while the
+    # smallest's step does; and one layout tried each way
+    monkeypatch.setattr(report, "CONFIRM_AT_MOST", 1)
+    (fast_kept, fast_step), (_, small_step) = (_peaks(*words, *layout) for layout in (fastest, smallest))
+    assert max(fast_kept, small_step) < fast_step
+    budget = (max(fast_kept, small_step) + fast_step) / 2 / 1e9
+    status, out, err = run(capsys, *words, f"plan.budget_gb={budget!r}")
+    assert status == 0, err
+    assert out.splitlines()[-1] == (
+        "fastest that fits: none of the 1 fastest whose model states and activations fit fits in its "
+        "step; the smallest that fits is the one to run"
+    )
+    assert out.splitlines()[-2].startswith(f"smallest that fits: {' '.join(smallest)}, ")
+
+
+def test_the_fastest_line_says_so_when_no_step_time_is_predicted(capsys):
+    # DeepSeek-V3 balances by selection biases: its routing is counted before each step, and no
+    # layout of it has a predicted step time (docs/parallelism.md)
+    words = ("model=deepseek_v3_tiny", "dist.world_size=2", "dist.tp=2", "train.grad_accum=1")
+    status, out, err = run(capsys, *words, "plan.budget_gb=1")
+    assert status == 0, err
+    rows = [line for line in out.splitlines() if "  yes  " in line]
+    assert rows and all(" ? " in row for row in rows)  # no row has a step time
+    assert out.splitlines()[-1] == (
+        "fastest that fits: not predicted (no layout that fits has a predicted step time)"
+    )
+
+
+def _peaks(*words: str) -> tuple[int, int]:
+    """(model states and activations kept, step peak) of one layout's fullest rank, in bytes."""
+    cfg = RunConfig.from_dict(compose_tree(["dist.world_size=4", *words]))
+    step_peak.stage_step_peak.cache_clear()
+    kept = max(r.params + r.grads + r.optimizer + a for r, a in zip(model_states(cfg), rank_activations(cfg)))
+    return kept, max(step_peak.rank_step_peaks(cfg))
 
 
 def _step_peak_said(*words: str) -> str:

@@ -49,7 +49,7 @@ def choose(tree: dict, overrides: list[str]) -> tuple[dict, str]:
             f"{smallest.peak / GB:.6g} GB on its fullest rank ({what}); "
             "raise dist.budget_gb or dist.world_size"
         )
-    best = fastest(planned, budget)
+    best = fastest(planned, budget)[0]
     chosen, tried = (best, 0) if best is not None else first_fitting(planned, budget)
     if chosen is None:
         raise ConfigError(

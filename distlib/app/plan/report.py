@@ -223,8 +223,9 @@ def table(planned: list[Planned], budget: float | None) -> list[str]:
     return lines
 
 
-def fastest(planned: list[Planned], budget: float | None) -> Planned | None:
+def fastest(planned: list[Planned], budget: float | None) -> tuple[Planned | None, int]:
     """The layout predicted fastest among those whose step peak fits (None: none fits, or none is
-    timed), from the fastest of those whose states and activations fit (``first_fitting``)."""
+    timed), from the fastest of those whose states and activations fit (``first_fitting``); and how
+    many were tried."""
     timed = sorted((p for p in planned if p.time is not None), key=lambda p: p.time.total_s)
-    return first_fitting(timed, budget)[0]
+    return first_fitting(timed, budget)
