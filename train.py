@@ -208,7 +208,14 @@ def run_config(cfg: DictConfig) -> None:
         preload = recompute.imports(run_cfg.model.activation_checkpointing)
         d = run_cfg.dist
         local.launch(
-            tree, d.world_size, str(run_dir), run_cfg.metrics.file, preload, d.max_restarts, d.timeout_s
+            tree,
+            d.world_size,
+            str(run_dir),
+            run_cfg.metrics.file,
+            preload,
+            d.max_restarts,
+            d.timeout_s,
+            d.standbys,
         )
 
 

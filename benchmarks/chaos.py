@@ -1,12 +1,14 @@
 """A kill loop (torchft's punisher, in small): K SIGKILLs of random ranks at random moments of one job.
 
     .venv/bin/python benchmarks/chaos.py [--kills 20] [--world-size 4] [--seed 0]
-                                         [--launchers torchrun,own] [--keep DIR]
+                                         [--launchers torchrun,own,standby] [--keep DIR]
 
 The capstone with snapshots every step and disk checkpoints every few steps
 (``checkpoint.resume=latest``), under each launcher in turn: ``torchrun --max-restarts K`` (every
-worker restarts after a kill) and ``python train.py dist.max_restarts=K`` (own: the lost worker
-alone is replaced, the others stay in their processes; distlib/launch/agent.py). Each kill picks,
+worker restarts after a kill), ``python train.py dist.max_restarts=K`` (own: the lost worker
+alone is replaced, the others stay in their processes; distlib/launch/agent.py) and the same with
+``dist.standbys=1`` (standby: the replacement is a worker started beforehand and waiting,
+distlib/launch/standby.py). Each kill picks,
 from a seeded generator, a rank (every rank in turn of a shuffled order, so rank 0 is hit too) and
 a moment: inside a step, inside a disk save (its ``.partial`` directory exists), or inside a
 snapshot round (the job's /dev/shm directory holds two steps' files); the job is given 3 steps
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _own_job import OwnJob  # noqa: E402
+from _own_job import OwnJob, StandbyJob  # noqa: E402
 from _torchrun_job import ROOT, Job  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -36,7 +38,7 @@ from distlib.checkpoint import memory_snapshot as shm  # noqa: E402
 from distlib.checkpoint import sharded as checkpoint  # noqa: E402
 
 MOMENTS = ("step", "save", "snapshot")
-LAUNCHERS = {"torchrun": Job, "own": OwnJob}
+LAUNCHERS = {"torchrun": Job, "own": OwnJob, "standby": StandbyJob}
 
 
 def overrides(world_size: int, steps: int, every: int) -> list[str]:
@@ -134,19 +136,23 @@ def run(
         job.wait_for(lambda b=begun: job.last_step() >= b + 3, what="3 steps of this start")
         moment = _wait_moment(job, MOMENTS[attempt % len(MOMENTS)], rng)
         victims = job.ranks()
+        idle = job.standby_memory() if launcher == "standby" else []
         rank = order.pop()
         t_kill = job.kill(victims[rank])
         job.wait_for(
             lambda t=t_kill: any(r.get("event") == "restart" and r["time"] > t for r in job.records()),
             what="the restart",
         )
-        rows.append({"rank": rank, "moment": moment, "t": t_kill, "pid": victims[rank], "attempt": attempt})
+        row = {"rank": rank, "moment": moment, "t": t_kill, "pid": victims[rank], "attempt": attempt}
+        rows.append({**row, "replacement": job.ranks().get(rank), "standbys_idle": idle})
     code = job.finish()
     records = job.records()
     for row in rows:
         row["steps_lost"] = steps_lost(records, row["t"])
         row["phases_s"] = job.phases(row["t"], row["pid"], row["attempt"])
         row["first_step_s"] = row["phases_s"]["first step"]
+        # the rank's new worker was a standby already waiting when the kill came
+        row["from_standby"] = getattr(job, "standby_seen", {}).get(row["replacement"], row["t"]) < row["t"]
     same = code == 0 and final_files(job.run_dir, steps) == final_files(reference, steps)
     recorded = [r["step"] for r in records if r["type"] == "step"]
     return {
@@ -180,6 +186,11 @@ def _report(result: dict, args) -> None:
         f"{result['records_repeated']} recorded twice"
     )
     print(f"  kill -> next step: median {statistics.median(times):.2f} s, max {max(times):.2f} s")
+    if result["launcher"] == "standby":
+        print(f"  replacements that were standbys already waiting: {sum(k['from_standby'] for k in kills)}")
+        idle = [m for k in kills for m in k["standbys_idle"]]
+        mb = {what: max(m[what] for m in idle) / 2**20 for what in ("private", "pss")}
+        print(f"  an idle standby's memory: at most {mb['private']:.1f} MiB its own, {mb['pss']:.1f} MiB PSS")
     print(
         f"  final checkpoint byte-identical to an uninterrupted run: {result['byte_identical']}; "
         f"/dev/shm clean: {result['shm_clean']}"
@@ -189,6 +200,7 @@ def _report(result: dict, args) -> None:
 LAUNCHER_WORDS = {
     "torchrun": "torchrun --max-restarts, every worker restarts",
     "own": "python train.py dist.max_restarts, the lost worker is replaced and the others stay",
+    "standby": "the same with dist.standbys=1: a standby started beforehand takes the lost worker's place",
 }
 
 
@@ -197,7 +209,9 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--launchers", default="torchrun,own", help="comma-separated: torchrun, own")
+    parser.add_argument(
+        "--launchers", default="torchrun,own,standby", help="comma-separated: torchrun, own, standby"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
     parser.add_argument("--keep", default=None, help="keep the jobs' directories under this directory")
     args = parser.parse_args()

@@ -3,7 +3,7 @@ inside a disk save, inside a snapshot round -- and the job still finishes with i
 byte-identical to an uninterrupted run's, no recorded step run again (every step in metrics.jsonl
 once), and nothing left in /dev/shm (benchmarks/chaos.py, small): under torchrun --max-restarts
 (2 ranks, 3 kills), and under python train.py dist.max_restarts, where only the lost worker is
-replaced (4 ranks, 5 kills)."""
+replaced (4 ranks, 5 kills), there also by a standby started beforehand (dist.standbys=1)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,22 @@ def test_three_kills_at_random_moments_redo_no_step_and_change_no_byte(tmp_path)
     assert result["byte_identical"] and result["shm_clean"]
 
 
+KILLS = 5
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run the own launcher's five-kill loops end equal to (one, for both)."""
+    return chaos.reference_run(tmp_path_factory.mktemp("reference"), KILLS, 4)
+
+
 @pytest.mark.slow
-def test_five_kills_under_the_own_launcher_replace_the_lost_worker_alone_and_change_no_byte(tmp_path):
-    kills = 5
-    result = chaos.run(tmp_path, kills=kills, world_size=4, seed=1, launcher="own")
+@pytest.mark.parametrize("launcher", ["own", "standby"])
+def test_five_kills_under_the_own_launcher_replace_the_lost_worker_alone_and_change_no_byte(
+    tmp_path, reference, launcher
+):
+    kills = KILLS
+    result = chaos.run(tmp_path, kills=kills, world_size=4, seed=1, launcher=launcher, reference=reference)
     assert result["exit_code"] == 0, result["stderr_tail"]
     rows = result["kills"]
     assert [k["moment"] for k in rows] == ["step", "save", "snapshot", "step", "save"], rows
@@ -64,8 +76,10 @@ def test_five_kills_under_the_own_launcher_replace_the_lost_worker_alone_and_cha
     assert all(k["steps_lost"] == 0 for k in rows), _brief(rows)
     assert result["steps_unrecorded"] == [] and result["records_repeated"] == 0
     assert result["byte_identical"] and result["shm_clean"]
-    # one new process per kill: the survivors kept theirs (torchrun would start 4 per kill)
+    # one new worker per kill: the survivors kept theirs (torchrun would start 4 per kill)
     assert result["worker_processes"] == 4 + kills, result["worker_processes"]
+    # with dist.standbys=1 each new worker was a standby waiting before its kill; without, none was
+    assert [k["from_standby"] for k in rows] == [launcher == "standby"] * kills, _brief(rows)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from forkrun import run_script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import chaos  # noqa: E402
 from _own_job import OwnJob  # noqa: E402
+from _torchrun_job import _alive  # noqa: E402
 
 STEPS = ["train.steps=400", "train.global_batch=12", "checkpoint.memory_every_steps=1"]
 
@@ -105,6 +106,43 @@ def test_dist_max_restarts_under_another_launcher_is_refused_in_one_line(tmp_pat
         "config error: dist.max_restarts=1 is python train.py's own launcher's (it replaces a lost "
         "worker while the others stay); under srun: requeue the job instead"
     ]
+
+
+def test_standbys_without_restarts_are_refused_in_one_line(tmp_path):
+    proc = run_script("train.py", "dist.standbys=1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "config error: dist.standbys=1 keeps workers ready to replace lost ones, and "
+        "dist.max_restarts=0 replaces none: set dist.max_restarts too"
+    ]
+
+
+@pytest.mark.slow
+def test_a_standby_lost_while_idle_costs_no_restart_and_its_successor_takes_a_lost_ranks_place(tmp_path):
+    job = OwnJob(tmp_path / "run", [*STEPS, "dist.standbys=1"], nproc=3, max_restarts=1).start()
+    job.wait_for(lambda: job.last_step() >= 2 and job.standbys(), what="step 2 and a standby")
+    [idle] = job.standbys()
+    job.kill(idle)
+    job.wait_for(lambda: job.standbys() not in ([], [idle]), what="the next standby")
+    [successor] = job.standbys()
+    first = job.ranks()
+    t_kill = job.kill(first[2])
+    job.wait_for(
+        lambda: any(r.get("event") == "restart" and r["time"] > t_kill for r in job.records()),
+        what="the restart",
+    )
+    # the standby is rank 2 now; the survivors kept their processes; another standby waits
+    assert job.ranks() == {0: first[0], 1: first[1], 2: successor}
+    job.wait_for(lambda: job.standbys() not in ([], [successor]), what="a standby again")
+    [last] = job.standbys()
+    job.kill(first[0])  # past dist.max_restarts=1 (the idle standby's loss used none)
+    assert job.finish(timeout=120) == 1
+    _, err = job.output()
+    said = f"a standby (pid {idle}) was lost while idle (killed by SIGKILL): another is started; "
+    assert said + "no restart is used" in err
+    assert f"a standby (pid {successor}) takes its place" in err and "restart 1 of dist.max_restarts=1" in err
+    assert "no restart left (dist.max_restarts=1, 1 used)" in err
+    assert not any(_alive(pid) for pid in (last, successor, first[1]))  # nothing of the job is left
 
 
 @pytest.mark.slow

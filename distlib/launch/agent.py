@@ -19,6 +19,9 @@ a fork, not an interpreter), and watches their exit codes:
   or after the others have finished) ends the job: no generation follows, each survivor says why
   it stopped, and this process names the failed ranks in one line and exits 1.
 
+With ``dist.standbys=K`` the replacement is one of K idle workers started ahead of time
+(standby.py), not a fork made once the loss is seen.
+
 The store lives in this process, not in a worker, so losing rank 0 is survived like any other.
 SIGTERM/SIGINT are forwarded to the workers (they save and stop) as under torch's agent.
 """
@@ -35,6 +38,8 @@ import time
 import torch.distributed as dist
 
 from distlib.launch import generations, worker
+from distlib.launch.parent import describe_exit
+from distlib.launch.standby import Standbys
 from distlib.launch.torchrun import ATTEMPT_ENV
 
 POLL_S = 0.01  # how often the agent looks at its workers' exit codes (a wait, not CPU)
@@ -42,14 +47,18 @@ SETTLE_S = 2.0  # how long survivors told that no generation follows get to say 
 STOP_GRACE_S = 30.0  # then how long those still running get to stop on SIGTERM (a save included)
 
 
-def _describe(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-
-
 class Agent:
     """The workers of one job on this host, replaced in place when lost (see the module's text)."""
 
-    def __init__(self, tree: dict, world_size: int, run_dir: str, max_restarts: int, timeout_s: float):
+    def __init__(
+        self,
+        tree: dict,
+        world_size: int,
+        run_dir: str,
+        max_restarts: int,
+        timeout_s: float,
+        standbys: int = 0,
+    ):
         self.tree, self.world_size, self.run_dir = tree, world_size, run_dir
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self.store = dist.TCPStore(
@@ -60,6 +69,8 @@ class Agent:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.context = multiprocessing.get_context("forkserver")
+        address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port)}
+        self.standbys = Standbys(standbys, self.context, (address, tree, run_dir, timeout_s))
         self.workers: dict[int, multiprocessing.Process] = {}
         self.generation = self.restarts = 0
         self.stop_signal: int | None = None
@@ -92,14 +103,23 @@ class Agent:
         self.restarts += len(lost)
         for rank, code in sorted(lost.items()):
             pid = self.workers[rank].pid
-            self._spawn(rank)
+            taker = self._fill(rank)
             print(
-                f"rank {rank} was lost ({_describe(code)}, pid {pid}): a new worker takes its place and "
+                f"rank {rank} was lost ({describe_exit(code)}, pid {pid}): {taker} takes its place and "
                 f"the other ranks stay (restart {self.restarts} of dist.max_restarts={self.max_restarts})",
                 file=sys.stderr,
                 flush=True,
             )
         self.store.set(generations.KEY, str(self.generation))
+
+    def _fill(self, rank: int) -> str:
+        """``rank``'s new worker: an idle standby if there is one, else a fork; which, in words."""
+        standby = self.standbys.take(self._env(rank))
+        if standby is None:
+            self._spawn(rank)
+            return "a new worker"
+        self.workers[rank] = standby
+        return f"a standby (pid {standby.pid})"
 
     # -- watching ---------------------------------------------------------------------------
     def run(self) -> tuple[str | None, dict[int, int]]:
@@ -112,6 +132,7 @@ class Agent:
                 self._spawn(rank)
             failed = self._watch()
         finally:
+            self.standbys.dismiss()
             for s, handler in handlers.items():
                 signal.signal(s, handler)
         name = signal.Signals(self.stop_signal).name if self.stop_signal else None
@@ -129,6 +150,7 @@ class Agent:
                 return {}
             ended = {rank: code for rank, code in codes.items() if code}
             if not ended:
+                self.standbys.tend()
                 time.sleep(POLL_S)
                 continue
             self.why_not = self._why_not_replaced(ended, codes)
@@ -177,6 +199,6 @@ class Agent:
 
     def failure_line(self, failed: dict[int, int]) -> str:
         """The launcher's line for the failures that ended the job (each survivor said its own)."""
-        ranks = ", ".join(f"rank {rank} ({_describe(code)})" for rank, code in sorted(failed.items()))
+        ranks = ", ".join(f"rank {rank} ({describe_exit(code)})" for rank, code in sorted(failed.items()))
         hung = f"; still running {SETTLE_S:g} s after, so stopped: rank(s) {self.stopped}"
         return f"error: training failed: {ranks}{self.why_not or ''}{hung if self.stopped else ''}"

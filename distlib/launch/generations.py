@@ -41,7 +41,7 @@ def current() -> int:
 _BASE: list[dist.TCPStore] = []  # this process's one client of the agent's store
 
 
-def _base_store(timeout_s: float) -> dist.TCPStore:
+def base_store(timeout_s: float) -> dist.TCPStore:
     """The agent's store, through one connection for the life of the process: a survivor asks it
     for each generation (a new connection each time would pay TCPStore's connect, and its retries
     when the agent is busy, on a recovery's critical path)."""
@@ -59,7 +59,7 @@ def _base_store(timeout_s: float) -> dist.TCPStore:
 
 def store(timeout_s: float) -> dist.Store:
     """This generation's store: the agent's, under the generation's own key prefix."""
-    return dist.PrefixStore(f"distlib/generation_{current()}", _base_store(timeout_s))
+    return dist.PrefixStore(f"distlib/generation_{current()}", base_store(timeout_s))
 
 
 def enter(generation: int) -> None:
@@ -80,7 +80,7 @@ def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
     """Wait until the agent starts a generation after this worker's own; its number, or None when
     the agent says none follows or none has started within WAIT_S (at most ``timeout_s``, the
     store's)."""
-    base, mine = _base_store(timeout_s), current()
+    base, mine = base_store(timeout_s), current()
     deadline = time.monotonic() + min(WAIT_S, timeout_s)
     while time.monotonic() < deadline:
         newer = _newer(base, mine)
@@ -96,7 +96,7 @@ def assemble(world_size: int, timeout_s: float, poll_s: float = 0.005) -> bool:
     rank of this one was lost while it formed, and torch's rendezvous would have waited out the
     timeout for it). Raises TimeoutError naming the count after ``timeout_s``, or when the agent
     says no generation follows."""
-    base, mine = _base_store(timeout_s), current()
+    base, mine = base_store(timeout_s), current()
     arrived = f"distlib/generation_{mine}/arrived"
     count = base.add(arrived, 1)
     deadline = time.monotonic() + timeout_s

@@ -72,13 +72,16 @@ def launch(
     preload: tuple[str, ...] = (),
     max_restarts: int = 0,
     timeout_s: float = 60.0,
+    standbys: int = 0,
 ) -> None:
     """Run ``world_size`` workers of the checked configuration ``tree`` in ``run_dir`` to the end;
     exits this process on failure. The modules ``preload`` names, which every worker would import
     itself, are imported here once, before the workers are forked. With ``max_restarts`` > 0 a
-    lost worker is replaced and the others stay (``agent.Agent``; ``timeout_s``: its store's)."""
+    lost worker is replaced and the others stay (``agent.Agent``; ``timeout_s``: its store's;
+    ``standbys``: idle workers kept ready to replace one)."""
     if max_restarts > 0:
-        _launch_in_place(tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s)
+        agent_args = (max_restarts, timeout_s, standbys)
+        _launch_in_place(tree, world_size, run_dir, metrics_file, preload, agent_args)
         return
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -123,13 +126,14 @@ def _start_fork_server(preload: tuple[str, ...]) -> None:
     prefork.start()  # the server as a fork of this process, before the agent's first thread
 
 
-def _launch_in_place(tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s) -> None:
-    """``launch`` under the agent that replaces a lost worker while the others stay."""
+def _launch_in_place(tree, world_size, run_dir, metrics_file, preload, agent_args: tuple) -> None:
+    """``launch`` under the agent that replaces a lost worker while the others stay
+    (``agent_args``: its max_restarts, timeout_s and standbys)."""
     from distlib.launch.agent import Agent
 
     _start_fork_server(preload)
     started = time.time()
-    agent = Agent(tree, world_size, run_dir, max_restarts, timeout_s)
+    agent = Agent(tree, world_size, run_dir, *agent_args)
     try:
         stopped, failed = agent.run()
     finally:

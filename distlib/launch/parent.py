@@ -31,3 +31,8 @@ def name_process(name: str) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         return
+
+
+def describe_exit(code: int) -> str:
+    """A child's exit code in words: the signal that killed it (negative), else the status."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"

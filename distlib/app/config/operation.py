@@ -27,6 +27,9 @@ class DistConfig(Group):
         group with the new worker, and every rank resumes from the newest snapshot or checkpoint (with
         checkpoint.memory_every_steps=1 no recorded step is redone); 0: a lost worker ends the job. Under
         torchrun, its --max-restarts restarts every worker instead
+    standbys: with dist.max_restarts > 0, this many idle workers kept started (torch and the trainer
+        imported, joined to the job's store, no model): a lost worker's place goes to one of them instead of
+        a process forked once the loss is seen, and another is started in its place; 0: forked then
     tp: tensor-parallel degree: attention heads and the MLP split over this many ranks (divides world_size,
         model.n_heads, llama's model.n_kv_heads and the MLP width); ZeRO shards over the world_size / tp
         data-parallel ranks
@@ -71,6 +74,7 @@ class DistConfig(Group):
     backend: str = key("gloo", choices=("gloo", "nccl"))
     timeout_s: float = key(60.0, gt=0)
     max_restarts: int = key(0, ge=0)
+    standbys: int = key(0, ge=0)
     tp: int = key(1, ge=1)
     check_collectives: bool = key(True)
     collectives: str = key("ours", choices=COLLECTIVES)
@@ -86,6 +90,11 @@ class DistConfig(Group):
     budget_gb: float | None = key(None, gt=0)
 
     def check(self) -> None:
+        if self.standbys and not self.max_restarts:
+            raise ConfigError(
+                f"dist.standbys={self.standbys} keeps workers ready to replace lost ones, and "
+                "dist.max_restarts=0 replaces none: set dist.max_restarts too"
+            )
         if self.budget_gb is not None and self.layout != "auto":
             raise ConfigError(
                 f"dist.budget_gb={self.budget_gb:g} bounds the layout dist.layout=auto picks, and "
