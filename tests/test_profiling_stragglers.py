@@ -86,6 +86,26 @@ def test_the_peak_is_every_ranks_256_cubed_matmul_rate_summed():
     assert run_ranks(_probe_on_a_fake_clock, 3) == [expected] * 3
 
 
+def _probes_of_two_generations_and_another_process(comm):
+    calls = []
+
+    def counted(device):
+        calls.append(device)
+        return 1e9
+
+    throughput.probe_flops = counted  # this fork's module
+    peaks = [throughput.peak_flops(comm, torch.device("cpu")) for _ in range(2)]
+    probes_here = len(calls)
+    throughput.os = types.SimpleNamespace(getpid=lambda: -1)  # as another process would see it
+    throughput.probed(torch.device("cpu"))
+    return peaks, probes_here, len(calls)
+
+
+def test_a_rank_that_stays_keeps_its_probe_and_another_process_probes_again():
+    [(peaks, probes_here, probes_in_all)] = run_ranks(_probes_of_two_generations_and_another_process, 1)
+    assert peaks == [1e9, 1e9] and probes_here == 1 and probes_in_all == 2
+
+
 def test_profiled_steps_leave_one_trace_per_rank_with_named_collectives(slow_run):
     run_dir, _ = slow_run
     for rank in range(3):

@@ -5,7 +5,8 @@ forward, 4 backward; attention's score arithmetic is left out, as in the usual M
 parameters a token meets (all tensor-parallel shards together; of a mixture of experts the routed
 experts it is sent to, not all of them: ``active_param_count``). The peak
 is measured once at start, on every rank at the same time (so ranks sharing cores see the share
-they get): the best of a few 256x256 fp32 matrix multiplies (2 x 256^3 operations each), summed over ranks::
+they get; a lost rank's replacement measures its own alone, and the ranks that stayed keep theirs):
+the best of a few 256x256 fp32 matrix multiplies (2 x 256^3 operations each), summed over ranks::
 
     mfu = 6 * P * tokens_per_step / step_time_s / sum over ranks of peak_flops
 
@@ -17,6 +18,7 @@ prints which it used.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -83,9 +85,27 @@ def job_peak(comm: Comm, device: torch.device, dtype: str, per_rank: float | Non
     return peak_flops(comm, device), f"measured: the best of {PROBE_REPEATS} {PROBE_N}x{PROBE_N} fp32 matmuls"
 
 
+# This process's probe per device: a rank that stays through a lost peer's replacement (the own
+# agent's generations, distlib/launch/worker.py) keeps the figure it measured beside the others at
+# the job's start instead of probing again, alone with the replacement, on the recovery's path
+# (14 ms of a survivor's recovery in a py-spy trace of the capstone; benchmarks/chaos.py's median
+# kill-to-next-step did not move beyond its run-to-run spread, 0.14-0.16 s). Keyed by process id
+# too: a fork probes for itself.
+_PROBED: dict[tuple[int, str], float] = {}
+
+
+def probed(device: torch.device) -> float:
+    """This process's probe of ``device``, measured on its first call in the process."""
+    key = (os.getpid(), str(device))
+    if key not in _PROBED:
+        _PROBED[key] = probe_flops(device)
+    return _PROBED[key]
+
+
 def peak_flops(comm: Comm, device: torch.device) -> float:
-    """Every rank's probe, summed: the job's peak. Collective (one gather)."""
-    return sum(row[0] for row in agree.gather([probe_flops(device)], comm))
+    """Every rank's probe (once per process and device), summed: the job's peak. Collective (one
+    gather)."""
+    return sum(row[0] for row in agree.gather([probed(device)], comm))
 
 
 def mfu(model_flops_per_step: float, seconds: float, peak: float) -> float | None:
