@@ -6,7 +6,9 @@ rules."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ from forkrun import run_script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import chaos  # noqa: E402
 from _own_job import OwnJob  # noqa: E402
-from _torchrun_job import _alive  # noqa: E402
+from _torchrun_job import _alive, _children  # noqa: E402
 
 STEPS = ["train.steps=400", "train.global_batch=12", "checkpoint.memory_every_steps=1"]
 
@@ -143,6 +145,23 @@ def test_a_standby_lost_while_idle_costs_no_restart_and_its_successor_takes_a_lo
     assert f"a standby (pid {successor}) takes its place" in err and "restart 1 of dist.max_restarts=1" in err
     assert "no restart left (dist.max_restarts=1, 1 used)" in err
     assert not any(_alive(pid) for pid in (last, successor, first[1]))  # nothing of the job is left
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_every_process_of_the_job_saves_and_stops_leaving_no_standby(tmp_path):
+    # as scancel or a service manager signals the whole job: the launcher, its fork server, the
+    # workers and the idle standby at once
+    job = OwnJob(tmp_path / "run", [*STEPS, "dist.standbys=1"], nproc=2, max_restarts=1).start()
+    job.wait_for(lambda: job.last_step() >= 2 and job.standbys(), what="step 2 and a standby")
+    [idle] = job.standbys()
+    everyone = [job.proc.pid, *_children(job.proc.pid), *job.ranks().values(), idle]
+    for pid in everyone:
+        os.kill(pid, signal.SIGTERM)
+    assert job.finish(timeout=120) == 0, job.tail()
+    _, err = job.output()
+    assert "SIGTERM: the workers saved a checkpoint at step" in err
+    assert "standby" not in err  # not lost, not replaced: dismissed with the job
+    assert not any(_alive(pid) for pid in everyone)
 
 
 @pytest.mark.slow

@@ -150,7 +150,8 @@ class Agent:
                 return {}
             ended = {rank: code for rank, code in codes.items() if code}
             if not ended:
-                self.standbys.tend()
+                if self.stop_signal is None:  # a stopping job needs no standby
+                    self.standbys.tend()
                 time.sleep(POLL_S)
                 continue
             self.why_not = self._why_not_replaced(ended, codes)

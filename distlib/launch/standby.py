@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -33,7 +32,8 @@ def stand_by(orders: Connection, env: dict[str, str], tree: dict, run_dir: str, 
     ``orders`` and serve as that rank; leave when the agent closes the pipe. ``env``: the store's
     address."""
     os.environ.update(env)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (prefork._serve)
+    # SIGTERM stays ignored, as in the fork server (prefork._serve), until it serves (worker.serve):
+    # an idle standby ends with the agent (its pipe closed), not with a stop the workers save for
     die_with_parent()
     name_process(NAME)
     gc.freeze()  # as worker.serve: what the server imported is never walked by the collector
