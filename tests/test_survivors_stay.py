@@ -148,6 +148,26 @@ def test_a_standby_lost_while_idle_costs_no_restart_and_its_successor_takes_a_lo
 
 
 @pytest.mark.slow
+def test_two_ranks_lost_at_once_with_one_standby_are_both_replaced(tmp_path):
+    steps = 30
+    job = OwnJob(tmp_path / "run", [*chaos.overrides(4, steps, 5), "dist.standbys=1"], 4, max_restarts=2)
+    job.start().wait_for(lambda: job.last_step() >= 3 and job.standbys(), what="step 3 and a standby")
+    [idle], first = job.standbys(), job.ranks()
+    for rank in (1, 2):
+        job.kill(first[rank])
+    assert job.finish(timeout=120) == 0, job.tail()
+    _, err = job.output()
+    taken = re.findall(r"rank (\d) was lost \(killed by SIGKILL, pid \d+\): (.+?) takes its place", err)
+    assert sorted(rank for rank, _ in taken) == ["1", "2"], err
+    # the standby took one place (the first seen lost); the other went to a fork, or to the
+    # standby started after it when the second loss was seen in a later poll
+    assert f"a standby (pid {idle})" in {who for _, who in taken}
+    assert job.seen.keys() >= {first[0], first[3], idle} and len(job.seen) == 6
+    records = [r["step"] for r in job.records() if r["type"] == "step"]
+    assert sorted(records) == list(range(1, steps + 1))  # every step once
+
+
+@pytest.mark.slow
 def test_a_sigterm_to_every_process_of_the_job_saves_and_stops_leaving_no_standby(tmp_path):
     # as scancel or a service manager signals the whole job: the launcher, its fork server, the
     # workers and the idle standby at once
