@@ -12,6 +12,8 @@ Three ways a worker dies, the capstone on ``--world-size`` ranks under
   in place       the same kills under ``python train.py dist.max_restarts`` instead of torchrun:
                  the lost worker alone is replaced, the others stay (distlib/launch/agent.py);
                  its phases are the replacement's start and the first step
+  standby        the same with ``dist.standbys=1``: the lost worker's place goes to an idle worker
+                 started with the job (distlib/launch/standby.py)
   fault, snap    ``fault.kill_rank=1 fault.kill_at_step=--kill-at``: rank 1 kills itself after that
                  step (snapshots every step), ``--repeats`` jobs
   fault, disk    the same without snapshots (disk checkpoints only), ``--repeats`` jobs
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _own_job import OwnJob  # noqa: E402
+from _own_job import OwnJob, StandbyJob  # noqa: E402
 from _torchrun_job import PHASES, ROOT, Job  # noqa: E402
 from chaos import steps_lost  # noqa: E402
 
@@ -93,7 +95,8 @@ def fault_run(run_dir: Path, args, memory: int) -> dict:
 
 def external_run(run_dir: Path, args, rng: random.Random, launcher=Job) -> list[dict]:
     """One job, --external SIGKILLs of random ranks at random moments: a row per kill. ``launcher``:
-    Job (torchrun) or OwnJob (python train.py dist.max_restarts: the others stay)."""
+    Job (torchrun), OwnJob (python train.py dist.max_restarts: the others stay) or StandbyJob (the
+    same with a warm standby)."""
     steps = max(args.steps, 6 * (args.external + 1))
     job = launcher(
         run_dir, [*_base(args, 1), f"train.steps={steps}"], args.world_size, max_restarts=args.external
@@ -138,7 +141,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recovery.json"))
     parser.add_argument("--keep", default=None, help="keep the run directories under this directory")
     args = parser.parse_args()
-    runs: dict[str, list[dict]] = {"external": [], "in place": [], "snapshots": [], "disk only": []}
+    runs: dict[str, list[dict]] = {
+        n: [] for n in ("external", "in place", "standby", "snapshots", "disk only")
+    }
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
         for i in range(args.repeats):
@@ -150,6 +155,7 @@ def main() -> None:
         if args.external:
             runs["external"] = external_run(tmp / "external", args, random.Random(args.seed))
             runs["in place"] = external_run(tmp / "in_place", args, random.Random(args.seed), OwnJob)
+            runs["standby"] = external_run(tmp / "standby", args, random.Random(args.seed), StandbyJob)
     rows = {name: _median(rs) for name, rs in runs.items() if rs}
     print(f"{args.world_size} ranks; seconds from the kill (median of each row's kills)")
     print(
