@@ -18,8 +18,8 @@ memory; distlib/app/plan/devices.py says what is assumed). --layout: only the co
 layout, rank by rank, with its step peak. --json: the same as JSON on stdout. The activations kept
 for backward, the step peak and the step time are predicted for dense models and, with balanced
 expert loads, for models with experts (an estimate over expert-parallel ranks; no step time where
-their routing is counted before the step); not for document masks over context-parallel ranks
-(nor unlike blocks over pipeline stages): there the verdict says it covers the model states only.
+their routing is counted before the step); not for document masks over context-parallel ranks:
+there the verdict says it covers the model states only.
 --verify K: train the K smallest layouts and a seeded sample of K others (with --layout: the one)
 for a few steps each with train.py, and say for each whether every rank measured what was planned
 (exit status 1 if any did not), and its measured step time and step peak beside the predicted
@@ -159,10 +159,7 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     elif layout.step_peaks is not None:
         needs += "; its step's peak not predicted (document masks)"
     if not layout.activations_known:
-        needs += (
-            "; activations not predicted for this layout (document masks at cp > 1, or unlike blocks "
-            "over pipeline stages)"
-        )
+        needs += "; activations not predicted for this layout (document masks at cp > 1)"
     if layout.cfg is not None and layout.cfg.model.has_experts and layout.step_peak is not None:
         needs += "; with experts the step peak is an estimate (balanced expert loads)"
     if layout.cfg is not None and routing_estimated(layout.cfg) and layout.activations_known:

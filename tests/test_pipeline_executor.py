@@ -148,3 +148,19 @@ def check_against_one_rank(P: int, transport: str) -> None:
         for s in results[r]["gpipe"]["grads"]:
             for g1, g2 in zip(results[r]["gpipe"]["grads"][s], results[r]["1f1b"]["grads"][s]):
                 assert rel(g1, g2) < 1e-6
+
+
+def test_the_recorder_keeps_what_the_backward_needs_not_what_a_dropped_branch_saved():
+    x = torch.randn(4, 8, requires_grad=True)
+    lin = nn.Linear(8, 8)
+    rec = Recorder(0)
+    held: list = []
+    with rec.forward(0, 0, lin, held):
+        unused = x.exp()  # saves its output; nothing uses it, so its graph (and what it saved) goes
+        del unused
+        y = lin(x)  # saves x (the weight is the chunk's own: not counted)
+        held += [y]  # the chunk's output, held to its backward
+    assert rec.live_bytes == rec.peak_bytes == x.nbytes + y.nbytes
+    y.sum().backward()
+    rec.backward_done(0, 0)
+    assert rec.live_bytes == 0

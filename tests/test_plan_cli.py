@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distlib.app.config.run import RunConfig
-from distlib.app.plan import report, step_peak
+from distlib.app.plan import activations, report, step_peak
 from distlib.app.plan.activations import rank_activations
 from distlib.app.plan.states import model_states
 from distlib.launch import plan_verify
@@ -34,26 +34,22 @@ def run(capsys, *argv: str) -> tuple[int | str, str, str]:
 
 
 def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
-    status, out, _ = run(
-        capsys, "model=deepseek_v3_tiny", "dist.world_size=4", "plan.budget_gb=0.004", "--json"
-    )
+    words = ("model=deepseek_v3_tiny", "dist.world_size=4")
+    status, out, _ = run(capsys, *words, "plan.budget_gb=0.004", "--json")
     assert status == 0
     report = json.loads(out)
     layouts = report["layouts"]
-    known = [all(r["activations"] is not None for r in p["ranks"]) for p in layouts]
-    assert known == sorted(known, reverse=True) and 0 < sum(known) < len(known)  # the whole known first
-    for part in (True, False):  # each part smallest first
-        peaks = [p["peak_bytes"] for p, k in zip(layouts, known) if k == part]
-        assert peaks == sorted(peaks)
+    # every layout's activations, its pipeline stages' too (unlike blocks: a dense one first)
+    assert all(r["activations"] is not None for p in layouts for r in p["ranks"])
+    assert any("dist.pp=2" in p["overrides"] for p in layouts)
+    assert [p["peak_bytes"] for p in layouts] == sorted(p["peak_bytes"] for p in layouts)
     assert len(layouts) > 50 and report["refused"] > 0
     searched = {o.split("=")[0] for p in layouts for o in p["overrides"]}
     assert {"dist.tp", "dist.pp", "dist.cp", "dist.ep", "zero.stage", "zero.overlap"} <= searched
     assert {"dist.sp", "train.grad_accum", "model.activation_checkpointing"} <= searched
     for p in layouts[:: len(layouts) // 40]:  # 40 spread over them, each composed as a user would type it
-        cfg = RunConfig.from_dict(
-            compose_tree(["model=deepseek_v3_tiny", "dist.world_size=4", *p["overrides"]])
-        )
-        # (activations but over the stages of its unlike blocks; step peaks only when chosen)
+        cfg = RunConfig.from_dict(compose_tree([*words, *p["overrides"]]))
+        # (step peaks only when chosen)
         kept = rank_activations(cfg)
         ranks = [
             {**r.as_dict(), "activations": a, "step_peak": None} for r, a in zip(model_states(cfg), kept)
@@ -64,6 +60,20 @@ def test_every_listed_layout_is_accepted_and_predicted_as_listed(capsys):
         )
         assert p["fits"] == (p["peak_bytes"] <= 0.004e9)
     assert any(p["fits"] for p in layouts) and not all(p["fits"] for p in layouts)
+
+
+def test_layouts_whose_activations_are_not_predicted_are_listed_after_the_known(capsys, monkeypatch):
+    # as document masks make every context-parallel layout (whose data needs a tokenizer here)
+    monkeypatch.setattr(activations, "predicted", lambda cfg: cfg.dist.cp == 1)
+    status, out, _ = run(capsys, "model=llama", "dist.world_size=4", "plan.budget_gb=1", "--json")
+    assert status == 0
+    layouts = json.loads(out)["layouts"]
+    known = [all(r["activations"] is not None for r in p["ranks"]) for p in layouts]
+    assert known == sorted(known, reverse=True) and 0 < sum(known) < len(known)  # the whole known first
+    assert known == ["dist.cp=2" not in p["overrides"] and "dist.cp=4" not in p["overrides"] for p in layouts]
+    for part in (True, False):  # each part smallest first
+        peaks = [p["peak_bytes"] for p, k in zip(layouts, known) if k == part]
+        assert peaks == sorted(peaks)
 
 
 def test_the_table_names_the_smallest_and_the_fastest_layout_that_fit(capsys):

@@ -28,7 +28,7 @@ from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
 from distlib.app.model.routing_count import RoutingCount
-from distlib.app.plan import activations, candidates
+from distlib.app.plan import candidates, dry_inputs
 from distlib.app.plan.activations import rank_activations, stage_counts
 from distlib.app.plan.timing import Counted, OpCounter, grouped
 from distlib.comm import tally
@@ -44,7 +44,7 @@ def whole_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
     for p in module.parameters():
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
     micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
-    batch = activations.micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed)
+    batch = dry_inputs.micro_batch(cfg.model.seq_len, micro, mesh, cfg.seed)
     m = cfg.train.grad_accum
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, m, "meta")
     cpu = cfg.param_dtype != torch.float32
@@ -52,7 +52,7 @@ def whole_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
     # the trainer's routing count first, where the experts' routing is counted (the step time is not
     # predicted there: only the activations are compared)
     counter = RoutingCount.for_run(cfg, module, mesh, program, torch.device("meta"))
-    with activations._CpuKernels() if cpu else _nothing(), tally.tallied() as calls, ops:
+    with dry_inputs._CpuKernels() if cpu else _nothing(), tally.tallied() as calls, ops:
         counter.count([batch] * m)
         program.run([batch] * m)
     return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls))
@@ -91,6 +91,13 @@ LAYOUTS = [
     "model=mixtral_tiny dist.world_size=2 dist.pp=2 train.grad_accum=4",
     "model=qwen3_moe dist.world_size=2 dist.ep=2 train.grad_accum=2 dist.tp=1",
     "model=deepseek_v3_tiny dist.world_size=2 dist.ep=2",
+    # unlike blocks over pipeline stages: stage 0 a dense block and an MoE one, stage 1 two MoE;
+    # interleaved, rank 0's chunks a dense block and an MoE one, rank 1's the same
+    "model=deepseek_v3_tiny dist.world_size=2 dist.pp=2 train.grad_accum=2 model.n_layers=4",
+    "model=deepseek_v3_tiny dist.world_size=4 dist.pp=2 dist.tp=2 dist.pp_schedule=interleaved "
+    "dist.pp_virtual=2 model.n_layers=4 model.first_k_dense_replace=2 train.grad_accum=4 model.balance=aux",
+    "model=deepseek_v3_tiny dist.world_size=3 dist.pp=3 model.n_layers=6 model.first_k_dense_replace=3 "
+    "train.global_batch=6 train.grad_accum=3",
 ]
 
 

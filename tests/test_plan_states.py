@@ -139,6 +139,8 @@ LAYOUTS = [
     "model=qwen3_moe train.dtype=bf16 zero=stage1",
     # fewer assignments than experts (2 tokens, top 2, 8 experts): experts with no rows at all
     "model=mixtral_tiny model.seq_len=2 train.global_batch=4",
+    # unlike blocks over pipeline stages: DeepSeek-V3's dense block and an MoE one on stage 0
+    "model=deepseek_v3_tiny dist.pp=2 train.grad_accum=2",
 ]
 ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
 ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]

@@ -25,49 +25,43 @@ to the assignments whatever the router chose), an estimate over expert-parallel 
 capacity (``routing_estimated``). Where the experts' routing is counted before the step (balanced by
 their biases, or by the loss over several micro-batches or stages: ``routing_count``) each unit runs
 the count first, as the trainer does, and its blocks keep what the step's balance charges; the step
-time is not predicted there (the count's collectives come once a step, not once a unit). Not
-predicted (None): document masks over context-parallel ranks (the chunks a rank holds follow the
-documents) and the pipeline stages of a model whose blocks differ (DeepSeek-V3's first dense ones).
+time is not predicted there (the count's collectives come once a step, not once a unit). Where a
+model's blocks differ (DeepSeek-V3's first dense ones) a pipeline chunk runs whole, its dense
+blocks first as in the model. Not predicted (None): document masks over context-parallel ranks
+(the chunks a rank holds follow the documents).
 At cp = 1 a mask's shape is all that counts: the dry step's documents are shapes only, and the
 document-mask matrix (tests/test_document_mask_train.py) checks them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlib.app.config.groups import TrainConfig
 from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.operation import DistConfig
 from distlib.app.config.run import RunConfig
-from distlib.app.data.batches import BatchPlan, held_tokens
+from distlib.app.data.batches import BatchPlan
 from distlib.app.model import routing_count
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
 from distlib.app.model.routing_count import RoutingCount
+from distlib.app.plan.dry_inputs import kernels_of, low_precision_on_cpu, micro_batch
 from distlib.app.plan.meta_memo import MetaMemo
 from distlib.app.plan.timing import Counted, OpCounter, grouped, merged, times
 from distlib.comm import tally
 from distlib.comm.mesh import shape_mesh
-from distlib.parallel.documents import Documents
-from distlib.parallel.dropout import Draws
 from distlib.parallel.pipeline import schedule
 
 
 def predicted(cfg: RunConfig) -> bool:
     """Whether the activations (and so the step time) of ``cfg`` are predicted: not with document
-    masks over context-parallel ranks (the chunks each holds follow the documents), nor over the
-    pipeline stages of a model whose blocks differ (DeepSeek-V3's first dense ones: a stage's
-    chunk is composed of alike blocks)."""
-    if cfg.data.document_mask and cfg.dist.cp > 1:
-        return False
-    return cfg.dist.pp == 1 or blocks_alike(cfg.model)
+    masks over context-parallel ranks (the chunks each holds follow the documents)."""
+    return not (cfg.data.document_mask and cfg.dist.cp > 1)
 
 
 def routing_estimated(cfg: RunConfig) -> bool:
@@ -119,7 +113,8 @@ def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: in
         peak, unit, grads = _chunk(rank, micro, n_layers, "only")
         return peak, _one_step([_times(unit, m, grads)], m)
     per = n_layers // (P * v)
-    units = [_chunk(rank, micro, per, _position(schedule.stage_of(stage, c, P), P * v)) for c in range(v)]
+    places = [schedule.stage_of(stage, c, P) for c in range(v)]  # each chunk's among all P x v
+    units = [_chunk(rank, micro, per, _position(g, P * v), _dense(rank.model, g, per)) for g in places]
     actions = schedule.build(name, P, m, v)[stage]
     live = peak = 0
     for a in actions:  # the Recorder's sum: each chunk forward's bytes, held until its backward
@@ -143,6 +138,23 @@ def _one_step(counted: list[Counted], runs: int, sent: tuple = ()) -> Counted:
 
 def _position(stage: int, stages: int) -> str:
     return "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
+
+
+def _shallow(model: ModelConfig, blocks: int, stages: int, where: str, dense: int | None) -> ModelConfig:
+    """``model`` cut to ``stages`` stages of ``blocks`` blocks; where its blocks differ, those
+    before the stage run (``where``) dense, then ``dense`` of the stage's own."""
+    if dense is None:
+        return dataclasses.replace(model, n_layers=blocks * stages)
+    before = 0 if where in ("only", "first") else blocks
+    return dataclasses.replace(model, n_layers=blocks * stages, first_k_dense_replace=before + dense)
+
+
+def _dense(model: ModelConfig, chunk: int, per: int) -> int | None:
+    """How many of chunk ``chunk``'s ``per`` blocks are dense where a model's blocks differ
+    (DeepSeek-V3's first ``first_k_dense_replace``); None where they are alike."""
+    if blocks_alike(model):
+        return None
+    return min(max(model.first_k_dense_replace - chunk * per, 0), per)
 
 
 def _times(unit: Counted, m: int, grads: int) -> Counted:
@@ -171,31 +183,6 @@ def _sends(actions: list, rank: int, P: int, v: int, nbytes: int) -> tuple:
     return grouped(out)
 
 
-class _CpuKernels(TorchDispatchMode):
-    """torch's CPU kernels where what they keep differs from the meta device's (CUDA's) kernels:
-    layer_norm keeps its mean and rstd in a bf16 input's dtype, not float32 (measured: 10 of
-    minigpt's 44 saved tensors, 1,280 of 175,012 bytes at 4 x 16 tokens)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.native_layer_norm.default and args[0].dtype != torch.float32:
-            return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
-        return out
-
-
-def cpu_kernels(cfg: RunConfig):
-    """``_CpuKernels`` where ``cfg`` runs on the CPU in a low precision, else nothing."""
-    return _cpu_kernels(_low_precision_on_cpu(cfg))
-
-
-def _low_precision_on_cpu(cfg: RunConfig) -> bool:
-    return cfg.device(0) == "cpu" and cfg.param_dtype != torch.float32
-
-
-def _cpu_kernels(cpu: bool):
-    return _CpuKernels() if cpu else contextlib.nullcontext()
-
-
 @dataclasses.dataclass(frozen=True)
 class _Rank:
     """What a run depends on besides its rows, blocks and place: the model, the degrees that shape
@@ -213,7 +200,7 @@ class _Rank:
 
     @staticmethod
     def of(cfg: RunConfig) -> _Rank:
-        cpu = _low_precision_on_cpu(cfg)
+        cpu = low_precision_on_cpu(cfg)
         dist = _shape(cfg.dist, cfg.layout.stage().world_size if cfg.model.has_experts else None)
         counted = routing_count.counted(cfg)
         return _Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask, counted)
@@ -229,13 +216,15 @@ def _shape(d: DistConfig, stage_ranks: int | None) -> DistConfig:
     return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, world_size=d.tp * d.cp)
 
 
-def _chunk(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted, int]:
+def _chunk(
+    rank: _Rank, micro: int, blocks: int, where: str, dense: int | None = None
+) -> tuple[int, Counted, int]:
     """A chunk of ``blocks`` blocks at ``where`` with ``micro`` rows, as ``_run`` would give it:
     from the runs of one and two blocks, each block more adding what the second added (every
     byte, operator and call of a dense model's blocks is alike), so a deep model's chunks cost two
-    shallow runs."""
-    if blocks <= 2 or not blocks_alike(rank.model):  # (unlike blocks: the whole model, at pp = 1)
-        return _rows(rank, micro, blocks, where)
+    shallow runs. Unlike blocks (``dense`` of them dense, then the experts') run as the chunk."""
+    if blocks <= 2 or dense is not None or not blocks_alike(rank.model):
+        return _rows(rank, micro, blocks, where, dense)
     one, two = _rows(rank, micro, 1, where), _rows(rank, micro, 2, where)
     if not _holds(two[1].calls, one[1].calls):
         return _rows(rank, micro, blocks, where)  # the second block dropped a call: not alike
@@ -248,16 +237,18 @@ def _holds(more: tuple, fewer: tuple) -> bool:
     return all(times.get(call[:3], 0) >= call[3] for call in fewer)
 
 
-def _rows(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted, int]:
+def _rows(
+    rank: _Rank, micro: int, blocks: int, where: str, dense: int | None = None
+) -> tuple[int, Counted, int]:
     """``_run`` with ``micro`` rows, from the runs of two and three: every row more adds what the
     third added (its bytes, FLOPs, message bytes and its dropout draws' operators); one row runs
     as itself (a single row reshapes by views where more copy), so every micro-batch size costs
     at most three runs."""
     if micro <= 3:
-        return _run(rank, micro, blocks, where)
-    two, three = _run(rank, 2, blocks, where), _run(rank, 3, blocks, where)
+        return _run(rank, micro, blocks, where, dense)
+    two, three = _run(rank, 2, blocks, where, dense), _run(rank, 3, blocks, where, dense)
     if [c[:1] + c[2:] for c in two[1].calls] != [c[:1] + c[2:] for c in three[1].calls]:
-        return _run(rank, micro, blocks, where)  # a row more changed which calls run: not alike
+        return _run(rank, micro, blocks, where, dense)  # a row more changed which calls run: not alike
     return _extended(two, three, micro - 2, False)
 
 
@@ -285,14 +276,16 @@ def _extended(one: tuple, two: tuple, more: int, calls_added: bool) -> tuple[int
 
 
 @functools.lru_cache(maxsize=4096)
-def _run(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted, int]:
+def _run(
+    rank: _Rank, micro: int, blocks: int, where: str, dense: int | None = None
+) -> tuple[int, Counted, int]:
     """One micro-batch of the trainer's own step program through a chunk of ``blocks`` blocks at
     ``where`` (first, middle or last global stage of a pipeline of such chunks; only: a whole
-    model of ``blocks`` blocks at pp = 1), on the meta device: the bytes it keeps for its
-    backward, as the run measures them, what it computed and sent, and its parameters' gradient
-    bytes."""
+    model of ``blocks`` blocks at pp = 1), ``dense`` of them dense first where blocks differ, on
+    the meta device: the bytes it keeps for its backward, as the run measures them, what it
+    computed and sent, and its parameters' gradient bytes."""
     stages = {"only": 1, "first": 2, "last": 2, "middle": 3}[where]
-    model, dist = dataclasses.replace(rank.model, n_layers=blocks * stages), rank.dist
+    model, dist = _shallow(rank.model, blocks, stages, where, dense), rank.dist
     if where != "only":
         dist = dataclasses.replace(dist, pp=stages, pp_schedule="gpipe", world_size=dist.world_size * stages)
     stage = {"only": 0, "first": 0, "middle": 1, "last": stages - 1}[where]
@@ -305,7 +298,7 @@ def _run(rank: _Rank, micro: int, blocks: int, where: str) -> tuple[int, Counted
     batch = micro_batch(model.seq_len, micro, mesh, rank.seed, rank.documents)
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
     ops = OpCounter()
-    with MetaMemo(), _cpu_kernels(rank.cpu), tally.tallied() as calls, ops:
+    with MetaMemo(), kernels_of(rank.cpu), tally.tallied() as calls, ops:
         _count_routing(rank, module, mesh, program, batch)
         program.run([batch])
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -321,16 +314,3 @@ def _count_routing(rank: _Rank, module, mesh, program, batch) -> None:
         counter = RoutingCount.counter(module, mesh, program, 1, torch.device("meta"))
         with tally.tallied():
             counter.count([batch])
-
-
-def micro_batch(seq_len: int, micro: int, mesh, seed: int, documents: bool = False) -> tuple:
-    """(inputs, targets, positions, draws, documents) as the trainer hands one micro-batch over.
-    Its inputs and targets are views of one (micro, seq + 1) array of windows, which the meters
-    count whole, unless the context-parallel rank's chunks are copied out of it. The documents'
-    starts (with masks) are shapes only: at cp = 1 what a forward keeps does not depend on them."""
-    on = "cpu" if mesh.cp is not None else "meta"
-    windows = torch.zeros((micro, seq_len + 1), dtype=torch.long, device=on)
-    inputs, targets, positions = held_tokens(windows[:, :-1], windows[:, 1:], mesh.cp, "meta")
-    draws = Draws(seed, (), share=(mesh.tp.rank, mesh.tp.size)).of(range(micro))
-    starts = Documents(torch.zeros((micro, seq_len), dtype=torch.int64, device="meta")) if documents else None
-    return inputs, targets, positions, draws, starts

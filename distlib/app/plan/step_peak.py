@@ -39,7 +39,7 @@ from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import chunk_segments, place_model_, shape_model
 from distlib.app.observe.live_bytes import LiveBytes
 from distlib.app.optimizer import build_optimizer
-from distlib.app.plan.activations import cpu_kernels, micro_batch
+from distlib.app.plan.dry_inputs import cpu_kernels, micro_batch
 from distlib.app.plan.meta_memo import MetaMemo
 from distlib.comm.mesh import shape_mesh
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -44,22 +45,35 @@ class Recorder:
         # device too (every meta tensor's address is 0), where the planner runs this program.
         params = {p.untyped_storage()._cdata for p in module.parameters()}
         seen: dict[tuple[int, int], int] = {}
+        alive: dict[int, weakref.ref] = {}  # the storages counted, while they live
+
+        def forget(key: int) -> None:
+            """A saved tensor freed before the forward ended (its branch of the graph dropped: an
+            output nothing used) is not held for the backward, and its key may name a new storage
+            next (DeepSeek-V3's counts varied by ~0.3% from run to run before)."""
+            alive.pop(key, None)
+            for at in [at for at in seen if at[0] == key]:
+                del seen[at]
 
         def count(t: torch.Tensor) -> None:  # a view counts its own bytes, not its whole storage
-            storage = t.untyped_storage()._cdata
-            if storage not in params:
-                at = (storage, t.storage_offset() * t.element_size())
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in params:
+                if key not in alive:
+                    alive[key] = weakref.ref(storage, lambda _, key=key: forget(key))
+                at = (key, t.storage_offset() * t.element_size())
                 seen[at] = max(seen.get(at, 0), t.numel() * t.element_size())
 
         def pack(t: torch.Tensor):
             count(t)
-            return t
+            return t.detach()  # same storage; a saved output kept with its grad_fn would form a cycle
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         for t in held:
             count(t)
         nbytes = sum(seen.values())
+        alive.clear()  # (what dies from here on was held and is let go by its backward)
         self._held[(micro, chunk)] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
