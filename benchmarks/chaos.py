@@ -166,6 +166,8 @@ def run(
         "steps_unrecorded": sorted(set(range(1, steps + 1)) - set(recorded)),
         "records_repeated": len(recorded) - len(set(recorded)),
         "shm_clean": not shm.job_dir(job.run_dir).exists() and not shm.job_dir(reference).exists(),
+        # saves a kill interrupted, never committed: the job's end removes them
+        "partials_left": sorted(p.name for p in (job.run_dir / "checkpoints").glob(".step_*.partial")),
         "stderr_tail": job.tail() if code else "",
     }
 
@@ -193,7 +195,7 @@ def _report(result: dict, args) -> None:
         print(f"  an idle standby's memory: at most {mb['private']:.1f} MiB its own, {mb['pss']:.1f} MiB PSS")
     print(
         f"  final checkpoint byte-identical to an uninterrupted run: {result['byte_identical']}; "
-        f"/dev/shm clean: {result['shm_clean']}"
+        f"/dev/shm clean: {result['shm_clean']}; unfinished saves left: {len(result['partials_left'])}"
     )
 
 

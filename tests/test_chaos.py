@@ -50,7 +50,7 @@ def test_three_kills_at_random_moments_redo_no_step_and_change_no_byte(tmp_path)
     assert 0 in {k["rank"] for k in kills}
     assert all(k["steps_lost"] == 0 for k in kills), _brief(kills)  # no recorded step is run again
     assert result["steps_unrecorded"] == [] and result["records_repeated"] == 0
-    assert result["byte_identical"] and result["shm_clean"]
+    assert result["byte_identical"] and result["shm_clean"] and result["partials_left"] == []
 
 
 KILLS = 5
@@ -75,7 +75,7 @@ def test_five_kills_under_the_own_launcher_replace_the_lost_worker_alone_and_cha
     assert 0 in {k["rank"] for k in rows}
     assert all(k["steps_lost"] == 0 for k in rows), _brief(rows)
     assert result["steps_unrecorded"] == [] and result["records_repeated"] == 0
-    assert result["byte_identical"] and result["shm_clean"]
+    assert result["byte_identical"] and result["shm_clean"] and result["partials_left"] == []
     # one new worker per kill: the survivors kept theirs (torchrun would start 4 per kill)
     assert result["worker_processes"] == 4 + kills, result["worker_processes"]
     # with dist.standbys=1 each new worker was a standby waiting before its kill; without, none was
@@ -92,4 +92,4 @@ def test_kills_inside_a_step_and_an_async_save_under_the_own_launcher_change_no_
     assert [k["moment"] for k in result["kills"]] == ["step", "save"], result["kills"]
     assert all(k["steps_lost"] == 0 for k in result["kills"]), _brief(result["kills"])
     assert result["steps_unrecorded"] == [] and result["records_repeated"] == 0
-    assert result["byte_identical"] and result["shm_clean"]
+    assert result["byte_identical"] and result["shm_clean"] and result["partials_left"] == []

@@ -151,3 +151,21 @@ def test_existing_checkpoint_is_never_overwritten(tmp_path):
     assert (tmp_path / "checkpoints" / "step_00000006" / "manifest.json").read_bytes() == before
     with pytest.raises(CheckpointError):
         checkpoint.begin(tmp_path / "checkpoints" / "step_00000006")
+
+
+def test_the_runs_end_removes_unfinished_saves_and_nothing_else(tmp_path):
+    # a crash inside step 10's save that a resume from step 10's memory snapshot then went past:
+    # no save of step 10 comes again to remove its partial directory
+    root = tmp_path / "checkpoints"
+    for name in (
+        ".step_00000010.partial",
+        ".step_00000025.partial",
+        "step_00000005",
+        "step_00000010.damaged",
+    ):
+        (root / name).mkdir(parents=True)
+        (root / name / "rank00000.safetensors").write_bytes(b"x")
+    removed = checkpoint.remove_unfinished(root)
+    assert [p.name for p in removed] == [".step_00000010.partial", ".step_00000025.partial"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000010.damaged"]
+    assert checkpoint.remove_unfinished(tmp_path / "none") == []  # no directory: nothing to do

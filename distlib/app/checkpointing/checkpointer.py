@@ -247,6 +247,10 @@ class Checkpointer(RollbackSource):
         raises), then the last checkpoint is as trusted as it will get."""
         done = self.settle(step, log, fatal=True)
         self.memory.finish()
+        # (every save of the run is committed or dropped by now: settle)
+        if self.comm.rank == 0:
+            for partial in checkpoint.remove_unfinished(self.root):
+                self.say(f"checkpoint: removed {partial.name}, a save a lost rank left unfinished")
         self.retention.end()
         return done
 

@@ -26,7 +26,8 @@ again and ``resume=latest`` never picks them.
 
 Removed elsewhere, because none of them is a committed checkpoint: a save's ``.step_X.partial/``
 directory (a failed or dropped save, or one a crash left behind; the save protocol in
-``distlib.checkpoint.sharded`` removes it, it was never listed or loaded); a damaged checkpoint
+``distlib.checkpoint.sharded`` removes it, or the run's end, ``Checkpointer.finish``; it was never
+listed or loaded); a damaged checkpoint
 ``resume=latest`` skips is moved to ``step_X.damaged`` for inspection (``Loader.resolve``); the
 memory snapshots in /dev/shm (``MemorySnapshots``: each round replaces the last, the run's end
 removes them).
