@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from ckpt_util import train, tree
 
+from distlib.app.checkpointing.retention import remove_unfinished
 from distlib.app.runtime.faults import SAVE_CRASH_POINTS
 from distlib.checkpoint import sharded as checkpoint
 from distlib.checkpoint.sharded import CheckpointError
@@ -165,7 +166,7 @@ def test_the_runs_end_removes_unfinished_saves_and_nothing_else(tmp_path):
     ):
         (root / name).mkdir(parents=True)
         (root / name / "rank00000.safetensors").write_bytes(b"x")
-    removed = checkpoint.remove_unfinished(root)
+    removed = remove_unfinished(root)
     assert [p.name for p in removed] == [".step_00000010.partial", ".step_00000025.partial"]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000010.damaged"]
-    assert checkpoint.remove_unfinished(tmp_path / "none") == []  # no directory: nothing to do
+    assert remove_unfinished(tmp_path / "none") == []  # no directory: nothing to do

@@ -16,9 +16,9 @@ and reports (size, sha256) through an all-gather (``complete_save``); rank 0 cop
 run-level extra files (``extra_files``), writes ``manifest.json`` (temp name, fsync, rename) and
 then renames the directory to its final name. A crash at any point leaves either no
 ``step_XXXXXXXX`` directory or a complete one; a directory without a committed manifest is never
-loaded, the next save of its step removes a stale ``.partial`` (and the run's end any left,
-``remove_unfinished``), and an existing checkpoint is never overwritten. A failed write (a full
-disk) fails the save on every rank and removes the partial directory.
+loaded, the next save of its step removes a stale ``.partial`` (and the trainer's run end any
+left), and an existing checkpoint is never overwritten. A failed write (a full disk) fails the
+save on every rank and removes the partial directory.
 
 Loading is refused unless every file the manifest lists has the recorded size
 and sha256 and no other file is present (``verify``). Nothing is unpickled:
@@ -95,17 +95,6 @@ def begin(final: Path) -> None:
     if partial.exists():  # left behind by a save that crashed; it was never committed
         shutil.rmtree(partial)
     partial.mkdir()
-
-
-def remove_unfinished(root: Path) -> list[Path]:
-    """Remove the partial directories under ``root`` of saves that never committed and that no
-    later save of the same step removed (``begin``): a crash inside the save of a step that a
-    resume from its memory snapshot then went past. Only when no save is in flight (the run's end).
-    Returns what it removed."""
-    found = sorted(Path(root).glob(".step_*.partial")) if Path(root).is_dir() else []
-    for partial in found:
-        shutil.rmtree(partial, ignore_errors=True)
-    return found
 
 
 def write_shard(

@@ -43,7 +43,7 @@ from distlib.app.checkpointing.contents import Contents
 from distlib.app.checkpointing.loader import Loader
 from distlib.app.checkpointing.memory_snapshots import MemorySnapshots, fingerprint
 from distlib.app.checkpointing.resume_check import Kept, ResumeCheck, ResumeVerifier
-from distlib.app.checkpointing.retention import Retention
+from distlib.app.checkpointing.retention import Retention, remove_unfinished
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import GlobalBatches
 from distlib.app.model.bias_balance import state_buffers
@@ -249,7 +249,7 @@ class Checkpointer(RollbackSource):
         self.memory.finish()
         # (every save of the run is committed or dropped by now: settle)
         if self.comm.rank == 0:
-            for partial in checkpoint.remove_unfinished(self.root):
+            for partial in remove_unfinished(self.root):
                 self.say(f"checkpoint: removed {partial.name}, a save a lost rank left unfinished")
         self.retention.end()
         return done

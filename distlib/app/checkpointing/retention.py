@@ -26,8 +26,8 @@ again and ``resume=latest`` never picks them.
 
 Removed elsewhere, because none of them is a committed checkpoint: a save's ``.step_X.partial/``
 directory (a failed or dropped save, or one a crash left behind; the save protocol in
-``distlib.checkpoint.sharded`` removes it, or the run's end, ``Checkpointer.finish``; it was never
-listed or loaded); a damaged checkpoint
+``distlib.checkpoint.sharded`` removes it, or the run's end, ``remove_unfinished`` here, which
+``Checkpointer.finish`` calls; it was never listed or loaded); a damaged checkpoint
 ``resume=latest`` skips is moved to ``step_X.damaged`` for inspection (``Loader.resolve``); the
 memory snapshots in /dev/shm (``MemorySnapshots``: each round replaces the last, the run's end
 removes them).
@@ -36,6 +36,7 @@ removes them).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -148,3 +149,14 @@ class Retention:
 
         agree.agreed(move_aside, self.comm, RollbackError, rank0_only=True)
         return [str(dest) for _, dest in moves]
+
+
+def remove_unfinished(root: Path) -> list[Path]:
+    """Remove the partial directories under ``root`` of saves that never committed and that no
+    later save of the same step removed (``sharded.begin``): a crash inside the save of a step that a
+    resume from its memory snapshot then went past. Only when no save is in flight (the run's end).
+    Returns what it removed."""
+    found = sorted(Path(root).glob(".step_*.partial")) if Path(root).is_dir() else []
+    for partial in found:
+        shutil.rmtree(partial, ignore_errors=True)
+    return found
