@@ -126,6 +126,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # checkpoint is deleted only by Retention, through sharded.delete)
 REMOVES_NO_COMMITTED_CHECKPOINT = {
     "distlib/checkpoint/sharded.py": "a save's uncommitted .partial directory; and delete() itself",
+    "distlib/app/checkpointing/retention.py": "unfinished saves' .partial directories, at the run's end",
     "distlib/checkpoint/memory_snapshot.py": "memory snapshots in /dev/shm",
     "distlib/app/checkpointing/hf_export.py": "an unfinished Hugging Face export directory",
     "distlib/app/data/token_shards.py": "a token cache's failed build or its stale predecessor",
