@@ -80,8 +80,7 @@ def launch(
     lost worker is replaced and the others stay (``agent.Agent``; ``timeout_s``: its store's;
     ``standbys``: idle workers kept ready to replace one)."""
     if max_restarts > 0:
-        agent_args = (max_restarts, timeout_s, standbys)
-        _launch_in_place(tree, world_size, run_dir, metrics_file, preload, agent_args)
+        _launch_in_place(tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s, standbys)
         return
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -126,14 +125,15 @@ def _start_fork_server(preload: tuple[str, ...]) -> None:
     prefork.start()  # the server as a fork of this process, before the agent's first thread
 
 
-def _launch_in_place(tree, world_size, run_dir, metrics_file, preload, agent_args: tuple) -> None:
-    """``launch`` under the agent that replaces a lost worker while the others stay
-    (``agent_args``: its max_restarts, timeout_s and standbys)."""
+def _launch_in_place(
+    tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s, standbys
+) -> None:
+    """``launch`` under the agent that replaces a lost worker while the others stay."""
     from distlib.launch.agent import Agent
 
     _start_fork_server(preload)
     started = time.time()
-    agent = Agent(tree, world_size, run_dir, *agent_args)
+    agent = Agent(tree, world_size, run_dir, max_restarts, timeout_s, standbys)
     try:
         stopped, failed = agent.run()
     finally:

@@ -223,7 +223,7 @@ def _chunk(
     from the runs of one and two blocks, each block more adding what the second added (every
     byte, operator and call of a dense model's blocks is alike), so a deep model's chunks cost two
     shallow runs. Unlike blocks (``dense`` of them dense, then the experts') run as the chunk."""
-    if blocks <= 2 or dense is not None or not blocks_alike(rank.model):
+    if blocks <= 2 or not blocks_alike(rank.model):
         return _rows(rank, micro, blocks, where, dense)
     one, two = _rows(rank, micro, 1, where), _rows(rank, micro, 2, where)
     if not _holds(two[1].calls, one[1].calls):
