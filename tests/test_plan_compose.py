@@ -6,10 +6,10 @@ micro-batches of 1 to 16 rows.
 
 The reference here runs what the planner ran before it composed: the trainer's step program
 (``LocalStep`` or ``PipelineStep`` over the stage's chunks and the real schedule) once over all
-``train.grad_accum`` micro-batches, on the meta device, with no shape memory (``MetaMemo``)
-beneath its counter. The planner instead runs one micro-batch of one or two blocks with one, two
-or three rows and extends them; where a block, a row or a micro-batch were not alike, the two
-would differ here.
+``train.grad_accum`` micro-batches, on the meta device, with a counter that has no shape memory
+(``OpCounter``'s ``memory``) and the CPU's kernels as a mode of their own. The planner instead
+runs one micro-batch of one or two blocks with one, two or three rows and extends them; where a
+block, a row or a micro-batch were not alike, the two would differ here.
 """
 
 from __future__ import annotations

@@ -191,3 +191,32 @@ def test_a_gpus_step_holds_its_own_copies_of_the_tokens(monkeypatch):
     step_peak.stage_step_peak.cache_clear()
     rows = cfg.global_batch // cfg.train.grad_accum
     assert on_gpu - on_cpu == cfg.train.grad_accum * 2 * rows * cfg.model.seq_len * 8
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_stage_is_cut_from_a_copy_that_shares_only_what_it_drops(stage):
+    """``states._placed`` copies the whole model for a (tp, pp, stage) only where the stage keeps
+    it (``_copied_for``): what it keeps is its own (cut into tensor-parallel shards here, the
+    whole model untouched), and its parameters' names and shapes are a full copy's cut alike."""
+    import copy
+
+    from distlib.app.model.placement import place_model_
+    from distlib.app.plan import states
+    from distlib.comm.mesh import shape_mesh
+
+    cfg = RunConfig.from_dict(
+        compose_tree(["model=llama", "model.n_layers=6", "dist.world_size=6", "dist.pp=3", "dist.tp=2"])
+    )
+    whole = states._whole(cfg.model)
+    before = [(n, p.shape) for n, p in whole.named_parameters()]
+    cut = states._copied_for(whole, 3, 1, stage)
+    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
+    place_model_(cut, cfg, mesh)
+    reference = copy.deepcopy(whole)
+    place_model_(reference, cfg, mesh)
+    assert [(n, p.shape) for n, p in cut.named_parameters()] == [
+        (n, p.shape) for n, p in reference.named_parameters()
+    ]
+    assert [(n, p.shape) for n, p in whole.named_parameters()] == before
+    held = {id(p) for p in whole.parameters()}
+    assert not any(id(p) in held for p in cut.parameters())

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlib.app.config.run import RunConfig
+from distlib.app.plan import dry_inputs, meta_memo
 from distlib.app.plan.activations import stage_counts
 from distlib.app.plan.report import predicted_time
 from distlib.app.plan.states import stage_groups
@@ -109,6 +112,54 @@ def test_operators_are_counted_with_the_bytes_they_write_and_views_write_none():
         b.t()
         torch.var_mean(a, dim=1)  # two results of 4 floats
     assert (counter.ops, counter.written) == (5, 128 + 128 + 16 + 16)
+
+
+def test_a_counter_with_memory_counts_as_one_without_and_answers_what_it_has_seen():
+    """``OpCounter(memory)``: a small MLP's forward and backward on the meta device counted the same
+    as without memory, the first time and the second; the second time every operator that makes a
+    new tensor is answered from memory (nothing added to it, no kernel run), in new storage; with
+    ``results`` the CPU's layer_norm statistics (bf16) are what it counts and remembers."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    mlp = mlp.to(torch.bfloat16)
+    x = torch.empty(4, 16, device="meta", dtype=torch.bfloat16)
+
+    def step(counter: OpCounter) -> tuple:
+        mlp.zero_grad(set_to_none=True)  # each step's gradients new, not added to the last's
+        with counter:
+            out = mlp(x)
+            out.float().sum().backward()
+        return (counter.ops, counter.flops, counter.written), out
+
+    with dry_inputs._CpuKernels():  # the reference: the CPU's kernels as a mode of their own
+        want, first = step(OpCounter())
+    memory: dict = {}
+    got, _ = step(OpCounter(memory, dry_inputs.cpu_results))
+    remembered = len(memory)
+    ran = []
+    with _calls_to_kernels(ran):
+        again, second = step(OpCounter(memory, dry_inputs.cpu_results))
+    assert got == again == want and want[1] > 0
+    assert remembered > 10 and len(memory) == remembered
+    # views and in-place results still run; of the others only the empty tensors answers are made of
+    assert {op for op, answerable in ran if answerable} == {torch.ops.aten.empty.memory_format}
+    assert any(not answerable for _, answerable in ran)
+    assert second.untyped_storage()._cdata != first.untyped_storage()._cdata and second.shape == first.shape
+
+
+class _calls_to_kernels(TorchDispatchMode):
+    """Records each operator that reaches the kernels (below every counter), and whether one with
+    memory could have answered it."""
+
+    def __init__(self, ran: list) -> None:
+        super().__init__()
+        self.ran = ran
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ran.append((func, meta_memo.key_of(func, args, kwargs) is not None))
+        return func(*args, **kwargs)
 
 
 def test_one_rank_a_core_takes_its_own_time_and_more_ranks_share_the_cores():

@@ -50,8 +50,7 @@ from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
 from distlib.app.model.routing_count import RoutingCount
-from distlib.app.plan.dry_inputs import kernels_of, low_precision_on_cpu, micro_batch
-from distlib.app.plan.meta_memo import MetaMemo
+from distlib.app.plan.dry_inputs import cpu_results, low_precision_on_cpu, micro_batch
 from distlib.app.plan.timing import Counted, OpCounter, grouped, merged, times
 from distlib.comm import tally
 from distlib.comm.mesh import shape_mesh
@@ -226,15 +225,39 @@ def _chunk(
     if blocks <= 2 or not blocks_alike(rank.model):
         return _rows(rank, micro, blocks, where, dense)
     one, two = _rows(rank, micro, 1, where), _rows(rank, micro, 2, where)
-    if not _holds(two[1].calls, one[1].calls):
-        return _rows(rank, micro, blocks, where)  # the second block dropped a call: not alike
-    return _extended(one, two, blocks - 1, True)
+    a, b = one[1].calls, two[1].calls
+    calls = _added(a, b, blocks - 1) if _holds(b, a) else _stepped(a, b, blocks - 1)
+    if calls is None:
+        return _rows(rank, micro, blocks, where)  # the second block dropped or changed a call: not alike
+    return _extended(one, two, blocks - 1, calls)
 
 
 def _holds(more: tuple, fewer: tuple) -> bool:
     """Whether grouped calls ``more`` make every call of ``fewer`` at least as many times."""
     times = {call[:3]: call[3] for call in more}
     return all(times.get(call[:3], 0) >= call[3] for call in fewer)
+
+
+def _added(a: tuple, b: tuple, more: int) -> tuple:
+    """Grouped calls ``a`` with ``more`` times the calls ``b`` adds to them (a block's own)."""
+    before = {call[:3]: call[3] for call in a}
+    added = tuple((kind, n, size, more * (t - before.get((kind, n, size), 0))) for kind, n, size, t in b)
+    return merged(a, added)
+
+
+def _stepped(a: tuple, b: tuple, more: int) -> tuple | None:
+    """Grouped calls ``a`` and ``more`` times what ``b`` adds to them, call by call in order: one
+    made more times (a block's own) or with more bytes (a row's; the experts' balance, one
+    all-reduce of every block's counts); None where they differ otherwise (a call made or dropped,
+    or grown both ways): not alike."""
+    if len(a) != len(b):
+        return None
+    calls = []
+    for (kind, n, size, t), (kind_b, m, size_b, u) in zip(a, b):
+        if (kind, size) != (kind_b, size_b) or (n != m and t != u):
+            return None
+        calls.append((kind, n + more * (m - n), size, t + more * (u - t)))
+    return tuple(calls)
 
 
 def _rows(
@@ -249,23 +272,12 @@ def _rows(
     two, three = _run(rank, 2, blocks, where, dense), _run(rank, 3, blocks, where, dense)
     if [c[:1] + c[2:] for c in two[1].calls] != [c[:1] + c[2:] for c in three[1].calls]:
         return _run(rank, micro, blocks, where, dense)  # a row more changed which calls run: not alike
-    return _extended(two, three, micro - 2, False)
+    return _extended(two, three, micro - 2, _stepped(two[1].calls, three[1].calls, micro - 2))
 
 
-def _extended(one: tuple, two: tuple, more: int, calls_added: bool) -> tuple[int, Counted, int]:
-    """``one`` and ``more`` times what ``two`` adds to it: calls added (a block's own), or else the
-    same calls with more bytes each (a row's)."""
+def _extended(one: tuple, two: tuple, more: int, calls: tuple) -> tuple[int, Counted, int]:
+    """``one`` and ``more`` times what ``two`` adds to it, with ``calls`` so extended."""
     a, b = one[1], two[1]
-    if calls_added:
-        before = {call[:3]: call[3] for call in a.calls}
-        added = tuple(
-            (kind, n, size, more * (t - before.get((kind, n, size), 0))) for kind, n, size, t in b.calls
-        )
-        calls = merged(a.calls, added)
-    else:
-        calls = tuple(
-            (kind, n + more * (m - n), size, t) for (kind, n, size, t), (_, m, _, _) in zip(a.calls, b.calls)
-        )
     counted = Counted(
         a.flops + more * (b.flops - a.flops),
         a.ops + more * (b.ops - a.ops),
@@ -273,6 +285,11 @@ def _extended(one: tuple, two: tuple, more: int, calls_added: bool) -> tuple[int
         calls,
     )
     return one[0] + more * (two[0] - one[0]), counted, one[2] + more * (two[2] - one[2])
+
+
+# the units' operators answered from memory, and their counts (``OpCounter``), per kernels: the
+# meta device's alone, or the CPU's for a low precision (``dry_inputs.cpu_results``)
+_COUNTED: dict[bool, dict] = {}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -297,8 +314,9 @@ def _run(
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
     batch = micro_batch(model.seq_len, micro, mesh, rank.seed, rank.documents)
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
-    ops = OpCounter()
-    with MetaMemo(), kernels_of(rank.cpu), tally.tallied() as calls, ops:
+    # (what the CPU's kernels return differs)
+    ops = OpCounter(_COUNTED.setdefault(rank.cpu, {}), cpu_results if rank.cpu else None)
+    with tally.tallied() as calls, ops:
         _count_routing(rank, module, mesh, program, batch)
         program.run([batch])
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

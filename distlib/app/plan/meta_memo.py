@@ -3,7 +3,8 @@ strides and dtypes alone, but many run as Python (torch's reference implementati
 step repeats the same operators on the same shapes -- every block like the one before, every
 layout like the last (a 2-block llama micro-batch's counted dry step: 24 ms, 10 ms remembered).
 ``MetaMemo`` answers an operator it has seen with the same inputs with new tensors of the
-remembered shapes, strides and storage sizes.
+remembered shapes, strides and storage sizes. ``timing.OpCounter`` can answer so itself (``key``,
+``remember``, ``made``), remembering its counts beside the shapes.
 
 Only operators that make new tensors are answered so (their schema's results alias nothing, and
 they are not among the few views whose schemas do not say so): a view or an in-place result is
@@ -23,15 +24,25 @@ _LIMIT = 200_000  # entries (a few hundred bytes each); past it, nothing more is
 class MetaMemo(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = _key(func, args, kwargs)
-        if key is not None and key in _SEEN:
-            return _made(_SEEN[key])
+        key = key_of(func, args, kwargs)
+        seen = _SEEN.get(key) if key is not None else None
+        if seen is not None:
+            return made(seen[0])
         out = func(*args, **kwargs)
-        if key is not None and len(_SEEN) < _LIMIT:
-            described = _described(out)
-            if described is not None:
-                _SEEN[key] = described
+        if key is not None:
+            remember(_SEEN, key, out)
         return out
+
+
+def remember(memory: dict, key, out, *extra) -> None:
+    """Keep in ``memory`` under ``key`` the description of the operator's results ``out`` (and
+    ``extra``, what a caller counted of it), while it has room; results not on the meta device
+    are not kept."""
+    if len(memory) >= _LIMIT:
+        return
+    described = _described(out)
+    if described is not None:
+        memory[key] = (described, *extra)
 
 
 # operators whose results share their input's storage though their schemas do not say so
@@ -43,13 +54,12 @@ UNSAID_VIEWS = {
 }
 
 
-def _key(func, args, kwargs):
+def key_of(func, args, kwargs):
     """What the operator's meta kernel sees, hashable; None: not to be answered from memory."""
-    schema = func._schema
-    if schema.name in UNSAID_VIEWS or any(r.alias_info is not None for r in schema.returns):
+    if not _answerable(func):
         return None
     try:
-        parts = (func, _arg(args), _arg(tuple(sorted(kwargs.items()))))
+        parts = (func, _arg(args), _arg(tuple(sorted(kwargs.items()))) if kwargs else ())
         hash(parts)
     except _NotMeta:
         return None
@@ -58,17 +68,31 @@ def _key(func, args, kwargs):
     return parts
 
 
+_ANSWERABLE: dict = {}  # operator -> whether its results may come from memory (asked once each)
+
+
+def _answerable(func) -> bool:
+    """Whether ``func`` makes new tensors: its schema's results alias nothing, and it is not one
+    of the views whose schemas do not say so."""
+    known = _ANSWERABLE.get(func)
+    if known is None:
+        schema = func._schema
+        aliases = any(r.alias_info is not None for r in schema.returns)
+        known = _ANSWERABLE[func] = not (schema.name in UNSAID_VIEWS or aliases)
+    return known
+
+
 class _NotMeta(Exception):
     pass
 
 
 def _arg(value):
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
+        if not value.is_meta:
             raise _NotMeta
-        return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
+        return ("T", value.shape, value.stride(), value.dtype, value.storage_offset())
     if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_arg(v) for v in value))
+        return (type(value).__name__, *map(_arg, value))
     return value
 
 
@@ -87,7 +111,7 @@ def _described(out):
     return None
 
 
-def _made(described):
+def made(described):
     kind = described[0]
     if kind == "T":
         _, shape, stride, dtype, offset, nbytes = described
@@ -95,5 +119,5 @@ def _made(described):
         return torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
     if kind == "V":
         return described[1]
-    made = [_made(p) for p in described[1]]
-    return tuple(made) if kind == "tuple" else made
+    parts = [made(p) for p in described[1]]
+    return tuple(parts) if kind == "tuple" else parts

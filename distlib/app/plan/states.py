@@ -28,6 +28,7 @@ from distlib.app.optimizer import param_groups_
 from distlib.comm.layout import Layout
 from distlib.comm.mesh import shape_mesh
 from distlib.parallel.flat_layout import FlatLayout
+from distlib.parallel.pipeline.schedule import stage_block_ids
 from distlib.parallel.zero.predict import peak_bytes
 
 
@@ -101,9 +102,22 @@ def _placed(model: ModelConfig, tp: int, pp: int, virtual: int, stage: int) -> t
     dist = DistConfig(world_size=tp * pp, tp=tp, pp=pp, pp_virtual=virtual, pp_schedule=schedule)
     cfg = RunConfig(model=model, dist=dist)
     mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
-    module = copy.deepcopy(_whole(model))
+    module = _copied_for(_whole(model), pp, virtual, stage)
     chunks, _ = place_model_(module, cfg, mesh)
     return module, chunk_segments(module, chunks)
+
+
+def _copied_for(whole: nn.Module, pp: int, virtual: int, stage: int) -> nn.Module:
+    """A deep copy of ``whole`` for pipeline stage ``stage``, sharing with it the parts the stage
+    drops (``keep_stage_``, which only lets go of them): the 16-rank search's copies of a whole
+    16-block model were a quarter of its time."""
+    if pp == 1:
+        return copy.deepcopy(whole)
+    kept = {i for chunk in stage_block_ids(len(whole.blocks), pp, virtual, stage) for i in chunk}
+    names = (() if stage == 0 else whole.EMBEDDINGS) + (() if stage == pp - 1 else whole.HEAD)
+    dropped = [whole.blocks[i] for i in range(len(whole.blocks)) if i not in kept]
+    dropped += [getattr(whole, name) for name in names]
+    return copy.deepcopy(whole, memo={id(part): part for part in dropped})
 
 
 @functools.lru_cache(maxsize=16)
