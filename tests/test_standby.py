@@ -83,3 +83,30 @@ def test_none_are_kept_when_none_are_asked_for():
     standbys = Standbys(0, _Context, ())
     standbys.tend()
     assert standbys.idle == [] and standbys.take({"RANK": "0"}) is None
+
+
+def test_a_standby_that_cannot_join_the_store_says_so_in_one_line_and_fails(tmp_path):
+    """A standby whose job's store is unreachable (nothing listens at its address) leaves with
+    status 1 and one line naming the store, not a Python traceback (the agent then ends the pool;
+    torch's own C++ log of the failed connection comes before it, as for a rank's rendezvous)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import multiprocessing\n"
+        "from distlib.launch.standby import stand_by\n"
+        "orders, _ = multiprocessing.Pipe(duplex=False)\n"
+        f"address = {{'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': '{port}'}}\n"
+        f"stand_by(orders, address, {{}}, {str(tmp_path)!r}, 1.0)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error [standby pid ")]
+    assert done.returncode == 1, done.stderr
+    assert len(ours) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"could not join the job's store at 127.0.0.1:{port}: " in ours[0]

@@ -37,13 +37,23 @@ def stand_by(orders: Connection, env: dict[str, str], tree: dict, run_dir: str, 
     die_with_parent()
     name_process(NAME)
     gc.freeze()  # as worker.serve: what the server imported is never walked by the collector
-    generations.base_store(timeout_s)  # joined now: the connection is the rank's when it serves
+    try:
+        generations.base_store(timeout_s)  # joined now: the connection is the rank's when it serves
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds; each is this one line
+        where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}: {_first_line(exc)}"
+        sys.stderr.write(f"error [standby pid {os.getpid()}]: could not join the job's store at {where}\n")
+        worker.leave(1)
     try:
         rank_env = orders.recv()
     except EOFError:  # dismissed: the job is over
         worker.leave(0)
     orders.close()
     worker.serve(rank_env, tree, run_dir)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @dataclass
