@@ -7,7 +7,8 @@ predicted (``plan.timing``: on this machine for a CPU run; for a GPU run on the 
 kind nvidia-smi names, ``plan.devices``, whose memory is then the default budget); the fastest of
 those whose step peak (every tensor alive at once: ``plan.step_peak``, run dry) fits
 ``dist.budget_gb`` is chosen (where the step time is not predicted -- experts whose routing is
-counted before the step, document masks over context-parallel ranks, a GPU not listed -- the
+counted before the step over pipeline stages, document masks over context-parallel ranks, a GPU
+not listed -- the
 smallest that fits), written into the configuration with
 ``dist.layout=given`` -- so the run's record, and a continuation of it, hold the layout that ran --
 and said in one line as the overrides that pin it. A budget nothing fits is one ``config error``
@@ -92,7 +93,7 @@ def said(
         ms = 1e3 * chosen.time.total_s
         how = f"predicted fastest on {machine.name} ({ms:.1f} ms a step) of {fitting} layouts{within}"
     else:
-        why = untimed or "step time not predicted for this model"
+        why = untimed or "step time not predicted for these layouts"
         how = f"the smallest of {fitting} layouts{within} ({why})"
     peak = chosen.step_peak
     step = "" if peak is None else f", its step peaking at {peak / GB:.6g} GB"

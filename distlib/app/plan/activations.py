@@ -24,8 +24,10 @@ read): to the byte with every expert on the rank (what each keeps is its own row
 to the assignments whatever the router chose), an estimate over expert-parallel ranks or with a
 capacity (``routing_estimated``). Where the experts' routing is counted before the step (balanced by
 their biases, or by the loss over several micro-batches or stages: ``routing_count``) each unit runs
-the count first, as the trainer does, and its blocks keep what the step's balance charges; the step
-time is not predicted there (the count's collectives come once a step, not once a unit). Where a
+the count of its micro-batch first, as the trainer does, and its blocks keep what the step's
+balance charges; what the count does once a step (its all-reduce, the balance it sets), each unit
+did, so the step takes it off all but once (``_count_once``). Over pipeline stages the step time
+is not predicted there (the count's own sends, and a share sized by the whole model). Where a
 model's blocks differ (DeepSeek-V3's first dense ones) a pipeline chunk runs whole, its dense
 blocks first as in the model. Not predicted (None): document masks over context-parallel ranks
 (the chunks a rank holds follow the documents).
@@ -50,8 +52,20 @@ from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
 from distlib.app.model.routing_count import RoutingCount
+from distlib.app.plan.composition import (
+    added,
+    extended,
+    holds,
+    less,
+    micro_batches,
+    one_step,
+    send_bytes,
+    sends,
+    stepped,
+    without_sends,
+)
 from distlib.app.plan.dry_inputs import cpu_results, low_precision_on_cpu, micro_batch
-from distlib.app.plan.timing import Counted, OpCounter, grouped, merged, times
+from distlib.app.plan.timing import Counted, OpCounter, grouped
 from distlib.comm import tally
 from distlib.comm.mesh import shape_mesh
 from distlib.parallel.pipeline import schedule
@@ -90,8 +104,9 @@ def rank_activations(cfg: RunConfig) -> list[int | None]:
 def stage_counts(cfg: RunConfig) -> list[Counted] | None:
     """Per pipeline stage, what its first rank's step computes and sends (``timing.Counted``),
     from the same units; None where the activations are not predicted, or the experts' routing is
-    counted before the step (its collectives, once a step, are not composed of the units')."""
-    if not predicted(cfg) or routing_count.counted(cfg):
+    counted before the step over pipeline stages (the count's forwards make sends of their own,
+    and what it does once a step is sized by the whole model's blocks, not a unit's)."""
+    if not predicted(cfg) or (routing_count.counted(cfg) and cfg.dist.pp > 1):
         return None
     return [stage_step(cfg, s)[1] for s in range(cfg.dist.pp)]
 
@@ -110,7 +125,8 @@ def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: in
     n_layers = rank.model.n_layers
     if P == 1:
         peak, unit, grads = _chunk(rank, micro, n_layers, "only")
-        return peak, _one_step([_times(unit, m, grads)], m)
+        step = one_step([micro_batches(unit, m, grads)], m)
+        return peak, less(step, _count_once(rank, n_layers), m - 1) if rank.counted else step
     per = n_layers // (P * v)
     places = [schedule.stage_of(stage, c, P) for c in range(v)]  # each chunk's among all P x v
     units = [_chunk(rank, micro, per, _position(g, P * v), _dense(rank.model, g, per)) for g in places]
@@ -119,20 +135,9 @@ def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: in
     for a in actions:  # the Recorder's sum: each chunk forward's bytes, held until its backward
         live += units[a.chunk][0] if a.kind == "F" else -units[a.chunk][0]
         peak = max(peak, live)
-    counted = [_times(_without_sends(unit), m, grads) for _, unit, grads in units]
-    sent = _sends(actions, stage, P, v, _send_bytes(units))
-    return peak, _one_step(counted, v * m, sent)
-
-
-def _one_step(counted: list[Counted], runs: int, sent: tuple = ()) -> Counted:
-    """The sum of ``counted``, whose ``runs`` unit runs each made the step's loss accumulator
-    (a float64 zero) where one step makes one, with ``sent`` added to their calls."""
-    return Counted(
-        sum(c.flops for c in counted),
-        sum(c.ops for c in counted) - (runs - 1),
-        sum(c.written for c in counted) - 8 * (runs - 1),
-        merged(*(c.calls for c in counted), sent),
-    )
+    counted = [micro_batches(without_sends(unit), m, grads) for _, unit, grads in units]
+    sent = sends(actions, stage, P, v, send_bytes(units))
+    return peak, one_step(counted, v * m, sent)
 
 
 def _position(stage: int, stages: int) -> str:
@@ -154,32 +159,6 @@ def _dense(model: ModelConfig, chunk: int, per: int) -> int | None:
     if blocks_alike(model):
         return None
     return min(max(model.first_k_dense_replace - chunk * per, 0), per)
-
-
-def _times(unit: Counted, m: int, grads: int) -> Counted:
-    """``m`` micro-batches of ``unit``'s one: every one after the first adds its gradients to the
-    parameters' (``grads`` bytes written; the first's are kept as they are, one operator either
-    way)."""
-    return Counted(unit.flops * m, unit.ops * m, unit.written * m + grads * (m - 1), times(unit.calls, m))
-
-
-def _without_sends(unit: Counted) -> Counted:
-    return dataclasses.replace(unit, calls=tuple(c for c in unit.calls if c[0] != "send"))
-
-
-def _send_bytes(units: list[tuple[int, Counted, int]]) -> int:
-    """A pipeline message's bytes (activation and gradient alike), as a unit's send noted them."""
-    return next(n for _, unit, _ in units for kind, n, _, _ in unit.calls if kind == "send")
-
-
-def _sends(actions: list, rank: int, P: int, v: int, nbytes: int) -> tuple:
-    """The sends of pipeline rank ``rank``'s ``actions``: one per message to another rank."""
-    out = []
-    for a in actions:
-        key = schedule.message_out(a, rank, P, v)
-        if key is not None and schedule.destination(key, P) != rank:
-            out.append(("send", nbytes, P))
-    return grouped(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,38 +205,10 @@ def _chunk(
         return _rows(rank, micro, blocks, where, dense)
     one, two = _rows(rank, micro, 1, where), _rows(rank, micro, 2, where)
     a, b = one[1].calls, two[1].calls
-    calls = _added(a, b, blocks - 1) if _holds(b, a) else _stepped(a, b, blocks - 1)
+    calls = added(a, b, blocks - 1) if holds(b, a) else stepped(a, b, blocks - 1)
     if calls is None:
         return _rows(rank, micro, blocks, where)  # the second block dropped or changed a call: not alike
-    return _extended(one, two, blocks - 1, calls)
-
-
-def _holds(more: tuple, fewer: tuple) -> bool:
-    """Whether grouped calls ``more`` make every call of ``fewer`` at least as many times."""
-    times = {call[:3]: call[3] for call in more}
-    return all(times.get(call[:3], 0) >= call[3] for call in fewer)
-
-
-def _added(a: tuple, b: tuple, more: int) -> tuple:
-    """Grouped calls ``a`` with ``more`` times the calls ``b`` adds to them (a block's own)."""
-    before = {call[:3]: call[3] for call in a}
-    added = tuple((kind, n, size, more * (t - before.get((kind, n, size), 0))) for kind, n, size, t in b)
-    return merged(a, added)
-
-
-def _stepped(a: tuple, b: tuple, more: int) -> tuple | None:
-    """Grouped calls ``a`` and ``more`` times what ``b`` adds to them, call by call in order: one
-    made more times (a block's own) or with more bytes (a row's; the experts' balance, one
-    all-reduce of every block's counts); None where they differ otherwise (a call made or dropped,
-    or grown both ways): not alike."""
-    if len(a) != len(b):
-        return None
-    calls = []
-    for (kind, n, size, t), (kind_b, m, size_b, u) in zip(a, b):
-        if (kind, size) != (kind_b, size_b) or (n != m and t != u):
-            return None
-        calls.append((kind, n + more * (m - n), size, t + more * (u - t)))
-    return tuple(calls)
+    return extended(one, two, blocks - 1, calls)
 
 
 def _rows(
@@ -272,24 +223,7 @@ def _rows(
     two, three = _run(rank, 2, blocks, where, dense), _run(rank, 3, blocks, where, dense)
     if [c[:1] + c[2:] for c in two[1].calls] != [c[:1] + c[2:] for c in three[1].calls]:
         return _run(rank, micro, blocks, where, dense)  # a row more changed which calls run: not alike
-    return _extended(two, three, micro - 2, _stepped(two[1].calls, three[1].calls, micro - 2))
-
-
-def _extended(one: tuple, two: tuple, more: int, calls: tuple) -> tuple[int, Counted, int]:
-    """``one`` and ``more`` times what ``two`` adds to it, with ``calls`` so extended."""
-    a, b = one[1], two[1]
-    counted = Counted(
-        a.flops + more * (b.flops - a.flops),
-        a.ops + more * (b.ops - a.ops),
-        a.written + more * (b.written - a.written),
-        calls,
-    )
-    return one[0] + more * (two[0] - one[0]), counted, one[2] + more * (two[2] - one[2])
-
-
-# the units' operators answered from memory, and their counts (``OpCounter``), per kernels: the
-# meta device's alone, or the CPU's for a low precision (``dry_inputs.cpu_results``)
-_COUNTED: dict[bool, dict] = {}
+    return extended(two, three, micro - 2, stepped(two[1].calls, three[1].calls, micro - 2))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -300,7 +234,49 @@ def _run(
     ``where`` (first, middle or last global stage of a pipeline of such chunks; only: a whole
     model of ``blocks`` blocks at pp = 1), ``dense`` of them dense first where blocks differ, on
     the meta device: the bytes it keeps for its backward, as the run measures them, what it
-    computed and sent, and its parameters' gradient bytes."""
+    computed and sent, and its parameters' gradient bytes. Where the experts' routing is counted
+    before the step, the count of its micro-batch comes first, as the trainer runs it."""
+    cfg, mesh, module, chunks = _built(rank, blocks, where, dense)
+    batch = micro_batch(cfg.model.seq_len, micro, mesh, rank.seed, rank.documents)
+    program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
+    ops = _counter(rank)
+    with tally.tallied() as calls, ops:
+        if rank.counted:
+            RoutingCount.counter(module, mesh, program, 1, torch.device("meta")).count([batch])
+        program.run([batch])
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
+
+
+def _count_once(rank: _Rank, blocks: int) -> Counted:
+    """What the routing count does once a step however many micro-batches it counts, for a model
+    of ``blocks`` blocks (its all-reduce of the counts and the balance it sets; a bias's counts
+    zeroed), where each unit counted it for its own micro-batch: from one and two blocks, each
+    block more adding what the second added, like the units' (a model of unlike blocks: whole)."""
+    if blocks <= 2 or not blocks_alike(rank.model):
+        return _counted_once(rank, blocks)
+    one, two = _counted_once(rank, 1), _counted_once(rank, 2)
+    calls = stepped(one.calls, two.calls, blocks - 1)
+    if calls is None:
+        return _counted_once(rank, blocks)
+    return extended((0, one, 0), (0, two, 0), blocks - 1, calls)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _counted_once(rank: _Rank, blocks: int) -> Counted:
+    """The routing count of no micro-batch on a whole model of ``blocks`` blocks: what it does
+    once a step (``_count_once``)."""
+    cfg, mesh, module, _ = _built(rank, blocks, "only")
+    program = LocalStep(module, 1, "meta")
+    ops = _counter(rank)
+    with tally.tallied() as calls, ops:
+        RoutingCount.counter(module, mesh, program, 1, torch.device("meta")).count([])
+    return Counted(ops.flops, ops.ops, ops.written, grouped(calls))
+
+
+def _built(rank: _Rank, blocks: int, where: str, dense: int | None = None) -> tuple:
+    """A unit's configuration, its rank's mesh, and its model cut to the rank's chunks (``_run``)
+    with its parameters in the compute dtype, as the optimizer's flat buffer holds them."""
     stages = {"only": 1, "first": 2, "last": 2, "middle": 3}[where]
     model, dist = _shallow(rank.model, blocks, stages, where, dense), rank.dist
     if where != "only":
@@ -310,25 +286,15 @@ def _run(
     mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
     module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
     chunks, _ = place_model_(module, cfg, mesh)
-    for p in module.parameters():  # the optimizer's flat buffer holds them in the compute dtype
+    for p in module.parameters():
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
-    batch = micro_batch(model.seq_len, micro, mesh, rank.seed, rank.documents)
-    program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
-    # (what the CPU's kernels return differs)
-    ops = OpCounter(_COUNTED.setdefault(rank.cpu, {}), cpu_results if rank.cpu else None)
-    with tally.tallied() as calls, ops:
-        _count_routing(rank, module, mesh, program, batch)
-        program.run([batch])
-    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
+    return cfg, mesh, module, chunks
 
 
-def _count_routing(rank: _Rank, module, mesh, program, batch) -> None:
-    """The routing count the trainer runs before a step whose experts' routing is counted
-    (``routing_count``): its forward, and the balance it sets, which each block's backward charges.
-    Its collectives (once a step) are left out of the unit's calls; the step time is not predicted
-    there (``stage_counts``)."""
-    if rank.counted:
-        counter = RoutingCount.counter(module, mesh, program, 1, torch.device("meta"))
-        with tally.tallied():
-            counter.count([batch])
+# the units' operators answered from memory, and their counts (``OpCounter``), per kernels: the
+# meta device's alone, or the CPU's for a low precision (``dry_inputs.cpu_results``)
+_COUNTED: dict[bool, dict] = {}
+
+
+def _counter(rank: _Rank) -> OpCounter:
+    return OpCounter(_COUNTED.setdefault(rank.cpu, {}), cpu_results if rank.cpu else None)

@@ -3,7 +3,7 @@ strides and dtypes alone, but many run as Python (torch's reference implementati
 step repeats the same operators on the same shapes -- every block like the one before, every
 layout like the last (a 2-block llama micro-batch's counted dry step: 24 ms, 10 ms remembered).
 ``MetaMemo`` answers an operator it has seen with the same inputs with new tensors of the
-remembered shapes, strides and storage sizes. ``timing.OpCounter`` can answer so itself (``key``,
+remembered shapes, strides and storage sizes. ``timing.OpCounter`` can answer so itself (``key_of``,
 ``remember``, ``made``), remembering its counts beside the shapes.
 
 Only operators that make new tensors are answered so (their schema's results alias nothing, and

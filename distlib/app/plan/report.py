@@ -20,6 +20,7 @@ from distlib.app.plan.activations import rank_activations, routing_estimated, st
 from distlib.app.plan.states import RankStates, group_shape, model_states, stage_groups
 from distlib.app.plan.step_peak import rank_step_peaks
 from distlib.app.plan.timing import Counted, Machine, StepTime, grouped, merged, step_time, times
+from distlib.comm.layout import BATCH
 from distlib.parallel.zero.predict import sync_parts
 
 GB = 1e9  # plan.budget_gb is in decimal gigabytes (what a data sheet quotes)
@@ -143,7 +144,9 @@ def predicted_time(cfg: RunConfig, machine: Machine) -> StepTime | None:
             cfg.model, group_shape(cfg.dist), cfg.zero, cfg.train.dtype, stage
         )
         verdict = (("all_gather", VERDICT_BYTES_PER_RANK * world, world, 1),)
-        calls = merged(counted.calls, times(per_micro_batch, cfg.train.grad_accum), per_step, verdict)
+        calls = merged(
+            counted.calls, times(per_micro_batch, cfg.train.grad_accum), per_step, verdict, _bias_update(cfg)
+        )
         stages.append((Counted(counted.flops, counted.ops, counted.written, calls), elements))
     tokens = cfg.global_batch * cfg.model.seq_len
     d = cfg.dist
@@ -151,6 +154,17 @@ def predicted_time(cfg: RunConfig, machine: Machine) -> StepTime | None:
     return step_time(
         stages, d.world_size, stage_ranks, cfg.train.grad_accum, d.pp_virtual, tokens, machine, d.transport
     )
+
+
+def _bias_update(cfg: RunConfig) -> tuple:
+    """``model.balance=bias``: after the update, the step's counts of each expert (float64, per MoE
+    block) summed over the batch ranks (``BiasBalance.update``; the step time is predicted at
+    pp = 1 only, where no stage's counts are added)."""
+    model = cfg.model
+    ranks = len(cfg.layout.group(0, BATCH))
+    if not (model.has_experts and model.balance == "bias") or ranks == 1:
+        return ()
+    return (("all_reduce", 8 * len(model.moe_layers) * model.n_experts, ranks, 1),)
 
 
 @functools.lru_cache(maxsize=4096)
