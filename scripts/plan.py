@@ -17,9 +17,8 @@ data sheet (plan.device=a100, h100 or h200: one GPU per rank; plan.budget_gb the
 memory; distlib/app/plan/devices.py says what is assumed). --layout: only the command line's own
 layout, rank by rank, with its step peak. --json: the same as JSON on stdout. The activations kept
 for backward, the step peak and the step time are predicted for dense models and, with balanced
-expert loads, for models with experts (an estimate over expert-parallel ranks; no step time where
-their routing is counted before the step over pipeline stages); not for document masks over
-context-parallel ranks: there the verdict says it covers the model states only.
+expert loads, for models with experts (an estimate over expert-parallel ranks); not for document
+masks over context-parallel ranks: there the verdict says it covers the model states only.
 --verify K: train the K smallest layouts and a seeded sample of K others (with --layout: the one)
 for a few steps each with train.py, and say for each whether every rank measured what was planned
 (exit status 1 if any did not), and its measured step time and step peak beside the predicted

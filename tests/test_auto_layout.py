@@ -12,7 +12,7 @@ import yaml
 from forkrun import run_script
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.app.plan import candidates
+from distlib.app.plan import candidates, report
 from distlib.app.plan.report import GB, plan
 from distlib.app.plan.step_peak import rank_step_peaks, stage_step_peak
 from distlib.app.plan.timing import Machine
@@ -68,17 +68,11 @@ def test_keys_the_command_line_sets_stay_as_set(fixed_machine):
     assert "dist.tp" not in line and "zero." not in line
 
 
-def test_layouts_whose_step_is_not_predicted_get_the_smallest_that_fits(fixed_machine):
-    # (Mixtral over pipeline stages counts its routing before each step: no step time is predicted
-    # there; tp and cp pinned: the search over the rest is enough here, and a tenth of the dry runs)
-    words = [
-        "model=mixtral_tiny",
-        "dist.world_size=4",
-        "dist.layout=auto",
-        "dist.pp=2",
-        "dist.tp=1",
-        "dist.cp=1",
-    ]
+def test_layouts_whose_step_is_not_predicted_get_the_smallest_that_fits(fixed_machine, monkeypatch):
+    # as document masks over context-parallel ranks leave a layout (whose data needs a tokenizer
+    # here), every layout; tp and cp pinned: the search over the rest is enough here
+    monkeypatch.setattr(report, "predicted_time", lambda cfg, machine: None)
+    words = ["model=llama", "dist.world_size=4", "dist.layout=auto", "dist.tp=1", "dist.cp=1"]
     tree, line = chosen(words)
     layouts, _ = plan(compose_tree(words), candidates.pinned(words), FIXED)
     assert line == (

@@ -117,10 +117,11 @@ def test_the_fastest_line_says_so_when_none_it_tried_fits_in_its_step(capsys, mo
     assert out.splitlines()[-2].startswith(f"smallest that fits: {' '.join(smallest)}, ")
 
 
-def test_the_fastest_line_says_so_when_no_step_time_is_predicted(capsys):
-    # Mixtral over pipeline stages counts its routing before each step, and no such layout has a
-    # predicted step time (docs/parallelism.md)
-    words = ("model=mixtral_tiny", "dist.world_size=2", "dist.pp=2", "train.grad_accum=2")
+def test_the_fastest_line_says_so_when_no_step_time_is_predicted(capsys, monkeypatch):
+    # as document masks over context-parallel ranks leave a layout (whose data needs a tokenizer
+    # here), every layout
+    monkeypatch.setattr(report, "predicted_time", lambda cfg, machine: None)
+    words = ("model=llama", "dist.world_size=2")
     status, out, err = run(capsys, *words, "plan.budget_gb=1")
     assert status == 0, err
     rows = [line for line in out.splitlines() if "  yes  " in line]

@@ -22,7 +22,6 @@ import torch
 from distlib.app.config.model_group import FAMILIES
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import BatchPlan
-from distlib.app.model import routing_count
 from distlib.app.model.attention import causal_mask
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
@@ -49,8 +48,7 @@ def whole_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
     program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, m, "meta")
     cpu = cfg.param_dtype != torch.float32
     ops = OpCounter()
-    # the trainer's routing count first, where the experts' routing is counted (over pipeline stages
-    # the step time is not predicted there: only the activations are compared)
+    # the trainer's routing count first, where the experts' routing is counted
     counter = RoutingCount.for_run(cfg, module, mesh, program, torch.device("meta"))
     with dry_inputs._CpuKernels() if cpu else _nothing(), tally.tallied() as calls, ops:
         counter.count([batch] * m)
@@ -123,7 +121,7 @@ def _check(cfg: RunConfig) -> None:
     per_rank = [wanted[cfg.layout.coords(r)["pp"]][0] for r in range(cfg.dist.world_size)]
     assert rank_activations(cfg) == per_rank
     counts = stage_counts(cfg)
-    assert (counts is None) == (routing_count.counted(cfg) and cfg.dist.pp > 1)
+    assert counts is not None
     for (_, want), got in zip(wanted, counts or ()):
         assert (got.flops, got.ops, got.written) == (want.flops, want.ops, want.written)
         assert sorted(got.calls) == sorted(want.calls)

@@ -184,11 +184,11 @@ def test_a_pipeline_is_its_critical_path_or_all_its_work_over_the_cores_whicheve
     assert bubbly.compute_s == pytest.approx(fb) and bubbly.total_s == pytest.approx(2 * fb)
 
 
-def test_experts_are_timed_unless_their_routing_is_counted_first_over_stages_and_dense_layouts_are():
+def test_experts_are_timed_their_routing_counted_first_or_not_and_dense_layouts_are():
     experts = ["model=mixtral_tiny", "dist.world_size=2"]
-    assert predicted_time(config(*experts, "dist.pp=2", "train.grad_accum=2"), MACHINE) is None
-    counted = predicted_time(config(*experts, "dist.ep=2", "train.grad_accum=2"), MACHINE)  # (counted first)
-    assert counted.compute_s > 0 and counted.comm_s > 0
+    for counted in (["dist.pp=2", "train.grad_accum=2"], ["dist.ep=2", "train.grad_accum=2"]):
+        timed = predicted_time(config(*experts, *counted), MACHINE)
+        assert timed.compute_s > 0 and timed.comm_s > 0
     assert predicted_time(config(*experts, "dist.ep=2"), MACHINE).compute_s > 0
     timed = predicted_time(config("dist.world_size=4", "zero.stage=3"), MACHINE)
     plain = predicted_time(config("dist.world_size=4", "zero.stage=1"), MACHINE)
@@ -197,7 +197,7 @@ def test_experts_are_timed_unless_their_routing_is_counted_first_over_stages_and
 
 def test_the_biases_update_is_timed_as_the_all_reduce_it_makes():
     """``model.balance=bias``: the step's counts all-reduced after the update (outside the dry step)
-    are what ``BiasBalance.update`` sends, over the batch ranks; none on one rank."""
+    are what ``BiasBalance.update`` sends, over the batch ranks and the stages; none on one rank."""
     from distlib.app.model.bias_balance import BiasBalance
     from distlib.app.model.placement import layout_model, place_model_
     from distlib.app.plan import report
@@ -206,9 +206,11 @@ def test_the_biases_update_is_timed_as_the_all_reduce_it_makes():
     for words in (
         ["dist.world_size=4", "dist.ep=2"],
         ["dist.world_size=4", "dist.tp=2"],
+        ["dist.world_size=4", "dist.pp=2"],
+        ["dist.world_size=2", "dist.pp=2"],
         ["dist.world_size=1"],
     ):
-        cfg = config("model=deepseek_v3_tiny", "model.n_layers=3", *words)
+        cfg = config("model=deepseek_v3_tiny", "model.n_layers=4", *words)
         mesh = shape_mesh(cfg.layout, 0)
         model = layout_model(cfg, mesh, 0)
         place_model_(model, cfg, mesh)

@@ -6,9 +6,8 @@ zero.stage, zero.overlap: ``plan.candidates``) is planned with its per-rank byte
 predicted (``plan.timing``: on this machine for a CPU run; for a GPU run on the data sheet of the
 kind nvidia-smi names, ``plan.devices``, whose memory is then the default budget); the fastest of
 those whose step peak (every tensor alive at once: ``plan.step_peak``, run dry) fits
-``dist.budget_gb`` is chosen (where the step time is not predicted -- experts whose routing is
-counted before the step over pipeline stages, document masks over context-parallel ranks, a GPU
-not listed -- the
+``dist.budget_gb`` is chosen (where the step time is not predicted -- document masks over
+context-parallel ranks, a GPU not listed -- the
 smallest that fits), written into the configuration with
 ``dist.layout=given`` -- so the run's record, and a continuation of it, hold the layout that ran --
 and said in one line as the overrides that pin it. A budget nothing fits is one ``config error``

@@ -61,8 +61,10 @@ class PipelineStep:
 
     def forward_only(self, batches) -> None:
         """This rank's forwards of the step's schedule without gradients or a loss (the routing
-        count's: ``routing_count``)."""
-        executor.forward_only(self.plan, self.chunks, self.mesh.pp, **self._io(list(batches)))
+        count's: ``routing_count``); none without micro-batches."""
+        micro = list(batches)
+        if micro:
+            executor.forward_only(self.plan, self.chunks, self.mesh.pp, **self._io(micro))
 
     def _io(self, micro: list) -> dict:
         """The executor's inputs and activation buffers for the micro-batches ``micro``."""

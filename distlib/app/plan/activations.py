@@ -26,8 +26,9 @@ capacity (``routing_estimated``). Where the experts' routing is counted before t
 their biases, or by the loss over several micro-batches or stages: ``routing_count``) each unit runs
 the count of its micro-batch first, as the trainer does, and its blocks keep what the step's
 balance charges; what the count does once a step (its all-reduce, the balance it sets), each unit
-did, so the step takes it off all but once (``_count_once``). Over pipeline stages the step time
-is not predicted there (the count's own sends, and a share sized by the whole model). Where a
+did for its own micro-batch, so the step takes each unit's off (``_count_once``: the count of no
+micro-batch) and adds the stage's own once (``_stage_once``: sized by the whole model's blocks,
+all-reduced over the stages too), with the sends of the count's forwards (the schedule's). Where a
 model's blocks differ (DeepSeek-V3's first dense ones) a pipeline chunk runs whole, its dense
 blocks first as in the model. Not predicted (None): document masks over context-parallel ranks
 (the chunks a rank holds follow the documents).
@@ -103,10 +104,8 @@ def rank_activations(cfg: RunConfig) -> list[int | None]:
 
 def stage_counts(cfg: RunConfig) -> list[Counted] | None:
     """Per pipeline stage, what its first rank's step computes and sends (``timing.Counted``),
-    from the same units; None where the activations are not predicted, or the experts' routing is
-    counted before the step over pipeline stages (the count's forwards make sends of their own,
-    and what it does once a step is sized by the whole model's blocks, not a unit's)."""
-    if not predicted(cfg) or (routing_count.counted(cfg) and cfg.dist.pp > 1):
+    from the same units; None where the activations are not predicted."""
+    if not predicted(cfg):
         return None
     return [stage_step(cfg, s)[1] for s in range(cfg.dist.pp)]
 
@@ -136,8 +135,15 @@ def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: in
         live += units[a.chunk][0] if a.kind == "F" else -units[a.chunk][0]
         peak = max(peak, live)
     counted = [micro_batches(without_sends(unit), m, grads) for _, unit, grads in units]
-    sent = sends(actions, stage, P, v, send_bytes(units))
-    return peak, one_step(counted, v * m, sent)
+    nbytes = send_bytes(units)
+    step = one_step(counted, v * m, sends(actions, stage, P, v, nbytes))
+    if not rank.counted:
+        return peak, step
+    for g in places:  # each unit's count did its share once for its micro-batch: the stage's does it once
+        step = less(step, _count_once(rank, per, _position(g, P * v), _dense(rank.model, g, per)), m)
+    # the loss's count runs the step's forwards first, sending as they do (the biases' count none)
+    forwards = [a for a in actions if a.kind == "F"] if rank.model.balance != "bias" else []
+    return peak, one_step([step, _stage_once(rank, P, v, stage)], 1, sends(forwards, stage, P, v, nbytes))
 
 
 def _position(stage: int, stages: int) -> str:
@@ -248,26 +254,45 @@ def _run(
     return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
 
 
-def _count_once(rank: _Rank, blocks: int) -> Counted:
-    """What the routing count does once a step however many micro-batches it counts, for a model
-    of ``blocks`` blocks (its all-reduce of the counts and the balance it sets; a bias's counts
-    zeroed), where each unit counted it for its own micro-batch: from one and two blocks, each
-    block more adding what the second added, like the units' (a model of unlike blocks: whole)."""
+def _count_once(rank: _Rank, blocks: int, where: str = "only", dense: int | None = None) -> Counted:
+    """What the routing count does once a step however many micro-batches it counts (its
+    all-reduce of the counts and the balance it sets; a bias's counts zeroed), as a unit of
+    ``blocks`` blocks at ``where`` did it for its own micro-batch: from one and two blocks, each
+    block more adding what the second added, like the units' (unlike blocks: run as the chunk)."""
     if blocks <= 2 or not blocks_alike(rank.model):
-        return _counted_once(rank, blocks)
-    one, two = _counted_once(rank, 1), _counted_once(rank, 2)
+        return _counted_once(rank, blocks, where, dense)
+    one, two = _counted_once(rank, 1, where), _counted_once(rank, 2, where)
     calls = stepped(one.calls, two.calls, blocks - 1)
     if calls is None:
-        return _counted_once(rank, blocks)
+        return _counted_once(rank, blocks, where)
     return extended((0, one, 0), (0, two, 0), blocks - 1, calls)[1]
 
 
 @functools.lru_cache(maxsize=1024)
-def _counted_once(rank: _Rank, blocks: int) -> Counted:
-    """The routing count of no micro-batch on a whole model of ``blocks`` blocks: what it does
-    once a step (``_count_once``)."""
-    cfg, mesh, module, _ = _built(rank, blocks, "only")
-    program = LocalStep(module, 1, "meta")
+def _counted_once(rank: _Rank, blocks: int, where: str, dense: int | None = None) -> Counted:
+    """The routing count of no micro-batch on a unit's model: what it does once a step."""
+    return _once(rank, *_built(rank, blocks, where, dense))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_once(rank: _Rank, P: int, v: int, stage: int) -> Counted:
+    """The routing count of no micro-batch on pipeline stage ``stage`` of the whole model (its
+    counts sized by every block, all-reduced over the batch ranks and the ``P`` stages)."""
+    schedule_name = "interleaved" if v > 1 else "gpipe"
+    dist = dataclasses.replace(
+        rank.dist, pp=P, pp_virtual=v, pp_schedule=schedule_name, world_size=rank.dist.world_size * P
+    )
+    # (interleaved: micro-batches a multiple of the stages; one row each, so any batch divides)
+    train = TrainConfig(dtype=rank.dtype, grad_accum=P if v > 1 else 1, global_batch=None, batch_size=1)
+    cfg = RunConfig(model=rank.model, dist=dist, train=train)
+    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
+    module = shape_model(cfg, mesh).to("meta")
+    chunks, _ = place_model_(module, cfg, mesh)
+    return _once(rank, cfg, mesh, module, chunks)
+
+
+def _once(rank: _Rank, cfg: RunConfig, mesh, module, chunks) -> Counted:
+    program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
     ops = _counter(rank)
     with tally.tallied() as calls, ops:
         RoutingCount.counter(module, mesh, program, 1, torch.device("meta")).count([])

@@ -158,13 +158,13 @@ def predicted_time(cfg: RunConfig, machine: Machine) -> StepTime | None:
 
 def _bias_update(cfg: RunConfig) -> tuple:
     """``model.balance=bias``: after the update, the step's counts of each expert (float64, per MoE
-    block) summed over the batch ranks (``BiasBalance.update``; the step time is predicted at
-    pp = 1 only, where no stage's counts are added)."""
+    block) summed over the batch ranks and the pipeline's stages (``BiasBalance.update``)."""
     model = cfg.model
-    ranks = len(cfg.layout.group(0, BATCH))
-    if not (model.has_experts and model.balance == "bias") or ranks == 1:
+    if not (model.has_experts and model.balance == "bias"):
         return ()
-    return (("all_reduce", 8 * len(model.moe_layers) * model.n_experts, ranks, 1),)
+    nbytes = 8 * len(model.moe_layers) * model.n_experts
+    sizes = (len(cfg.layout.group(0, BATCH)), cfg.dist.pp)
+    return grouped(("all_reduce", nbytes, n) for n in sizes if n > 1)
 
 
 @functools.lru_cache(maxsize=4096)
