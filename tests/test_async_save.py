@@ -122,16 +122,18 @@ def _rank_with_rollbacks(comm, config: dict, run_dir: str) -> dict:
 def test_failed_background_write_is_reported_and_the_previous_checkpoint_stays_trusted(tmp_path, capfd):
     # Rank 1's disk is full in the background write of step 6; the guard then trips at step 8
     # (NaN gradients): the rollback must go to step 3, the newest checkpoint that was committed.
+    # The re-run's save of step 6 fails too; step 9's save settles it (a write still in flight at
+    # the run's end fails the run, below: with 8 steps a loaded machine's slow write did).
     run = tmp_path / "run"
     config = tree(
         2,
-        steps=8,
+        steps=9,
         checkpoint=ASYNC,
         fault={"disk_full_rank": 1, "save_fault_step": 6, "nan_grad_rank": 0, "nan_grad_step": 8},
     )
     results = run_ranks(_rank_with_rollbacks, 2, config, str(run), timeout_s=60)
     assert results[0]["rollbacks"] == [(3, str(run / "checkpoints" / "step_00000003"))]
-    assert results[0]["steps"] == list(range(1, 9))  # the run went on, and re-ran 4..8
+    assert results[0]["steps"] == list(range(1, 10))  # the run went on, and re-ran 4..9
     failed = _events(run, "checkpoint_failed")
     assert len(failed) == 2 and {e["checkpoint_step"] for e in failed} == {6}  # (the re-run save of 6 too)
     # reported at a later boundary: the first one after the write failed (step 7, or later when the
@@ -141,8 +143,8 @@ def test_failed_background_write_is_reported_and_the_previous_checkpoint_stays_t
     out = capfd.readouterr().out
     said = f"[checkpoint_failed] step {failed[0]['step']}: checkpoint save of step 6 failed"
     assert f"{said}, nothing committed" in out
-    assert [e["step"] for e in _events(run, "checkpoint_saved")] == [3]
-    assert _committed(run) == ["step_00000003"] and _partials(run) == []
+    assert [e["step"] for e in _events(run, "checkpoint_saved")] == [3, 9]
+    assert _committed(run) == ["step_00000003", "step_00000009"] and _partials(run) == []
     checkpoint.verify(run / "checkpoints" / "step_00000003")
 
 
