@@ -40,8 +40,8 @@ def stand_by(orders: Connection, env: dict[str, str], tree: dict, run_dir: str, 
     try:
         generations.base_store(timeout_s)  # joined now: the connection is the rank's when it serves
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; each is this one line
-        where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}: {_first_line(exc)}"
-        sys.stderr.write(f"error [standby pid {os.getpid()}]: could not join the job's store at {where}\n")
+        store = f"the job's store at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
+        sys.stderr.write(f"error [standby pid {os.getpid()}]: could not join {store}: {_first_line(exc)}\n")
         worker.leave(1)
     try:
         rank_env = orders.recv()

@@ -51,15 +51,15 @@ def sends(actions: list, rank: int, P: int, v: int, nbytes: int) -> tuple:
 
 def holds(more: tuple, fewer: tuple) -> bool:
     """Whether grouped calls ``more`` make every call of ``fewer`` at least as many times."""
-    times = {call[:3]: call[3] for call in more}
-    return all(times.get(call[:3], 0) >= call[3] for call in fewer)
+    made = {call[:3]: call[3] for call in more}
+    return all(made.get(call[:3], 0) >= call[3] for call in fewer)
 
 
 def added(a: tuple, b: tuple, more: int) -> tuple:
     """Grouped calls ``a`` with ``more`` times the calls ``b`` adds to them (a block's own)."""
     before = {call[:3]: call[3] for call in a}
-    added = tuple((kind, n, size, more * (t - before.get((kind, n, size), 0))) for kind, n, size, t in b)
-    return merged(a, added)
+    extra = tuple((kind, n, size, more * (t - before.get((kind, n, size), 0))) for kind, n, size, t in b)
+    return merged(a, extra)
 
 
 def stepped(a: tuple, b: tuple, more: int) -> tuple | None:
