@@ -33,7 +33,7 @@ a 4-rank step slower, not faster: no core is idle to run it).
 What it leaves out: the hiding overlap gives where cores are idle, the CPU's caches, the grad norm's
 small all-gather; document masks over context-parallel ranks are not predicted (where the tokens go
 follows the documents), and models with experts are priced at balanced loads (the router decides
-the real ones). ``benchmarks/plan_time.py`` measures how well it ranks real (dense) layouts.
+the real ones). ``benchmarks/plan_time.py`` measures how well it ranks real layouts.
 """
 
 from __future__ import annotations
