@@ -285,10 +285,7 @@ def _stage_once(rank: _Rank, P: int, v: int, stage: int) -> Counted:
     # (interleaved: micro-batches a multiple of the stages; one row each, so any batch divides)
     train = TrainConfig(dtype=rank.dtype, grad_accum=P if v > 1 else 1, global_batch=None, batch_size=1)
     cfg = RunConfig(model=rank.model, dist=dist, train=train)
-    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
-    module = shape_model(cfg, mesh).to("meta")
-    chunks, _ = place_model_(module, cfg, mesh)
-    return _once(rank, cfg, mesh, module, chunks)
+    return _once(rank, cfg, *_placed(cfg, stage))
 
 
 def _once(rank: _Rank, cfg: RunConfig, mesh, module, chunks) -> Counted:
@@ -308,12 +305,19 @@ def _built(rank: _Rank, blocks: int, where: str, dense: int | None = None) -> tu
         dist = dataclasses.replace(dist, pp=stages, pp_schedule="gpipe", world_size=dist.world_size * stages)
     stage = {"only": 0, "first": 0, "middle": 1, "last": stages - 1}[where]
     cfg = RunConfig(model=model, dist=dist, train=TrainConfig(dtype=rank.dtype, grad_accum=1))
-    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
-    module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
-    chunks, _ = place_model_(module, cfg, mesh)
+    mesh, module, chunks = _placed(cfg, stage)
     for p in module.parameters():
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
     return cfg, mesh, module, chunks
+
+
+def _placed(cfg: RunConfig, stage: int) -> tuple:
+    """The mesh of ``cfg``'s pipeline stage ``stage`` (its first rank) and its model on the meta
+    device, cut to the stage's chunks."""
+    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
+    module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
+    chunks, _ = place_model_(module, cfg, mesh)
+    return mesh, module, chunks
 
 
 # the units' operators answered from memory, and their counts (``OpCounter``), per kernels: the
