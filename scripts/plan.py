@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distlib.app.config.run import ConfigError, RunConfig  # noqa: E402
 from distlib.app.plan import candidates, devices  # noqa: E402
-from distlib.app.plan.activations import routing_estimated  # noqa: E402
+from distlib.app.plan.activations import bounded  # noqa: E402
 from distlib.app.plan.report import (  # noqa: E402
     GB,
     Planned,
@@ -160,9 +160,9 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     if not layout.activations_known:
         needs += "; activations not predicted for this layout (document masks at cp > 1)"
     if layout.cfg is not None and layout.cfg.model.has_experts and layout.step_peak is not None:
-        needs += "; with experts the step peak is an estimate (balanced expert loads)"
-    if layout.cfg is not None and routing_estimated(layout.cfg) and layout.activations_known:
-        needs += "; the activations too (dist.ep > 1 or a capacity: the router decides them)"
+        needs += "; with experts the step peak is a bound (the most any routing sends a rank's experts)"
+    if layout.cfg is not None and bounded(layout.cfg) and layout.activations_known:
+        needs += "; the activations a bound too (dist.ep > 1 or a capacity: the router decides them)"
     if budget is None:
         return needs
     word = "fits" if layout.fits(budget) else "does NOT fit"

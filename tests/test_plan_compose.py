@@ -22,24 +22,28 @@ import torch
 from distlib.app.config.model_group import FAMILIES
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import BatchPlan
+from distlib.app.model import expert_loads
 from distlib.app.model.attention import causal_mask
 from distlib.app.model.local_step import LocalStep
 from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
 from distlib.app.model.routing_count import RoutingCount
+from distlib.app.optimizer import param_groups_
 from distlib.app.plan import candidates, dry_inputs
-from distlib.app.plan.activations import rank_activations, stage_counts
+from distlib.app.plan.activations import memory_loads, rank_activations, stage_counts
 from distlib.app.plan.timing import Counted, OpCounter, grouped
 from distlib.comm import tally
 from distlib.comm.mesh import shape_mesh
 from distlib.launch.hydra_config import compose_tree
 
 
-def whole_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
-    """Pipeline stage ``stage``'s first rank: its whole step program on the meta device."""
+def whole_step(cfg: RunConfig, stage: int, loads=expert_loads.BALANCED) -> tuple[int, Counted]:
+    """Pipeline stage ``stage``'s first rank: its whole step program on the meta device, the
+    experts' ``loads`` balanced or the hottest."""
     mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
-    module = shape_model(cfg, mesh).to("meta")
+    module = shape_model(cfg, mesh, loads).to("meta")
     chunks, _ = place_model_(module, cfg, mesh)
+    param_groups_(module, mesh)  # (as the run's optimizer builds its groups: the rank's experts kept)
     for p in module.parameters():
         p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
     micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
@@ -118,7 +122,12 @@ SAMPLED = [
 
 def _check(cfg: RunConfig) -> None:
     wanted = [whole_step(cfg, s) for s in range(cfg.dist.pp)]
-    per_rank = [wanted[cfg.layout.coords(r)["pp"]][0] for r in range(cfg.dist.world_size)]
+    # the bytes with the loads they are predicted with (over expert-parallel ranks the hottest)
+    loads = memory_loads(cfg)
+    kept = wanted
+    if loads is not expert_loads.BALANCED:
+        kept = [whole_step(cfg, s, loads) for s in range(cfg.dist.pp)]
+    per_rank = [kept[cfg.layout.coords(r)["pp"]][0] for r in range(cfg.dist.world_size)]
     assert rank_activations(cfg) == per_rank
     counts = stage_counts(cfg)
     assert counts is not None

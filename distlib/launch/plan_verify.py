@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 
 from distlib.app.observe import records
-from distlib.app.plan import step_peak
-from distlib.app.plan.activations import routing_estimated
+from distlib.app.plan import activations, step_peak
 from distlib.app.plan.report import Planned, with_step_peaks
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -120,9 +119,7 @@ def _ranks(values: list[float]) -> list[float]:
 
 
 def misses(layout: Planned, measured: list[dict]) -> list[str]:
-    """Where ``measured`` (rank order) is not what ``layout`` planned (not compared: estimates, the
-    experts' activations over expert-parallel ranks, their step peaks)."""
-    estimated = layout.cfg is not None and routing_estimated(layout.cfg)
+    """Where ``measured`` (rank order) is not what ``layout`` planned: equal, or at most a bound."""
     out = []
     for got, planned, kept in zip(measured, layout.ranks, layout.activations):
         for category in CATEGORIES:
@@ -130,20 +127,17 @@ def misses(layout: Planned, measured: list[dict]) -> list[str]:
             if (m != p) if planned.exact else m > p:
                 bound = "" if planned.exact else "at most "
                 out.append(f"rank {planned.rank} {category}: measured {m}, planned {bound}{p}")
-        if kept is not None and not estimated and got["activations"] != kept:
+        if kept is not None and activations.missed(layout.cfg, got["activations"], kept):
             out.append(f"rank {planned.rank} activations: measured {got['activations']}, planned {kept}")
     return out + _step_peak_misses(layout, measured)
 
 
 def _step_peak_misses(layout: Planned, measured: list[dict]) -> list[str]:
-    """Every rank's step peak as predicted: to the byte, or with zero.overlap at stages 2/3 (the
-    communication thread's timing) within 3%."""
+    """Every rank's step peak as predicted (``step_peak.missed``: to the byte; with zero.overlap at
+    stages 2/3, the communication thread's timing, within 3%; with experts at most the bound)."""
     out = []
-    if step_peak.estimated(layout.cfg):
-        return out  # (experts: the router decides the peak's rows)
-    to_the_byte = step_peak.exact(layout.cfg)
     for rank, (got, want) in enumerate(zip(measured, layout.step_peaks or ())):
         m = got.get("step_peak")
-        if want is not None and ((m != want) if to_the_byte else abs(m - want) > 0.03 * want):
+        if want is not None and step_peak.missed(layout.cfg, m, want):
             out.append(f"rank {rank} step peak: measured {m}, planned {want}")
     return out

@@ -61,7 +61,7 @@ class MoE(moe.MoE):
         self,
         cfg: ModelConfig,
         sequence: Replicated | SequenceSplit = REPLICATED,
-        loads: expert_loads.Read | expert_loads.Balanced = expert_loads.READ,
+        loads: expert_loads.Loads = expert_loads.READ,
     ):
         super().__init__(cfg, sequence, loads)
         self.shared_experts = llama.MLP(cfg, width=cfg.mlp_width * cfg.n_shared_experts)

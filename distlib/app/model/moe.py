@@ -112,7 +112,7 @@ class MoE(nn.Module):
         self,
         cfg: ModelConfig,
         sequence: Replicated | SequenceSplit = REPLICATED,
-        loads: expert_loads.Read | expert_loads.Balanced = expert_loads.READ,
+        loads: expert_loads.Loads = expert_loads.READ,
     ):
         super().__init__()
         self.sequence = sequence  # dist.sp: the block hands the tokens gathered; see forward
@@ -161,8 +161,9 @@ class MoE(nn.Module):
         # (one_hot, not bincount: deterministic on every device)
         counts = F.one_hot(ids, self.n_experts).sum(dim=(0, 1))
         self.last_counts, self.last_routing = counts, (probs, counts)
+        groups = x.shape[0] if x.dim() == 3 else 1
         if self.capacity_factor is not None:  # dropped assignments go to no expert (the sentinel id)
-            kept = self.within_capacity(ids, x.shape[0] if x.dim() == 3 else 1)
+            kept = self.within_capacity(ids, groups)
             self.last_dropped = (~kept).sum()
             ids = torch.where(kept, ids, self.n_experts)
             counts = F.one_hot(ids, self.n_experts + 1).sum(dim=(0, 1))[: self.n_experts]
@@ -171,10 +172,23 @@ class MoE(nn.Module):
         if self.score_bias is not None and self.training and torch.is_grad_enabled() and not is_recomputing():
             self.step_counts += self.last_counts
         out = torch.zeros_like(flat)
-        self.placement.run(self, flat, ids, counts, weights, out)
+        self.placement.run(self, flat, ids, counts, weights, out, self.routed(ids, groups))
         if self.step_balance is not None and torch.is_grad_enabled():
             out = self.step_balance.charge(out, probs)
         return self.sequence.replicated_out(out.view(x.shape))
+
+    def routed(self, ids: torch.Tensor, groups: int) -> expert_loads.Routed:
+        """What the router chose from (``expert_loads.Routed``): no expert takes a token twice, nor
+        under a capacity more than its capacity from each of the ``groups`` samples."""
+        tokens, k = ids.shape
+        most = tokens
+        if self.capacity_factor is not None:
+            most = min(tokens, groups * self.capacity(tokens // groups, k))
+        return expert_loads.Routed(tokens, k, most)
+
+    def capacity(self, per: int, k: int) -> int:
+        """The most of one sample's assignments (``per`` tokens, ``k`` each) an expert keeps."""
+        return math.ceil(self.capacity_factor * per * k / self.n_experts)
 
     def within_capacity(self, ids: torch.Tensor, groups: int) -> torch.Tensor:
         """(tokens, top_k) bool: the assignments that fit their expert's capacity, GShard's way.
@@ -184,7 +198,7 @@ class MoE(nn.Module):
         so every layout that keeps samples whole drops the same ones."""
         tokens, k = ids.shape
         per = tokens // groups
-        capacity = math.ceil(self.capacity_factor * per * k / self.n_experts)
+        capacity = self.capacity(per, k)
         hot = F.one_hot(ids.view(groups, per, k).transpose(1, 2), self.n_experts)  # (groups, k, per, E)
         queue = hot.reshape(groups, k * per, self.n_experts)  # priority order: slot, then token
         place = (queue.cumsum(dim=1) * queue).sum(dim=-1)  # 1-based place in its expert's queue
@@ -199,13 +213,13 @@ class MoE(nn.Module):
 class ExpertsHere:
     """Every expert of the layer on this rank: each runs its dispatched rows here."""
 
-    def __init__(self, loads: expert_loads.Read | expert_loads.Balanced):
+    def __init__(self, loads: expert_loads.Loads):
         self.loads = loads
 
-    def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor) -> None:
+    def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor, routed) -> None:
         # One read of the counts (a device sync, as transformers' own loop takes) gives every
         # expert's share.
-        plan = moe.dispatch(ids, self.loads.here(counts, ids.numel()))
+        plan = moe.dispatch(ids, self.loads.here(counts, routed))
         for e, expert in enumerate(moe.experts):
             # An expert without tokens runs on zero rows all the same: its weights get a (zero)
             # gradient on every rank, as ZeRO's gradient buckets (one per block at stage 3) wait for.
@@ -218,11 +232,11 @@ class ExpertsOverRanks:
     dispatched rows go through the experts' ranks of ``ep`` and back (``expert_parallel.run_experts``),
     combined here in the one-rank order."""
 
-    def __init__(self, ep: Comm, loads: expert_loads.Read | expert_loads.Balanced):
+    def __init__(self, ep: Comm, loads: expert_loads.Loads):
         self.ep, self.loads = ep, loads
 
-    def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor) -> None:
-        routing = self.loads.over(counts, ids.numel(), self.ep)  # the one read of the device
+    def run(self, moe: MoE, flat, ids, counts, weights, out: torch.Tensor, routed) -> None:
+        routing = self.loads.over(counts, routed, self.ep)  # the one read of the device
         plan = moe.dispatch(ids, routing.counts[self.ep.rank])
         held = {int(e): expert for e, expert in moe.experts.items()}
         sent = plan.token[: sum(plan.counts)]  # (dropped assignments sort last, to no expert)

@@ -21,10 +21,10 @@ def layout_model(cfg: RunConfig, mesh: Mesh, seed: int) -> CausalLM:
     return families.build(cfg.model, seed, _strategies(cfg, mesh))
 
 
-def shape_model(cfg: RunConfig, mesh: Mesh) -> CausalLM:
+def shape_model(cfg: RunConfig, mesh: Mesh, loads: expert_loads.Loads = expert_loads.BALANCED) -> CausalLM:
     """``layout_model``'s modules and parameter shapes on the meta device: no weights drawn, and
-    the experts' loads (no values to read there) balanced (``expert_loads``)."""
-    shaped = dataclasses.replace(_strategies(cfg, mesh), loads=expert_loads.BALANCED)
+    the experts' loads (no values to read there) balanced, or the hottest (``expert_loads``)."""
+    shaped = dataclasses.replace(_strategies(cfg, mesh), loads=loads)
     with torch.device("meta"):
         return families.CLASSES[cfg.model.family](cfg.model, strategies=shaped)
 

@@ -33,7 +33,7 @@ from distlib.parallel.tensor_parallel import REPLICATED, Replicated
 class Strategies:
     context: Context = WHOLE
     sequence: Replicated | SequenceSplit = REPLICATED
-    loads: expert_loads.Read | expert_loads.Balanced = expert_loads.READ
+    loads: expert_loads.Loads = expert_loads.READ
 
 
 LOCAL = Strategies()  # one rank's model: whole sequences, the stream replicated

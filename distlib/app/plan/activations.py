@@ -19,10 +19,13 @@ and schedules share it. A pipeline rank's peak is its schedule's most in-flight 
 once, each holding its unit's bytes, as the ``Recorder`` adds them up; its sends are the
 schedule's. ``tests/test_plan_compose.py`` checks the composition against the whole step program.
 
-Models with experts run with balanced loads (``expert_loads``: the meta device has no routing to
-read): to the byte with every expert on the rank (what each keeps is its own rows', and they add up
-to the assignments whatever the router chose), an estimate over expert-parallel ranks or with a
-capacity (``routing_estimated``). Where the experts' routing is counted before the step (balanced by
+A unit (``units``) holds the rank's own experts as the run's optimizer leaves them, and models with
+experts run with balanced loads (``expert_loads``: the meta device has no routing to read): to the
+byte with every expert on the rank (what each keeps is its own rows', and they add up to the
+assignments whatever the router chose), and what a balanced router gives over expert-parallel
+ranks: there the step's time takes them, its bytes the experts' hottest loads (``memory_loads``:
+the most any routing sends the rank's experts), a bound (``bounded``; with a capacity the dry step
+keeps every assignment, a bound too). Where the experts' routing is counted before the step (balanced by
 their biases, or by the loss over several micro-batches or stages: ``routing_count``) each unit runs
 the count of its micro-batch first, as the trainer does, and its blocks keep what the step's
 balance charges; what the count does once a step (its all-reduce, the balance it sets), each unit
@@ -41,18 +44,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
-
 from distlib.app.config.groups import TrainConfig
 from distlib.app.config.model_group import ModelConfig
-from distlib.app.config.operation import DistConfig
 from distlib.app.config.run import RunConfig
 from distlib.app.data.batches import BatchPlan
-from distlib.app.model import routing_count
-from distlib.app.model.local_step import LocalStep
-from distlib.app.model.pipeline_step import PipelineStep
-from distlib.app.model.placement import place_model_, shape_model
-from distlib.app.model.routing_count import RoutingCount
+from distlib.app.model import expert_loads
+from distlib.app.plan import units
 from distlib.app.plan.composition import (
     added,
     extended,
@@ -65,10 +62,8 @@ from distlib.app.plan.composition import (
     stepped,
     without_sends,
 )
-from distlib.app.plan.dry_inputs import cpu_results, low_precision_on_cpu, micro_batch
-from distlib.app.plan.timing import Counted, OpCounter, grouped
-from distlib.comm import tally
-from distlib.comm.mesh import shape_mesh
+from distlib.app.plan.timing import Counted
+from distlib.app.plan.units import Rank
 from distlib.parallel.pipeline import schedule
 
 
@@ -78,13 +73,18 @@ def predicted(cfg: RunConfig) -> bool:
     return not (cfg.data.document_mask and cfg.dist.cp > 1)
 
 
-def routing_estimated(cfg: RunConfig) -> bool:
-    """Whether what the experts hold is an estimate: the dry step's loads are balanced
-    (``expert_loads``), which is the run's to the byte with every expert on the rank and nothing
-    dropped, and an estimate over expert-parallel ranks (a rank holds what the router sends its
-    experts) or with a capacity (the run drops what an unbalanced router sends over it)."""
+def bounded(cfg: RunConfig) -> bool:
+    """Whether the predicted activations are a bound, at or over the run's (else its bytes): with
+    experts over expert-parallel ranks (a rank keeps what the router sends its experts: predicted
+    with the hottest loads, ``memory_loads``), or with a capacity (the dry step keeps every
+    assignment, where the run drops what its router sends an expert over it)."""
     model = cfg.model
     return model.has_experts and (cfg.dist.ep > 1 or model.capacity_factor is not None)
+
+
+def missed(cfg: RunConfig, measured: int, planned: int) -> bool:
+    """Whether a rank's measured activations are not the planned: other bytes, or over a bound."""
+    return measured > planned if bounded(cfg) else measured != planned
 
 
 def blocks_alike(model: ModelConfig) -> bool:
@@ -97,7 +97,7 @@ def rank_activations(cfg: RunConfig) -> list[int | None]:
     module's docstring). The ranks of one pipeline stage hold the same shapes."""
     if not predicted(cfg):
         return [None] * cfg.dist.world_size
-    stages = [stage_step(cfg, s)[0] for s in range(cfg.dist.pp)]
+    stages = [stage_peak(cfg, s) for s in range(cfg.dist.pp)]
     layout = cfg.layout
     return [stages[layout.coords(rank)["pp"]] for rank in range(layout.world_size)]
 
@@ -112,13 +112,42 @@ def stage_counts(cfg: RunConfig) -> list[Counted] | None:
 
 def stage_step(cfg: RunConfig, stage: int) -> tuple[int, Counted]:
     """Pipeline stage ``stage``'s activation peak and its step's counts, composed of its units."""
+    return _stage(*_composing(cfg, Rank.of(cfg)), stage)
+
+
+def stage_peak(cfg: RunConfig, stage: int) -> int:
+    """Pipeline stage ``stage``'s activation peak: ``stage_step``'s, but over expert-parallel
+    ranks with the experts' hottest loads (``memory_loads``), a bound."""
+    loads = memory_loads(cfg)
+    if loads is expert_loads.BALANCED:
+        return stage_step(cfg, stage)[0]  # (the units the step's time runs)
+    return _peak(*_composing(cfg, Rank.of(cfg, loads)), stage)
+
+
+def _composing(cfg: RunConfig, rank: Rank) -> tuple:
+    """What a stage's composition depends on: the units' rank, the micro-batch's rows, the stages,
+    the chunks of a rank, the schedule and the micro-batches of a step."""
     d = cfg.dist
     micro = BatchPlan(cfg.global_batch, cfg.dp_size, cfg.train.grad_accum).micro_batch
-    return _stage(_Rank.of(cfg), micro, d.pp, d.pp_virtual, d.pp_schedule, cfg.train.grad_accum, stage)
+    return rank, micro, d.pp, d.pp_virtual, d.pp_schedule, cfg.train.grad_accum
+
+
+def memory_loads(cfg: RunConfig) -> expert_loads.Loads:
+    """The experts' loads a rank's bytes are predicted with: balanced with every expert on the
+    rank (the kept bytes are the same for every routing there), else the hottest (a bound)."""
+    return expert_loads.HOTTEST if cfg.model.has_experts and cfg.dist.ep > 1 else expert_loads.BALANCED
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: int) -> tuple[int, Counted]:
+def _peak(rank: Rank, micro: int, P: int, v: int, name: str, m: int, stage: int) -> int:
+    """``_stage``'s activation peak alone."""
+    if P == 1:
+        return _chunk(rank, micro, rank.model.n_layers, "only")[0]
+    return _in_flight(_units(rank, micro, P, v, stage), schedule.build(name, P, m, v)[stage])
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage(rank: Rank, micro: int, P: int, v: int, name: str, m: int, stage: int) -> tuple[int, Counted]:
     """Pipeline stage ``stage`` of ``P`` (``v`` chunks a rank, schedule ``name``, ``m``
     micro-batches of ``micro`` rows): its activation peak and its step's counts."""
     n_layers = rank.model.n_layers
@@ -128,14 +157,11 @@ def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: in
         return peak, less(step, _count_once(rank, n_layers), m - 1) if rank.counted else step
     per = n_layers // (P * v)
     places = [schedule.stage_of(stage, c, P) for c in range(v)]  # each chunk's among all P x v
-    units = [_chunk(rank, micro, per, _position(g, P * v), _dense(rank.model, g, per)) for g in places]
+    made = _units(rank, micro, P, v, stage)
     actions = schedule.build(name, P, m, v)[stage]
-    live = peak = 0
-    for a in actions:  # the Recorder's sum: each chunk forward's bytes, held until its backward
-        live += units[a.chunk][0] if a.kind == "F" else -units[a.chunk][0]
-        peak = max(peak, live)
-    counted = [micro_batches(without_sends(unit), m, grads) for _, unit, grads in units]
-    nbytes = send_bytes(units)
+    peak = _in_flight(made, actions)
+    counted = [micro_batches(without_sends(unit), m, grads) for _, unit, grads in made]
+    nbytes = send_bytes(made)
     step = one_step(counted, v * m, sends(actions, stage, P, v, nbytes))
     if not rank.counted:
         return peak, step
@@ -146,17 +172,24 @@ def _stage(rank: _Rank, micro: int, P: int, v: int, name: str, m: int, stage: in
     return peak, one_step([step, _stage_once(rank, P, v, stage)], 1, sends(forwards, stage, P, v, nbytes))
 
 
+def _units(rank: Rank, micro: int, P: int, v: int, stage: int) -> list[tuple[int, Counted, int]]:
+    """The units of pipeline stage ``stage``'s chunks, one per chunk, in the rank's chunk order."""
+    per = rank.model.n_layers // (P * v)
+    places = [schedule.stage_of(stage, c, P) for c in range(v)]  # each chunk's among all P x v
+    return [_chunk(rank, micro, per, _position(g, P * v), _dense(rank.model, g, per)) for g in places]
+
+
+def _in_flight(units: list[tuple[int, Counted, int]], actions) -> int:
+    """The ``Recorder``'s peak: each chunk forward's bytes, held until its backward."""
+    live = peak = 0
+    for a in actions:
+        live += units[a.chunk][0] if a.kind == "F" else -units[a.chunk][0]
+        peak = max(peak, live)
+    return peak
+
+
 def _position(stage: int, stages: int) -> str:
     return "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
-
-
-def _shallow(model: ModelConfig, blocks: int, stages: int, where: str, dense: int | None) -> ModelConfig:
-    """``model`` cut to ``stages`` stages of ``blocks`` blocks; where its blocks differ, those
-    before the stage run (``where``) dense, then ``dense`` of the stage's own."""
-    if dense is None:
-        return dataclasses.replace(model, n_layers=blocks * stages)
-    before = 0 if where in ("only", "first") else blocks
-    return dataclasses.replace(model, n_layers=blocks * stages, first_k_dense_replace=before + dense)
 
 
 def _dense(model: ModelConfig, chunk: int, per: int) -> int | None:
@@ -167,43 +200,10 @@ def _dense(model: ModelConfig, chunk: int, per: int) -> int | None:
     return min(max(model.first_k_dense_replace - chunk * per, 0), per)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rank:
-    """What a run depends on besides its rows, blocks and place: the model, the degrees that shape
-    a rank's tensors (not the data parallelism, the schedule or the transport), the dtype, the seed
-    (the dropout keys), the CPU's kernels (in bf16 they keep otherwise), document masks, whether
-    the experts' routing is counted before the step (its balance then charges every block)."""
-
-    model: ModelConfig
-    dist: DistConfig
-    dtype: str
-    seed: int
-    cpu: bool
-    documents: bool
-    counted: bool = False
-
-    @staticmethod
-    def of(cfg: RunConfig) -> _Rank:
-        cpu = low_precision_on_cpu(cfg)
-        dist = _shape(cfg.dist, cfg.layout.stage().world_size if cfg.model.has_experts else None)
-        counted = routing_count.counted(cfg)
-        return _Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask, counted)
-
-
-@functools.lru_cache(maxsize=1024)
-def _shape(d: DistConfig, stage_ranks: int | None) -> DistConfig:
-    """The degrees of ``d`` that shape a rank's tensors and calls, on one data-parallel rank; with
-    experts (``stage_ranks``: the ranks of one pipeline stage) on all of one stage's: the expert
-    group, and the batch group their balance loss all-reduces its counts over."""
-    if stage_ranks is not None:
-        return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, ep=d.ep, world_size=stage_ranks)
-    return DistConfig(tp=d.tp, cp=d.cp, cp_impl=d.cp_impl, sp=d.sp, world_size=d.tp * d.cp)
-
-
 def _chunk(
-    rank: _Rank, micro: int, blocks: int, where: str, dense: int | None = None
+    rank: Rank, micro: int, blocks: int, where: str, dense: int | None = None
 ) -> tuple[int, Counted, int]:
-    """A chunk of ``blocks`` blocks at ``where`` with ``micro`` rows, as ``_run`` would give it:
+    """A chunk of ``blocks`` blocks at ``where`` with ``micro`` rows, as ``units.run`` would give it:
     from the runs of one and two blocks, each block more adding what the second added (every
     byte, operator and call of a dense model's blocks is alike), so a deep model's chunks cost two
     shallow runs. Unlike blocks (``dense`` of them dense, then the experts') run as the chunk."""
@@ -218,64 +218,36 @@ def _chunk(
 
 
 def _rows(
-    rank: _Rank, micro: int, blocks: int, where: str, dense: int | None = None
+    rank: Rank, micro: int, blocks: int, where: str, dense: int | None = None
 ) -> tuple[int, Counted, int]:
-    """``_run`` with ``micro`` rows, from the runs of two and three: every row more adds what the
+    """``units.run`` with ``micro`` rows, from the runs of two and three: every row more adds what the
     third added (its bytes, FLOPs, message bytes and its dropout draws' operators); one row runs
     as itself (a single row reshapes by views where more copy), so every micro-batch size costs
     at most three runs."""
     if micro <= 3:
-        return _run(rank, micro, blocks, where, dense)
-    two, three = _run(rank, 2, blocks, where, dense), _run(rank, 3, blocks, where, dense)
+        return units.run(rank, micro, blocks, where, dense)
+    two, three = units.run(rank, 2, blocks, where, dense), units.run(rank, 3, blocks, where, dense)
     if [c[:1] + c[2:] for c in two[1].calls] != [c[:1] + c[2:] for c in three[1].calls]:
-        return _run(rank, micro, blocks, where, dense)  # a row more changed which calls run: not alike
+        return units.run(rank, micro, blocks, where, dense)  # a row more changed which calls run: not alike
     return extended(two, three, micro - 2, stepped(two[1].calls, three[1].calls, micro - 2))
 
 
-@functools.lru_cache(maxsize=4096)
-def _run(
-    rank: _Rank, micro: int, blocks: int, where: str, dense: int | None = None
-) -> tuple[int, Counted, int]:
-    """One micro-batch of the trainer's own step program through a chunk of ``blocks`` blocks at
-    ``where`` (first, middle or last global stage of a pipeline of such chunks; only: a whole
-    model of ``blocks`` blocks at pp = 1), ``dense`` of them dense first where blocks differ, on
-    the meta device: the bytes it keeps for its backward, as the run measures them, what it
-    computed and sent, and its parameters' gradient bytes. Where the experts' routing is counted
-    before the step, the count of its micro-batch comes first, as the trainer runs it."""
-    cfg, mesh, module, chunks = _built(rank, blocks, where, dense)
-    batch = micro_batch(cfg.model.seq_len, micro, mesh, rank.seed, rank.documents)
-    program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
-    ops = _counter(rank)
-    with tally.tallied() as calls, ops:
-        if rank.counted:
-            RoutingCount.counter(module, mesh, program, 1, torch.device("meta")).count([batch])
-        program.run([batch])
-    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
-
-
-def _count_once(rank: _Rank, blocks: int, where: str = "only", dense: int | None = None) -> Counted:
+def _count_once(rank: Rank, blocks: int, where: str = "only", dense: int | None = None) -> Counted:
     """What the routing count does once a step however many micro-batches it counts (its
     all-reduce of the counts and the balance it sets; a bias's counts zeroed), as a unit of
     ``blocks`` blocks at ``where`` did it for its own micro-batch: from one and two blocks, each
     block more adding what the second added, like the units' (unlike blocks: run as the chunk)."""
     if blocks <= 2 or not blocks_alike(rank.model):
-        return _counted_once(rank, blocks, where, dense)
-    one, two = _counted_once(rank, 1, where), _counted_once(rank, 2, where)
+        return units.counted_once(rank, blocks, where, dense)
+    one, two = units.counted_once(rank, 1, where), units.counted_once(rank, 2, where)
     calls = stepped(one.calls, two.calls, blocks - 1)
     if calls is None:
-        return _counted_once(rank, blocks, where)
+        return units.counted_once(rank, blocks, where)
     return extended((0, one, 0), (0, two, 0), blocks - 1, calls)[1]
 
 
 @functools.lru_cache(maxsize=1024)
-def _counted_once(rank: _Rank, blocks: int, where: str, dense: int | None = None) -> Counted:
-    """The routing count of no micro-batch on a unit's model: what it does once a step."""
-    return _once(rank, *_built(rank, blocks, where, dense))
-
-
-@functools.lru_cache(maxsize=1024)
-def _stage_once(rank: _Rank, P: int, v: int, stage: int) -> Counted:
+def _stage_once(rank: Rank, P: int, v: int, stage: int) -> Counted:
     """The routing count of no micro-batch on pipeline stage ``stage`` of the whole model (its
     counts sized by every block, all-reduced over the batch ranks and the ``P`` stages)."""
     schedule_name = "interleaved" if v > 1 else "gpipe"
@@ -285,45 +257,4 @@ def _stage_once(rank: _Rank, P: int, v: int, stage: int) -> Counted:
     # (interleaved: micro-batches a multiple of the stages; one row each, so any batch divides)
     train = TrainConfig(dtype=rank.dtype, grad_accum=P if v > 1 else 1, global_batch=None, batch_size=1)
     cfg = RunConfig(model=rank.model, dist=dist, train=train)
-    return _once(rank, cfg, *_placed(cfg, stage))
-
-
-def _once(rank: _Rank, cfg: RunConfig, mesh, module, chunks) -> Counted:
-    program = PipelineStep(cfg, mesh, module, chunks, "meta") if chunks else LocalStep(module, 1, "meta")
-    ops = _counter(rank)
-    with tally.tallied() as calls, ops:
-        RoutingCount.counter(module, mesh, program, 1, torch.device("meta")).count([])
-    return Counted(ops.flops, ops.ops, ops.written, grouped(calls))
-
-
-def _built(rank: _Rank, blocks: int, where: str, dense: int | None = None) -> tuple:
-    """A unit's configuration, its rank's mesh, and its model cut to the rank's chunks (``_run``)
-    with its parameters in the compute dtype, as the optimizer's flat buffer holds them."""
-    stages = {"only": 1, "first": 2, "last": 2, "middle": 3}[where]
-    model, dist = _shallow(rank.model, blocks, stages, where, dense), rank.dist
-    if where != "only":
-        dist = dataclasses.replace(dist, pp=stages, pp_schedule="gpipe", world_size=dist.world_size * stages)
-    stage = {"only": 0, "first": 0, "middle": 1, "last": stages - 1}[where]
-    cfg = RunConfig(model=model, dist=dist, train=TrainConfig(dtype=rank.dtype, grad_accum=1))
-    mesh, module, chunks = _placed(cfg, stage)
-    for p in module.parameters():
-        p.data = torch.empty(p.shape, dtype=cfg.param_dtype, device="meta")
-    return cfg, mesh, module, chunks
-
-
-def _placed(cfg: RunConfig, stage: int) -> tuple:
-    """The mesh of ``cfg``'s pipeline stage ``stage`` (its first rank) and its model on the meta
-    device, cut to the stage's chunks."""
-    mesh = shape_mesh(cfg.layout, cfg.layout.rank(pp=stage))
-    module = shape_model(cfg, mesh).to("meta")  # (buffers drawn on the CPU move too)
-    chunks, _ = place_model_(module, cfg, mesh)
-    return mesh, module, chunks
-
-
-# the units' operators answered from memory, and their counts (``OpCounter``), per kernels: the
-# meta device's alone, or the CPU's for a low precision (``dry_inputs.cpu_results``)
-_COUNTED: dict[bool, dict] = {}
-
-
-def _counter(rank: _Rank) -> OpCounter:
-    return OpCounter(_COUNTED.setdefault(rank.cpu, {}), cpu_results if rank.cpu else None)
+    return units.once(rank, cfg, *units.placed(cfg, stage))

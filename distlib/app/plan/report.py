@@ -16,7 +16,7 @@ from distlib.app.config.model_group import ModelConfig
 from distlib.app.config.operation import DistConfig
 from distlib.app.config.run import DTYPES, RunConfig
 from distlib.app.plan import candidates
-from distlib.app.plan.activations import rank_activations, routing_estimated, stage_counts
+from distlib.app.plan.activations import bounded, rank_activations, stage_counts
 from distlib.app.plan.states import RankStates, group_shape, model_states, stage_groups
 from distlib.app.plan.step_peak import rank_step_peaks
 from distlib.app.plan.timing import Counted, Machine, StepTime, grouped, merged, step_time, times
@@ -227,7 +227,7 @@ def table(planned: list[Planned], budget: float | None) -> list[str]:
         r, kept = p.ranks[p.fullest], p.activations[p.fullest]
         mark = "" if p.exact else " (bound)"
         mark += "" if p.activations_known else " (activations not predicted)"
-        mark += " (balanced expert loads)" if p.activations_known and routing_estimated(p.cfg) else ""
+        mark += " (activations a bound: experts)" if p.activations_known and bounded(p.cfg) else ""
         fits = "yes" if p.fits(budget) else "NO"
         ms = "?" if p.time is None else f"{1e3 * p.time.total_s:.1f}"
         lines.append(
