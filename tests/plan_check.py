@@ -38,8 +38,8 @@ def planner_misses(tree: dict, measured: list[dict]) -> list[str]:
 
 def _step_peak_misses(cfg: RunConfig, measured: list[dict]) -> list[str]:
     """Where a run with ``metrics.step_peak`` measured another peak than the dry step's
-    (``step_peak.missed``: equal to the byte; with zero.overlap at stages 2/3, the timing's, within
-    3%, issue 41's bound; with experts at most the bound)."""
+    (``step_peak.missed``: equal to the byte, or at most a bound: with zero.overlap at stages 2/3,
+    the communication thread's timing; with experts)."""
     if "step_peak" not in measured[0]:
         return []
     out = []

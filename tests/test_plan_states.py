@@ -9,8 +9,9 @@ measurement, and the two facts the prediction rests on.
   "incomplete gradient buckets" (found by this matrix: interleaved, ZeRO-2).
 - The end-of-run memory table's measured parameter, gradient and optimizer bytes equal the
   prediction to the byte on every rank (with zero.overlap at ZeRO-2/3, where a communication
-  thread's timing decides them, at or under it): here for the layouts no matrix trains, one step
-  each; every equivalence matrix checks its own layouts the same way (tests/plan_check.py).
+  thread's timing decides them, at or under it; so the step peak, with experts too): here for the
+  layouts no matrix trains, one step each; every equivalence matrix checks its own layouts the
+  same way (tests/plan_check.py).
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ LAYOUTS = [
     "model=mixtral_tiny model.seq_len=2 train.global_batch=4",
     # unlike blocks over pipeline stages: DeepSeek-V3's dense block and an MoE one on stage 0
     "model=deepseek_v3_tiny dist.pp=2 train.grad_accum=2",
+    # ZeRO-3's overlap beside recomputed blocks: a block's gradients wait for their reduce-scatter
+    # while the next block recomputes (the dry step's queue at its latest: plan/late_frees.py)
+    "model=llama model.activation_checkpointing=blocks train.grad_accum=2 zero=stage3 zero.overlap=true",
 ]
 ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
 ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]

@@ -12,15 +12,17 @@ from distlib.app.config.run import RunConfig
 from distlib.app.model import families, moe
 from distlib.app.model.layers import CausalLM
 from distlib.comm.mesh import Mesh
+from distlib.comm.progress import Progress
 from distlib.parallel.expert_parallel import expert_grad_scale
 from distlib.parallel.zero import PARAMS, ParamGroup, ZeroOptimizer
 
 DENSE, EXPERTS = "dense", "experts"  # the parameter groups' names (a checkpoint's "experts." keys)
 
 
-def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits, segments=()):
+def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits, segments=(), queue=Progress):
     """``model``'s optimizer (this rank's pipeline stage and tensor-parallel shards of it;
-    ``segments``: its chunks' parameter names, ``placement.chunk_segments``)."""
+    ``segments``: its chunks' parameter names, ``placement.chunk_segments``; ``queue``: what makes
+    ``zero.overlap``'s queue of jobs, ``ZeroOptimizer``'s)."""
     z, opt = cfg.zero, cfg.optimizer
     options = dict(
         tp=mesh.tp,
@@ -32,6 +34,7 @@ def build_optimizer(cfg: RunConfig, model: CausalLM, mesh: Mesh, tp_splits, segm
         overlap=z.overlap,
         grad_accum=cfg.train.grad_accum,
         pp=mesh.pp,
+        queue=queue,
     )
     return ZeroOptimizer(model, param_groups_(model, mesh), z.stage, opt.adamw, opt.grad_clip, **options)
 

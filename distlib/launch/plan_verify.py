@@ -133,8 +133,8 @@ def misses(layout: Planned, measured: list[dict]) -> list[str]:
 
 
 def _step_peak_misses(layout: Planned, measured: list[dict]) -> list[str]:
-    """Every rank's step peak as predicted (``step_peak.missed``: to the byte; with zero.overlap at
-    stages 2/3, the communication thread's timing, within 3%; with experts at most the bound)."""
+    """Every rank's step peak as predicted (``step_peak.missed``: to the byte, or at most a bound:
+    with zero.overlap at stages 2/3, the communication thread's timing; with experts)."""
     out = []
     for rank, (got, want) in enumerate(zip(measured, layout.step_peaks or ())):
         m = got.get("step_peak")

@@ -50,6 +50,20 @@ class LiveBytes(TorchDispatchMode):
             key = storage._cdata
             self._ignored[key] = weakref.ref(storage, lambda _, key=key: self._ignored.pop(key, None))
 
+    def settle(self) -> int:
+        """``now``, with the storages resized since the last operator re-read."""
+        self._reread()
+        return self.now
+
+    def defer(self, nbytes: int) -> None:
+        """Go on counting ``nbytes`` already freed (until ``undefer``): what a job of another thread
+        freed, which could still be alive, by that thread's timing (``plan.late_frees``)."""
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def undefer(self, nbytes: int) -> None:
+        self.now -= nbytes
+
     def restart(self) -> None:
         """Forget the peak so far: from now on it is the most alive at once from here."""
         self.peak = self.now

@@ -30,7 +30,8 @@ of (summed over ``tp`` once per step, ``partial_sums``); ``differs_over``, any p
 groups whose ranks hold other values of it, and ``pp``, the pipeline group: the global norms count
 such parameters on every rank of those groups and replicated ones once (``norms``);
 ``segments``, parameter names no stage-2 gradient bucket spans two of (an interleaved pipeline
-stage's chunks, ``buckets.buckets_by_size``).
+stage's chunks, ``buckets.buckets_by_size``); ``queue``, what makes the overlap's queue of jobs
+(``Progress``; the planner's step peak runs one that keeps what a job frees until it is waited for).
 
 Device: every buffer (flat parameters, gradients, master weights, Adam state, buckets) is
 allocated on the device of the module's parameters (``self.device``); ``state_shard`` and
@@ -39,7 +40,7 @@ allocated on the device of the module's parameters (``self.device``); ``state_sh
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -84,6 +85,7 @@ class StageOptimizer(ShardState):
         overlap: bool = False,
         grad_accum: int = 1,
         pp: Comm | None = None,
+        queue: Callable[[Comm], Progress] = Progress,
     ):
         if grad_clip < 0:
             raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables), got {grad_clip}")
@@ -92,7 +94,7 @@ class StageOptimizer(ShardState):
         self.module, self.comm, self.cfg, self.grad_clip = module, comm, cfg, grad_clip
         self.param_dtype, self.low_precision = param_dtype, param_dtype != torch.float32
         self.bucket_numel, self.segments, self.grad_accum = bucket_numel, segments, grad_accum
-        self.progress = Progress(comm) if overlap else None  # the communication thread's queue
+        self.progress = queue(comm) if overlap else None  # the communication thread's queue
         self.layout = FlatLayout.of(module, comm.size, names)
         named = dict(module.named_parameters())  # (once: per slot it was 0.09 s of a mixtral_tiny build)
         self.params = [named[s.name] for s in self.layout.slots]
