@@ -162,7 +162,7 @@ def _verdict(layout: Planned, budget: float | None) -> str:
     if layout.cfg is not None and layout.cfg.model.has_experts and layout.step_peak is not None:
         needs += "; with experts the step peak is a bound (the most any routing sends a rank's experts)"
     if layout.cfg is not None and bounded(layout.cfg) and layout.activations_known:
-        needs += "; the activations a bound too (dist.ep > 1 or a capacity: the router decides them)"
+        needs += "; the activations a bound too (the most any routing sends; a capacity: nothing dropped)"
     if budget is None:
         return needs
     word = "fits" if layout.fits(budget) else "does NOT fit"
