@@ -5,6 +5,8 @@ unit, on a communication thread -- checked against torch DDP on real gloo ranks,
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,23 @@ def test_a_failed_collective_on_the_thread_reaches_the_caller_and_stops_the_queu
     with pytest.raises(CollectiveError):
         progress.drain()
     assert ran == [] and not _comm_threads()
+
+
+def test_an_idle_thread_lets_go_of_the_jobs_it_ran():
+    # (held until the next job, the last bucket of a backward outlived its reduce-scatter)
+    progress = Progress(Comm(ranks=(0, 1), rank=0))
+    bucket = torch.zeros(1000)
+    alive = weakref.ref(bucket)
+    progress.submit(lambda b: b.add_(1), bucket).wait()
+    del bucket
+    try:
+        for _ in range(500):  # (the thread lets go just after the job's ticket is done)
+            if alive() is None:
+                break
+            time.sleep(0.01)
+        assert alive() is None and _comm_threads()  # gone, while the thread idles on
+    finally:
+        progress.drain()
 
 
 def test_zero_overlap_is_validated():
