@@ -5,6 +5,10 @@ at no extra training (issue 42's rule)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
 from distlib.app.config.run import RunConfig
 from distlib.app.plan import activations, step_peak
 from distlib.app.plan.states import model_states
@@ -65,3 +69,18 @@ def _name(tree: dict) -> str:
     dims = " ".join(f"{k}{d[k]}" for k in ("world_size", "tp", "pp", "cp", "ep"))
     options = f"zero{z['stage']} overlap {z['overlap']} {tree['train']['dtype']}"
     return f"{tree['model']['family']} {dims} {options}"
+
+
+def measure(comm, trees: list[dict], root: str) -> list[list[dict]]:
+    """On a rank of ``comm``: each tree trained in turn (under ``root``, quietly); per tree, every
+    rank's measured bytes (the end-of-run memory table's rows)."""
+    from distlib.app.trainer import Trainer
+    from distlib.launch.torchrun import use_deterministic_kernels
+
+    use_deterministic_kernels()
+    out = []
+    for i, tree in enumerate(trees):
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            result = Trainer(RunConfig.from_dict(tree), comm, Path(root) / str(i)).run()
+        out.append([row["measured"] for row in result.memory])
+    return out

@@ -10,13 +10,11 @@ under the bound; with a capacity, at or under it too.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
+from plan_check import measure
 from trainrun import compose_tree
 
 from distlib.app.config.run import RunConfig
@@ -43,8 +41,6 @@ LAYOUTS = [
 def _forced(comm, trees: list[dict], root: str) -> list[list[dict]]:
     """Each tree trained one step with every token routed to experts 0 .. top_k - 1."""
     from distlib.app.model import routers
-    from distlib.app.trainer import Trainer
-    from distlib.launch.torchrun import use_deterministic_kernels
 
     real = routers.SoftmaxTopK.logits
 
@@ -54,14 +50,8 @@ def _forced(comm, trees: list[dict], root: str) -> list[list[dict]]:
         skew[: self.top_k] = 100.0 - torch.arange(self.top_k, device=logits.device)
         return logits + skew
 
-    routers.SoftmaxTopK.logits = skewed
-    use_deterministic_kernels()
-    out = []
-    for i, tree in enumerate(trees):
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            result = Trainer(RunConfig.from_dict(tree), comm, Path(root) / str(i)).run()
-        out.append([row["measured"] for row in result.memory])
-    return out
+    routers.SoftmaxTopK.logits = skewed  # (in this forked rank only)
+    return measure(comm, trees, root)
 
 
 @pytest.fixture(scope="module")

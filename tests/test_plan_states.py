@@ -16,15 +16,12 @@ measurement, and the two facts the prediction rests on.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from plan_check import matrix_misses
+from plan_check import matrix_misses, measure
 
 from distlib.app.config.run import RunConfig
 from distlib.app.model import families
@@ -151,27 +148,13 @@ ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist
 ONE_STEP += ["metrics.step_peak=true"]
 
 
-def _measure(comm, trees: list[dict], root: str) -> list[list[dict]]:
-    """Each tree trained in turn; per tree, every rank's measured bytes (the memory table's)."""
-    from distlib.app.trainer import Trainer
-    from distlib.launch.torchrun import use_deterministic_kernels
-
-    use_deterministic_kernels()
-    out = []
-    for i, tree in enumerate(trees):
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            result = Trainer(RunConfig.from_dict(tree), comm, Path(root) / str(i)).run()
-        out.append([row["measured"] for row in result.memory])
-    return out
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     from multiproc import run_ranks
 
     trees = [compose_tree([*ONE_STEP, *layout.split()]) for layout in LAYOUTS]
     root = tmp_path_factory.mktemp("plan")
-    return trees, run_ranks(_measure, 4, trees, str(root), timeout_s=600)[0]
+    return trees, run_ranks(measure, 4, trees, str(root), timeout_s=600)[0]
 
 
 def test_predicted_model_states_are_the_measured_bytes_on_every_rank(measured):
