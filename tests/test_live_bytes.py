@@ -59,6 +59,21 @@ def test_held_tensors_and_a_storage_resized_outside_the_dispatcher():
     del view, one, two
 
 
+def test_a_storage_emptied_in_the_build_counts_empty_from_the_restart_and_is_re_read_after():
+    meter = LiveBytes("cpu")
+    with meter:
+        unit = torch.zeros(64)  # made whole in the build, as ZeRO-3's unit buffers are
+        unit.untyped_storage().resize_(0)  # and emptied: no operator runs
+    assert meter.now == 256  # (not re-read yet)
+    meter.restart()  # the build's end (StepMeter.build)
+    assert meter.now == meter.peak == 0  # before: every unit counted gathered through every step
+    with meter:
+        unit.untyped_storage().resize_(256)  # gathered in the step
+        one = torch.ones(1)
+        assert meter.now == 256 + 4
+    del one
+
+
 def test_memory_the_rank_did_not_allocate_and_other_devices_are_not_counted():
     meter = LiveBytes("cpu")
     board = bytearray(4096)  # shared memory, a NumPy array: not torch's allocation

@@ -65,7 +65,13 @@ class LiveBytes(TorchDispatchMode):
         self.now -= nbytes
 
     def restart(self) -> None:
-        """Forget the peak so far: from now on it is the most alive at once from here."""
+        """Forget the peak so far: from now on it is the most alive at once from here. A storage
+        resized since it was seen (ZeRO-3's unit buffers, made whole and emptied at the build) counts
+        its bytes now, and is re-read after every operator from here on (``_reread``)."""
+        for key, ref in self._refs.items():
+            if ref().nbytes() != self._bytes[key]:
+                self._resized.add(key)
+        self._reread()
         self.peak = self.now
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
