@@ -12,12 +12,13 @@ dispatched rows (and, with expert parallelism, the all-to-all's splits) into Pyt
                experts, the first of them the fullest (``hottest``); the loss's value 0
 
 Chosen when the model is built (``strategies.Strategies.loads``): ``placement.shape_model``, the
-planner's builder, takes ``BALANCED`` for a step's time and ``HOTTEST`` for its bytes. What a rank
-keeps with every expert on it is the same for any loads of the same total (each expert's rows are
-its own; they add up to the assignments), so there the kept bytes are the run's to the byte; over
-expert-parallel ranks a rank receives what the router sends its experts, and a step's peak can
-hold one expert's rows at once: there balanced loads are what a balanced router gives, the hottest
-the most any router can (docs/parallelism.md, "Activations").
+planner's builder, takes ``BALANCED`` for a step's time and ``HOTTEST`` for its bytes where the
+router decides them. What a rank keeps with every expert on it is the same for any loads of the
+same total (each expert's rows are its own; they add up to the assignments), so there the kept
+bytes are the run's to the byte with either; over expert-parallel ranks a rank receives what the
+router sends its experts, and a step's peak can hold one expert's rows at once: there balanced
+loads are what a balanced router gives, the hottest the most any router can (docs/parallelism.md,
+"Activations").
 """
 
 from __future__ import annotations
