@@ -14,6 +14,10 @@ from distlib.app.plan import activations, step_peak
 from distlib.app.plan.states import model_states
 
 CATEGORIES = ("params", "grads", "optimizer")
+# one quiet metered step over 4 ranks: what the planner's matrices train each layout for (``measure``)
+ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
+ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]
+ONE_STEP += ["metrics.step_peak=true"]
 
 
 def planner_misses(tree: dict, measured: list[dict]) -> list[str]:

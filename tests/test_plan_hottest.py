@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from plan_check import measure
+from plan_check import ONE_STEP, measure
 from trainrun import compose_tree
 
 from distlib.app.config.run import RunConfig
@@ -23,9 +23,7 @@ from distlib.app.plan.activations import rank_activations
 from distlib.app.plan.step_peak import rank_step_peaks
 from distlib.parallel.expert_parallel import held_experts
 
-ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
-ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]
-ONE_STEP += ["metrics.step_peak=true", "model=mixtral_tiny"]
+FORCED = [*ONE_STEP, "model=mixtral_tiny"]
 # (layout, whether the forced routing is the hottest: not under a capacity, which drops the most of
 # it where the bound fills the rank's other experts to their capacity)
 LAYOUTS = [
@@ -58,7 +56,7 @@ def _forced(comm, trees: list[dict], root: str) -> list[list[dict]]:
 def forced(tmp_path_factory):
     from multiproc import run_ranks
 
-    trees = [compose_tree([*ONE_STEP, *layout.split()]) for layout, _ in LAYOUTS]
+    trees = [compose_tree([*FORCED, *layout.split()]) for layout, _ in LAYOUTS]
     root = tmp_path_factory.mktemp("hottest")
     return trees, run_ranks(_forced, 4, trees, str(root), timeout_s=600)[0]
 
@@ -78,8 +76,7 @@ def test_the_hottest_routing_measures_the_bound_and_no_rank_more(forced, index):
             assert max(measured[r] for r in ranks) == planned[ranks[0]], (what, stage, measured, planned)
 
 
-def _routed() -> expert_loads.Routed:
-    rng = random.Random()
+def _routed(rng: random.Random) -> expert_loads.Routed:
     tokens, k = rng.randint(0, 9), rng.randint(1, 4)
     return expert_loads.Routed(tokens, k, rng.randint(0, tokens))
 
@@ -97,7 +94,7 @@ def _some_routing(routed: expert_loads.Routed, experts: int, rng: random.Random)
 def test_no_routing_gives_a_rank_more_than_the_hottest():
     rng = random.Random(7)
     for _ in range(2000):
-        routed, ranks = _routed(), rng.choice([1, 2, 4])
+        routed, ranks = _routed(rng), rng.choice([1, 2, 4])
         experts = ranks * rng.randint(1, 4)
         if routed.top_k > experts:
             continue

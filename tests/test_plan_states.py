@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from plan_check import matrix_misses, measure
+from plan_check import ONE_STEP, matrix_misses, measure
 
 from distlib.app.config.run import RunConfig
 from distlib.app.model import families
@@ -143,9 +143,6 @@ LAYOUTS = [
     # while the next block recomputes (the dry step's queue at its latest: plan/late_frees.py)
     "model=llama model.activation_checkpointing=blocks train.grad_accum=2 zero=stage3 zero.overlap=true",
 ]
-ONE_STEP = ["train.steps=1", "optimizer.warmup_steps=0", "checkpoint.every_steps=0"]
-ONE_STEP += ["checkpoint.verify_resume=false", "metrics.progress_every=0", "dist.world_size=4"]
-ONE_STEP += ["metrics.step_peak=true"]
 
 
 @pytest.fixture(scope="module")
