@@ -29,7 +29,7 @@ from distlib.app.model.pipeline_step import PipelineStep
 from distlib.app.model.placement import place_model_, shape_model
 from distlib.app.model.routing_count import RoutingCount
 from distlib.app.optimizer import param_groups_
-from distlib.app.plan import candidates, dry_inputs
+from distlib.app.plan import candidates, dry_inputs, units
 from distlib.app.plan.activations import memory_loads, rank_activations, stage_counts
 from distlib.app.plan.timing import Counted, OpCounter, grouped
 from distlib.comm import tally
@@ -204,3 +204,40 @@ def test_the_shape_memory_answers_new_tensors_alike_and_never_a_view():
     assert described[0] == described[1] and first.stride() == x.stride()
     assert all(v.untyped_storage()._cdata == made.untyped_storage()._cdata for v in views) and grown is made
     assert torch.equal(cpu, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "words, where",
+    [
+        # the routing counted first (its balance set on the blocks); the CPU's bf16 kernels
+        ("model=qwen3_moe dist.world_size=2 dist.ep=2 train.grad_accum=2", "only"),
+        ("model=mixtral_tiny dist.world_size=2 dist.tp=2 train.dtype=bf16", "only"),
+        ("model=llama_small dist.world_size=2 model.activation_checkpointing=blocks", "last"),
+    ],
+)
+def test_a_unit_runs_alike_on_a_shared_build_and_a_fresh_one(words, where):
+    """``units.run`` builds a unit's model once for every micro-batch size: each run after the
+    first, on the build the one before used, is a run on a fresh build, to the byte and call."""
+    rank = units.Rank.of(RunConfig.from_dict(compose_tree(words.split())))
+    units._built.cache_clear()
+    shared = [units.run.__wrapped__(rank, micro, 1, where) for micro in (3, 2, 1)]
+    fresh = []
+    for micro in (3, 2, 1):
+        units._built.cache_clear()
+        fresh.append(units.run.__wrapped__(rank, micro, 1, where))
+    assert shared == fresh
+
+
+@pytest.mark.parametrize(
+    "words",
+    ["model=mixtral_tiny dist.world_size=2 dist.ep=2", "model=deepseek_v3_tiny dist.world_size=2 dist.ep=2"],
+)
+def test_a_bytes_only_unit_keeps_what_a_timed_one_does(words):
+    """A unit of bytes alone (the experts' hottest loads) runs its forward without the backward:
+    what it keeps for the backward, and its gradient bytes, are the timed unit's."""
+    cfg = RunConfig.from_dict(compose_tree(words.split()))
+    timed, kept = (units.Rank.of(cfg, expert_loads.HOTTEST, timed=t) for t in (True, False))
+    for micro in (1, 3):
+        full = units.run.__wrapped__(timed, micro, 2, "only")
+        alone = units.run.__wrapped__(kept, micro, 2, "only")
+        assert (alone[0], alone[2]) == (full[0], full[2]) and alone[1].ops < full[1].ops

@@ -31,6 +31,16 @@ class LocalStep:
             local_loss += loss.detach()
         return local_loss
 
+    def kept(self, batches) -> None:
+        """The micro-batches' forwards as ``run`` measures them, without their backwards: what a
+        step keeps for its backward (``activation_peak``) and nothing more (the planner's bytes)."""
+        self.model.train()
+        for inputs, targets, positions, draws, documents in batches:
+            with self.activations.measure(self.model):
+                # (held until the meter reads it: a dropped loss frees its graph's saved tensors)
+                loss = self.model(inputs, targets, positions, draws, documents)
+            del loss
+
     def forward_only(self, batches) -> None:
         """The micro-batches' forwards, without targets (call under ``torch.no_grad``)."""
         for inputs, _, positions, draws, documents in batches:

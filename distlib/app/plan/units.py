@@ -41,7 +41,9 @@ class Rank:
     """What a run depends on besides its rows, blocks and place: the model, the degrees that shape
     a rank's tensors (not the data parallelism, the schedule or the transport), the dtype, the seed
     (the dropout keys), the CPU's kernels (in bf16 they keep otherwise), document masks, whether
-    the experts' routing is counted before the step (its balance then charges every block)."""
+    the experts' routing is counted before the step (its balance then charges every block), and
+    whether the unit is timed: its backward runs; else (bytes alone: what the forward keeps for
+    it) a pipeline chunk's does still, its schedule whole."""
 
     model: ModelConfig
     dist: DistConfig
@@ -51,13 +53,15 @@ class Rank:
     documents: bool
     counted: bool = False
     loads: expert_loads.Loads = expert_loads.BALANCED  # the experts' (``activations.memory_loads``)
+    timed: bool = True
 
     @staticmethod
-    def of(cfg: RunConfig, loads: expert_loads.Loads = expert_loads.BALANCED) -> Rank:
+    def of(cfg: RunConfig, loads: expert_loads.Loads = expert_loads.BALANCED, timed: bool = True) -> Rank:
         cpu = low_precision_on_cpu(cfg)
         dist = _shape(cfg.dist, cfg.layout.stage().world_size if cfg.model.has_experts else None)
         counted = routing_count.counted(cfg)
-        return Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, cfg.data.document_mask, counted, loads)
+        documents = cfg.data.document_mask
+        return Rank(cfg.model, dist, cfg.train.dtype, cfg.seed, cpu, documents, counted, loads, timed)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -87,8 +91,12 @@ def run(
     with tally.tallied() as calls, ops:
         if rank.counted:
             RoutingCount.counter(module, mesh, program, 1, torch.device("meta")).count([batch])
-        program.run([batch])
+        if rank.timed or chunks:
+            program.run([batch])
+        else:  # the bytes alone: what the forward kept (the backward took half of such a unit's time)
+            program.kept([batch])
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    module.zero_grad(set_to_none=True)  # (the next run of this build starts without: no accumulating add)
     return program.activation_peak, Counted(ops.flops, ops.ops, ops.written, grouped(calls)), grads
 
 
@@ -106,9 +114,11 @@ def once(rank: Rank, cfg: RunConfig, mesh, module, chunks) -> Counted:
     return Counted(ops.flops, ops.ops, ops.written, grouped(calls))
 
 
+@functools.lru_cache(maxsize=256)
 def _built(rank: Rank, blocks: int, where: str, dense: int | None = None) -> tuple:
     """A unit's configuration, its rank's mesh, and its model cut to the rank's chunks (``run``)
-    with its parameters in the compute dtype, as the optimizer's flat buffer holds them."""
+    with its parameters in the compute dtype, as the optimizer's flat buffer holds them. Built
+    once for the runs of every micro-batch size: a step leaves no state that shapes the next."""
     stages = {"only": 1, "first": 2, "last": 2, "middle": 3}[where]
     model, dist = _shallow(rank.model, blocks, stages, where, dense), rank.dist
     if where != "only":
