@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,7 @@ import torch  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 from trainrun import compose_tree  # noqa: E402
 
+from distlib.app.checkpointing.memory_snapshots import MemorySnapshots  # noqa: E402
 from distlib.app.config.run import RunConfig  # noqa: E402
 from distlib.app.runtime.hooks import StepHooks  # noqa: E402
 from distlib.app.trainer import Trainer  # noqa: E402
@@ -51,12 +53,15 @@ VARIANTS = ("off", "own", "replica")
 
 class _Holdings(StepHooks):
     """Before the last step: the snapshot bytes this rank holds, by the rank whose shard each is
-    (files ``*.rank<owner>.held<rank>.*`` in its node's directory; the run's end removes them)."""
+    (files ``*.rank<owner>.held<rank>.*`` in its node's directory; the run's end removes them).
+    And this process's CPU time of each step (between two ``before_step``s)."""
 
     def __init__(self, last: int, memory: Path, rank: int):
         self.last, self.memory, self.rank, self.held = last, memory, rank, None
+        self.cpu: list[float] = []  # the process's CPU seconds at each step's start
 
     def before_step(self, step: int) -> None:
+        self.cpu.append(time.process_time())
         if step == self.last:
             files = self.memory.rglob(f"*.held{self.rank:05d}.safetensors")
             self.held = {int(f.name.split(".rank")[1][:5]): f.stat().st_size for f in files}
@@ -71,13 +76,24 @@ def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> dict[int, 
     node.mkdir(exist_ok=True)
     os.environ["DISTLIB_SHM_DIR"] = str(node)
     hooks = _Holdings(tree["train"]["steps"], node, comm.rank)
+    spent: list[float] = []  # the CPU seconds of each snapshot round (asleep in its all-reduce: none)
+    taking = MemorySnapshots.after_step
+
+    def timed(self, step, state) -> None:
+        start = time.process_time()
+        taking(self, step, state)
+        spent.append(time.process_time() - start)
+
+    MemorySnapshots.after_step = timed  # (a forked rank's own copy of the class)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         Trainer(RunConfig.from_dict(tree), comm, Path(run_dir), hooks=hooks).run()
-    return hooks.held
+    steps = [b - a for a, b in zip(hooks.cpu, hooks.cpu[1:])][2:]  # (two warm-up steps)
+    return {"held": hooks.held, "snapshot_cpu": spent[2:], "step_cpu": steps}
 
 
-def _one(variant: str, world: int, stage: int, steps: int) -> tuple[list[float], list[dict | None]]:
-    """Step intervals (s) of one run of ``variant``, and the snapshot bytes each rank held, by owner."""
+def _one(variant: str, world: int, stage: int, steps: int) -> tuple[list[float], list[dict]]:
+    """Step intervals (s) of one run of ``variant``, and per rank the snapshot bytes it held, by
+    owner, and its CPU seconds of each snapshot round and of each step."""
     every = 0 if variant == "off" else 1
     tree = compose_tree(
         [*MEDIUM, f"dist.world_size={world}", f"zero.stage={stage}", f"train.global_batch={8 * world}"]
@@ -107,24 +123,34 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     intervals = {v: [] for v in VARIANTS}
-    held = {}
+    ranks, snapshot_cpu, step_cpu = {}, {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for variant in VARIANTS:
-            got, held[variant] = _one(variant, args.world_size, args.stage, steps)
+            got, ranks[variant] = _one(variant, args.world_size, args.stage, steps)
             intervals[variant] += got
+            for r in ranks[variant]:
+                snapshot_cpu[variant] += r["snapshot_cpu"]
+                step_cpu[variant] += r["step_cpu"]
     off = statistics.median(intervals["off"])
     rows = []
     for v in VARIANTS:
         ms = statistics.median(intervals[v]) * 1e3
-        total = [sum(h.values()) for h in held[v]]
+        held = [r["held"] for r in ranks[v]]
+        taken = statistics.median(snapshot_cpu[v]) * 1e3 if snapshot_cpu[v] else 0.0
+        share = taken / (statistics.median(step_cpu[v]) * 1e3)
         rows.append(
-            dict(variant=v, ms=ms, cost=ms / (off * 1e3) - 1, held_bytes=total, held_by_owner=held[v])
+            dict(variant=v, ms=ms, cost=ms / (off * 1e3) - 1, snapshot_cpu_ms=taken, cpu_share=share)
+            | dict(held_bytes=[sum(h.values()) for h in held], held_by_owner=held)
         )
-    print(f"{args.world_size} ranks, ZeRO-{args.stage}, medium model: ms per step (median), /dev/shm held")
-    print(f"{'variant':<9}{'ms':>8}{'cost':>8}  bytes held per rank")
+    print(
+        f"{args.world_size} ranks, ZeRO-{args.stage}, medium model: ms per step (median); a rank's CPU ms"
+        " of a snapshot round (median) and its share of the rank's step CPU; /dev/shm held"
+    )
+    print(f"{'variant':<9}{'ms':>8}{'cost':>8}{'CPU ms':>8}{'share':>8}  bytes held per rank")
     for r in rows:
         bytes_held = "-" if r["variant"] == "off" else ", ".join(f"{b:,}" for b in r["held_bytes"])
-        print(f"{r['variant']:<9}{r['ms']:>8.1f}{r['cost']:>8.1%}  {bytes_held}")
+        cpu = f"{r['snapshot_cpu_ms']:>8.2f}{r['cpu_share']:>8.1%}"
+        print(f"{r['variant']:<9}{r['ms']:>8.1f}{r['cost']:>8.1%}{cpu}  {bytes_held}")
     load_after = os.getloadavg()[0]
     print(f"1-min load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores")
     record = dict(
@@ -137,7 +163,9 @@ def main() -> None:
         torch=torch.__version__,
         cores=os.cpu_count(),
         loadavg_1min=[load_before, load_after],
-        unit="ms per step, median interval between step records; cost = ms / off ms - 1",
+        unit="ms per step, median interval between step records; cost = ms / off ms - 1; snapshot_cpu_ms:"
+        " a rank's process CPU in a snapshot round (median over ranks and steps); cpu_share: that over a"
+        " rank's step CPU (median)",
         rows=rows,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -93,6 +94,39 @@ def test_snapshot_bytes_are_the_disk_shard_bytes(tmp_path):
     assert data == (tmp_path / checkpoint.shard_name(0)).read_bytes()
     back, state = shm.decode(data)
     assert state == rank_state and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def _random_shard(rng: random.Random) -> dict[str, torch.Tensor]:
+    """0-4 tensors of the dtypes a shard holds (and one ``pieces`` does not lay out itself), of
+    every shape: none, empty, one element, a few dimensions; names of any characters."""
+    dtypes = [*shm._DTYPES, torch.complex64]
+    tensors = {}
+    for _ in range(rng.randrange(5)):
+        name = "".join(rng.choice('ab.é_"\\z09 ') for _ in range(rng.randrange(1, 6)))
+        shape = [rng.randrange(4) for _ in range(rng.randrange(3))]
+        dtype = rng.choice(dtypes)
+        tensors[name] = (
+            torch.rand(shape, generator=torch.Generator().manual_seed(rng.randrange(99))) * 9
+        ).to(dtype)
+    return tensors
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_snapshot_in_pieces_is_the_disk_shard_bytes(seed, tmp_path):
+    """``pieces`` lays out safetensors' file itself (the tensors read in place): its pieces, joined
+    or written, are ``encode``'s bytes, for any tensors, names and state."""
+    rng = random.Random(seed)
+    tensors = _random_shard(rng)
+    rank_state = {"step": seed, "text": "".join(rng.choice('é"\\\n\x01x') for _ in range(rng.randrange(6)))}
+    data = shm.encode(tensors, rank_state)
+    parts = shm.pieces(tensors, rank_state)
+    assert b"".join(parts) == data
+    whole, pieced = (
+        shm.write(tmp_path / "a", 1, 0, 0, data, "fp"),
+        shm.write(tmp_path / "b", 1, 0, 0, parts, "fp"),
+    )
+    assert (pieced.bytes, pieced.sha256) == (whole.bytes, whole.sha256) == (len(data), shm.sha256(data))
+    assert pieced.path.read_bytes() == data
 
 
 def test_damaged_snapshot_is_refused_by_hash_named_and_removed(tmp_path):

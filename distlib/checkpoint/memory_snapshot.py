@@ -77,6 +77,45 @@ def encode(tensors: dict[str, torch.Tensor], rank_state: dict) -> bytes:
     )
 
 
+# safetensors' names of the dtypes ``pieces`` lays out itself, each with its rank in safetensors'
+# Dtype enum: a file holds its tensors the highest rank first, then by name (the format's own order)
+_DTYPES = {
+    torch.bool: ("BOOL", 0),
+    torch.uint8: ("U8", 4),
+    torch.int8: ("I8", 5),
+    torch.int16: ("I16", 9),
+    torch.float16: ("F16", 11),
+    torch.bfloat16: ("BF16", 12),
+    torch.int32: ("I32", 13),
+    torch.float32: ("F32", 15),
+    torch.float64: ("F64", 17),
+    torch.int64: ("I64", 18),
+}
+
+
+def pieces(tensors: dict[str, torch.Tensor], rank_state: dict) -> list:
+    """``encode``'s bytes in pieces, in order: the header, then each tensor's bytes read in place
+    (no copy on the host), for ``write`` to hash and write one after the other. ``encode`` made
+    two fresh buffers of the whole shard (4.0 ms of a 5 MB shard's snapshot, its pages' faults
+    most of it). A dtype this does not lay out goes through ``encode``."""
+    if any(t.dtype not in _DTYPES for t in tensors.values()):
+        return [encode(tensors, rank_state)]
+    header: dict = {"__metadata__": {"rank_state": json.dumps(rank_state)}}
+    views, start = [], 0
+    for name, tensor in sorted(tensors.items(), key=lambda item: (-_DTYPES[item[1].dtype][1], item[0])):
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype][0],
+            "shape": list(tensor.shape),
+            "data_offsets": [start, start + data.nbytes],
+        }
+        views.append(data)
+        start += data.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # (the format pads its header to 8 bytes)
+    return [len(text).to_bytes(8, "little"), text, *views]
+
+
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, rank_state) of ``encode``'s bytes."""
     header_len = int.from_bytes(data[:8], "little")
@@ -92,13 +131,21 @@ def _stem(step: int, owner: int, holder: int) -> str:
     return f"step{step:08d}.rank{owner:05d}.held{holder:05d}"
 
 
-def write(directory: Path, step: int, owner: int, holder: int, data: bytes, fingerprint: str) -> Snapshot:
-    """Write ``data`` and its manifest (each to a temporary name, then renamed; the manifest last)."""
+def write(
+    directory: Path, step: int, owner: int, holder: int, data: bytes | list, fingerprint: str
+) -> Snapshot:
+    """Write ``data`` (bytes, or ``pieces``: written and hashed one after the other) and its
+    manifest (each to a temporary name, then renamed; the manifest last)."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = _stem(step, owner, holder)
     path = directory / f"{stem}.safetensors"
-    snap = Snapshot(step, owner, holder, len(data), sha256(data), fingerprint, path)
-    _write_atomic(path, data)
+    parts = data if isinstance(data, list) else [data]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    size = sum(memoryview(part).nbytes for part in parts)
+    snap = Snapshot(step, owner, holder, size, digest.hexdigest(), fingerprint, path)
+    _write_atomic(path, *parts)
     manifest = {
         "format": FORMAT,
         "step": step,
@@ -112,10 +159,11 @@ def write(directory: Path, step: int, owner: int, holder: int, data: bytes, fing
     return snap
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, *parts) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        for part in parts:
+            f.write(part)
     os.replace(tmp, path)
 
 

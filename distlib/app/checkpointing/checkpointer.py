@@ -149,7 +149,7 @@ class Checkpointer(RollbackSource):
         from it writes a record the kill kept from the file (``recovered``)."""
         if self.memory.every:  # (off by default: a step never enters the snapshots' module)
             self.memory.after_step(
-                step, lambda: _with_record(self.contents.state(step, self.optimizer), record)
+                step, lambda: _with_record(self.contents.state(step, self.optimizer, live=True), record)
             )
 
     def boundary(self, step: int, decision: Decision, log) -> list[Saved]:

@@ -62,13 +62,15 @@ class Contents:
         skipped: int | None = None,
         staging: StagingBuffers | None = None,
         buffers: dict[str, torch.Tensor] | None = None,
+        live: bool = False,
     ) -> tuple[dict, dict]:
-        """(tensors, rank_state) of this rank: ``optimizer``'s partition (fresh host copies, or copied
-        into ``staging``'s reused buffers), the state buffers (``buffers``: another model's, as the
+        """(tensors, rank_state) of this rank: ``optimizer``'s partition (fresh host copies, copied
+        into ``staging``'s reused buffers, or ``live``: the optimizer's own, for a caller done with
+        them before its next update), the state buffers (``buffers``: another model's, as the
         resume check's fresh one; None: the run's), RNG, step and data position."""
         skipped = self.data.skipped if skipped is None else skipped
         rng_tensors, rng_meta = rng_state.capture_rng(optimizer.device)
-        shard = optimizer.state_shard() if staging is None else staging.stage(optimizer.state_views())
+        shard = _partition(optimizer, staging, live)
         rank_state = {
             "step": step,
             "optimizer_steps": optimizer.step_count,
@@ -168,3 +170,11 @@ def data_config(data: DataConfig) -> dict:
         record.pop("mixture")
         record.pop("weights")
     return record
+
+
+def _partition(optimizer: ZeroOptimizer, staging: StagingBuffers | None, live: bool) -> dict:
+    if live:
+        return optimizer.state_views()
+    if staging is not None:
+        return staging.stage(optimizer.state_views())
+    return optimizer.state_shard()

@@ -93,10 +93,10 @@ class MemorySnapshots:
         if not self.every or step % self.every:
             return
         me, fingerprint = self.comm.rank, self.fingerprint
-        data = shm.encode(*state())
+        data = shm.pieces(*state())  # (the optimizer's partition read in place: written before it changes)
         ok = self._write(step, me, data, fingerprint)
         if self.offset:
-            theirs = replica.exchange(data, self.comm, self.offset)
+            theirs = replica.exchange(b"".join(data), self.comm, self.offset)
             ok = self._write(step, (me - self.offset) % self.comm.size, theirs, fingerprint) and ok
         if not agree.all_true(ok, self.comm):
             self.say(
@@ -108,13 +108,14 @@ class MemorySnapshots:
         shm.remove_steps(self.dir, lambda s: s == step, holder=None if self.local_rank == 0 else me)
         if self.newest is None:
             copies = "its own and a peer's replica" if self.offset else "its own"
+            size = sum(memoryview(part).nbytes for part in data)
             self.say(
-                f"memory snapshot: {len(data)} bytes per rank (rank 0's) in {self.dir}, each rank "
+                f"memory snapshot: {size} bytes per rank (rank 0's) in {self.dir}, each rank "
                 f"holding {copies}; every {self.every} step(s), only the newest kept"
             )
         self.newest = step
 
-    def _write(self, step: int, owner: int, data: bytes, fingerprint: str) -> bool:
+    def _write(self, step: int, owner: int, data: bytes | list, fingerprint: str) -> bool:
         try:
             shm.write(self.dir, step, owner, self.comm.rank, data, fingerprint)
             return True
