@@ -11,6 +11,7 @@ global ranks k*L .. k*L+L-1) -- so losing one node's memory loses no snapshot. O
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from distlib.comm.group import Comm
@@ -32,18 +33,33 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     )
 
 
-def exchange(data: bytes, comm: Comm, offset: int) -> bytes:
-    """Send ``data`` to rank (r + offset), receive the bytes of rank (r - offset); returns them."""
+def _joined(pieces: list) -> torch.Tensor:
+    """The bytes of ``pieces`` (bytes-like, in order) in one tensor: one buffer, one copy of each."""
+    sizes = [memoryview(p).nbytes for p in pieces]
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device="cpu")
+    flat, start = out.numpy(), 0
+    for piece, size in zip(pieces, sizes):
+        flat[start : start + size] = np.frombuffer(piece, dtype=np.uint8)  # (bytes stay read-only)
+        start += size
+    return out
+
+
+def exchange(pieces: list, comm: Comm, offset: int):
+    """Send the bytes of ``pieces`` (bytes-like, in order: ``memory_snapshot.pieces``) to rank
+    (r + offset), receive the bytes of rank (r - offset); returns them (a NumPy uint8 array,
+    bytes-like). No buffer is made but the one sent and the one received (four were, 2.5 ms of
+    a 5 MB snapshot's)."""
     p2p = P2P("snapshot replica", comm)
     to, frm = (comm.rank + offset) % comm.size, (comm.rank - offset) % comm.size
+    outgoing = _joined(pieces)
     sizes = (
-        torch.tensor([len(data)], dtype=torch.int64, device="cpu"),
+        torch.tensor([outgoing.numel()], dtype=torch.int64, device="cpu"),
         torch.zeros(1, dtype=torch.int64, device="cpu"),
     )
     p2p.wait(p2p.send(sizes[0], to), p2p.recv(sizes[1], frm))
-    incoming = torch.zeros(int(sizes[1][0]), dtype=torch.uint8, device="cpu")
-    p2p.wait(p2p.send(_as_tensor(data), to), p2p.recv(incoming, frm))
-    return incoming.numpy().tobytes()
+    incoming = torch.empty(int(sizes[1][0]), dtype=torch.uint8, device="cpu")
+    p2p.wait(p2p.send(outgoing, to), p2p.recv(incoming, frm))
+    return incoming.numpy()
 
 
 def deliver(sends: list[tuple[int, bytes]], receive: tuple[int, int] | None, comm: Comm) -> bytes | None:

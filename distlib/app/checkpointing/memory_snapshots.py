@@ -96,7 +96,7 @@ class MemorySnapshots:
         data = shm.pieces(*state())  # (the optimizer's partition read in place: written before it changes)
         ok = self._write(step, me, data, fingerprint)
         if self.offset:
-            theirs = replica.exchange(b"".join(data), self.comm, self.offset)
+            theirs = replica.exchange(data, self.comm, self.offset)
             ok = self._write(step, (me - self.offset) % self.comm.size, theirs, fingerprint) and ok
         if not agree.all_true(ok, self.comm):
             self.say(
