@@ -15,8 +15,11 @@ variants, run in turn in each round so that a load change hits all of them:
 
 ms per step: the median interval between consecutive step records of rank 0's metrics.jsonl (the
 first two steps of a run left out), so a step's snapshot counts in the step after it; ``cost`` =
-variant / off - 1. Memory: the bytes of /dev/shm each rank holds at the end of a run (its own
-snapshot, and with replicas its peer's: twice its shard). On one host the replica travels through
+variant / off - 1; ``CPU ms``: a rank's process CPU in a snapshot round, ``share``: that over the
+rank's CPU of a step (medians), what the round costs a step on a machine with no core to spare.
+Memory: the bytes of /dev/shm each rank holds before its last step (its own snapshot, and with
+replicas its peer's: twice its shard), + the spares (the previous round's files, which the next
+round is written into). On one host the replica travels through
 the shared-memory transport; between real hosts it crosses the network (gloo's TCP pairs), which
 this run does not measure. torch has no in-memory snapshot to compare with (DCP writes storage), so
 the rows compare with ``off``. JSON: benchmarks/results/snapshots.json (--out).
@@ -57,7 +60,7 @@ class _Holdings(StepHooks):
     And this process's CPU time of each step (between two ``before_step``s)."""
 
     def __init__(self, last: int, memory: Path, rank: int):
-        self.last, self.memory, self.rank, self.held = last, memory, rank, None
+        self.last, self.memory, self.rank, self.held, self.spare = last, memory, rank, None, 0
         self.cpu: list[float] = []  # the process's CPU seconds at each step's start
 
     def before_step(self, step: int) -> None:
@@ -65,6 +68,8 @@ class _Holdings(StepHooks):
         if step == self.last:
             files = self.memory.rglob(f"*.held{self.rank:05d}.safetensors")
             self.held = {int(f.name.split(".rank")[1][:5]): f.stat().st_size for f in files}
+            spares = self.memory.rglob(f"*.held{self.rank:05d}.spare")  # (the next round's files)
+            self.spare = sum(f.stat().st_size for f in spares)
 
 
 def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> dict[int, int] | None:
@@ -88,7 +93,7 @@ def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> dict[int, 
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         Trainer(RunConfig.from_dict(tree), comm, Path(run_dir), hooks=hooks).run()
     steps = [b - a for a, b in zip(hooks.cpu, hooks.cpu[1:])][2:]  # (two warm-up steps)
-    return {"held": hooks.held, "snapshot_cpu": spent[2:], "step_cpu": steps}
+    return {"held": hooks.held, "spare": hooks.spare, "snapshot_cpu": spent[2:], "step_cpu": steps}
 
 
 def _one(variant: str, world: int, stage: int, steps: int) -> tuple[list[float], list[dict]]:
@@ -141,14 +146,16 @@ def main() -> None:
         rows.append(
             dict(variant=v, ms=ms, cost=ms / (off * 1e3) - 1, snapshot_cpu_ms=taken, cpu_share=share)
             | dict(held_bytes=[sum(h.values()) for h in held], held_by_owner=held)
+            | dict(spare_bytes=[r["spare"] for r in ranks[v]])
         )
     print(
         f"{args.world_size} ranks, ZeRO-{args.stage}, medium model: ms per step (median); a rank's CPU ms"
         " of a snapshot round (median) and its share of the rank's step CPU; /dev/shm held"
     )
-    print(f"{'variant':<9}{'ms':>8}{'cost':>8}{'CPU ms':>8}{'share':>8}  bytes held per rank")
+    print(f"{'variant':<9}{'ms':>8}{'cost':>8}{'CPU ms':>8}{'share':>8}  bytes held per rank (+ spares)")
     for r in rows:
-        bytes_held = "-" if r["variant"] == "off" else ", ".join(f"{b:,}" for b in r["held_bytes"])
+        held = [f"{b:,} + {spare:,}" for b, spare in zip(r["held_bytes"], r["spare_bytes"])]
+        bytes_held = "-" if r["variant"] == "off" else ", ".join(held)
         cpu = f"{r['snapshot_cpu_ms']:>8.2f}{r['cpu_share']:>8.1%}"
         print(f"{r['variant']:<9}{r['ms']:>8.1f}{r['cost']:>8.1%}{cpu}  {bytes_held}")
     load_after = os.getloadavg()[0]

@@ -151,6 +151,35 @@ def test_only_the_newest_step_is_kept(tmp_path):
     assert [s.step for s in shm.listing(tmp_path)] == [3]
 
 
+@pytest.mark.parametrize("sizes", [(100, 100, 100), (100, 40, 250), (250, 40, 30), (64, 0, 64)])
+def test_a_retired_snapshot_is_the_file_the_next_one_is_written_into(tmp_path, sizes):
+    """``retire_steps``: a holder's snapshots of older steps go from the listing, each owner's
+    newest kept as its spare, whose pages (its inode) the next snapshot of that owner is written
+    into, truncated to its own bytes, whatever their size; an owner's older ones and another
+    holder's are not its spare."""
+    data = [bytes([step]) * size for step, size in enumerate(sizes, 1)]
+    first = shm.write(tmp_path, 1, 0, 0, data[0], "fp")
+    shm.write(tmp_path, 1, 1, 0, b"r" * 30, "fp")  # a replica this rank holds of rank 1
+    other = shm.write(tmp_path, 1, 2, 2, b"o" * 30, "fp")  # rank 2's own: not this holder's
+    inode = first.path.stat().st_ino
+    second = shm.write(tmp_path, 2, 0, 0, [data[1][:10], data[1][10:]], "fp")
+    shm.retire_steps(tmp_path, 2, holder=0)
+    assert sorted((s.step, s.owner, s.holder) for s in shm.listing(tmp_path)) == [(1, 2, 2), (2, 0, 0)]
+    assert other.path.exists() and not first.path.exists()
+    assert sorted(p.name for p in tmp_path.glob("*.spare")) == [
+        "rank00000.held00000.spare",
+        "rank00001.held00000.spare",
+    ]
+    third = shm.write(tmp_path, 3, 0, 0, data[2], "fp")
+    assert third.path.stat().st_ino == inode and not (tmp_path / "rank00000.held00000.spare").exists()
+    assert third.path.read_bytes() == data[2] and shm.verify(third) == data[2]
+    assert shm.verify(second) == data[1]
+    kept = second.path.stat().st_ino
+    shm.retire_steps(tmp_path, 3, holder=0)  # step 2's file is now the spare
+    assert (tmp_path / "rank00000.held00000.spare").stat().st_ino == kept
+    assert [s.step for s in shm.listing(tmp_path) if s.holder == 0] == [3]
+
+
 def test_job_directory_is_stable_per_run_directory_and_distinct_between_them(tmp_path):
     assert shm.job_dir(tmp_path / "a") == shm.job_dir(tmp_path / "x" / ".." / "a")
     assert shm.job_dir(tmp_path / "a") != shm.job_dir(tmp_path / "b")

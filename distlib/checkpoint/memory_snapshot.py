@@ -28,12 +28,14 @@ torchrun agent) exits, whatever way the job ended: workers killed by a signal ru
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +137,8 @@ def write(
     directory: Path, step: int, owner: int, holder: int, data: bytes | list, fingerprint: str
 ) -> Snapshot:
     """Write ``data`` (bytes, or ``pieces``: written and hashed one after the other) and its
-    manifest (each to a temporary name, then renamed; the manifest last)."""
+    manifest (each to a temporary name, then renamed; the manifest last). The data goes into the
+    pages of the holder's spare of ``owner`` where there is one (``retire_steps``)."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = _stem(step, owner, holder)
     path = directory / f"{stem}.safetensors"
@@ -145,7 +148,7 @@ def write(
         digest.update(part)
     size = sum(memoryview(part).nbytes for part in parts)
     snap = Snapshot(step, owner, holder, size, digest.hexdigest(), fingerprint, path)
-    _write_atomic(path, *parts)
+    _write_atomic(path, *parts, reuse=_spare(directory, owner, holder))
     manifest = {
         "format": FORMAT,
         "step": step,
@@ -159,12 +162,26 @@ def write(
     return snap
 
 
-def _write_atomic(path: Path, *parts) -> None:
+def _write_atomic(path: Path, *parts, reuse: Path | None = None) -> None:
+    """``parts`` into ``path``, written under a temporary name; into ``reuse``'s pages where that
+    file exists (a spare: ``retire_steps``), truncated to what was written."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    reused = False
+    if reuse is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(reuse, tmp)
+            reused = True
+    with open(tmp, "r+b" if reused else "wb") as f:
         for part in parts:
             f.write(part)
+        f.truncate()
     os.replace(tmp, path)
+
+
+def _spare(directory: Path, owner: int, holder: int) -> Path:
+    """The retired file a holder's next snapshot of ``owner`` is written into (no manifest: never
+    listed; ``scan`` removes it as unfinished)."""
+    return directory / f"rank{owner:05d}.held{holder:05d}.spare"
 
 
 def _manifest(path: Path) -> Snapshot:
@@ -242,15 +259,32 @@ def remove(snap: Snapshot) -> None:
     snap.path.unlink(missing_ok=True)
 
 
-def remove_steps(directory: Path, keep, holder: int | None = None) -> int:
+def remove_steps(directory: Path, keep, holder: int | None = None, leave: Container[int] = ()) -> int:
     """Remove every snapshot in ``directory`` whose step is not ``keep(step)`` (of ``holder`` only,
-    if given); returns the bytes freed."""
+    if given; none of a holder in ``leave``); returns the bytes freed."""
     freed = 0
     for snap in listing(directory):
-        if not keep(snap.step) and (holder is None or snap.holder == holder):
+        if not keep(snap.step) and (holder is None or snap.holder == holder) and snap.holder not in leave:
             remove(snap)
             freed += snap.bytes
     return freed
+
+
+def retire_steps(directory: Path, step: int, holder: int) -> None:
+    """Remove ``holder``'s snapshots of steps other than ``step``, the newest of each owner's data
+    file kept as that owner's spare: the next snapshot is written into its pages. A fresh 5 MB
+    file cost 2.5 ms of page faults and zeroing to write and 0.7 ms to free; so a holder keeps two
+    files of each owner between rounds, what it held during each round's write already."""
+    mine = (s for s in listing(directory) if s.holder == holder and s.step != step)
+    older = sorted(mine, key=lambda s: s.step)
+    newest = {snap.owner: snap for snap in older}
+    for snap in older:
+        if newest[snap.owner] is not snap:
+            remove(snap)
+            continue
+        snap.path.with_suffix(".json").unlink(missing_ok=True)  # (manifest first: never listed again)
+        with contextlib.suppress(FileNotFoundError):  # (a node's rank 0 may have removed it: no spare)
+            os.replace(snap.path, _spare(directory, snap.owner, holder))
 
 
 def clean(directory: Path) -> None:

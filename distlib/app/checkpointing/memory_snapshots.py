@@ -104,14 +104,19 @@ class MemorySnapshots:
                 f"(step {self.newest}) stays"
             )
             return
-        # every rank holds the new round: the older ones go (node-local rank 0 also removes strays)
-        shm.remove_steps(self.dir, lambda s: s == step, holder=None if self.local_rank == 0 else me)
+        # every rank holds the new round: its older ones go, the last kept to write the next into;
+        # and node-local rank 0 removes those no rank of the node holds (a former run's)
+        shm.retire_steps(self.dir, step, me)
+        if self.local_rank == 0:
+            node = range(me - self.local_rank, me - self.local_rank + self.local_world)
+            shm.remove_steps(self.dir, lambda s: s == step, leave=node)
         if self.newest is None:
             copies = "its own and a peer's replica" if self.offset else "its own"
             size = sum(memoryview(part).nbytes for part in data)
             self.say(
                 f"memory snapshot: {size} bytes per rank (rank 0's) in {self.dir}, each rank "
-                f"holding {copies}; every {self.every} step(s), only the newest kept"
+                f"holding {copies}; every {self.every} step(s), the newest kept (and the round"
+                " before's files, the next is written into)"
             )
         self.newest = step
 
