@@ -143,7 +143,9 @@ def test_a_counter_with_memory_counts_as_one_without_and_answers_what_it_has_see
     assert got == again == want and want[1] > 0
     assert remembered > 10 and len(memory) == remembered
     # views and in-place results still run; of the others only the empty tensors answers are made of
-    assert {op for op, answerable in ran if answerable} == {torch.ops.aten.empty.memory_format}
+    made_of = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+    assert {op for op, answerable in ran if answerable} <= made_of
+    assert any(answerable for _, answerable in ran)
     assert any(not answerable for _, answerable in ran)
     assert second.untyped_storage()._cdata != first.untyped_storage()._cdata and second.shape == first.shape
 
