@@ -293,12 +293,28 @@ def _garbled_in_transit(comm, config: dict, run_dir: str, memory: str) -> dict:
     return _on_own_node(comm, config, run_dir, memory)
 
 
+def _garbled_when_replicated(comm, config: dict, run_dir: str, memory: str) -> dict:
+    """``_on_own_node``, where the replica bytes this rank receives at every snapshot lose one bit on
+    the way (the owner's sha256 beside them intact)."""
+    exchanged = replica.exchange
+
+    def garbled(pieces, digest, group, offset):
+        data, theirs = exchanged(pieces, digest, group, offset)
+        data[-1] ^= 1  # a tensor's last byte
+        return data, theirs
+
+    replica.exchange = garbled  # this forked rank's only
+    return _on_own_node(comm, config, run_dir, memory)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("transit", ["intact", "garbled"])
+@pytest.mark.parametrize("transit", ["intact", "garbled", "garbled when replicated"])
 def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, capfd, tmp_path, transit):
     # One rank per "node" (LOCAL_WORLD_SIZE=1), each node its own memory: rank r's replica is held
     # by rank r+1 mod 2, on the other node. Garbled on its way back, the replica is refused by the
-    # receiver's sha256 check, nothing is loaded from it, and the run resumes from disk.
+    # receiver's sha256 check, nothing is loaded from it, and the run resumes from disk; garbled on
+    # its way to its holder, it is refused by the holder's check of its file against the owner's
+    # sha256, and the run resumes from disk.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     memory = tmp_path / "shm"
     config = tree(
@@ -308,8 +324,9 @@ def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, ca
         checkpoint={"memory_every_steps": 1},
         fault={"kill_rank": 1, "kill_at_step": 6},
     )
+    first = _garbled_when_replicated if transit == "garbled when replicated" else _on_own_node
     with pytest.raises(AssertionError, match="rank 1"):
-        run_ranks(_on_own_node, 2, config, str(job), str(memory), timeout_s=60)
+        run_ranks(first, 2, config, str(job), str(memory), timeout_s=60)
     nodes = [shm.job_dir(job, memory / f"node{n}") for n in range(2)]
     assert [sorted((s.owner, s.holder) for s in shm.listing(d)) for d in nodes] == [
         [(0, 0), (1, 0)],
@@ -318,12 +335,19 @@ def test_a_lost_node_recovers_from_the_peer_replicas(job, clean, monkeypatch, ca
     shm.clean(nodes[1])  # node 1 lost its memory
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     config["checkpoint"]["resume"] = "latest"
-    rank = _on_own_node if transit == "intact" else _garbled_in_transit
+    rank = _garbled_in_transit if transit == "garbled" else _on_own_node
+    held = next(s for s in shm.listing(nodes[0]) if s.owner == 1)
     resumed = run_ranks(rank, 2, config, str(job), str(memory), timeout_s=60)
-    out = capfd.readouterr().out
+    captured = capfd.readouterr()
+    out = captured.out
     if transit == "intact":
         assert [r["start"] for r in resumed] == [6, 6]  # rank 1's state came from node 0
         assert "(rank(s) [1] from peer replicas)" in out
+    elif transit == "garbled when replicated":
+        assert [r["start"] for r in resumed] == [4, 4]
+        refused = f"resume: refusing a damaged memory snapshot (removed): memory snapshot {held.path}: sha256"
+        assert refused in captured.err and "resume: no memory snapshot round newer" in out
+        assert resumed[0]["losses"] == {s: v for s, v in clean["losses"].items() if s > 4}
     else:
         assert [r["start"] for r in resumed] == [4, 4]  # the disk checkpoint of step 4
         assert "resume: the memory snapshot of step 6 could not be restored (memory snapshot bytes " in out

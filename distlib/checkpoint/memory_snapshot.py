@@ -125,8 +125,12 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
     return safetensors.torch.load(data), json.loads(header["__metadata__"]["rank_state"])
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256(data: bytes | list) -> str:
+    """The hex sha256 of ``data``: bytes, or ``pieces`` (hashed one after the other)."""
+    digest = hashlib.sha256()
+    for part in data if isinstance(data, list) else [data]:
+        digest.update(part)
+    return digest.hexdigest()
 
 
 def _stem(step: int, owner: int, holder: int) -> str:
@@ -134,20 +138,25 @@ def _stem(step: int, owner: int, holder: int) -> str:
 
 
 def write(
-    directory: Path, step: int, owner: int, holder: int, data: bytes | list, fingerprint: str
+    directory: Path,
+    step: int,
+    owner: int,
+    holder: int,
+    data: bytes | list,
+    fingerprint: str,
+    digest: str | None = None,
 ) -> Snapshot:
-    """Write ``data`` (bytes, or ``pieces``: written and hashed one after the other) and its
-    manifest (each to a temporary name, then renamed; the manifest last). The data goes into the
-    pages of the holder's spare of ``owner`` where there is one (``retire_steps``)."""
+    """Write ``data`` (bytes, or ``pieces``: written one after the other) and its manifest (each
+    to a temporary name, then renamed; the manifest last), with ``digest``: the sha256 of the
+    owner's bytes (a replica's, taken where they were made; None: this rank hashes ``data``). The
+    data goes into the pages of the holder's spare of ``owner`` where there is one
+    (``retire_steps``)."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = _stem(step, owner, holder)
     path = directory / f"{stem}.safetensors"
     parts = data if isinstance(data, list) else [data]
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
     size = sum(memoryview(part).nbytes for part in parts)
-    snap = Snapshot(step, owner, holder, size, digest.hexdigest(), fingerprint, path)
+    snap = Snapshot(step, owner, holder, size, digest or sha256(parts), fingerprint, path)
     _write_atomic(path, *parts, reuse=_spare(directory, owner, holder))
     manifest = {
         "format": FORMAT,

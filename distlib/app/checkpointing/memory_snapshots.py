@@ -94,10 +94,14 @@ class MemorySnapshots:
             return
         me, fingerprint = self.comm.rank, self.fingerprint
         data = shm.pieces(*state())  # (the optimizer's partition read in place: written before it changes)
-        ok = self._write(step, me, data, fingerprint)
-        if self.offset:
-            theirs = replica.exchange(data, self.comm, self.offset)
-            ok = self._write(step, (me - self.offset) % self.comm.size, theirs, fingerprint) and ok
+        digest = shm.sha256(data)
+        ok = self._write(step, me, data, fingerprint, digest)
+        if self.offset:  # (a replica's manifest holds its owner's digest: checked when it is read)
+            theirs, their_digest = replica.exchange(data, digest, self.comm, self.offset)
+            ok = (
+                self._write(step, (me - self.offset) % self.comm.size, theirs, fingerprint, their_digest)
+                and ok
+            )
         if not agree.all_true(ok, self.comm):
             self.say(
                 f"memory snapshot of step {step}: not every rank could write it; the previous one "
@@ -120,9 +124,9 @@ class MemorySnapshots:
             )
         self.newest = step
 
-    def _write(self, step: int, owner: int, data: bytes | list, fingerprint: str) -> bool:
+    def _write(self, step: int, owner: int, data: bytes | list, fingerprint: str, digest: str) -> bool:
         try:
-            shm.write(self.dir, step, owner, self.comm.rank, data, fingerprint)
+            shm.write(self.dir, step, owner, self.comm.rank, data, fingerprint, digest)
             return True
         except OSError as exc:
             print(
