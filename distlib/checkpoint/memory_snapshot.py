@@ -12,9 +12,12 @@ Layout, one directory per job (``job_dir``)::
         step00000012.rank00003.held00003.json          its manifest: step, owner, holder, bytes,
                                                        sha256, the run's fingerprint
         step00000012.rank00001.held00003.safetensors   rank 1's shard: a peer replica (``replica``)
+        rank00003.held00003.spare                      the round before's file, which the next
+                                                       round of that shard is written into
 
 The data file is written under a temporary name and renamed, then the manifest likewise: a file
-without its manifest was never finished and is ignored (and removed). ``scan`` refuses, names and
+without its manifest was never finished and is ignored (and removed). A replica's manifest holds
+its owner's sha256, taken before the bytes left it. ``scan`` refuses, names and
 removes a snapshot whose bytes do not match its manifest's size and sha256. Nothing is fsynced:
 the memory is the medium.
 
