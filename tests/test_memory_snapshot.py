@@ -4,6 +4,7 @@ or a peer's snapshot exactly, a damaged one falls back to disk, and nothing is l
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -98,16 +99,17 @@ def test_snapshot_bytes_are_the_disk_shard_bytes(tmp_path):
 
 def _random_shard(rng: random.Random) -> dict[str, torch.Tensor]:
     """0-4 tensors of the dtypes a shard holds (and one ``pieces`` does not lay out itself), of
-    every shape: none, empty, one element, a few dimensions; names of any characters."""
+    every shape: none, empty, one element, a few dimensions; names of any characters; some of them
+    a slice inside a larger tensor (as the optimizer's live partition is of its flat buffer)."""
     dtypes = [*shm._DTYPES, torch.complex64]
     tensors = {}
     for _ in range(rng.randrange(5)):
         name = "".join(rng.choice('ab.é_"\\z09 ') for _ in range(rng.randrange(1, 6)))
         shape = [rng.randrange(4) for _ in range(rng.randrange(3))]
         dtype = rng.choice(dtypes)
-        tensors[name] = (
-            torch.rand(shape, generator=torch.Generator().manual_seed(rng.randrange(99))) * 9
-        ).to(dtype)
+        drawn = torch.rand([3 + math.prod(shape)], generator=torch.Generator().manual_seed(rng.randrange(99)))
+        start = rng.randrange(4)  # (0: at its storage's start)
+        tensors[name] = (drawn * 9).to(dtype)[start : start + math.prod(shape)].view(shape)
     return tensors
 
 
