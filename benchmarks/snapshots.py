@@ -72,8 +72,9 @@ class _Holdings(StepHooks):
             self.spare = sum(f.stat().st_size for f in spares)
 
 
-def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> dict[int, int] | None:
-    """One rank of one run (its node's snapshots in ``memory``/node<n>); the bytes it held, by owner."""
+def _rank(comm, tree: dict, run_dir: str, memory: str, nodes: int) -> dict:
+    """One rank of one run (its node's snapshots in ``memory``/node<n>): the bytes it held, by owner,
+    its spares' bytes, and its CPU seconds of each snapshot round and of each step."""
     per_node = comm.size // nodes
     os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(per_node), str(comm.rank % per_node)
     # (the transport's segments go there too: every group's in its rank 0's node directory)
