@@ -182,6 +182,15 @@ def test_a_retired_snapshot_is_the_file_the_next_one_is_written_into(tmp_path, s
     assert [s.step for s in shm.listing(tmp_path) if s.holder == 0] == [3]
 
 
+def test_a_nodes_sweep_leaves_what_its_ranks_hold(tmp_path):
+    """Node-local rank 0 removes older snapshots no rank of its node holds (a former run's); its
+    node's ranks retire their own (their spares kept), so it leaves those."""
+    for holder in (0, 1, 7):
+        shm.write(tmp_path, 1, holder, holder, b"a" * 10, "fp")
+    shm.remove_steps(tmp_path, lambda s: s == 2, leave=range(0, 2))
+    assert sorted(s.holder for s in shm.listing(tmp_path)) == [0, 1]
+
+
 def test_job_directory_is_stable_per_run_directory_and_distinct_between_them(tmp_path):
     assert shm.job_dir(tmp_path / "a") == shm.job_dir(tmp_path / "x" / ".." / "a")
     assert shm.job_dir(tmp_path / "a") != shm.job_dir(tmp_path / "b")

@@ -95,13 +95,12 @@ class MemorySnapshots:
         me, fingerprint = self.comm.rank, self.fingerprint
         data = shm.pieces(*state())  # (the optimizer's partition read in place: written before it changes)
         digest = shm.sha256(data)
-        ok = self._write(step, me, data, fingerprint, digest)
+        own = self._write(step, me, data, fingerprint, digest)
+        ok = own is not None
         if self.offset:  # (a replica's manifest holds its owner's digest: checked when it is read)
             theirs, their_digest = replica.exchange(data, digest, self.comm, self.offset)
-            ok = (
-                self._write(step, (me - self.offset) % self.comm.size, theirs, fingerprint, their_digest)
-                and ok
-            )
+            peer = (me - self.offset) % self.comm.size
+            ok = self._write(step, peer, theirs, fingerprint, their_digest) is not None and ok
         if not agree.all_true(ok, self.comm):
             self.say(
                 f"memory snapshot of step {step}: not every rank could write it; the previous one "
@@ -116,25 +115,25 @@ class MemorySnapshots:
             shm.remove_steps(self.dir, lambda s: s == step, leave=node)
         if self.newest is None:
             copies = "its own and a peer's replica" if self.offset else "its own"
-            size = sum(memoryview(part).nbytes for part in data)
             self.say(
-                f"memory snapshot: {size} bytes per rank (rank 0's) in {self.dir}, each rank "
+                f"memory snapshot: {own.bytes} bytes per rank (rank 0's) in {self.dir}, each rank "
                 f"holding {copies}; every {self.every} step(s), the newest kept (and the round"
                 " before's files, the next is written into)"
             )
         self.newest = step
 
-    def _write(self, step: int, owner: int, data: bytes | list, fingerprint: str, digest: str) -> bool:
+    def _write(
+        self, step: int, owner: int, data: bytes | list, fingerprint: str, digest: str
+    ) -> shm.Snapshot | None:
         try:
-            shm.write(self.dir, step, owner, self.comm.rank, data, fingerprint, digest)
-            return True
+            return shm.write(self.dir, step, owner, self.comm.rank, data, fingerprint, digest)
         except OSError as exc:
             print(
                 f"warning: rank {self.comm.rank}: memory snapshot of step {step} not written: {exc}",
                 file=sys.stderr,
                 flush=True,
             )
-            return False
+            return None
 
     def rolled_back(self, to_step: int) -> None:
         """A rollback: snapshots newer than the state rolled back to are of a rejected update."""
