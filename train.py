@@ -39,7 +39,7 @@ from distlib.app.data.tokens import DataError
 from distlib.app.model import recompute
 from distlib.app.runtime import launcher_env
 from distlib.checkpoint.sharded import CheckpointError
-from distlib.launch import continuation, hydra_config, local, run_lock, slurm, worker
+from distlib.launch import continuation, hosts, hydra_config, local, run_lock, slurm, worker
 from distlib.launch.torchrun import (
     UNDER_TORCHRUN,
     config_from_rank0,
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 _DEFERS_FILES = False  # this process writes Hydra's files itself, once the run may start (hydra_config)
 _RUN_DIR_GIVEN: tuple[str, bool] | None = None  # hydra.run.dir as given, and whether it existed then
+_ARGV: tuple[str, ...] = ()  # the command line as typed (node 0 publishes it for the other hosts)
 
 
 def _refuse(line: str, code: int) -> None:
@@ -127,14 +128,21 @@ def _restart_resumes(tree: dict) -> dict:
     return tree
 
 
-def _restarts_problem(run_cfg: RunConfig) -> str | None:
-    """dist.max_restarts is this launcher's; torchrun and srun restart (or not) by their own rules."""
-    if run_cfg.dist.max_restarts and (UNDER_TORCHRUN or slurm.is_rank_task(os.environ)):
+def _launcher_problem(run_cfg: RunConfig) -> str | None:
+    """dist.max_restarts and dist.nodes are this launcher's; torchrun and srun restart (or not) and
+    place ranks on hosts by their own rules."""
+    d = run_cfg.dist
+    if not (UNDER_TORCHRUN or slurm.is_rank_task(os.environ)):
+        return None
+    if d.max_restarts:
         launcher = "torchrun: pass --max-restarts" if UNDER_TORCHRUN else "srun: requeue the job"
         return (
-            f"dist.max_restarts={run_cfg.dist.max_restarts} is python train.py's own launcher's "
+            f"dist.max_restarts={d.max_restarts} is python train.py's own launcher's "
             f"(it replaces a lost worker while the others stay); under {launcher} instead"
         )
+    if d.nodes > 1:
+        launcher = "torchrun: pass --nnodes" if UNDER_TORCHRUN else "srun: pass --nodes"
+        return f"dist.nodes={d.nodes} is python train.py's own launcher's; under {launcher} instead"
     return None
 
 
@@ -175,7 +183,7 @@ def run_config(cfg: DictConfig) -> None:
     if tree["dist"]["layout"] == "auto":
         tree = _auto_layout(tree, overrides)
     run_cfg = checked_config(tree)
-    problem = continuation.resume_path_problem(tree) or _restarts_problem(run_cfg)
+    problem = continuation.resume_path_problem(tree) or _launcher_problem(run_cfg)
     if problem:
         _refuse(f"config error: {problem}", 2)
     try:
@@ -216,7 +224,18 @@ def run_config(cfg: DictConfig) -> None:
             d.max_restarts,
             d.timeout_s,
             d.standbys,
+            _hosts(run_cfg),
         )
+
+
+def _hosts(run_cfg: RunConfig) -> hosts.Hosts:
+    """Node 0's place in a job over several hosts (``dist.nodes``); a one-host job's otherwise."""
+    from distlib.app.config.operation import store_address
+
+    d = run_cfg.dist
+    if d.nodes == 1:
+        return hosts.Hosts()
+    return hosts.Hosts(d.nodes, 0, store_address(d.store), _ARGV)
 
 
 def _submitit_installed() -> bool:
@@ -241,6 +260,13 @@ def main() -> None:
     problem = local.temp_dir_problem() if own_launcher else None
     if problem:
         sys.exit(f"error: {problem}")  # before anything is written
+    try:
+        follower = hosts.follower(list(_ARGV)) if own_launcher else None
+    except hosts.HostError as exc:
+        exc.leave()
+    if follower:  # a host other than node 0: node 0 composes, this one takes its configuration
+        local.follow(list(_ARGV), *follower)
+        return
     import hydra
 
     global _RUN_DIR_GIVEN
@@ -253,6 +279,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    _ARGV = tuple(sys.argv[1:])
     if UNDER_TORCHRUN:
         worker.die_with_parent()  # a launcher killed even by SIGKILL leaves no worker training on
         sys.argv = worker_argv(sys.argv)

@@ -15,6 +15,14 @@
 # No hydra.run.dir is passed (unless you pass one): the nodes agree on the run directory
 # through torchrun's own TCPStore on node 0, as on a real cluster. Node logs: WORKDIR/node{0,1}.log.
 #
+# MULTINODE_LAUNCHER=own runs the project's own launcher on each node instead:
+#
+#   GLOO_SOCKET_IFNAME=<its veth> python train.py dist.world_size=4 dist.nodes=2 \
+#       dist.store=<node 0 hostname>:PORT dist.max_restarts=MAX_RESTARTS ... dist.node_rank=<i>
+#
+# (node 0 composes the configuration and serves the store; node 1 takes both from it; each
+# node's agent replaces the workers it loses while every other rank stays: docs/unattended.md).
+#
 # --verify then runs, on this host with no namespaces, the same job (without its fault.* drills)
 # as 4 ranks from scratch (WORKDIR/single) and a 4-rank resume from the 2x2 run's first
 # checkpoint (WORKDIR/resume), and checks that every step's loss is bitwise equal (metrics.jsonl
@@ -23,7 +31,8 @@
 # Environment: MULTINODE_NAME (prefix of namespace/interface/host names, <= 12 chars; default
 # dlmn<pid>), MULTINODE_SUBNET (first three octets; default 10.200.0), MULTINODE_PORT
 # (rendezvous port on node 0; default 29400), MULTINODE_TIMEOUT (seconds per node; default 300),
-# MULTINODE_MAX_RESTARTS (torchrun --max-restarts; default 0), MULTINODE_OWN_SHM=1 (each node
+# MULTINODE_MAX_RESTARTS (torchrun --max-restarts, or dist.max_restarts; default 0),
+# MULTINODE_LAUNCHER (torchrun or own; default torchrun), MULTINODE_OWN_SHM=1 (each node
 # gets its own tmpfs on /dev/shm, as separate hosts have: in-memory snapshots stay node-local),
 # PYTHON (default .venv/bin/python). Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2;
 # exits 77 if namespaces cannot be created. Everything it creates (namespaces, the veth pair,
@@ -47,6 +56,7 @@ PORT="${MULTINODE_PORT:-29400}"
 TIMEOUT="${MULTINODE_TIMEOUT:-300}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 MAX_RESTARTS="${MULTINODE_MAX_RESTARTS:-0}"
+LAUNCHER="${MULTINODE_LAUNCHER:-torchrun}"
 export MULTINODE_OWN_SHM="${MULTINODE_OWN_SHM:-0}"
 NPROC=2
 NODES=("$NAME-node0" "$NAME-node1")      # namespace = hostname of each node
@@ -61,6 +71,7 @@ command -v ip >/dev/null || die "iproute2 ('ip') is not installed (apt-get insta
 command -v unshare >/dev/null || die "util-linux ('unshare') is not installed" 77
 [[ "$(id -u)" == 0 ]] || die "needs root to create network namespaces" 77
 [[ -x "$PYTHON" ]] || die "python interpreter $PYTHON not found (set PYTHON)" 2
+[[ "$LAUNCHER" == torchrun || "$LAUNCHER" == own ]] || die "MULTINODE_LAUNCHER must be torchrun or own, got '$LAUNCHER'" 2
 
 NETNS_ETC_CREATED=0
 [[ -d /etc/netns ]] || NETNS_ETC_CREATED=1
@@ -100,20 +111,25 @@ for i in 0 1; do
         > "/etc/netns/${NODES[$i]}/hosts"
 done
 
-# -- the job: one torchrun per node ---------------------------------------------
+# -- the job: one launcher (torchrun, or the project's own) per node ---------------
 echo "multinode: ${NODES[0]} (${ADDR[0]}, ${VETH[0]}) <-> ${NODES[1]} (${ADDR[1]}, ${VETH[1]}); work dir $WORK"
 RUN_ID="$NAME-$(date +%s)"
 for i in 0 1; do
+    if [[ "$LAUNCHER" == own ]]; then
+        JOB=("$REPO/train.py" dist.world_size=$((2 * NPROC)) dist.nodes=2 dist.store="${NODES[0]}:$PORT"
+             dist.max_restarts="$MAX_RESTARTS" "${OVERRIDES[@]}" dist.node_rank=$i)
+    else
+        JOB=(-m torch.distributed.run --nnodes 2 --nproc_per_node $NPROC
+             --rdzv-backend c10d --rdzv-endpoint "${NODES[0]}:$PORT" --rdzv-id "$RUN_ID"
+             --rdzv-conf join_timeout=120 --max-restarts "$MAX_RESTARTS"
+             "$REPO/train.py" dist.world_size=$((2 * NPROC)) "${OVERRIDES[@]}")
+    fi
     # shellcheck disable=SC2016  # $0.. expand inside the node's shell, not here
     ip netns exec "${NODES[$i]}" unshare --uts --mount sh -c 'hostname "$1" && shift && cd "$1" && shift \
             && { [ "$MULTINODE_OWN_SHM" != 1 ] || mount -t tmpfs -o size=256m,mode=1777 tmpfs /dev/shm; } && exec "$@"' \
         node "${NODES[$i]}" "$WORK" \
         env GLOO_SOCKET_IFNAME="${VETH[$i]}" LOGLEVEL=INFO \
-        timeout --kill-after=10 "$TIMEOUT" \
-        "$PYTHON" -m torch.distributed.run --nnodes 2 --nproc_per_node $NPROC \
-            --rdzv-backend c10d --rdzv-endpoint "${NODES[0]}:$PORT" --rdzv-id "$RUN_ID" \
-            --rdzv-conf join_timeout=120 --max-restarts "$MAX_RESTARTS" \
-            "$REPO/train.py" dist.world_size=$((2 * NPROC)) "${OVERRIDES[@]}" \
+        timeout --kill-after=10 "$TIMEOUT" "$PYTHON" "${JOB[@]}" \
         > "$WORK/node$i.log" 2>&1 &
     PIDS+=($!)
 done

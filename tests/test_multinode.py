@@ -265,3 +265,96 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
         (p.name, p.read_bytes()) for p in final[1].glob("*.safetensors")
     )
     assert not shm.job_dir(tmp_path / "single").exists()
+
+
+def _ranks_in(ns: str) -> dict[int, int]:
+    """{rank: pid} of the own launcher's workers running in namespace ``ns`` (named distlib-rank<N>)."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+    ranks = {}
+    for pid in map(int, pids.split()):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("distlib-rank"):
+            ranks[int(name.removeprefix("distlib-rank"))] = pid
+    return ranks
+
+
+def _steps(run: Path | None) -> int:
+    if run is None:
+        return 0
+    lines = (run / "metrics.jsonl").read_text().splitlines()[:-1]  # (the last may be half written)
+    return max((r["step"] for r in map(json.loads, lines) if r["type"] == "step"), default=0)
+
+
+@pytest.mark.slow
+def test_own_launcher_on_two_hosts_replaces_a_lost_hosts_workers_while_the_other_hosts_stay(tmp_path):
+    """python train.py dist.nodes=2 on two hosts (MULTINODE_LAUNCHER=own): node 1's workers are
+    SIGKILLed and its /dev/shm emptied mid-run; node 1's agent replaces them, node 0's workers keep
+    their processes throughout (the survivors stay), node 1's ranks resume from node 0's replicas
+    and every other rank from its own snapshot, no recorded step is run again, and every loss equals
+    one host's 4 ranks bit for bit (the script's --verify)."""
+    import time
+
+    reason = _namespaces_unavailable()
+    if reason:
+        pytest.skip(f"two-namespace multi-node run not possible: {reason}")
+    name = "o" + uuid.uuid4().hex[:8]
+    args = ["--verify", str(tmp_path), "train.steps=20", "checkpoint.every_steps=10"]
+    args += ["checkpoint.memory_every_steps=1", "fault.slow_rank=0", "fault.slow_seconds=0.3"]
+    env = {
+        **os.environ,
+        "MULTINODE_NAME": name,
+        "MULTINODE_TIMEOUT": "300",
+        "MULTINODE_MAX_RESTARTS": "2",
+        "MULTINODE_OWN_SHM": "1",
+        "MULTINODE_LAUNCHER": "own",
+        "PYTHON": os.environ.get("PYTHON", sys.executable),
+    }
+    proc = _start_script(args, env)
+    try:
+        deadline = time.monotonic() + 240
+        while _steps(_run_dir(tmp_path)) < 6 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        seen = _steps(_run_dir(tmp_path))
+        assert seen >= 6, f"the job never reached step 6: {proc.poll()}"
+        stayed, lost = _ranks_in(f"{name}-node0"), _ranks_in(f"{name}-node1")
+        assert sorted(stayed) == [0, 1] and sorted(lost) == [2, 3], (stayed, lost)
+        for pid in lost.values():
+            os.kill(pid, signal.SIGKILL)
+        others = subprocess.run(["ip", "netns", "pids", f"{name}-node1"], capture_output=True, text=True)
+        memory = [d for p in others.stdout.split() for d in Path(f"/proc/{p}/root/dev/shm").glob("distlib-*")]
+        assert memory, "node1 held no snapshot"
+        for directory in set(memory):  # node1's memory is gone with its workers
+            shutil.rmtree(directory, ignore_errors=True)
+        while _steps(_run_dir(tmp_path)) < seen + 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        after = (_ranks_in(f"{name}-node0"), _ranks_in(f"{name}-node1"))
+        out, err = proc.communicate(timeout=400)
+        left = _namespaces(name)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.communicate(timeout=60)
+        _remove(name)
+    assert proc.returncode == 0, out + err
+    assert left == [] and not any(Path("/etc/netns").glob(f"{name}-*"))
+    # the survivors stayed: node 0's workers are the processes they were; node 1's are new
+    assert after[0] == stayed, (stayed, after)
+    assert sorted(after[1]) == [2, 3] and not set(after[1].values()) & set(lost.values()), (lost, after)
+    logs = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
+    for rank in (2, 3):
+        replaced = rf"rank {rank} was lost \(killed by SIGKILL.*the other ranks stay"
+        assert re.search(replaced, logs), logs[-3000:]
+    assert not re.search(r"rank [01] was lost", logs)
+    pattern = r"resume: from the memory snapshot of step (\d+) .*"
+    pattern += r"\(rank\(s\) \[([\d, ]+)\] from peer replicas\)"
+    resumed = re.search(pattern, logs)
+    assert resumed, logs[-3000:]
+    assert int(resumed.group(1)) >= seen - 1 and resumed.group(2).replace(" ", "") == "2,3"
+    assert "MULTINODE VERIFIED" in out
+    run = _run_dir(tmp_path)
+    recorded = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").open()) if r["type"] == "step"]
+    assert recorded == list(range(1, 21)), recorded
+    assert _losses(run / "metrics.jsonl") == _losses(tmp_path / "single" / "metrics.jsonl")

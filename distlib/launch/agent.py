@@ -24,11 +24,16 @@ With ``dist.standbys=K`` the replacement is one of K idle workers started ahead 
 
 The store lives in this process, not in a worker, so losing rank 0 is survived like any other.
 SIGTERM/SIGINT are forwarded to the workers (they save and stop) as under torch's agent.
+
+Over several hosts (``dist.nodes``, hosts.py) each host runs an agent for its own workers; node
+0's serves the store, and the generations, the restarts used and the job's end are counted there
+for all of them: a host replaces the workers it lost, and the ranks of every other host stay.
+What the job cannot survive yet is losing node 0's agent (the store with it) or a whole host's
+agent: the survivors then find no generation following and leave, each with its line.
 """
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import signal
@@ -37,12 +42,14 @@ import time
 
 import torch.distributed as dist
 
-from distlib.launch import generations, worker
+from distlib.launch import generations, hosts, worker
+from distlib.launch.hosts import Hosts
 from distlib.launch.parent import describe_exit
 from distlib.launch.standby import Standbys
 from distlib.launch.torchrun import ATTEMPT_ENV
 
 POLL_S = 0.01  # how often the agent looks at its workers' exit codes (a wait, not CPU)
+RESTARTS = "distlib/restarts"  # restarts used by the job, every host's (a counter in the store)
 SETTLE_S = 2.0  # how long survivors told that no generation follows get to say why and leave
 STOP_GRACE_S = 30.0  # then how long those still running get to stop on SIGTERM (a save included)
 
@@ -58,18 +65,17 @@ class Agent:
         max_restarts: int,
         timeout_s: float,
         standbys: int = 0,
+        place: Hosts = hosts.ONE_HOST,
+        store: dist.TCPStore | None = None,
     ):
+        """``place``: this host's among the job's (one host: all of it); ``store``: node 0's, which
+        a host other than node 0 has joined already (node 0 and a one-host job serve their own)."""
         self.tree, self.world_size, self.run_dir = tree, world_size, run_dir
-        self.max_restarts, self.timeout_s = max_restarts, timeout_s
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        self.max_restarts, self.timeout_s, self.place = max_restarts, timeout_s, place
+        self.store = store if store is not None else hosts.serve(place.address, timeout_s)
+        self.address = place.address or ("127.0.0.1", self.store.port)
         self.context = multiprocessing.get_context("forkserver")
-        address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port)}
+        address = {"MASTER_ADDR": self.address[0], "MASTER_PORT": str(self.address[1])}
         self.standbys = Standbys(standbys, self.context, (address, tree, run_dir, timeout_s))
         self.workers: dict[int, multiprocessing.Process] = {}
         self.generation = self.restarts = 0
@@ -79,13 +85,15 @@ class Agent:
 
     # -- starting ---------------------------------------------------------------------------
     def _env(self, rank: int) -> dict[str, str]:
+        mine = self.place.ranks(self.world_size)
         return {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank - mine.start),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(self.store.port),
+            "LOCAL_WORLD_SIZE": str(len(mine)),
+            "GROUP_RANK": str(self.place.rank),  # the host's (comm.local.host_key keeps hosts apart)
+            "MASTER_ADDR": self.address[0],
+            "MASTER_PORT": str(self.address[1]),
             generations.ENV: str(self.generation),
             ATTEMPT_ENV: str(self.generation),
         }
@@ -98,9 +106,9 @@ class Agent:
         self.workers[rank] = process
 
     def _replace(self, lost: dict[int, int]) -> None:
-        """A new generation: the lost ranks' new workers, then the survivors are told."""
-        self.generation += 1
-        self.restarts += len(lost)
+        """A new generation (the survivors, on every host, see it begun), the lost ranks' new workers."""
+        self.generation = generations.begin(self.store)
+        self.restarts = self.store.add(RESTARTS, len(lost))
         for rank, code in sorted(lost.items()):
             pid = self.workers[rank].pid
             taker = self._fill(rank)
@@ -110,7 +118,6 @@ class Agent:
                 file=sys.stderr,
                 flush=True,
             )
-        self.store.set(generations.KEY, str(self.generation))
 
     def _fill(self, rank: int) -> str:
         """``rank``'s new worker: an idle standby if there is one, else a fork; which, in words."""
@@ -125,18 +132,30 @@ class Agent:
     def run(self) -> tuple[str | None, dict[int, int]]:
         """Run the job to its end: (the stop signal's name if one was forwarded, else None; the
         failed ranks' exit codes, empty when every worker finished)."""
-        self.store.set(generations.KEY, "0")
+        self._meet()
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            for rank in range(self.world_size):
+            for rank in self.place.ranks(self.world_size):
                 self._spawn(rank)
             failed = self._watch()
+            if not failed and self.place.count > 1:
+                hosts.finished(self.store, self.place, self.timeout_s, lambda: generations.ended(self.store))
         finally:
             self.standbys.dismiss()
             for s, handler in handlers.items():
                 signal.signal(s, handler)
         name = signal.Signals(self.stop_signal).name if self.stop_signal else None
         return name, failed
+
+    def _meet(self) -> None:
+        """Node 0 counts generations from 0 and, over several hosts, publishes the job and waits
+        until every host has joined (the others joined before their agent was made: hosts.job)."""
+        if self.place.rank != 0:
+            return
+        self.store.add(generations.KEY, 0)
+        if self.place.count > 1:
+            hosts.publish(self.store, self.tree, self.run_dir, self.place.argv)
+            hosts.await_hosts(self.store, self.place.count, self.timeout_s)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.stop_signal is None:
@@ -154,10 +173,15 @@ class Agent:
                     self.standbys.tend()
                 time.sleep(POLL_S)
                 continue
-            self.why_not = self._why_not_replaced(ended, codes)
-            if self.why_not is not None:
-                return self._end(ended)
-            self._replace(ended)
+            try:
+                self.why_not = self._why_not_replaced(ended, codes)
+                if self.why_not is None:
+                    self._replace(ended)
+                    continue
+            except (RuntimeError, OSError):  # node 0's store is gone, and with it the job's count
+                host, port = self.address
+                self.why_not = f"; the job's store at {host}:{port} is gone (node 0 lost)"
+            return self._end(ended)
 
     def _why_not_replaced(self, ended: dict[int, int], codes: dict[int, int | None]) -> str | None:
         """None when the ended workers were all lost to a signal while every other one still runs,
@@ -167,15 +191,19 @@ class Agent:
             return ""
         if any(code is not None for rank, code in codes.items() if rank not in ended):
             return "; the other ranks had ended, so no worker could take its place"
-        if self.restarts + len(ended) > self.max_restarts:
-            return f"; no restart left (dist.max_restarts={self.max_restarts}, {self.restarts} used)"
+        used = self.store.add(RESTARTS, 0)  # (every host's)
+        if used + len(ended) > self.max_restarts:
+            return f"; no restart left (dist.max_restarts={self.max_restarts}, {used} used)"
         return None
 
     def _end(self, ended: dict[int, int]) -> dict[int, int]:
         """No generation follows: the survivors leave with their own error. Those still running
         after SETTLE_S (a rank that hangs, one whose peers all left) are asked to stop (SIGTERM:
         as torch's agent does), then killed. The exit codes of the failures that ended the job."""
-        self.store.set(generations.KEY, generations.END)
+        try:
+            generations.end(self.store, f"host {self.place.rank} ended the job")
+        except (RuntimeError, OSError):  # node 0's store is gone: the survivors find none follows
+            pass
         self._wait_all(SETTLE_S)
         self.stopped = sorted(rank for rank, p in self.workers.items() if p.exitcode is None)
         self._signal_running(signal.SIGTERM)

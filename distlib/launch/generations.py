@@ -3,11 +3,15 @@
 Under ``python train.py dist.max_restarts=N`` (``distlib/launch/agent.py``) a worker killed by a
 signal is replaced by a new worker, and the other ranks keep their processes: they leave the
 broken process group and join a new one with the replacement. Each group is a *generation*,
-numbered from 0. The agent hosts one TCPStore for the whole job; generation g's process group
-keeps its keys under its own prefix there (a dead generation's gloo addresses are never read
-again), and the agent publishes the current generation under ``KEY``: a survivor waits for it to
-move past its own, a replacement is started knowing it (``ENV``). ``END`` instead of a number says
-no generation follows (no restart left): the survivors then leave with their own error.
+numbered from 0. The agent hosts one TCPStore for the whole job (node 0's agent, when the job
+spans hosts: every host's agent replaces its own workers); generation g's process group keeps its
+keys under its own prefix there (a dead generation's gloo addresses are never read again). ``KEY``
+counts the generations: an agent that lost a worker adds one (``begin``) and starts the
+replacement knowing the number it got (``ENV``); a survivor waits for the count to move past its
+own. Two hosts losing a worker at once make two generations, and the ranks of the first, finding a
+later one begun before theirs formed, move on to it (``assemble``). ``END_KEY``, once set, says no
+generation follows (no restart left, or a host ended the job): the survivors then leave with their
+own error.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch.distributed as dist
 from distlib.launch.torchrun import ATTEMPT_ENV
 
 ENV = "DISTLIB_GENERATION"  # this worker's generation; set only under the agent
-KEY = "distlib/generation"  # the agent's current generation, or END
+KEY = "distlib/generation"  # the newest generation begun (a counter: ``dist.Store.add``)
+END_KEY = "distlib/generation_end"  # set once no generation follows: why, in words
 END = "end"
 # How long a survivor waits for the next generation. The agent starts it within its poll (10 ms) of
 # a worker's death; a survivor that gets none waited on a rank that hung rather than died (or the
@@ -68,12 +73,31 @@ def enter(generation: int) -> None:
     os.environ[ENV] = os.environ[ATTEMPT_ENV] = str(generation)
 
 
+def begin(store: dist.Store) -> int:
+    """A new generation (an agent lost a worker): its number."""
+    return store.add(KEY, 1)
+
+
+def end(store: dist.Store, why: str) -> None:
+    """No generation follows; ``why`` in words."""
+    store.set(END_KEY, why)
+
+
+def ended(store: dist.Store) -> str | None:
+    """Why no generation follows, once an agent said so; else None."""
+    return store.get(END_KEY).decode() if store.check([END_KEY]) else None
+
+
 def _newer(base: dist.TCPStore, mine: int) -> int | str | None:
-    """The agent's generation if it has moved past ``mine`` (or END), else None."""
-    value = base.get(KEY).decode()
-    if value == END:
+    """The newest generation if it is past ``mine``, END when none follows, else None. A store
+    that is gone (the host serving it was lost) is END: nothing can follow."""
+    try:
+        if base.check([END_KEY]):
+            return END
+        newest = base.add(KEY, 0)
+    except (RuntimeError, OSError):  # torch's DistNetworkError and kin: the store's host is gone
         return END
-    return int(value) if int(value) > mine else None
+    return newest if newest > mine else None
 
 
 def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:

@@ -12,8 +12,10 @@ after the launcher: measured on 2 cores (AMD EPYC, ``benchmarks/startup.py``), t
 4.1 s and 4.9 CPU-s, against 6.9 s and 7.9 CPU-s with multiprocessing's own server, a fresh
 interpreter importing them again (what a launcher already running a thread gets).
 
-With ``dist.max_restarts`` > 0 the agent is this project's own (``agent.py``: a lost worker is
-replaced and the others stay), forking its workers from the same server.
+With ``dist.max_restarts`` > 0, or over several hosts (``dist.nodes``), the agent is this
+project's own (``agent.py``: a lost worker is replaced and the others stay), forking its workers
+from the same server; a host other than node 0 starts here too (``follow``), with node 0's
+configuration (hosts.py).
 
 On SIGTERM/SIGINT the agent forwards the signal; the workers finish their step, save and stop,
 and this process exits 0 if the run's log says they did (1 otherwise). A failed worker's one-line
@@ -36,7 +38,8 @@ import uuid
 from pathlib import Path
 
 from distlib.app.observe.metrics import last_event
-from distlib.launch import prefork
+from distlib.launch import hosts, prefork
+from distlib.launch.hosts import Hosts
 
 # What multiprocessing's own fork server (where prefork cannot fork one) imports before it forks a
 # worker: first what makes it die with this process (fork_server.py says why), then the worker's
@@ -73,14 +76,17 @@ def launch(
     max_restarts: int = 0,
     timeout_s: float = 60.0,
     standbys: int = 0,
+    place: Hosts = hosts.ONE_HOST,
 ) -> None:
     """Run ``world_size`` workers of the checked configuration ``tree`` in ``run_dir`` to the end;
     exits this process on failure. The modules ``preload`` names, which every worker would import
     itself, are imported here once, before the workers are forked. With ``max_restarts`` > 0 a
     lost worker is replaced and the others stay (``agent.Agent``; ``timeout_s``: its store's;
-    ``standbys``: idle workers kept ready to replace one)."""
-    if max_restarts > 0:
-        _launch_in_place(tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s, standbys)
+    ``standbys``: idle workers kept ready to replace one); so over several hosts too (``place``:
+    node 0's, which serves the others)."""
+    if max_restarts > 0 or place.count > 1:
+        _start_fork_server(preload)
+        _launch_in_place(tree, world_size, run_dir, metrics_file, (max_restarts, timeout_s, standbys), place)
         return
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -125,17 +131,44 @@ def _start_fork_server(preload: tuple[str, ...]) -> None:
     prefork.start()  # the server as a fork of this process, before the agent's first thread
 
 
+def follow(argv: list[str], rank: int, store: str | None, timeout_s: float) -> None:
+    """A host other than node 0 of a several-host job (``hosts.follower``): join node 0's store,
+    take its configuration and run directory, and run this host's workers to the end; exits this
+    process on failure, one line for a host that cannot join."""
+    from distlib.app.config.operation import store_address
+    from distlib.app.config.run import ConfigError, RunConfig
+    from distlib.app.model import recompute
+
+    try:
+        address = store_address(store)
+    except ConfigError as exc:
+        hosts.HostError(f"config error: {exc}").leave()
+    try:
+        joined = hosts.connect(address, timeout_s)
+        tree, run_dir = hosts.job(joined, argv, rank, timeout_s)
+    except hosts.HostError as exc:
+        exc.leave()
+    d = RunConfig.from_dict(tree).dist
+    place = Hosts(d.nodes, rank, address, tuple(argv))
+    # (the store's client runs no thread: the fork server may still be a fork of this process)
+    _start_fork_server(recompute.imports(tree["model"]["activation_checkpointing"]))
+    restarts = (d.max_restarts, d.timeout_s, d.standbys)
+    _launch_in_place(tree, d.world_size, run_dir, tree["metrics"]["file"], restarts, place, joined)
+
+
 def _launch_in_place(
-    tree, world_size, run_dir, metrics_file, preload, max_restarts, timeout_s, standbys
+    tree, world_size, run_dir, metrics_file, restarts: tuple, place: Hosts, store=None
 ) -> None:
-    """``launch`` under the agent that replaces a lost worker while the others stay."""
+    """``launch`` under the agent that replaces a lost worker while the others stay (``restarts``:
+    its max_restarts, timeout_s and standbys), the fork server started."""
     from distlib.launch.agent import Agent
 
-    _start_fork_server(preload)
     started = time.time()
-    agent = Agent(tree, world_size, run_dir, max_restarts, timeout_s, standbys)
     try:
+        agent = Agent(tree, world_size, run_dir, *restarts, place=place, store=store)
         stopped, failed = agent.run()
+    except hosts.HostError as exc:
+        exc.leave()
     finally:
         prefork.stop()
     if stopped:

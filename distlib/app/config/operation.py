@@ -30,6 +30,14 @@ class DistConfig(Group):
     standbys: with dist.max_restarts > 0, this many idle workers kept started (torch and the trainer
         imported, joined to the job's store, no model): a lost worker's place goes to one of them instead of
         a process forked once the loss is seen, and another is started in its place; 0: forked then
+    nodes: hosts of one `.venv/bin/python train.py` job: the same command runs on each with its own
+        dist.node_rank, and each host's agent starts world_size / nodes workers (global ranks node_rank x
+        that onward), replaces its own lost workers while every other rank stays, and meets the others
+        at dist.store (docs/unattended.md, "Several hosts"); under torchrun: its --nnodes
+    node_rank: this host's place among dist.nodes (0: the host that composes the configuration, takes the
+        run directory and serves dist.store; the others take both from it)
+    store: HOST:PORT of the job's store when dist.nodes > 1: node 0 listens on PORT, every host connects
+        to HOST (node 0's name or address as the others reach it)
     tp: tensor-parallel degree: attention heads and the MLP split over this many ranks (divides world_size,
         model.n_heads, llama's model.n_kv_heads and the MLP width); ZeRO shards over the world_size / tp
         data-parallel ranks
@@ -75,6 +83,9 @@ class DistConfig(Group):
     timeout_s: float = key(60.0, gt=0)
     max_restarts: int = key(0, ge=0)
     standbys: int = key(0, ge=0)
+    nodes: int = key(1, ge=1)
+    node_rank: int = key(0, ge=0)
+    store: str | None = key(None)
     tp: int = key(1, ge=1)
     check_collectives: bool = key(True)
     collectives: str = key("ours", choices=COLLECTIVES)
@@ -95,6 +106,7 @@ class DistConfig(Group):
                 f"dist.standbys={self.standbys} keeps workers ready to replace lost ones, and "
                 "dist.max_restarts=0 replaces none: set dist.max_restarts too"
             )
+        self._check_nodes()
         if self.budget_gb is not None and self.layout != "auto":
             raise ConfigError(
                 f"dist.budget_gb={self.budget_gb:g} bounds the layout dist.layout=auto picks, and "
@@ -105,6 +117,36 @@ class DistConfig(Group):
                 f"dist.pp_virtual={self.pp_virtual} needs dist.pp_schedule=interleaved "
                 f"(got {self.pp_schedule})"
             )
+
+    def _check_nodes(self) -> None:
+        if self.node_rank >= self.nodes:
+            raise ConfigError(
+                f"dist.node_rank={self.node_rank} is no host of dist.nodes={self.nodes} "
+                f"(0 to {self.nodes - 1})"
+            )
+        if self.world_size % self.nodes:
+            raise ConfigError(
+                f"dist.world_size={self.world_size} does not split evenly over dist.nodes={self.nodes} "
+                "hosts: every host starts the same number of workers"
+            )
+        if self.nodes == 1 and self.store is not None:
+            raise ConfigError(
+                f"dist.store={self.store} is where the hosts of a job with dist.nodes > 1 meet; with one "
+                "host the launcher serves its own: drop it, or set dist.nodes"
+            )
+        if self.nodes > 1:
+            store_address(self.store)
+
+
+def store_address(store: str | None) -> tuple[str, int]:
+    """``dist.store``'s (host, port); a ConfigError naming what is wrong with it."""
+    host, _, port = (store or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"dist.store={store} is not HOST:PORT (node 0's name or address and a free port, "
+            "e.g. dist.store=node0:29500): every host of dist.nodes > 1 needs it"
+        )
+    return host, int(port)
 
 
 @dataclass(frozen=True)
