@@ -6,6 +6,8 @@ own); tests/test_multinode.py runs them in two network namespaces, with a host's
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -79,10 +81,14 @@ def test_hosts_that_agree_are_accepted():
     assert (d.nodes, d.node_rank, d.store) == (2, 0, "node0:29500")
 
 
-def _host(args: list[str], cwd: Path) -> subprocess.Popen:
+def _host(args: list[str], cwd: Path, shm: Path | None = None) -> subprocess.Popen:
+    """``python train.py args`` from ``cwd``; ``shm``: the host's own memory for its snapshots
+    (separate hosts do not share /dev/shm)."""
+    env = {**os.environ, "DISTLIB_SHM_DIR": str(shm)} if shm else None
     return subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -182,3 +188,103 @@ def test_dist_nodes_under_srun_is_refused_in_one_line(tmp_path):
     assert proc.stderr.splitlines() == [
         "config error: dist.nodes=2 is python train.py's own launcher's; under srun: pass --nodes instead"
     ]
+
+
+def _store():
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )
+
+
+def test_node0_takes_a_silent_host_for_lost_once_and_fences_it_and_never_a_finished_one(monkeypatch):
+    import time
+
+    monkeypatch.setattr(hosts, "BEAT_S", 0.0)
+    monkeypatch.setattr(hosts, "LOST_S", 0.3)
+    store = _store()
+    node0, node1, node2 = (hosts.Watch(store, Hosts(3, k)) for k in range(3))
+    assert node1.beat() == [] and node2.beat() == [] and node0.beat() == []
+    store.set(hosts.done_key(2), "1")  # host 2's workers all finished: it stops beating, and is not lost
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # host 1 beating: never lost
+        assert node1.beat() == [] and node0.beat() == []
+        time.sleep(0.02)
+    time.sleep(0.4)  # now both are silent
+    assert node0.beat() == [1]
+    assert node0.beat() == []  # (once)
+    with pytest.raises(hosts.Fenced, match=r"^error: node 0 took host 1 for lost"):
+        node1.beat()
+    assert hosts.Watch(store, Hosts(1, 0)).beat() == []  # one host: no heartbeat at all
+
+
+def test_a_worker_of_a_host_taken_for_lost_enters_no_later_generation(monkeypatch):
+    from distlib.launch import generations
+
+    store = _store()
+    monkeypatch.setattr(generations, "_BASE", [store])
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv(generations.ENV, "0")
+    store.add(generations.KEY, 1)  # a later generation has begun
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert generations.next_generation(5.0) == 1
+    store.set(hosts.lost_key(1), "1")
+    assert generations.next_generation(5.0) is None
+    monkeypatch.setenv("GROUP_RANK", "0")  # node 0's (and the ranks it started for host 1) enter it
+    assert generations.next_generation(5.0) == 1
+
+
+@pytest.mark.slow
+def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one_hosts_losses(tmp_path):
+    """A host node 0 takes for lost while it still runs (cut off, say) stops its own workers once
+    it reads the mark; node 0, hearing from it no more, starts its ranks itself, and the job ends
+    with one host's losses, each step recorded once."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    port = _free_port()
+    common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=20"]
+    common += ["dist.max_restarts=2", "checkpoint.memory_every_steps=1", "fault.slow_rank=0"]
+    common += ["fault.slow_seconds=0.2", f"hydra.run.dir={tmp_path / 'run'}"]
+    memory = [tmp_path / "shm0", tmp_path / "shm1"]
+    for directory in memory:
+        directory.mkdir()
+    node0 = _host([*common, "dist.node_rank=0"], tmp_path, memory[0])
+    node1 = _host([*common, "dist.node_rank=1"], tmp_path, memory[1])
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and node0.poll() is None:
+        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []
+        if sum('"type": "step"' in line for line in lines) >= 4:
+            break
+        time.sleep(0.05)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    store.set(hosts.lost_key(1), "1")
+    out1, err1 = node1.communicate(timeout=120)
+    out0, err0 = node0.communicate(timeout=240)
+    assert node1.returncode == 1 and err1.strip().splitlines()[-1] == (
+        "error: node 0 took host 1 for lost (no heartbeat for 2 s) and runs its ranks itself: "
+        "this host's workers are stopped"
+    ), err1
+    assert node0.returncode == 0, err0
+    assert "host 1 was lost (no heartbeat from its agent for 2 s): its ranks start here (rank 2: " in err0
+    assert re.search(
+        r"^resume: from the memory snapshot of step ([5-9]|1\d) in ", out0 + err0, re.MULTILINE
+    ), err0
+    one = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "dist.world_size=4", "train.steps=20"]
+        + ["checkpoint.memory_every_steps=1", f"hydra.run.dir={tmp_path / 'one'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert one.returncode == 0, one.stderr
+    recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
+    assert recorded == list(range(1, 21)), recorded
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "one")

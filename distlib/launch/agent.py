@@ -27,9 +27,11 @@ SIGTERM/SIGINT are forwarded to the workers (they save and stop) as under torch'
 
 Over several hosts (``dist.nodes``, hosts.py) each host runs an agent for its own workers; node
 0's serves the store, and the generations, the restarts used and the job's end are counted there
-for all of them: a host replaces the workers it lost, and the ranks of every other host stay.
-What the job cannot survive yet is losing node 0's agent (the store with it) or a whole host's
-agent: the survivors then find no generation following and leave, each with its line.
+for all of them: a host replaces the workers it lost, and the ranks of every other host stay. A
+host lost with its agent (no heartbeat for ``hosts.LOST_S``) has its ranks started by node 0's
+agent, in a new generation, as restarts. What the job cannot survive is losing node 0's agent, and
+the store with it: the other hosts' ranks find that no generation follows and leave, each with its
+line.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class Agent:
         self.generation = self.restarts = 0
         self.stop_signal: int | None = None
         self.why_not: str | None = None  # why the failures that ended the job were not replaced
+        self.lost_host: str | None = None  # a host lost (or node 0's store gone) that ended the job
+        self.fenced: str | None = None  # node 0 took this host for lost: its line
+        self.watch: hosts.Watch | None = None
         self.stopped: list[int] = []  # the ranks still running when the job ended (a hung one)
 
     # -- starting ---------------------------------------------------------------------------
@@ -133,12 +138,13 @@ class Agent:
         """Run the job to its end: (the stop signal's name if one was forwarded, else None; the
         failed ranks' exit codes, empty when every worker finished)."""
         self._meet()
+        self.watch = hosts.Watch(self.store, self.place)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             for rank in self.place.ranks(self.world_size):
                 self._spawn(rank)
             failed = self._watch()
-            if not failed and self.place.count > 1:
+            if not self.failed(failed) and self.place.count > 1:
                 hosts.finished(self.store, self.place, self.timeout_s, lambda: generations.ended(self.store))
         finally:
             self.standbys.dismiss()
@@ -157,6 +163,10 @@ class Agent:
             hosts.publish(self.store, self.tree, self.run_dir, self.place.argv)
             hosts.await_hosts(self.store, self.place.count, self.timeout_s)
 
+    def failed(self, ranks: dict[int, int]) -> bool:
+        """Whether the job failed: ``ranks`` (failed workers' exit codes), a lost host, a fence."""
+        return bool(ranks) or self.lost_host is not None or self.fenced is not None
+
     def _on_signal(self, signum: int, _frame) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
@@ -169,6 +179,8 @@ class Agent:
                 return {}
             ended = {rank: code for rank, code in codes.items() if code}
             if not ended:
+                if self._hosts_ended():
+                    return {}
                 if self.stop_signal is None:  # a stopping job needs no standby
                     self.standbys.tend()
                 time.sleep(POLL_S)
@@ -179,9 +191,51 @@ class Agent:
                     self._replace(ended)
                     continue
             except (RuntimeError, OSError):  # node 0's store is gone, and with it the job's count
-                host, port = self.address
-                self.why_not = f"; the job's store at {host}:{port} is gone (node 0 lost)"
+                self.why_not, self.lost_host = "", self._store_gone()
             return self._end(ended)
+
+    def _hosts_ended(self) -> bool:
+        """This host's heartbeat, and on node 0 the lost hosts' ranks started here; True when that
+        ended the job here (a host lost past the restarts, node 0's store gone, this host fenced)."""
+        try:
+            for host in self.watch.beat():
+                if not self._adopt(host):
+                    self._end({})
+                    return True
+        except hosts.Fenced as exc:  # the job goes on elsewhere: this host's workers only are stopped
+            self.fenced = str(exc)
+            self._signal_running(signal.SIGKILL)
+            return True
+        except (RuntimeError, OSError):
+            self.why_not, self.lost_host = "", self._store_gone()
+            self._end({})
+            return True
+        return False
+
+    def _store_gone(self) -> str:
+        return f"node 0 (the job's store at {self.address[0]}:{self.address[1]} is gone)"
+
+    def _adopt(self, host: int) -> bool:
+        """Node 0 starts lost host ``host``'s ranks itself, in a new generation; False when no
+        restart is left for them."""
+        ranks = list(Hosts(self.place.count, host).ranks(self.world_size))
+        used = self.store.add(RESTARTS, 0)
+        silent = f"no heartbeat from its agent for {hosts.LOST_S:g} s"
+        if used + len(ranks) > self.max_restarts:
+            self.lost_host = f"host {host} ({silent})"
+            left = f"dist.max_restarts={self.max_restarts}, {used} used"
+            self.why_not = f"; no restart left for its ranks ({left})"
+            return False
+        self.generation = generations.begin(self.store)
+        self.restarts = self.store.add(RESTARTS, len(ranks))
+        takers = ", ".join(f"rank {rank}: {self._fill(rank)}" for rank in ranks)
+        print(
+            f"host {host} was lost ({silent}): its ranks start here ({takers}) and the other ranks "
+            f"stay (restart {self.restarts} of dist.max_restarts={self.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
     def _why_not_replaced(self, ended: dict[int, int], codes: dict[int, int | None]) -> str | None:
         """None when the ended workers were all lost to a signal while every other one still runs,
@@ -203,7 +257,7 @@ class Agent:
         try:
             generations.end(self.store, f"host {self.place.rank} ended the job")
         except (RuntimeError, OSError):  # node 0's store is gone: the survivors find none follows
-            pass
+            self.lost_host = self.lost_host or self._store_gone()
         self._wait_all(SETTLE_S)
         self.stopped = sorted(rank for rank, p in self.workers.items() if p.exitcode is None)
         self._signal_running(signal.SIGTERM)
@@ -228,6 +282,9 @@ class Agent:
 
     def failure_line(self, failed: dict[int, int]) -> str:
         """The launcher's line for the failures that ended the job (each survivor said its own)."""
-        ranks = ", ".join(f"rank {rank} ({describe_exit(code)})" for rank, code in sorted(failed.items()))
+        if self.fenced:
+            return self.fenced
+        lost = [f"rank {rank} ({describe_exit(code)})" for rank, code in sorted(failed.items())]
+        ranks = ", ".join(lost + ([self.lost_host] if self.lost_host else []))
         hung = f"; still running {SETTLE_S:g} s after, so stopped: rank(s) {self.stopped}"
         return f"error: training failed: {ranks}{self.why_not or ''}{hung if self.stopped else ''}"

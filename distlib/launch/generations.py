@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 
 import torch.distributed as dist
 
+from distlib.launch.hosts import lost_key
 from distlib.launch.torchrun import ATTEMPT_ENV
 
 ENV = "DISTLIB_GENERATION"  # this worker's generation; set only under the agent
@@ -104,7 +106,11 @@ def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
     """Wait until the agent starts a generation after this worker's own; its number, or None when
     the agent says none follows or none has started within WAIT_S (at most ``timeout_s``, the
     store's)."""
+    if not _reachable():
+        return None  # node 0 is gone, and its store: nothing can follow (asked, torch logs 30 lines)
     base, mine = base_store(timeout_s), current()
+    if fenced(base):
+        return None
     deadline = time.monotonic() + min(WAIT_S, timeout_s)
     while time.monotonic() < deadline:
         newer = _newer(base, mine)
@@ -112,6 +118,25 @@ def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
             return None if newer == END else newer
         time.sleep(poll_s)
     return None
+
+
+def _reachable(timeout_s: float = 1.0) -> bool:
+    """Whether the job's store still accepts a connection (a plain socket's)."""
+    try:
+        with socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def fenced(base: dist.TCPStore) -> bool:
+    """Whether node 0 took this worker's host for lost (its ranks run elsewhere now): a worker of
+    such a host enters no later generation (distlib/launch/hosts.py)."""
+    host = os.environ.get("GROUP_RANK", "0")
+    try:
+        return host != "0" and base.check([lost_key(int(host))])
+    except (RuntimeError, OSError):  # the store is gone: _newer says END
+        return False
 
 
 def assemble(world_size: int, timeout_s: float, poll_s: float = 0.005) -> bool:

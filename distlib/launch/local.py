@@ -173,7 +173,7 @@ def _launch_in_place(
         prefork.stop()
     if stopped:
         _stopped(stopped, Path(run_dir), metrics_file, started)
-    if failed:
+    if agent.failed(failed):
         print(agent.failure_line(failed), file=sys.stderr)
         sys.exit(1)
 
