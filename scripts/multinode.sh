@@ -32,9 +32,9 @@
 # dlmn<pid>), MULTINODE_SUBNET (first three octets; default 10.200.0), MULTINODE_PORT
 # (rendezvous port on node 0; default 29400), MULTINODE_TIMEOUT (seconds per node; default 300),
 # MULTINODE_MAX_RESTARTS (torchrun --max-restarts, or dist.max_restarts; default 0),
-# MULTINODE_LAUNCHER (torchrun or own; default torchrun), MULTINODE_NODE1_MAY_DIE=1 (node 1 is
-# expected to be lost mid-run, every process of it killed: the job is node 0's, and node 1's exit
-# status is not checked; with the own launcher), MULTINODE_OWN_SHM=1 (each node
+# MULTINODE_LAUNCHER (torchrun or own; default torchrun), MULTINODE_MAY_DIE=<0 or 1> (that node
+# is expected to be lost mid-run, every process of it killed: the job is the other's, and the lost
+# node's exit status is not checked; with the own launcher), MULTINODE_OWN_SHM=1 (each node
 # gets its own tmpfs on /dev/shm, as separate hosts have: in-memory snapshots stay node-local),
 # PYTHON (default .venv/bin/python). Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2;
 # exits 77 if namespaces cannot be created. Everything it creates (namespaces, the veth pair,
@@ -59,7 +59,7 @@ TIMEOUT="${MULTINODE_TIMEOUT:-300}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 MAX_RESTARTS="${MULTINODE_MAX_RESTARTS:-0}"
 LAUNCHER="${MULTINODE_LAUNCHER:-torchrun}"
-NODE1_MAY_DIE="${MULTINODE_NODE1_MAY_DIE:-0}"
+MAY_DIE="${MULTINODE_MAY_DIE:-}"
 export MULTINODE_OWN_SHM="${MULTINODE_OWN_SHM:-0}"
 NPROC=2
 NODES=("$NAME-node0" "$NAME-node1")      # namespace = hostname of each node
@@ -139,7 +139,7 @@ done
 RC=(0 0)
 for i in 0 1; do
     wait "${PIDS[$i]}"; RC[$i]=$?
-    [[ $i == 1 && $NODE1_MAY_DIE == 1 ]] && RC[1]=0   # lost on purpose: node 0 finishes the job
+    [[ "$i" == "$MAY_DIE" ]] && RC[$i]=0   # lost on purpose: the other node finishes the job
     if [[ ${RC[$i]} != 0 ]]; then   # one node failed: do not leave the other waiting
         for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
     fi

@@ -81,14 +81,16 @@ def test_hosts_that_agree_are_accepted():
     assert (d.nodes, d.node_rank, d.store) == (2, 0, "node0:29500")
 
 
-def _host(args: list[str], cwd: Path, shm: Path | None = None) -> subprocess.Popen:
+def _host(args: list[str], cwd: Path, shm: Path | None = None, session: bool = False) -> subprocess.Popen:
     """``python train.py args`` from ``cwd``; ``shm``: the host's own memory for its snapshots
-    (separate hosts do not share /dev/shm)."""
+    (separate hosts do not share /dev/shm); ``session``: in a process group of its own (to be lost
+    whole)."""
     env = {**os.environ, "DISTLIB_SHM_DIR": str(shm)} if shm else None
     return subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
         env=env,
+        start_new_session=session,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -206,7 +208,7 @@ def test_node0_takes_a_silent_host_for_lost_once_and_fences_it_and_never_a_finis
     monkeypatch.setattr(hosts, "BEAT_S", 0.0)
     monkeypatch.setattr(hosts, "LOST_S", 0.3)
     store = _store()
-    node0, node1, node2 = (hosts.Watch(store, Hosts(3, k)) for k in range(3))
+    node0, node1, node2 = (hosts.Watch(store, Hosts(3, k), k == 0) for k in range(3))
     assert node1.beat() == [] and node2.beat() == [] and node0.beat() == []
     store.set(hosts.done_key(2), "1")  # host 2's workers all finished: it stops beating, and is not lost
     deadline = time.monotonic() + 0.3
@@ -216,16 +218,16 @@ def test_node0_takes_a_silent_host_for_lost_once_and_fences_it_and_never_a_finis
     time.sleep(0.4)  # now both are silent
     assert node0.beat() == [1]
     assert node0.beat() == []  # (once)
-    with pytest.raises(hosts.Fenced, match=r"^error: node 0 took host 1 for lost"):
+    with pytest.raises(hosts.Fenced, match=r"^error: the job took host 1 for lost"):
         node1.beat()
-    assert hosts.Watch(store, Hosts(1, 0)).beat() == []  # one host: no heartbeat at all
+    assert hosts.Watch(store, Hosts(1, 0), True).beat() == []  # one host: no heartbeat at all
 
 
 def test_a_worker_of_a_host_taken_for_lost_enters_no_later_generation(monkeypatch):
     from distlib.launch import generations
 
     store = _store()
-    monkeypatch.setattr(generations, "_BASE", [store])
+    monkeypatch.setattr(generations, "_AT", [])  # (a client of another test's store is no longer wanted)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     monkeypatch.setenv(generations.ENV, "0")
@@ -233,6 +235,7 @@ def test_a_worker_of_a_host_taken_for_lost_enters_no_later_generation(monkeypatc
     monkeypatch.setenv("GROUP_RANK", "1")
     assert generations.next_generation(5.0) == 1
     store.set(hosts.lost_key(1), "1")
+    store.get(hosts.lost_key(1))  # (a set is not answered: this makes sure the store has it)
     assert generations.next_generation(5.0) is None
     monkeypatch.setenv("GROUP_RANK", "0")  # node 0's (and the ranks it started for host 1) enter it
     assert generations.next_generation(5.0) == 1
@@ -268,7 +271,7 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
     out1, err1 = node1.communicate(timeout=120)
     out0, err0 = node0.communicate(timeout=240)
     assert node1.returncode == 1 and err1.strip().splitlines()[-1] == (
-        "error: node 0 took host 1 for lost (no heartbeat for 2 s) and runs its ranks itself: "
+        "error: the job took host 1 for lost (no heartbeat for 2 s) and runs its ranks elsewhere: "
         "this host's workers are stopped"
     ), err1
     assert node0.returncode == 0, err0
@@ -288,3 +291,75 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
     assert recorded == list(range(1, 21)), recorded
     assert _losses(tmp_path / "run") == _losses(tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hosts_losses(tmp_path):
+    """Node 0 (its launcher, agent, store and workers) SIGKILLed mid-run: host 1 serves the job's
+    store on the address it offered, starts node 0's ranks, its own workers stay, and the job ends
+    with one host's losses, each step recorded once."""
+    import signal
+    import time
+
+    port = _free_port()
+    common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=20"]
+    common += ["dist.max_restarts=2", "checkpoint.memory_every_steps=1", "fault.slow_rank=3"]
+    common += ["fault.slow_seconds=0.2", f"hydra.run.dir={tmp_path / 'run'}"]
+    memory = [tmp_path / "shm0", tmp_path / "shm1"]
+    for directory in memory:
+        directory.mkdir()
+    node0 = _host([*common, "dist.node_rank=0"], tmp_path, memory[0], session=True)
+    node1 = _host([*common, "dist.node_rank=1"], tmp_path, memory[1])
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and node0.poll() is None:
+        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []
+        if sum('"type": "step"' in line for line in lines) >= 4:
+            break
+        time.sleep(0.05)
+    os.killpg(node0.pid, signal.SIGKILL)  # its launcher, fork server and workers: the whole host
+    node0.communicate(timeout=60)
+    out1, err1 = node1.communicate(timeout=240)
+    assert node1.returncode == 0, err1
+    assert re.search(
+        r"^node 0 \(the job's store at 127.0.0.1:\d+ is gone\): host 1 serves it now, at ", err1, re.M
+    )
+    assert "host 0 was lost (its store is gone): its ranks start here (rank 0: " in err1, err1
+    assert re.search(r"^resume: from the memory snapshot of step ([4-9]|1\d) in ", out1, re.MULTILINE), out1
+    one = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "dist.world_size=4", "train.steps=20"]
+        + ["checkpoint.memory_every_steps=1", f"hydra.run.dir={tmp_path / 'one'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert one.returncode == 0, one.stderr
+    recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
+    assert recorded == list(range(1, 21)), recorded
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_a_host_lost_past_the_restarts_ends_the_job_naming_it(tmp_path):
+    import signal
+    import time
+
+    port = _free_port()
+    common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=200"]
+    common += ["dist.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    node0 = _host([*common, "dist.node_rank=0"], tmp_path)
+    node1 = _host([*common, "dist.node_rank=1"], tmp_path, session=True)
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and '"type": "step"' in metrics.read_text()):
+        time.sleep(0.05)
+    os.killpg(node1.pid, signal.SIGKILL)  # the whole host: its launcher, agent and workers
+    node1.communicate(timeout=60)
+    out0, err0 = node0.communicate(timeout=120)
+    assert node0.returncode == 1, err0
+    assert err0.strip().splitlines()[-1] == (
+        "error: training failed: host 1 (no heartbeat from its agent for 2 s); no restart left for its "
+        "ranks (dist.max_restarts=1, 0 used)"
+    ), err0
+    for rank in (0, 1):  # each survivor said why it stopped, in its own line
+        assert sum(line.startswith(f"error [rank {rank}]: ") for line in err0.splitlines()) == 1, err0
+    assert "Traceback" not in err0

@@ -288,23 +288,39 @@ def _steps(run: Path | None) -> int:
     return max((r["step"] for r in map(json.loads, lines) if r["type"] == "step"), default=0)
 
 
+# what each own-launcher case loses: (the node, every process of it or its workers alone), and the
+# line that says what took the lost ranks over
+LOSSES = {
+    "workers": (1, False, "rank 2 was lost (killed by SIGKILL, pid "),
+    "host": (
+        1,
+        True,
+        "host 1 was lost (no heartbeat from its agent for 2 s): its ranks start here (rank 2: ",
+    ),
+    "node0": (0, True, "host 0 was lost (its store is gone): its ranks start here (rank 0: "),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lost", ["workers", "host"])
-def test_own_launcher_on_two_hosts_loses_node1_and_node0s_ranks_stay(tmp_path, lost):
-    """python train.py dist.nodes=2 on two hosts (MULTINODE_LAUNCHER=own), node 1's memory lost
-    mid-run with its workers (``workers``: its agent replaces them) or with every process of the
-    host (``host``: node 0's agent, finding no heartbeat, starts node 1's ranks itself). Either way
-    node 0's workers keep their processes throughout (the survivors stay), node 1's ranks resume
-    from node 0's replicas and node 0's from their own snapshots, no recorded step is run again,
-    and every loss equals one host's 4 ranks bit for bit (the script's --verify)."""
+@pytest.mark.parametrize("lost", list(LOSSES))
+def test_own_launcher_on_two_hosts_loses_a_node_and_the_other_nodes_ranks_stay(tmp_path, lost):
+    """python train.py dist.nodes=2 on two hosts (MULTINODE_LAUNCHER=own), a node's memory lost
+    mid-run with its workers (``workers``: node 1's agent replaces them) or with every process of
+    the host: node 1 (``host``: node 0's agent, finding no heartbeat, starts its ranks itself) or
+    node 0, whose agent served the store (``node0``: the store moves to node 1, which starts node
+    0's ranks). Either way the other node's workers keep their processes throughout (the survivors
+    stay), the lost ranks resume from the replicas the other node holds and the others from their
+    own snapshots, no recorded step is run again, and every loss equals one host's 4 ranks bit for
+    bit (the script's --verify)."""
     import time
 
     reason = _namespaces_unavailable()
     if reason:
         pytest.skip(f"two-namespace multi-node run not possible: {reason}")
+    node, everything, said = LOSSES[lost]
     name = "o" + uuid.uuid4().hex[:8]
     args = ["--verify", str(tmp_path), "train.steps=20", "checkpoint.every_steps=10"]
-    args += ["checkpoint.memory_every_steps=1", "fault.slow_rank=0", "fault.slow_seconds=0.3"]
+    args += ["checkpoint.memory_every_steps=1", "fault.slow_rank=3", "fault.slow_seconds=0.3"]
     env = {
         **os.environ,
         "MULTINODE_NAME": name,
@@ -312,9 +328,10 @@ def test_own_launcher_on_two_hosts_loses_node1_and_node0s_ranks_stay(tmp_path, l
         "MULTINODE_MAX_RESTARTS": "2",
         "MULTINODE_OWN_SHM": "1",
         "MULTINODE_LAUNCHER": "own",
-        "MULTINODE_NODE1_MAY_DIE": "1" if lost == "host" else "0",
+        "MULTINODE_MAY_DIE": str(node) if everything else "",
         "PYTHON": os.environ.get("PYTHON", sys.executable),
     }
+    lost_ns, other_ns = f"{name}-node{node}", f"{name}-node{1 - node}"
     proc = _start_script(args, env)
     try:
         deadline = time.monotonic() + 240
@@ -322,12 +339,13 @@ def test_own_launcher_on_two_hosts_loses_node1_and_node0s_ranks_stay(tmp_path, l
             time.sleep(0.05)
         seen = _steps(_run_dir(tmp_path))
         assert seen >= 6, f"the job never reached step 6: {proc.poll()}"
-        stayed, gone = _ranks_in(f"{name}-node0"), _ranks_in(f"{name}-node1")
-        assert sorted(stayed) == [0, 1] and sorted(gone) == [2, 3], (stayed, gone)
-        _lose_node1(name, gone if lost == "workers" else None)
+        stayed, gone = _ranks_in(other_ns), _ranks_in(lost_ns)
+        assert sorted(stayed) == ([0, 1] if node else [2, 3]), (stayed, gone)
+        assert sorted(gone) == ([2, 3] if node else [0, 1]), (stayed, gone)
+        _lose(lost_ns, None if everything else gone)
         while _steps(_run_dir(tmp_path)) < seen + 3 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
-        after = (_ranks_in(f"{name}-node0"), _ranks_in(f"{name}-node1"))
+        after = _ranks_in(other_ns), _ranks_in(lost_ns)
         out, err = proc.communicate(timeout=400)
         left = _namespaces(name)
     finally:
@@ -337,22 +355,19 @@ def test_own_launcher_on_two_hosts_loses_node1_and_node0s_ranks_stay(tmp_path, l
         _remove(name)
     assert proc.returncode == 0, out + err
     assert left == [] and not any(Path("/etc/netns").glob(f"{name}-*"))
-    # the survivors stayed: node 0's workers are the processes they were
+    # the survivors stayed: the other node's workers are the processes they were
     assert {r: after[0].get(r) for r in stayed} == stayed, (stayed, after)
-    started = after[1] if lost == "workers" else {r: p for r, p in after[0].items() if r not in stayed}
-    assert sorted(started) == [2, 3] and not set(started.values()) & set(gone.values()), (gone, after)
+    started = after[0] if everything else after[1]
+    started = {r: p for r, p in started.items() if r in gone}
+    assert sorted(started) == sorted(gone) and not set(started.values()) & set(gone.values()), (gone, after)
     logs = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
-    if lost == "workers":
-        for rank in (2, 3):
-            replaced = rf"rank {rank} was lost \(killed by SIGKILL.*the other ranks stay"
-            assert re.search(replaced, logs), logs[-3000:]
-    else:
-        said = "host 1 was lost (no heartbeat from its agent for 2 s): its ranks start here (rank 2: "
-        assert said in logs, logs[-3000:]
-    assert not re.search(r"rank [01] was lost", logs)
-    # node 1's ranks: from node 0's replicas, sent by their holders (or, started on node 0, read
-    # there: the line then names no peer)
-    peers = r" \(rank\(s\) \[2, 3\] from peer replicas\)" if lost == "workers" else "$"
+    assert said in logs, logs[-3000:]
+    assert not any(f"rank {r} was lost" in logs for r in stayed), logs[-3000:]
+    if lost == "node0":
+        assert re.search(r"^node 0 \(the job's store at \S+ is gone\): host 1 serves it now, at ", logs, re.M)
+    # the lost ranks: from the other node's replicas, sent by their holders (or, started on that
+    # node, read there: the line then names no peer)
+    peers = r" \(rank\(s\) \[2, 3\] from peer replicas\)" if not everything else "$"
     resumed = re.search(rf"^resume: from the memory snapshot of step (\d+) in \S+{peers}", logs, re.MULTILINE)
     assert resumed, logs[-3000:]
     assert int(resumed.group(1)) >= seen - 1
@@ -363,21 +378,21 @@ def test_own_launcher_on_two_hosts_loses_node1_and_node0s_ranks_stay(tmp_path, l
     assert _losses(run / "metrics.jsonl") == _losses(tmp_path / "single" / "metrics.jsonl")
 
 
-def _lose_node1(name: str, workers: dict[int, int] | None) -> None:
-    """SIGKILL node 1's ``workers`` and empty its /dev/shm, or (None) SIGKILL every process of the
-    host, its launcher first (so that nothing of it reacts), until none is left: its memory goes
-    with its mount namespace."""
+def _lose(ns: str, workers: dict[int, int] | None) -> None:
+    """SIGKILL the ``workers`` of namespace ``ns`` and empty its /dev/shm, or (None) SIGKILL every
+    process of that host, its launcher first (so that nothing of it reacts), until none is left:
+    its memory goes with its mount namespace."""
 
     def listed() -> list[int]:
-        pids = subprocess.run(["ip", "netns", "pids", f"{name}-node1"], capture_output=True, text=True)
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
         return [int(p) for p in pids.stdout.split()]
 
     memory = {d for p in listed() for d in Path(f"/proc/{p}/root/dev/shm").glob("distlib-*")}
-    assert memory, "node1 held no snapshot"
+    assert memory, f"{ns} held no snapshot"
     if workers is not None:
         for pid in workers.values():
             os.kill(pid, signal.SIGKILL)
-        for directory in memory:  # node1's memory is gone with its workers
+        for directory in memory:  # the node's memory is gone with its workers
             shutil.rmtree(directory, ignore_errors=True)
         return
     while listed():

@@ -46,12 +46,12 @@ import torch.distributed as dist
 
 from distlib.launch import generations, hosts, worker
 from distlib.launch.hosts import Hosts
+from distlib.launch.job_store import RESTARTS, JobStore
 from distlib.launch.parent import describe_exit
 from distlib.launch.standby import Standbys
 from distlib.launch.torchrun import ATTEMPT_ENV
 
 POLL_S = 0.01  # how often the agent looks at its workers' exit codes (a wait, not CPU)
-RESTARTS = "distlib/restarts"  # restarts used by the job, every host's (a counter in the store)
 SETTLE_S = 2.0  # how long survivors told that no generation follows get to say why and leave
 STOP_GRACE_S = 30.0  # then how long those still running get to stop on SIGTERM (a save included)
 
@@ -74,31 +74,29 @@ class Agent:
         a host other than node 0 has joined already (node 0 and a one-host job serve their own)."""
         self.tree, self.world_size, self.run_dir = tree, world_size, run_dir
         self.max_restarts, self.timeout_s, self.place = max_restarts, timeout_s, place
-        self.store = store if store is not None else hosts.serve(place.address, timeout_s)
-        self.address = place.address or ("127.0.0.1", self.store.port)
+        self.job = JobStore(place, timeout_s, store)
         self.context = multiprocessing.get_context("forkserver")
-        address = {"MASTER_ADDR": self.address[0], "MASTER_PORT": str(self.address[1])}
-        self.standbys = Standbys(standbys, self.context, (address, tree, run_dir, timeout_s))
+        self.standbys = Standbys(standbys, self.context, (self.job.env, tree, run_dir, timeout_s))
         self.workers: dict[int, multiprocessing.Process] = {}
         self.generation = self.restarts = 0
         self.stop_signal: int | None = None
         self.why_not: str | None = None  # why the failures that ended the job were not replaced
         self.lost_host: str | None = None  # a host lost (or node 0's store gone) that ended the job
         self.fenced: str | None = None  # node 0 took this host for lost: its line
-        self.watch: hosts.Watch | None = None
+        self.adopted: list[int] = []  # the ranks of lost hosts this host runs
         self.stopped: list[int] = []  # the ranks still running when the job ended (a hung one)
 
     # -- starting ---------------------------------------------------------------------------
     def _env(self, rank: int) -> dict[str, str]:
         mine = self.place.ranks(self.world_size)
+        local = rank - mine.start if rank in mine else len(mine) + self.adopted.index(rank)
         return {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank - mine.start),
+            "LOCAL_RANK": str(local),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(len(mine)),
             "GROUP_RANK": str(self.place.rank),  # the host's (comm.local.host_key keeps hosts apart)
-            "MASTER_ADDR": self.address[0],
-            "MASTER_PORT": str(self.address[1]),
+            **self.job.env,
             generations.ENV: str(self.generation),
             ATTEMPT_ENV: str(self.generation),
         }
@@ -112,8 +110,8 @@ class Agent:
 
     def _replace(self, lost: dict[int, int]) -> None:
         """A new generation (the survivors, on every host, see it begun), the lost ranks' new workers."""
-        self.generation = generations.begin(self.store)
-        self.restarts = self.store.add(RESTARTS, len(lost))
+        self.generation = generations.begin(self.job.store)
+        self.restarts = self.job.store.add(RESTARTS, len(lost))
         for rank, code in sorted(lost.items()):
             pid = self.workers[rank].pid
             taker = self._fill(rank)
@@ -137,31 +135,21 @@ class Agent:
     def run(self) -> tuple[str | None, dict[int, int]]:
         """Run the job to its end: (the stop signal's name if one was forwarded, else None; the
         failed ranks' exit codes, empty when every worker finished)."""
-        self._meet()
-        self.watch = hosts.Watch(self.store, self.place)
+        self.job.open(self.tree, self.run_dir)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             for rank in self.place.ranks(self.world_size):
                 self._spawn(rank)
             failed = self._watch()
             if not self.failed(failed) and self.place.count > 1:
-                hosts.finished(self.store, self.place, self.timeout_s, lambda: generations.ended(self.store))
+                ended = lambda: generations.ended(self.job.store)  # noqa: E731 - (read at each look)
+                hosts.finished(self.job.store, self.place, self.timeout_s, ended, self.job.serving)
         finally:
             self.standbys.dismiss()
             for s, handler in handlers.items():
                 signal.signal(s, handler)
         name = signal.Signals(self.stop_signal).name if self.stop_signal else None
         return name, failed
-
-    def _meet(self) -> None:
-        """Node 0 counts generations from 0 and, over several hosts, publishes the job and waits
-        until every host has joined (the others joined before their agent was made: hosts.job)."""
-        if self.place.rank != 0:
-            return
-        self.store.add(generations.KEY, 0)
-        if self.place.count > 1:
-            hosts.publish(self.store, self.tree, self.run_dir, self.place.argv)
-            hosts.await_hosts(self.store, self.place.count, self.timeout_s)
 
     def failed(self, ranks: dict[int, int]) -> bool:
         """Whether the job failed: ``ranks`` (failed workers' exit codes), a lost host, a fence."""
@@ -191,43 +179,45 @@ class Agent:
                     self._replace(ended)
                     continue
             except (RuntimeError, OSError):  # node 0's store is gone, and with it the job's count
-                self.why_not, self.lost_host = "", self._store_gone()
+                self.why_not, self.lost_host = "", self.job.gone()
             return self._end(ended)
 
     def _hosts_ended(self) -> bool:
         """This host's heartbeat, and on node 0 the lost hosts' ranks started here; True when that
         ended the job here (a host lost past the restarts, node 0's store gone, this host fenced)."""
         try:
-            for host in self.watch.beat():
-                if not self._adopt(host):
-                    self._end({})
-                    return True
+            lost = self.job.beat()
         except hosts.Fenced as exc:  # the job goes on elsewhere: this host's workers only are stopped
             self.fenced = str(exc)
             self._signal_running(signal.SIGKILL)
             return True
         except (RuntimeError, OSError):
-            self.why_not, self.lost_host = "", self._store_gone()
-            self._end({})
-            return True
+            lost = self.job.move()
+            if lost is None:
+                self.why_not, self.lost_host = "", self.job.gone()
+                self._end({})
+                return True
+            self.standbys.rejoin(self.job.env)
+        for host in lost:
+            if not self._adopt(host, "its store is gone" if host == 0 else None):
+                self._end({})
+                return True
         return False
 
-    def _store_gone(self) -> str:
-        return f"node 0 (the job's store at {self.address[0]}:{self.address[1]} is gone)"
-
-    def _adopt(self, host: int) -> bool:
-        """Node 0 starts lost host ``host``'s ranks itself, in a new generation; False when no
-        restart is left for them."""
+    def _adopt(self, host: int, why: str | None = None) -> bool:
+        """The host serving the store starts lost host ``host``'s ranks itself, in a new generation;
+        False when no restart is left for them. ``why``: how it was lost (None: silent)."""
         ranks = list(Hosts(self.place.count, host).ranks(self.world_size))
-        used = self.store.add(RESTARTS, 0)
-        silent = f"no heartbeat from its agent for {hosts.LOST_S:g} s"
+        used = self.job.store.add(RESTARTS, 0)
+        silent = why or f"no heartbeat from its agent for {hosts.LOST_S:g} s"
         if used + len(ranks) > self.max_restarts:
             self.lost_host = f"host {host} ({silent})"
             left = f"dist.max_restarts={self.max_restarts}, {used} used"
             self.why_not = f"; no restart left for its ranks ({left})"
             return False
-        self.generation = generations.begin(self.store)
-        self.restarts = self.store.add(RESTARTS, len(ranks))
+        self.generation = generations.begin(self.job.store)
+        self.restarts = self.job.store.add(RESTARTS, len(ranks))
+        self.adopted += ranks
         takers = ", ".join(f"rank {rank}: {self._fill(rank)}" for rank in ranks)
         print(
             f"host {host} was lost ({silent}): its ranks start here ({takers}) and the other ranks "
@@ -245,7 +235,7 @@ class Agent:
             return ""
         if any(code is not None for rank, code in codes.items() if rank not in ended):
             return "; the other ranks had ended, so no worker could take its place"
-        used = self.store.add(RESTARTS, 0)  # (every host's)
+        used = self.job.store.add(RESTARTS, 0)  # (every host's)
         if used + len(ended) > self.max_restarts:
             return f"; no restart left (dist.max_restarts={self.max_restarts}, {used} used)"
         return None
@@ -255,9 +245,9 @@ class Agent:
         after SETTLE_S (a rank that hangs, one whose peers all left) are asked to stop (SIGTERM:
         as torch's agent does), then killed. The exit codes of the failures that ended the job."""
         try:
-            generations.end(self.store, f"host {self.place.rank} ended the job")
+            generations.end(self.job.store, f"host {self.place.rank} ended the job")
         except (RuntimeError, OSError):  # node 0's store is gone: the survivors find none follows
-            self.lost_host = self.lost_host or self._store_gone()
+            self.lost_host = self.lost_host or self.job.gone()
         self._wait_all(SETTLE_S)
         self.stopped = sorted(rank for rank, p in self.workers.items() if p.exitcode is None)
         self._signal_running(signal.SIGTERM)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 
 import torch.distributed as dist
 
+from distlib.launch import succession
 from distlib.launch.hosts import lost_key
 from distlib.launch.torchrun import ATTEMPT_ENV
 
@@ -45,22 +45,22 @@ def current() -> int:
     return int(os.environ[ENV])
 
 
-_BASE: list[dist.TCPStore] = []  # this process's one client of the agent's store
+_BASE: list[dist.TCPStore] = []  # this process's one client of the job's store
+_AT: list[tuple[str, str]] = []  # where that client is connected
+_OFFERS: list[succession.Offer] = []  # where the store goes should node 0 be lost (several hosts)
 
 
 def base_store(timeout_s: float) -> dist.TCPStore:
-    """The agent's store, through one connection for the life of the process: a survivor asks it
-    for each generation (a new connection each time would pay TCPStore's connect, and its retries
-    when the agent is busy, on a recovery's critical path)."""
-    if not _BASE:
-        _BASE.append(
-            dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
-        )
+    """The job's store, through one connection while it stays where it is (MASTER_ADDR:PORT): a
+    survivor asks it for each generation (a new connection each time would pay TCPStore's connect,
+    and its retries when the agent is busy, on a recovery's critical path). The first connection
+    also reads where the store would go (succession.listed)."""
+    at = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    if _AT != [at]:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        _BASE[:] = [dist.TCPStore(at[0], int(at[1]), is_master=False, timeout=timeout)]
+        _AT[:] = [at]
+        _OFFERS[:] = _OFFERS or succession.listed(_BASE[0])
     return _BASE[0]
 
 
@@ -106,12 +106,12 @@ def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
     """Wait until the agent starts a generation after this worker's own; its number, or None when
     the agent says none follows or none has started within WAIT_S (at most ``timeout_s``, the
     store's)."""
-    if not _reachable():
-        return None  # node 0 is gone, and its store: nothing can follow (asked, torch logs 30 lines)
+    deadline = time.monotonic() + min(WAIT_S, timeout_s)
+    if not _reachable() and not _moved(deadline):
+        return None  # node 0 is gone with its store, and none took it over: nothing can follow
     base, mine = base_store(timeout_s), current()
     if fenced(base):
         return None
-    deadline = time.monotonic() + min(WAIT_S, timeout_s)
     while time.monotonic() < deadline:
         newer = _newer(base, mine)
         if newer is not None:
@@ -120,13 +120,20 @@ def next_generation(timeout_s: float, poll_s: float = 0.005) -> int | None:
     return None
 
 
-def _reachable(timeout_s: float = 1.0) -> bool:
-    """Whether the job's store still accepts a connection (a plain socket's)."""
-    try:
-        with socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout_s):
-            return True
-    except OSError:
+def _reachable() -> bool:
+    """Whether the job's store still accepts a connection (asking it when it is gone, torch logs
+    30 lines)."""
+    return succession.answers(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1.0)
+
+
+def _moved(deadline: float) -> bool:
+    """Whether the store moved to a host that offered to serve it (succession.py) before
+    ``deadline``; this process then asks it from now on."""
+    found = succession.first_answering(_OFFERS, deadline)
+    if found is None:
         return False
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = found[1], str(found[2])
+    return True
 
 
 def fenced(base: dist.TCPStore) -> bool:

@@ -124,7 +124,7 @@ def serve(address: tuple[str, int] | None, timeout_s: float) -> dist.TCPStore:
             host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
         )
     except (RuntimeError, OSError) as exc:
-        line = f"error: node 0 cannot serve the job's store on port {port} (dist.store): {_first_line(exc)}"
+        line = f"error: node 0 cannot serve the job's store on port {port} (dist.store): {first_line(exc)}"
         raise HostError(line) from exc
 
 
@@ -139,7 +139,7 @@ def connect(address: tuple[str, int], timeout_s: float) -> dist.TCPStore:
             with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())):
                 break
         except OSError as exc:
-            why = _first_line(exc)
+            why = first_line(exc)
         if time.monotonic() > deadline:
             raise HostError(
                 f"error: node 0's store at {host}:{port} (dist.store) did not answer within "
@@ -150,10 +150,10 @@ def connect(address: tuple[str, int], timeout_s: float) -> dist.TCPStore:
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as exc:
-        raise HostError(f"error: node 0's store at {host}:{port} (dist.store): {_first_line(exc)}") from exc
+        raise HostError(f"error: node 0's store at {host}:{port} (dist.store): {first_line(exc)}") from exc
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -172,7 +172,7 @@ def job(store: dist.Store, argv: list[str], rank: int, timeout_s: float) -> tupl
     except (RuntimeError, OSError) as exc:
         raise HostError(
             f"error: node 0 published no configuration within dist.timeout_s={timeout_s:g}s "
-            f"(see node 0's output): {_first_line(exc)}"
+            f"(see node 0's output): {first_line(exc)}"
         ) from exc
     shared = json.loads(store.get(JOB))
     problem = same_command(argv, shared["argv"])
@@ -209,15 +209,15 @@ def lost_key(rank: int) -> str:
     return f"distlib/lost/{rank}"
 
 
-def finished(store: dist.Store, hosts: Hosts, timeout_s: float, ended) -> None:
-    """This host's workers all finished: say so; node 0, whose process serves the store, then waits
-    until every host has said so or was lost (or the job ended elsewhere, or ``timeout_s``) before
-    it leaves."""
+def finished(store: dist.Store, hosts: Hosts, timeout_s: float, ended, serving: bool) -> None:
+    """This host's workers all finished: say so; the host ``serving`` the store (node 0, or its
+    successor) then waits until every host has said so or was lost (or the job ended elsewhere, or
+    ``timeout_s``) before it leaves."""
     try:
         store.set(done_key(hosts.rank), "1")
         others = [k for k in range(hosts.count) if k != hosts.rank]
         deadline = time.monotonic() + timeout_s
-        while hosts.rank == 0 and ended() is None and time.monotonic() < deadline:
+        while serving and ended() is None and time.monotonic() < deadline:
             if all(store.check([done_key(k)]) or store.check([lost_key(k)]) for k in others):
                 return
             time.sleep(POLL_S)
@@ -231,28 +231,32 @@ class Fenced(HostError):
 
 class Watch:
     """The agents' heartbeats of a several-host job (nothing on one host): ``beat`` says this host
-    is alive, and on node 0 returns the hosts newly taken for lost."""
+    is alive, and on the host ``serving`` the store returns the hosts newly taken for lost (``gone``:
+    lost already). Each beat also reads the store's ``keys`` into ``known``: what a successor
+    serving the store starts from (succession.py)."""
 
-    def __init__(self, store: dist.Store, place: Hosts):
-        self.store, self.place, self.due = store, place, 0.0
-        others = [k for k in range(place.count) if k != place.rank] if place.rank == 0 else []
+    def __init__(self, store: dist.Store, place: Hosts, serving: bool, gone=(), keys=()):
+        self.store, self.place, self.serving, self.keys, self.due = store, place, serving, keys, 0.0
+        others = [k for k in range(place.count) if k != place.rank and k not in gone] if serving else []
         now = time.monotonic()
         self.heard = {k: (-1, now) for k in others}  # host -> (its counter, when it last moved)
         self.lost: set[int] = set()
+        self.known: dict[str, int] = {}
 
     def beat(self) -> list[int]:
-        """Every BEAT_S: this host's heartbeat; node 0's newly lost hosts (marked lost in the store).
-        Raises Fenced on a host node 0 took for lost, and the store's error when it is gone."""
+        """Every BEAT_S: this host's heartbeat; the serving host's newly lost hosts (marked lost in
+        the store). Raises Fenced on a host taken for lost, and the store's error when it is gone."""
         now = time.monotonic()
         if self.place.count == 1 or now < self.due:
             return []
         self.due = now + BEAT_S
         self.store.add(f"distlib/alive/{self.place.rank}", 1)
-        if self.place.rank != 0:
+        self.known = {key: self.store.add(key, 0) for key in self.keys}
+        if not self.serving:
             if self.store.check([lost_key(self.place.rank)]):
                 raise Fenced(
-                    f"error: node 0 took host {self.place.rank} for lost (no heartbeat for {LOST_S:g} s) "
-                    "and runs its ranks itself: this host's workers are stopped"
+                    f"error: the job took host {self.place.rank} for lost (no heartbeat for {LOST_S:g} s) "
+                    "and runs its ranks elsewhere: this host's workers are stopped"
                 )
             return []
         return [k for k in self.heard if self._silent(k, now)]

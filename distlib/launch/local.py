@@ -38,7 +38,7 @@ import uuid
 from pathlib import Path
 
 from distlib.app.observe.metrics import last_event
-from distlib.launch import hosts, prefork
+from distlib.launch import hosts, prefork, succession
 from distlib.launch.hosts import Hosts
 
 # What multiprocessing's own fork server (where prefork cannot fork one) imports before it forks a
@@ -146,8 +146,12 @@ def follow(argv: list[str], rank: int, store: str | None, timeout_s: float) -> N
     try:
         joined = hosts.connect(address, timeout_s)
         tree, run_dir = hosts.job(joined, argv, rank, timeout_s)
+        succession.offer(joined, rank, address)
+        joined.wait([succession.SUCCESSORS])  # node 0 lists the offers once every host joined
     except hosts.HostError as exc:
         exc.leave()
+    except (RuntimeError, OSError) as exc:
+        hosts.HostError(f"error: joining node 0's store at {store}: {hosts.first_line(exc)}").leave()
     d = RunConfig.from_dict(tree).dist
     place = Hosts(d.nodes, rank, address, tuple(argv))
     # (the store's client runs no thread: the fork server may still be a fork of this process)

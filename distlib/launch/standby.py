@@ -95,6 +95,11 @@ class Standbys:
         while len(self.idle) < self.count:
             self._start()
 
+    def rejoin(self, env: dict[str, str]) -> None:
+        """The job's store moved (succession.py): the standbys started from now on join it at
+        ``env`` (those idle already reconnect when they serve: the rank's environment says where)."""
+        self.args = (env, *self.args[1:])
+
     def take(self, env: dict[str, str]):
         """A standby's process, serving as the rank ``env`` describes from now on; None when none
         is idle (or the one tried had died)."""

@@ -37,7 +37,8 @@ class DistConfig(Group):
     node_rank: this host's place among dist.nodes (0: the host that composes the configuration, takes the
         run directory and serves dist.store; the others take both from it)
     store: HOST:PORT of the job's store when dist.nodes > 1: node 0 listens on PORT, every host connects
-        to HOST (node 0's name or address as the others reach it)
+        to HOST (node 0's name or address as the others reach it); should node 0 be lost, the store moves to
+        the next host and node 0's ranks with it
     tp: tensor-parallel degree: attention heads and the MLP split over this many ranks (divides world_size,
         model.n_heads, llama's model.n_kv_heads and the MLP width); ZeRO shards over the world_size / tp
         data-parallel ranks
