@@ -97,6 +97,33 @@ def _host(args: list[str], cwd: Path, shm: Path | None = None, session: bool = F
     )
 
 
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """A function giving the run directory of ``python train.py dist.world_size=4`` with these
+    overrides on one host, each run once for the module: what the several-host jobs must equal."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*overrides: str) -> Path:
+        if overrides not in runs:
+            where = tmp_path_factory.mktemp("one_host") / "run"
+            args = [
+                sys.executable,
+                str(ROOT / "train.py"),
+                "dist.world_size=4",
+                *overrides,
+                f"hydra.run.dir={where}",
+            ]
+            done = subprocess.run(args, cwd=where.parent, capture_output=True, text=True, timeout=240)
+            assert done.returncode == 0, done.stderr
+            runs[overrides] = where
+        return runs[overrides]
+
+    return run
+
+
+SNAPSHOTTED = ("train.steps=20", "checkpoint.memory_every_steps=1")
+
+
 def _losses(run: Path) -> dict[int, str]:
     return {
         r["step"]: r["loss_hex"]
@@ -106,7 +133,7 @@ def _losses(run: Path) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_two_hosts_train_one_hosts_losses_and_a_second_claim_to_a_node_rank_is_refused(tmp_path):
+def test_two_hosts_train_one_hosts_losses_and_a_second_claim_to_a_node_rank_is_refused(tmp_path, one_host):
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=4"]
     common += ["dist.timeout_s=30", f"hydra.run.dir={tmp_path / 'run'}"]
@@ -117,21 +144,8 @@ def test_two_hosts_train_one_hosts_losses_and_a_second_claim_to_a_node_rank_is_r
     refused = done[1 + codes[1:].index(2)][2].strip().splitlines()
     assert refused == ["config error: another host already joined this job as dist.node_rank=1"], done
     assert not any("Traceback" in err for _, _, err in done), done
-    one = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "dist.world_size=4",
-            "train.steps=4",
-            f"hydra.run.dir={tmp_path / 'one'}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert one.returncode == 0, one.stderr
-    assert _losses(tmp_path / "run") == _losses(tmp_path / "one") and len(_losses(tmp_path / "one")) == 4
+    one = one_host("train.steps=4")
+    assert _losses(tmp_path / "run") == _losses(one) and len(_losses(one)) == 4
 
 
 def test_a_host_whose_command_differs_is_refused_and_node0_names_it_missing(tmp_path):
@@ -242,7 +256,9 @@ def test_a_worker_of_a_host_taken_for_lost_enters_no_later_generation(monkeypatc
 
 
 @pytest.mark.slow
-def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one_hosts_losses(tmp_path):
+def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one_hosts_losses(
+    tmp_path, one_host
+):
     """A host node 0 takes for lost while it still runs (cut off, say) stops its own workers once
     it reads the mark; node 0, hearing from it no more, starts its ranks itself, and the job ends
     with one host's losses, each step recorded once."""
@@ -279,22 +295,14 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
     assert re.search(
         r"^resume: from the memory snapshot of step ([5-9]|1\d) in ", out0 + err0, re.MULTILINE
     ), err0
-    one = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "dist.world_size=4", "train.steps=20"]
-        + ["checkpoint.memory_every_steps=1", f"hydra.run.dir={tmp_path / 'one'}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert one.returncode == 0, one.stderr
+    one = one_host(*SNAPSHOTTED)
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
     assert recorded == list(range(1, 21)), recorded
-    assert _losses(tmp_path / "run") == _losses(tmp_path / "one")
+    assert _losses(tmp_path / "run") == _losses(one)
 
 
 @pytest.mark.slow
-def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hosts_losses(tmp_path):
+def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hosts_losses(tmp_path, one_host):
     """Node 0 (its launcher, agent, store and workers) SIGKILLed mid-run: host 1 serves the job's
     store on the address it offered, starts node 0's ranks, its own workers stay, and the job ends
     with one host's losses, each step recorded once."""
@@ -325,18 +333,10 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     )
     assert "host 0 was lost (its store is gone): its ranks start here (rank 0: " in err1, err1
     assert re.search(r"^resume: from the memory snapshot of step ([4-9]|1\d) in ", out1, re.MULTILINE), out1
-    one = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "dist.world_size=4", "train.steps=20"]
-        + ["checkpoint.memory_every_steps=1", f"hydra.run.dir={tmp_path / 'one'}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert one.returncode == 0, one.stderr
+    one = one_host(*SNAPSHOTTED)
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
     assert recorded == list(range(1, 21)), recorded
-    assert _losses(tmp_path / "run") == _losses(tmp_path / "one")
+    assert _losses(tmp_path / "run") == _losses(one)
 
 
 @pytest.mark.slow
