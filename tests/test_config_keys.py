@@ -33,6 +33,7 @@ FREE_FORM = {
     "checkpoint.resume": "a checkpoint path, checked when it is loaded (one error line naming it)",
     "data.cache_dir": "any directory, checked when the token file is written",
     "data.text_field": "a jsonl field name, checked on every document line",
+    "dist.store": "HOST:PORT, checked with dist.nodes > 1, refused without (tests/test_hosts.py)",
     "fault.perturb_param": "a parameter name, checked when the model is built",
     "model.init_from": "a Hugging Face model directory, checked before a fresh run starts",
 }

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from distlib.app.config.run import ConfigError, RunConfig
-from distlib.launch import hosts
+from distlib.launch import heartbeats, hosts
 from distlib.launch.hosts import Hosts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,12 +219,12 @@ def _store():
 def test_node0_takes_a_silent_host_for_lost_once_and_fences_it_and_never_a_finished_one(monkeypatch):
     import time
 
-    monkeypatch.setattr(hosts, "BEAT_S", 0.0)
-    monkeypatch.setattr(hosts, "LOST_S", 0.3)
+    monkeypatch.setattr(heartbeats, "BEAT_S", 0.0)
+    monkeypatch.setattr(heartbeats, "LOST_S", 0.3)
     store = _store()
-    node0, node1, node2 = (hosts.Watch(store, Hosts(3, k), k == 0) for k in range(3))
+    node0, node1, node2 = (heartbeats.Watch(store, Hosts(3, k), k == 0) for k in range(3))
     assert node1.beat() == [] and node2.beat() == [] and node0.beat() == []
-    store.set(hosts.done_key(2), "1")  # host 2's workers all finished: it stops beating, and is not lost
+    store.set(heartbeats.done_key(2), "1")  # host 2's workers all finished: it stops beating, and is not lost
     deadline = time.monotonic() + 0.3
     while time.monotonic() < deadline:  # host 1 beating: never lost
         assert node1.beat() == [] and node0.beat() == []
@@ -232,9 +232,9 @@ def test_node0_takes_a_silent_host_for_lost_once_and_fences_it_and_never_a_finis
     time.sleep(0.4)  # now both are silent
     assert node0.beat() == [1]
     assert node0.beat() == []  # (once)
-    with pytest.raises(hosts.Fenced, match=r"^error: the job took host 1 for lost"):
+    with pytest.raises(heartbeats.Fenced, match=r"^error: the job took host 1 for lost"):
         node1.beat()
-    assert hosts.Watch(store, Hosts(1, 0), True).beat() == []  # one host: no heartbeat at all
+    assert heartbeats.Watch(store, Hosts(1, 0), True).beat() == []  # one host: no heartbeat at all
 
 
 def test_a_worker_of_a_host_taken_for_lost_enters_no_later_generation(monkeypatch):
@@ -248,8 +248,8 @@ def test_a_worker_of_a_host_taken_for_lost_enters_no_later_generation(monkeypatc
     store.add(generations.KEY, 1)  # a later generation has begun
     monkeypatch.setenv("GROUP_RANK", "1")
     assert generations.next_generation(5.0) == 1
-    store.set(hosts.lost_key(1), "1")
-    store.get(hosts.lost_key(1))  # (a set is not answered: this makes sure the store has it)
+    store.set(heartbeats.lost_key(1), "1")
+    store.get(heartbeats.lost_key(1))  # (a set is not answered: this makes sure the store has it)
     assert generations.next_generation(5.0) is None
     monkeypatch.setenv("GROUP_RANK", "0")  # node 0's (and the ranks it started for host 1) enter it
     assert generations.next_generation(5.0) == 1
@@ -283,7 +283,7 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
             break
         time.sleep(0.05)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    store.set(hosts.lost_key(1), "1")
+    store.set(heartbeats.lost_key(1), "1")
     out1, err1 = node1.communicate(timeout=120)
     out0, err0 = node0.communicate(timeout=240)
     assert node1.returncode == 1 and err1.strip().splitlines()[-1] == (

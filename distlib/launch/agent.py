@@ -28,10 +28,9 @@ SIGTERM/SIGINT are forwarded to the workers (they save and stop) as under torch'
 Over several hosts (``dist.nodes``, hosts.py) each host runs an agent for its own workers; node
 0's serves the store, and the generations, the restarts used and the job's end are counted there
 for all of them: a host replaces the workers it lost, and the ranks of every other host stay. A
-host lost with its agent (no heartbeat for ``hosts.LOST_S``) has its ranks started by node 0's
-agent, in a new generation, as restarts. What the job cannot survive is losing node 0's agent, and
-the store with it: the other hosts' ranks find that no generation follows and leave, each with its
-line.
+host lost with its agent (no heartbeat for ``heartbeats.LOST_S``) has its ranks started by the agent
+serving the store, in a new generation, as restarts; node 0 lost, the store moves to the next host
+that answers, which starts node 0's ranks (succession.py, through ``job_store.JobStore``).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ import time
 
 import torch.distributed as dist
 
-from distlib.launch import generations, hosts, worker
+from distlib.launch import generations, heartbeats, hosts, worker
 from distlib.launch.hosts import Hosts
 from distlib.launch.job_store import RESTARTS, JobStore
 from distlib.launch.parent import describe_exit
@@ -143,7 +142,7 @@ class Agent:
             failed = self._watch()
             if not self.failed(failed) and self.place.count > 1:
                 ended = lambda: generations.ended(self.job.store)  # noqa: E731 - (read at each look)
-                hosts.finished(self.job.store, self.place, self.timeout_s, ended, self.job.serving)
+                heartbeats.finished(self.job.store, self.place, self.timeout_s, ended, self.job.serving)
         finally:
             self.standbys.dismiss()
             for s, handler in handlers.items():
@@ -187,7 +186,7 @@ class Agent:
         ended the job here (a host lost past the restarts, node 0's store gone, this host fenced)."""
         try:
             lost = self.job.beat()
-        except hosts.Fenced as exc:  # the job goes on elsewhere: this host's workers only are stopped
+        except heartbeats.Fenced as exc:  # the job goes on elsewhere: this host's workers only are stopped
             self.fenced = str(exc)
             self._signal_running(signal.SIGKILL)
             return True
@@ -209,7 +208,7 @@ class Agent:
         False when no restart is left for them. ``why``: how it was lost (None: silent)."""
         ranks = list(Hosts(self.place.count, host).ranks(self.world_size))
         used = self.job.store.add(RESTARTS, 0)
-        silent = why or f"no heartbeat from its agent for {hosts.LOST_S:g} s"
+        silent = why or f"no heartbeat from its agent for {heartbeats.LOST_S:g} s"
         if used + len(ranks) > self.max_restarts:
             self.lost_host = f"host {host} ({silent})"
             left = f"dist.max_restarts={self.max_restarts}, {used} used"

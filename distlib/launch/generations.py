@@ -23,7 +23,7 @@ import time
 import torch.distributed as dist
 
 from distlib.launch import succession
-from distlib.launch.hosts import lost_key
+from distlib.launch.heartbeats import lost_key
 from distlib.launch.torchrun import ATTEMPT_ENV
 
 ENV = "DISTLIB_GENERATION"  # this worker's generation; set only under the agent

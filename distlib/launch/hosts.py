@@ -12,14 +12,8 @@ replaces those it loses while every other rank, on every host, stays.
 
 The keys of the meeting, in the job's store: ``JOB`` (node 0's configuration, run directory and
 command line), one ``host/<k>`` per host that joined (a second host with the same node rank is
-refused), ``done/<k>`` once host k's workers all finished (node 0 serves the store until every host
-has said so, or was lost).
-
-A host's loss with its agent (``Watch``): every agent adds to its ``alive/<k>`` counter every
-``BEAT_S``; node 0's agent takes a host whose counter has not moved for ``LOST_S`` (and that has
-not finished) for lost, marks it ``lost/<k>`` and starts that host's ranks itself (agent.py). The
-mark fences the host should it only have been cut off: its agent stops its workers when it reads
-the mark, and its workers enter no later generation (``generations.next_generation``).
+refused). Once the job runs, the hosts watch each other through the store (heartbeats.py), and
+the store itself moves should node 0 be lost (succession.py).
 """
 
 from __future__ import annotations
@@ -34,10 +28,6 @@ import time
 import torch.distributed as dist
 
 JOB = "distlib/job"
-# An agent's heartbeat, and how long node 0 waits without one before it takes the host for lost:
-# an agent loops every 10 ms, so 2 s of silence is a host (or its agent) gone, not a slow one; the
-# survivors wait up to generations.WAIT_S (10 s) for the generation that replaces it.
-BEAT_S, LOST_S = 0.1, 2.0
 _NODE_RANK, _NODES, _STORE, _TIMEOUT = "dist.node_rank", "dist.nodes", "dist.store", "dist.timeout_s"
 POLL_S = 0.01
 
@@ -199,78 +189,3 @@ def await_hosts(store: dist.Store, count: int, timeout_s: float) -> None:
                 f"dist.timeout_s={timeout_s:g}s (run the same command there with dist.node_rank set)"
             )
         time.sleep(POLL_S)
-
-
-def done_key(rank: int) -> str:
-    return f"distlib/done/{rank}"
-
-
-def lost_key(rank: int) -> str:
-    return f"distlib/lost/{rank}"
-
-
-def finished(store: dist.Store, hosts: Hosts, timeout_s: float, ended, serving: bool) -> None:
-    """This host's workers all finished: say so; the host ``serving`` the store (node 0, or its
-    successor) then waits until every host has said so or was lost (or the job ended elsewhere, or
-    ``timeout_s``) before it leaves."""
-    try:
-        store.set(done_key(hosts.rank), "1")
-        others = [k for k in range(hosts.count) if k != hosts.rank]
-        deadline = time.monotonic() + timeout_s
-        while serving and ended() is None and time.monotonic() < deadline:
-            if all(store.check([done_key(k)]) or store.check([lost_key(k)]) for k in others):
-                return
-            time.sleep(POLL_S)
-    except (RuntimeError, OSError):  # node 0's store is gone: nobody is left to tell
-        pass
-
-
-class Fenced(HostError):
-    """Node 0 took this host for lost: its ranks run elsewhere now."""
-
-
-class Watch:
-    """The agents' heartbeats of a several-host job (nothing on one host): ``beat`` says this host
-    is alive, and on the host ``serving`` the store returns the hosts newly taken for lost (``gone``:
-    lost already). Each beat also reads the store's ``keys`` into ``known``: what a successor
-    serving the store starts from (succession.py)."""
-
-    def __init__(self, store: dist.Store, place: Hosts, serving: bool, gone=(), keys=()):
-        self.store, self.place, self.serving, self.keys, self.due = store, place, serving, keys, 0.0
-        others = [k for k in range(place.count) if k != place.rank and k not in gone] if serving else []
-        now = time.monotonic()
-        self.heard = {k: (-1, now) for k in others}  # host -> (its counter, when it last moved)
-        self.lost: set[int] = set()
-        self.known: dict[str, int] = {}
-
-    def beat(self) -> list[int]:
-        """Every BEAT_S: this host's heartbeat; the serving host's newly lost hosts (marked lost in
-        the store). Raises Fenced on a host taken for lost, and the store's error when it is gone."""
-        now = time.monotonic()
-        if self.place.count == 1 or now < self.due:
-            return []
-        self.due = now + BEAT_S
-        self.store.add(f"distlib/alive/{self.place.rank}", 1)
-        self.known = {key: self.store.add(key, 0) for key in self.keys}
-        if not self.serving:
-            if self.store.check([lost_key(self.place.rank)]):
-                raise Fenced(
-                    f"error: the job took host {self.place.rank} for lost (no heartbeat for {LOST_S:g} s) "
-                    "and runs its ranks elsewhere: this host's workers are stopped"
-                )
-            return []
-        return [k for k in self.heard if self._silent(k, now)]
-
-    def _silent(self, k: int, now: float) -> bool:
-        """Whether host ``k`` is newly lost: silent for LOST_S, not finished (then marked)."""
-        if k in self.lost:
-            return False
-        count = self.store.add(f"distlib/alive/{k}", 0)
-        if count != self.heard[k][0]:
-            self.heard[k] = (count, now)
-            return False
-        if now - self.heard[k][1] < LOST_S or self.store.check([done_key(k)]):
-            return False
-        self.lost.add(k)
-        self.store.set(lost_key(k), "1")
-        return True

@@ -1,6 +1,6 @@
 """The job's store as one host's agent holds it (agent.py): served by this process (a one-host
 job's, node 0's, or node 0's successor's) or joined; this host's heartbeat and, on the host serving
-it, the hosts found lost (hosts.Watch); and the store's move to another host when node 0 is lost
+it, the hosts found lost (heartbeats.Watch); and the store's move to another host when node 0 is lost
 (succession.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import torch.distributed as dist
 
-from distlib.launch import generations, hosts, succession
+from distlib.launch import generations, heartbeats, hosts, succession
 from distlib.launch.hosts import Hosts
 
 RESTARTS = "distlib/restarts"  # restarts used by the job, every host's (a counter)
@@ -44,12 +44,12 @@ class JobStore:
             succession.collect(self.store, self.place.count)
             self.watch = self._watching()  # (silence is counted from now)
 
-    def _watching(self, gone=()) -> hosts.Watch:
-        return hosts.Watch(self.store, self.place, self.serving, gone, (generations.KEY, RESTARTS))
+    def _watching(self, gone=()) -> heartbeats.Watch:
+        return heartbeats.Watch(self.store, self.place, self.serving, gone, (generations.KEY, RESTARTS))
 
     def beat(self) -> list[int]:
         """This host's heartbeat; on the host serving the store, the hosts newly lost. Raises
-        hosts.Fenced on a host taken for lost, and the store's error when it is gone."""
+        heartbeats.Fenced on a host taken for lost, and the store's error when it is gone."""
         lost = self.watch.beat()
         if self.place.count > 1 and not self.offers:  # (listed by node 0 before any worker ran)
             self.offers = succession.listed(self.store)
@@ -78,5 +78,5 @@ class JobStore:
             where = f"{self.address[0]}:{self.address[1]}"
             print(f"{old}: host {self.place.rank} serves it now, at {where}", file=sys.stderr, flush=True)
             for host in lost:
-                self.store.set(hosts.lost_key(host), "1")
+                self.store.set(heartbeats.lost_key(host), "1")
         return list(lost)
