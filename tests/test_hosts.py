@@ -141,6 +141,11 @@ def test_two_hosts_train_one_hosts_losses_and_a_second_claim_to_a_node_rank_is_r
     done = [(p.returncode, *p.communicate(timeout=240)) for p in started]
     codes = [p.returncode for p in started]
     assert codes[0] == 0 and sorted(codes[1:]) == [0, 2], done
+    joined = done[1 + codes[1:].index(0)][1].splitlines()
+    here = (
+        f"host 1 joined the job at 127.0.0.1:{port}: ranks [2, 3] run here; run directory {tmp_path / 'run'}"
+    )
+    assert joined[0] == here, joined
     refused = done[1 + codes[1:].index(2)][2].strip().splitlines()
     assert refused == ["config error: another host already joined this job as dist.node_rank=1"], done
     assert not any("Traceback" in err for _, _, err in done), done
