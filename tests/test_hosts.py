@@ -368,3 +368,45 @@ def test_a_host_lost_past_the_restarts_ends_the_job_naming_it(tmp_path):
     for rank in (0, 1):  # each survivor said why it stopped, in its own line
         assert sum(line.startswith(f"error [rank {rank}]: ") for line in err0.splitlines()) == 1, err0
     assert "Traceback" not in err0
+
+
+@pytest.mark.slow
+def test_a_stop_on_node0_stops_every_host_and_the_printed_line_continues_the_job_on_both(tmp_path, one_host):
+    """SIGTERM to node 0's launcher: every rank of both hosts saves and stops at one step, both
+    exit 0, and node 0's last line says how to continue; that line, typed on both hosts (host 1
+    with its node rank), finishes the job with one host's losses, each step recorded once."""
+    import signal
+    import time
+
+    port = _free_port()
+    common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=40"]
+    common += ["fault.slow_rank=0", "fault.slow_seconds=0.05", f"hydra.run.dir={tmp_path / 'run'}"]
+    node0 = _host([*common, "dist.node_rank=0"], tmp_path)
+    node1 = _host([*common, "dist.node_rank=1"], tmp_path)
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and node0.poll() is None:
+        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []
+        if sum('"type": "step"' in line for line in lines) >= 5:
+            break
+        time.sleep(0.05)
+    node0.send_signal(signal.SIGTERM)
+    (_, err0), (_, err1) = node0.communicate(timeout=120), node1.communicate(timeout=120)
+    assert node0.returncode == 0 and node1.returncode == 0, err0 + err1
+    said = re.fullmatch(
+        r"SIGTERM: the workers saved a checkpoint at step (\d+) and stopped; continue with (.*) on every "
+        r"host, each with its dist.node_rank",
+        err0.strip().splitlines()[-1],
+    )
+    assert said and 5 <= int(said.group(1)) < 40, err0
+    line = said.group(2).split()
+    assert line == [
+        "checkpoint.resume=latest",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"dist.store=127.0.0.1:{port}",
+    ]
+    again = [_host(line, tmp_path), _host([*line, "dist.node_rank=1"], tmp_path)]
+    done = [(p.returncode, *p.communicate(timeout=240)) for p in again]
+    assert [p.returncode for p in again] == [0, 0], done
+    recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
+    assert recorded == list(range(1, 41)), recorded
+    assert _losses(tmp_path / "run") == _losses(one_host("train.steps=40"))

@@ -180,18 +180,25 @@ def _launch_in_place(
     finally:
         prefork.stop()
     if stopped:
-        _stopped(stopped, Path(run_dir), metrics_file, started)
+        _stopped(stopped, Path(run_dir), metrics_file, started, place)
     if agent.failed(failed):
         print(agent.failure_line(failed), file=sys.stderr)
         sys.exit(1)
 
 
-def _stopped(name: str, run_dir: Path, metrics_file: str, since: float) -> None:
+def _stopped(
+    name: str, run_dir: Path, metrics_file: str, since: float, place: Hosts = hosts.ONE_HOST
+) -> None:
+    """The launcher's line for a stop it forwarded: how to continue (on every host of a job over
+    several, the same command: a host other than node 0 needs the store's address)."""
     end = last_event(run_dir / metrics_file, "run_end", since=since)
     if end and end["status"] == f"stopped by {name}":
+        how = f"checkpoint.resume=latest hydra.run.dir={run_dir}"
+        if place.count > 1:
+            store = f"{place.address[0]}:{place.address[1]}"
+            how += f" dist.store={store} on every host, each with its dist.node_rank"
         print(
-            f"{name}: the workers saved a checkpoint at step {end['step']} and stopped; "
-            f"continue with checkpoint.resume=latest hydra.run.dir={run_dir}",
+            f"{name}: the workers saved a checkpoint at step {end['step']} and stopped; continue with {how}",
             file=sys.stderr,
         )
         sys.exit(0)
