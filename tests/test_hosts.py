@@ -309,14 +309,19 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
 @pytest.mark.slow
 def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hosts_losses(tmp_path, one_host):
     """Node 0 (its launcher, agent, store and workers) SIGKILLed mid-run: host 1 serves the job's
-    store on the address it offered, starts node 0's ranks, its own workers stay, and the job ends
-    with one host's losses, each step recorded once."""
+    store on the address it offered, starts node 0's ranks (the first in its idle standby), its own
+    workers stay, and the job ends with one host's losses, each step recorded once."""
     import signal
     import time
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=20"]
-    common += ["dist.max_restarts=2", "checkpoint.memory_every_steps=1", "fault.slow_rank=3"]
+    common += [
+        "dist.max_restarts=2",
+        "dist.standbys=1",
+        "checkpoint.memory_every_steps=1",
+        "fault.slow_rank=3",
+    ]
     common += ["fault.slow_seconds=0.2", f"hydra.run.dir={tmp_path / 'run'}"]
     memory = [tmp_path / "shm0", tmp_path / "shm1"]
     for directory in memory:
@@ -336,7 +341,8 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     assert re.search(
         r"^node 0 \(the job's store at 127.0.0.1:\d+ is gone\): host 1 serves it now, at ", err1, re.M
     )
-    assert "host 0 was lost (its store is gone): its ranks start here (rank 0: " in err1, err1
+    taken = r"host 0 was lost \(its store is gone\): its ranks start here \(rank 0: a standby \(pid \d+\), "
+    assert re.search(taken + r"rank 1: a new worker\)", err1), err1
     assert re.search(r"^resume: from the memory snapshot of step ([4-9]|1\d) in ", out1, re.MULTILINE), out1
     one = one_host(*SNAPSHOTTED)
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
