@@ -11,6 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The environment srun gives task 0 of a 2-task step: train.py then runs that rank itself
+# (distlib/launch/slurm.py), as under torchrun.
+SRUN_TASK = {
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_JOB_ID": "123",
+    "SLURM_JOB_NODELIST": "localhost",
+    "SLURM_STEP_ID": "0",
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

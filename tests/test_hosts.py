@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,27 @@ def _host(args: list[str], cwd: Path, shm: Path | None = None, session: bool = F
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _two_hosts(tmp_path: Path, args: list[str], whole: int | None = None) -> tuple[subprocess.Popen, ...]:
+    """Node 0 and host 1 of a job with ``args``, each with its own memory for its snapshots
+    (tmp_path/shm<k>); ``whole``: the host started in a process group of its own (to be lost whole)."""
+    started = []
+    for k in (0, 1):
+        memory = tmp_path / f"shm{k}"
+        memory.mkdir()
+        started.append(_host([*args, f"dist.node_rank={k}"], tmp_path, memory, session=whole == k))
+    return tuple(started)
+
+
+def _until_step(tmp_path: Path, step: int, node0: subprocess.Popen) -> None:
+    """Wait (at most 120 s, or until node 0 ends) until the run recorded ``step`` steps."""
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and node0.poll() is None:
+        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []
+        if sum('"type": "step"' in line for line in lines) >= step:
+            return
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -187,17 +209,9 @@ def test_a_host_whose_node0_never_comes_names_the_store_in_one_line(tmp_path):
 
 
 def test_dist_nodes_under_srun_is_refused_in_one_line(tmp_path):
+    from e2e import SRUN_TASK as task
     from forkrun import run_script
 
-    task = {
-        "SLURM_PROCID": "0",
-        "SLURM_NTASKS": "2",
-        "SLURM_STEP_NUM_TASKS": "2",
-        "SLURM_LOCALID": "0",
-        "SLURM_JOB_ID": "123",
-        "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_STEP_ID": "0",
-    }
     args = [
         "dist.world_size=2",
         "dist.nodes=2",
@@ -222,8 +236,6 @@ def _store():
 
 
 def test_node0_takes_a_silent_host_for_lost_once_and_fences_it_and_never_a_finished_one(monkeypatch):
-    import time
-
     monkeypatch.setattr(heartbeats, "BEAT_S", 0.0)
     monkeypatch.setattr(heartbeats, "LOST_S", 0.3)
     store = _store()
@@ -268,7 +280,6 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
     it reads the mark; node 0, hearing from it no more, starts its ranks itself, and the job ends
     with one host's losses, each step recorded once."""
     import datetime
-    import time
 
     import torch.distributed as dist
 
@@ -276,17 +287,9 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=20"]
     common += ["dist.max_restarts=2", "checkpoint.memory_every_steps=1", "fault.slow_rank=0"]
     common += ["fault.slow_seconds=0.2", f"hydra.run.dir={tmp_path / 'run'}"]
-    memory = [tmp_path / "shm0", tmp_path / "shm1"]
-    for directory in memory:
-        directory.mkdir()
-    node0 = _host([*common, "dist.node_rank=0"], tmp_path, memory[0])
-    node1 = _host([*common, "dist.node_rank=1"], tmp_path, memory[1])
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
-    while time.monotonic() < deadline and node0.poll() is None:
-        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []
-        if sum('"type": "step"' in line for line in lines) >= 4:
-            break
-        time.sleep(0.05)
+    node0, node1 = _two_hosts(tmp_path, common)
+    _until_step(tmp_path, 4, node0)
+    metrics = tmp_path / "run" / "metrics.jsonl"
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
     store.set(heartbeats.lost_key(1), "1")
     out1, err1 = node1.communicate(timeout=120)
@@ -312,7 +315,6 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     store on the address it offered, starts node 0's ranks (the first in its idle standby), its own
     workers stay, and the job ends with one host's losses, each step recorded once."""
     import signal
-    import time
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=20"]
@@ -323,17 +325,9 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
         "fault.slow_rank=3",
     ]
     common += ["fault.slow_seconds=0.2", f"hydra.run.dir={tmp_path / 'run'}"]
-    memory = [tmp_path / "shm0", tmp_path / "shm1"]
-    for directory in memory:
-        directory.mkdir()
-    node0 = _host([*common, "dist.node_rank=0"], tmp_path, memory[0], session=True)
-    node1 = _host([*common, "dist.node_rank=1"], tmp_path, memory[1])
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
-    while time.monotonic() < deadline and node0.poll() is None:
-        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []
-        if sum('"type": "step"' in line for line in lines) >= 4:
-            break
-        time.sleep(0.05)
+    node0, node1 = _two_hosts(tmp_path, common, whole=0)
+    _until_step(tmp_path, 4, node0)
+    metrics = tmp_path / "run" / "metrics.jsonl"
     os.killpg(node0.pid, signal.SIGKILL)  # its launcher, fork server and workers: the whole host
     node0.communicate(timeout=60)
     out1, err1 = node1.communicate(timeout=240)
@@ -353,16 +347,12 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
 @pytest.mark.slow
 def test_a_host_lost_past_the_restarts_ends_the_job_naming_it(tmp_path):
     import signal
-    import time
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=200"]
     common += ["dist.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}"]
-    node0 = _host([*common, "dist.node_rank=0"], tmp_path)
-    node1 = _host([*common, "dist.node_rank=1"], tmp_path, session=True)
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and '"type": "step"' in metrics.read_text()):
-        time.sleep(0.05)
+    node0, node1 = _two_hosts(tmp_path, common, whole=1)
+    _until_step(tmp_path, 1, node0)
     os.killpg(node1.pid, signal.SIGKILL)  # the whole host: its launcher, agent and workers
     node1.communicate(timeout=60)
     out0, err0 = node0.communicate(timeout=120)
@@ -382,19 +372,13 @@ def test_a_stop_on_node0_stops_every_host_and_the_printed_line_continues_the_job
     exit 0, and node 0's last line says how to continue; that line, typed on both hosts (host 1
     with its node rank), finishes the job with one host's losses, each step recorded once."""
     import signal
-    import time
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=40"]
     common += ["fault.slow_rank=0", "fault.slow_seconds=0.05", f"hydra.run.dir={tmp_path / 'run'}"]
-    node0 = _host([*common, "dist.node_rank=0"], tmp_path)
-    node1 = _host([*common, "dist.node_rank=1"], tmp_path)
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
-    while time.monotonic() < deadline and node0.poll() is None:
-        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []
-        if sum('"type": "step"' in line for line in lines) >= 5:
-            break
-        time.sleep(0.05)
+    node0, node1 = _two_hosts(tmp_path, common)
+    _until_step(tmp_path, 5, node0)
+    metrics = tmp_path / "run" / "metrics.jsonl"
     node0.send_signal(signal.SIGTERM)
     (_, err0), (_, err1) = node0.communicate(timeout=120), node1.communicate(timeout=120)
     assert node0.returncode == 0 and node1.returncode == 0, err0 + err1

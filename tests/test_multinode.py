@@ -3,6 +3,7 @@ two network namespaces joined by a veth pair, and the result must equal one host
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -63,6 +64,20 @@ def _start_script(args: list[str], env: dict) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
+
+
+@contextlib.contextmanager
+def _script(args: list[str], env: dict, name: str):
+    """scripts/multinode.sh running (``_start_script``); on leaving, still running or not, it is
+    stopped and what the run named ``name`` made is removed."""
+    proc = _start_script(args, env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.communicate(timeout=60)
+        _remove(name)
 
 
 def _run_script(name: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -193,8 +208,7 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
         "MULTINODE_OWN_SHM": "1",
         "PYTHON": os.environ.get("PYTHON", sys.executable),
     }
-    proc = _start_script(args, env)
-    try:
+    with _script(args, env, name) as proc:
         deadline, seen = time.monotonic() + 300, 0
         while seen < 6 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
@@ -217,11 +231,6 @@ def test_two_nodes_lose_one_resume_from_its_replicas_and_equal_one_host(tmp_path
             shutil.rmtree(directory)
         out, err = proc.communicate(timeout=500)
         left = _namespaces(name)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.communicate(timeout=60)
-        _remove(name)
     assert proc.returncode == 0, out + err
     assert left == [], f"the script left namespaces behind: {left}"
     assert not any(Path("/etc/netns").glob(f"{name}-*"))
@@ -349,8 +358,7 @@ def test_own_launcher_on_two_hosts_loses_a_node_and_the_other_nodes_ranks_stay(t
         "PYTHON": os.environ.get("PYTHON", sys.executable),
     }
     lost_ns, other_ns = f"{name}-node{node}", f"{name}-node{1 - node}"
-    proc = _start_script(args, env)
-    try:
+    with _script(args, env, name) as proc:
         deadline = time.monotonic() + 240
         while _steps(_run_dir(tmp_path)) < 6 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
@@ -365,11 +373,6 @@ def test_own_launcher_on_two_hosts_loses_a_node_and_the_other_nodes_ranks_stay(t
         after = _ranks_in(other_ns), _ranks_in(lost_ns)
         out, err = proc.communicate(timeout=400)
         left = _namespaces(name)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.communicate(timeout=60)
-        _remove(name)
     assert proc.returncode == 0, out + err
     assert left == [] and not any(Path("/etc/netns").glob(f"{name}-*"))
     # the survivors stayed: the other node's workers are the processes they were

@@ -93,15 +93,8 @@ def test_a_hung_rank_is_named_by_the_survivors_and_by_the_launcher(tmp_path):
 
 
 def test_dist_max_restarts_under_another_launcher_is_refused_in_one_line(tmp_path):
-    task = {
-        "SLURM_PROCID": "0",
-        "SLURM_NTASKS": "2",
-        "SLURM_STEP_NUM_TASKS": "2",
-        "SLURM_LOCALID": "0",
-        "SLURM_JOB_ID": "123",
-        "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_STEP_ID": "0",
-    }
+    from e2e import SRUN_TASK as task
+
     proc = run_script("train.py", "dist.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}", env=task)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
