@@ -49,7 +49,7 @@ def finished(store: dist.Store, place: Hosts, timeout_s: float, ended, serving: 
 
 
 class Fenced(HostError):
-    """Node 0 took this host for lost: its ranks run elsewhere now."""
+    """The host serving the store took this one for lost: its ranks run elsewhere now."""
 
 
 class Watch:

@@ -7,8 +7,8 @@ reaches node 0 from, and a port free then), and node 0 lists the offers in one k
 worker starts (``collect``), which every agent and worker reads while the store is there
 (``listed``).
 
-When the store is gone, host k's agent (``take_over``) tries the stores of hosts 1 .. k - 1 in
-turn, each for up to ``TURN_S``, and joins the first that answers; when none does, it serves the
+When the store is gone, host k's agent (``take_over``) tries the stores offered by hosts 1 .. k - 1
+for up to ``TURN_S`` per host, and joins the first that answers; when none does, it serves the
 store itself on its offered address, with what it knew of the job (the newest generation and the
 restarts used, read every heartbeat), and takes the hosts before it for lost. Host 1 serves at
 once. A worker waiting for the next generation finds the new store the same way
