@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -314,7 +315,6 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     """Node 0 (its launcher, agent, store and workers) SIGKILLed mid-run: host 1 serves the job's
     store on the address it offered, starts node 0's ranks (the first in its idle standby), its own
     workers stay, and the job ends with one host's losses, each step recorded once."""
-    import signal
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=20"]
@@ -346,7 +346,6 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
 
 @pytest.mark.slow
 def test_a_host_lost_past_the_restarts_ends_the_job_naming_it(tmp_path):
-    import signal
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=200"]
@@ -371,7 +370,6 @@ def test_a_stop_on_node0_stops_every_host_and_the_printed_line_continues_the_job
     """SIGTERM to node 0's launcher: every rank of both hosts saves and stops at one step, both
     exit 0, and node 0's last line says how to continue; that line, typed on both hosts (host 1
     with its node rank), finishes the job with one host's losses, each step recorded once."""
-    import signal
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=40"]
@@ -400,3 +398,55 @@ def test_a_stop_on_node0_stops_every_host_and_the_printed_line_continues_the_job
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
     assert recorded == list(range(1, 41)), recorded
     assert _losses(tmp_path / "run") == _losses(one_host("train.steps=40"))
+
+
+def _ranks_under(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the workers (named distlib-rank<N>) descending from process ``launcher``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = {}, [launcher]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("distlib-rank"):
+            found[int(name.removeprefix("distlib-rank"))] = pid
+    return found
+
+
+@pytest.mark.slow
+def test_a_worker_lost_on_each_host_at_once_is_replaced_by_its_host_and_the_others_stay(tmp_path, one_host):
+    """Both hosts lose a worker at the same moment: each agent begins a generation for its own, the
+    ranks of the first move on to the second, and the job ends with one host's losses, each step
+    recorded once; the two ranks not killed are the same processes throughout."""
+    port = _free_port()
+    common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", *SNAPSHOTTED]
+    common += ["dist.max_restarts=2", "fault.slow_rank=0", "fault.slow_seconds=0.2"]
+    common.append(f"hydra.run.dir={tmp_path / 'run'}")
+    node0, node1 = _two_hosts(tmp_path, common)
+    _until_step(tmp_path, 4, node0)
+    before = {**_ranks_under(node0.pid), **_ranks_under(node1.pid)}
+    assert sorted(before) == [0, 1, 2, 3], before
+    for rank in (1, 3):
+        os.kill(before[rank], signal.SIGKILL)
+    _until_step(tmp_path, 8, node0)
+    after = {**_ranks_under(node0.pid), **_ranks_under(node1.pid)}
+    (_, err0), (_, err1) = node0.communicate(timeout=240), node1.communicate(timeout=240)
+    assert node0.returncode == 0 and node1.returncode == 0, err0 + err1
+    assert "rank 1 was lost (killed by SIGKILL" in err0 and "rank 3 was lost (killed by SIGKILL" in err1
+    assert {r: after[r] for r in (0, 2)} == {r: before[r] for r in (0, 2)}, (before, after)
+    assert all(after[r] != before[r] for r in (1, 3)), (before, after)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
+    assert recorded == list(range(1, 21)), recorded
+    assert _losses(tmp_path / "run") == _losses(one_host(*SNAPSHOTTED))
