@@ -313,8 +313,9 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
 @pytest.mark.slow
 def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hosts_losses(tmp_path, one_host):
     """Node 0 (its launcher, agent, store and workers) SIGKILLed mid-run: host 1 serves the job's
-    store on the address it offered, starts node 0's ranks (the first in its idle standby), its own
-    workers stay, and the job ends with one host's losses, each step recorded once."""
+    store on the address it offered, starts node 0's ranks (the first in its idle standby, which
+    it replaces by one that joins the store where it is now), its own workers stay, and the job
+    ends with one host's losses, each step recorded once."""
 
     port = _free_port()
     common = ["dist.world_size=4", "dist.nodes=2", f"dist.store=127.0.0.1:{port}", "train.steps=20"]
@@ -330,6 +331,11 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     metrics = tmp_path / "run" / "metrics.jsonl"
     os.killpg(node0.pid, signal.SIGKILL)  # its launcher, fork server and workers: the whole host
     node0.communicate(timeout=60)
+    moved = time.monotonic() + 120
+    while time.monotonic() < moved and node1.poll() is None and len(_ranks_under(node1.pid)) < 4:
+        time.sleep(0.05)
+    time.sleep(1.5)  # (a standby started for the old store would have failed by now)
+    standbys = [pid for pid, name in _named_under(node1.pid).items() if name == "distlib-standby"]
     out1, err1 = node1.communicate(timeout=240)
     assert node1.returncode == 0, err1
     assert re.search(
@@ -337,6 +343,8 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     )
     taken = r"host 0 was lost \(its store is gone\): its ranks start here \(rank 0: a standby \(pid \d+\), "
     assert re.search(taken + r"rank 1: a new worker\)", err1), err1
+    # the standby taken is replaced by one that joined the store where it is now
+    assert len(standbys) == 1 and "could not join" not in err1, (standbys, err1)
     assert re.search(r"^resume: from the memory snapshot of step ([4-9]|1\d) in ", out1, re.MULTILINE), out1
     one = one_host(*SNAPSHOTTED)
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
@@ -400,8 +408,8 @@ def test_a_stop_on_node0_stops_every_host_and_the_printed_line_continues_the_job
     assert _losses(tmp_path / "run") == _losses(one_host("train.steps=40"))
 
 
-def _ranks_under(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the workers (named distlib-rank<N>) descending from process ``launcher``."""
+def _named_under(launcher: int) -> dict[int, str]:
+    """{pid: name} of the processes descending from process ``launcher``."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -411,17 +419,22 @@ def _ranks_under(launcher: int) -> dict[int, int]:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(parent, []).append(int(entry.name))
-    found, todo = {}, [launcher]
+    found, todo = {}, list(children.get(launcher, []))
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
         try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            found[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if name.startswith("distlib-rank"):
-            found[int(name.removeprefix("distlib-rank"))] = pid
     return found
+
+
+def _ranks_under(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the workers (named distlib-rank<N>) descending from process ``launcher``."""
+    prefix = "distlib-rank"
+    named = _named_under(launcher).items()
+    return {int(name.removeprefix(prefix)): pid for pid, name in named if name.startswith(prefix)}
 
 
 @pytest.mark.slow

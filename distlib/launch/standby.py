@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from distlib.launch import generations, worker
+from distlib.launch import generations, succession, worker
 from distlib.launch.parent import describe_exit, die_with_parent, name_process
 
 NAME = "distlib-standby"
@@ -37,10 +37,14 @@ def stand_by(orders: Connection, env: dict[str, str], tree: dict, run_dir: str, 
     die_with_parent()
     name_process(NAME)
     gc.freeze()  # as worker.serve: what the server imported is never walked by the collector
+    store = f"the job's store at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
     try:
+        # (the store is up whenever a standby starts: one that does not answer at once is gone, and
+        # torch's client would wait dist.timeout_s for it)
+        if not succession.answers(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 1.0):
+            raise ConnectionRefusedError("no answer")
         generations.base_store(timeout_s)  # joined now: the connection is the rank's when it serves
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds; each is this one line
-        store = f"the job's store at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
         sys.stderr.write(f"error [standby pid {os.getpid()}]: could not join {store}: {_first_line(exc)}\n")
         worker.leave(1)
     try:
