@@ -166,7 +166,7 @@ def test_two_hosts_train_one_hosts_losses_and_a_second_claim_to_a_node_rank_is_r
     assert codes[0] == 0 and sorted(codes[1:]) == [0, 2], done
     joined = done[1 + codes[1:].index(0)][1].splitlines()
     here = (
-        f"host 1 joined the job at 127.0.0.1:{port}: ranks [2, 3] run here; run directory {tmp_path / 'run'}"
+        f"node 1 joined the job at 127.0.0.1:{port}: ranks [2, 3] run here; run directory {tmp_path / 'run'}"
     )
     assert joined[0] == here, joined
     refused = done[1 + codes[1:].index(2)][2].strip().splitlines()
@@ -191,7 +191,7 @@ def test_a_host_whose_command_differs_is_refused_and_node0_names_it_missing(tmp_
     ], err1
     assert node0.returncode == 1, err0
     assert err0.strip().splitlines()[-1] == (
-        "error: host(s) [1] of dist.nodes=2 did not join within dist.timeout_s=4s "
+        "error: node(s) [1] of dist.nodes=2 did not join within dist.timeout_s=4s "
         "(run the same command there with dist.node_rank set)"
     ), err0
 
@@ -250,7 +250,7 @@ def test_node0_takes_a_silent_host_for_lost_once_and_fences_it_and_never_a_finis
     time.sleep(0.4)  # now both are silent
     assert node0.beat() == [1]
     assert node0.beat() == []  # (once)
-    with pytest.raises(heartbeats.Fenced, match=r"^error: the job took host 1 for lost"):
+    with pytest.raises(heartbeats.Fenced, match=r"^error: the job took node 1 for lost"):
         node1.beat()
     assert heartbeats.Watch(store, Hosts(1, 0), True).beat() == []  # one host: no heartbeat at all
 
@@ -296,11 +296,11 @@ def test_a_host_fenced_as_lost_stops_its_workers_and_node0_runs_its_ranks_to_one
     out1, err1 = node1.communicate(timeout=120)
     out0, err0 = node0.communicate(timeout=240)
     assert node1.returncode == 1 and err1.strip().splitlines()[-1] == (
-        "error: the job took host 1 for lost (no heartbeat for 2 s) and runs its ranks elsewhere: "
-        "this host's workers are stopped"
+        "error: the job took node 1 for lost (no heartbeat for 2 s) and runs its ranks elsewhere: "
+        "this node's workers are stopped"
     ), err1
     assert node0.returncode == 0, err0
-    assert "host 1 was lost (no heartbeat from its agent for 2 s): its ranks start here (rank 2: " in err0
+    assert "node 1 was lost (no heartbeat from its agent for 2 s): its ranks start here (rank 2: " in err0
     assert re.search(
         r"^resume: from the memory snapshot of step ([5-9]|1\d) in ", out0 + err0, re.MULTILINE
     ), err0
@@ -339,9 +339,9 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     out1, err1 = node1.communicate(timeout=240)
     assert node1.returncode == 0, err1
     assert re.search(
-        r"^node 0 \(the job's store at 127.0.0.1:\d+ is gone\): host 1 serves it now, at ", err1, re.M
+        r"^node 0 \(the job's store at 127.0.0.1:\d+ is gone\): node 1 serves it now, at ", err1, re.M
     )
-    taken = r"host 0 was lost \(its store is gone\): its ranks start here \(rank 0: a standby \(pid \d+\), "
+    taken = r"node 0 was lost \(its store is gone\): its ranks start here \(rank 0: a standby \(pid \d+\), "
     assert re.search(taken + r"rank 1: a new worker\)", err1), err1
     # the standby taken is replaced by one that joined the store where it is now
     assert len(standbys) == 1 and "could not join" not in err1, (standbys, err1)
@@ -365,7 +365,7 @@ def test_a_host_lost_past_the_restarts_ends_the_job_naming_it(tmp_path):
     out0, err0 = node0.communicate(timeout=120)
     assert node0.returncode == 1, err0
     assert err0.strip().splitlines()[-1] == (
-        "error: training failed: host 1 (no heartbeat from its agent for 2 s); no restart left for its "
+        "error: training failed: node 1 (no heartbeat from its agent for 2 s); no restart left for its "
         "ranks (dist.max_restarts=1, 0 used)"
     ), err0
     for rank in (0, 1):  # each survivor said why it stopped, in its own line

@@ -304,9 +304,9 @@ LOSSES = {
     "host": (
         1,
         True,
-        "host 1 was lost (no heartbeat from its agent for 2 s): its ranks start here (rank 2: ",
+        "node 1 was lost (no heartbeat from its agent for 2 s): its ranks start here (rank 2: ",
     ),
-    "node0": (0, True, "host 0 was lost (its store is gone): its ranks start here (rank 0: "),
+    "node0": (0, True, "node 0 was lost (its store is gone): its ranks start here (rank 0: "),
 }
 
 
@@ -384,7 +384,7 @@ def test_own_launcher_on_two_hosts_loses_a_node_and_the_other_nodes_ranks_stay(t
     assert said in logs, logs[-3000:]
     assert not any(f"rank {r} was lost" in logs for r in stayed), logs[-3000:]
     if lost == "node0":
-        assert re.search(r"^node 0 \(the job's store at \S+ is gone\): host 1 serves it now, at ", logs, re.M)
+        assert re.search(r"^node 0 \(the job's store at \S+ is gone\): node 1 serves it now, at ", logs, re.M)
     # the lost ranks: from the other node's replicas, sent by their holders (or, started on that
     # node, read there: the line then names no peer)
     peers = r" \(rank\(s\) \[2, 3\] from peer replicas\)" if not everything else "$"

@@ -210,7 +210,7 @@ class Agent:
         used = self.job.store.add(RESTARTS, 0)
         silent = why or f"no heartbeat from its agent for {heartbeats.LOST_S:g} s"
         if used + len(ranks) > self.max_restarts:
-            self.lost_host = f"host {host} ({silent})"
+            self.lost_host = f"node {host} ({silent})"
             left = f"dist.max_restarts={self.max_restarts}, {used} used"
             self.why_not = f"; no restart left for its ranks ({left})"
             return False
@@ -219,7 +219,7 @@ class Agent:
         self.adopted += ranks
         takers = ", ".join(f"rank {rank}: {self._fill(rank)}" for rank in ranks)
         print(
-            f"host {host} was lost ({silent}): its ranks start here ({takers}) and the other ranks "
+            f"node {host} was lost ({silent}): its ranks start here ({takers}) and the other ranks "
             f"stay (restart {self.restarts} of dist.max_restarts={self.max_restarts})",
             file=sys.stderr,
             flush=True,

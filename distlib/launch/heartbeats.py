@@ -78,8 +78,8 @@ class Watch:
         if not self.serving:
             if self.store.check([lost_key(self.place.rank)]):
                 raise Fenced(
-                    f"error: the job took host {self.place.rank} for lost (no heartbeat for {LOST_S:g} s) "
-                    "and runs its ranks elsewhere: this host's workers are stopped"
+                    f"error: the job took node {self.place.rank} for lost (no heartbeat for {LOST_S:g} s) "
+                    "and runs its ranks elsewhere: this node's workers are stopped"
                 )
             return []
         return [k for k in self.heard if self._silent(k, now)]

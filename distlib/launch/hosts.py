@@ -185,7 +185,7 @@ def await_hosts(store: dist.Store, count: int, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             missing = [k for k, key in enumerate(keys, 1) if not store.check([key])]
             raise HostError(
-                f"error: host(s) {missing} of dist.nodes={count} did not join within "
+                f"error: node(s) {missing} of dist.nodes={count} did not join within "
                 f"dist.timeout_s={timeout_s:g}s (run the same command there with dist.node_rank set)"
             )
         time.sleep(POLL_S)

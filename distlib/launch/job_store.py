@@ -76,7 +76,7 @@ class JobStore:
         self.watch = self._watching(lost)
         if self.serving:
             where = f"{self.address[0]}:{self.address[1]}"
-            print(f"{old}: host {self.place.rank} serves it now, at {where}", file=sys.stderr, flush=True)
+            print(f"{old}: node {self.place.rank} serves it now, at {where}", file=sys.stderr, flush=True)
             for host in lost:
                 self.store.set(heartbeats.lost_key(host), "1")
         return list(lost)

@@ -156,7 +156,7 @@ def follow(argv: list[str], rank: int, store: str | None, timeout_s: float) -> N
     place = Hosts(d.nodes, rank, address, tuple(argv))
     ranks = list(place.ranks(d.world_size))
     print(
-        f"host {rank} joined the job at {store}: ranks {ranks} run here; run directory {run_dir}", flush=True
+        f"node {rank} joined the job at {store}: ranks {ranks} run here; run directory {run_dir}", flush=True
     )
     # (the store's client runs no thread: the fork server may still be a fork of this process)
     _start_fork_server(recompute.imports(tree["model"]["activation_checkpointing"]))
