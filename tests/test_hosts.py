@@ -336,6 +336,7 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
         time.sleep(0.05)
     time.sleep(1.5)  # (a standby started for the old store would have failed by now)
     standbys = [pid for pid, name in _named_under(node1.pid).items() if name == "distlib-standby"]
+    locked = json.loads((tmp_path / "run" / ".distlib.lock").read_text())
     out1, err1 = node1.communicate(timeout=240)
     assert node1.returncode == 0, err1
     assert re.search(
@@ -345,6 +346,7 @@ def test_node0_lost_with_its_store_the_store_moves_and_the_job_ends_with_one_hos
     assert re.search(taken + r"rank 1: a new worker\)", err1), err1
     # the standby taken is replaced by one that joined the store where it is now
     assert len(standbys) == 1 and "could not join" not in err1, (standbys, err1)
+    assert locked["pid"] == node1.pid, locked  # the run directory's lock passed to node 1 with the store
     assert re.search(r"^resume: from the memory snapshot of step ([4-9]|1\d) in ", out1, re.MULTILINE), out1
     one = one_host(*SNAPSHOTTED)
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]

@@ -40,10 +40,11 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
-from distlib.launch import generations, heartbeats, hosts, worker
+from distlib.launch import generations, heartbeats, hosts, run_lock, worker
 from distlib.launch.hosts import Hosts
 from distlib.launch.job_store import RESTARTS, JobStore
 from distlib.launch.parent import describe_exit
@@ -197,11 +198,23 @@ class Agent:
                 self._end({})
                 return True
             self.standbys.rejoin(self.job.env)
+            if self.job.serving:
+                self._claim_run_dir()
         for host in lost:
             if not self._adopt(host, "its store is gone" if host == 0 else None):
                 self._end({})
                 return True
         return False
+
+    def _claim_run_dir(self) -> None:
+        """Serving the store in node 0's place, this launcher also holds the run directory's lock
+        that node 0's held until it was lost (run_lock.py): no second job claims the directory
+        while this one runs on. A job that took it in between is named in one warning."""
+        run_dir = Path(self.run_dir)
+        try:
+            run_lock.hold(run_dir, run_dir / self.tree["checkpoint"]["dir"])
+        except run_lock.BusyError as exc:
+            print(f"warning: {exc}", file=sys.stderr, flush=True)
 
     def _adopt(self, host: int, why: str | None = None) -> bool:
         """The host serving the store starts lost host ``host``'s ranks itself, in a new generation;
