@@ -465,3 +465,16 @@ def test_a_worker_lost_on_each_host_at_once_is_replaced_by_its_host_and_the_othe
     recorded = [r["step"] for r in map(json.loads, metrics.open()) if r["type"] == "step"]
     assert recorded == list(range(1, 21)), recorded
     assert _losses(tmp_path / "run") == _losses(one_host(*SNAPSHOTTED))
+
+
+def test_a_joining_hosts_node_rank_is_checked_against_node0s_configuration():
+    from distlib.launch.hydra_config import compose_tree
+
+    store = _store()
+    argv = ["dist.nodes=2", "dist.store=a:5"]
+    hosts.publish(store, compose_tree(argv), "/run", tuple(argv))
+    with pytest.raises(hosts.HostError) as caught:
+        hosts.job(store, [*argv, "dist.node_rank=2"], 2, 5.0)
+    assert str(caught.value) == "config error: dist.node_rank=2 is no host of dist.nodes=2 (0 to 1)"
+    assert caught.value.code == 2
+    assert hosts.job(store, [*argv, "dist.node_rank=1"], 1, 5.0)[1] == "/run"

@@ -53,6 +53,7 @@ from distlib.launch.torchrun import ATTEMPT_ENV
 
 POLL_S = 0.01  # how often the agent looks at its workers' exit codes (a wait, not CPU)
 SETTLE_S = 2.0  # how long survivors told that no generation follows get to say why and leave
+LOCK_WAIT_S = 2.0  # how long node 0's successor waits for the run directory's lock to come free
 STOP_GRACE_S = 30.0  # then how long those still running get to stop on SIGTERM (a save included)
 
 
@@ -198,23 +199,31 @@ class Agent:
                 self._end({})
                 return True
             self.standbys.rejoin(self.job.env)
-            if self.job.serving:
-                self._claim_run_dir()
         for host in lost:
             if not self._adopt(host, "its store is gone" if host == 0 else None):
                 self._end({})
                 return True
+        if 0 in lost:  # (after its ranks started: the lock may take a moment to come free)
+            self._claim_run_dir()
         return False
 
     def _claim_run_dir(self) -> None:
         """Serving the store in node 0's place, this launcher also holds the run directory's lock
-        that node 0's held until it was lost (run_lock.py): no second job claims the directory
-        while this one runs on. A job that took it in between is named in one warning."""
+        that node 0's held (run_lock.py): no second job claims the directory while this one runs
+        on. Node 0's processes hold it until the last of them is gone (their kernel's, or the
+        shared filesystem's, release), so it is tried for up to LOCK_WAIT_S; a holder then is named
+        in one warning."""
         run_dir = Path(self.run_dir)
-        try:
-            run_lock.hold(run_dir, run_dir / self.tree["checkpoint"]["dir"])
-        except run_lock.BusyError as exc:
-            print(f"warning: {exc}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                run_lock.hold(run_dir, run_dir / self.tree["checkpoint"]["dir"])
+                return
+            except run_lock.BusyError as exc:
+                if time.monotonic() > deadline:
+                    print(f"warning: {exc}", file=sys.stderr, flush=True)
+                    return
+            time.sleep(POLL_S)
 
     def _adopt(self, host: int, why: str | None = None) -> bool:
         """The host serving the store starts lost host ``host``'s ranks itself, in a new generation;

@@ -137,11 +137,10 @@ def _moved(deadline: float) -> bool:
 
 
 def fenced(base: dist.TCPStore) -> bool:
-    """Whether node 0 took this worker's host for lost (its ranks run elsewhere now): a worker of
-    such a host enters no later generation (distlib/launch/hosts.py)."""
-    host = os.environ.get("GROUP_RANK", "0")
+    """Whether the host serving the store took this worker's host for lost (its ranks run
+    elsewhere now): a worker of such a host enters no later generation (heartbeats.py)."""
     try:
-        return host != "0" and base.check([lost_key(int(host))])
+        return base.check([lost_key(int(os.environ.get("GROUP_RANK", "0")))])
     except (RuntimeError, OSError):  # the store is gone: _newer says END
         return False
 

@@ -27,8 +27,10 @@ import time
 
 import torch.distributed as dist
 
+from distlib.app.config.run import ConfigError, RunConfig
+
 JOB = "distlib/job"
-_NODE_RANK, _NODES, _STORE, _TIMEOUT = "dist.node_rank", "dist.nodes", "dist.store", "dist.timeout_s"
+_NODE_RANK, _STORE, _TIMEOUT = "dist.node_rank", "dist.store", "dist.timeout_s"
 POLL_S = 0.01
 
 
@@ -168,10 +170,11 @@ def job(store: dist.Store, argv: list[str], rank: int, timeout_s: float) -> tupl
     problem = same_command(argv, shared["argv"])
     if problem:
         raise HostError(f"config error: {problem}")
-    nodes = shared["tree"]["dist"]["nodes"]
-    if not 0 < rank < nodes:
-        last = nodes - 1
-        raise HostError(f"config error: {_NODE_RANK}={rank} is no host of {_NODES}={nodes} (0 to {last})")
+    tree = shared["tree"]
+    try:  # this host's rank checked where every key is (DistConfig.check)
+        RunConfig.from_dict({**tree, "dist": {**tree["dist"], "node_rank": rank}})
+    except ConfigError as exc:
+        raise HostError(f"config error: {exc}") from exc
     if store.add(f"distlib/host/{rank}", 1) > 1:
         raise HostError(f"config error: another host already joined this job as {_NODE_RANK}={rank}")
     return shared["tree"], shared["run_dir"]
